@@ -1,0 +1,357 @@
+//! The recipe language's syntax tree: what the parser produces, every node carrying its source span.
+
+use std::fmt;
+
+/// A byte range in the recipe source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Span {
+    /// First byte.
+    pub start: usize,
+    /// One past the last byte.
+    pub end: usize,
+}
+
+impl Span {
+    /// A span from byte offsets.
+    pub fn new(start: usize, end: usize) -> Span {
+        Span { start, end }
+    }
+
+    /// The smallest span covering both.
+    pub fn to(self, other: Span) -> Span {
+        Span::new(self.start.min(other.start), self.end.max(other.end))
+    }
+}
+
+/// A name with its span.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ident {
+    /// The name.
+    pub name: String,
+    /// Where it is written.
+    pub span: Span,
+}
+
+/// A whole recipe: `recipe NAME(DIMS) where CONSTRAINTS { STATEMENTS }`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recipe {
+    /// The recipe's name.
+    pub name: Ident,
+    /// Symbolic dimensions, in order.
+    pub dims: Vec<DimDecl>,
+    /// The where-clause.
+    pub constraints: Vec<Constraint>,
+    /// The body.
+    pub stmts: Vec<Stmt>,
+    /// The whole recipe.
+    pub span: Span,
+}
+
+/// A symbolic dimension: `E: experts` or `H`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DimDecl {
+    /// The name.
+    pub name: Ident,
+    /// Whether this dimension counts the experts (dim 0 of every param).
+    pub experts: bool,
+}
+
+/// Comparison operators of the where-clause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmpOp {
+    /// `<=`
+    Le,
+    /// `<`
+    Lt,
+    /// `>=`
+    Ge,
+    /// `>`
+    Gt,
+}
+
+impl fmt::Display for CmpOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CmpOp::Le => "<=",
+            CmpOp::Lt => "<",
+            CmpOp::Ge => ">=",
+            CmpOp::Gt => ">",
+        })
+    }
+}
+
+/// One where-clause constraint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// `EXPR % K == 0`.
+    Divisible {
+        /// The constrained expression.
+        expr: Expr,
+        /// The divisor.
+        by: i64,
+        /// The whole constraint.
+        span: Span,
+    },
+    /// `DIM <= N` and friends.
+    Bound {
+        /// The constrained dimension.
+        dim: Ident,
+        /// The comparison.
+        op: CmpOp,
+        /// The bound.
+        value: i64,
+        /// The whole constraint.
+        span: Span,
+    },
+}
+
+impl Constraint {
+    /// The constraint's span.
+    pub fn span(&self) -> Span {
+        match self {
+            Constraint::Divisible { span, .. } | Constraint::Bound { span, .. } => *span,
+        }
+    }
+}
+
+/// `DTYPE[DIMS]` with an optional explicit storage layout `@ SHAPE:STRIDE`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TypeExpr {
+    /// The element type's name.
+    pub dtype: Ident,
+    /// The shape (empty for a scalar).
+    pub dims: Vec<Expr>,
+    /// Explicit storage layout, if written.
+    pub layout: Option<LayoutLit>,
+    /// The whole type.
+    pub span: Span,
+}
+
+/// A statement of the recipe body.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stmt {
+    /// `input NAME : TYPE [optional]`: a tensor the checkpoint holds.
+    Input {
+        /// Name.
+        name: Ident,
+        /// Type.
+        ty: TypeExpr,
+        /// Whether the checkpoint may lack it.
+        optional: bool,
+        /// Whole statement.
+        span: Span,
+    },
+    /// `param NAME : TYPE = EXPR`: a registered, materialized, expert-major tensor.
+    Param {
+        /// Name.
+        name: Ident,
+        /// Declared type.
+        ty: TypeExpr,
+        /// Definition.
+        value: Expr,
+        /// Whole statement.
+        span: Span,
+    },
+    /// `view NAME [: TYPE] = EXPR [bijective]`: an alias of one param.
+    View {
+        /// Name.
+        name: Ident,
+        /// Declared type, optional.
+        ty: Option<TypeExpr>,
+        /// Definition (layout operations only).
+        value: Expr,
+        /// Span of the `bijective` claim, when present.
+        bijective: Option<Span>,
+        /// Whole statement.
+        span: Span,
+    },
+    /// `let NAME = EXPR`: an intermediate (size, row index or tensor value).
+    Let {
+        /// Name.
+        name: Ident,
+        /// Definition.
+        value: Expr,
+        /// Whole statement.
+        span: Span,
+    },
+    /// `kernel NAME(OPERANDS) [on TARGETS] [index i32|i64]`: what a generated kernel reads.
+    Kernel {
+        /// Name.
+        name: Ident,
+        /// The params and views it reads.
+        operands: Vec<Ident>,
+        /// Targets (`sm_90a`, `sm_100a`, `host`).
+        targets: Vec<Ident>,
+        /// Declared index width.
+        index: Option<Ident>,
+        /// Whole statement.
+        span: Span,
+    },
+}
+
+impl Stmt {
+    /// The statement's span.
+    pub fn span(&self) -> Span {
+        match self {
+            Stmt::Input { span, .. }
+            | Stmt::Param { span, .. }
+            | Stmt::View { span, .. }
+            | Stmt::Let { span, .. }
+            | Stmt::Kernel { span, .. } => *span,
+        }
+    }
+}
+
+/// Binary operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BinOp {
+    /// `+`
+    Add,
+    /// `-`
+    Sub,
+    /// `*`
+    Mul,
+    /// `/`
+    Div,
+    /// `%`
+    Rem,
+}
+
+impl fmt::Display for BinOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BinOp::Add => "+",
+            BinOp::Sub => "-",
+            BinOp::Mul => "*",
+            BinOp::Div => "/",
+            BinOp::Rem => "%",
+        })
+    }
+}
+
+/// An expression with its span.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expr {
+    /// What it is.
+    pub kind: ExprKind,
+    /// Where.
+    pub span: Span,
+}
+
+/// Expression forms.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExprKind {
+    /// An integer literal.
+    Int(i64),
+    /// A name.
+    Name(String),
+    /// `a OP b`.
+    Binary {
+        /// Operator.
+        op: BinOp,
+        /// Left operand.
+        lhs: Box<Expr>,
+        /// Right operand.
+        rhs: Box<Expr>,
+    },
+    /// `-a`.
+    Neg(Box<Expr>),
+    /// `f(args)`.
+    Call {
+        /// Function name.
+        func: Ident,
+        /// Arguments.
+        args: Vec<Arg>,
+    },
+    /// `quant SCHEME(args)`.
+    Quant {
+        /// Scheme name.
+        scheme: Ident,
+        /// Arguments.
+        args: Vec<Arg>,
+    },
+    /// `base.field`.
+    Field {
+        /// The value.
+        base: Box<Expr>,
+        /// The field.
+        field: Ident,
+    },
+    /// `base[slices]`.
+    Index {
+        /// The value.
+        base: Box<Expr>,
+        /// One entry per dimension.
+        slices: Vec<SliceArg>,
+    },
+    /// `base @ LAYOUT`: reinterpret the storage of `base` through an explicit layout.
+    Apply {
+        /// The value.
+        base: Box<Expr>,
+        /// The layout.
+        layout: Box<LayoutLit>,
+    },
+}
+
+/// A call argument: positional `EXPR` or named `NAME = EXPR [reduce GROUP]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arg {
+    /// The name, for a named argument.
+    pub name: Option<Ident>,
+    /// The value.
+    pub value: Expr,
+    /// `reduce GROUP` suffix (amax arguments).
+    pub reduce: Option<Ident>,
+    /// Whole argument.
+    pub span: Span,
+}
+
+/// One entry of an index expression.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SliceArg {
+    /// `:`.
+    Full(Span),
+    /// `a:b` with either end optional.
+    Range {
+        /// Start (default 0).
+        start: Option<Expr>,
+        /// End (default the extent).
+        end: Option<Expr>,
+        /// Whole entry.
+        span: Span,
+    },
+    /// A single expression: an index vector (gather) or a scalar index.
+    Expr(Expr),
+}
+
+/// A layout literal: `[S<B,M,S> o] SHAPE:STRIDE`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayoutLit {
+    /// Swizzle `(B, M, S)` and its span.
+    pub swizzle: Option<(i64, i64, i64, Span)>,
+    /// Shape tuple.
+    pub shape: TupleLit,
+    /// Stride tuple.
+    pub stride: TupleLit,
+    /// Whole literal.
+    pub span: Span,
+}
+
+/// A hierarchical tuple literal of expressions.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TupleLit {
+    /// A leaf expression.
+    Leaf(Expr),
+    /// `(a, b, ...)`.
+    Tuple(Vec<TupleLit>, Span),
+}
+
+impl TupleLit {
+    /// The tuple's span.
+    pub fn span(&self) -> Span {
+        match self {
+            TupleLit::Leaf(e) => e.span,
+            TupleLit::Tuple(_, s) => *s,
+        }
+    }
+}

@@ -1,0 +1,1952 @@
+//! Lowering from the syntax tree to the typed IR, checking names, dtypes, shapes and divisibility as
+//! it goes. Errors are collected (one per statement at most; a failed definition poisons its name so
+//! that later uses do not cascade).
+
+use std::collections::HashMap;
+
+use crate::ast::{self, Arg, BinOp, Expr, ExprKind, SliceArg, Span, Stmt, TupleLit};
+use crate::diag::Diagnostic;
+use crate::ir::*;
+use crate::layout::Swizzle;
+use crate::poly::{Atoms, Poly};
+
+#[derive(Debug, Clone)]
+enum Binding {
+    Dim(Poly),
+    Size(Poly),
+    Index(IndexVec),
+    Quant(ValueId),
+    Tensor(TensorId),
+    Poisoned,
+}
+
+const FUNCTIONS: &str = "`ceil_div`, `round_up`, `arange`, `swap_halves`, `interleave`, `swizzle_128x4`, `mma_sf_view`, `pad`, `reshape`, `permute`, `cat`, `reduce_max`, `broadcast`";
+
+struct Lower<'s> {
+    src: &'s str,
+    m: Module,
+    env: HashMap<String, Binding>,
+    errors: Vec<Diagnostic>,
+    consumed_by_param: Vec<TensorId>,
+    experts: Option<Poly>,
+}
+
+/// Lower a parsed recipe to the IR, or return every error found.
+pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>> {
+    let mut l = Lower {
+        src,
+        m: Module {
+            name: recipe.name.name.clone(),
+            dims: Vec::new(),
+            atoms: Atoms::default(),
+            checks: Vec::new(),
+            tensors: Vec::new(),
+            values: Vec::new(),
+            kernels: Vec::new(),
+            shadows: Vec::new(),
+        },
+        env: HashMap::new(),
+        errors: Vec::new(),
+        consumed_by_param: Vec::new(),
+        experts: None,
+    };
+    l.dims(recipe);
+    if l.experts.is_none() {
+        l.errors.push(
+            Diagnostic::error("E0107", format!("recipe `{}` has no experts dimension", recipe.name.name))
+                .with_label(recipe.name.span, "no dimension is marked `experts`")
+                .with_note("help: mark the dimension that counts local experts, e.g. `recipe r(E: experts, H, I)`"),
+        );
+    }
+    if l.errors.is_empty() {
+        for s in &recipe.stmts {
+            l.stmt(s);
+        }
+        l.check_unregistered_lets();
+    }
+    if l.errors.is_empty() {
+        Ok(l.m)
+    } else {
+        Err(l.errors)
+    }
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 {
+        a.abs()
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: i64, b: i64) -> i64 {
+    a / gcd(a, b) * b
+}
+
+impl<'s> Lower<'s> {
+    fn text(&self, span: Span) -> &str {
+        self.src.get(span.start..span.end).unwrap_or("?")
+    }
+
+    fn err(&mut self, d: Diagnostic) {
+        self.errors.push(d);
+    }
+
+    // ---- dimensions and constraints ----------------------------------------------------------
+
+    fn dims(&mut self, r: &ast::Recipe) {
+        let mut units: HashMap<String, i64> = HashMap::new();
+        let mut mins: HashMap<String, i64> = HashMap::new();
+        let mut maxs: HashMap<String, i64> = HashMap::new();
+        let names: Vec<&str> = r.dims.iter().map(|d| d.name.name.as_str()).collect();
+        for (k, d) in r.dims.iter().enumerate() {
+            if names[..k].contains(&d.name.name.as_str()) {
+                self.err(
+                    Diagnostic::error("E0102", format!("dimension `{}` is declared twice", d.name.name))
+                        .with_label(d.name.span, "declared again here"),
+                );
+            }
+        }
+        if r.dims.iter().filter(|d| d.experts).count() > 1 {
+            if let Some(d) = r.dims.iter().filter(|d| d.experts).nth(1) {
+                self.err(
+                    Diagnostic::error("E0107", "only one dimension can count experts")
+                        .with_label(d.name.span, "second `experts` dimension"),
+                );
+            }
+        }
+        for c in &r.constraints {
+            match c {
+                ast::Constraint::Divisible { expr, by, span } => {
+                    if *by <= 0 {
+                        self.err(
+                            Diagnostic::error("E0108", "a divisor must be positive")
+                                .with_label(*span, "here"),
+                        );
+                        continue;
+                    }
+                    let (coef, name) = match &expr.kind {
+                        ExprKind::Name(n) => (1, n.clone()),
+                        ExprKind::Binary {
+                            op: BinOp::Mul,
+                            lhs,
+                            rhs,
+                        } => match (&lhs.kind, &rhs.kind) {
+                            (ExprKind::Int(c), ExprKind::Name(n))
+                            | (ExprKind::Name(n), ExprKind::Int(c)) => (*c, n.clone()),
+                            _ => (0, String::new()),
+                        },
+                        _ => (0, String::new()),
+                    };
+                    if coef <= 0 || !names.contains(&name.as_str()) {
+                        self.err(
+                            Diagnostic::error("E0108", "unsupported constraint")
+                                .with_label(expr.span, "expected a dimension or `C*DIM`")
+                                .with_note("constraints have the forms `DIM % K == 0`, `C*DIM % K == 0`, `DIM <= N`, `DIM >= N`"),
+                        );
+                        continue;
+                    }
+                    let need = by / gcd(coef, *by);
+                    let u = units.entry(name).or_insert(1);
+                    *u = lcm(*u, need);
+                }
+                ast::Constraint::Bound { dim, op, value, span } => {
+                    if !names.contains(&dim.name.as_str()) {
+                        self.err(
+                            Diagnostic::error("E0101", format!("unknown dimension `{}`", dim.name))
+                                .with_label(dim.span, "not a dimension of this recipe")
+                                .with_note(format!("the dimensions are {}", names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "))),
+                        );
+                        continue;
+                    }
+                    let _ = span;
+                    match op {
+                        ast::CmpOp::Le => {
+                            maxs.insert(dim.name.clone(), *value);
+                        }
+                        ast::CmpOp::Lt => {
+                            maxs.insert(dim.name.clone(), value - 1);
+                        }
+                        ast::CmpOp::Ge => {
+                            mins.insert(dim.name.clone(), *value);
+                        }
+                        ast::CmpOp::Gt => {
+                            mins.insert(dim.name.clone(), value + 1);
+                        }
+                    }
+                }
+            }
+        }
+        for d in &r.dims {
+            let unit = units.get(&d.name.name).copied().unwrap_or(1);
+            let max = maxs.get(&d.name.name).copied();
+            let raw_min = mins.get(&d.name.name).copied().unwrap_or(1).max(1);
+            let min = (raw_min + unit - 1) / unit * unit;
+            let atom = self.m.atoms.dim(&d.name.name, unit, max);
+            let poly = Poly::atom(atom).scale(unit as i128);
+            if d.experts {
+                self.experts = Some(poly.clone());
+            }
+            self.env.insert(d.name.name.clone(), Binding::Dim(poly.clone()));
+            self.m.dims.push(Dim {
+                name: d.name.name.clone(),
+                poly,
+                unit,
+                min,
+                max,
+                experts: d.experts,
+                span: d.name.span,
+            });
+        }
+        for c in &r.constraints {
+            let text = self.text(c.span()).to_string();
+            match c {
+                ast::Constraint::Divisible { expr, by, span } => {
+                    if let Some(p) = self.size(expr) {
+                        self.m.checks.push(BindCheck::Divisible {
+                            poly: p,
+                            by: *by,
+                            text,
+                            span: *span,
+                        });
+                    }
+                }
+                ast::Constraint::Bound { dim, op, value, span } => {
+                    self.m.checks.push(BindCheck::Bound {
+                        dim: dim.name.clone(),
+                        op: *op,
+                        value: *value,
+                        text,
+                        span: *span,
+                    });
+                }
+            }
+        }
+    }
+
+    // ---- names --------------------------------------------------------------------------------
+
+    fn lookup(&mut self, name: &str, span: Span) -> Option<Binding> {
+        match self.env.get(name) {
+            Some(Binding::Poisoned) => None,
+            Some(b) => Some(b.clone()),
+            None => {
+                let mut known: Vec<&String> = self.env.keys().collect();
+                known.sort();
+                let near: Vec<String> = known
+                    .iter()
+                    .filter(|k| similar(k, name))
+                    .map(|k| format!("`{k}`"))
+                    .collect();
+                let mut d = Diagnostic::error("E0101", format!("unknown name `{name}`"))
+                    .with_label(span, "not defined before this use");
+                if !near.is_empty() {
+                    d = d.with_note(format!("help: did you mean {}?", near.join(" or ")));
+                }
+                self.err(d);
+                None
+            }
+        }
+    }
+
+    fn define(&mut self, name: &ast::Ident, b: Binding) {
+        self.env.insert(name.name.clone(), b);
+    }
+
+    fn check_fresh(&mut self, name: &ast::Ident, allow_shadow_input: bool) -> bool {
+        match self.env.get(&name.name) {
+            None => true,
+            Some(Binding::Tensor(t)) if allow_shadow_input => {
+                let is_input = matches!(
+                    self.m.tensor(*t).map(|t| &t.kind),
+                    Some(TensorKind::Input { .. })
+                );
+                if is_input {
+                    return true;
+                }
+                self.dup(name);
+                false
+            }
+            Some(_) => {
+                self.dup(name);
+                false
+            }
+        }
+    }
+
+    fn dup(&mut self, name: &ast::Ident) {
+        let prev = self
+            .m
+            .tensors
+            .iter()
+            .rev()
+            .find(|t| t.name == name.name)
+            .map(|t| t.name_span);
+        let mut d = Diagnostic::error("E0102", format!("`{}` is defined twice", name.name))
+            .with_label(name.span, "defined again here");
+        if let Some(p) = prev {
+            d = d.with_label(p, "first defined here");
+        }
+        self.err(d);
+    }
+
+    // ---- sizes ----------------------------------------------------------------------------------
+
+    fn is_size_expr(&self, e: &Expr) -> bool {
+        match &e.kind {
+            ExprKind::Int(_) => true,
+            ExprKind::Name(n) => matches!(
+                self.env.get(n),
+                Some(Binding::Dim(_)) | Some(Binding::Size(_))
+            ),
+            ExprKind::Binary { lhs, rhs, .. } => self.is_size_expr(lhs) && self.is_size_expr(rhs),
+            ExprKind::Neg(x) => self.is_size_expr(x),
+            ExprKind::Call { func, .. } => matches!(
+                func.name.as_str(),
+                "ceil_div" | "round_up" | "cd" | "ru"
+            ),
+            _ => false,
+        }
+    }
+
+    fn const_int(&mut self, e: &Expr, what: &str) -> Option<i64> {
+        match self.size(e)?.as_const() {
+            Some(c) if c > 0 && c <= i64::MAX as i128 => Some(c as i64),
+            _ => {
+                self.err(
+                    Diagnostic::error("E0106", format!("{what} must be a positive integer constant"))
+                        .with_label(e.span, "not a positive constant"),
+                );
+                None
+            }
+        }
+    }
+
+    fn size(&mut self, e: &Expr) -> Option<Poly> {
+        match &e.kind {
+            ExprKind::Int(v) => Some(Poly::constant(*v as i128)),
+            ExprKind::Name(n) => match self.lookup(n, e.span)? {
+                Binding::Dim(p) | Binding::Size(p) => Some(p),
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("expected a size, `{n}` is not one"))
+                            .with_label(e.span, "a size (dimension expression) is needed here"),
+                    );
+                    None
+                }
+            },
+            ExprKind::Neg(x) => Some(self.size(x)?.neg()),
+            ExprKind::Binary { op, lhs, rhs } => {
+                let a = self.size(lhs)?;
+                match op {
+                    BinOp::Add => Some(a.add(&self.size(rhs)?)),
+                    BinOp::Sub => Some(a.sub(&self.size(rhs)?)),
+                    BinOp::Mul => Some(a.mul(&self.size(rhs)?)),
+                    BinOp::Div => {
+                        let k = self.const_int(rhs, "a size divisor")?;
+                        self.div_exact(&a, k, lhs.span, e.span)
+                    }
+                    BinOp::Rem => {
+                        self.err(
+                            Diagnostic::error("E0106", "`%` is only allowed in the where-clause")
+                                .with_label(e.span, "remainder in a size"),
+                        );
+                        None
+                    }
+                }
+            }
+            ExprKind::Call { func, args } => match func.name.as_str() {
+                "ceil_div" | "cd" | "round_up" | "ru" => {
+                    let [a, b] = self.positional::<2>(func, args)?;
+                    let p = self.size(&a.value)?;
+                    let k = self.const_int(&b.value, "the divisor")?;
+                    let q = self.m.atoms.ceil_div(&p, k);
+                    if func.name.starts_with('r') {
+                        Some(q.scale(k as i128))
+                    } else {
+                        Some(q)
+                    }
+                }
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("expected a size, `{}(..)` is not one", func.name))
+                            .with_label(e.span, "sizes use integers, dimensions, `+ - * /`, `ceil_div` and `round_up`"),
+                    );
+                    None
+                }
+            },
+            _ => {
+                self.err(
+                    Diagnostic::error("E0106", "expected a size")
+                        .with_label(e.span, "sizes use integers, dimensions, `+ - * /`, `ceil_div` and `round_up`"),
+                );
+                None
+            }
+        }
+    }
+
+    fn div_exact(&mut self, p: &Poly, k: i64, num_span: Span, span: Span) -> Option<Poly> {
+        match p.div_exact(k) {
+            Some(q) => Some(q),
+            None => {
+                let shown = self.m.show(p);
+                let d = Diagnostic::error(
+                    "E0204",
+                    format!("cannot prove that `{shown}` is divisible by {k}"),
+                )
+                .with_label(span, format!("`{shown}` / {k} needs `{shown} % {k} == 0`"))
+                .with_label(num_span, "this size")
+                .with_note(format!(
+                    "help: add a constraint to the where-clause, e.g. `where {} % {k} == 0`",
+                    self.text(num_span)
+                ));
+                self.err(d);
+                None
+            }
+        }
+    }
+
+    fn positional<'a, const N: usize>(&mut self, func: &ast::Ident, args: &'a [Arg]) -> Option<[&'a Arg; N]> {
+        let pos: Vec<&Arg> = args.iter().filter(|a| a.name.is_none()).collect();
+        if pos.len() != N || args.len() != N {
+            self.err(
+                Diagnostic::error(
+                    "E0105",
+                    format!("`{}` takes {N} positional argument{}", func.name, if N == 1 { "" } else { "s" }),
+                )
+                .with_label(func.span, format!("called with {} argument(s)", args.len())),
+            );
+            return None;
+        }
+        pos.try_into().ok()
+    }
+
+    // ---- index vectors ------------------------------------------------------------------------
+
+    fn is_index_expr(&self, e: &Expr) -> bool {
+        match &e.kind {
+            ExprKind::Name(n) => matches!(self.env.get(n), Some(Binding::Index(_))),
+            ExprKind::Call { func, .. } => {
+                matches!(func.name.as_str(), "arange" | "swap_halves" | "interleave")
+            }
+            _ => false,
+        }
+    }
+
+    fn index_vec(&mut self, e: &Expr) -> Option<IndexVec> {
+        match &e.kind {
+            ExprKind::Name(n) => match self.lookup(n, e.span)? {
+                Binding::Index(v) => Some(v),
+                Binding::Dim(p) | Binding::Size(p) => Some(IndexVec::Identity(p)),
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("expected a row index, `{n}` is not one"))
+                            .with_label(e.span, "here"),
+                    );
+                    None
+                }
+            },
+            ExprKind::Call { func, args } => match func.name.as_str() {
+                "arange" => {
+                    let [n] = self.positional::<1>(func, args)?;
+                    Some(IndexVec::Identity(self.size(&n.value)?))
+                }
+                "swap_halves" => {
+                    let [n] = self.positional::<1>(func, args)?;
+                    let p = self.size(&n.value)?;
+                    self.div_exact(&p, 2, n.value.span, n.value.span)?;
+                    Some(IndexVec::SwapHalves(p))
+                }
+                "interleave" => {
+                    let base = args.iter().find(|a| a.name.is_none());
+                    let group = args
+                        .iter()
+                        .find(|a| a.name.as_ref().is_some_and(|n| n.name == "group"));
+                    let (Some(base), Some(group)) = (base, group) else {
+                        self.err(
+                            Diagnostic::error("E0105", "`interleave` takes a row index and `group = G`")
+                                .with_label(func.span, "e.g. `interleave(swap_halves(2*I), group = 64)`"),
+                        );
+                        return None;
+                    };
+                    let g = self.const_int(&group.value, "`group`")?;
+                    let b = if self.is_index_expr(&base.value) {
+                        self.index_vec(&base.value)?
+                    } else {
+                        IndexVec::Identity(self.size(&base.value)?)
+                    };
+                    self.div_exact(&b.len().clone(), 2 * g, base.value.span, base.value.span)?;
+                    Some(IndexVec::Interleave {
+                        base: Box::new(b),
+                        group: g,
+                    })
+                }
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0106", "expected a row index")
+                            .with_label(e.span, "row indices are `arange(n)`, `swap_halves(n)` and `interleave(x, group = g)`"),
+                    );
+                    None
+                }
+            },
+            _ => {
+                self.err(
+                    Diagnostic::error("E0106", "expected a row index")
+                        .with_label(e.span, "here"),
+                );
+                None
+            }
+        }
+    }
+
+    // ---- values -------------------------------------------------------------------------------
+
+    fn push(&mut self, op: Op, dtype: DType, shape: Vec<Poly>, span: Span) -> ValueId {
+        self.m.values.push(Value {
+            op,
+            dtype,
+            shape,
+            span,
+        });
+        ValueId(self.m.values.len() as u32 - 1)
+    }
+
+    fn val(&self, v: ValueId) -> Option<&Value> {
+        self.m.value(v)
+    }
+
+    fn shape_of(&self, v: ValueId) -> Vec<Poly> {
+        self.val(v).map(|x| x.shape.clone()).unwrap_or_default()
+    }
+
+    fn dtype_of(&self, v: ValueId) -> DType {
+        self.val(v).map(|x| x.dtype).unwrap_or(DType::F32)
+    }
+
+    fn value(&mut self, e: &Expr) -> Option<ValueId> {
+        match &e.kind {
+            ExprKind::Int(v) => Some(self.push(Op::Const(*v), DType::F32, Vec::new(), e.span)),
+            ExprKind::Name(n) => match self.lookup(n, e.span)? {
+                Binding::Tensor(t) => {
+                    let (dtype, shape) = {
+                        let t = self.m.tensor(t)?;
+                        (t.dtype, t.shape.clone())
+                    };
+                    Some(self.push(Op::Tensor(t), dtype, shape, e.span))
+                }
+                Binding::Quant(_) => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("`{n}` is a quantization, not a tensor"))
+                            .with_label(e.span, format!("read one of its outputs: `{n}.values`, `{n}.scales`, ...")),
+                    );
+                    None
+                }
+                Binding::Dim(_) | Binding::Size(_) => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("expected a tensor, `{n}` is a size"))
+                            .with_label(e.span, "a tensor is needed here"),
+                    );
+                    None
+                }
+                Binding::Index(_) => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("expected a tensor, `{n}` is a row index"))
+                            .with_label(e.span, "use it inside `[...]`, e.g. `x[:, rows, :]`"),
+                    );
+                    None
+                }
+                Binding::Poisoned => None,
+            },
+            ExprKind::Quant { .. } => {
+                self.err(
+                    Diagnostic::error("E0106", "a quantization is not a tensor")
+                        .with_label(e.span, "bind it with `let q = quant ...` and read `q.values` or `q.scales`"),
+                );
+                None
+            }
+            ExprKind::Neg(_) => {
+                self.err(
+                    Diagnostic::error("E0106", "negation is not defined on tensors")
+                        .with_label(e.span, "here"),
+                );
+                None
+            }
+            ExprKind::Binary { op, lhs, rhs } => self.arith(*op, lhs, rhs, e.span),
+            ExprKind::Field { base, field } => self.field(base, field, e.span),
+            ExprKind::Index { base, slices } => self.index(base, slices, e.span),
+            ExprKind::Apply { base, layout } => {
+                let b = self.value(base)?;
+                let lay = self.layout_lit(layout)?;
+                let shape = lay.shape();
+                let dtype = self.dtype_of(b);
+                Some(self.push(
+                    Op::Apply {
+                        base: b,
+                        layout: lay,
+                    },
+                    dtype,
+                    shape,
+                    e.span,
+                ))
+            }
+            ExprKind::Call { func, args } => self.call(func, args, e.span),
+        }
+    }
+
+    fn arith(&mut self, op: BinOp, lhs: &Expr, rhs: &Expr, span: Span) -> Option<ValueId> {
+        let aop = match op {
+            BinOp::Mul => Arith::Mul,
+            BinOp::Div => Arith::Div,
+            _ => {
+                self.err(
+                    Diagnostic::error("E0106", format!("`{op}` is not defined on tensors"))
+                        .with_label(span, "tensors support `*` and `/` (f32, scalars broadcast)"),
+                );
+                return None;
+            }
+        };
+        let a = self.value(lhs);
+        let b = self.value(rhs);
+        let (a, b) = (a?, b?);
+        for (v, ex) in [(a, lhs), (b, rhs)] {
+            let dt = self.dtype_of(v);
+            if dt != DType::F32 {
+                self.err(
+                    Diagnostic::error("E0202", format!("dtype mismatch: `{op}` needs f32 operands, found {dt}"))
+                        .with_label(ex.span, format!("this is {dt}")),
+                );
+                return None;
+            }
+        }
+        let (sa, sb) = (self.shape_of(a), self.shape_of(b));
+        let shape = if sa.is_empty() {
+            sb
+        } else if sb.is_empty() || sa == sb {
+            sa
+        } else {
+            let d = Diagnostic::error(
+                "E0201",
+                format!(
+                    "shape mismatch: `{op}` of {} and {}",
+                    self.m.show_shape(&sa),
+                    self.m.show_shape(&sb)
+                ),
+            )
+            .with_label(span, "operands must have equal shapes, or one must be a scalar");
+            self.err(d);
+            return None;
+        };
+        Some(self.push(
+            Op::Arith {
+                op: aop,
+                lhs: a,
+                rhs: b,
+            },
+            DType::F32,
+            shape,
+            span,
+        ))
+    }
+
+    fn quant(&mut self, scheme: &ast::Ident, args: &[Arg], span: Span) -> Option<ValueId> {
+        let input = args.iter().find(|a| a.name.is_none());
+        let Some(input) = input else {
+            self.err(
+                Diagnostic::error("E0105", format!("`quant {}` needs the tensor to quantize", scheme.name))
+                    .with_label(scheme.span, "e.g. `quant nvfp4(w13, amax = per_expert reduce moe_tp)`"),
+            );
+            return None;
+        };
+        if args.iter().filter(|a| a.name.is_none()).count() > 1 {
+            self.err(
+                Diagnostic::error("E0105", "`quant` takes one positional argument")
+                    .with_label(span, "more than one tensor given"),
+            );
+            return None;
+        }
+        let x = self.value(&input.value)?;
+        let allowed: &[&str] = match scheme.name.as_str() {
+            "nvfp4" => &["block", "amax"],
+            "fp8" => &["granularity", "amax"],
+            "mxfp4" => &["block"],
+            "int8" => &["granularity"],
+            _ => {
+                self.err(
+                    Diagnostic::error("E0104", format!("unknown quantization scheme `{}`", scheme.name))
+                        .with_label(scheme.span, "not a scheme")
+                        .with_note("the schemes are `nvfp4`, `fp8`, `mxfp4` and `int8`"),
+                );
+                return None;
+            }
+        };
+        let mut named: HashMap<&str, &Arg> = HashMap::new();
+        for a in args {
+            if let Some(n) = &a.name {
+                if !allowed.contains(&n.name.as_str()) {
+                    self.err(
+                        Diagnostic::error("E0105", format!("`quant {}` has no argument `{}`", scheme.name, n.name))
+                            .with_label(n.span, format!("expected one of {}", allowed.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", "))),
+                    );
+                    return None;
+                }
+                named.insert(n.name.as_str(), a);
+            }
+        }
+        let dt = self.dtype_of(x);
+        if !dt.is_wide_float() {
+            self.err(
+                Diagnostic::error("E0202", format!("dtype mismatch: `quant {}` needs a bf16, f16 or f32 tensor, found {dt}", scheme.name))
+                    .with_label(input.value.span, format!("this is {dt}")),
+            );
+            return None;
+        }
+        let shape = self.shape_of(x);
+        if shape.len() < 2 {
+            self.err(
+                Diagnostic::error("E0201", format!("shape mismatch: `quant {}` needs a tensor of rank 2 or more, found {}", scheme.name, self.m.show_shape(&shape)))
+                    .with_label(input.value.span, "quantized along its last dimension"),
+            );
+            return None;
+        }
+        let expert_major = self.experts.as_ref() == shape.first();
+        let (amax, group) = match named.get("amax") {
+            Some(a) => {
+                let g = match &a.value.kind {
+                    ExprKind::Name(n) if n == "per_expert" => AmaxGranularity::PerExpert,
+                    ExprKind::Name(n) if n == "per_tensor" => AmaxGranularity::PerTensor,
+                    _ => {
+                        self.err(
+                            Diagnostic::error("E0104", "unknown amax granularity")
+                                .with_label(a.value.span, "expected `per_expert` or `per_tensor`"),
+                        );
+                        return None;
+                    }
+                };
+                let grp = match &a.reduce {
+                    None => Group::None,
+                    Some(id) => match Group::from_name(&id.name) {
+                        Some(g) => g,
+                        None => {
+                            self.err(
+                                Diagnostic::error("E0104", format!("unknown process group `{}`", id.name))
+                                    .with_label(id.span, "expected `none`, `tp`, `moe_tp` or `ep`"),
+                            );
+                            return None;
+                        }
+                    },
+                };
+                if g == AmaxGranularity::PerExpert && grp == Group::Ep {
+                    self.err(
+                        Diagnostic::error("E0205", "a per-expert amax cannot reduce over `ep`")
+                            .with_label(a.span, "the ranks of `ep` hold different experts")
+                            .with_note("help: per-expert weight scales reduce over `moe_tp` (the ranks that split one expert)"),
+                    );
+                    return None;
+                }
+                if grp == Group::Tp && expert_major {
+                    self.err(
+                        Diagnostic::error("E0205", "expert weights do not reduce over `tp`")
+                            .with_label(a.span, "`tp` is the shards of a dense tensor-parallel weight")
+                            .with_note("help: use `reduce moe_tp`: the ranks that split one expert's tensors"),
+                    );
+                    return None;
+                }
+                if g == AmaxGranularity::PerExpert && !expert_major {
+                    self.err(
+                        Diagnostic::error("E0205", "a per-expert amax needs an expert-major tensor")
+                            .with_label(input.value.span, "dim 0 of this tensor is not the experts dimension"),
+                    );
+                    return None;
+                }
+                (g, grp)
+            }
+            None => (AmaxGranularity::PerExpert, Group::None),
+        };
+        let block = match named.get("block") {
+            Some(a) => Some((self.const_int(&a.value, "`block`")?, a.value.span)),
+            None => None,
+        };
+        let want_block = match scheme.name.as_str() {
+            "nvfp4" => Some(16),
+            "mxfp4" => Some(32),
+            _ => None,
+        };
+        if let (Some((b, sp)), Some(w)) = (block, want_block) {
+            if b != w {
+                self.err(
+                    Diagnostic::error("E0105", format!("`{}` blocks are {w} elements", scheme.name))
+                        .with_label(sp, format!("found {b}")),
+                );
+                return None;
+            }
+        }
+        let q = match scheme.name.as_str() {
+            "nvfp4" => QuantScheme::Nvfp4 { amax, group },
+            "mxfp4" => QuantScheme::Mxfp4,
+            "fp8" => {
+                let Some(a) = named.get("granularity") else {
+                    self.err(
+                        Diagnostic::error("E0105", "`quant fp8` needs `granularity = tensor | channel | block128`")
+                            .with_label(scheme.span, "no granularity given"),
+                    );
+                    return None;
+                };
+                let g = match &a.value.kind {
+                    ExprKind::Name(n) if n == "tensor" => Fp8Granularity::Tensor,
+                    ExprKind::Name(n) if n == "channel" => Fp8Granularity::Channel,
+                    ExprKind::Name(n) if n == "block128" => Fp8Granularity::Block128,
+                    _ => {
+                        self.err(
+                            Diagnostic::error("E0104", "unknown fp8 granularity")
+                                .with_label(a.value.span, "expected `tensor`, `channel` or `block128`"),
+                        );
+                        return None;
+                    }
+                };
+                QuantScheme::Fp8 {
+                    granularity: g,
+                    group,
+                }
+            }
+            _ => {
+                if let Some(a) = named.get("granularity") {
+                    if !matches!(&a.value.kind, ExprKind::Name(n) if n == "row") {
+                        self.err(
+                            Diagnostic::error("E0104", "unknown int8 granularity")
+                                .with_label(a.value.span, "expected `row`"),
+                        );
+                        return None;
+                    }
+                }
+                QuantScheme::Int8Row
+            }
+        };
+        let (values, blk) = match q {
+            QuantScheme::Nvfp4 { .. } => (DType::E2m1, Some(16)),
+            QuantScheme::Mxfp4 => (DType::E2m1, Some(32)),
+            QuantScheme::Fp8 { .. } => (DType::E4m3, None),
+            QuantScheme::Int8Row => (DType::I8, None),
+        };
+        if let Some(b) = blk {
+            let k = shape.last().cloned().unwrap_or_default();
+            self.div_exact(&k, b, input.value.span, input.value.span)?;
+        }
+        Some(self.push(Op::Quant { scheme: q, input: x }, values, shape, span))
+    }
+
+    fn field(&mut self, base: &Expr, field: &ast::Ident, span: Span) -> Option<ValueId> {
+        let q = match &base.kind {
+            ExprKind::Name(n) => match self.lookup(n, base.span)? {
+                Binding::Quant(q) => q,
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0106", format!("`{n}` has no field `{}`", field.name))
+                            .with_label(base.span, "only quantizations have fields"),
+                    );
+                    return None;
+                }
+            },
+            ExprKind::Quant { scheme, args } => self.quant(scheme, args, base.span)?,
+            _ => {
+                self.err(
+                    Diagnostic::error("E0106", format!("no field `{}` here", field.name))
+                        .with_label(base.span, "only quantizations have fields"),
+                );
+                return None;
+            }
+        };
+        let qv = self.val(q)?.clone();
+        let Op::Quant { scheme, .. } = qv.op else {
+            return None;
+        };
+        let shape = qv.shape.clone();
+        let e = shape[0].clone();
+        let last = shape.len() - 1;
+        let with_last = |k: Poly| {
+            let mut s = shape.clone();
+            s[last] = k;
+            s
+        };
+        let per = |amax: AmaxGranularity| match amax {
+            AmaxGranularity::PerExpert => vec![e.clone()],
+            AmaxGranularity::PerTensor => Vec::new(),
+        };
+        let f = match field.name.as_str() {
+            "values" => QuantField::Values,
+            "scales" => QuantField::Scales,
+            "global_scale" => QuantField::GlobalScale,
+            "decode_scale" => QuantField::DecodeScale,
+            _ => QuantField::Values,
+        };
+        let known = match scheme {
+            QuantScheme::Nvfp4 { .. } => "`values`, `scales`, `global_scale`, `decode_scale`",
+            _ => "`values`, `scales`",
+        };
+        let out = match (field.name.as_str(), scheme) {
+            ("values", _) => Some((qv.dtype, shape.clone())),
+            ("scales", QuantScheme::Nvfp4 { .. }) => {
+                Some((DType::E4m3, with_last(shape[last].div_exact(16)?)))
+            }
+            ("scales", QuantScheme::Mxfp4) => {
+                Some((DType::E8m0, with_last(shape[last].div_exact(32)?)))
+            }
+            ("scales", QuantScheme::Fp8 { granularity, .. }) => Some((
+                DType::F32,
+                match granularity {
+                    Fp8Granularity::Tensor => per(AmaxGranularity::PerExpert),
+                    Fp8Granularity::Channel => shape[..last].to_vec(),
+                    Fp8Granularity::Block128 => {
+                        let mut s = shape[..last - 1].to_vec();
+                        let m = self.m.atoms.ceil_div(&shape[last - 1], 128);
+                        let k = self.m.atoms.ceil_div(&shape[last], 128);
+                        s.push(m);
+                        s.push(k);
+                        s
+                    }
+                },
+            )),
+            ("scales", QuantScheme::Int8Row) => Some((DType::F32, shape[..last].to_vec())),
+            ("global_scale" | "decode_scale", QuantScheme::Nvfp4 { amax, .. }) => {
+                Some((DType::F32, per(amax)))
+            }
+            _ => None,
+        };
+        let Some((dtype, shape)) = out else {
+            self.err(
+                Diagnostic::error("E0104", format!("`quant {}` has no output `{}`", scheme.name(), field.name))
+                    .with_label(field.span, format!("expected one of {known}")),
+            );
+            return None;
+        };
+        Some(self.push(Op::Field { quant: q, field: f }, dtype, shape, span))
+    }
+
+    fn index(&mut self, base: &Expr, slices: &[SliceArg], span: Span) -> Option<ValueId> {
+        let mut v = self.value(base)?;
+        let shape = self.shape_of(v);
+        if slices.len() != shape.len() {
+            self.err(
+                Diagnostic::error("E0201", format!("shape mismatch: {} indices for a tensor of rank {}", slices.len(), shape.len()))
+                    .with_label(span, format!("the tensor has shape {}", self.m.show_shape(&shape))),
+            );
+            return None;
+        }
+        // Right to left, so that dropping a dimension does not renumber the ones still to do.
+        for (dim, s) in slices.iter().enumerate().rev() {
+            let ext = shape[dim].clone();
+            let dtype = self.dtype_of(v);
+            let mut cur = self.shape_of(v);
+            match s {
+                SliceArg::Full(_) => {}
+                SliceArg::Range { start, end, span: sp } => {
+                    let a = match start {
+                        Some(e) => self.size(e)?,
+                        None => Poly::zero(),
+                    };
+                    let b = match end {
+                        Some(e) => self.size(e)?,
+                        None => ext.clone(),
+                    };
+                    let ok = a.provably_nonneg()
+                        && b.sub(&a).sub(&Poly::constant(1)).provably_nonneg()
+                        && ext.sub(&b).provably_nonneg();
+                    if !ok {
+                        self.err(
+                            Diagnostic::error("E0304", format!("slice `{}` is not provably inside dimension {dim} of extent `{}`", self.text(*sp), self.m.show(&ext)))
+                                .with_label(*sp, "needs 0 <= start < end <= extent for every admissible binding"),
+                        );
+                        return None;
+                    }
+                    cur[dim] = b.sub(&a);
+                    v = self.push(
+                        Op::Slice {
+                            base: v,
+                            dim,
+                            start: a,
+                            end: b,
+                        },
+                        dtype,
+                        cur,
+                        *sp,
+                    );
+                }
+                SliceArg::Expr(e) if self.is_index_expr(e) => {
+                    let iv = self.index_vec(e)?;
+                    if *iv.len() != ext {
+                        self.err(
+                            Diagnostic::error("E0201", format!("shape mismatch: row index of length `{}` for dimension {dim} of extent `{}`", self.m.show(iv.len()), self.m.show(&ext)))
+                                .with_label(e.span, "the index must cover the whole dimension"),
+                        );
+                        return None;
+                    }
+                    v = self.push(
+                        Op::Gather {
+                            base: v,
+                            dim,
+                            index: iv,
+                        },
+                        dtype,
+                        cur,
+                        e.span,
+                    );
+                }
+                SliceArg::Expr(e) => {
+                    let i = self.size(e)?;
+                    if !(i.provably_nonneg() && ext.sub(&i).sub(&Poly::constant(1)).provably_nonneg()) {
+                        self.err(
+                            Diagnostic::error("E0304", format!("index `{}` is not provably inside dimension {dim} of extent `{}`", self.text(e.span), self.m.show(&ext)))
+                                .with_label(e.span, "out of bounds for some admissible binding"),
+                        );
+                        return None;
+                    }
+                    cur.remove(dim);
+                    v = self.push(
+                        Op::Select {
+                            base: v,
+                            dim,
+                            index: i,
+                        },
+                        dtype,
+                        cur,
+                        e.span,
+                    );
+                }
+            }
+        }
+        Some(v)
+    }
+
+    fn call(&mut self, func: &ast::Ident, args: &[Arg], span: Span) -> Option<ValueId> {
+        let name = func.name.as_str();
+        match name {
+            "swizzle_128x4" | "mma_sf_view" => {
+                let [a] = self.positional::<1>(func, args)?;
+                let x = self.value(&a.value)?;
+                let shape = self.shape_of(x);
+                let dt = self.dtype_of(x);
+                if dt.bits() != 8 {
+                    self.err(
+                        Diagnostic::error("E0202", format!("dtype mismatch: `{name}` needs 1-byte scales, found {dt}"))
+                            .with_label(a.value.span, format!("this is {dt}")),
+                    );
+                    return None;
+                }
+                if name == "swizzle_128x4" {
+                    if shape.len() < 2 {
+                        self.err(
+                            Diagnostic::error("E0201", "shape mismatch: `swizzle_128x4` needs a tensor of rank 2 or more")
+                                .with_label(a.value.span, format!("shape {}", self.m.show_shape(&shape))),
+                        );
+                        return None;
+                    }
+                    let n = shape.len();
+                    let mut out = shape.clone();
+                    out[n - 2] = self.m.atoms.ceil_div(&shape[n - 2], 128).scale(128);
+                    out[n - 1] = self.m.atoms.ceil_div(&shape[n - 1], 4).scale(4);
+                    Some(self.push(Op::Swizzle128x4 { base: x }, dt, out, span))
+                } else {
+                    if shape.len() != 3 {
+                        self.err(
+                            Diagnostic::error("E0201", "shape mismatch: `mma_sf_view` needs swizzled scales of shape [G, Mp, Kp]")
+                                .with_label(a.value.span, format!("shape {}", self.m.show_shape(&shape))),
+                        );
+                        return None;
+                    }
+                    let (mt, kt) = (shape[1].div_exact(128), shape[2].div_exact(4));
+                    let (Some(mt), Some(kt)) = (mt, kt) else {
+                        self.err(
+                            Diagnostic::error("E0204", "`mma_sf_view` needs rows padded to a multiple of 128 and columns to a multiple of 4")
+                                .with_label(a.value.span, format!("shape {}: swizzle it with `swizzle_128x4` first", self.m.show_shape(&shape))),
+                        );
+                        return None;
+                    };
+                    let out = vec![
+                        Poly::constant(32),
+                        Poly::constant(4),
+                        mt,
+                        Poly::constant(4),
+                        kt,
+                        shape[0].clone(),
+                    ];
+                    Some(self.push(Op::MmaSfView { base: x }, dt, out, span))
+                }
+            }
+            "pad" | "reshape" | "permute" | "broadcast" => {
+                let Some(first) = args.first().filter(|a| a.name.is_none()) else {
+                    self.err(
+                        Diagnostic::error("E0105", format!("`{name}` needs a tensor first"))
+                            .with_label(func.span, "no tensor given"),
+                    );
+                    return None;
+                };
+                let x = self.value(&first.value)?;
+                let shape = self.shape_of(x);
+                let dt = self.dtype_of(x);
+                let mut rest = Vec::new();
+                for a in &args[1..] {
+                    if a.name.is_some() {
+                        self.err(
+                            Diagnostic::error("E0105", format!("`{name}` takes positional arguments only"))
+                                .with_label(a.span, "named argument"),
+                        );
+                        return None;
+                    }
+                    rest.push(self.size(&a.value)?);
+                }
+                match name {
+                    "pad" => {
+                        if rest.len() != shape.len() {
+                            self.err(
+                                Diagnostic::error("E0201", format!("shape mismatch: `pad` needs one multiple per dimension ({})", shape.len()))
+                                    .with_label(span, format!("{} given", rest.len())),
+                            );
+                            return None;
+                        }
+                        let mut mult = Vec::new();
+                        let mut out = Vec::new();
+                        for (k, (p, a)) in rest.iter().zip(&args[1..]).enumerate() {
+                            let Some(c) = p.as_const().filter(|c| *c > 0) else {
+                                self.err(
+                                    Diagnostic::error("E0106", "`pad` multiples must be positive constants")
+                                        .with_label(a.span, "not a constant"),
+                                );
+                                return None;
+                            };
+                            mult.push(c as i64);
+                            out.push(self.m.atoms.ceil_div(&shape[k], c as i64).scale(c));
+                        }
+                        Some(self.push(Op::Pad { base: x, multiples: mult }, dt, out, span))
+                    }
+                    "reshape" => {
+                        let a = rest.iter().fold(Poly::constant(1), |a, s| a.mul(s));
+                        let b = shape.iter().fold(Poly::constant(1), |a, s| a.mul(s));
+                        if a != b {
+                            self.err(
+                                Diagnostic::error("E0201", format!("shape mismatch: cannot reshape {} into {}", self.m.show_shape(&shape), self.m.show_shape(&rest)))
+                                    .with_label(span, "the numbers of elements differ"),
+                            );
+                            return None;
+                        }
+                        Some(self.push(Op::Reshape { base: x, shape: rest.clone() }, dt, rest, span))
+                    }
+                    "permute" => {
+                        let mut perm = Vec::new();
+                        for p in &rest {
+                            perm.push(p.as_const().unwrap_or(-1));
+                        }
+                        let mut sorted = perm.clone();
+                        sorted.sort();
+                        if sorted != (0..shape.len() as i128).collect::<Vec<_>>() {
+                            self.err(
+                                Diagnostic::error("E0201", format!("`permute` needs a permutation of 0..{}", shape.len()))
+                                    .with_label(span, "not a permutation of the dimensions"),
+                            );
+                            return None;
+                        }
+                        let perm: Vec<usize> = perm.iter().map(|&p| p as usize).collect();
+                        let out = perm.iter().map(|&p| shape[p].clone()).collect();
+                        Some(self.push(Op::Permute { base: x, perm }, dt, out, span))
+                    }
+                    _ => {
+                        if !shape.is_empty() {
+                            self.err(
+                                Diagnostic::error("E0201", format!("shape mismatch: `broadcast` needs a scalar, found {}", self.m.show_shape(&shape)))
+                                    .with_label(first.value.span, "not a scalar"),
+                            );
+                            return None;
+                        }
+                        Some(self.push(Op::Broadcast { base: x }, dt, rest, span))
+                    }
+                }
+            }
+            "cat" => {
+                let dim_arg = args
+                    .iter()
+                    .find(|a| a.name.as_ref().is_some_and(|n| n.name == "dim"));
+                let dim = match dim_arg {
+                    Some(a) => self.size(&a.value)?.as_const().unwrap_or(-1),
+                    None => 0,
+                };
+                let mut parts = Vec::new();
+                for a in args.iter().filter(|a| a.name.is_none()) {
+                    parts.push(self.value(&a.value)?);
+                }
+                let Some(&first) = parts.first() else {
+                    self.err(
+                        Diagnostic::error("E0105", "`cat` needs at least one tensor")
+                            .with_label(func.span, "no tensors"),
+                    );
+                    return None;
+                };
+                let mut shape = self.shape_of(first);
+                let dt = self.dtype_of(first);
+                if dim < 0 || dim as usize >= shape.len() {
+                    self.err(
+                        Diagnostic::error("E0201", format!("`cat` dimension {dim} is out of range"))
+                            .with_label(span, format!("the tensors have rank {}", shape.len())),
+                    );
+                    return None;
+                }
+                let dim = dim as usize;
+                for &p in &parts[1..] {
+                    let s = self.shape_of(p);
+                    let same = s.len() == shape.len()
+                        && s.iter().zip(&shape).enumerate().all(|(k, (a, b))| k == dim || a == b);
+                    if !same || self.dtype_of(p) != dt {
+                        self.err(
+                            Diagnostic::error("E0201", format!("shape mismatch: `cat` of {} and {}", self.m.show_shape(&shape), self.m.show_shape(&s)))
+                                .with_label(span, format!("all parts must agree outside dimension {dim} and have one dtype")),
+                        );
+                        return None;
+                    }
+                    shape[dim] = shape[dim].add(&s[dim]);
+                }
+                Some(self.push(Op::Cat { parts, dim }, dt, shape, span))
+            }
+            "reduce_max" => {
+                let base = args.iter().find(|a| a.name.is_none());
+                let group = args
+                    .iter()
+                    .find(|a| a.name.as_ref().is_some_and(|n| n.name == "group"));
+                let (Some(base), Some(group)) = (base, group) else {
+                    self.err(
+                        Diagnostic::error("E0105", "`reduce_max` takes a tensor and `group = none | tp | moe_tp | ep`")
+                            .with_label(func.span, "e.g. `reduce_max(w13_input_scale, group = ep)`"),
+                    );
+                    return None;
+                };
+                let x = self.value(&base.value)?;
+                let g = match &group.value.kind {
+                    ExprKind::Name(n) => Group::from_name(n),
+                    _ => None,
+                };
+                let Some(g) = g else {
+                    self.err(
+                        Diagnostic::error("E0104", "unknown process group")
+                            .with_label(group.value.span, "expected `none`, `tp`, `moe_tp` or `ep`"),
+                    );
+                    return None;
+                };
+                if self.dtype_of(x) != DType::F32 {
+                    let dt = self.dtype_of(x);
+                    self.err(
+                        Diagnostic::error("E0202", format!("dtype mismatch: `reduce_max` needs f32, found {dt}"))
+                            .with_label(base.value.span, format!("this is {dt}")),
+                    );
+                    return None;
+                }
+                Some(self.push(Op::ReduceMax { base: x, group: g }, DType::F32, Vec::new(), span))
+            }
+            "arange" | "swap_halves" | "interleave" => {
+                self.err(
+                    Diagnostic::error("E0106", format!("`{name}` is a row index, not a tensor"))
+                        .with_label(span, "use it inside `[...]`, e.g. `x[:, rows, :]`"),
+                );
+                None
+            }
+            "ceil_div" | "round_up" | "cd" | "ru" => {
+                self.err(
+                    Diagnostic::error("E0106", format!("`{name}` is a size, not a tensor"))
+                        .with_label(span, "a tensor is needed here"),
+                );
+                None
+            }
+            _ => {
+                self.err(
+                    Diagnostic::error("E0104", format!("unknown function `{name}`"))
+                        .with_label(func.span, "not a function of the recipe language")
+                        .with_note(format!("the functions are {FUNCTIONS}")),
+                );
+                None
+            }
+        }
+    }
+
+    fn tuple(&mut self, t: &TupleLit) -> Option<Vec<Vec<Poly>>> {
+        // Top-level entries; each flattened to its leaves.
+        fn leaves(l: &mut Lower<'_>, t: &TupleLit, out: &mut Vec<Poly>) -> Option<()> {
+            match t {
+                TupleLit::Leaf(e) => {
+                    out.push(l.size(e)?);
+                }
+                TupleLit::Tuple(ts, _) => {
+                    for x in ts {
+                        leaves(l, x, out)?;
+                    }
+                }
+            }
+            Some(())
+        }
+        match t {
+            TupleLit::Leaf(_) => {
+                let mut v = Vec::new();
+                leaves(self, t, &mut v)?;
+                Some(vec![v])
+            }
+            TupleLit::Tuple(ts, _) => {
+                let mut out = Vec::new();
+                for x in ts {
+                    let mut v = Vec::new();
+                    leaves(self, x, &mut v)?;
+                    out.push(v);
+                }
+                Some(out)
+            }
+        }
+    }
+
+    fn layout_lit(&mut self, l: &ast::LayoutLit) -> Option<SymLayout> {
+        let shape = self.tuple(&l.shape)?;
+        let stride = self.tuple(&l.stride)?;
+        let congruent = shape.len() == stride.len()
+            && shape.iter().zip(&stride).all(|(a, b)| a.len() == b.len());
+        if !congruent {
+            self.err(
+                Diagnostic::error("E0201", "shape and stride of a layout are not congruent")
+                    .with_label(l.span, "each shape entry needs a stride entry of the same form"),
+            );
+            return None;
+        }
+        for (k, s) in shape.iter().flatten().enumerate() {
+            if !s.sub(&Poly::constant(1)).provably_nonneg() {
+                self.err(
+                    Diagnostic::error("E0201", format!("layout extent #{k} is not provably positive"))
+                        .with_label(l.span, "extents must be at least 1"),
+                );
+                return None;
+            }
+        }
+        let swizzle = match l.swizzle {
+            Some((b, m, s, sp)) => {
+                if !(0..=16).contains(&b) || !(0..=16).contains(&m) || s.abs() > 16 || s.abs() < b {
+                    self.err(
+                        Diagnostic::error("E0201", format!("`S<{b},{m},{s}>` is not a valid swizzle"))
+                            .with_label(sp, "need 0 <= B, M <= 16 and B <= |S| <= 16"),
+                    );
+                    return None;
+                }
+                Some(Swizzle::new(b as u32, m as u32, s as i32))
+            }
+            None => None,
+        };
+        Some(SymLayout {
+            dims: shape
+                .into_iter()
+                .zip(stride)
+                .map(|(a, b)| a.into_iter().zip(b).collect())
+                .collect(),
+            offset: Poly::zero(),
+            swizzle,
+        })
+    }
+
+    // ---- types ----------------------------------------------------------------------------------
+
+    fn type_expr(&mut self, t: &ast::TypeExpr) -> Option<(DType, Vec<Poly>)> {
+        let Some(dt) = DType::from_name(&t.dtype.name) else {
+            self.err(
+                Diagnostic::error("E0103", format!("unknown dtype `{}`", t.dtype.name))
+                    .with_label(t.dtype.span, "not a dtype")
+                    .with_note(format!(
+                        "the dtypes are {}",
+                        DType::ALL.iter().map(|d| format!("`{d}`")).collect::<Vec<_>>().join(", ")
+                    )),
+            );
+            return None;
+        };
+        let mut shape = Vec::new();
+        for d in &t.dims {
+            let p = self.size(d)?;
+            if !p.sub(&Poly::constant(1)).provably_nonneg() {
+                self.err(
+                    Diagnostic::error("E0201", format!("extent `{}` is not provably positive", self.text(d.span)))
+                        .with_label(d.span, "extents must be at least 1 for every admissible binding"),
+                );
+                return None;
+            }
+            shape.push(p);
+        }
+        Some((dt, shape))
+    }
+
+    fn add_tensor(&mut self, t: Tensor) -> TensorId {
+        self.m.tensors.push(t);
+        TensorId(self.m.tensors.len() as u32 - 1)
+    }
+
+    fn is_optional(&self, v: ValueId) -> bool {
+        self.m
+            .tensors_read(v)
+            .iter()
+            .any(|t| self.m.tensor(*t).is_some_and(|t| t.optional))
+    }
+
+    // ---- statements ---------------------------------------------------------------------------
+
+    fn stmt(&mut self, s: &Stmt) {
+        let before = self.errors.len();
+        let name = match s {
+            Stmt::Input { name, .. }
+            | Stmt::Param { name, .. }
+            | Stmt::View { name, .. }
+            | Stmt::Let { name, .. }
+            | Stmt::Kernel { name, .. } => name.clone(),
+        };
+        let ok = self.stmt_inner(s).is_some();
+        if !ok && !matches!(s, Stmt::Kernel { .. }) && self.errors.len() > before {
+            self.define(&name, Binding::Poisoned);
+        }
+    }
+
+    fn stmt_inner(&mut self, s: &Stmt) -> Option<()> {
+        match s {
+            Stmt::Input {
+                name,
+                ty,
+                optional,
+                span,
+            } => {
+                if !self.check_fresh(name, false) {
+                    return None;
+                }
+                if let Some(l) = &ty.layout {
+                    self.err(
+                        Diagnostic::error("E0106", "an input has no storage layout")
+                            .with_label(l.span, "inputs are read from the checkpoint as they are"),
+                    );
+                    return None;
+                }
+                let (dtype, shape) = self.type_expr(ty)?;
+                let id = self.add_tensor(Tensor {
+                    name: name.name.clone(),
+                    kind: TensorKind::Input {
+                        optional: *optional,
+                    },
+                    dtype,
+                    shape,
+                    value: None,
+                    declared_layout: None,
+                    alias: None,
+                    optional: *optional,
+                    span: *span,
+                    name_span: name.span,
+                });
+                self.define(name, Binding::Tensor(id));
+                Some(())
+            }
+            Stmt::Param {
+                name,
+                ty,
+                value,
+                span,
+            } => {
+                if !self.check_fresh(name, true) {
+                    return None;
+                }
+                let shadowed = match self.env.get(&name.name) {
+                    Some(Binding::Tensor(t)) => Some(*t),
+                    _ => None,
+                };
+                let (dtype, shape) = self.type_expr(ty)?;
+                let v = self.value(value)?;
+                self.check_type(&name.name, ty, dtype, &shape, v, value.span)?;
+                let declared_layout = match &ty.layout {
+                    Some(l) => {
+                        let lay = self.layout_lit(l)?;
+                        let ls = lay.shape();
+                        if ls != shape {
+                            self.err(
+                                Diagnostic::error("E0201", format!("shape mismatch: the layout of `{}` has shape {} but the param is {}", name.name, self.m.show_shape(&ls), self.m.show_shape(&shape)))
+                                    .with_label(l.span, "the layout's modes must multiply to the declared extents"),
+                            );
+                            return None;
+                        }
+                        Some((lay, l.span))
+                    }
+                    None => None,
+                };
+                for t in self.m.tensors_read(v) {
+                    self.consumed_by_param.push(t);
+                }
+                let optional = self.is_optional(v);
+                let id = self.add_tensor(Tensor {
+                    name: name.name.clone(),
+                    kind: TensorKind::Param,
+                    dtype,
+                    shape,
+                    value: Some(v),
+                    declared_layout,
+                    alias: None,
+                    optional,
+                    span: *span,
+                    name_span: name.span,
+                });
+                if let Some(old) = shadowed {
+                    self.m.shadows.push((old, id));
+                }
+                self.define(name, Binding::Tensor(id));
+                Some(())
+            }
+            Stmt::View {
+                name,
+                ty,
+                value,
+                bijective,
+                span,
+            } => {
+                if !self.check_fresh(name, false) {
+                    return None;
+                }
+                let v = self.value(value)?;
+                let (param, layout) = self.view_source(&name.name, v, value.span)?;
+                let (dtype, shape) = {
+                    let val = self.val(v)?;
+                    (val.dtype, val.shape.clone())
+                };
+                if let Some(ty) = ty {
+                    let (dt, sh) = self.type_expr(ty)?;
+                    self.check_type(&name.name, ty, dt, &sh, v, value.span)?;
+                }
+                let optional = self.m.tensor(param).is_some_and(|t| t.optional);
+                let id = self.add_tensor(Tensor {
+                    name: name.name.clone(),
+                    kind: TensorKind::View {
+                        bijective: *bijective,
+                    },
+                    dtype,
+                    shape,
+                    value: Some(v),
+                    declared_layout: None,
+                    alias: Some((param, layout)),
+                    optional,
+                    span: *span,
+                    name_span: name.span,
+                });
+                self.define(name, Binding::Tensor(id));
+                Some(())
+            }
+            Stmt::Let { name, value, span } => {
+                if !self.check_fresh(name, false) {
+                    return None;
+                }
+                if let ExprKind::Quant { scheme, args } = &value.kind {
+                    let q = self.quant(scheme, args, value.span)?;
+                    self.define(name, Binding::Quant(q));
+                    return Some(());
+                }
+                if self.is_index_expr(value) {
+                    let iv = self.index_vec(value)?;
+                    self.define(name, Binding::Index(iv));
+                    return Some(());
+                }
+                if self.is_size_expr(value) {
+                    let p = self.size(value)?;
+                    self.define(name, Binding::Size(p));
+                    return Some(());
+                }
+                let v = self.value(value)?;
+                let (dtype, shape) = {
+                    let val = self.val(v)?;
+                    (val.dtype, val.shape.clone())
+                };
+                let optional = self.is_optional(v);
+                let id = self.add_tensor(Tensor {
+                    name: name.name.clone(),
+                    kind: TensorKind::Let,
+                    dtype,
+                    shape,
+                    value: Some(v),
+                    declared_layout: None,
+                    alias: None,
+                    optional,
+                    span: *span,
+                    name_span: name.span,
+                });
+                self.define(name, Binding::Tensor(id));
+                Some(())
+            }
+            Stmt::Kernel {
+                name,
+                operands,
+                targets,
+                index,
+                span,
+            } => {
+                if self.m.kernels.iter().any(|k| k.name == name.name) {
+                    self.err(
+                        Diagnostic::error("E0102", format!("kernel `{}` is defined twice", name.name))
+                            .with_label(name.span, "defined again here"),
+                    );
+                    return None;
+                }
+                let mut ops = Vec::new();
+                for o in operands {
+                    let Binding::Tensor(t) = self.lookup(&o.name, o.span)? else {
+                        self.err(
+                            Diagnostic::error("E0404", format!("kernel `{}` reads `{}`, which is not a tensor", name.name, o.name))
+                                .with_label(o.span, "kernels read params and views"),
+                        );
+                        return None;
+                    };
+                    let kind = self.m.tensor(t)?.kind.clone();
+                    match kind {
+                        TensorKind::Param | TensorKind::View { .. } => ops.push((t, o.span)),
+                        TensorKind::Input { .. } | TensorKind::Let => {
+                            let what = if matches!(kind, TensorKind::Let) { "a `let` value" } else { "an input" };
+                            self.err(
+                                Diagnostic::error("E0404", format!("kernel `{}` reads `{}`, {what} that is not registered", name.name, o.name))
+                                    .with_label(o.span, "not a param or a view")
+                                    .with_note("a value a kernel reads must be a `param` (or a `view` of one) so that EPLB moves it with its expert"),
+                            );
+                            return None;
+                        }
+                    }
+                }
+                let mut ts = Vec::new();
+                for t in targets {
+                    match Target::from_name(&t.name) {
+                        Some(x) => ts.push(x),
+                        None => {
+                            self.err(
+                                Diagnostic::error("E0104", format!("unknown target `{}`", t.name))
+                                    .with_label(t.span, "expected `sm_90a`, `sm_100a` or `host`"),
+                            );
+                            return None;
+                        }
+                    }
+                }
+                let idx = match index {
+                    None => (IndexWidth::I64, None),
+                    Some(w) if w.name == "i32" => (IndexWidth::I32, Some(w.span)),
+                    Some(w) if w.name == "i64" => (IndexWidth::I64, Some(w.span)),
+                    Some(w) => {
+                        self.err(
+                            Diagnostic::error("E0104", format!("unknown index width `{}`", w.name))
+                                .with_label(w.span, "expected `i32` or `i64`"),
+                        );
+                        return None;
+                    }
+                };
+                self.m.kernels.push(KernelBinding {
+                    name: name.name.clone(),
+                    operands: ops,
+                    targets: ts,
+                    index: idx,
+                    span: *span,
+                });
+                Some(())
+            }
+        }
+    }
+
+    fn check_type(
+        &mut self,
+        name: &str,
+        ty: &ast::TypeExpr,
+        dtype: DType,
+        shape: &[Poly],
+        v: ValueId,
+        vspan: Span,
+    ) -> Option<()> {
+        let (vd, vs) = {
+            let val = self.val(v)?;
+            (val.dtype, val.shape.clone())
+        };
+        if vd != dtype {
+            self.err(
+                Diagnostic::error("E0202", format!("dtype mismatch: `{name}` is declared {dtype} but its value is {vd}"))
+                    .with_label(ty.dtype.span, format!("declared {dtype}"))
+                    .with_label(vspan, format!("this is {vd}")),
+            );
+            return None;
+        }
+        if vs.len() != shape.len() {
+            self.err(
+                Diagnostic::error("E0201", format!("shape mismatch: `{name}` is declared {} but its value has shape {}", self.m.show_shape(shape), self.m.show_shape(&vs)))
+                    .with_label(ty.span, format!("rank {}", shape.len()))
+                    .with_label(vspan, format!("rank {}", vs.len())),
+            );
+            return None;
+        }
+        for (k, (a, b)) in shape.iter().zip(&vs).enumerate() {
+            if a != b {
+                let sp = ty.dims.get(k).map(|d| d.span).unwrap_or(ty.span);
+                self.err(
+                    Diagnostic::error("E0201", format!("shape mismatch: `{name}` is declared {} but its value has shape {}", self.m.show_shape(shape), self.m.show_shape(&vs)))
+                        .with_label(sp, format!("dimension {k} is declared `{}`", self.m.show(a)))
+                        .with_label(vspan, format!("dimension {k} of the value is `{}`", self.m.show(b))),
+                );
+                return None;
+            }
+        }
+        Some(())
+    }
+
+    /// Classify a view's definition: exactly one param, layout operations only.
+    fn view_source(&mut self, name: &str, v: ValueId, span: Span) -> Option<(TensorId, SymLayout)> {
+        let mut params: Vec<(TensorId, Span)> = Vec::new();
+        let mut others: Vec<(TensorId, Span)> = Vec::new();
+        let mut computes: Option<(String, Span)> = None;
+        let mut stack = vec![v];
+        while let Some(x) = stack.pop() {
+            let val = self.val(x)?.clone();
+            if let Op::Tensor(t) = val.op {
+                let tk = self.m.tensor(t)?;
+                if tk.kind == TensorKind::Param {
+                    if !params.iter().any(|p| p.0 == t) {
+                        params.push((t, val.span));
+                    }
+                } else {
+                    others.push((t, val.span));
+                }
+            } else if !val.op.is_layout_only() && computes.is_none() {
+                computes = Some((val.op.describe().to_string(), val.span));
+            }
+            stack.extend(val.op.operands());
+        }
+        params.sort_by_key(|p| p.1.start);
+        if params.len() >= 2 {
+            let names: Vec<String> = params
+                .iter()
+                .map(|p| format!("`{}`", self.m.tensor(p.0).map(|t| t.name.as_str()).unwrap_or("?")))
+                .collect();
+            let mut d = Diagnostic::error("E0302", format!("view `{name}` reads {} params ({})", params.len(), names.join(", ")))
+                .with_label(span, "a view aliases exactly one param");
+            for p in &params {
+                d = d.with_label(p.1, "a param");
+            }
+            self.err(d.with_note("help: a value built from several params is new storage: declare it as a `param`"));
+            return None;
+        }
+        if let Some((what, sp)) = computes {
+            let shape = self.shape_of(v);
+            let dt = self.dtype_of(v);
+            self.err(
+                Diagnostic::error("E0301", format!("view `{name}` computes a new value, it is not a view"))
+                    .with_label(sp, format!("{what} computes new values; a view only re-indexes one param's storage"))
+                    .with_note(format!("help: make it a param so that EPLB moves it with its expert: `param {name} : {dt}{} = ...`", self.m.show_shape(&shape))),
+            );
+            return None;
+        }
+        if let Some((t, sp)) = others.first() {
+            let tn = self.m.tensor(*t)?.name.clone();
+            let kind = if matches!(self.m.tensor(*t)?.kind, TensorKind::Let) { "a `let` value" } else { "an input" };
+            self.err(
+                Diagnostic::error("E0303", format!("view `{name}` aliases `{tn}`, {kind}, not a param"))
+                    .with_label(*sp, "only params have storage after packing"),
+            );
+            return None;
+        }
+        let Some(&(param, _)) = params.first() else {
+            self.err(
+                Diagnostic::error("E0303", format!("view `{name}` reads no param"))
+                    .with_label(span, "a view aliases exactly one param"),
+            );
+            return None;
+        };
+        let lay = self.view_layout(name, v)?;
+        Some((param, lay))
+    }
+
+    fn contiguous(&self, l: &SymLayout) -> bool {
+        let shape = l.shape();
+        l.swizzle.is_none() && l.offset.is_const(0) && *l == SymLayout::row_major(&shape)
+    }
+
+    fn view_layout(&mut self, name: &str, v: ValueId) -> Option<SymLayout> {
+        let val = self.val(v)?.clone();
+        let span = val.span;
+        let need_single = |l: &mut Lower<'_>, lay: &SymLayout, dim: usize| -> Option<(Poly, Poly)> {
+            match lay.dims.get(dim) {
+                Some(d) if d.len() == 1 => Some(d[0].clone()),
+                _ => {
+                    l.err(
+                        Diagnostic::error("E0306", format!("view `{name}` slices a hierarchical mode"))
+                            .with_label(span, "slice a dimension with a single stride, or reshape first"),
+                    );
+                    None
+                }
+            }
+        };
+        match &val.op {
+            Op::Tensor(t) => Some(self.m.tensor(*t)?.storage_layout()),
+            Op::Slice { base, dim, start, end } => {
+                let mut l = self.view_layout(name, *base)?;
+                let (_, d) = need_single(self, &l, *dim)?;
+                l.offset = l.offset.add(&start.mul(&d));
+                l.dims[*dim] = vec![(end.sub(start), d)];
+                Some(l)
+            }
+            Op::Select { base, dim, index } => {
+                let mut l = self.view_layout(name, *base)?;
+                let (_, d) = need_single(self, &l, *dim)?;
+                l.offset = l.offset.add(&index.mul(&d));
+                l.dims.remove(*dim);
+                Some(l)
+            }
+            Op::Permute { base, perm } => {
+                let l = self.view_layout(name, *base)?;
+                Some(SymLayout {
+                    dims: perm.iter().map(|&p| l.dims[p].clone()).collect(),
+                    ..l
+                })
+            }
+            Op::Reshape { base, shape } => {
+                let l = self.view_layout(name, *base)?;
+                self.reshape(name, &l, shape, span)
+            }
+            Op::MmaSfView { base } => {
+                let l = self.view_layout(name, *base)?;
+                if !self.contiguous(&l) {
+                    self.err(
+                        Diagnostic::error("E0306", format!("view `{name}`: `mma_sf_view` needs contiguous swizzled storage"))
+                            .with_label(span, "its source is already re-indexed"),
+                    );
+                    return None;
+                }
+                let s = l.shape();
+                let mt = s[1].div_exact(128)?;
+                let kt = s[2].div_exact(4)?;
+                let c = |x: i128| Poly::constant(x);
+                let tile = kt.scale(512);
+                Some(SymLayout {
+                    dims: vec![
+                        vec![(c(32), c(16))],
+                        vec![(c(4), c(4))],
+                        vec![(mt.clone(), tile.clone())],
+                        vec![(c(4), c(1))],
+                        vec![(kt.clone(), c(512))],
+                        vec![(s[0].clone(), mt.mul(&tile))],
+                    ],
+                    offset: Poly::zero(),
+                    swizzle: None,
+                })
+            }
+            Op::Apply { base, layout } => {
+                let l = self.view_layout(name, *base)?;
+                if !self.contiguous(&l) {
+                    self.err(
+                        Diagnostic::error("E0306", format!("view `{name}`: an explicit layout needs contiguous storage"))
+                            .with_label(span, "apply the layout to the param itself"),
+                    );
+                    return None;
+                }
+                Some(layout.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// Row-major reshape of a symbolic layout without a copy: splits a mode when the new extent
+    /// divides it, groups whole modes into a hierarchical mode when it is their product.
+    fn reshape(&mut self, name: &str, l: &SymLayout, shape: &[Poly], span: Span) -> Option<SymLayout> {
+        if l.swizzle.is_some() {
+            self.err(
+                Diagnostic::error("E0306", format!("view `{name}`: cannot reshape a swizzled layout"))
+                    .with_label(span, "here"),
+            );
+            return None;
+        }
+        // Leaves from slowest to fastest (row-major): within a dim, CuTe's first sub-mode is fastest.
+        let mut leaves: Vec<(Poly, Poly)> = Vec::new();
+        for d in &l.dims {
+            for m in d.iter().rev() {
+                if !m.0.is_const(1) {
+                    leaves.push(m.clone());
+                }
+            }
+        }
+        leaves.reverse(); // pop() yields the slowest first
+        let fail = |l: &mut Lower<'_>| {
+            l.err(
+                Diagnostic::error("E0306", format!("view `{name}`: this reshape needs a copy"))
+                    .with_label(span, "the new extents do not split or merge the source's modes")
+                    .with_note("help: a reshape view may split a mode by a factor of its extent or group whole modes"),
+            );
+            None
+        };
+        let mut dims = Vec::new();
+        for t in shape {
+            let mut need = t.clone();
+            let mut group: Vec<(Poly, Poly)> = Vec::new();
+            while !need.is_const(1) {
+                let Some((s, d)) = leaves.pop() else {
+                    return fail(self);
+                };
+                if s == need {
+                    group.push((s, d));
+                    need = Poly::constant(1);
+                } else if let Some(q) = s.div_monomial(&need) {
+                    group.push((need.clone(), q.mul(&d)));
+                    leaves.push((q, d));
+                    need = Poly::constant(1);
+                } else if let Some(q) = need.div_monomial(&s) {
+                    group.push((s, d));
+                    need = q;
+                } else {
+                    return fail(self);
+                }
+            }
+            if group.is_empty() {
+                group.push((Poly::constant(1), Poly::zero()));
+            }
+            group.reverse(); // colexicographic: fastest first
+            dims.push(group);
+        }
+        if !leaves.is_empty() {
+            return fail(self);
+        }
+        Some(SymLayout {
+            dims,
+            offset: l.offset.clone(),
+            swizzle: None,
+        })
+    }
+
+    fn check_unregistered_lets(&mut self) {
+        let experts = self.experts.clone();
+        let lets: Vec<(TensorId, Tensor)> = self
+            .m
+            .tensors_with_ids()
+            .filter(|(_, t)| t.kind == TensorKind::Let)
+            .map(|(i, t)| (i, t.clone()))
+            .collect();
+        for (id, t) in lets {
+            let Some(v) = t.value else { continue };
+            let from_params: Vec<String> = self
+                .m
+                .tensors_read(v)
+                .iter()
+                .filter_map(|x| self.m.tensor(*x))
+                .filter(|x| x.kind == TensorKind::Param)
+                .map(|x| format!("`{}`", x.name))
+                .collect();
+            let per_expert = t.shape.first() == experts.as_ref();
+            if !from_params.is_empty() && per_expert && !self.consumed_by_param.contains(&id) {
+                self.err(
+                    Diagnostic::error("E0403", format!("`{}` is a per-expert value derived from params but is not registered", t.name))
+                        .with_label(t.name_span, format!("derived from {}", from_params.join(", ")))
+                        .with_note(format!("EPLB moves params only, so `{}` would go stale after a rearrangement", t.name))
+                        .with_note(format!("help: declare it as `param {} : {}{} = ...`", t.name, t.dtype, self.m.show_shape(&t.shape))),
+                );
+            }
+        }
+    }
+}
+
+fn similar(a: &str, b: &str) -> bool {
+    if a == b {
+        return false;
+    }
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for i in 1..=a.len() {
+        let mut cur = vec![i; b.len() + 1];
+        for j in 1..=b.len() {
+            let sub = prev[j - 1] + usize::from(a[i - 1] != b[j - 1]);
+            cur[j] = sub.min(prev[j] + 1).min(cur[j - 1] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()] <= 2.max(b.len() / 4)
+}

@@ -1,0 +1,459 @@
+//! Symbolic integer polynomials over a recipe's dimensions.
+//!
+//! Sizes, strides and offsets of a recipe are polynomials with integer coefficients in *atoms*: a
+//! dimension measured in units of its declared divisor (`I` with `where I % 64 == 0` is `64*i`, `i >= 1`),
+//! or a ceiling division `ceil(p / k)` that does not divide exactly. Every atom is at least 1 for every
+//! admissible binding, which is what the verifier's symbolic proofs rely on: `p >= 0` is proven when
+//! substituting `a = 1 + a'` for every atom leaves only non-negative coefficients.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Index of an atom in an [`Atoms`] table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AtomId(pub u32);
+
+/// What an atom stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AtomKind {
+    /// `dim / unit` for a recipe dimension (the dimension is a multiple of `unit`).
+    Dim {
+        /// Dimension name.
+        name: String,
+        /// The divisor the where-clause guarantees.
+        unit: i64,
+        /// Upper bound on the dimension, if declared.
+        max: Option<i64>,
+    },
+    /// `ceil(num / den)` where `num` is not provably a multiple of `den`.
+    CeilDiv {
+        /// Numerator.
+        num: Poly,
+        /// Denominator (positive).
+        den: i64,
+    },
+}
+
+/// The atoms of one recipe.
+#[derive(Debug, Clone, Default)]
+pub struct Atoms {
+    kinds: Vec<AtomKind>,
+}
+
+/// A binding of atoms to values (indexed by [`AtomId`]).
+pub type AtomValues = Vec<i128>;
+
+impl Atoms {
+    /// Register a dimension atom.
+    pub fn dim(&mut self, name: &str, unit: i64, max: Option<i64>) -> AtomId {
+        self.kinds.push(AtomKind::Dim {
+            name: name.to_string(),
+            unit,
+            max,
+        });
+        AtomId(self.kinds.len() as u32 - 1)
+    }
+
+    /// The kind of an atom.
+    pub fn kind(&self, a: AtomId) -> Option<&AtomKind> {
+        self.kinds.get(a.0 as usize)
+    }
+
+    /// Number of atoms.
+    pub fn len(&self) -> usize {
+        self.kinds.len()
+    }
+
+    /// Whether there are no atoms.
+    pub fn is_empty(&self) -> bool {
+        self.kinds.is_empty()
+    }
+
+    /// `ceil(p / k)`, exact when every coefficient of `p` is a multiple of `k`, else a (deduplicated)
+    /// ceiling atom.
+    pub fn ceil_div(&mut self, p: &Poly, k: i64) -> Poly {
+        if let Some(q) = p.div_exact(k) {
+            return q;
+        }
+        if let Some(c) = p.as_const() {
+            return Poly::constant((c + k as i128 - 1).div_euclid(k as i128));
+        }
+        let kind = AtomKind::CeilDiv { num: p.clone(), den: k };
+        let id = match self.kinds.iter().position(|x| *x == kind) {
+            Some(i) => AtomId(i as u32),
+            None => {
+                self.kinds.push(kind);
+                AtomId(self.kinds.len() as u32 - 1)
+            }
+        };
+        Poly::atom(id)
+    }
+
+    /// Values of every atom from the dimension values (`dims[name]`); dimension atoms must divide
+    /// exactly (checked by the caller against the where-clause).
+    pub fn evaluate(&self, dim_value: &dyn Fn(&str) -> Option<i64>) -> Option<AtomValues> {
+        let mut vals: AtomValues = Vec::with_capacity(self.kinds.len());
+        for k in &self.kinds {
+            let v = match k {
+                AtomKind::Dim { name, unit, .. } => dim_value(name)? as i128 / *unit as i128,
+                AtomKind::CeilDiv { num, den } => {
+                    let n = num.eval(&vals)?;
+                    (n + *den as i128 - 1).div_euclid(*den as i128)
+                }
+            };
+            vals.push(v);
+        }
+        Some(vals)
+    }
+
+    /// Upper bounds of every atom where the where-clause bounds all dimensions it depends on.
+    pub fn upper_bounds(&self) -> Vec<Option<i128>> {
+        let mut out: Vec<Option<i128>> = Vec::with_capacity(self.kinds.len());
+        for k in &self.kinds {
+            let v = match k {
+                AtomKind::Dim { unit, max, .. } => max.map(|m| m as i128 / *unit as i128),
+                AtomKind::CeilDiv { num, den } => num
+                    .upper_bound(&out)
+                    .map(|n| (n + *den as i128 - 1).div_euclid(*den as i128)),
+            };
+            out.push(v);
+        }
+        out
+    }
+
+    fn write_atom(&self, f: &mut fmt::Formatter<'_>, a: AtomId) -> fmt::Result {
+        match self.kind(a) {
+            Some(AtomKind::Dim { name, unit, .. }) if *unit == 1 => write!(f, "{name}"),
+            Some(AtomKind::Dim { name, unit, .. }) => write!(f, "({name}/{unit})"),
+            Some(AtomKind::CeilDiv { num, den }) => {
+                write!(f, "ceil_div({}, {den})", num.display(self))
+            }
+            None => write!(f, "?{}", a.0),
+        }
+    }
+}
+
+/// A monomial: atoms with positive exponents, sorted by atom.
+pub type Monomial = Vec<(AtomId, u32)>;
+
+/// A polynomial with `i128` coefficients over atoms, in canonical form (no zero terms).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct Poly {
+    terms: BTreeMap<Monomial, i128>,
+}
+
+fn mono_mul(a: &Monomial, b: &Monomial) -> Monomial {
+    let mut m: BTreeMap<AtomId, u32> = BTreeMap::new();
+    for &(x, e) in a.iter().chain(b) {
+        *m.entry(x).or_insert(0) += e;
+    }
+    m.into_iter().collect()
+}
+
+fn gcd(a: i128, b: i128) -> i128 {
+    let (mut a, mut b) = (a.abs(), b.abs());
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl Poly {
+    /// The zero polynomial.
+    pub fn zero() -> Poly {
+        Poly::default()
+    }
+
+    /// A constant.
+    pub fn constant(c: i128) -> Poly {
+        let mut p = Poly::zero();
+        if c != 0 {
+            p.terms.insert(Vec::new(), c);
+        }
+        p
+    }
+
+    /// A single atom.
+    pub fn atom(a: AtomId) -> Poly {
+        let mut p = Poly::zero();
+        p.terms.insert(vec![(a, 1)], 1);
+        p
+    }
+
+    /// The terms.
+    pub fn terms(&self) -> impl Iterator<Item = (&Monomial, &i128)> {
+        self.terms.iter()
+    }
+
+    /// The constant value, if the polynomial is constant.
+    pub fn as_const(&self) -> Option<i128> {
+        match self.terms.len() {
+            0 => Some(0),
+            1 => self.terms.get(&Vec::new()).copied(),
+            _ => None,
+        }
+    }
+
+    /// Whether this is the constant `c`.
+    pub fn is_const(&self, c: i128) -> bool {
+        self.as_const() == Some(c)
+    }
+
+    /// Sum.
+    pub fn add(&self, o: &Poly) -> Poly {
+        let mut p = self.clone();
+        for (m, c) in &o.terms {
+            let e = p.terms.entry(m.clone()).or_insert(0);
+            *e += c;
+            if *e == 0 {
+                p.terms.remove(m);
+            }
+        }
+        p
+    }
+
+    /// Negation.
+    pub fn neg(&self) -> Poly {
+        Poly {
+            terms: self.terms.iter().map(|(m, c)| (m.clone(), -c)).collect(),
+        }
+    }
+
+    /// Difference.
+    pub fn sub(&self, o: &Poly) -> Poly {
+        self.add(&o.neg())
+    }
+
+    /// Product.
+    pub fn mul(&self, o: &Poly) -> Poly {
+        let mut p = Poly::zero();
+        for (ma, ca) in &self.terms {
+            for (mb, cb) in &o.terms {
+                p = p.add(&Poly {
+                    terms: [(mono_mul(ma, mb), ca * cb)].into_iter().collect(),
+                });
+            }
+        }
+        p
+    }
+
+    /// Product with a constant.
+    pub fn scale(&self, k: i128) -> Poly {
+        self.mul(&Poly::constant(k))
+    }
+
+    /// `self / k` when every coefficient is a multiple of `k`.
+    pub fn div_exact(&self, k: i64) -> Option<Poly> {
+        let k = k as i128;
+        if k == 0 || self.terms.values().any(|c| c % k != 0) {
+            return None;
+        }
+        Some(Poly {
+            terms: self.terms.iter().map(|(m, c)| (m.clone(), c / k)).collect(),
+        })
+    }
+
+    /// `self / d` when `d` is a monomial (constant times atoms) dividing every term.
+    pub fn div_monomial(&self, d: &Poly) -> Option<Poly> {
+        if d.terms.len() != 1 {
+            return None;
+        }
+        let (dm, dc) = d.terms.iter().next()?;
+        let mut out = Poly::zero();
+        for (m, c) in &self.terms {
+            if c % dc != 0 {
+                return None;
+            }
+            let mut rest: BTreeMap<AtomId, u32> = m.iter().copied().collect();
+            for &(a, e) in dm {
+                let have = rest.get(&a).copied().unwrap_or(0);
+                if have < e {
+                    return None;
+                }
+                if have == e {
+                    rest.remove(&a);
+                } else {
+                    rest.insert(a, have - e);
+                }
+            }
+            out = out.add(&Poly {
+                terms: [(rest.into_iter().collect(), c / dc)].into_iter().collect(),
+            });
+        }
+        Some(out)
+    }
+
+    /// The gcd of the coefficients (0 for the zero polynomial).
+    pub fn content(&self) -> i128 {
+        self.terms.values().fold(0, |g, &c| gcd(g, c))
+    }
+
+    /// Value for a binding of the atoms.
+    pub fn eval(&self, vals: &[i128]) -> Option<i128> {
+        let mut s: i128 = 0;
+        for (m, c) in &self.terms {
+            let mut t = *c;
+            for &(a, e) in m {
+                let v = *vals.get(a.0 as usize)?;
+                for _ in 0..e {
+                    t = t.checked_mul(v)?;
+                }
+            }
+            s = s.checked_add(t)?;
+        }
+        Some(s)
+    }
+
+    /// An upper bound for every binding with atoms in `[1, bound]`, when all atoms with a positive
+    /// coefficient are bounded.
+    pub fn upper_bound(&self, bounds: &[Option<i128>]) -> Option<i128> {
+        let mut s: i128 = 0;
+        for (m, c) in &self.terms {
+            if *c < 0 {
+                // Every monomial is >= 1, so a negative term is at most `c`.
+                s = s.checked_add(*c)?;
+                continue;
+            }
+            let mut t = *c;
+            for &(a, e) in m {
+                let v = (*bounds.get(a.0 as usize)?)?;
+                for _ in 0..e {
+                    t = t.checked_mul(v)?;
+                }
+            }
+            s = s.checked_add(t)?;
+        }
+        Some(s)
+    }
+
+    /// Proves `self >= 0` for every binding with all atoms `>= 1` (sound, not complete): substitutes
+    /// `a = 1 + a'` for each atom and checks that no coefficient is negative.
+    pub fn provably_nonneg(&self) -> bool {
+        let one_plus = |a: AtomId| Poly::constant(1).add(&Poly::atom(a));
+        let mut shifted = Poly::zero();
+        for (m, c) in &self.terms {
+            let mut t = Poly::constant(*c);
+            for &(a, e) in m {
+                for _ in 0..e {
+                    t = t.mul(&one_plus(a));
+                }
+            }
+            shifted = shifted.add(&t);
+        }
+        shifted.terms.values().all(|&c| c >= 0)
+    }
+
+    /// A printable form using the atom table.
+    pub fn display<'a>(&'a self, atoms: &'a Atoms) -> PolyDisplay<'a> {
+        PolyDisplay { p: self, atoms }
+    }
+}
+
+/// Display adapter for [`Poly`] (needs the atom table for names).
+pub struct PolyDisplay<'a> {
+    p: &'a Poly,
+    atoms: &'a Atoms,
+}
+
+impl fmt::Display for PolyDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.p.terms.is_empty() {
+            return write!(f, "0");
+        }
+        // Highest degree first, constant last: `2*I + 1`.
+        let mut terms: Vec<(&Monomial, &i128)> = self.p.terms.iter().collect();
+        terms.sort_by_key(|(m, _)| std::cmp::Reverse(m.iter().map(|x| x.1).sum::<u32>()));
+        for (k, (m, c)) in terms.into_iter().enumerate() {
+            let mut c = *c;
+            if k > 0 {
+                if c < 0 {
+                    write!(f, " - ")?;
+                    c = -c;
+                } else {
+                    write!(f, " + ")?;
+                }
+            } else if c < 0 {
+                write!(f, "-")?;
+                c = -c;
+            }
+            if m.is_empty() {
+                write!(f, "{c}")?;
+                continue;
+            }
+            // Fold dimension units back into the coefficient: 128*(I/64) prints as 2*I.
+            let mut den: i128 = 1;
+            let mut names: Vec<String> = Vec::new();
+            for &(a, e) in m {
+                for _ in 0..e {
+                    match self.atoms.kind(a) {
+                        Some(AtomKind::Dim { name, unit, .. }) => {
+                            den *= *unit as i128;
+                            names.push(name.clone());
+                        }
+                        _ => names.push(format!("{}", AtomName(self.atoms, a))),
+                    }
+                }
+            }
+            let g = gcd(c, den);
+            let (num, den) = (c / g, den / g);
+            if num != 1 {
+                write!(f, "{num}*")?;
+            }
+            write!(f, "{}", names.join("*"))?;
+            if den != 1 {
+                write!(f, "/{den}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct AtomName<'a>(&'a Atoms, AtomId);
+
+impl fmt::Display for AtomName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.write_atom(f, self.1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arithmetic_and_display() {
+        let mut atoms = Atoms::default();
+        let i = Poly::atom(atoms.dim("I", 64, None));
+        let h = Poly::atom(atoms.dim("H", 1, None));
+        let two_i = i.scale(128);
+        assert_eq!(two_i.display(&atoms).to_string(), "2*I");
+        let cd = atoms.ceil_div(&two_i, 128);
+        assert_eq!(cd.display(&atoms).to_string(), "I/64");
+        let kt = atoms.ceil_div(&h, 64);
+        assert_eq!(kt.display(&atoms).to_string(), "ceil_div(H, 64)");
+        let e = two_i.mul(&h).sub(&Poly::constant(1));
+        assert_eq!(e.display(&atoms).to_string(), "2*I*H - 1");
+        let vals = atoms
+            .evaluate(&|n| match n {
+                "I" => Some(768),
+                "H" => Some(100),
+                _ => None,
+            })
+            .unwrap_or_default();
+        assert_eq!(kt.eval(&vals), Some(2));
+        assert_eq!(e.eval(&vals), Some(2 * 768 * 100 - 1));
+    }
+
+    #[test]
+    fn nonneg_proofs() {
+        let mut atoms = Atoms::default();
+        let a = Poly::atom(atoms.dim("A", 1, None));
+        let b = Poly::atom(atoms.dim("B", 1, None));
+        // a*b - a >= 0 for a, b >= 1
+        assert!(a.mul(&b).sub(&a).provably_nonneg());
+        // a - b is not provable
+        assert!(!a.sub(&b).provably_nonneg());
+        // a - 2 is not nonneg at a = 1
+        assert!(!a.sub(&Poly::constant(2)).provably_nonneg());
+    }
+}

@@ -1,0 +1,43 @@
+//! moeforge's standard recipes, embedded in the binary: each describes how one quantized MoE
+//! backend lays out its weights over the dimensions `E` (local experts), `H` (hidden size) and `I`
+//! (intermediate size per expert), with vLLM's parameter names.
+
+/// A standard recipe: its file name (without `.recipe`) and source text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StandardRecipe {
+    /// Name, equal to the recipe's own name.
+    pub name: &'static str,
+    /// Path relative to the repository root.
+    pub path: &'static str,
+    /// Source.
+    pub source: &'static str,
+}
+
+macro_rules! recipe {
+    ($name:literal) => {
+        StandardRecipe {
+            name: $name,
+            path: concat!("kernels/", $name, ".recipe"),
+            source: include_str!(concat!("../", $name, ".recipe")),
+        }
+    };
+}
+
+/// Every standard recipe, in a stable order.
+pub const STANDARD: &[StandardRecipe] = &[
+    recipe!("bf16"),
+    recipe!("fp8_per_tensor"),
+    recipe!("fp8_block128"),
+    recipe!("nvfp4_cutedsl"),
+    recipe!("mxfp4"),
+    recipe!("int8_per_row"),
+];
+
+/// A standard recipe by name.
+pub fn find(name: &str) -> Option<&'static StandardRecipe> {
+    STANDARD.iter().find(|r| r.name == name)
+}
+
+/// The default binding of `moeforge demo`: one Qwen3-30B-A3B MoE layer (128 experts, hidden 2048,
+/// intermediate 768).
+pub const QWEN3_30B_A3B: &[(&str, i64)] = &[("E", 128), ("H", 2048), ("I", 768)];

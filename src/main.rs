@@ -1,0 +1,120 @@
+//! The `moeforge` command.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// moeforge: a compiler and runtime for quantized Mixture-of-Experts kernels.
+#[derive(Parser)]
+#[command(name = "moeforge", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a recipe: parse, bind and prove its views, params and kernel bindings sound.
+    Check {
+        /// The recipe file (`kernels/*.recipe`), or the name of a standard recipe.
+        file: String,
+        /// Dimension values, e.g. `E=8,H=2048,I=768`.
+        #[arg(long)]
+        bind: Option<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Print the source element offsets of every element of VIEW (row-major, needs --bind).
+        #[arg(long, value_name = "VIEW")]
+        index_map: Option<String>,
+    },
+    /// Run the main job on an embedded default MoE layer.
+    Demo,
+}
+
+fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
+    match std::fs::read_to_string(file) {
+        Ok(s) => Ok((file.to_string(), s)),
+        Err(e) => match moeforge::kernels::find(file) {
+            Some(r) => Ok((r.path.to_string(), r.source.to_string())),
+            None => Err(moeforge::Error::Io {
+                path: file.to_string(),
+                source: e,
+            }),
+        },
+    }
+}
+
+fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
+    let io = |e: std::io::Error| moeforge::Error::Io {
+        path: "<stdout>".into(),
+        source: e,
+    };
+    match cli.command {
+        Command::Check {
+            file,
+            bind,
+            json,
+            index_map,
+        } => {
+            let (name, src) = read_recipe(&file)?;
+            let info = moeforge::check_source(&src, &name, bind.as_deref())?;
+            if let Some(view) = index_map {
+                let Some(v) = info.view(&view) else {
+                    let views = moeforge::report::names_of(info.module(), &|k| {
+                        matches!(k, moeforge::dsl::ir::TensorKind::View { .. })
+                    });
+                    return Err(moeforge::Error::Usage(format!(
+                        "recipe `{}` has no view `{view}` (views: {})",
+                        info.module().name,
+                        if views.is_empty() { "none".into() } else { views.join(", ") }
+                    )));
+                };
+                let Some(map) = info.index_map(v) else {
+                    return Err(moeforge::Error::Usage(
+                        "--index-map needs --bind with every dimension".into(),
+                    ));
+                };
+                let mut w = std::io::BufWriter::new(out);
+                w.write_all(b"[").map_err(io)?;
+                for (k, o) in map.iter().enumerate() {
+                    if k > 0 {
+                        w.write_all(b",").map_err(io)?;
+                    }
+                    write!(w, "{o}").map_err(io)?;
+                }
+                w.write_all(b"]\n").map_err(io)?;
+                w.flush().map_err(io)?;
+            } else if json {
+                let v = moeforge::report::json(&info);
+                let s = serde_json::to_string_pretty(&v).map_err(|e| moeforge::Error::Usage(e.to_string()))?;
+                writeln!(out, "{s}").map_err(io)?;
+            } else {
+                write!(out, "{}", moeforge::report::human(&info)).map_err(io)?;
+            }
+        }
+        Command::Demo => {
+            write!(out, "{}", moeforge::demo::run()?).map_err(io)?;
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let stdout = std::io::stdout();
+    let mut lock = stdout.lock();
+    match run(cli, &mut lock) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let mut err = std::io::stderr().lock();
+            let msg = match &e {
+                moeforge::Error::Recipe { rendered, .. } => rendered.clone(),
+                other => format!("error: {other}\n"),
+            };
+            let _ = err.write_all(msg.as_bytes());
+            ExitCode::from(1)
+        }
+    }
+}
