@@ -397,8 +397,7 @@ impl<'s> Lower<'s> {
                 .with_label(span, format!("`{shown}` / {k} needs `{shown} % {k} == 0`"))
                 .with_label(num_span, "this size")
                 .with_note(format!(
-                    "help: add a constraint to the where-clause, e.g. `where {} % {k} == 0`",
-                    self.text(num_span)
+                    "help: add a constraint to the where-clause, e.g. `where {shown} % {k} == 0`"
                 ));
                 self.err(d);
                 None
@@ -829,7 +828,15 @@ impl<'s> Lower<'s> {
         };
         if let Some(b) = blk {
             let k = shape.last().cloned().unwrap_or_default();
-            self.div_exact(&k, b, input.value.span, input.value.span)?;
+            if k.div_exact(b).is_none() {
+                let shown = self.m.show(&k);
+                self.err(
+                    Diagnostic::error("E0204", format!("cannot prove that `{shown}` is divisible by {b}"))
+                        .with_label(input.value.span, format!("`quant {}` blocks the last dimension `{shown}` of this tensor by {b}", scheme.name))
+                        .with_note(format!("help: add a constraint to the where-clause, e.g. `where {shown} % {b} == 0`")),
+                );
+                return None;
+            }
         }
         Some(self.push(Op::Quant { scheme: q, input: x }, values, shape, span))
     }
@@ -1793,6 +1800,10 @@ impl<'s> Lower<'s> {
             }
             Op::Reshape { base, shape } => {
                 let l = self.view_layout(name, *base)?;
+                if l.swizzle.is_none() && SymLayout::row_major(&l.shape()) == (SymLayout { offset: Poly::zero(), ..l.clone() }) {
+                    // Compact row-major storage: any reshape is a reinterpretation.
+                    return Some(SymLayout { offset: l.offset, ..SymLayout::row_major(shape) });
+                }
                 self.reshape(name, &l, shape, span)
             }
             Op::MmaSfView { base } => {

@@ -457,7 +457,7 @@ fn num_in_bounds(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
     match l.swizzle {
         None if hi < n => Ok(()),
         None => Err(format!(
-            "the largest offset is {hi}, past the {n} elements of the storage"
+            "the largest offset is {hi}, but the storage has {n} element(s)"
         )),
         Some(sw) => {
             if hi < n && n % sw.period() as i128 == 0 {
@@ -528,6 +528,62 @@ fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
     Err("its strides do not tile the storage (sorted by stride, each stride must be the product of the smaller extents)".into())
 }
 
+/// Promise 2 for a declared param layout: the experts mode is outermost (its stride exceeds every
+/// offset inside one expert) and the layout is dense (expert stride = elements per expert, the rest a
+/// bijection onto them). Returns how it was proven, or the violated promise's code and why.
+fn check_param_layout(
+    layout: &SymLayout,
+    per: &Poly,
+    at: Option<&Binding>,
+) -> Result<Proof, (&'static str, String)> {
+    let Some(e_mode) = layout.dims.first().filter(|d| d.len() == 1).map(|d| d[0].clone()) else {
+        return Err(("E0401", "the experts dimension is split into several modes".into()));
+    };
+    let rest = SymLayout {
+        dims: layout.dims[1..].to_vec(),
+        offset: layout.offset.clone(),
+        swizzle: layout.swizzle,
+    };
+    let stride = e_mode.1;
+    // Expert-major: the expert stride exceeds the largest offset inside an expert.
+    let mut inner_max = rest.offset.clone();
+    for (s, d) in rest.leaves() {
+        inner_max = inner_max.add(&s.sub(&Poly::constant(1)).mul(&d));
+    }
+    let mut proof = Proof::Symbolic;
+    if !stride.sub(&inner_max).sub(&Poly::constant(1)).provably_nonneg() {
+        match at {
+            Some(b) => {
+                let (st, mx) = (b.eval(&stride).unwrap_or(0), b.eval(&inner_max).unwrap_or(0));
+                if st <= mx {
+                    return Err((
+                        "E0401",
+                        format!("the experts stride is {st} but one expert reaches offset {mx}: experts interleave"),
+                    ));
+                }
+                proof = Proof::NeedsBinding;
+            }
+            None => proof = Proof::NeedsBinding,
+        }
+    }
+    // Dense: stride = elements per expert, and the rest tiles them exactly.
+    if stride != *per || !sym_bijective(&rest, per) {
+        let Some(b) = at else {
+            return Ok(Proof::NeedsBinding);
+        };
+        let (st, n) = (b.eval(&stride).unwrap_or(0), b.eval(per).unwrap_or(0));
+        if st != n {
+            return Err((
+                "E0402",
+                format!("the experts stride is {st} but one expert has {n} elements"),
+            ));
+        }
+        num_bijective(&rest, n, b).map_err(|why| ("E0402", why))?;
+        proof = Proof::NeedsBinding;
+    }
+    Ok(proof)
+}
+
 // ---- the verifier -------------------------------------------------------------------------------
 
 /// Verify a lowered module, optionally at a binding. Returns the verified module or every violation.
@@ -573,46 +629,34 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         let lspan = t.declared_layout.as_ref().map(|x| x.1).unwrap_or(t.name_span);
         let mut proof = Proof::Symbolic;
         if t.declared_layout.is_some() {
-            // The experts mode must be outermost with stride = elements per expert.
-            let e_mode_ok = layout.dims.first().is_some_and(|d| d.len() == 1 && d[0].1 == per);
-            let rest = SymLayout {
-                dims: layout.dims[1..].to_vec(),
-                offset: layout.offset.clone(),
-                swizzle: layout.swizzle,
-            };
-            let rest_ok = sym_bijective(&rest, &per);
-            if !e_mode_ok {
-                let stride = layout
-                    .dims
-                    .first()
-                    .map(|d| d.iter().map(|m| module.show(&m.1)).collect::<Vec<_>>().join(","))
-                    .unwrap_or_default();
-                errs.push(
-                    Diagnostic::error("E0401", format!("param `{}` is not expert-major", t.name))
-                        .with_label(lspan, format!("the experts mode has stride `{stride}`, not the `{}` elements of one expert", module.show(&per)))
-                        .with_note("an expert must be one contiguous range of the param so that EPLB can move it as a unit"),
-                );
-                continue;
-            }
-            if !rest_ok {
-                let why = at.map(|b| num_bijective(&rest, b.eval(&per).unwrap_or(0), b));
-                match why {
-                    Some(Ok(())) if binding.is_some() => proof = Proof::Exhaustive,
-                    Some(Ok(())) => proof = Proof::NeedsBinding,
-                    other => {
-                        let reason = match other {
-                            Some(Err(r)) => r,
-                            _ => "it is not provably dense".into(),
-                        };
-                        let mut d = Diagnostic::error("E0402", format!("param `{}` is not contiguous", t.name))
-                            .with_label(lspan, format!("one expert's elements do not fill `{}` consecutive offsets", module.show(&per)))
-                            .with_note(format!("layout {}: {reason}", layout.display(&module.atoms)));
-                        if let Some(b) = at {
-                            d = d.with_note(at_note(b));
-                        }
-                        errs.push(d);
-                        continue;
+            match check_param_layout(&layout, &per, at) {
+                Ok(p) => {
+                    proof = match p {
+                        Proof::NeedsBinding if binding.is_some() => Proof::Exhaustive,
+                        other => other,
                     }
+                }
+                Err((code, why)) => {
+                    let (head, label) = if code == "E0401" {
+                        (
+                            format!("param `{}` is not expert-major", t.name),
+                            "the experts mode is not the outermost one".to_string(),
+                        )
+                    } else {
+                        (
+                            format!("param `{}` is not contiguous", t.name),
+                            format!("one expert's elements do not fill `{}` consecutive offsets", module.show(&per)),
+                        )
+                    };
+                    let mut d = Diagnostic::error(code, head)
+                        .with_label(lspan, label)
+                        .with_note(format!("layout {}: {why}", layout.display(&module.atoms)))
+                        .with_note("an expert must be one dense, contiguous range of the param so that EPLB moves it as a unit");
+                    if let Some(b) = at {
+                        d = d.with_note(at_note(b));
+                    }
+                    errs.push(d);
+                    continue;
                 }
             }
         }
