@@ -20,7 +20,10 @@ pub fn run() -> crate::Result<String> {
     let _ = writeln!(
         out,
         "moeforge demo: every standard recipe checked at a Qwen3-30B-A3B MoE layer ({})",
-        bind.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
+        bind.iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let _ = writeln!(
         out,

@@ -48,11 +48,7 @@ pub fn recipe_error(diags: &[dsl::Diagnostic], file: &str, src: &str) -> Error {
 }
 
 /// Check a recipe source: parse, lower, bind and verify.
-pub fn check_source(
-    src: &str,
-    file: &str,
-    bind: Option<&str>,
-) -> Result<dsl::ModuleInfo> {
+pub fn check_source(src: &str, file: &str, bind: Option<&str>) -> Result<dsl::ModuleInfo> {
     let bind = match bind {
         Some(b) => Some(dsl::verify::parse_binding(b).map_err(|d| recipe_error(&[d], file, src))?),
         None => None,

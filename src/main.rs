@@ -68,7 +68,11 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                     return Err(moeforge::Error::Usage(format!(
                         "recipe `{}` has no view `{view}` (views: {})",
                         info.module().name,
-                        if views.is_empty() { "none".into() } else { views.join(", ") }
+                        if views.is_empty() {
+                            "none".into()
+                        } else {
+                            views.join(", ")
+                        }
                     )));
                 };
                 let Some(map) = info.index_map(v) else {
@@ -88,7 +92,8 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 w.flush().map_err(io)?;
             } else if json {
                 let v = moeforge::report::json(&info);
-                let s = serde_json::to_string_pretty(&v).map_err(|e| moeforge::Error::Usage(e.to_string()))?;
+                let s = serde_json::to_string_pretty(&v)
+                    .map_err(|e| moeforge::Error::Usage(e.to_string()))?;
                 writeln!(out, "{s}").map_err(io)?;
             } else {
                 write!(out, "{}", moeforge::report::human(&info)).map_err(io)?;

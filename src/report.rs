@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use moeforge_dsl::ir::{Module, Tensor, TensorKind};
+use moeforge_dsl::ir::{Module, TensorKind};
 use moeforge_dsl::poly::Poly;
 use moeforge_dsl::verify::{ModuleInfo, Proof, ViewInfo};
 use serde_json::{json, Value};
@@ -12,7 +12,11 @@ fn dims_text(info: &ModuleInfo, shape: &[Poly]) -> String {
         Some(b) => {
             let v: Vec<String> = shape
                 .iter()
-                .map(|p| b.eval(p).map(|x| x.to_string()).unwrap_or_else(|| "?".into()))
+                .map(|p| {
+                    b.eval(p)
+                        .map(|x| x.to_string())
+                        .unwrap_or_else(|| "?".into())
+                })
                 .collect();
             format!("[{}]", v.join(", "))
         }
@@ -34,13 +38,6 @@ fn layout_text(info: &ModuleInfo, l: &moeforge_dsl::ir::SymLayout) -> String {
     }
 }
 
-fn poly_text(info: &ModuleInfo, p: &Poly) -> String {
-    match info.eval(p) {
-        Some(v) => v.to_string(),
-        None => info.module().show(p),
-    }
-}
-
 fn bytes_text(info: &ModuleInfo, e: &moeforge_dsl::verify::MoveEntry) -> String {
     match info.bytes_per_expert(e) {
         Some(v) if info.binding().is_some() => v.to_string(),
@@ -49,10 +46,6 @@ fn bytes_text(info: &ModuleInfo, e: &moeforge_dsl::verify::MoveEntry) -> String 
             None => format!("({})/8", info.module().show(&e.bits_per_expert)),
         },
     }
-}
-
-fn tensor<'a>(m: &'a Module, id: moeforge_dsl::ir::TensorId) -> Option<&'a Tensor> {
-    m.tensor(id)
 }
 
 fn map_kind(v: &ViewInfo) -> &'static str {
@@ -94,7 +87,13 @@ pub fn human(info: &ModuleInfo) -> String {
     let dims: Vec<String> = m
         .dims
         .iter()
-        .map(|d| if d.experts { format!("{}: experts", d.name) } else { d.name.clone() })
+        .map(|d| {
+            if d.experts {
+                format!("{}: experts", d.name)
+            } else {
+                d.name.clone()
+            }
+        })
         .collect();
     let _ = writeln!(out, "recipe {}({})", m.name, dims.join(", "));
     match info.binding() {
@@ -102,7 +101,8 @@ pub fn human(info: &ModuleInfo) -> String {
             let _ = writeln!(out, "bound at {}", b.describe());
         }
         None => {
-            let _ = writeln!(
+            let _ =
+                writeln!(
                 out,
                 "not bound: sizes are symbolic; pass --bind {} for numbers and exhaustive checks",
                 m.dims.iter().map(|d| format!("{}=..", d.name)).collect::<Vec<_>>().join(",")
@@ -119,8 +119,12 @@ pub fn human(info: &ModuleInfo) -> String {
         "proof".into(),
     ]];
     for (p, e) in info.params.iter().zip(&info.move_set) {
-        let Some(t) = tensor(m, p.id) else { continue };
-        let name = if t.optional { format!("{} (optional)", t.name) } else { t.name.clone() };
+        let Some(t) = m.tensor(p.id) else { continue };
+        let name = if t.optional {
+            format!("{} (optional)", t.name)
+        } else {
+            t.name.clone()
+        };
         rows.push(vec![
             name,
             t.dtype.to_string(),
@@ -143,7 +147,9 @@ pub fn human(info: &ModuleInfo) -> String {
             "bijection".into(),
         ]];
         for v in &info.views {
-            let (Some(t), Some(s)) = (tensor(m, v.id), tensor(m, v.source)) else { continue };
+            let (Some(t), Some(s)) = (m.tensor(v.id), m.tensor(v.source)) else {
+                continue;
+            };
             let claim = if v.claimed { " (claimed)" } else { "" };
             rows.push(vec![
                 t.name.clone(),
@@ -166,11 +172,13 @@ pub fn human(info: &ModuleInfo) -> String {
             "index".into(),
         ]];
         for k in &info.kernels {
-            let Some(kb) = m.kernels.get(k.index) else { continue };
+            let Some(kb) = m.kernels.get(k.index) else {
+                continue;
+            };
             let reads: Vec<String> = kb
                 .operands
                 .iter()
-                .filter_map(|(t, _)| tensor(m, *t).map(|x| x.name.clone()))
+                .filter_map(|(t, _)| m.tensor(*t).map(|x| x.name.clone()))
                 .collect();
             let targets: Vec<&str> = kb.targets.iter().map(|t| t.name()).collect();
             let w = match kb.index.0 {
@@ -190,7 +198,9 @@ pub fn human(info: &ModuleInfo) -> String {
     let mut rows = vec![vec!["param".into(), "B = bytes/expert".into()]];
     let mut total: i128 = 0;
     for e in &info.move_set {
-        let Some(t) = tensor(m, e.param) else { continue };
+        let Some(t) = m.tensor(e.param) else {
+            continue;
+        };
         total += info.bytes_per_expert(e).unwrap_or(0);
         rows.push(vec![t.name.clone(), bytes_text(info, e)]);
     }
@@ -200,7 +210,10 @@ pub fn human(info: &ModuleInfo) -> String {
             .and_then(|d| b.dims.iter().find(|x| x.0 == d.name))
             .map(|x| x.1 as i128)
             .unwrap_or(0);
-        rows.push(vec!["total".into(), format!("{total} per expert, {} per layer", total * experts)]);
+        rows.push(vec![
+            "total".into(),
+            format!("{total} per expert, {} per layer", total * experts),
+        ]);
     }
     out.push_str(&table(&rows));
     let _ = writeln!(out, "\nverified: {}", promise_summary(info));
@@ -235,8 +248,14 @@ pub fn promise_summary(info: &ModuleInfo) -> String {
 }
 
 fn int_list(info: &ModuleInfo, ps: &[Poly]) -> Value {
-    match ps.iter().map(|p| info.eval(p)).collect::<Option<Vec<i128>>>() {
-        Some(v) if info.binding().is_some() => json!(v.iter().map(|x| *x as i64).collect::<Vec<_>>()),
+    match ps
+        .iter()
+        .map(|p| info.eval(p))
+        .collect::<Option<Vec<i128>>>()
+    {
+        Some(v) if info.binding().is_some() => {
+            json!(v.iter().map(|x| *x as i64).collect::<Vec<_>>())
+        }
         _ => Value::Null,
     }
 }
@@ -254,7 +273,7 @@ pub fn json(info: &ModuleInfo) -> Value {
         .iter()
         .zip(&info.move_set)
         .filter_map(|(p, e)| {
-            let t = tensor(m, p.id)?;
+            let t = m.tensor(p.id)?;
             Some(json!({
                 "name": t.name,
                 "dtype": t.dtype.name(),
@@ -272,8 +291,8 @@ pub fn json(info: &ModuleInfo) -> Value {
         .views
         .iter()
         .filter_map(|v| {
-            let t = tensor(m, v.id)?;
-            let s = tensor(m, v.source)?;
+            let t = m.tensor(v.id)?;
+            let s = m.tensor(v.source)?;
             let leaves = v.layout.leaves();
             let shape: Vec<Poly> = leaves.iter().map(|x| x.0.clone()).collect();
             let stride: Vec<Poly> = leaves.iter().map(|x| x.1.clone()).collect();
@@ -297,7 +316,7 @@ pub fn json(info: &ModuleInfo) -> Value {
         .move_set
         .iter()
         .filter_map(|e| {
-            let t = tensor(m, e.param)?;
+            let t = m.tensor(e.param)?;
             Some(json!({
                 "param": t.name,
                 "bytes_per_expert": if bound { json!(info.bytes_per_expert(e).map(|x| x as i64)) } else { Value::Null },
@@ -312,7 +331,7 @@ pub fn json(info: &ModuleInfo) -> Value {
             let kb = m.kernels.get(k.index)?;
             Some(json!({
                 "name": kb.name,
-                "reads": kb.operands.iter().filter_map(|(t, _)| tensor(m, *t).map(|x| x.name.clone())).collect::<Vec<_>>(),
+                "reads": kb.operands.iter().filter_map(|(t, _)| m.tensor(*t).map(|x| x.name.clone())).collect::<Vec<_>>(),
                 "targets": kb.targets.iter().map(|t| t.name()).collect::<Vec<_>>(),
                 "index": match kb.index.0 { moeforge_dsl::ir::IndexWidth::I32 => "i32", moeforge_dsl::ir::IndexWidth::I64 => "i64" },
                 "index_proof": k.proof.name(),
@@ -341,10 +360,9 @@ fn bytes_text_symbolic(info: &ModuleInfo, e: &moeforge_dsl::verify::MoveEntry) -
 
 /// Names of all tensors of a kind, for messages.
 pub fn names_of(m: &Module, pred: &dyn Fn(&TensorKind) -> bool) -> Vec<String> {
-    m.tensors.iter().filter(|t| pred(&t.kind)).map(|t| t.name.clone()).collect()
-}
-
-/// The symbolic expression of a polynomial, or its value at the binding.
-pub fn value_or_symbol(info: &ModuleInfo, p: &Poly) -> String {
-    poly_text(info, p)
+    m.tensors
+        .iter()
+        .filter(|t| pred(&t.kind))
+        .map(|t| t.name.clone())
+        .collect()
 }

@@ -23,7 +23,11 @@ fn golden_diagnostics() {
         .filter(|p| p.extension().is_some_and(|e| e == "recipe"))
         .collect();
     entries.sort();
-    assert!(entries.len() >= 12, "expected at least 12 golden diagnostics, found {}", entries.len());
+    assert!(
+        entries.len() >= 12,
+        "expected at least 12 golden diagnostics, found {}",
+        entries.len()
+    );
     let mut failures = Vec::new();
     let mut codes = std::collections::BTreeSet::new();
     for path in &entries {
@@ -54,8 +58,15 @@ fn golden_diagnostics() {
             ));
         }
     }
-    assert!(failures.is_empty(), "golden mismatches (BLESS=1 to update):\n{}", failures.join("\n"));
-    assert!(codes.len() >= 12, "expected at least 12 distinct error codes, got {codes:?}");
+    assert!(
+        failures.is_empty(),
+        "golden mismatches (BLESS=1 to update):\n{}",
+        failures.join("\n")
+    );
+    assert!(
+        codes.len() >= 12,
+        "expected at least 12 distinct error codes, got {codes:?}"
+    );
 }
 
 fn diff(a: &str, b: &str) -> String {

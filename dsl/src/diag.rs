@@ -90,10 +90,7 @@ pub fn render_all(diags: &[Diagnostic], file_name: &str, src: &str) -> String {
             .with_labels(labels)
             .with_notes(d.notes.clone());
         if term::emit_to_string(&mut buf, &config, &file, &cs).is_err() {
-            return diags
-                .iter()
-                .map(|d| format!("{d}\n"))
-                .collect::<String>();
+            return diags.iter().map(|d| format!("{d}\n")).collect::<String>();
         }
     }
     buf

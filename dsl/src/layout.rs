@@ -22,7 +22,9 @@ pub enum LayoutError {
         stride: String,
     },
     /// `composition` needs each stride of B to divide (or be divided by) A's mode shapes.
-    #[error("composition is not defined: stride {stride} and shape {shape} do not divide each other")]
+    #[error(
+        "composition is not defined: stride {stride} and shape {shape} do not divide each other"
+    )]
     NotDivisible {
         /// The offending stride of the right operand.
         stride: i64,
@@ -235,7 +237,11 @@ impl Layout {
 
     /// The flattened (shape, stride) pairs.
     pub fn flat_modes(&self) -> Vec<(i64, i64)> {
-        self.shape.leaves().into_iter().zip(self.stride.leaves()).collect()
+        self.shape
+            .leaves()
+            .into_iter()
+            .zip(self.stride.leaves())
+            .collect()
     }
 
     /// The flattened layout (CuTe's `flatten`).
@@ -317,8 +323,11 @@ impl Layout {
     /// non-trivial modes by stride and checking that each stride is at least the span of the smaller
     /// ones (exact for non-negative strides; exhaustive for small layouts otherwise).
     pub fn is_injective(&self) -> bool {
-        let mut modes: Vec<(i64, i64)> =
-            self.flat_modes().into_iter().filter(|&(s, _)| s > 1).collect();
+        let mut modes: Vec<(i64, i64)> = self
+            .flat_modes()
+            .into_iter()
+            .filter(|&(s, _)| s > 1)
+            .collect();
         if modes.iter().any(|&(_, d)| d <= 0) {
             return self.is_injective_exhaustive();
         }
@@ -328,7 +337,7 @@ impl Layout {
             if d < span {
                 return self.is_injective_exhaustive();
             }
-            span = d * (s - 1) + span;
+            span += d * (s - 1);
         }
         true
     }
@@ -692,10 +701,7 @@ mod tests {
     #[test]
     fn crd2idx_hierarchical() {
         let lay = Layout::new(
-            IntTuple::Tuple(vec![
-                IntTuple::flat(&[2, 2]),
-                IntTuple::Int(3),
-            ]),
+            IntTuple::Tuple(vec![IntTuple::flat(&[2, 2]), IntTuple::Int(3)]),
             IntTuple::Tuple(vec![IntTuple::flat(&[1, 6]), IntTuple::Int(2)]),
         )
         .unwrap_or_else(|_| l(&[1], &[0]));

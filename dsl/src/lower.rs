@@ -102,8 +102,11 @@ impl<'s> Lower<'s> {
         for (k, d) in r.dims.iter().enumerate() {
             if names[..k].contains(&d.name.name.as_str()) {
                 self.err(
-                    Diagnostic::error("E0102", format!("dimension `{}` is declared twice", d.name.name))
-                        .with_label(d.name.span, "declared again here"),
+                    Diagnostic::error(
+                        "E0102",
+                        format!("dimension `{}` is declared twice", d.name.name),
+                    )
+                    .with_label(d.name.span, "declared again here"),
                 );
             }
         }
@@ -150,12 +153,24 @@ impl<'s> Lower<'s> {
                     let u = units.entry(name).or_insert(1);
                     *u = lcm(*u, need);
                 }
-                ast::Constraint::Bound { dim, op, value, span } => {
+                ast::Constraint::Bound {
+                    dim,
+                    op,
+                    value,
+                    span,
+                } => {
                     if !names.contains(&dim.name.as_str()) {
                         self.err(
                             Diagnostic::error("E0101", format!("unknown dimension `{}`", dim.name))
                                 .with_label(dim.span, "not a dimension of this recipe")
-                                .with_note(format!("the dimensions are {}", names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "))),
+                                .with_note(format!(
+                                    "the dimensions are {}",
+                                    names
+                                        .iter()
+                                        .map(|n| format!("`{n}`"))
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                )),
                         );
                         continue;
                     }
@@ -187,7 +202,8 @@ impl<'s> Lower<'s> {
             if d.experts {
                 self.experts = Some(poly.clone());
             }
-            self.env.insert(d.name.name.clone(), Binding::Dim(poly.clone()));
+            self.env
+                .insert(d.name.name.clone(), Binding::Dim(poly.clone()));
             self.m.dims.push(Dim {
                 name: d.name.name.clone(),
                 poly,
@@ -211,7 +227,12 @@ impl<'s> Lower<'s> {
                         });
                     }
                 }
-                ast::Constraint::Bound { dim, op, value, span } => {
+                ast::Constraint::Bound {
+                    dim,
+                    op,
+                    value,
+                    span,
+                } => {
                     self.m.checks.push(BindCheck::Bound {
                         dim: dim.name.clone(),
                         op: *op,
@@ -301,10 +322,9 @@ impl<'s> Lower<'s> {
             ),
             ExprKind::Binary { lhs, rhs, .. } => self.is_size_expr(lhs) && self.is_size_expr(rhs),
             ExprKind::Neg(x) => self.is_size_expr(x),
-            ExprKind::Call { func, .. } => matches!(
-                func.name.as_str(),
-                "ceil_div" | "round_up" | "cd" | "ru"
-            ),
+            ExprKind::Call { func, .. } => {
+                matches!(func.name.as_str(), "ceil_div" | "round_up" | "cd" | "ru")
+            }
             _ => false,
         }
     }
@@ -314,8 +334,11 @@ impl<'s> Lower<'s> {
             Some(c) if c > 0 && c <= i64::MAX as i128 => Some(c as i64),
             _ => {
                 self.err(
-                    Diagnostic::error("E0106", format!("{what} must be a positive integer constant"))
-                        .with_label(e.span, "not a positive constant"),
+                    Diagnostic::error(
+                        "E0106",
+                        format!("{what} must be a positive integer constant"),
+                    )
+                    .with_label(e.span, "not a positive constant"),
                 );
                 None
             }
@@ -355,31 +378,33 @@ impl<'s> Lower<'s> {
                     }
                 }
             }
-            ExprKind::Call { func, args } => match func.name.as_str() {
-                "ceil_div" | "cd" | "round_up" | "ru" => {
-                    let [a, b] = self.positional::<2>(func, args)?;
-                    let p = self.size(&a.value)?;
-                    let k = self.const_int(&b.value, "the divisor")?;
-                    let q = self.m.atoms.ceil_div(&p, k);
-                    if func.name.starts_with('r') {
-                        Some(q.scale(k as i128))
-                    } else {
-                        Some(q)
+            ExprKind::Call { func, args } => {
+                match func.name.as_str() {
+                    "ceil_div" | "cd" | "round_up" | "ru" => {
+                        let [a, b] = self.positional::<2>(func, args)?;
+                        let p = self.size(&a.value)?;
+                        let k = self.const_int(&b.value, "the divisor")?;
+                        let q = self.m.atoms.ceil_div(&p, k);
+                        if func.name.starts_with('r') {
+                            Some(q.scale(k as i128))
+                        } else {
+                            Some(q)
+                        }
                     }
-                }
-                _ => {
-                    self.err(
+                    _ => {
+                        self.err(
                         Diagnostic::error("E0106", format!("expected a size, `{}(..)` is not one", func.name))
                             .with_label(e.span, "sizes use integers, dimensions, `+ - * /`, `ceil_div` and `round_up`"),
                     );
-                    None
+                        None
+                    }
                 }
-            },
+            }
             _ => {
-                self.err(
-                    Diagnostic::error("E0106", "expected a size")
-                        .with_label(e.span, "sizes use integers, dimensions, `+ - * /`, `ceil_div` and `round_up`"),
-                );
+                self.err(Diagnostic::error("E0106", "expected a size").with_label(
+                    e.span,
+                    "sizes use integers, dimensions, `+ - * /`, `ceil_div` and `round_up`",
+                ));
                 None
             }
         }
@@ -405,13 +430,21 @@ impl<'s> Lower<'s> {
         }
     }
 
-    fn positional<'a, const N: usize>(&mut self, func: &ast::Ident, args: &'a [Arg]) -> Option<[&'a Arg; N]> {
+    fn positional<'a, const N: usize>(
+        &mut self,
+        func: &ast::Ident,
+        args: &'a [Arg],
+    ) -> Option<[&'a Arg; N]> {
         let pos: Vec<&Arg> = args.iter().filter(|a| a.name.is_none()).collect();
         if pos.len() != N || args.len() != N {
             self.err(
                 Diagnostic::error(
                     "E0105",
-                    format!("`{}` takes {N} positional argument{}", func.name, if N == 1 { "" } else { "s" }),
+                    format!(
+                        "`{}` takes {N} positional argument{}",
+                        func.name,
+                        if N == 1 { "" } else { "s" }
+                    ),
                 )
                 .with_label(func.span, format!("called with {} argument(s)", args.len())),
             );
@@ -439,8 +472,11 @@ impl<'s> Lower<'s> {
                 Binding::Dim(p) | Binding::Size(p) => Some(IndexVec::Identity(p)),
                 _ => {
                     self.err(
-                        Diagnostic::error("E0106", format!("expected a row index, `{n}` is not one"))
-                            .with_label(e.span, "here"),
+                        Diagnostic::error(
+                            "E0106",
+                            format!("expected a row index, `{n}` is not one"),
+                        )
+                        .with_label(e.span, "here"),
                     );
                     None
                 }
@@ -463,8 +499,14 @@ impl<'s> Lower<'s> {
                         .find(|a| a.name.as_ref().is_some_and(|n| n.name == "group"));
                     let (Some(base), Some(group)) = (base, group) else {
                         self.err(
-                            Diagnostic::error("E0105", "`interleave` takes a row index and `group = G`")
-                                .with_label(func.span, "e.g. `interleave(swap_halves(2*I), group = 64)`"),
+                            Diagnostic::error(
+                                "E0105",
+                                "`interleave` takes a row index and `group = G`",
+                            )
+                            .with_label(
+                                func.span,
+                                "e.g. `interleave(swap_halves(2*I), group = 64)`",
+                            ),
                         );
                         return None;
                     };
@@ -490,8 +532,7 @@ impl<'s> Lower<'s> {
             },
             _ => {
                 self.err(
-                    Diagnostic::error("E0106", "expected a row index")
-                        .with_label(e.span, "here"),
+                    Diagnostic::error("E0106", "expected a row index").with_label(e.span, "here"),
                 );
                 None
             }
@@ -535,8 +576,14 @@ impl<'s> Lower<'s> {
                 }
                 Binding::Quant(_) => {
                     self.err(
-                        Diagnostic::error("E0106", format!("`{n}` is a quantization, not a tensor"))
-                            .with_label(e.span, format!("read one of its outputs: `{n}.values`, `{n}.scales`, ...")),
+                        Diagnostic::error(
+                            "E0106",
+                            format!("`{n}` is a quantization, not a tensor"),
+                        )
+                        .with_label(
+                            e.span,
+                            format!("read one of its outputs: `{n}.values`, `{n}.scales`, ..."),
+                        ),
                     );
                     None
                 }
@@ -549,8 +596,11 @@ impl<'s> Lower<'s> {
                 }
                 Binding::Index(_) => {
                     self.err(
-                        Diagnostic::error("E0106", format!("expected a tensor, `{n}` is a row index"))
-                            .with_label(e.span, "use it inside `[...]`, e.g. `x[:, rows, :]`"),
+                        Diagnostic::error(
+                            "E0106",
+                            format!("expected a tensor, `{n}` is a row index"),
+                        )
+                        .with_label(e.span, "use it inside `[...]`, e.g. `x[:, rows, :]`"),
                     );
                     None
                 }
@@ -558,8 +608,10 @@ impl<'s> Lower<'s> {
             },
             ExprKind::Quant { .. } => {
                 self.err(
-                    Diagnostic::error("E0106", "a quantization is not a tensor")
-                        .with_label(e.span, "bind it with `let q = quant ...` and read `q.values` or `q.scales`"),
+                    Diagnostic::error("E0106", "a quantization is not a tensor").with_label(
+                        e.span,
+                        "bind it with `let q = quant ...` and read `q.values` or `q.scales`",
+                    ),
                 );
                 None
             }
@@ -611,8 +663,11 @@ impl<'s> Lower<'s> {
             let dt = self.dtype_of(v);
             if dt != DType::F32 {
                 self.err(
-                    Diagnostic::error("E0202", format!("dtype mismatch: `{op}` needs f32 operands, found {dt}"))
-                        .with_label(ex.span, format!("this is {dt}")),
+                    Diagnostic::error(
+                        "E0202",
+                        format!("dtype mismatch: `{op}` needs f32 operands, found {dt}"),
+                    )
+                    .with_label(ex.span, format!("this is {dt}")),
                 );
                 return None;
             }
@@ -631,7 +686,10 @@ impl<'s> Lower<'s> {
                     self.m.show_shape(&sb)
                 ),
             )
-            .with_label(span, "operands must have equal shapes, or one must be a scalar");
+            .with_label(
+                span,
+                "operands must have equal shapes, or one must be a scalar",
+            );
             self.err(d);
             return None;
         };
@@ -651,8 +709,14 @@ impl<'s> Lower<'s> {
         let input = args.iter().find(|a| a.name.is_none());
         let Some(input) = input else {
             self.err(
-                Diagnostic::error("E0105", format!("`quant {}` needs the tensor to quantize", scheme.name))
-                    .with_label(scheme.span, "e.g. `quant nvfp4(w13, amax = per_expert reduce moe_tp)`"),
+                Diagnostic::error(
+                    "E0105",
+                    format!("`quant {}` needs the tensor to quantize", scheme.name),
+                )
+                .with_label(
+                    scheme.span,
+                    "e.g. `quant nvfp4(w13, amax = per_expert reduce moe_tp)`",
+                ),
             );
             return None;
         };
@@ -671,9 +735,12 @@ impl<'s> Lower<'s> {
             "int8" => &["granularity"],
             _ => {
                 self.err(
-                    Diagnostic::error("E0104", format!("unknown quantization scheme `{}`", scheme.name))
-                        .with_label(scheme.span, "not a scheme")
-                        .with_note("the schemes are `nvfp4`, `fp8`, `mxfp4` and `int8`"),
+                    Diagnostic::error(
+                        "E0104",
+                        format!("unknown quantization scheme `{}`", scheme.name),
+                    )
+                    .with_label(scheme.span, "not a scheme")
+                    .with_note("the schemes are `nvfp4`, `fp8`, `mxfp4` and `int8`"),
                 );
                 return None;
             }
@@ -683,8 +750,21 @@ impl<'s> Lower<'s> {
             if let Some(n) = &a.name {
                 if !allowed.contains(&n.name.as_str()) {
                     self.err(
-                        Diagnostic::error("E0105", format!("`quant {}` has no argument `{}`", scheme.name, n.name))
-                            .with_label(n.span, format!("expected one of {}", allowed.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", "))),
+                        Diagnostic::error(
+                            "E0105",
+                            format!("`quant {}` has no argument `{}`", scheme.name, n.name),
+                        )
+                        .with_label(
+                            n.span,
+                            format!(
+                                "expected one of {}",
+                                allowed
+                                    .iter()
+                                    .map(|a| format!("`{a}`"))
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        ),
                     );
                     return None;
                 }
@@ -694,16 +774,29 @@ impl<'s> Lower<'s> {
         let dt = self.dtype_of(x);
         if !dt.is_wide_float() {
             self.err(
-                Diagnostic::error("E0202", format!("dtype mismatch: `quant {}` needs a bf16, f16 or f32 tensor, found {dt}", scheme.name))
-                    .with_label(input.value.span, format!("this is {dt}")),
+                Diagnostic::error(
+                    "E0202",
+                    format!(
+                        "dtype mismatch: `quant {}` needs a bf16, f16 or f32 tensor, found {dt}",
+                        scheme.name
+                    ),
+                )
+                .with_label(input.value.span, format!("this is {dt}")),
             );
             return None;
         }
         let shape = self.shape_of(x);
         if shape.len() < 2 {
             self.err(
-                Diagnostic::error("E0201", format!("shape mismatch: `quant {}` needs a tensor of rank 2 or more, found {}", scheme.name, self.m.show_shape(&shape)))
-                    .with_label(input.value.span, "quantized along its last dimension"),
+                Diagnostic::error(
+                    "E0201",
+                    format!(
+                        "shape mismatch: `quant {}` needs a tensor of rank 2 or more, found {}",
+                        scheme.name,
+                        self.m.show_shape(&shape)
+                    ),
+                )
+                .with_label(input.value.span, "quantized along its last dimension"),
             );
             return None;
         }
@@ -727,8 +820,11 @@ impl<'s> Lower<'s> {
                         Some(g) => g,
                         None => {
                             self.err(
-                                Diagnostic::error("E0104", format!("unknown process group `{}`", id.name))
-                                    .with_label(id.span, "expected `none`, `tp`, `moe_tp` or `ep`"),
+                                Diagnostic::error(
+                                    "E0104",
+                                    format!("unknown process group `{}`", id.name),
+                                )
+                                .with_label(id.span, "expected `none`, `tp`, `moe_tp` or `ep`"),
                             );
                             return None;
                         }
@@ -752,8 +848,14 @@ impl<'s> Lower<'s> {
                 }
                 if g == AmaxGranularity::PerExpert && !expert_major {
                     self.err(
-                        Diagnostic::error("E0205", "a per-expert amax needs an expert-major tensor")
-                            .with_label(input.value.span, "dim 0 of this tensor is not the experts dimension"),
+                        Diagnostic::error(
+                            "E0205",
+                            "a per-expert amax needs an expert-major tensor",
+                        )
+                        .with_label(
+                            input.value.span,
+                            "dim 0 of this tensor is not the experts dimension",
+                        ),
                     );
                     return None;
                 }
@@ -773,8 +875,11 @@ impl<'s> Lower<'s> {
         if let (Some((b, sp)), Some(w)) = (block, want_block) {
             if b != w {
                 self.err(
-                    Diagnostic::error("E0105", format!("`{}` blocks are {w} elements", scheme.name))
-                        .with_label(sp, format!("found {b}")),
+                    Diagnostic::error(
+                        "E0105",
+                        format!("`{}` blocks are {w} elements", scheme.name),
+                    )
+                    .with_label(sp, format!("found {b}")),
                 );
                 return None;
             }
@@ -785,8 +890,11 @@ impl<'s> Lower<'s> {
             "fp8" => {
                 let Some(a) = named.get("granularity") else {
                     self.err(
-                        Diagnostic::error("E0105", "`quant fp8` needs `granularity = tensor | channel | block128`")
-                            .with_label(scheme.span, "no granularity given"),
+                        Diagnostic::error(
+                            "E0105",
+                            "`quant fp8` needs `granularity = tensor | channel | block128`",
+                        )
+                        .with_label(scheme.span, "no granularity given"),
                     );
                     return None;
                 };
@@ -796,8 +904,10 @@ impl<'s> Lower<'s> {
                     ExprKind::Name(n) if n == "block128" => Fp8Granularity::Block128,
                     _ => {
                         self.err(
-                            Diagnostic::error("E0104", "unknown fp8 granularity")
-                                .with_label(a.value.span, "expected `tensor`, `channel` or `block128`"),
+                            Diagnostic::error("E0104", "unknown fp8 granularity").with_label(
+                                a.value.span,
+                                "expected `tensor`, `channel` or `block128`",
+                            ),
                         );
                         return None;
                     }
@@ -838,7 +948,15 @@ impl<'s> Lower<'s> {
                 return None;
             }
         }
-        Some(self.push(Op::Quant { scheme: q, input: x }, values, shape, span))
+        Some(self.push(
+            Op::Quant {
+                scheme: q,
+                input: x,
+            },
+            values,
+            shape,
+            span,
+        ))
     }
 
     fn field(&mut self, base: &Expr, field: &ast::Ident, span: Span) -> Option<ValueId> {
@@ -920,8 +1038,11 @@ impl<'s> Lower<'s> {
         };
         let Some((dtype, shape)) = out else {
             self.err(
-                Diagnostic::error("E0104", format!("`quant {}` has no output `{}`", scheme.name(), field.name))
-                    .with_label(field.span, format!("expected one of {known}")),
+                Diagnostic::error(
+                    "E0104",
+                    format!("`quant {}` has no output `{}`", scheme.name(), field.name),
+                )
+                .with_label(field.span, format!("expected one of {known}")),
             );
             return None;
         };
@@ -933,8 +1054,18 @@ impl<'s> Lower<'s> {
         let shape = self.shape_of(v);
         if slices.len() != shape.len() {
             self.err(
-                Diagnostic::error("E0201", format!("shape mismatch: {} indices for a tensor of rank {}", slices.len(), shape.len()))
-                    .with_label(span, format!("the tensor has shape {}", self.m.show_shape(&shape))),
+                Diagnostic::error(
+                    "E0201",
+                    format!(
+                        "shape mismatch: {} indices for a tensor of rank {}",
+                        slices.len(),
+                        shape.len()
+                    ),
+                )
+                .with_label(
+                    span,
+                    format!("the tensor has shape {}", self.m.show_shape(&shape)),
+                ),
             );
             return None;
         }
@@ -945,7 +1076,11 @@ impl<'s> Lower<'s> {
             let mut cur = self.shape_of(v);
             match s {
                 SliceArg::Full(_) => {}
-                SliceArg::Range { start, end, span: sp } => {
+                SliceArg::Range {
+                    start,
+                    end,
+                    span: sp,
+                } => {
                     let a = match start {
                         Some(e) => self.size(e)?,
                         None => Poly::zero(),
@@ -999,7 +1134,9 @@ impl<'s> Lower<'s> {
                 }
                 SliceArg::Expr(e) => {
                     let i = self.size(e)?;
-                    if !(i.provably_nonneg() && ext.sub(&i).sub(&Poly::constant(1)).provably_nonneg()) {
+                    if !(i.provably_nonneg()
+                        && ext.sub(&i).sub(&Poly::constant(1)).provably_nonneg())
+                    {
                         self.err(
                             Diagnostic::error("E0304", format!("index `{}` is not provably inside dimension {dim} of extent `{}`", self.text(e.span), self.m.show(&ext)))
                                 .with_label(e.span, "out of bounds for some admissible binding"),
@@ -1033,16 +1170,25 @@ impl<'s> Lower<'s> {
                 let dt = self.dtype_of(x);
                 if dt.bits() != 8 {
                     self.err(
-                        Diagnostic::error("E0202", format!("dtype mismatch: `{name}` needs 1-byte scales, found {dt}"))
-                            .with_label(a.value.span, format!("this is {dt}")),
+                        Diagnostic::error(
+                            "E0202",
+                            format!("dtype mismatch: `{name}` needs 1-byte scales, found {dt}"),
+                        )
+                        .with_label(a.value.span, format!("this is {dt}")),
                     );
                     return None;
                 }
                 if name == "swizzle_128x4" {
                     if shape.len() < 2 {
                         self.err(
-                            Diagnostic::error("E0201", "shape mismatch: `swizzle_128x4` needs a tensor of rank 2 or more")
-                                .with_label(a.value.span, format!("shape {}", self.m.show_shape(&shape))),
+                            Diagnostic::error(
+                                "E0201",
+                                "shape mismatch: `swizzle_128x4` needs a tensor of rank 2 or more",
+                            )
+                            .with_label(
+                                a.value.span,
+                                format!("shape {}", self.m.show_shape(&shape)),
+                            ),
                         );
                         return None;
                     }
@@ -1093,8 +1239,11 @@ impl<'s> Lower<'s> {
                 for a in &args[1..] {
                     if a.name.is_some() {
                         self.err(
-                            Diagnostic::error("E0105", format!("`{name}` takes positional arguments only"))
-                                .with_label(a.span, "named argument"),
+                            Diagnostic::error(
+                                "E0105",
+                                format!("`{name}` takes positional arguments only"),
+                            )
+                            .with_label(a.span, "named argument"),
                         );
                         return None;
                     }
@@ -1114,27 +1263,53 @@ impl<'s> Lower<'s> {
                         for (k, (p, a)) in rest.iter().zip(&args[1..]).enumerate() {
                             let Some(c) = p.as_const().filter(|c| *c > 0) else {
                                 self.err(
-                                    Diagnostic::error("E0106", "`pad` multiples must be positive constants")
-                                        .with_label(a.span, "not a constant"),
+                                    Diagnostic::error(
+                                        "E0106",
+                                        "`pad` multiples must be positive constants",
+                                    )
+                                    .with_label(a.span, "not a constant"),
                                 );
                                 return None;
                             };
                             mult.push(c as i64);
                             out.push(self.m.atoms.ceil_div(&shape[k], c as i64).scale(c));
                         }
-                        Some(self.push(Op::Pad { base: x, multiples: mult }, dt, out, span))
+                        Some(self.push(
+                            Op::Pad {
+                                base: x,
+                                multiples: mult,
+                            },
+                            dt,
+                            out,
+                            span,
+                        ))
                     }
                     "reshape" => {
                         let a = rest.iter().fold(Poly::constant(1), |a, s| a.mul(s));
                         let b = shape.iter().fold(Poly::constant(1), |a, s| a.mul(s));
                         if a != b {
                             self.err(
-                                Diagnostic::error("E0201", format!("shape mismatch: cannot reshape {} into {}", self.m.show_shape(&shape), self.m.show_shape(&rest)))
-                                    .with_label(span, "the numbers of elements differ"),
+                                Diagnostic::error(
+                                    "E0201",
+                                    format!(
+                                        "shape mismatch: cannot reshape {} into {}",
+                                        self.m.show_shape(&shape),
+                                        self.m.show_shape(&rest)
+                                    ),
+                                )
+                                .with_label(span, "the numbers of elements differ"),
                             );
                             return None;
                         }
-                        Some(self.push(Op::Reshape { base: x, shape: rest.clone() }, dt, rest, span))
+                        Some(self.push(
+                            Op::Reshape {
+                                base: x,
+                                shape: rest.clone(),
+                            },
+                            dt,
+                            rest,
+                            span,
+                        ))
                     }
                     "permute" => {
                         let mut perm = Vec::new();
@@ -1145,8 +1320,11 @@ impl<'s> Lower<'s> {
                         sorted.sort();
                         if sorted != (0..shape.len() as i128).collect::<Vec<_>>() {
                             self.err(
-                                Diagnostic::error("E0201", format!("`permute` needs a permutation of 0..{}", shape.len()))
-                                    .with_label(span, "not a permutation of the dimensions"),
+                                Diagnostic::error(
+                                    "E0201",
+                                    format!("`permute` needs a permutation of 0..{}", shape.len()),
+                                )
+                                .with_label(span, "not a permutation of the dimensions"),
                             );
                             return None;
                         }
@@ -1157,8 +1335,14 @@ impl<'s> Lower<'s> {
                     _ => {
                         if !shape.is_empty() {
                             self.err(
-                                Diagnostic::error("E0201", format!("shape mismatch: `broadcast` needs a scalar, found {}", self.m.show_shape(&shape)))
-                                    .with_label(first.value.span, "not a scalar"),
+                                Diagnostic::error(
+                                    "E0201",
+                                    format!(
+                                        "shape mismatch: `broadcast` needs a scalar, found {}",
+                                        self.m.show_shape(&shape)
+                                    ),
+                                )
+                                .with_label(first.value.span, "not a scalar"),
                             );
                             return None;
                         }
@@ -1189,8 +1373,11 @@ impl<'s> Lower<'s> {
                 let dt = self.dtype_of(first);
                 if dim < 0 || dim as usize >= shape.len() {
                     self.err(
-                        Diagnostic::error("E0201", format!("`cat` dimension {dim} is out of range"))
-                            .with_label(span, format!("the tensors have rank {}", shape.len())),
+                        Diagnostic::error(
+                            "E0201",
+                            format!("`cat` dimension {dim} is out of range"),
+                        )
+                        .with_label(span, format!("the tensors have rank {}", shape.len())),
                     );
                     return None;
                 }
@@ -1198,7 +1385,10 @@ impl<'s> Lower<'s> {
                 for &p in &parts[1..] {
                     let s = self.shape_of(p);
                     let same = s.len() == shape.len()
-                        && s.iter().zip(&shape).enumerate().all(|(k, (a, b))| k == dim || a == b);
+                        && s.iter()
+                            .zip(&shape)
+                            .enumerate()
+                            .all(|(k, (a, b))| k == dim || a == b);
                     if !same || self.dtype_of(p) != dt {
                         self.err(
                             Diagnostic::error("E0201", format!("shape mismatch: `cat` of {} and {}", self.m.show_shape(&shape), self.m.show_shape(&s)))
@@ -1217,8 +1407,11 @@ impl<'s> Lower<'s> {
                     .find(|a| a.name.as_ref().is_some_and(|n| n.name == "group"));
                 let (Some(base), Some(group)) = (base, group) else {
                     self.err(
-                        Diagnostic::error("E0105", "`reduce_max` takes a tensor and `group = none | tp | moe_tp | ep`")
-                            .with_label(func.span, "e.g. `reduce_max(w13_input_scale, group = ep)`"),
+                        Diagnostic::error(
+                            "E0105",
+                            "`reduce_max` takes a tensor and `group = none | tp | moe_tp | ep`",
+                        )
+                        .with_label(func.span, "e.g. `reduce_max(w13_input_scale, group = ep)`"),
                     );
                     return None;
                 };
@@ -1229,20 +1422,30 @@ impl<'s> Lower<'s> {
                 };
                 let Some(g) = g else {
                     self.err(
-                        Diagnostic::error("E0104", "unknown process group")
-                            .with_label(group.value.span, "expected `none`, `tp`, `moe_tp` or `ep`"),
+                        Diagnostic::error("E0104", "unknown process group").with_label(
+                            group.value.span,
+                            "expected `none`, `tp`, `moe_tp` or `ep`",
+                        ),
                     );
                     return None;
                 };
                 if self.dtype_of(x) != DType::F32 {
                     let dt = self.dtype_of(x);
                     self.err(
-                        Diagnostic::error("E0202", format!("dtype mismatch: `reduce_max` needs f32, found {dt}"))
-                            .with_label(base.value.span, format!("this is {dt}")),
+                        Diagnostic::error(
+                            "E0202",
+                            format!("dtype mismatch: `reduce_max` needs f32, found {dt}"),
+                        )
+                        .with_label(base.value.span, format!("this is {dt}")),
                     );
                     return None;
                 }
-                Some(self.push(Op::ReduceMax { base: x, group: g }, DType::F32, Vec::new(), span))
+                Some(self.push(
+                    Op::ReduceMax { base: x, group: g },
+                    DType::F32,
+                    Vec::new(),
+                    span,
+                ))
             }
             "arange" | "swap_halves" | "interleave" => {
                 self.err(
@@ -1310,15 +1513,21 @@ impl<'s> Lower<'s> {
         if !congruent {
             self.err(
                 Diagnostic::error("E0201", "shape and stride of a layout are not congruent")
-                    .with_label(l.span, "each shape entry needs a stride entry of the same form"),
+                    .with_label(
+                        l.span,
+                        "each shape entry needs a stride entry of the same form",
+                    ),
             );
             return None;
         }
         for (k, s) in shape.iter().flatten().enumerate() {
             if !s.sub(&Poly::constant(1)).provably_nonneg() {
                 self.err(
-                    Diagnostic::error("E0201", format!("layout extent #{k} is not provably positive"))
-                        .with_label(l.span, "extents must be at least 1"),
+                    Diagnostic::error(
+                        "E0201",
+                        format!("layout extent #{k} is not provably positive"),
+                    )
+                    .with_label(l.span, "extents must be at least 1"),
                 );
                 return None;
             }
@@ -1327,8 +1536,11 @@ impl<'s> Lower<'s> {
             Some((b, m, s, sp)) => {
                 if !(0..=16).contains(&b) || !(0..=16).contains(&m) || s.abs() > 16 || s.abs() < b {
                     self.err(
-                        Diagnostic::error("E0201", format!("`S<{b},{m},{s}>` is not a valid swizzle"))
-                            .with_label(sp, "need 0 <= B, M <= 16 and B <= |S| <= 16"),
+                        Diagnostic::error(
+                            "E0201",
+                            format!("`S<{b},{m},{s}>` is not a valid swizzle"),
+                        )
+                        .with_label(sp, "need 0 <= B, M <= 16 and B <= |S| <= 16"),
                     );
                     return None;
                 }
@@ -1356,7 +1568,11 @@ impl<'s> Lower<'s> {
                     .with_label(t.dtype.span, "not a dtype")
                     .with_note(format!(
                         "the dtypes are {}",
-                        DType::ALL.iter().map(|d| format!("`{d}`")).collect::<Vec<_>>().join(", ")
+                        DType::ALL
+                            .iter()
+                            .map(|d| format!("`{d}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     )),
             );
             return None;
@@ -1366,8 +1582,14 @@ impl<'s> Lower<'s> {
             let p = self.size(d)?;
             if !p.sub(&Poly::constant(1)).provably_nonneg() {
                 self.err(
-                    Diagnostic::error("E0201", format!("extent `{}` is not provably positive", self.text(d.span)))
-                        .with_label(d.span, "extents must be at least 1 for every admissible binding"),
+                    Diagnostic::error(
+                        "E0201",
+                        format!("extent `{}` is not provably positive", self.text(d.span)),
+                    )
+                    .with_label(
+                        d.span,
+                        "extents must be at least 1 for every admissible binding",
+                    ),
                 );
                 return None;
             }
@@ -1581,8 +1803,11 @@ impl<'s> Lower<'s> {
             } => {
                 if self.m.kernels.iter().any(|k| k.name == name.name) {
                     self.err(
-                        Diagnostic::error("E0102", format!("kernel `{}` is defined twice", name.name))
-                            .with_label(name.span, "defined again here"),
+                        Diagnostic::error(
+                            "E0102",
+                            format!("kernel `{}` is defined twice", name.name),
+                        )
+                        .with_label(name.span, "defined again here"),
                     );
                     return None;
                 }
@@ -1590,8 +1815,14 @@ impl<'s> Lower<'s> {
                 for o in operands {
                     let Binding::Tensor(t) = self.lookup(&o.name, o.span)? else {
                         self.err(
-                            Diagnostic::error("E0404", format!("kernel `{}` reads `{}`, which is not a tensor", name.name, o.name))
-                                .with_label(o.span, "kernels read params and views"),
+                            Diagnostic::error(
+                                "E0404",
+                                format!(
+                                    "kernel `{}` reads `{}`, which is not a tensor",
+                                    name.name, o.name
+                                ),
+                            )
+                            .with_label(o.span, "kernels read params and views"),
                         );
                         return None;
                     };
@@ -1599,7 +1830,11 @@ impl<'s> Lower<'s> {
                     match kind {
                         TensorKind::Param | TensorKind::View { .. } => ops.push((t, o.span)),
                         TensorKind::Input { .. } | TensorKind::Let => {
-                            let what = if matches!(kind, TensorKind::Let) { "a `let` value" } else { "an input" };
+                            let what = if matches!(kind, TensorKind::Let) {
+                                "a `let` value"
+                            } else {
+                                "an input"
+                            };
                             self.err(
                                 Diagnostic::error("E0404", format!("kernel `{}` reads `{}`, {what} that is not registered", name.name, o.name))
                                     .with_label(o.span, "not a param or a view")
@@ -1661,17 +1896,27 @@ impl<'s> Lower<'s> {
         };
         if vd != dtype {
             self.err(
-                Diagnostic::error("E0202", format!("dtype mismatch: `{name}` is declared {dtype} but its value is {vd}"))
-                    .with_label(ty.dtype.span, format!("declared {dtype}"))
-                    .with_label(vspan, format!("this is {vd}")),
+                Diagnostic::error(
+                    "E0202",
+                    format!("dtype mismatch: `{name}` is declared {dtype} but its value is {vd}"),
+                )
+                .with_label(ty.dtype.span, format!("declared {dtype}"))
+                .with_label(vspan, format!("this is {vd}")),
             );
             return None;
         }
         if vs.len() != shape.len() {
             self.err(
-                Diagnostic::error("E0201", format!("shape mismatch: `{name}` is declared {} but its value has shape {}", self.m.show_shape(shape), self.m.show_shape(&vs)))
-                    .with_label(ty.span, format!("rank {}", shape.len()))
-                    .with_label(vspan, format!("rank {}", vs.len())),
+                Diagnostic::error(
+                    "E0201",
+                    format!(
+                        "shape mismatch: `{name}` is declared {} but its value has shape {}",
+                        self.m.show_shape(shape),
+                        self.m.show_shape(&vs)
+                    ),
+                )
+                .with_label(ty.span, format!("rank {}", shape.len()))
+                .with_label(vspan, format!("rank {}", vs.len())),
             );
             return None;
         }
@@ -1679,9 +1924,22 @@ impl<'s> Lower<'s> {
             if a != b {
                 let sp = ty.dims.get(k).map(|d| d.span).unwrap_or(ty.span);
                 self.err(
-                    Diagnostic::error("E0201", format!("shape mismatch: `{name}` is declared {} but its value has shape {}", self.m.show_shape(shape), self.m.show_shape(&vs)))
-                        .with_label(sp, format!("dimension {k} is declared `{}`", self.m.show(a)))
-                        .with_label(vspan, format!("dimension {k} of the value is `{}`", self.m.show(b))),
+                    Diagnostic::error(
+                        "E0201",
+                        format!(
+                            "shape mismatch: `{name}` is declared {} but its value has shape {}",
+                            self.m.show_shape(shape),
+                            self.m.show_shape(&vs)
+                        ),
+                    )
+                    .with_label(
+                        sp,
+                        format!("dimension {k} is declared `{}`", self.m.show(a)),
+                    )
+                    .with_label(
+                        vspan,
+                        format!("dimension {k} of the value is `{}`", self.m.show(b)),
+                    ),
                 );
                 return None;
             }
@@ -1715,14 +1973,28 @@ impl<'s> Lower<'s> {
         if params.len() >= 2 {
             let names: Vec<String> = params
                 .iter()
-                .map(|p| format!("`{}`", self.m.tensor(p.0).map(|t| t.name.as_str()).unwrap_or("?")))
+                .map(|p| {
+                    format!(
+                        "`{}`",
+                        self.m.tensor(p.0).map(|t| t.name.as_str()).unwrap_or("?")
+                    )
+                })
                 .collect();
-            let mut d = Diagnostic::error("E0302", format!("view `{name}` reads {} params ({})", params.len(), names.join(", ")))
-                .with_label(span, "a view aliases exactly one param");
+            let mut d = Diagnostic::error(
+                "E0302",
+                format!(
+                    "view `{name}` reads {} params ({})",
+                    params.len(),
+                    names.join(", ")
+                ),
+            )
+            .with_label(span, "a view aliases exactly one param");
             for p in &params {
                 d = d.with_label(p.1, "a param");
             }
-            self.err(d.with_note("help: a value built from several params is new storage: declare it as a `param`"));
+            self.err(d.with_note(
+                "help: a value built from several params is new storage: declare it as a `param`",
+            ));
             return None;
         }
         if let Some((what, sp)) = computes {
@@ -1737,10 +2009,17 @@ impl<'s> Lower<'s> {
         }
         if let Some((t, sp)) = others.first() {
             let tn = self.m.tensor(*t)?.name.clone();
-            let kind = if matches!(self.m.tensor(*t)?.kind, TensorKind::Let) { "a `let` value" } else { "an input" };
+            let kind = if matches!(self.m.tensor(*t)?.kind, TensorKind::Let) {
+                "a `let` value"
+            } else {
+                "an input"
+            };
             self.err(
-                Diagnostic::error("E0303", format!("view `{name}` aliases `{tn}`, {kind}, not a param"))
-                    .with_label(*sp, "only params have storage after packing"),
+                Diagnostic::error(
+                    "E0303",
+                    format!("view `{name}` aliases `{tn}`, {kind}, not a param"),
+                )
+                .with_label(*sp, "only params have storage after packing"),
             );
             return None;
         }
@@ -1763,21 +2042,33 @@ impl<'s> Lower<'s> {
     fn view_layout(&mut self, name: &str, v: ValueId) -> Option<SymLayout> {
         let val = self.val(v)?.clone();
         let span = val.span;
-        let need_single = |l: &mut Lower<'_>, lay: &SymLayout, dim: usize| -> Option<(Poly, Poly)> {
-            match lay.dims.get(dim) {
-                Some(d) if d.len() == 1 => Some(d[0].clone()),
-                _ => {
-                    l.err(
-                        Diagnostic::error("E0306", format!("view `{name}` slices a hierarchical mode"))
-                            .with_label(span, "slice a dimension with a single stride, or reshape first"),
-                    );
-                    None
+        let need_single =
+            |l: &mut Lower<'_>, lay: &SymLayout, dim: usize| -> Option<(Poly, Poly)> {
+                match lay.dims.get(dim) {
+                    Some(d) if d.len() == 1 => Some(d[0].clone()),
+                    _ => {
+                        l.err(
+                            Diagnostic::error(
+                                "E0306",
+                                format!("view `{name}` slices a hierarchical mode"),
+                            )
+                            .with_label(
+                                span,
+                                "slice a dimension with a single stride, or reshape first",
+                            ),
+                        );
+                        None
+                    }
                 }
-            }
-        };
+            };
         match &val.op {
             Op::Tensor(t) => Some(self.m.tensor(*t)?.storage_layout()),
-            Op::Slice { base, dim, start, end } => {
+            Op::Slice {
+                base,
+                dim,
+                start,
+                end,
+            } => {
                 let mut l = self.view_layout(name, *base)?;
                 let (_, d) = need_single(self, &l, *dim)?;
                 l.offset = l.offset.add(&start.mul(&d));
@@ -1800,9 +2091,18 @@ impl<'s> Lower<'s> {
             }
             Op::Reshape { base, shape } => {
                 let l = self.view_layout(name, *base)?;
-                if l.swizzle.is_none() && SymLayout::row_major(&l.shape()) == (SymLayout { offset: Poly::zero(), ..l.clone() }) {
+                if l.swizzle.is_none()
+                    && SymLayout::row_major(&l.shape())
+                        == (SymLayout {
+                            offset: Poly::zero(),
+                            ..l.clone()
+                        })
+                {
                     // Compact row-major storage: any reshape is a reinterpretation.
-                    return Some(SymLayout { offset: l.offset, ..SymLayout::row_major(shape) });
+                    return Some(SymLayout {
+                        offset: l.offset,
+                        ..SymLayout::row_major(shape)
+                    });
                 }
                 self.reshape(name, &l, shape, span)
             }
@@ -1810,8 +2110,13 @@ impl<'s> Lower<'s> {
                 let l = self.view_layout(name, *base)?;
                 if !self.contiguous(&l) {
                     self.err(
-                        Diagnostic::error("E0306", format!("view `{name}`: `mma_sf_view` needs contiguous swizzled storage"))
-                            .with_label(span, "its source is already re-indexed"),
+                        Diagnostic::error(
+                            "E0306",
+                            format!(
+                                "view `{name}`: `mma_sf_view` needs contiguous swizzled storage"
+                            ),
+                        )
+                        .with_label(span, "its source is already re-indexed"),
                     );
                     return None;
                 }
@@ -1837,8 +2142,11 @@ impl<'s> Lower<'s> {
                 let l = self.view_layout(name, *base)?;
                 if !self.contiguous(&l) {
                     self.err(
-                        Diagnostic::error("E0306", format!("view `{name}`: an explicit layout needs contiguous storage"))
-                            .with_label(span, "apply the layout to the param itself"),
+                        Diagnostic::error(
+                            "E0306",
+                            format!("view `{name}`: an explicit layout needs contiguous storage"),
+                        )
+                        .with_label(span, "apply the layout to the param itself"),
                     );
                     return None;
                 }
@@ -1850,11 +2158,20 @@ impl<'s> Lower<'s> {
 
     /// Row-major reshape of a symbolic layout without a copy: splits a mode when the new extent
     /// divides it, groups whole modes into a hierarchical mode when it is their product.
-    fn reshape(&mut self, name: &str, l: &SymLayout, shape: &[Poly], span: Span) -> Option<SymLayout> {
+    fn reshape(
+        &mut self,
+        name: &str,
+        l: &SymLayout,
+        shape: &[Poly],
+        span: Span,
+    ) -> Option<SymLayout> {
         if l.swizzle.is_some() {
             self.err(
-                Diagnostic::error("E0306", format!("view `{name}`: cannot reshape a swizzled layout"))
-                    .with_label(span, "here"),
+                Diagnostic::error(
+                    "E0306",
+                    format!("view `{name}`: cannot reshape a swizzled layout"),
+                )
+                .with_label(span, "here"),
             );
             return None;
         }
@@ -1935,10 +2252,27 @@ impl<'s> Lower<'s> {
             let per_expert = t.shape.first() == experts.as_ref();
             if !from_params.is_empty() && per_expert && !self.consumed_by_param.contains(&id) {
                 self.err(
-                    Diagnostic::error("E0403", format!("`{}` is a per-expert value derived from params but is not registered", t.name))
-                        .with_label(t.name_span, format!("derived from {}", from_params.join(", ")))
-                        .with_note(format!("EPLB moves params only, so `{}` would go stale after a rearrangement", t.name))
-                        .with_note(format!("help: declare it as `param {} : {}{} = ...`", t.name, t.dtype, self.m.show_shape(&t.shape))),
+                    Diagnostic::error(
+                        "E0403",
+                        format!(
+                            "`{}` is a per-expert value derived from params but is not registered",
+                            t.name
+                        ),
+                    )
+                    .with_label(
+                        t.name_span,
+                        format!("derived from {}", from_params.join(", ")),
+                    )
+                    .with_note(format!(
+                        "EPLB moves params only, so `{}` would go stale after a rearrangement",
+                        t.name
+                    ))
+                    .with_note(format!(
+                        "help: declare it as `param {} : {}{} = ...`",
+                        t.name,
+                        t.dtype,
+                        self.m.show_shape(&t.shape)
+                    )),
                 );
             }
         }

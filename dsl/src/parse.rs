@@ -545,7 +545,12 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
     let start = off(&i);
     let (r, kw) = match raw_ident(i) {
         Ok(x) => x,
-        Err(_) => return fail(&i, "a statement (`input`, `param`, `view`, `let` or `kernel`) or `}`"),
+        Err(_) => {
+            return fail(
+                &i,
+                "a statement (`input`, `param`, `view`, `let` or `kernel`) or `}`",
+            )
+        }
     };
     let sp = |r: &In<'_>| Span::new(start, off(r));
     match kw.name.as_str() {

@@ -78,7 +78,10 @@ impl Atoms {
         if let Some(c) = p.as_const() {
             return Poly::constant((c + k as i128 - 1).div_euclid(k as i128));
         }
-        let kind = AtomKind::CeilDiv { num: p.clone(), den: k };
+        let kind = AtomKind::CeilDiv {
+            num: p.clone(),
+            den: k,
+        };
         let id = match self.kinds.iter().position(|x| *x == kind) {
             Some(i) => AtomId(i as u32),
             None => {

@@ -18,7 +18,12 @@ pub fn ru(x: i64, a: i64) -> i64 {
 pub fn swizzle_128x4_offset(b: i64, r: i64, c: i64, m: i64, k: i64) -> i64 {
     let (mp, kp) = (ru(m, 128), ru(k, 4));
     let kt = kp / 4;
-    b * mp * kp + (r / 128) * kt * 512 + (c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (c % 4)
+    b * mp * kp
+        + (r / 128) * kt * 512
+        + (c / 4) * 512
+        + (r % 32) * 16
+        + ((r % 128) / 32) * 4
+        + (c % 4)
 }
 
 /// SPEC §1 as a CuTe layout over logical `(b, r, c)`: `(B, (32,4,MT), (4,KT)) : (Mp*Kp, (16,4,KT*512), (1,512))`.

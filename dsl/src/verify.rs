@@ -100,11 +100,17 @@ impl Module {
         for (k, v) in values {
             if !self.dims.iter().any(|d| &d.name == k) {
                 errs.push(
-                    Diagnostic::error("E0503", format!("`{k}` is not a dimension of recipe `{}`", self.name))
-                        .with_note(format!("the dimensions are {}", self.dim_list())),
+                    Diagnostic::error(
+                        "E0503",
+                        format!("`{k}` is not a dimension of recipe `{}`", self.name),
+                    )
+                    .with_note(format!("the dimensions are {}", self.dim_list())),
                 );
             } else if *v <= 0 {
-                errs.push(Diagnostic::error("E0503", format!("dimension `{k}` must be positive, got {v}")));
+                errs.push(Diagnostic::error(
+                    "E0503",
+                    format!("dimension `{k}` must be positive, got {v}"),
+                ));
             }
         }
         let mut dims = Vec::new();
@@ -112,9 +118,12 @@ impl Module {
             match values.iter().find(|(k, _)| *k == d.name) {
                 Some((_, v)) => dims.push((d.name.clone(), *v)),
                 None => errs.push(
-                    Diagnostic::error("E0503", format!("missing binding for dimension `{}`", d.name))
-                        .with_label(d.span, "declared here")
-                        .with_note(format!("bind every dimension: {}", self.dim_list())),
+                    Diagnostic::error(
+                        "E0503",
+                        format!("missing binding for dimension `{}`", d.name),
+                    )
+                    .with_label(d.span, "declared here")
+                    .with_note(format!("bind every dimension: {}", self.dim_list())),
                 ),
             }
         }
@@ -129,19 +138,33 @@ impl Module {
             .join(", ");
         for c in &self.checks {
             match c {
-                BindCheck::Divisible { poly, by, text, span } => {
+                BindCheck::Divisible {
+                    poly,
+                    by,
+                    text,
+                    span,
+                } => {
                     let val = self.eval_raw(poly, &get);
                     if let Some(v) = val {
                         if v % *by as i128 != 0 {
                             errs.push(
-                                Diagnostic::error("E0501", format!("constraint `{text}` does not hold at {describe}"))
-                                    .with_label(*span, format!("this is {} here", v % *by as i128))
-                                    .with_note(format!("the value is {v}, not a multiple of {by}")),
+                                Diagnostic::error(
+                                    "E0501",
+                                    format!("constraint `{text}` does not hold at {describe}"),
+                                )
+                                .with_label(*span, format!("this is {} here", v % *by as i128))
+                                .with_note(format!("the value is {v}, not a multiple of {by}")),
                             );
                         }
                     }
                 }
-                BindCheck::Bound { dim, op, value, text, span } => {
+                BindCheck::Bound {
+                    dim,
+                    op,
+                    value,
+                    text,
+                    span,
+                } => {
                     if let Some(v) = get(dim) {
                         let ok = match op {
                             crate::ast::CmpOp::Le => v <= *value,
@@ -151,8 +174,11 @@ impl Module {
                         };
                         if !ok {
                             errs.push(
-                                Diagnostic::error("E0501", format!("constraint `{text}` does not hold at {describe}"))
-                                    .with_label(*span, format!("`{dim}` is {v} here")),
+                                Diagnostic::error(
+                                    "E0501",
+                                    format!("constraint `{text}` does not hold at {describe}"),
+                                )
+                                .with_label(*span, format!("`{dim}` is {v} here")),
                             );
                         }
                     }
@@ -164,7 +190,10 @@ impl Module {
         }
         match self.atoms.evaluate(&|n| get(n)) {
             Some(atoms) => Ok(Binding { dims, atoms }),
-            None => Err(vec![Diagnostic::error("E0503", "binding overflows 128-bit arithmetic")]),
+            None => Err(vec![Diagnostic::error(
+                "E0503",
+                "binding overflows 128-bit arithmetic",
+            )]),
         }
     }
 
@@ -351,14 +380,24 @@ pub fn index_map(l: &SymLayout, b: &Binding) -> Option<Vec<i64>> {
     let leaves: Vec<(i64, i64)> = l
         .leaves()
         .iter()
-        .map(|(s, d)| Some((i64::try_from(b.eval(s)?).ok()?, i64::try_from(b.eval(d)?).ok()?)))
+        .map(|(s, d)| {
+            Some((
+                i64::try_from(b.eval(s)?).ok()?,
+                i64::try_from(b.eval(d)?).ok()?,
+            ))
+        })
         .collect::<Option<_>>()?;
     let base = i64::try_from(b.eval(&l.offset)?).ok()?;
     let n: i64 = leaves.iter().map(|x| x.0).product();
     let mut out = Vec::with_capacity(usize::try_from(n).ok()?);
     let mut coord = vec![0i64; leaves.len()];
     for _ in 0..n {
-        let off = base + coord.iter().zip(&leaves).map(|(c, (_, d))| c * d).sum::<i64>();
+        let off = base
+            + coord
+                .iter()
+                .zip(&leaves)
+                .map(|(c, (_, d))| c * d)
+                .sum::<i64>();
         out.push(match l.swizzle {
             Some(s) => s.apply(off),
             None => off,
@@ -377,7 +416,10 @@ pub fn index_map(l: &SymLayout, b: &Binding) -> Option<Vec<i64>> {
 // ---- symbolic proofs ----------------------------------------------------------------------------
 
 fn leaves_nontrivial(l: &SymLayout) -> Vec<(Poly, Poly)> {
-    l.leaves().into_iter().filter(|(s, _)| !s.is_const(1)).collect()
+    l.leaves()
+        .into_iter()
+        .filter(|(s, _)| !s.is_const(1))
+        .collect()
 }
 
 /// `l` maps into `[0, n)` for every admissible binding.
@@ -432,8 +474,7 @@ pub fn sym_injective(l: &SymLayout) -> bool {
     let mut span = Poly::constant(1);
     while !rest.is_empty() {
         let pick = rest.iter().position(|(_, d)| {
-            d.sub(&span).provably_nonneg()
-                && rest.iter().all(|(_, o)| o.sub(d).provably_nonneg())
+            d.sub(&span).provably_nonneg() && rest.iter().all(|(_, o)| o.sub(d).provably_nonneg())
         });
         let Some(k) = pick else {
             return false;
@@ -470,7 +511,9 @@ fn num_in_bounds(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
             for i in 0..size {
                 let o = sw.apply(off + lay.call(i)) as i128;
                 if o >= n || o < 0 {
-                    return Err(format!("coordinate {i} lands at offset {o}, outside [0, {n})"));
+                    return Err(format!(
+                        "coordinate {i} lands at offset {o}, outside [0, {n})"
+                    ));
                 }
             }
             Ok(())
@@ -486,7 +529,9 @@ fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
         return Err(format!("it has {size} elements but the storage has {n}"));
     }
     if off != 0 {
-        return Err(format!("it starts at offset {off}, so offset 0 is never reached"));
+        return Err(format!(
+            "it starts at offset {off}, so offset 0 is never reached"
+        ));
     }
     let mut modes: Vec<(i64, i64)> = lay.flat_modes().into_iter().filter(|m| m.0 > 1).collect();
     modes.sort_by_key(|m| (m.1, m.0));
@@ -502,7 +547,10 @@ fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
     if chain {
         if let Some(sw) = l.swizzle {
             if n % sw.period() as i128 != 0 {
-                return Err(format!("the swizzle's period {} does not divide {n}", sw.period()));
+                return Err(format!(
+                    "the swizzle's period {} does not divide {n}",
+                    sw.period()
+                ));
             }
         }
         return Ok(());
@@ -516,7 +564,9 @@ fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
                 None => lay.call(i),
             };
             if o < 0 || o as i128 >= n {
-                return Err(format!("coordinate {i} lands at offset {o}, outside the storage"));
+                return Err(format!(
+                    "coordinate {i} lands at offset {o}, outside the storage"
+                ));
             }
             if let Some(j) = seen[o as usize] {
                 return Err(format!("coordinates {j} and {i} both land at offset {o}"));
@@ -536,8 +586,16 @@ fn check_param_layout(
     per: &Poly,
     at: Option<&Binding>,
 ) -> Result<Proof, (&'static str, String)> {
-    let Some(e_mode) = layout.dims.first().filter(|d| d.len() == 1).map(|d| d[0].clone()) else {
-        return Err(("E0401", "the experts dimension is split into several modes".into()));
+    let Some(e_mode) = layout
+        .dims
+        .first()
+        .filter(|d| d.len() == 1)
+        .map(|d| d[0].clone())
+    else {
+        return Err((
+            "E0401",
+            "the experts dimension is split into several modes".into(),
+        ));
     };
     let rest = SymLayout {
         dims: layout.dims[1..].to_vec(),
@@ -551,10 +609,17 @@ fn check_param_layout(
         inner_max = inner_max.add(&s.sub(&Poly::constant(1)).mul(&d));
     }
     let mut proof = Proof::Symbolic;
-    if !stride.sub(&inner_max).sub(&Poly::constant(1)).provably_nonneg() {
+    if !stride
+        .sub(&inner_max)
+        .sub(&Poly::constant(1))
+        .provably_nonneg()
+    {
         match at {
             Some(b) => {
-                let (st, mx) = (b.eval(&stride).unwrap_or(0), b.eval(&inner_max).unwrap_or(0));
+                let (st, mx) = (
+                    b.eval(&stride).unwrap_or(0),
+                    b.eval(&inner_max).unwrap_or(0),
+                );
                 if st <= mx {
                     return Err((
                         "E0401",
@@ -610,9 +675,15 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
             continue;
         }
         let shape_s = module.show_shape(&t.shape);
-        let ename = module.experts_dim().map(|d| d.name.clone()).unwrap_or_default();
+        let ename = module
+            .experts_dim()
+            .map(|d| d.name.clone())
+            .unwrap_or_default();
         let Some(e) = experts.as_ref().filter(|e| t.shape.first() == Some(*e)) else {
-            let dim0 = t.shape.first().map(|p| format!("dimension 0 is `{}`", module.show(p)));
+            let dim0 = t
+                .shape
+                .first()
+                .map(|p| format!("dimension 0 is `{}`", module.show(p)));
             errs.push(
                 Diagnostic::error("E0401", format!("param `{}` is not expert-major", t.name))
                     .with_label(t.name_span, format!("{}, not the experts dimension `{ename}`", dim0.unwrap_or_else(|| "it is a scalar".into())))
@@ -626,7 +697,11 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
             continue;
         };
         let layout = t.storage_layout();
-        let lspan = t.declared_layout.as_ref().map(|x| x.1).unwrap_or(t.name_span);
+        let lspan = t
+            .declared_layout
+            .as_ref()
+            .map(|x| x.1)
+            .unwrap_or(t.name_span);
         let mut proof = Proof::Symbolic;
         if t.declared_layout.is_some() {
             match check_param_layout(&layout, &per, at) {
@@ -645,7 +720,10 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                     } else {
                         (
                             format!("param `{}` is not contiguous", t.name),
-                            format!("one expert's elements do not fill `{}` consecutive offsets", module.show(&per)),
+                            format!(
+                                "one expert's elements do not fill `{}` consecutive offsets",
+                                module.show(&per)
+                            ),
                         )
                     };
                     let mut d = Diagnostic::error(code, head)
@@ -666,9 +744,19 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
             match at.and_then(|b| b.eval(&bits).map(|v| (b, v))) {
                 Some((b, v)) if v % 8 != 0 => {
                     errs.push(
-                        Diagnostic::error("E0504", format!("one expert of `{}` is not a whole number of bytes", t.name))
-                            .with_label(t.name_span, format!("{} {} elements per expert", b.eval(&per).unwrap_or(0), t.dtype))
-                            .with_note(at_note(b)),
+                        Diagnostic::error(
+                            "E0504",
+                            format!("one expert of `{}` is not a whole number of bytes", t.name),
+                        )
+                        .with_label(
+                            t.name_span,
+                            format!(
+                                "{} {} elements per expert",
+                                b.eval(&per).unwrap_or(0),
+                                t.dtype
+                            ),
+                        )
+                        .with_note(at_note(b)),
                     );
                     continue;
                 }
@@ -696,7 +784,9 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         let Some((src, layout)) = &t.alias else {
             continue;
         };
-        let Some(p) = module.tensor(*src) else { continue };
+        let Some(p) = module.tensor(*src) else {
+            continue;
+        };
         let n = p.numel();
         // Promise 1a: in bounds.
         let in_bounds = if sym_in_bounds(layout, &n) {
@@ -707,10 +797,19 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                 Some((_, Ok(()))) => Proof::NeedsBinding,
                 Some((b, Err(why))) => {
                     errs.push(
-                        Diagnostic::error("E0304", format!("view `{}` reads outside `{}`", t.name, p.name))
-                            .with_label(t.name_span, format!("{why}"))
-                            .with_note(format!("`{}` has {} elements ({}); the view's layout is {}", p.name, b.eval(&n).unwrap_or(0), module.show_shape(&p.shape), layout.display(&module.atoms)))
-                            .with_note(at_note(b)),
+                        Diagnostic::error(
+                            "E0304",
+                            format!("view `{}` reads outside `{}`", t.name, p.name),
+                        )
+                        .with_label(t.name_span, why.clone())
+                        .with_note(format!(
+                            "`{}` has {} elements ({}); the view's layout is {}",
+                            p.name,
+                            b.eval(&n).unwrap_or(0),
+                            module.show_shape(&p.shape),
+                            layout.display(&module.atoms)
+                        ))
+                        .with_note(at_note(b)),
                     );
                     continue;
                 }
@@ -720,7 +819,13 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         // Promise 1b: bijections.
         let (bij, bproof) = if sym_bijective(layout, &n) {
             (Some(true), Proof::Symbolic)
-        } else if claim.is_none() && sym_injective(layout) && !layout.size().sub(&n).is_const(0) && n.sub(&layout.size()).sub(&Poly::constant(1)).provably_nonneg() {
+        } else if claim.is_none()
+            && sym_injective(layout)
+            && !layout.size().sub(&n).is_const(0)
+            && n.sub(&layout.size())
+                .sub(&Poly::constant(1))
+                .provably_nonneg()
+        {
             // Injective and strictly smaller than its storage: never onto.
             (Some(false), Proof::Symbolic)
         } else {
@@ -731,7 +836,7 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                     if let Some(cs) = claim {
                         errs.push(
                             Diagnostic::error("E0305", format!("view `{}` is claimed to be a bijection but is not one", t.name))
-                                .with_label(*cs, format!("{why}"))
+                                .with_label(*cs, why.clone())
                                 .with_label(t.name_span, format!("layout {}", layout.display(&module.atoms)))
                                 .with_note(format!("a bijection onto `{}` must reach each of its {} elements exactly once", p.name, b.eval(&n).unwrap_or(0)))
                                 .with_note(at_note(b)),
@@ -765,16 +870,30 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         let mut proof = Proof::Symbolic;
         if kb.index.0 == IndexWidth::I32 {
             for (t, sp) in &kb.operands {
-                let Some(tt) = module.tensor(*t) else { continue };
+                let Some(tt) = module.tensor(*t) else {
+                    continue;
+                };
                 let src = tt.alias.as_ref().map(|a| a.0).unwrap_or(*t);
-                let Some(pi) = params.iter().find(|p| p.id == src) else { continue };
+                let Some(pi) = params.iter().find(|p| p.id == src) else {
+                    continue;
+                };
                 let limit = i32::MAX as i128;
-                if pi.per_expert_elems.upper_bound(&bounds).is_some_and(|m| m <= limit) {
+                if pi
+                    .per_expert_elems
+                    .upper_bound(&bounds)
+                    .is_some_and(|m| m <= limit)
+                {
                     continue;
                 }
-                match binding.as_ref().and_then(|b| b.eval(&pi.per_expert_elems).map(|v| (b, v))) {
+                match binding
+                    .as_ref()
+                    .and_then(|b| b.eval(&pi.per_expert_elems).map(|v| (b, v)))
+                {
                     Some((b, v)) if v > limit => {
-                        let pname = module.tensor(src).map(|x| x.name.clone()).unwrap_or_default();
+                        let pname = module
+                            .tensor(src)
+                            .map(|x| x.name.clone())
+                            .unwrap_or_default();
                         let mut d = Diagnostic::error("E0502", format!("kernel `{}` declares 32-bit offsets but `{}` needs more", kb.name, tt.name))
                             .with_label(kb.index.1.unwrap_or(kb.span), "offsets within one expert must fit in i32")
                             .with_label(*sp, format!("one expert of `{pname}` has {v} elements; the largest offset {} exceeds {limit}", v - 1));

@@ -15,7 +15,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Whether a CUDA driver library can be found on this machine (by the usual names).
 pub fn driver_present() -> bool {
-    ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1"]
-        .iter()
-        .any(|p| std::path::Path::new(p).exists())
+    [
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/usr/lib64/libcuda.so.1",
+        "/usr/lib/wsl/lib/libcuda.so.1",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
 }

@@ -1,0 +1,202 @@
+//! The `moeforge` command end to end: `check` (human, `--json`, `--index-map`), errors and `demo`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::process::Command;
+
+fn moeforge(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_moeforge"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+#[test]
+fn check_json_schema_and_values() {
+    let (code, out, err) = moeforge(&[
+        "check",
+        "kernels/nvfp4_cutedsl.recipe",
+        "--bind",
+        "E=8,H=2048,I=768",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["recipe"], "nvfp4_cutedsl");
+    let params = v["params"].as_array().unwrap();
+    let p = |n: &str| params.iter().find(|p| p["name"] == n).unwrap().clone();
+    for p in params {
+        for k in ["name", "dtype", "shape", "layout", "bytes_per_expert"] {
+            assert!(p.get(k).is_some(), "param lacks {k}: {p}");
+        }
+    }
+    // FP4 counts elements, not bytes; the swizzled scale param has its padded storage shape.
+    assert_eq!(p("w13_weight")["dtype"], "e2m1");
+    assert_eq!(p("w13_weight")["shape"], serde_json::json!([8, 1536, 2048]));
+    assert_eq!(p("w13_weight")["bytes_per_expert"], 1536 * 2048 / 2);
+    assert_eq!(p("w13_weight_scale")["dtype"], "e4m3");
+    assert_eq!(
+        p("w13_weight_scale")["shape"],
+        serde_json::json!([8, 1536, 128])
+    );
+    assert_eq!(
+        p("w2_weight_scale")["shape"],
+        serde_json::json!([8, 2048, 48])
+    );
+    assert_eq!(p("w13_weight_scale_2")["dtype"], "f32");
+    assert_eq!(p("w13_weight_scale_2")["bytes_per_expert"], 4);
+    assert_eq!(p("w13_weight")["layout"], "(8,1536,2048):(3145728,2048,1)");
+    let views = v["views"].as_array().unwrap();
+    let mma = views.iter().find(|x| x["name"] == "w13_scale_mma").unwrap();
+    assert_eq!(mma["source"], "w13_weight_scale");
+    assert_eq!(mma["shape"], serde_json::json!([32, 4, 12, 4, 32, 8]));
+    assert_eq!(
+        mma["stride"],
+        serde_json::json!([16, 4, 16384, 1, 512, 196608])
+    );
+    assert_eq!(mma["bijective"], true);
+    assert_eq!(mma["layout"], "(32,4,12,4,32,8):(16,4,16384,1,512,196608)");
+    let moves = v["move_set"].as_array().unwrap();
+    assert_eq!(moves.len(), params.len());
+    assert!(moves
+        .iter()
+        .all(|m| m["param"].is_string() && m["bytes_per_expert"].is_number()));
+}
+
+#[test]
+fn check_json_without_binding_reports_what_needs_one() {
+    let (code, out, _) = moeforge(&["check", "kernels/fp8_block128.recipe", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["binding"].is_null());
+    let p = &v["params"][1];
+    assert_eq!(p["name"], "w13_weight_scale_inv");
+    assert!(p["shape"].is_null());
+    assert_eq!(
+        p["shape_symbolic"],
+        serde_json::json!(["E", "ceil_div(2*I, 128)", "ceil_div(H, 128)"])
+    );
+    assert!(p["bytes_per_expert"].is_null());
+}
+
+#[test]
+fn index_map_is_row_major_over_the_view() {
+    let (code, out, err) = moeforge(&[
+        "check",
+        "kernels/nvfp4_cutedsl.recipe",
+        "--bind",
+        "E=3,H=128,I=128",
+        "--index-map",
+        "w13_scale_mma",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let map: Vec<i64> = serde_json::from_str(&out).unwrap();
+    assert_eq!(map.len(), 32 * 4 * 2 * 4 * 2 * 3);
+    let shape = [32usize, 4, 2, 4, 2, 3];
+    let flat = |idx: [usize; 6]| idx.iter().zip(shape).fold(0, |a, (i, s)| a * s + i);
+    assert_eq!(map[flat([8, 2, 1, 1, 1, 2])], 5769);
+    assert_eq!(map[0], 0);
+    assert_eq!(map[1], 2048); // last index (the expert) is fastest
+    let mut sorted = map.clone();
+    sorted.sort();
+    assert_eq!(sorted, (0..map.len() as i64).collect::<Vec<_>>());
+}
+
+#[test]
+fn index_map_of_a_slice_view() {
+    let (code, out, _) = moeforge(&[
+        "check",
+        "bf16",
+        "--bind",
+        "E=2,H=8,I=8",
+        "--index-map",
+        "w13_up",
+    ]);
+    assert_eq!(code, 0);
+    let map: Vec<i64> = serde_json::from_str(&out).unwrap();
+    // w13_up = w13_weight[:, I:2*I, :] of [2, 16, 8]: element (e, r, c) -> e*128 + (8 + r)*8 + c.
+    let mut want = Vec::new();
+    for e in 0..2 {
+        for r in 0..8 {
+            for c in 0..8 {
+                want.push(e * 128 + (8 + r) * 8 + c);
+            }
+        }
+    }
+    assert_eq!(map, want);
+}
+
+#[test]
+fn human_report_lists_params_views_and_move_set() {
+    let (code, out, _) = moeforge(&[
+        "check",
+        "kernels/nvfp4_cutedsl.recipe",
+        "--bind",
+        "E=8,H=2048,I=768",
+    ]);
+    assert_eq!(code, 0);
+    for needle in [
+        "w13_weight ",
+        "(8,1536,2048):(3145728,2048,1)",
+        "w13_scale_mma",
+        "(32,4,12,4,32,8):(16,4,16384,1,512,196608)",
+        "symbolic (claimed)",
+        "move set",
+        "total",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in\n{out}");
+    }
+}
+
+#[test]
+fn errors_render_on_stderr_with_exit_code_1() {
+    let (code, out, err) = moeforge(&["check", "tests/golden/diagnostics/06_view_computes.recipe"]);
+    assert_eq!(code, 1);
+    assert!(out.is_empty());
+    let golden =
+        std::fs::read_to_string("tests/golden/diagnostics/06_view_computes.stderr").unwrap();
+    assert_eq!(err, golden);
+    assert!(err.contains("06_view_computes.recipe:7:20"));
+}
+
+#[test]
+fn bad_bindings_and_missing_files_fail_cleanly() {
+    let (code, _, err) = moeforge(&["check", "kernels/bf16.recipe", "--bind", "E=8,H=2048"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("missing binding for dimension `I`"), "{err}");
+    let (code, _, err) = moeforge(&["check", "kernels/bf16.recipe", "--bind", "E=8,X=1,H=8,I=8"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("`X` is not a dimension"), "{err}");
+    let (code, _, err) = moeforge(&["check", "no/such/file.recipe"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("no/such/file.recipe"), "{err}");
+    let (code, _, err) = moeforge(&[
+        "check",
+        "bf16",
+        "--bind",
+        "E=2,H=8,I=8",
+        "--index-map",
+        "nope",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("no view `nope`"), "{err}");
+    let (code, _, err) = moeforge(&["check", "bf16", "--index-map", "w13_up"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("needs --bind"), "{err}");
+}
+
+#[test]
+fn demo_checks_every_standard_recipe() {
+    let (code, out, err) = moeforge(&["demo"]);
+    assert_eq!(code, 0, "{err}");
+    for r in moeforge::kernels::STANDARD {
+        assert!(out.contains(r.name), "demo lacks {}", r.name);
+    }
+    assert!(out.contains("E=128, H=2048, I=768"));
+}
