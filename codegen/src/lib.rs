@@ -1,35 +1,131 @@
-//! moeforge's backends over the verified IR: PTX for Hopper (sm_90a) and Blackwell (sm_100a), and host
-//! code through Cranelift.
+//! moeforge's backends over the verified IR.
 //!
-//! Not built yet (issue [2/5]). What exists is the contract every backend will follow: it accepts only
-//! a [`ModuleInfo`], which only the verifier can create, so nothing unverified reaches a GPU.
+//! A verified, bound recipe ([`ModuleInfo`], which only the verifier can create) is lowered by
+//! [`plan::plan`] to a kernel-IR [`kir::Program`]: loop nests over the layouts' index maps with the
+//! quantization arithmetic spelled out. Three backends consume it: [`interp`] (the plain-Rust oracle),
+//! [`host`] (Cranelift JIT, multi-threaded) and [`ptx`] (PTX text for sm_90a and sm_100a).
 
-use moeforge_dsl::ModuleInfo;
+pub mod host;
+pub mod interp;
+pub mod kir;
+pub mod plan;
+pub mod ptx;
+pub mod quant;
+
+pub use moeforge_dsl::ModuleInfo;
 
 /// Errors of the backends.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The backend is not implemented yet.
-    #[error("the `{0}` backend is not implemented yet")]
-    NotImplemented(&'static str),
+    /// The module has no binding; code is generated for a bound shape.
+    #[error("code generation needs a binding of every dimension (`--bind`)")]
+    Unbound,
+    /// A param's definition has a form no backend supports yet.
+    #[error("param `{param}`: {what} is not supported by the code generator")]
+    Unsupported {
+        /// The param.
+        param: String,
+        /// What is not supported.
+        what: String,
+    },
+    /// An input buffer is missing or has the wrong size.
+    #[error("buffer `{name}`: expected {expected} bytes, got {got}")]
+    BufferSize {
+        /// Buffer name.
+        name: String,
+        /// Expected bytes.
+        expected: usize,
+        /// Actual bytes.
+        got: usize,
+    },
+    /// Cranelift failed to compile generated code.
+    #[error("cranelift: {0}")]
+    Cranelift(String),
+    /// A collective operation failed.
+    #[error("collective all-reduce over `{group}` failed: {why}")]
+    Collective {
+        /// Group.
+        group: String,
+        /// Why.
+        why: String,
+    },
+    /// An invariant of the code generator was broken (a bug).
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The collective hook: MAX all-reduce of f32 values over a named process group.
+pub trait Collective: Sync {
+    /// Replace each value by its maximum over the group's ranks.
+    fn all_reduce_max(&self, group: &str, data: &mut [f32]) -> Result<()>;
+}
+
+/// One process: every all-reduce is the identity.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleProcess;
+
+impl Collective for SingleProcess {
+    fn all_reduce_max(&self, _group: &str, _data: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// All-reduce an f32 buffer stored as little-endian bytes.
+pub(crate) fn all_reduce_bytes(
+    coll: &dyn Collective,
+    group: &str,
+    bufs: &mut [Vec<u8>],
+    buf: kir::BufId,
+) -> Result<()> {
+    let data = bufs.get_mut(buf.0 as usize).ok_or(Error::Internal("buffer"))?;
+    let mut v: Vec<f32> = data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    coll.all_reduce_max(group, &mut v)?;
+    for (c, x) in data.chunks_exact_mut(4).zip(v) {
+        c.copy_from_slice(&x.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// Allocate the byte buffers of a program: inputs are filled by `fill` (which must return exactly the
+/// buffer's size), others zeroed.
+pub fn alloc_buffers(
+    prog: &kir::Program,
+    fill: &mut dyn FnMut(&str) -> Option<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>> {
+    let mut out = Vec::with_capacity(prog.bufs.len());
+    for b in &prog.bufs {
+        let bytes = b.len * b.elem.size();
+        match &b.role {
+            kir::BufRole::Input(name) => {
+                let data = fill(name).ok_or_else(|| Error::BufferSize {
+                    name: name.clone(),
+                    expected: bytes,
+                    got: 0,
+                })?;
+                if data.len() != bytes {
+                    return Err(Error::BufferSize {
+                        name: name.clone(),
+                        expected: bytes,
+                        got: data.len(),
+                    });
+                }
+                out.push(data);
+            }
+            _ => out.push(vec![0u8; bytes]),
+        }
+    }
+    Ok(out)
+}
+
 /// Backend options shared by every target.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
-    /// Target name (`sm_90a`, `sm_100a`, `host`).
-    pub target: String,
-}
-
-/// Compile a verified module for a target.
-pub fn compile(_module: &ModuleInfo, options: &Options) -> Result<String> {
-    let t: &'static str = match options.target.as_str() {
-        "sm_90a" => "sm_90a",
-        "sm_100a" => "sm_100a",
-        _ => "host",
-    };
-    Err(Error::NotImplemented(t))
+    /// Worker threads for the host backend (0: all cores).
+    pub threads: usize,
 }

@@ -1,0 +1,481 @@
+//! The kernel IR: structured loop nests over scalar expressions, the one form every backend consumes
+//! (the reference interpreter, Cranelift for the host, PTX for the GPU).
+//!
+//! A [`Program`] is a sequence of [`Step`]s over numbered buffers: kernels and collective all-reduces.
+//! A [`Kernel`] has exactly one outer *parallel* loop (its work items: threads on the GPU, chunks of
+//! work for host threads), whose body is sequential statements over typed scalar expressions.
+//! Index maps, reductions and the quantization arithmetic (correctly rounded f32, RNE to E4M3/E2M1,
+//! nibble packing) are all spelled out in this IR, so the backends contain no quantization logic.
+
+use std::fmt;
+
+/// Scalar types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ty {
+    /// 64-bit integer (indices).
+    I64,
+    /// 32-bit integer (bits, codes).
+    I32,
+    /// IEEE single.
+    F32,
+    /// Truth value.
+    Bool,
+}
+
+/// Element types of buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Elem {
+    /// bfloat16 (loads widen exactly to f32; stores truncate, used only for bf16-exact values).
+    Bf16,
+    /// IEEE single.
+    F32,
+    /// Byte (loads zero-extend to i32; stores keep the low 8 bits).
+    U8,
+}
+
+impl Elem {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Elem::Bf16 => 2,
+            Elem::F32 => 4,
+            Elem::U8 => 1,
+        }
+    }
+
+    /// The scalar type a load produces.
+    pub fn ty(self) -> Ty {
+        match self {
+            Elem::Bf16 | Elem::F32 => Ty::F32,
+            Elem::U8 => Ty::I32,
+        }
+    }
+
+    /// Name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Elem::Bf16 => "bf16",
+            Elem::F32 => "f32",
+            Elem::U8 => "u8",
+        }
+    }
+}
+
+/// A buffer index in a [`Program`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufId(pub u32);
+
+/// A local variable of a kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Var(pub u32);
+
+/// Binary operators (operands of one type; comparisons give `Bool`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinOp {
+    /// Integer add.
+    IAdd,
+    /// Integer subtract.
+    ISub,
+    /// Integer multiply.
+    IMul,
+    /// Unsigned division (operands non-negative).
+    IDiv,
+    /// Unsigned remainder (operands non-negative).
+    IRem,
+    /// Bitwise and.
+    And,
+    /// Bitwise or.
+    Or,
+    /// Shift left.
+    Shl,
+    /// Logical shift right.
+    Shr,
+    /// f32 add (round to nearest even).
+    FAdd,
+    /// f32 multiply (RNE).
+    FMul,
+    /// f32 divide (correctly rounded, never approximate).
+    FDiv,
+    /// f32 maximum (operands are never NaN here).
+    FMax,
+    /// f32 minimum.
+    FMin,
+    /// Signed integer less-than.
+    ILt,
+    /// Integer equality.
+    IEq,
+    /// f32 less-than.
+    FLt,
+    /// f32 less-or-equal.
+    FLe,
+    /// f32 equality.
+    FEq,
+}
+
+/// Unary operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnOp {
+    /// |x| (f32).
+    FAbs,
+    /// Round f32 to the nearest integer value, ties to even (result is f32).
+    FRoundEven,
+    /// f32 holding an integral value -> i32 (exact).
+    F2I,
+    /// i32 -> f32 (exact for the small values used).
+    I2F,
+    /// Reinterpret f32 bits as i32.
+    BitsOf,
+    /// Reinterpret i32 bits as f32.
+    FromBits,
+    /// i32 -> i64 (sign-extend).
+    Widen,
+    /// i64 -> i32 (truncate).
+    Narrow,
+    /// Boolean -> i32 (0 or 1).
+    BoolToI,
+}
+
+/// A scalar expression (a tree).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Expr {
+    /// A local variable.
+    Var(Var),
+    /// An i64 constant.
+    I64(i64),
+    /// An i32 constant.
+    I32(i32),
+    /// An f32 constant (by value; printed with its bits).
+    F32(f32),
+    /// `buf[index]`.
+    Load {
+        /// Buffer.
+        buf: BufId,
+        /// Element index (i64).
+        index: Box<Expr>,
+    },
+    /// Binary operation.
+    Bin(BinOp, Box<Expr>, Box<Expr>),
+    /// Unary operation.
+    Un(UnOp, Box<Expr>),
+    /// `cond ? a : b`.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+}
+
+/// A statement.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stmt {
+    /// Define or update a local variable.
+    Set(Var, Expr),
+    /// `for var in start..end { body }` (sequential).
+    For {
+        /// Loop variable (i64).
+        var: Var,
+        /// Start (i64).
+        start: Expr,
+        /// End, exclusive (i64).
+        end: Expr,
+        /// Body.
+        body: Vec<Stmt>,
+    },
+    /// `if cond { then }`.
+    If {
+        /// Condition.
+        cond: Expr,
+        /// Body.
+        then: Vec<Stmt>,
+    },
+    /// `buf[index] = value`.
+    Store {
+        /// Buffer.
+        buf: BufId,
+        /// Element index (i64).
+        index: Expr,
+        /// Value (f32 for float buffers, i32 for bytes).
+        value: Expr,
+    },
+    /// `buf[index] = max(buf[index], value)` atomically, for non-negative f32 (ordered as their bits).
+    AtomicMaxF32 {
+        /// Buffer (f32).
+        buf: BufId,
+        /// Element index.
+        index: Expr,
+        /// Value (f32, >= 0).
+        value: Expr,
+    },
+}
+
+/// One kernel: `for item in 0..items (parallel) { body }`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kernel {
+    /// Name (a valid identifier).
+    pub name: String,
+    /// The parallel loop's variable.
+    pub item: Var,
+    /// Number of work items.
+    pub items: i64,
+    /// Body, run once per work item.
+    pub body: Vec<Stmt>,
+    /// Number of local variables used (`Var(0..vars)`).
+    pub vars: u32,
+    /// Types of the local variables.
+    pub var_types: Vec<Ty>,
+}
+
+/// What a buffer holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BufRole {
+    /// A checkpoint tensor, by recipe input name.
+    Input(String),
+    /// A registered param, by name.
+    Param(String),
+    /// A temporary.
+    Temp(String),
+}
+
+/// A buffer of a program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Buf {
+    /// Role and name.
+    pub role: BufRole,
+    /// Element type.
+    pub elem: Elem,
+    /// Number of elements.
+    pub len: usize,
+    /// Whether it must be zero-filled before the program runs.
+    pub zeroed: bool,
+}
+
+impl Buf {
+    /// The buffer's name.
+    pub fn name(&self) -> &str {
+        match &self.role {
+            BufRole::Input(n) | BufRole::Param(n) | BufRole::Temp(n) => n,
+        }
+    }
+}
+
+/// A step of a program.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Run a kernel.
+    Kernel(Kernel),
+    /// MAX all-reduce a buffer of f32 over a process group (identity on one process).
+    AllReduceMax {
+        /// Buffer.
+        buf: BufId,
+        /// The group, by name (`tp`, `moe_tp`, `ep`).
+        group: String,
+    },
+}
+
+/// A pack program for one bound recipe.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Program {
+    /// Recipe name.
+    pub recipe: String,
+    /// Buffers.
+    pub bufs: Vec<Buf>,
+    /// Steps, in order.
+    pub steps: Vec<Step>,
+}
+
+impl Program {
+    /// Kernels, in order.
+    pub fn kernels(&self) -> impl Iterator<Item = &Kernel> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Kernel(k) => Some(k),
+            _ => None,
+        })
+    }
+
+    /// A buffer by id.
+    pub fn buf(&self, b: BufId) -> Option<&Buf> {
+        self.bufs.get(b.0 as usize)
+    }
+}
+
+// ---- builders ---------------------------------------------------------------------------------
+
+/// Shorthands for building expressions.
+pub mod e {
+    use super::*;
+
+    /// Variable.
+    pub fn v(x: Var) -> Expr {
+        Expr::Var(x)
+    }
+    /// i64 constant.
+    pub fn i(x: i64) -> Expr {
+        Expr::I64(x)
+    }
+    /// i32 constant.
+    pub fn i32(x: i32) -> Expr {
+        Expr::I32(x)
+    }
+    /// f32 constant.
+    pub fn f(x: f32) -> Expr {
+        Expr::F32(x)
+    }
+    /// Binary.
+    pub fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {
+        Expr::Bin(op, Box::new(a), Box::new(b))
+    }
+    /// Unary.
+    pub fn un(op: UnOp, a: Expr) -> Expr {
+        Expr::Un(op, Box::new(a))
+    }
+    /// Load.
+    pub fn load(buf: BufId, index: Expr) -> Expr {
+        Expr::Load {
+            buf,
+            index: Box::new(index),
+        }
+    }
+    /// Select.
+    pub fn sel(c: Expr, a: Expr, b: Expr) -> Expr {
+        Expr::Select(Box::new(c), Box::new(a), Box::new(b))
+    }
+    /// a + b (i64), folding constants.
+    pub fn add(a: Expr, b: Expr) -> Expr {
+        match (&a, &b) {
+            (Expr::I64(0), _) => b,
+            (_, Expr::I64(0)) => a,
+            (Expr::I64(x), Expr::I64(y)) => Expr::I64(x + y),
+            _ => bin(BinOp::IAdd, a, b),
+        }
+    }
+    /// a * b (i64), folding constants.
+    pub fn mul(a: Expr, b: Expr) -> Expr {
+        match (&a, &b) {
+            (Expr::I64(0), _) | (_, Expr::I64(0)) => Expr::I64(0),
+            (Expr::I64(1), _) => b,
+            (_, Expr::I64(1)) => a,
+            (Expr::I64(x), Expr::I64(y)) => Expr::I64(x * y),
+            _ => bin(BinOp::IMul, a, b),
+        }
+    }
+    /// a / k (i64, non-negative).
+    pub fn div(a: Expr, k: i64) -> Expr {
+        if k == 1 {
+            a
+        } else {
+            bin(BinOp::IDiv, a, Expr::I64(k))
+        }
+    }
+    /// a % k (i64, non-negative).
+    pub fn rem(a: Expr, k: i64) -> Expr {
+        bin(BinOp::IRem, a, Expr::I64(k))
+    }
+}
+
+/// Allocates local variables while a kernel is built.
+#[derive(Debug, Default)]
+pub struct VarAlloc {
+    types: Vec<Ty>,
+}
+
+impl VarAlloc {
+    /// A new variable of a type.
+    pub fn new_var(&mut self, ty: Ty) -> Var {
+        self.types.push(ty);
+        Var(self.types.len() as u32 - 1)
+    }
+
+    /// Finish a kernel.
+    pub fn kernel(self, name: String, item: Var, items: i64, body: Vec<Stmt>) -> Kernel {
+        Kernel {
+            name,
+            item,
+            items,
+            body,
+            vars: self.types.len() as u32,
+            var_types: self.types,
+        }
+    }
+}
+
+// ---- printing (deterministic; the IR dump and part of cache keys) -----------------------------
+
+impl fmt::Display for Expr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Expr::Var(v) => write!(f, "%{}", v.0),
+            Expr::I64(x) => write!(f, "{x}"),
+            Expr::I32(x) => write!(f, "{x}i32"),
+            Expr::F32(x) => write!(f, "{x:?}f32"),
+            Expr::Load { buf, index } => write!(f, "b{}[{index}]", buf.0),
+            Expr::Bin(op, a, b) => write!(f, "{op:?}({a}, {b})"),
+            Expr::Un(op, a) => write!(f, "{op:?}({a})"),
+            Expr::Select(c, a, b) => write!(f, "select({c}, {a}, {b})"),
+        }
+    }
+}
+
+fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::Result {
+    let pad = "  ".repeat(depth);
+    for s in body {
+        match s {
+            Stmt::Set(v, x) => writeln!(f, "{pad}%{} = {x}", v.0)?,
+            Stmt::For {
+                var,
+                start,
+                end,
+                body,
+            } => {
+                writeln!(f, "{pad}for %{} in {start}..{end} {{", var.0)?;
+                write_block(f, body, depth + 1)?;
+                writeln!(f, "{pad}}}")?;
+            }
+            Stmt::If { cond, then } => {
+                writeln!(f, "{pad}if {cond} {{")?;
+                write_block(f, then, depth + 1)?;
+                writeln!(f, "{pad}}}")?;
+            }
+            Stmt::Store { buf, index, value } => writeln!(f, "{pad}b{}[{index}] = {value}", buf.0)?,
+            Stmt::AtomicMaxF32 { buf, index, value } => {
+                writeln!(f, "{pad}atomic_max b{}[{index}], {value}", buf.0)?
+            }
+        }
+    }
+    Ok(())
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "kernel {} parallel %{} in 0..{} {{",
+            self.name, self.item.0, self.items
+        )?;
+        write_block(f, &self.body, 1)?;
+        writeln!(f, "}}")
+    }
+}
+
+impl fmt::Display for Program {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "program {}", self.recipe)?;
+        for (k, b) in self.bufs.iter().enumerate() {
+            let role = match &b.role {
+                BufRole::Input(_) => "input",
+                BufRole::Param(_) => "param",
+                BufRole::Temp(_) => "temp",
+            };
+            writeln!(
+                f,
+                "  b{k}: {role} {} {}[{}]{}",
+                b.name(),
+                b.elem.name(),
+                b.len,
+                if b.zeroed { " zeroed" } else { "" }
+            )?;
+        }
+        for s in &self.steps {
+            match s {
+                Step::Kernel(k) => write!(f, "{k}")?,
+                Step::AllReduceMax { buf, group } => writeln!(f, "all_reduce_max b{} over {group}", buf.0)?,
+            }
+        }
+        Ok(())
+    }
+}

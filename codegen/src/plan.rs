@@ -1,0 +1,863 @@
+//! Lowering a verified, bound recipe to a kernel-IR pack [`Program`].
+//!
+//! Each param's definition is matched against the forms a checkpoint packer needs: a quantization
+//! output (values, scales, global / decode scale) read through an optional row gather and an optional
+//! 128x4 swizzle; a copy of an input through an optional row gather; or per-expert f32 arithmetic over
+//! earlier params, inputs and collective maxima (the alphas). Every quantization becomes an amax
+//! reduction, a collective hook where the recipe names a group, and one quantize pass that writes every
+//! output of that quantization. Index maps are generated from the CuTe layouts of the storage.
+
+use std::collections::HashMap;
+
+use moeforge_dsl::ir::{
+    AmaxGranularity, Arith, DType, Fp8Granularity, Group, IndexVec, Op, QuantField, QuantScheme,
+    TensorId, TensorKind, ValueId,
+};
+use moeforge_dsl::layout::Layout;
+use moeforge_dsl::ModuleInfo;
+
+use crate::kir::{e, BinOp, Buf, BufId, BufRole, Elem, Expr, Kernel, Program, Step, Stmt, Ty, UnOp, VarAlloc};
+use crate::quant::{self, clamp, fabs, fdiv, fmax, fmul, is_zero, Emit};
+use crate::{Error, Result};
+
+/// Which optional inputs a checkpoint provides.
+pub trait Presence {
+    /// Whether the input `name` is available.
+    fn has(&self, name: &str) -> bool;
+}
+
+impl<F: Fn(&str) -> bool> Presence for F {
+    fn has(&self, name: &str) -> bool {
+        self(name)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct QuantUse {
+    values: Option<(TensorId, Option<IndexVec>)>,
+    scales: Option<(TensorId, Option<IndexVec>, bool)>,
+    global: Option<TensorId>,
+    decode: Option<TensorId>,
+}
+
+struct QuantTemps {
+    /// Per-expert (or per-tensor) f32 quantities: NVFP4's gs and 1/gs, FP8's scale.
+    gs: Option<BufId>,
+    decode: Option<BufId>,
+    fp8_scale: Option<BufId>,
+}
+
+struct Planner<'a> {
+    info: &'a ModuleInfo,
+    prog: Program,
+    inputs: HashMap<TensorId, BufId>,
+    params: HashMap<TensorId, BufId>,
+    quants: HashMap<ValueId, QuantTemps>,
+    reduces: HashMap<ValueId, BufId>,
+}
+
+fn unsupported(param: &str, what: impl Into<String>) -> Error {
+    Error::Unsupported {
+        param: param.to_string(),
+        what: what.into(),
+    }
+}
+
+fn elem_of(d: DType) -> Option<Elem> {
+    match d {
+        DType::Bf16 => Some(Elem::Bf16),
+        DType::F32 | DType::F16 => Some(Elem::F32),
+        DType::E2m1 | DType::E4m3 | DType::E5m2 | DType::E8m0 | DType::I8 | DType::U8 => {
+            Some(Elem::U8)
+        }
+        DType::I32 => None,
+    }
+}
+
+/// Lower a verified module, bound to a shape, to a pack program. Params that depend on an optional
+/// input the checkpoint lacks are left out.
+pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
+    if info.binding().is_none() {
+        return Err(Error::Unbound);
+    }
+    let m = info.module();
+    let mut p = Planner {
+        info,
+        prog: Program {
+            recipe: m.name.clone(),
+            bufs: Vec::new(),
+            steps: Vec::new(),
+        },
+        inputs: HashMap::new(),
+        params: HashMap::new(),
+        quants: HashMap::new(),
+        reduces: HashMap::new(),
+    };
+    // Inputs first, in declaration order.
+    for (id, t) in m.tensors_with_ids() {
+        if let TensorKind::Input { optional } = t.kind {
+            if optional && !present.has(&t.name) {
+                continue;
+            }
+            let elem = elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} inputs", t.dtype)))?;
+            let len = p.numel(&t.shape)?;
+            let b = p.buf(BufRole::Input(t.name.clone()), elem, len, false);
+            p.inputs.insert(id, b);
+        }
+    }
+    // Quantization uses, grouped by quantization node.
+    let mut uses: Vec<(ValueId, QuantUse)> = Vec::new();
+    let mut order: Vec<(TensorId, Option<ValueId>)> = Vec::new();
+    for (id, t) in m.tensors_with_ids() {
+        if t.kind != TensorKind::Param {
+            continue;
+        }
+        if t.optional && !m.tensors_read_all(id).iter().all(|x| p.available(*x, present)) {
+            continue;
+        }
+        let v = t.value.ok_or_else(|| unsupported(&t.name, "a param without a definition"))?;
+        let (v, swizzled) = match &p.op(v)? {
+            Op::Swizzle128x4 { base } => (*base, true),
+            _ => (v, false),
+        };
+        let (v, rows) = p.strip_gather(&t.name, v)?;
+        if let Op::Field { quant, field } = p.op(v)? {
+            let slot = match uses.iter_mut().find(|u| u.0 == quant) {
+                Some(u) => u,
+                None => {
+                    uses.push((quant, QuantUse::default()));
+                    let n = uses.len() - 1;
+                    &mut uses[n]
+                }
+            };
+            match field {
+                QuantField::Values if !swizzled => slot.1.values = Some((id, rows)),
+                QuantField::Scales => slot.1.scales = Some((id, rows, swizzled)),
+                QuantField::GlobalScale if rows.is_none() && !swizzled => slot.1.global = Some(id),
+                QuantField::DecodeScale if rows.is_none() && !swizzled => slot.1.decode = Some(id),
+                _ => return Err(unsupported(&t.name, "this combination of quantization output, gather and swizzle")),
+            }
+            order.push((id, Some(quant)));
+        } else {
+            if swizzled {
+                return Err(unsupported(&t.name, "`swizzle_128x4` of anything but quantization scales"));
+            }
+            order.push((id, None));
+        }
+    }
+    let uses: HashMap<ValueId, QuantUse> = uses.into_iter().collect();
+    // Param buffers, in definition order.
+    for (id, _) in &order {
+        let t = p.tensor(*id)?;
+        let elem = elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} params", t.dtype)))?;
+        let mut len = p.numel(&t.shape)?;
+        if t.dtype == DType::E2m1 {
+            len /= 2;
+        }
+        let name = t.name.clone();
+        let b = p.buf(BufRole::Param(name), elem, len, false);
+        p.params.insert(*id, b);
+    }
+    // Steps, in definition order; a quantization runs when its first output is reached.
+    for (id, q) in order {
+        match q {
+            Some(q) => {
+                if !p.quants.contains_key(&q) {
+                    let u = uses.get(&q).cloned().unwrap_or_default();
+                    p.quantize(q, &u)?;
+                }
+            }
+            None => p.other(id)?,
+        }
+    }
+    Ok(p.prog)
+}
+
+trait ReadAll {
+    fn tensors_read_all(&self, t: TensorId) -> Vec<TensorId>;
+}
+
+impl ReadAll for moeforge_dsl::Module {
+    /// Every tensor a tensor's definition reads, transitively through lets and params.
+    fn tensors_read_all(&self, t: TensorId) -> Vec<TensorId> {
+        let mut out = Vec::new();
+        let mut stack = vec![t];
+        while let Some(x) = stack.pop() {
+            let Some(tt) = self.tensor(x) else { continue };
+            if let Some(v) = tt.value {
+                for r in self.tensors_read(v) {
+                    if !out.contains(&r) {
+                        out.push(r);
+                        stack.push(r);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Planner<'_> {
+    fn available(&self, t: TensorId, present: &dyn Presence) -> bool {
+        match self.info.module().tensor(t) {
+            Some(tt) => match tt.kind {
+                TensorKind::Input { optional: true } => present.has(&tt.name),
+                _ => true,
+            },
+            None => false,
+        }
+    }
+
+    fn tensor(&self, id: TensorId) -> Result<&moeforge_dsl::ir::Tensor> {
+        self.info.module().tensor(id).ok_or(Error::Internal("dangling tensor id"))
+    }
+
+    fn op(&self, v: ValueId) -> Result<Op> {
+        Ok(self
+            .info
+            .module()
+            .value(v)
+            .ok_or(Error::Internal("dangling value id"))?
+            .op
+            .clone())
+    }
+
+    fn shape(&self, v: ValueId) -> Result<Vec<i64>> {
+        let s = self.info.module().value(v).ok_or(Error::Internal("dangling value id"))?.shape.clone();
+        s.iter().map(|p| self.int(p)).collect()
+    }
+
+    fn int(&self, p: &moeforge_dsl::poly::Poly) -> Result<i64> {
+        self.info
+            .eval(p)
+            .and_then(|x| i64::try_from(x).ok())
+            .ok_or(Error::Internal("size does not evaluate at the binding"))
+    }
+
+    fn numel(&self, s: &[moeforge_dsl::poly::Poly]) -> Result<usize> {
+        let mut n: usize = 1;
+        for p in s {
+            n = n
+                .checked_mul(usize::try_from(self.int(p)?).map_err(|_| Error::Internal("negative size"))?)
+                .ok_or(Error::Internal("size overflow"))?;
+        }
+        Ok(n)
+    }
+
+    fn buf(&mut self, role: BufRole, elem: Elem, len: usize, zeroed: bool) -> BufId {
+        self.prog.bufs.push(Buf {
+            role,
+            elem,
+            len,
+            zeroed,
+        });
+        BufId(self.prog.bufs.len() as u32 - 1)
+    }
+
+    fn strip_gather(&self, name: &str, v: ValueId) -> Result<(ValueId, Option<IndexVec>)> {
+        match self.op(v)? {
+            Op::Gather { base, dim, index } => {
+                if dim != 1 {
+                    return Err(unsupported(name, "a gather along a dimension other than the rows (1)"));
+                }
+                Ok((base, Some(index)))
+            }
+            _ => Ok((v, None)),
+        }
+    }
+
+    fn kernel(
+        &mut self,
+        name: String,
+        items: i64,
+        f: impl FnOnce(&mut Emit<'_>, Expr) -> Result<()>,
+    ) -> Result<()> {
+        let mut va = VarAlloc::default();
+        let item = va.new_var(Ty::I64);
+        let body = {
+            let mut em = Emit::new(&mut va);
+            f(&mut em, e::v(item))?;
+            em.out
+        };
+        let k: Kernel = va.kernel(name, item, items, body);
+        self.prog.steps.push(Step::Kernel(k));
+        Ok(())
+    }
+
+    /// One quantization: amax, collective hook, scales, quantize pass.
+    fn quantize(&mut self, q: ValueId, u: &QuantUse) -> Result<()> {
+        let m = self.info.module();
+        let Op::Quant { scheme, input } = self.op(q)? else {
+            return Err(Error::Internal("quantization node expected"));
+        };
+        let any_param = u
+            .values
+            .as_ref()
+            .map(|x| x.0)
+            .or(u.scales.as_ref().map(|x| x.0))
+            .or(u.global)
+            .or(u.decode)
+            .ok_or(Error::Internal("unused quantization"))?;
+        let pname = self.tensor(any_param)?.name.clone();
+        let (xv, rows_in) = self.strip_gather(&pname, input)?;
+        let Op::Tensor(xt) = self.op(xv)? else {
+            return Err(unsupported(&pname, "quantizing anything but an input (optionally row-gathered)"));
+        };
+        let xb = *self
+            .inputs
+            .get(&xt)
+            .ok_or_else(|| unsupported(&pname, "quantizing a tensor that is not a checkpoint input"))?;
+        let shape = self.shape(xv)?;
+        let [ne, rows, cols] = shape[..] else {
+            return Err(unsupported(&pname, "quantizing a tensor that is not [E, M, K]"));
+        };
+        // The row order: a gather before or after the quantization (not both, not different ones).
+        let rows_out_v = u.values.as_ref().and_then(|x| x.1.clone());
+        let rows_out_s = u.scales.as_ref().and_then(|x| x.1.clone());
+        if u.values.is_some() && u.scales.is_some() && rows_out_v != rows_out_s {
+            return Err(unsupported(&pname, "values and scales gathered by different row orders"));
+        }
+        let rows_out = rows_out_v.or(rows_out_s);
+        if rows_in.is_some() && rows_out.is_some() {
+            return Err(unsupported(&pname, "a row gather both before and after the quantization"));
+        }
+        let rowmap = rows_in.or(rows_out);
+        let atoms = self
+            .info
+            .binding()
+            .ok_or(Error::Unbound)?
+            .atoms()
+            .to_vec();
+        let src_row = move |em: &mut Emit<'_>, r: Expr| -> Expr {
+            match &rowmap {
+                Some(iv) => {
+                    let x = index_vec_expr(iv, r, &atoms);
+                    em.set(Ty::I64, x)
+                }
+                None => r,
+            }
+        };
+        let vals = u.values.as_ref().and_then(|x| self.params.get(&x.0).copied());
+        let scl = u.scales.as_ref().and_then(|x| self.params.get(&x.0).copied().map(|b| (b, x.2)));
+        let glob = u.global.and_then(|x| self.params.get(&x).copied());
+        let dec = u.decode.and_then(|x| self.params.get(&x).copied());
+        let rc = rows * cols;
+        let tag = format!("{}_{}", m.name, self.tensor(xt)?.name);
+        let load = move |row_base: Expr, c: Expr| e::load(xb, e::add(row_base, c));
+
+        match scheme {
+            QuantScheme::Nvfp4 { .. } | QuantScheme::Fp8 { granularity: Fp8Granularity::Tensor, .. } => {
+                let (per_tensor, group) = match scheme {
+                    QuantScheme::Nvfp4 { amax, group } => (amax == AmaxGranularity::PerTensor, group),
+                    QuantScheme::Fp8 { group, .. } => (false, group),
+                    _ => (false, Group::None),
+                };
+                let n_amax = if per_tensor { 1 } else { ne as usize };
+                let amax_b = self.buf(BufRole::Temp(format!("{tag}_amax")), Elem::F32, n_amax, true);
+                // 1. amax: one work item per row, atomically max-reduced per expert.
+                self.kernel(format!("{tag}_amax"), ne * rows, |em, it| {
+                    let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                    let base = em.set(Ty::I64, e::mul(it, e::i(cols)));
+                    let mx = em.var(Ty::F32, e::f(0.0));
+                    em.for_(e::i(0), e::i(cols), |b, c| {
+                        b.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                    });
+                    let idx = if per_tensor { e::i(0) } else { ex };
+                    em.out.push(Stmt::AtomicMaxF32 { buf: amax_b, index: idx, value: e::v(mx) });
+                    Ok(())
+                })?;
+                if group != Group::None {
+                    self.prog.steps.push(Step::AllReduceMax { buf: amax_b, group: group.name().to_string() });
+                }
+                let is_nv = matches!(scheme, QuantScheme::Nvfp4 { .. });
+                let s1 = self.buf(BufRole::Temp(format!("{tag}_{}", if is_nv { "gs" } else { "scale" })), Elem::F32, n_amax, false);
+                let s2 = self.buf(BufRole::Temp(format!("{tag}_{}", if is_nv { "decode" } else { "inv" })), Elem::F32, n_amax, false);
+                // 2. per-expert scales.
+                self.kernel(format!("{tag}_scales"), n_amax as i64, |em, it| {
+                    let a = em.set(Ty::F32, e::load(amax_b, it.clone()));
+                    if is_nv {
+                        // gs = 2688 / amax (1 for an all-zero expert); decode = 1 / gs.
+                        let gs = em.set(Ty::F32, e::sel(is_zero(a.clone()), e::f(1.0), fdiv(e::f(2688.0), a)));
+                        let d = em.set(Ty::F32, fdiv(e::f(1.0), gs.clone()));
+                        em.out.push(Stmt::Store { buf: s1, index: it.clone(), value: gs.clone() });
+                        em.out.push(Stmt::Store { buf: s2, index: it.clone(), value: d.clone() });
+                        if let Some(g) = glob {
+                            em.out.push(Stmt::Store { buf: g, index: it.clone(), value: gs });
+                        }
+                        if let Some(dd) = dec {
+                            em.out.push(Stmt::Store { buf: dd, index: it, value: d });
+                        }
+                    } else {
+                        // scale = amax / 448 (1 for an all-zero expert); inv = 1 / scale.
+                        let s = em.set(Ty::F32, e::sel(is_zero(a.clone()), e::f(1.0), fdiv(a, e::f(448.0))));
+                        let inv = em.set(Ty::F32, fdiv(e::f(1.0), s.clone()));
+                        em.out.push(Stmt::Store { buf: s1, index: it.clone(), value: s.clone() });
+                        em.out.push(Stmt::Store { buf: s2, index: it.clone(), value: inv });
+                        if let Some((sb, _)) = scl {
+                            em.out.push(Stmt::Store { buf: sb, index: it, value: s });
+                        }
+                    }
+                    Ok(())
+                })?;
+                if is_nv {
+                    self.quants.insert(q, QuantTemps { gs: Some(s1), decode: Some(s2), fp8_scale: None });
+                    self.nvfp4_pass(&tag, xb, ne, rows, cols, per_tensor, s1, s2, vals, scl, &src_row)?;
+                } else {
+                    self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: Some(s1) });
+                    // 3. q = e4m3(clamp(x * inv, +-448)).
+                    let vb = vals;
+                    self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+                        let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                        let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+                        let sr = src_row(em, r);
+                        let base = em.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))));
+                        let out = em.set(Ty::I64, e::mul(it, e::i(cols)));
+                        let inv = em.set(Ty::F32, e::load(s2, ex));
+                        if let Some(vb) = vb {
+                            em.for_(e::i(0), e::i(cols), |b, c| {
+                                let x = clamp(fmul(load(base.clone(), c.clone()), inv.clone()), -448.0, 448.0);
+                                let code = quant::e4m3_rne(b, x);
+                                b.out.push(Stmt::Store { buf: vb, index: e::add(out.clone(), c), value: code });
+                            });
+                        }
+                        Ok(())
+                    })?;
+                }
+                Ok(())
+            }
+            QuantScheme::Fp8 { granularity: Fp8Granularity::Channel, .. } | QuantScheme::Int8Row => {
+                let int8 = matches!(scheme, QuantScheme::Int8Row);
+                self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: None });
+                let sb = scl.map(|x| x.0);
+                self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+                    let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                    let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+                    let sr = src_row(em, r);
+                    let base = em.set(Ty::I64, e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))));
+                    let out = em.set(Ty::I64, e::mul(it.clone(), e::i(cols)));
+                    let mx = em.var(Ty::F32, e::f(0.0));
+                    em.for_(e::i(0), e::i(cols), |b, c| {
+                        b.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                    });
+                    let scale = if int8 {
+                        // scale = amax / 127, 1 for an all-zero row.
+                        em.set(Ty::F32, e::sel(is_zero(e::v(mx)), e::f(1.0), fdiv(e::v(mx), e::f(127.0))))
+                    } else {
+                        // scale = max(amax / 448, 1 / (448*512)), 1 for an all-zero row.
+                        em.set(
+                            Ty::F32,
+                            e::sel(
+                                is_zero(e::v(mx)),
+                                e::f(1.0),
+                                fmax(fdiv(e::v(mx), e::f(448.0)), e::f(1.0 / (448.0 * 512.0))),
+                            ),
+                        )
+                    };
+                    if let Some(sb) = sb {
+                        em.out.push(Stmt::Store { buf: sb, index: it, value: scale.clone() });
+                    }
+                    if let Some(vb) = vals {
+                        em.for_(e::i(0), e::i(cols), |b, c| {
+                            let x = load(base.clone(), c.clone());
+                            let code = if int8 {
+                                quant::int8_rne(b, x, scale.clone())
+                            } else {
+                                let y = clamp(fdiv(x, scale.clone()), -448.0, 448.0);
+                                quant::e4m3_rne(b, y)
+                            };
+                            b.out.push(Stmt::Store { buf: vb, index: e::add(out.clone(), c), value: code });
+                        });
+                    }
+                    Ok(())
+                })
+            }
+            QuantScheme::Fp8 { granularity: Fp8Granularity::Block128, .. } => {
+                self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: None });
+                let (bm, bk) = ((rows + 127) / 128, (cols + 127) / 128);
+                let sb = scl.map(|x| x.0);
+                // One work item per (expert, 128-row band): amax, scale, quantize each 128x128 block.
+                self.kernel(format!("{tag}_quant"), ne * bm, |em, it| {
+                    let ex = em.set(Ty::I64, e::div(it.clone(), bm));
+                    let band = em.set(Ty::I64, e::rem(it.clone(), bm));
+                    let r0 = em.set(Ty::I64, e::mul(band.clone(), e::i(128)));
+                    let r1 = em.set(Ty::I64, e::bin(BinOp::IAdd, r0.clone(), e::i(128)));
+                    let r1 = em.set(Ty::I64, e::sel(e::bin(BinOp::ILt, r1.clone(), e::i(rows)), r1, e::i(rows)));
+                    em.for_(e::i(0), e::i(bk), |b, kb| {
+                        let c0 = b.set(Ty::I64, e::mul(kb.clone(), e::i(128)));
+                        let c1 = b.set(Ty::I64, e::bin(BinOp::IAdd, c0.clone(), e::i(128)));
+                        let c1 = b.set(Ty::I64, e::sel(e::bin(BinOp::ILt, c1.clone(), e::i(cols)), c1, e::i(cols)));
+                        let mx = b.var(Ty::F32, e::f(0.0));
+                        let rows_v = |b: &mut Emit<'_>, f: &dyn Fn(&mut Emit<'_>, Expr, Expr)| {
+                            b.for_(r0.clone(), r1.clone(), |b2, r| {
+                                let sr = src_row(b2, r.clone());
+                                let base = b2.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))));
+                                let out = b2.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r, e::i(cols))));
+                                b2.for_(c0.clone(), c1.clone(), |b3, c| f(b3, e::add(base.clone(), c.clone()), e::add(out.clone(), c)));
+                            });
+                        };
+                        rows_v(b, &|b3, src, _| {
+                            b3.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, src)))));
+                        });
+                        // sf = max(amax, 1e-4) / 448; q = e4m3(clamp(x * (1/sf))).
+                        let sf = b.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
+                        let inv = b.set(Ty::F32, fdiv(e::f(1.0), sf.clone()));
+                        if let Some(sb) = sb {
+                            let si = e::add(e::mul(ex.clone(), e::i(bm * bk)), e::add(e::mul(band.clone(), e::i(bk)), kb));
+                            b.out.push(Stmt::Store { buf: sb, index: si, value: sf });
+                        }
+                        if let Some(vb) = vals {
+                            rows_v(b, &|b3, src, dst| {
+                                let y = clamp(fmul(e::load(xb, src), inv.clone()), -448.0, 448.0);
+                                let code = quant::e4m3_rne(b3, y);
+                                b3.out.push(Stmt::Store { buf: vb, index: dst, value: code });
+                            });
+                        }
+                    });
+                    Ok(())
+                })
+            }
+            QuantScheme::Mxfp4 => {
+                self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: None });
+                let nb = cols / 32;
+                let sb = scl;
+                if let Some((_, true)) = sb {
+                    return Err(unsupported(&pname, "swizzled MXFP4 scales"));
+                }
+                self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+                    let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                    let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+                    let sr = src_row(em, r);
+                    let base = em.set(Ty::I64, e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))));
+                    em.for_(e::i(0), e::i(nb), |b, j| {
+                        let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
+                        let mx = b.var(Ty::F32, e::f(0.0));
+                        b.for_(e::i(0), e::i(32), |b2, c| {
+                            b2.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c))))));
+                        });
+                        // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
+                        let ebits = b.set(Ty::I32, e::bin(BinOp::And, e::bin(BinOp::Shr, e::un(UnOp::BitsOf, e::v(mx)), e::i32(23)), e::i32(0xFF)));
+                        let zero = b.set(Ty::Bool, is_zero(e::v(mx)));
+                        // scale byte = e + 127 = max(ebits - 2, 0); multiplier 2^-e has exponent field min(256 - ebits, 254).
+                        let sbyte = e::sel(zero.clone(), e::i32(0), imax(e::bin(BinOp::ISub, ebits.clone(), e::i32(2)), e::i32(0)));
+                        let mexp = imin(e::bin(BinOp::ISub, e::i32(256), ebits), e::i32(254));
+                        let mult = b.set(Ty::F32, e::un(UnOp::FromBits, e::bin(BinOp::Shl, mexp, e::i32(23))));
+                        if let Some((sbuf, _)) = sb {
+                            let si = e::add(e::mul(it.clone(), e::i(nb)), j.clone());
+                            b.out.push(Stmt::Store { buf: sbuf, index: si, value: sbyte });
+                        }
+                        if let Some(vb) = vals {
+                            let ob = b.set(Ty::I64, e::add(e::mul(it.clone(), e::i(cols / 2)), e::mul(j.clone(), e::i(16))));
+                            b.for_(e::i(0), e::i(16), |b2, k| {
+                                let lo = b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
+                                let c0 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, lo.clone()), mult.clone()), -6.0, 6.0));
+                                let c1 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, e::add(lo, e::i(1))), mult.clone()), -6.0, 6.0));
+                                let byte = e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4)));
+                                let byte = e::sel(zero.clone(), e::i32(0), byte);
+                                b2.out.push(Stmt::Store { buf: vb, index: e::add(ob.clone(), k), value: byte });
+                            });
+                        }
+                    });
+                    Ok(())
+                })
+            }
+        }
+    }
+
+    /// The NVFP4 quantize pass: per 16-element block, the E4M3 block scale and 8 packed bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn nvfp4_pass(
+        &mut self,
+        tag: &str,
+        xb: BufId,
+        ne: i64,
+        rows: i64,
+        cols: i64,
+        per_tensor: bool,
+        gs_b: BufId,
+        dec_b: BufId,
+        vals: Option<BufId>,
+        scl: Option<(BufId, bool)>,
+        src_row: &dyn Fn(&mut Emit<'_>, Expr) -> Expr,
+    ) -> Result<()> {
+        let nb = cols / 16;
+        let rc = rows * cols;
+        // The scale storage map: linear [E, M, K/16] or SPEC §1's 128x4 tiles of [E, Mp, Kp].
+        let sw = match scl {
+            Some((_, true)) => Some(
+                moeforge_dsl::spec::swizzle_128x4_layout(ne, rows, nb)
+                    .map_err(|_| Error::Internal("swizzle layout"))?,
+            ),
+            _ => None,
+        };
+        let sw2 = sw.clone();
+        self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+            let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+            let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+            let sr = src_row(em, r.clone());
+            let base = em.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))));
+            let si = if per_tensor { e::i(0) } else { ex.clone() };
+            let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
+            let dec = em.set(Ty::F32, e::load(dec_b, si));
+            em.for_(e::i(0), e::i(nb), |b, j| {
+                let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
+                let mx = b.var(Ty::F32, e::f(0.0));
+                b.for_(e::i(0), e::i(16), |b2, c| {
+                    b2.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c))))));
+                });
+                // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
+                let s = clamp(fmul(gs.clone(), fmul(e::v(mx), e::f(1.0f32 / 6.0))), -448.0, 448.0);
+                let sbyte = quant::e4m3_rne(b, s);
+                let sval = quant::e4m3_decode(b, sbyte.clone());
+                let zero = b.set(Ty::Bool, e::bin(BinOp::IEq, sbyte.clone(), e::i32(0)));
+                let osc = b.set(Ty::F32, e::sel(zero.clone(), e::f(0.0), fdiv(e::f(1.0), fmul(sval, dec.clone()))));
+                if let Some((sbuf, _)) = scl {
+                    let idx = match &sw {
+                        Some(l) => layout_index(l, &[ex.clone(), r.clone(), j.clone()]),
+                        None => e::add(e::mul(it.clone(), e::i(nb)), j.clone()),
+                    };
+                    let idx = b.set(Ty::I64, idx);
+                    b.out.push(Stmt::Store { buf: sbuf, index: idx, value: sbyte });
+                }
+                if let Some(vb) = vals {
+                    let ob = b.set(Ty::I64, e::add(e::mul(it.clone(), e::i(cols / 2)), e::mul(j.clone(), e::i(8))));
+                    b.for_(e::i(0), e::i(8), |b2, k| {
+                        let lo = b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
+                        let c0 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, lo.clone()), osc.clone()), -6.0, 6.0));
+                        let c1 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, e::add(lo, e::i(1))), osc.clone()), -6.0, 6.0));
+                        // Element 2k in the low nibble; a zero block scale gives zero codes.
+                        let byte = e::sel(zero.clone(), e::i32(0), e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4))));
+                        b2.out.push(Stmt::Store { buf: vb, index: e::add(ob.clone(), k), value: byte });
+                    });
+                }
+            });
+            Ok(())
+        })?;
+        // Zero fill of the swizzled padding (rows M..Mp, columns K/16..Kp of each expert).
+        if let (Some((sbuf, true)), Some(l)) = (scl, sw2) {
+            let (mp, kp) = (moeforge_dsl::spec::ru(rows, 128), moeforge_dsl::spec::ru(nb, 4));
+            if mp != rows || kp != nb {
+                self.kernel(format!("{tag}_pad"), ne * mp, |em, it| {
+                    let ex = em.set(Ty::I64, e::div(it.clone(), mp));
+                    let r = em.set(Ty::I64, e::rem(it, mp));
+                    em.for_(e::i(0), e::i(kp), |b, c| {
+                        let pad = e::bin(
+                            BinOp::Or,
+                            e::un(UnOp::BoolToI, e::bin(BinOp::ILt, e::i(rows - 1), r.clone())),
+                            e::un(UnOp::BoolToI, e::bin(BinOp::ILt, e::i(nb - 1), c.clone())),
+                        );
+                        let idx = layout_index(&l, &[ex.clone(), r.clone(), c]);
+                        let then = vec![Stmt::Store { buf: sbuf, index: idx, value: e::i32(0) }];
+                        b.out.push(Stmt::If { cond: e::bin(BinOp::IEq, pad, e::i32(1)), then });
+                    });
+                    Ok(())
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A param that is not a quantization output: a copy or per-expert f32 arithmetic.
+    fn other(&mut self, id: TensorId) -> Result<()> {
+        let t = self.tensor(id)?.clone();
+        let out = *self.params.get(&id).ok_or(Error::Internal("param buffer"))?;
+        let v = t.value.ok_or(Error::Internal("param value"))?;
+        let (base, rows) = self.strip_gather(&t.name, v)?;
+        if let Op::Tensor(src) = self.op(base)? {
+            if let Some(&xb) = self.inputs.get(&src) {
+                if self.tensor(src)?.dtype != t.dtype {
+                    return Err(unsupported(&t.name, "a copy that changes the dtype"));
+                }
+                let shape = self.shape(base)?;
+                if shape.len() == 3 {
+                    let [ne, nr, nc] = shape[..] else { return Err(Error::Internal("rank")) };
+                    let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
+                    return self.kernel(format!("{}_{}_copy", self.prog.recipe, t.name), ne * nr, |em, it| {
+                        let ex = em.set(Ty::I64, e::div(it.clone(), nr));
+                        let r = em.set(Ty::I64, e::rem(it.clone(), nr));
+                        let sr = match &rows {
+                            Some(iv) => em.set(Ty::I64, index_vec_expr(iv, r, &atoms)),
+                            None => r,
+                        };
+                        let src_base = em.set(Ty::I64, e::add(e::mul(ex, e::i(nr * nc)), e::mul(sr, e::i(nc))));
+                        let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
+                        em.for_(e::i(0), e::i(nc), |b, c| {
+                            b.out.push(Stmt::Store {
+                                buf: out,
+                                index: e::add(dst_base.clone(), c.clone()),
+                                value: e::load(xb, e::add(src_base.clone(), c)),
+                            });
+                        });
+                        Ok(())
+                    });
+                }
+                if rows.is_none() {
+                    let n: i64 = shape.iter().product();
+                    return self.kernel(format!("{}_{}_copy", self.prog.recipe, t.name), n, |em, it| {
+                        em.out.push(Stmt::Store { buf: out, index: it.clone(), value: e::load(xb, it) });
+                        Ok(())
+                    });
+                }
+            }
+        }
+        // Per-expert f32 arithmetic: [E] params from scalars, [E] vectors and collective maxima.
+        if t.dtype != DType::F32 || t.shape.len() != 1 {
+            return Err(unsupported(&t.name, "a computed param that is not f32[E]"));
+        }
+        let ne = self.int(&t.shape[0])?;
+        self.prepare_reduces(&t.name, v)?;
+        let name = format!("{}_{}", self.prog.recipe, t.name);
+        let this = &*self;
+        let mut err = None;
+        let mut va = VarAlloc::default();
+        let item = va.new_var(Ty::I64);
+        let body = {
+            let mut em = Emit::new(&mut va);
+            match this.scalar_expr(&t.name, v, e::v(item)) {
+                Ok(x) => em.out.push(Stmt::Store { buf: out, index: e::v(item), value: x }),
+                Err(er) => err = Some(er),
+            }
+            em.out
+        };
+        if let Some(er) = err {
+            return Err(er);
+        }
+        self.prog.steps.push(Step::Kernel(va.kernel(name, item, ne, body)));
+        Ok(())
+    }
+
+    /// Emit the reductions (`reduce_max`) a scalar expression needs, each followed by its collective.
+    fn prepare_reduces(&mut self, name: &str, v: ValueId) -> Result<()> {
+        let op = self.op(v)?;
+        for o in op.operands() {
+            self.prepare_reduces(name, o)?;
+        }
+        if let Op::ReduceMax { base, group } = op {
+            if self.reduces.contains_key(&v) {
+                return Ok(());
+            }
+            let Op::Tensor(src) = self.op(base)? else {
+                return Err(unsupported(name, "`reduce_max` of anything but a tensor"));
+            };
+            let xb = self
+                .inputs
+                .get(&src)
+                .or(self.params.get(&src))
+                .copied()
+                .ok_or_else(|| unsupported(name, "`reduce_max` of a tensor that is not stored"))?;
+            let n: i64 = self.shape(base)?.iter().product();
+            let tb = self.buf(BufRole::Temp(format!("{name}_max{}", v.0)), Elem::F32, 1, false);
+            self.kernel(format!("{}_{name}_max{}", self.prog.recipe, v.0), 1, |em, _it| {
+                let mx = em.var(Ty::F32, e::f(f32::NEG_INFINITY));
+                em.for_(e::i(0), e::i(n), |b, i| {
+                    b.out.push(Stmt::Set(mx, fmax(e::v(mx), e::load(xb, i))));
+                });
+                em.out.push(Stmt::Store { buf: tb, index: e::i(0), value: e::v(mx) });
+                Ok(())
+            })?;
+            if group != Group::None {
+                self.prog.steps.push(Step::AllReduceMax { buf: tb, group: group.name().to_string() });
+            }
+            self.reduces.insert(v, tb);
+        }
+        Ok(())
+    }
+
+    fn scalar_expr(&self, name: &str, v: ValueId, ex: Expr) -> Result<Expr> {
+        let val = self.info.module().value(v).ok_or(Error::Internal("value"))?;
+        let per_expert = !val.shape.is_empty();
+        let idx = if per_expert { ex.clone() } else { e::i(0) };
+        Ok(match &val.op {
+            Op::Const(c) => e::f(*c as f32),
+            Op::Tensor(t) => {
+                let b = self
+                    .params
+                    .get(t)
+                    .or(self.inputs.get(t))
+                    .copied()
+                    .ok_or_else(|| unsupported(name, "reading a tensor that is neither an input nor an earlier param"))?;
+                if val.shape.len() > 1 || self.tensor(*t)?.dtype != DType::F32 {
+                    return Err(unsupported(name, "arithmetic on a tensor that is not f32[E] or a scalar"));
+                }
+                e::load(b, idx)
+            }
+            Op::Arith { op, lhs, rhs } => {
+                let a = self.scalar_expr(name, *lhs, ex.clone())?;
+                let b = self.scalar_expr(name, *rhs, ex)?;
+                match op {
+                    Arith::Mul => fmul(a, b),
+                    Arith::Div => fdiv(a, b),
+                }
+            }
+            Op::Broadcast { base } => self.scalar_expr(name, *base, ex)?,
+            Op::ReduceMax { .. } => {
+                let b = self.reduces.get(&v).copied().ok_or(Error::Internal("reduction not prepared"))?;
+                e::load(b, e::i(0))
+            }
+            Op::Field { quant, field } => {
+                let qt = self.quants.get(quant).ok_or_else(|| unsupported(name, "a quantization output used before any param holds it"))?;
+                let b = match field {
+                    QuantField::GlobalScale => qt.gs,
+                    QuantField::DecodeScale => qt.decode,
+                    QuantField::Scales => qt.fp8_scale,
+                    QuantField::Values => None,
+                };
+                e::load(b.ok_or_else(|| unsupported(name, "this quantization output in arithmetic"))?, idx)
+            }
+            other => return Err(unsupported(name, format!("{} in per-expert arithmetic", other.describe()))),
+        })
+    }
+}
+
+fn imax(a: Expr, b: Expr) -> Expr {
+    e::sel(e::bin(BinOp::ILt, a.clone(), b.clone()), b, a)
+}
+
+fn imin(a: Expr, b: Expr) -> Expr {
+    e::sel(e::bin(BinOp::ILt, a.clone(), b.clone()), a, b)
+}
+
+/// The source index of output position `j` of a row index vector, at a binding.
+pub fn index_vec_expr(iv: &IndexVec, j: Expr, atoms: &[i128]) -> Expr {
+    match iv {
+        IndexVec::Identity(_) => j,
+        IndexVec::SwapHalves(n) => {
+            let half = (n.eval(atoms).unwrap_or(0) / 2) as i64;
+            e::sel(
+                e::bin(BinOp::ILt, j.clone(), e::i(half)),
+                e::add(j.clone(), e::i(half)),
+                e::bin(BinOp::ISub, j, e::i(half)),
+            )
+        }
+        IndexVec::Interleave { base, group } => {
+            let n = base.len().eval(atoms).unwrap_or(0) as i64;
+            let g = *group;
+            let t = e::div(j.clone(), 2 * g);
+            let rem = e::rem(j, 2 * g);
+            let h = e::div(rem.clone(), g);
+            let r = e::rem(rem, g);
+            let src = e::add(e::add(e::mul(h, e::i(n / 2)), e::mul(t, e::i(g))), r);
+            index_vec_expr(base, src, atoms)
+        }
+    }
+}
+
+/// The offset of a natural coordinate (one integer per top-level mode) under a CuTe layout: each
+/// mode's integer is split colexicographically over its sub-modes.
+pub fn layout_index(l: &Layout, coord: &[Expr]) -> Expr {
+    let mut total = e::i(0);
+    for (k, c) in coord.iter().enumerate() {
+        let Some(mode) = l.mode(k) else { continue };
+        let subs = mode.flat_modes();
+        let mut rest = c.clone();
+        for (j, &(s, d)) in subs.iter().enumerate() {
+            let part = if j + 1 == subs.len() {
+                rest.clone()
+            } else {
+                e::rem(rest.clone(), s)
+            };
+            total = e::add(total, e::mul(part, e::i(d)));
+            rest = e::div(rest, s);
+        }
+    }
+    total
+}
