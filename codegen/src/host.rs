@@ -1,1 +1,380 @@
-//! host (todo)
+//! The host backend: every kernel of a [`Program`] is emitted as CLIF and JIT-compiled by Cranelift
+//! for the machine it runs on. A kernel becomes `fn(bufs: *const *mut u8, lo: i64, hi: i64)` running
+//! work items `lo..hi`: index maps, reductions and the quantization arithmetic are all inline code,
+//! with no calls out of the loop. [`Compiled::run`] splits each kernel's items across threads.
+
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::{types, AbiParam, AtomicRmwOp, InstBuilder, MemFlagsData as MemFlags, Type, Value};
+use cranelift_codegen::settings::{self, Configurable};
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
+use cranelift_jit::{JITBuilder, JITModule};
+use cranelift_module::{default_libcall_names, Linkage, Module};
+
+use crate::kir::{BinOp, Elem, Expr, Kernel, Program, Step, Stmt, Ty, UnOp};
+use crate::{Collective, Error, Result};
+
+type KernelFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
+
+/// A JIT-compiled program.
+pub struct Compiled {
+    // Keeps the code alive; never touched after compilation.
+    _module: JITModule,
+    prog: Program,
+    fns: Vec<KernelFn>,
+}
+
+fn cl<E: std::fmt::Display>(e: E) -> Error {
+    Error::Cranelift(e.to_string())
+}
+
+fn clty(t: Ty) -> Type {
+    match t {
+        Ty::I64 => types::I64,
+        Ty::I32 => types::I32,
+        Ty::F32 => types::F32,
+        Ty::Bool => types::I8,
+    }
+}
+
+/// Compile every kernel of a program for this machine.
+pub fn compile(prog: &Program) -> Result<Compiled> {
+    let mut flags = settings::builder();
+    flags.set("opt_level", "speed").map_err(cl)?;
+    flags.set("use_colocated_libcalls", "false").map_err(cl)?;
+    flags.set("is_pic", "false").map_err(cl)?;
+    let isa = cranelift_native::builder()
+        .map_err(|e| Error::Cranelift(e.to_string()))?
+        .finish(settings::Flags::new(flags))
+        .map_err(cl)?;
+    let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
+    let ptr = module.target_config().pointer_type();
+    let mut ctx = module.make_context();
+    let mut fctx = FunctionBuilderContext::new();
+    let elems: Vec<Elem> = prog.bufs.iter().map(|b| b.elem).collect();
+    let mut ids = Vec::new();
+    let fcfg = module.target_config();
+    for k in prog.kernels() {
+        ctx.func.signature.params.push(AbiParam::new(ptr));
+        ctx.func.signature.params.push(AbiParam::new(types::I64));
+        ctx.func.signature.params.push(AbiParam::new(types::I64));
+        let id = module
+            .declare_function(&k.name, Linkage::Local, &ctx.func.signature)
+            .map_err(cl)?;
+        {
+            let mut b = FunctionBuilder::new(&mut ctx.func, &mut fctx);
+            let mut g = Gen::new(&mut b, k, &elems, ptr);
+            g.kernel()?;
+            b.seal_all_blocks();
+            b.finalize(fcfg);
+        }
+        module.define_function(id, &mut ctx).map_err(|e| Error::Cranelift(format!("{e:?}")))?;
+        module.clear_context(&mut ctx);
+        ids.push(id);
+    }
+    module.finalize_definitions().map_err(cl)?;
+    let fns = ids
+        .into_iter()
+        .map(|id| {
+            let p = module.get_finalized_function(id);
+            // SAFETY: `p` is the entry of a function just compiled with exactly the signature
+            // `(ptr, i64, i64)` in the platform's default C calling convention, which `KernelFn` is.
+            unsafe { std::mem::transmute::<*const u8, KernelFn>(p) }
+        })
+        .collect();
+    Ok(Compiled {
+        _module: module,
+        prog: prog.clone(),
+        fns,
+    })
+}
+
+struct Gen<'a, 'b> {
+    b: &'a mut FunctionBuilder<'b>,
+    k: &'a Kernel,
+    elems: &'a [Elem],
+    vars: Vec<Variable>,
+    bases: Vec<Value>,
+    ptr: Type,
+}
+
+impl<'a, 'b> Gen<'a, 'b> {
+    fn new(b: &'a mut FunctionBuilder<'b>, k: &'a Kernel, elems: &'a [Elem], ptr: Type) -> Gen<'a, 'b> {
+        Gen {
+            b,
+            k,
+            elems,
+            vars: Vec::new(),
+            bases: Vec::new(),
+            ptr,
+        }
+    }
+
+    fn kernel(&mut self) -> Result<()> {
+        let entry = self.b.create_block();
+        self.b.append_block_params_for_function_params(entry);
+        self.b.switch_to_block(entry);
+        let params = self.b.block_params(entry).to_vec();
+        let [bufs, lo, hi] = params[..] else {
+            return Err(Error::Internal("kernel signature"));
+        };
+        for t in &self.k.var_types {
+            let v = self.b.declare_var(clty(*t));
+            self.vars.push(v);
+        }
+        // Buffer base pointers, loaded once.
+        let flags = MemFlags::trusted();
+        for i in 0..self.elems.len() {
+            let off = (i * self.ptr.bytes() as usize) as i32;
+            let base = self.b.ins().load(self.ptr, flags, bufs, off);
+            self.bases.push(base);
+        }
+        let item = self.var(self.k.item)?;
+        self.loop_(item, lo, hi, &self.k.body)?;
+        self.b.ins().return_(&[]);
+        Ok(())
+    }
+
+    fn var(&self, v: crate::kir::Var) -> Result<Variable> {
+        self.vars.get(v.0 as usize).copied().ok_or(Error::Internal("variable"))
+    }
+
+    fn loop_(&mut self, var: Variable, start: Value, end: Value, body: &[Stmt]) -> Result<()> {
+        let header = self.b.create_block();
+        let block = self.b.create_block();
+        let exit = self.b.create_block();
+        self.b.def_var(var, start);
+        self.b.ins().jump(header, &[]);
+        self.b.switch_to_block(header);
+        let i = self.b.use_var(var);
+        let c = self.b.ins().icmp(IntCC::SignedLessThan, i, end);
+        self.b.ins().brif(c, block, &[], exit, &[]);
+        self.b.switch_to_block(block);
+        self.stmts(body)?;
+        let i = self.b.use_var(var);
+        let next = self.b.ins().iadd_imm_s(i, 1);
+        self.b.def_var(var, next);
+        self.b.ins().jump(header, &[]);
+        self.b.switch_to_block(exit);
+        Ok(())
+    }
+
+    fn stmts(&mut self, body: &[Stmt]) -> Result<()> {
+        for s in body {
+            match s {
+                Stmt::Set(v, x) => {
+                    let val = self.expr(x)?;
+                    let var = self.var(*v)?;
+                    self.b.def_var(var, val);
+                }
+                Stmt::For { var, start, end, body } => {
+                    let (s0, e0) = (self.expr(start)?, self.expr(end)?);
+                    let var = self.var(*var)?;
+                    self.loop_(var, s0, e0, body)?;
+                }
+                Stmt::If { cond, then } => {
+                    let c = self.expr(cond)?;
+                    let t = self.b.create_block();
+                    let merge = self.b.create_block();
+                    self.b.ins().brif(c, t, &[], merge, &[]);
+                    self.b.switch_to_block(t);
+                    self.stmts(then)?;
+                    self.b.ins().jump(merge, &[]);
+                    self.b.switch_to_block(merge);
+                }
+                Stmt::Store { buf, index, value } => {
+                    let elem = *self.elems.get(buf.0 as usize).ok_or(Error::Internal("buffer"))?;
+                    let addr = self.addr(buf.0 as usize, index, elem)?;
+                    let v = self.expr(value)?;
+                    let f = MemFlags::trusted();
+                    match elem {
+                        Elem::U8 => {
+                            self.b.ins().istore8(f, v, addr, 0);
+                        }
+                        Elem::F32 => {
+                            self.b.ins().store(f, v, addr, 0);
+                        }
+                        Elem::Bf16 => {
+                            let bits = self.b.ins().bitcast(types::I32, MemFlags::new(), v);
+                            let hi = self.b.ins().ushr_imm_u(bits, 16);
+                            self.b.ins().istore16(f, hi, addr, 0);
+                        }
+                    }
+                }
+                Stmt::AtomicMaxF32 { buf, index, value } => {
+                    let addr = self.addr(buf.0 as usize, index, Elem::F32)?;
+                    let v = self.expr(value)?;
+                    let bits = self.b.ins().bitcast(types::I32, MemFlags::new(), v);
+                    self.b
+                        .ins()
+                        .atomic_rmw(types::I32, MemFlags::trusted(), AtomicRmwOp::Umax, addr, bits);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn addr(&mut self, buf: usize, index: &Expr, elem: Elem) -> Result<Value> {
+        let base = *self.bases.get(buf).ok_or(Error::Internal("buffer"))?;
+        let i = self.expr(index)?;
+        let off = match elem.size() {
+            1 => i,
+            n => self.b.ins().imul_imm_s(i, n as i64),
+        };
+        Ok(self.b.ins().iadd(base, off))
+    }
+
+    fn expr(&mut self, x: &Expr) -> Result<Value> {
+        Ok(match x {
+            Expr::Var(v) => {
+                let var = self.var(*v)?;
+                self.b.use_var(var)
+            }
+            Expr::I64(c) => self.b.ins().iconst(types::I64, *c),
+            Expr::I32(c) => self.b.ins().iconst(types::I32, *c as i64),
+            Expr::F32(c) => self.b.ins().f32const(*c),
+            Expr::Load { buf, index } => {
+                let elem = *self.elems.get(buf.0 as usize).ok_or(Error::Internal("buffer"))?;
+                let addr = self.addr(buf.0 as usize, index, elem)?;
+                let f = MemFlags::trusted();
+                match elem {
+                    Elem::U8 => self.b.ins().uload8(types::I32, f, addr, 0),
+                    Elem::F32 => self.b.ins().load(types::F32, f, addr, 0),
+                    Elem::Bf16 => {
+                        let h = self.b.ins().uload16(types::I32, f, addr, 0);
+                        let bits = self.b.ins().ishl_imm_u(h, 16);
+                        self.b.ins().bitcast(types::F32, MemFlags::new(), bits)
+                    }
+                }
+            }
+            Expr::Select(c, a, b) => {
+                let (c, a, b) = (self.expr(c)?, self.expr(a)?, self.expr(b)?);
+                self.b.ins().select(c, a, b)
+            }
+            Expr::Un(op, a) => {
+                let a = self.expr(a)?;
+                let ins = self.b.ins();
+                match op {
+                    UnOp::FAbs => ins.fabs(a),
+                    UnOp::FRoundEven => ins.nearest(a),
+                    UnOp::F2I => ins.fcvt_to_sint_sat(types::I32, a),
+                    UnOp::I2F => ins.fcvt_from_sint(types::F32, a),
+                    UnOp::BitsOf => ins.bitcast(types::I32, MemFlags::new(), a),
+                    UnOp::FromBits => ins.bitcast(types::F32, MemFlags::new(), a),
+                    UnOp::Widen => ins.sextend(types::I64, a),
+                    UnOp::Narrow => ins.ireduce(types::I32, a),
+                    UnOp::BoolToI => ins.uextend(types::I32, a),
+                }
+            }
+            Expr::Bin(op, a, b) => {
+                // Constant right operands become immediates where Cranelift has the form.
+                if let (Expr::I64(c), BinOp::IDiv | BinOp::IRem | BinOp::IMul | BinOp::IAdd) = (&**b, op) {
+                    let a = self.expr(a)?;
+                    let ins = self.b.ins();
+                    return Ok(match op {
+                        BinOp::IDiv => ins.udiv_imm_u(a, *c),
+                        BinOp::IRem => ins.urem_imm_u(a, *c),
+                        BinOp::IMul => ins.imul_imm_s(a, *c),
+                        _ => ins.iadd_imm_s(a, *c),
+                    });
+                }
+                let (a, b) = (self.expr(a)?, self.expr(b)?);
+                let ins = self.b.ins();
+                match op {
+                    BinOp::IAdd => ins.iadd(a, b),
+                    BinOp::ISub => ins.isub(a, b),
+                    BinOp::IMul => ins.imul(a, b),
+                    BinOp::IDiv => ins.udiv(a, b),
+                    BinOp::IRem => ins.urem(a, b),
+                    BinOp::And => ins.band(a, b),
+                    BinOp::Or => ins.bor(a, b),
+                    BinOp::Shl => ins.ishl(a, b),
+                    BinOp::Shr => ins.ushr(a, b),
+                    BinOp::FAdd => ins.fadd(a, b),
+                    BinOp::FMul => ins.fmul(a, b),
+                    BinOp::FDiv => ins.fdiv(a, b),
+                    BinOp::FMax => ins.fmax(a, b),
+                    BinOp::FMin => ins.fmin(a, b),
+                    BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
+                    BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
+                    BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
+                    BinOp::FLe => ins.fcmp(FloatCC::LessThanOrEqual, a, b),
+                    BinOp::FEq => ins.fcmp(FloatCC::Equal, a, b),
+                }
+            }
+        })
+    }
+}
+
+impl Compiled {
+    /// The program this was compiled from.
+    pub fn program(&self) -> &Program {
+        &self.prog
+    }
+
+    /// Run the program over buffers from [`crate::alloc_buffers`], splitting each kernel's work items
+    /// over `threads` threads (0: all cores).
+    pub fn run(&self, bufs: &mut [Vec<u8>], coll: &dyn Collective, threads: usize) -> Result<()> {
+        if bufs.len() != self.prog.bufs.len() {
+            return Err(Error::Internal("buffer count"));
+        }
+        for (b, d) in self.prog.bufs.iter().zip(bufs.iter()) {
+            let want = b.len * b.elem.size();
+            if d.len() != want {
+                return Err(Error::BufferSize {
+                    name: b.name().to_string(),
+                    expected: want,
+                    got: d.len(),
+                });
+            }
+        }
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
+        let mut kernels = self.fns.iter();
+        for step in &self.prog.steps {
+            match step {
+                Step::Kernel(k) => {
+                    let f = *kernels.next().ok_or(Error::Internal("kernel count"))?;
+                    let ptrs: Vec<SendPtr> = bufs.iter_mut().map(|b| SendPtr(b.as_mut_ptr())).collect();
+                    let n = k.items;
+                    let t = (threads as i64).min(n).max(1);
+                    // Small chunks balance uneven rows; at least one item per chunk.
+                    let chunk = (n + t * 8 - 1) / (t * 8);
+                    let next = std::sync::atomic::AtomicI64::new(0);
+                    std::thread::scope(|s| {
+                        for _ in 0..t {
+                            s.spawn(|| loop {
+                                let lo = next.fetch_add(chunk.max(1), std::sync::atomic::Ordering::Relaxed);
+                                if lo >= n {
+                                    break;
+                                }
+                                let hi = (lo + chunk.max(1)).min(n);
+                                // SAFETY: `ptrs` holds one base pointer per program buffer, each
+                                // sized exactly as the program declares (checked above), in the
+                                // order the kernel loads them. The planner only generates
+                                // in-bounds indices (the interpreter checks the same programs with
+                                // bounds checks in the tests), and distinct work items write
+                                // disjoint elements except through atomic max.
+                                unsafe { f(ptrs.as_ptr() as *const *mut u8, lo, hi) };
+                            });
+                        }
+                    });
+                }
+                Step::AllReduceMax { buf, group } => crate::all_reduce_bytes(coll, group, bufs, *buf)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+struct SendPtr(*mut u8);
+
+// SAFETY: the pointers are only dereferenced by generated kernels under the disjointness argument
+// documented at the call site; the buffers outlive the scoped threads.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above; sharing the pointer array between threads only reads it.
+unsafe impl Sync for SendPtr {}

@@ -727,6 +727,7 @@ impl Planner<'_> {
 
     /// Emit the reductions (`reduce_max`) a scalar expression needs, each followed by its collective.
     fn prepare_reduces(&mut self, name: &str, v: ValueId) -> Result<()> {
+        let v = self.through_lets(v)?;
         let op = self.op(v)?;
         for o in op.operands() {
             self.prepare_reduces(name, o)?;
@@ -762,7 +763,20 @@ impl Planner<'_> {
         Ok(())
     }
 
+    /// A `let` tensor stands for its definition.
+    fn through_lets(&self, v: ValueId) -> Result<ValueId> {
+        if let Op::Tensor(t) = self.op(v)? {
+            let tt = self.tensor(t)?;
+            if tt.kind == TensorKind::Let {
+                let d = tt.value.ok_or(Error::Internal("let without value"))?;
+                return self.through_lets(d);
+            }
+        }
+        Ok(v)
+    }
+
     fn scalar_expr(&self, name: &str, v: ValueId, ex: Expr) -> Result<Expr> {
+        let v = self.through_lets(v)?;
         let val = self.info.module().value(v).ok_or(Error::Internal("value"))?;
         let per_expert = !val.shape.is_empty();
         let idx = if per_expert { ex.clone() } else { e::i(0) };
