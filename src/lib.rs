@@ -34,6 +34,9 @@ pub enum Error {
     /// A command-line usage error.
     #[error("{0}")]
     Usage(String),
+    /// Code generation failed.
+    #[error(transparent)]
+    Codegen(#[from] codegen::Error),
 }
 
 /// `Result` with [`Error`].
@@ -54,4 +57,35 @@ pub fn check_source(src: &str, file: &str, bind: Option<&str>) -> Result<dsl::Mo
         None => None,
     };
     dsl::check(src, bind.as_deref()).map_err(|d| recipe_error(&d, file, src))
+}
+
+/// Check a bound recipe and lower it to its pack program (params that need an optional input
+/// `present` says is missing are left out).
+pub fn pack_program(
+    src: &str,
+    file: &str,
+    bind: &str,
+    present: &dyn Fn(&str) -> bool,
+) -> Result<codegen::kir::Program> {
+    let info = check_source(src, file, Some(bind))?;
+    Ok(codegen::plan::plan(&info, &present)?)
+}
+
+/// Write a file atomically: a temporary file in the same folder, renamed over the target only when
+/// everything was written.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write as _;
+    let io = |e: std::io::Error| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    };
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
 }

@@ -29,6 +29,23 @@ enum Command {
         #[arg(long, value_name = "VIEW")]
         index_map: Option<String>,
     },
+    /// Compile a bound recipe's pack program: PTX for a GPU, CLIF for the host, or the kernel IR.
+    Compile {
+        /// The recipe file, or the name of a standard recipe.
+        file: String,
+        /// Dimension values, e.g. `E=8,H=2048,I=768`.
+        #[arg(long)]
+        bind: String,
+        /// `sm_90a`, `sm_100a` or `host`.
+        #[arg(long, default_value = "sm_90a")]
+        target: String,
+        /// `ptx` (GPU targets), `clif` (host) or `ir` (the kernel IR).
+        #[arg(long)]
+        emit: Option<String>,
+        /// Write to this file (atomically) instead of standard output.
+        #[arg(short = 'o', long = "output")]
+        output: Option<std::path::PathBuf>,
+    },
     /// Run the main job on an embedded default MoE layer.
     Demo,
 }
@@ -97,6 +114,44 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 writeln!(out, "{s}").map_err(io)?;
             } else {
                 write!(out, "{}", moeforge::report::human(&info)).map_err(io)?;
+            }
+        }
+        Command::Compile {
+            file,
+            bind,
+            target,
+            emit,
+            output,
+        } => {
+            let (name, src) = read_recipe(&file)?;
+            // Every optional input present: compile every param.
+            let prog = moeforge::pack_program(&src, &name, &bind, &|_| true)?;
+            let gpu = moeforge::codegen::ptx::Target::from_name(&target);
+            let emit = emit.unwrap_or_else(|| {
+                if gpu.is_some() {
+                    "ptx".into()
+                } else {
+                    "clif".into()
+                }
+            });
+            let text = match (gpu, target.as_str(), emit.as_str()) {
+                (_, _, "ir") => prog.to_string(),
+                (Some(t), _, "ptx") => moeforge::codegen::ptx::compile(&prog, t)?,
+                (None, "host", "clif") => moeforge::codegen::host::clif_text(&prog)?,
+                (None, "host", _) | (Some(_), _, _) => {
+                    return Err(moeforge::Error::Usage(format!(
+                        "--emit {emit} is not available for --target {target} (ptx: sm_90a, sm_100a; clif: host; ir: any)"
+                    )))
+                }
+                (None, _, _) => {
+                    return Err(moeforge::Error::Usage(format!(
+                        "unknown target `{target}` (expected sm_90a, sm_100a or host)"
+                    )))
+                }
+            };
+            match output {
+                Some(path) => moeforge::write_atomic(&path, text.as_bytes())?,
+                None => out.write_all(text.as_bytes()).map_err(io)?,
             }
         }
         Command::Demo => {

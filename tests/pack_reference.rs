@@ -51,7 +51,9 @@ fn seed() -> u64 {
 }
 
 fn bf16_bytes(x: &[f32]) -> Vec<u8> {
-    x.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
+    x.iter()
+        .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+        .collect()
 }
 
 fn f32_bytes(x: &[f32]) -> Vec<u8> {
@@ -68,7 +70,11 @@ fn pack(
     backend: &str,
 ) -> Params {
     let src = moeforge::kernels::find(recipe).unwrap().source;
-    let b = vec![("E".into(), bind.0), ("H".into(), bind.1), ("I".into(), bind.2)];
+    let b = vec![
+        ("E".into(), bind.0),
+        ("H".into(), bind.1),
+        ("I".into(), bind.2),
+    ];
     let info = moeforge::dsl::check(src, Some(&b)).unwrap();
     let prog = codegen::plan::plan(&info, &|n: &str| inputs.contains_key(n)).unwrap();
     let mut bufs = codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).cloned()).unwrap();
@@ -107,7 +113,15 @@ impl Case {
         let w2 = gen(e * h * i);
         let s13 = (0..e).map(|k| 0.5 + k as f32 * 0.25).collect();
         let s2 = (0..e).map(|k| 2.0 - k as f32 * 0.125).collect();
-        Case { e, h, i, w13, w2, s13, s2 }
+        Case {
+            e,
+            h,
+            i,
+            w13,
+            w2,
+            s13,
+            s2,
+        }
     }
 
     fn inputs(&self, with_scales: bool) -> HashMap<String, Vec<u8>> {
@@ -138,21 +152,31 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
             out.insert("w2_weight".into(), bf16_bytes(&c.w2));
         }
         "fp8_per_tensor" => {
-            for (name, x, s_in, alpha) in [("w13", &c.w13, &c.s13, "g1_alphas"), ("w2", &c.w2, &c.s2, "g2_alphas")] {
-                let (q, s): (Vec<Vec<u8>>, Vec<f32>) = c.experts(x).into_iter().map(r::fp8_per_tensor).unzip();
+            for (name, x, s_in, alpha) in [
+                ("w13", &c.w13, &c.s13, "g1_alphas"),
+                ("w2", &c.w2, &c.s2, "g2_alphas"),
+            ] {
+                let (q, s): (Vec<Vec<u8>>, Vec<f32>) =
+                    c.experts(x).into_iter().map(r::fp8_per_tensor).unzip();
                 out.insert(format!("{name}_weight"), cat(q));
                 out.insert(format!("{name}_weight_scale"), f32_bytes(&s));
                 if with_scales {
                     let a = amax_max(s_in);
                     out.insert(format!("{name}_input_scale"), f32_bytes(&vec![a; c.e]));
-                    out.insert(alpha.into(), f32_bytes(&s.iter().map(|v| v * a).collect::<Vec<_>>()));
+                    out.insert(
+                        alpha.into(),
+                        f32_bytes(&s.iter().map(|v| v * a).collect::<Vec<_>>()),
+                    );
                 }
             }
         }
         "fp8_block128" => {
             for (name, x, m, n) in [("w13", &c.w13, 2 * i, h), ("w2", &c.w2, h, i)] {
-                let (q, s): (Vec<Vec<u8>>, Vec<Vec<f32>>) =
-                    c.experts(x).into_iter().map(|xe| r::fp8_block128(xe, m, n)).unzip();
+                let (q, s): (Vec<Vec<u8>>, Vec<Vec<f32>>) = c
+                    .experts(x)
+                    .into_iter()
+                    .map(|xe| r::fp8_block128(xe, m, n))
+                    .unzip();
                 out.insert(format!("{name}_weight"), cat(q));
                 out.insert(format!("{name}_weight_scale_inv"), f32_bytes(&s.concat()));
             }
@@ -189,7 +213,11 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
                     // [gate; up] -> [up; gate] interleaved by 64 (SPEC §3), then quantize.
                     let rows: Vec<f32> = (0..m)
                         .flat_map(|row| {
-                            let src = if reorder { spec::cutedsl_row_src(row as i64, m as i64, 64) as usize } else { row };
+                            let src = if reorder {
+                                spec::cutedsl_row_src(row as i64, m as i64, 64) as usize
+                            } else {
+                                row
+                            };
                             xe[src * k..(src + 1) * k].to_vec()
                         })
                         .collect();
@@ -197,11 +225,16 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
                     vals.push(p);
                     // Swizzle this expert's [m, k/16] scales into [ru(m,128), ru(k/16,4)] tiles.
                     let kb = k / 16;
-                    let (mp, kp) = (spec::ru(m as i64, 128) as usize, spec::ru(kb as i64, 4) as usize);
+                    let (mp, kp) = (
+                        spec::ru(m as i64, 128) as usize,
+                        spec::ru(kb as i64, 4) as usize,
+                    );
                     let mut sw = vec![0u8; mp * kp];
                     for rr in 0..m {
                         for cc in 0..kb {
-                            let o = spec::swizzle_128x4_offset(0, rr as i64, cc as i64, m as i64, kb as i64);
+                            let o = spec::swizzle_128x4_offset(
+                                0, rr as i64, cc as i64, m as i64, kb as i64,
+                            );
                             sw[o as usize] = s[rr * kb + cc];
                         }
                     }
@@ -212,7 +245,10 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
                 out.insert(format!("{name}_weight_scale_2"), f32_bytes(&decode));
                 if with_scales {
                     let a = amax_max(s_in);
-                    out.insert(alpha.into(), f32_bytes(&decode.iter().map(|d| d * a).collect::<Vec<_>>()));
+                    out.insert(
+                        alpha.into(),
+                        f32_bytes(&decode.iter().map(|d| d * a).collect::<Vec<_>>()),
+                    );
                 }
             }
         }
@@ -221,7 +257,14 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
     out
 }
 
-fn compare(recipe: &str, seed: u64, shape: (usize, usize, usize), want: &Params, got: &Params, backend: &str) {
+fn compare(
+    recipe: &str,
+    seed: u64,
+    shape: (usize, usize, usize),
+    want: &Params,
+    got: &Params,
+    backend: &str,
+) {
     let mut names: Vec<&String> = want.keys().collect();
     names.sort();
     let mut got_names: Vec<&String> = got.keys().collect();
@@ -283,7 +326,10 @@ fn nvfp4_worked_example_end_to_end() {
         if backend == "interp" {
             codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap();
         } else {
-            codegen::host::compile(&prog).unwrap().run(&mut bufs, &SingleProcess, 1).unwrap();
+            codegen::host::compile(&prog)
+                .unwrap()
+                .run(&mut bufs, &SingleProcess, 1)
+                .unwrap();
         }
         let get = |n: &str| {
             let k = prog.bufs.iter().position(|b| b.name() == n).unwrap();
@@ -291,7 +337,10 @@ fn nvfp4_worked_example_end_to_end() {
         };
         assert_eq!(&get("v")[..4], &[0xD7, 0x02, 0x08, 0x00], "{backend}");
         assert_eq!(get("s")[0], 0x6E, "{backend}");
-        assert_eq!(get("s2"), (1.0f32 / 224.0).to_le_bytes().to_vec(), "{backend}");
+        assert_eq!(
+            get("s2"),
+            (1.0f32 / 224.0).to_le_bytes().to_vec(),
+            "{backend}"
+        );
     }
 }
-

@@ -4,7 +4,9 @@
 //! with no calls out of the loop. [`Compiled::run`] splits each kernel's items across threads.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::{types, AbiParam, AtomicRmwOp, InstBuilder, MemFlagsData as MemFlags, Type, Value};
+use cranelift_codegen::ir::{
+    types, AbiParam, AtomicRmwOp, InstBuilder, MemFlagsData as MemFlags, Type, Value,
+};
 use cranelift_codegen::settings::{self, Configurable};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
 use cranelift_jit::{JITBuilder, JITModule};
@@ -36,16 +38,45 @@ fn clty(t: Ty) -> Type {
     }
 }
 
-/// Compile every kernel of a program for this machine.
-pub fn compile(prog: &Program) -> Result<Compiled> {
+/// The CLIF of every kernel of a program, as Cranelift prints it (before optimization).
+pub fn clif_text(prog: &Program) -> Result<String> {
+    let mut out = String::new();
+    let isa = native_isa()?;
+    let ptr = isa.pointer_type();
+    let cfg = isa.frontend_config();
+    let elems: Vec<Elem> = prog.bufs.iter().map(|b| b.elem).collect();
+    let mut fctx = FunctionBuilderContext::new();
+    for k in prog.kernels() {
+        let mut func = cranelift_codegen::ir::Function::new();
+        func.signature.params.push(AbiParam::new(ptr));
+        func.signature.params.push(AbiParam::new(types::I64));
+        func.signature.params.push(AbiParam::new(types::I64));
+        {
+            let mut b = FunctionBuilder::new(&mut func, &mut fctx);
+            let mut g = Gen::new(&mut b, k, &elems, ptr);
+            g.kernel()?;
+            b.seal_all_blocks();
+            b.finalize(cfg);
+        }
+        out.push_str(&format!("; kernel {}\n{}\n", k.name, func.display()));
+    }
+    Ok(out)
+}
+
+fn native_isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
     let mut flags = settings::builder();
     flags.set("opt_level", "speed").map_err(cl)?;
     flags.set("use_colocated_libcalls", "false").map_err(cl)?;
     flags.set("is_pic", "false").map_err(cl)?;
-    let isa = cranelift_native::builder()
+    cranelift_native::builder()
         .map_err(|e| Error::Cranelift(e.to_string()))?
         .finish(settings::Flags::new(flags))
-        .map_err(cl)?;
+        .map_err(cl)
+}
+
+/// Compile every kernel of a program for this machine.
+pub fn compile(prog: &Program) -> Result<Compiled> {
+    let isa = native_isa()?;
     let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
     let ptr = module.target_config().pointer_type();
     let mut ctx = module.make_context();
@@ -67,7 +98,9 @@ pub fn compile(prog: &Program) -> Result<Compiled> {
             b.seal_all_blocks();
             b.finalize(fcfg);
         }
-        module.define_function(id, &mut ctx).map_err(|e| Error::Cranelift(format!("{e:?}")))?;
+        module
+            .define_function(id, &mut ctx)
+            .map_err(|e| Error::Cranelift(format!("{e:?}")))?;
         module.clear_context(&mut ctx);
         ids.push(id);
     }
@@ -98,7 +131,12 @@ struct Gen<'a, 'b> {
 }
 
 impl<'a, 'b> Gen<'a, 'b> {
-    fn new(b: &'a mut FunctionBuilder<'b>, k: &'a Kernel, elems: &'a [Elem], ptr: Type) -> Gen<'a, 'b> {
+    fn new(
+        b: &'a mut FunctionBuilder<'b>,
+        k: &'a Kernel,
+        elems: &'a [Elem],
+        ptr: Type,
+    ) -> Gen<'a, 'b> {
         Gen {
             b,
             k,
@@ -135,7 +173,10 @@ impl<'a, 'b> Gen<'a, 'b> {
     }
 
     fn var(&self, v: crate::kir::Var) -> Result<Variable> {
-        self.vars.get(v.0 as usize).copied().ok_or(Error::Internal("variable"))
+        self.vars
+            .get(v.0 as usize)
+            .copied()
+            .ok_or(Error::Internal("variable"))
     }
 
     fn loop_(&mut self, var: Variable, start: Value, end: Value, body: &[Stmt]) -> Result<()> {
@@ -166,7 +207,12 @@ impl<'a, 'b> Gen<'a, 'b> {
                     let var = self.var(*v)?;
                     self.b.def_var(var, val);
                 }
-                Stmt::For { var, start, end, body } => {
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    body,
+                } => {
                     let (s0, e0) = (self.expr(start)?, self.expr(end)?);
                     let var = self.var(*var)?;
                     self.loop_(var, s0, e0, body)?;
@@ -182,7 +228,10 @@ impl<'a, 'b> Gen<'a, 'b> {
                     self.b.switch_to_block(merge);
                 }
                 Stmt::Store { buf, index, value } => {
-                    let elem = *self.elems.get(buf.0 as usize).ok_or(Error::Internal("buffer"))?;
+                    let elem = *self
+                        .elems
+                        .get(buf.0 as usize)
+                        .ok_or(Error::Internal("buffer"))?;
                     let addr = self.addr(buf.0 as usize, index, elem)?;
                     let v = self.expr(value)?;
                     let f = MemFlags::trusted();
@@ -204,9 +253,13 @@ impl<'a, 'b> Gen<'a, 'b> {
                     let addr = self.addr(buf.0 as usize, index, Elem::F32)?;
                     let v = self.expr(value)?;
                     let bits = self.b.ins().bitcast(types::I32, MemFlags::new(), v);
-                    self.b
-                        .ins()
-                        .atomic_rmw(types::I32, MemFlags::trusted(), AtomicRmwOp::Umax, addr, bits);
+                    self.b.ins().atomic_rmw(
+                        types::I32,
+                        MemFlags::trusted(),
+                        AtomicRmwOp::Umax,
+                        addr,
+                        bits,
+                    );
                 }
             }
         }
@@ -233,7 +286,10 @@ impl<'a, 'b> Gen<'a, 'b> {
             Expr::I32(c) => self.b.ins().iconst(types::I32, *c as i64),
             Expr::F32(c) => self.b.ins().f32const(*c),
             Expr::Load { buf, index } => {
-                let elem = *self.elems.get(buf.0 as usize).ok_or(Error::Internal("buffer"))?;
+                let elem = *self
+                    .elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?;
                 let addr = self.addr(buf.0 as usize, index, elem)?;
                 let f = MemFlags::trusted();
                 match elem {
@@ -267,7 +323,9 @@ impl<'a, 'b> Gen<'a, 'b> {
             }
             Expr::Bin(op, a, b) => {
                 // Constant right operands become immediates where Cranelift has the form.
-                if let (Expr::I64(c), BinOp::IDiv | BinOp::IRem | BinOp::IMul | BinOp::IAdd) = (&**b, op) {
+                if let (Expr::I64(c), BinOp::IDiv | BinOp::IRem | BinOp::IMul | BinOp::IAdd) =
+                    (&**b, op)
+                {
                     let a = self.expr(a)?;
                     let ins = self.b.ins();
                     return Ok(match op {
@@ -328,7 +386,9 @@ impl Compiled {
             }
         }
         let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         } else {
             threads
         };
@@ -337,7 +397,8 @@ impl Compiled {
             match step {
                 Step::Kernel(k) => {
                     let f = *kernels.next().ok_or(Error::Internal("kernel count"))?;
-                    let ptrs: Vec<SendPtr> = bufs.iter_mut().map(|b| SendPtr(b.as_mut_ptr())).collect();
+                    let ptrs: Vec<SendPtr> =
+                        bufs.iter_mut().map(|b| SendPtr(b.as_mut_ptr())).collect();
                     let n = k.items;
                     let t = (threads as i64).min(n).max(1);
                     // Small chunks balance uneven rows; at least one item per chunk.
@@ -346,7 +407,8 @@ impl Compiled {
                     std::thread::scope(|s| {
                         for _ in 0..t {
                             s.spawn(|| loop {
-                                let lo = next.fetch_add(chunk.max(1), std::sync::atomic::Ordering::Relaxed);
+                                let lo = next
+                                    .fetch_add(chunk.max(1), std::sync::atomic::Ordering::Relaxed);
                                 if lo >= n {
                                     break;
                                 }
@@ -362,7 +424,9 @@ impl Compiled {
                         }
                     });
                 }
-                Step::AllReduceMax { buf, group } => crate::all_reduce_bytes(coll, group, bufs, *buf)?,
+                Step::AllReduceMax { buf, group } => {
+                    crate::all_reduce_bytes(coll, group, bufs, *buf)?
+                }
             }
         }
         Ok(())

@@ -59,7 +59,9 @@ impl Ctx<'_> {
             Elem::U8 => Val::I32(at(1)?[0] as i32),
             Elem::Bf16 => {
                 let b = at(2)?;
-                Val::F32(f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+                Val::F32(f32::from_bits(
+                    (u16::from_le_bytes([b[0], b[1]]) as u32) << 16,
+                ))
             }
             Elem::F32 => {
                 let b = at(4)?;
@@ -76,7 +78,9 @@ impl Ctx<'_> {
             Elem::U8 => *data.get_mut(i).ok_or(oob())? = v.i32()? as u8,
             Elem::Bf16 => {
                 let x = ((v.f32()?.to_bits()) >> 16) as u16;
-                data.get_mut(i * 2..i * 2 + 2).ok_or(oob())?.copy_from_slice(&x.to_le_bytes());
+                data.get_mut(i * 2..i * 2 + 2)
+                    .ok_or(oob())?
+                    .copy_from_slice(&x.to_le_bytes());
             }
             Elem::F32 => data
                 .get_mut(i * 4..i * 4 + 4)
@@ -88,7 +92,10 @@ impl Ctx<'_> {
 
     fn eval(&self, x: &Expr) -> Result<Val> {
         Ok(match x {
-            Expr::Var(v) => *self.vars.get(v.0 as usize).ok_or(Error::Internal("unset variable"))?,
+            Expr::Var(v) => *self
+                .vars
+                .get(v.0 as usize)
+                .ok_or(Error::Internal("unset variable"))?,
             Expr::I64(c) => Val::I64(*c),
             Expr::I32(c) => Val::I32(*c),
             Expr::F32(c) => Val::F32(*c),
@@ -126,13 +133,24 @@ impl Ctx<'_> {
             match s {
                 Stmt::Set(v, x) => {
                     let val = self.eval(x)?;
-                    let slot = self.vars.get_mut(v.0 as usize).ok_or(Error::Internal("variable"))?;
+                    let slot = self
+                        .vars
+                        .get_mut(v.0 as usize)
+                        .ok_or(Error::Internal("variable"))?;
                     *slot = val;
                 }
-                Stmt::For { var, start, end, body } => {
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    body,
+                } => {
                     let (a, b) = (self.eval(start)?.i64()?, self.eval(end)?.i64()?);
                     for i in a..b {
-                        *self.vars.get_mut(var.0 as usize).ok_or(Error::Internal("variable"))? = Val::I64(i);
+                        *self
+                            .vars
+                            .get_mut(var.0 as usize)
+                            .ok_or(Error::Internal("variable"))? = Val::I64(i);
                         self.exec(body)?;
                     }
                 }
@@ -198,7 +216,9 @@ pub fn run_kernel(k: &Kernel, elems: &[Elem], bufs: &mut [Vec<u8>]) -> Result<()
         vars: vec![Val::I64(0); k.vars as usize],
     };
     for it in 0..k.items {
-        *ctx.vars.get_mut(k.item.0 as usize).ok_or(Error::Internal("item variable"))? = Val::I64(it);
+        *ctx.vars
+            .get_mut(k.item.0 as usize)
+            .ok_or(Error::Internal("item variable"))? = Val::I64(it);
         ctx.exec(&k.body)?;
     }
     Ok(())

@@ -473,7 +473,9 @@ impl fmt::Display for Program {
         for s in &self.steps {
             match s {
                 Step::Kernel(k) => write!(f, "{k}")?,
-                Step::AllReduceMax { buf, group } => writeln!(f, "all_reduce_max b{} over {group}", buf.0)?,
+                Step::AllReduceMax { buf, group } => {
+                    writeln!(f, "all_reduce_max b{} over {group}", buf.0)?
+                }
             }
         }
         Ok(())

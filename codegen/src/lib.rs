@@ -81,7 +81,9 @@ pub(crate) fn all_reduce_bytes(
     bufs: &mut [Vec<u8>],
     buf: kir::BufId,
 ) -> Result<()> {
-    let data = bufs.get_mut(buf.0 as usize).ok_or(Error::Internal("buffer"))?;
+    let data = bufs
+        .get_mut(buf.0 as usize)
+        .ok_or(Error::Internal("buffer"))?;
     let mut v: Vec<f32> = data
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -16,7 +16,9 @@ use moeforge_dsl::ir::{
 use moeforge_dsl::layout::Layout;
 use moeforge_dsl::ModuleInfo;
 
-use crate::kir::{e, BinOp, Buf, BufId, BufRole, Elem, Expr, Kernel, Program, Step, Stmt, Ty, UnOp, VarAlloc};
+use crate::kir::{
+    e, BinOp, Buf, BufId, BufRole, Elem, Expr, Kernel, Program, Step, Stmt, Ty, UnOp, VarAlloc,
+};
 use crate::quant::{self, clamp, fabs, fdiv, fmax, fmul, is_zero, Emit};
 use crate::{Error, Result};
 
@@ -99,7 +101,8 @@ pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
             if optional && !present.has(&t.name) {
                 continue;
             }
-            let elem = elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} inputs", t.dtype)))?;
+            let elem = elem_of(t.dtype)
+                .ok_or_else(|| unsupported(&t.name, format!("{} inputs", t.dtype)))?;
             let len = p.numel(&t.shape)?;
             let b = p.buf(BufRole::Input(t.name.clone()), elem, len, false);
             p.inputs.insert(id, b);
@@ -112,10 +115,17 @@ pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
         if t.kind != TensorKind::Param {
             continue;
         }
-        if t.optional && !m.tensors_read_all(id).iter().all(|x| p.available(*x, present)) {
+        if t.optional
+            && !m
+                .tensors_read_all(id)
+                .iter()
+                .all(|x| p.available(*x, present))
+        {
             continue;
         }
-        let v = t.value.ok_or_else(|| unsupported(&t.name, "a param without a definition"))?;
+        let v = t
+            .value
+            .ok_or_else(|| unsupported(&t.name, "a param without a definition"))?;
         let (v, swizzled) = match &p.op(v)? {
             Op::Swizzle128x4 { base } => (*base, true),
             _ => (v, false),
@@ -135,12 +145,20 @@ pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
                 QuantField::Scales => slot.1.scales = Some((id, rows, swizzled)),
                 QuantField::GlobalScale if rows.is_none() && !swizzled => slot.1.global = Some(id),
                 QuantField::DecodeScale if rows.is_none() && !swizzled => slot.1.decode = Some(id),
-                _ => return Err(unsupported(&t.name, "this combination of quantization output, gather and swizzle")),
+                _ => {
+                    return Err(unsupported(
+                        &t.name,
+                        "this combination of quantization output, gather and swizzle",
+                    ))
+                }
             }
             order.push((id, Some(quant)));
         } else {
             if swizzled {
-                return Err(unsupported(&t.name, "`swizzle_128x4` of anything but quantization scales"));
+                return Err(unsupported(
+                    &t.name,
+                    "`swizzle_128x4` of anything but quantization scales",
+                ));
             }
             order.push((id, None));
         }
@@ -149,7 +167,8 @@ pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
     // Param buffers, in definition order.
     for (id, _) in &order {
         let t = p.tensor(*id)?;
-        let elem = elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} params", t.dtype)))?;
+        let elem =
+            elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} params", t.dtype)))?;
         let mut len = p.numel(&t.shape)?;
         if t.dtype == DType::E2m1 {
             len /= 2;
@@ -209,7 +228,10 @@ impl Planner<'_> {
     }
 
     fn tensor(&self, id: TensorId) -> Result<&moeforge_dsl::ir::Tensor> {
-        self.info.module().tensor(id).ok_or(Error::Internal("dangling tensor id"))
+        self.info
+            .module()
+            .tensor(id)
+            .ok_or(Error::Internal("dangling tensor id"))
     }
 
     fn op(&self, v: ValueId) -> Result<Op> {
@@ -223,7 +245,13 @@ impl Planner<'_> {
     }
 
     fn shape(&self, v: ValueId) -> Result<Vec<i64>> {
-        let s = self.info.module().value(v).ok_or(Error::Internal("dangling value id"))?.shape.clone();
+        let s = self
+            .info
+            .module()
+            .value(v)
+            .ok_or(Error::Internal("dangling value id"))?
+            .shape
+            .clone();
         s.iter().map(|p| self.int(p)).collect()
     }
 
@@ -238,7 +266,9 @@ impl Planner<'_> {
         let mut n: usize = 1;
         for p in s {
             n = n
-                .checked_mul(usize::try_from(self.int(p)?).map_err(|_| Error::Internal("negative size"))?)
+                .checked_mul(
+                    usize::try_from(self.int(p)?).map_err(|_| Error::Internal("negative size"))?,
+                )
                 .ok_or(Error::Internal("size overflow"))?;
         }
         Ok(n)
@@ -258,7 +288,10 @@ impl Planner<'_> {
         match self.op(v)? {
             Op::Gather { base, dim, index } => {
                 if dim != 1 {
-                    return Err(unsupported(name, "a gather along a dimension other than the rows (1)"));
+                    return Err(unsupported(
+                        name,
+                        "a gather along a dimension other than the rows (1)",
+                    ));
                 }
                 Ok((base, Some(index)))
             }
@@ -301,33 +334,39 @@ impl Planner<'_> {
         let pname = self.tensor(any_param)?.name.clone();
         let (xv, rows_in) = self.strip_gather(&pname, input)?;
         let Op::Tensor(xt) = self.op(xv)? else {
-            return Err(unsupported(&pname, "quantizing anything but an input (optionally row-gathered)"));
+            return Err(unsupported(
+                &pname,
+                "quantizing anything but an input (optionally row-gathered)",
+            ));
         };
-        let xb = *self
-            .inputs
-            .get(&xt)
-            .ok_or_else(|| unsupported(&pname, "quantizing a tensor that is not a checkpoint input"))?;
+        let xb = *self.inputs.get(&xt).ok_or_else(|| {
+            unsupported(&pname, "quantizing a tensor that is not a checkpoint input")
+        })?;
         let shape = self.shape(xv)?;
         let [ne, rows, cols] = shape[..] else {
-            return Err(unsupported(&pname, "quantizing a tensor that is not [E, M, K]"));
+            return Err(unsupported(
+                &pname,
+                "quantizing a tensor that is not [E, M, K]",
+            ));
         };
         // The row order: a gather before or after the quantization (not both, not different ones).
         let rows_out_v = u.values.as_ref().and_then(|x| x.1.clone());
         let rows_out_s = u.scales.as_ref().and_then(|x| x.1.clone());
         if u.values.is_some() && u.scales.is_some() && rows_out_v != rows_out_s {
-            return Err(unsupported(&pname, "values and scales gathered by different row orders"));
+            return Err(unsupported(
+                &pname,
+                "values and scales gathered by different row orders",
+            ));
         }
         let rows_out = rows_out_v.or(rows_out_s);
         if rows_in.is_some() && rows_out.is_some() {
-            return Err(unsupported(&pname, "a row gather both before and after the quantization"));
+            return Err(unsupported(
+                &pname,
+                "a row gather both before and after the quantization",
+            ));
         }
         let rowmap = rows_in.or(rows_out);
-        let atoms = self
-            .info
-            .binding()
-            .ok_or(Error::Unbound)?
-            .atoms()
-            .to_vec();
+        let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
         let src_row = move |em: &mut Emit<'_>, r: Expr| -> Expr {
             match &rowmap {
                 Some(iv) => {
@@ -337,8 +376,14 @@ impl Planner<'_> {
                 None => r,
             }
         };
-        let vals = u.values.as_ref().and_then(|x| self.params.get(&x.0).copied());
-        let scl = u.scales.as_ref().and_then(|x| self.params.get(&x.0).copied().map(|b| (b, x.2)));
+        let vals = u
+            .values
+            .as_ref()
+            .and_then(|x| self.params.get(&x.0).copied());
+        let scl = u
+            .scales
+            .as_ref()
+            .and_then(|x| self.params.get(&x.0).copied().map(|b| (b, x.2)));
         let glob = u.global.and_then(|x| self.params.get(&x).copied());
         let dec = u.decode.and_then(|x| self.params.get(&x).copied());
         let rc = rows * cols;
@@ -346,78 +391,168 @@ impl Planner<'_> {
         let load = move |row_base: Expr, c: Expr| e::load(xb, e::add(row_base, c));
 
         match scheme {
-            QuantScheme::Nvfp4 { .. } | QuantScheme::Fp8 { granularity: Fp8Granularity::Tensor, .. } => {
+            QuantScheme::Nvfp4 { .. }
+            | QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Tensor,
+                ..
+            } => {
                 let (per_tensor, group) = match scheme {
-                    QuantScheme::Nvfp4 { amax, group } => (amax == AmaxGranularity::PerTensor, group),
+                    QuantScheme::Nvfp4 { amax, group } => {
+                        (amax == AmaxGranularity::PerTensor, group)
+                    }
                     QuantScheme::Fp8 { group, .. } => (false, group),
                     _ => (false, Group::None),
                 };
                 let n_amax = if per_tensor { 1 } else { ne as usize };
-                let amax_b = self.buf(BufRole::Temp(format!("{tag}_amax")), Elem::F32, n_amax, true);
+                let amax_b = self.buf(
+                    BufRole::Temp(format!("{tag}_amax")),
+                    Elem::F32,
+                    n_amax,
+                    true,
+                );
                 // 1. amax: one work item per row, atomically max-reduced per expert.
                 self.kernel(format!("{tag}_amax"), ne * rows, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let base = em.set(Ty::I64, e::mul(it, e::i(cols)));
                     let mx = em.var(Ty::F32, e::f(0.0));
                     em.for_(e::i(0), e::i(cols), |b, c| {
-                        b.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                        b.out
+                            .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
                     });
                     let idx = if per_tensor { e::i(0) } else { ex };
-                    em.out.push(Stmt::AtomicMaxF32 { buf: amax_b, index: idx, value: e::v(mx) });
+                    em.out.push(Stmt::AtomicMaxF32 {
+                        buf: amax_b,
+                        index: idx,
+                        value: e::v(mx),
+                    });
                     Ok(())
                 })?;
                 if group != Group::None {
-                    self.prog.steps.push(Step::AllReduceMax { buf: amax_b, group: group.name().to_string() });
+                    self.prog.steps.push(Step::AllReduceMax {
+                        buf: amax_b,
+                        group: group.name().to_string(),
+                    });
                 }
                 let is_nv = matches!(scheme, QuantScheme::Nvfp4 { .. });
-                let s1 = self.buf(BufRole::Temp(format!("{tag}_{}", if is_nv { "gs" } else { "scale" })), Elem::F32, n_amax, false);
-                let s2 = self.buf(BufRole::Temp(format!("{tag}_{}", if is_nv { "decode" } else { "inv" })), Elem::F32, n_amax, false);
+                let s1 = self.buf(
+                    BufRole::Temp(format!("{tag}_{}", if is_nv { "gs" } else { "scale" })),
+                    Elem::F32,
+                    n_amax,
+                    false,
+                );
+                let s2 = self.buf(
+                    BufRole::Temp(format!("{tag}_{}", if is_nv { "decode" } else { "inv" })),
+                    Elem::F32,
+                    n_amax,
+                    false,
+                );
                 // 2. per-expert scales.
                 self.kernel(format!("{tag}_scales"), n_amax as i64, |em, it| {
                     let a = em.set(Ty::F32, e::load(amax_b, it.clone()));
                     if is_nv {
                         // gs = 2688 / amax (1 for an all-zero expert); decode = 1 / gs.
-                        let gs = em.set(Ty::F32, e::sel(is_zero(a.clone()), e::f(1.0), fdiv(e::f(2688.0), a)));
+                        let gs = em.set(
+                            Ty::F32,
+                            e::sel(is_zero(a.clone()), e::f(1.0), fdiv(e::f(2688.0), a)),
+                        );
                         let d = em.set(Ty::F32, fdiv(e::f(1.0), gs.clone()));
-                        em.out.push(Stmt::Store { buf: s1, index: it.clone(), value: gs.clone() });
-                        em.out.push(Stmt::Store { buf: s2, index: it.clone(), value: d.clone() });
+                        em.out.push(Stmt::Store {
+                            buf: s1,
+                            index: it.clone(),
+                            value: gs.clone(),
+                        });
+                        em.out.push(Stmt::Store {
+                            buf: s2,
+                            index: it.clone(),
+                            value: d.clone(),
+                        });
                         if let Some(g) = glob {
-                            em.out.push(Stmt::Store { buf: g, index: it.clone(), value: gs });
+                            em.out.push(Stmt::Store {
+                                buf: g,
+                                index: it.clone(),
+                                value: gs,
+                            });
                         }
                         if let Some(dd) = dec {
-                            em.out.push(Stmt::Store { buf: dd, index: it, value: d });
+                            em.out.push(Stmt::Store {
+                                buf: dd,
+                                index: it,
+                                value: d,
+                            });
                         }
                     } else {
                         // scale = amax / 448 (1 for an all-zero expert); inv = 1 / scale.
-                        let s = em.set(Ty::F32, e::sel(is_zero(a.clone()), e::f(1.0), fdiv(a, e::f(448.0))));
+                        let s = em.set(
+                            Ty::F32,
+                            e::sel(is_zero(a.clone()), e::f(1.0), fdiv(a, e::f(448.0))),
+                        );
                         let inv = em.set(Ty::F32, fdiv(e::f(1.0), s.clone()));
-                        em.out.push(Stmt::Store { buf: s1, index: it.clone(), value: s.clone() });
-                        em.out.push(Stmt::Store { buf: s2, index: it.clone(), value: inv });
+                        em.out.push(Stmt::Store {
+                            buf: s1,
+                            index: it.clone(),
+                            value: s.clone(),
+                        });
+                        em.out.push(Stmt::Store {
+                            buf: s2,
+                            index: it.clone(),
+                            value: inv,
+                        });
                         if let Some((sb, _)) = scl {
-                            em.out.push(Stmt::Store { buf: sb, index: it, value: s });
+                            em.out.push(Stmt::Store {
+                                buf: sb,
+                                index: it,
+                                value: s,
+                            });
                         }
                     }
                     Ok(())
                 })?;
                 if is_nv {
-                    self.quants.insert(q, QuantTemps { gs: Some(s1), decode: Some(s2), fp8_scale: None });
-                    self.nvfp4_pass(&tag, xb, ne, rows, cols, per_tensor, s1, s2, vals, scl, &src_row)?;
+                    self.quants.insert(
+                        q,
+                        QuantTemps {
+                            gs: Some(s1),
+                            decode: Some(s2),
+                            fp8_scale: None,
+                        },
+                    );
+                    self.nvfp4_pass(
+                        &tag, xb, ne, rows, cols, per_tensor, s1, s2, vals, scl, &src_row,
+                    )?;
                 } else {
-                    self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: Some(s1) });
+                    self.quants.insert(
+                        q,
+                        QuantTemps {
+                            gs: None,
+                            decode: None,
+                            fp8_scale: Some(s1),
+                        },
+                    );
                     // 3. q = e4m3(clamp(x * inv, +-448)).
                     let vb = vals;
                     self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
                         let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                         let r = em.set(Ty::I64, e::rem(it.clone(), rows));
                         let sr = src_row(em, r);
-                        let base = em.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))));
+                        let base = em.set(
+                            Ty::I64,
+                            e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
+                        );
                         let out = em.set(Ty::I64, e::mul(it, e::i(cols)));
                         let inv = em.set(Ty::F32, e::load(s2, ex));
                         if let Some(vb) = vb {
                             em.for_(e::i(0), e::i(cols), |b, c| {
-                                let x = clamp(fmul(load(base.clone(), c.clone()), inv.clone()), -448.0, 448.0);
+                                let x = clamp(
+                                    fmul(load(base.clone(), c.clone()), inv.clone()),
+                                    -448.0,
+                                    448.0,
+                                );
                                 let code = quant::e4m3_rne(b, x);
-                                b.out.push(Stmt::Store { buf: vb, index: e::add(out.clone(), c), value: code });
+                                b.out.push(Stmt::Store {
+                                    buf: vb,
+                                    index: e::add(out.clone(), c),
+                                    value: code,
+                                });
                             });
                         }
                         Ok(())
@@ -425,23 +560,41 @@ impl Planner<'_> {
                 }
                 Ok(())
             }
-            QuantScheme::Fp8 { granularity: Fp8Granularity::Channel, .. } | QuantScheme::Int8Row => {
+            QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Channel,
+                ..
+            }
+            | QuantScheme::Int8Row => {
                 let int8 = matches!(scheme, QuantScheme::Int8Row);
-                self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: None });
+                self.quants.insert(
+                    q,
+                    QuantTemps {
+                        gs: None,
+                        decode: None,
+                        fp8_scale: None,
+                    },
+                );
                 let sb = scl.map(|x| x.0);
                 self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
                     let sr = src_row(em, r);
-                    let base = em.set(Ty::I64, e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))));
+                    let base = em.set(
+                        Ty::I64,
+                        e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
+                    );
                     let out = em.set(Ty::I64, e::mul(it.clone(), e::i(cols)));
                     let mx = em.var(Ty::F32, e::f(0.0));
                     em.for_(e::i(0), e::i(cols), |b, c| {
-                        b.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                        b.out
+                            .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
                     });
                     let scale = if int8 {
                         // scale = amax / 127, 1 for an all-zero row.
-                        em.set(Ty::F32, e::sel(is_zero(e::v(mx)), e::f(1.0), fdiv(e::v(mx), e::f(127.0))))
+                        em.set(
+                            Ty::F32,
+                            e::sel(is_zero(e::v(mx)), e::f(1.0), fdiv(e::v(mx), e::f(127.0))),
+                        )
                     } else {
                         // scale = max(amax / 448, 1 / (448*512)), 1 for an all-zero row.
                         em.set(
@@ -454,7 +607,11 @@ impl Planner<'_> {
                         )
                     };
                     if let Some(sb) = sb {
-                        em.out.push(Stmt::Store { buf: sb, index: it, value: scale.clone() });
+                        em.out.push(Stmt::Store {
+                            buf: sb,
+                            index: it,
+                            value: scale.clone(),
+                        });
                     }
                     if let Some(vb) = vals {
                         em.for_(e::i(0), e::i(cols), |b, c| {
@@ -465,14 +622,28 @@ impl Planner<'_> {
                                 let y = clamp(fdiv(x, scale.clone()), -448.0, 448.0);
                                 quant::e4m3_rne(b, y)
                             };
-                            b.out.push(Stmt::Store { buf: vb, index: e::add(out.clone(), c), value: code });
+                            b.out.push(Stmt::Store {
+                                buf: vb,
+                                index: e::add(out.clone(), c),
+                                value: code,
+                            });
                         });
                     }
                     Ok(())
                 })
             }
-            QuantScheme::Fp8 { granularity: Fp8Granularity::Block128, .. } => {
-                self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: None });
+            QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Block128,
+                ..
+            } => {
+                self.quants.insert(
+                    q,
+                    QuantTemps {
+                        gs: None,
+                        decode: None,
+                        fp8_scale: None,
+                    },
+                );
                 let (bm, bk) = ((rows + 127) / 128, (cols + 127) / 128);
                 let sb = scl.map(|x| x.0);
                 // One work item per (expert, 128-row band): amax, scale, quantize each 128x128 block.
@@ -481,35 +652,61 @@ impl Planner<'_> {
                     let band = em.set(Ty::I64, e::rem(it.clone(), bm));
                     let r0 = em.set(Ty::I64, e::mul(band.clone(), e::i(128)));
                     let r1 = em.set(Ty::I64, e::bin(BinOp::IAdd, r0.clone(), e::i(128)));
-                    let r1 = em.set(Ty::I64, e::sel(e::bin(BinOp::ILt, r1.clone(), e::i(rows)), r1, e::i(rows)));
+                    let r1 = em.set(
+                        Ty::I64,
+                        e::sel(e::bin(BinOp::ILt, r1.clone(), e::i(rows)), r1, e::i(rows)),
+                    );
                     em.for_(e::i(0), e::i(bk), |b, kb| {
                         let c0 = b.set(Ty::I64, e::mul(kb.clone(), e::i(128)));
                         let c1 = b.set(Ty::I64, e::bin(BinOp::IAdd, c0.clone(), e::i(128)));
-                        let c1 = b.set(Ty::I64, e::sel(e::bin(BinOp::ILt, c1.clone(), e::i(cols)), c1, e::i(cols)));
+                        let c1 = b.set(
+                            Ty::I64,
+                            e::sel(e::bin(BinOp::ILt, c1.clone(), e::i(cols)), c1, e::i(cols)),
+                        );
                         let mx = b.var(Ty::F32, e::f(0.0));
                         let rows_v = |b: &mut Emit<'_>, f: &dyn Fn(&mut Emit<'_>, Expr, Expr)| {
                             b.for_(r0.clone(), r1.clone(), |b2, r| {
                                 let sr = src_row(b2, r.clone());
-                                let base = b2.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))));
-                                let out = b2.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r, e::i(cols))));
-                                b2.for_(c0.clone(), c1.clone(), |b3, c| f(b3, e::add(base.clone(), c.clone()), e::add(out.clone(), c)));
+                                let base = b2.set(
+                                    Ty::I64,
+                                    e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
+                                );
+                                let out = b2.set(
+                                    Ty::I64,
+                                    e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r, e::i(cols))),
+                                );
+                                b2.for_(c0.clone(), c1.clone(), |b3, c| {
+                                    f(b3, e::add(base.clone(), c.clone()), e::add(out.clone(), c))
+                                });
                             });
                         };
                         rows_v(b, &|b3, src, _| {
-                            b3.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, src)))));
+                            b3.out
+                                .push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, src)))));
                         });
                         // sf = max(amax, 1e-4) / 448; q = e4m3(clamp(x * (1/sf))).
                         let sf = b.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
                         let inv = b.set(Ty::F32, fdiv(e::f(1.0), sf.clone()));
                         if let Some(sb) = sb {
-                            let si = e::add(e::mul(ex.clone(), e::i(bm * bk)), e::add(e::mul(band.clone(), e::i(bk)), kb));
-                            b.out.push(Stmt::Store { buf: sb, index: si, value: sf });
+                            let si = e::add(
+                                e::mul(ex.clone(), e::i(bm * bk)),
+                                e::add(e::mul(band.clone(), e::i(bk)), kb),
+                            );
+                            b.out.push(Stmt::Store {
+                                buf: sb,
+                                index: si,
+                                value: sf,
+                            });
                         }
                         if let Some(vb) = vals {
                             rows_v(b, &|b3, src, dst| {
                                 let y = clamp(fmul(e::load(xb, src), inv.clone()), -448.0, 448.0);
                                 let code = quant::e4m3_rne(b3, y);
-                                b3.out.push(Stmt::Store { buf: vb, index: dst, value: code });
+                                b3.out.push(Stmt::Store {
+                                    buf: vb,
+                                    index: dst,
+                                    value: code,
+                                });
                             });
                         }
                     });
@@ -517,7 +714,14 @@ impl Planner<'_> {
                 })
             }
             QuantScheme::Mxfp4 => {
-                self.quants.insert(q, QuantTemps { gs: None, decode: None, fp8_scale: None });
+                self.quants.insert(
+                    q,
+                    QuantTemps {
+                        gs: None,
+                        decode: None,
+                        fp8_scale: None,
+                    },
+                );
                 let nb = cols / 32;
                 let sb = scl;
                 if let Some((_, true)) = sb {
@@ -527,33 +731,78 @@ impl Planner<'_> {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
                     let sr = src_row(em, r);
-                    let base = em.set(Ty::I64, e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))));
+                    let base = em.set(
+                        Ty::I64,
+                        e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
+                    );
                     em.for_(e::i(0), e::i(nb), |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
                         let mx = b.var(Ty::F32, e::f(0.0));
                         b.for_(e::i(0), e::i(32), |b2, c| {
-                            b2.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c))))));
+                            b2.out.push(Stmt::Set(
+                                mx,
+                                fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c)))),
+                            ));
                         });
                         // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
-                        let ebits = b.set(Ty::I32, e::bin(BinOp::And, e::bin(BinOp::Shr, e::un(UnOp::BitsOf, e::v(mx)), e::i32(23)), e::i32(0xFF)));
+                        let ebits = b.set(
+                            Ty::I32,
+                            e::bin(
+                                BinOp::And,
+                                e::bin(BinOp::Shr, e::un(UnOp::BitsOf, e::v(mx)), e::i32(23)),
+                                e::i32(0xFF),
+                            ),
+                        );
                         let zero = b.set(Ty::Bool, is_zero(e::v(mx)));
                         // scale byte = e + 127 = max(ebits - 2, 0); multiplier 2^-e has exponent field min(256 - ebits, 254).
-                        let sbyte = e::sel(zero.clone(), e::i32(0), imax(e::bin(BinOp::ISub, ebits.clone(), e::i32(2)), e::i32(0)));
+                        let sbyte = e::sel(
+                            zero.clone(),
+                            e::i32(0),
+                            imax(e::bin(BinOp::ISub, ebits.clone(), e::i32(2)), e::i32(0)),
+                        );
                         let mexp = imin(e::bin(BinOp::ISub, e::i32(256), ebits), e::i32(254));
-                        let mult = b.set(Ty::F32, e::un(UnOp::FromBits, e::bin(BinOp::Shl, mexp, e::i32(23))));
+                        let mult = b.set(
+                            Ty::F32,
+                            e::un(UnOp::FromBits, e::bin(BinOp::Shl, mexp, e::i32(23))),
+                        );
                         if let Some((sbuf, _)) = sb {
                             let si = e::add(e::mul(it.clone(), e::i(nb)), j.clone());
-                            b.out.push(Stmt::Store { buf: sbuf, index: si, value: sbyte });
+                            b.out.push(Stmt::Store {
+                                buf: sbuf,
+                                index: si,
+                                value: sbyte,
+                            });
                         }
                         if let Some(vb) = vals {
-                            let ob = b.set(Ty::I64, e::add(e::mul(it.clone(), e::i(cols / 2)), e::mul(j.clone(), e::i(16))));
+                            let ob = b.set(
+                                Ty::I64,
+                                e::add(
+                                    e::mul(it.clone(), e::i(cols / 2)),
+                                    e::mul(j.clone(), e::i(16)),
+                                ),
+                            );
                             b.for_(e::i(0), e::i(16), |b2, k| {
-                                let lo = b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
-                                let c0 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, lo.clone()), mult.clone()), -6.0, 6.0));
-                                let c1 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, e::add(lo, e::i(1))), mult.clone()), -6.0, 6.0));
+                                let lo =
+                                    b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
+                                let c0 = quant::e2m1_rne(
+                                    b2,
+                                    clamp(fmul(e::load(xb, lo.clone()), mult.clone()), -6.0, 6.0),
+                                );
+                                let c1 = quant::e2m1_rne(
+                                    b2,
+                                    clamp(
+                                        fmul(e::load(xb, e::add(lo, e::i(1))), mult.clone()),
+                                        -6.0,
+                                        6.0,
+                                    ),
+                                );
                                 let byte = e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4)));
                                 let byte = e::sel(zero.clone(), e::i32(0), byte);
-                                b2.out.push(Stmt::Store { buf: vb, index: e::add(ob.clone(), k), value: byte });
+                                b2.out.push(Stmt::Store {
+                                    buf: vb,
+                                    index: e::add(ob.clone(), k),
+                                    value: byte,
+                                });
                             });
                         }
                     });
@@ -594,7 +843,10 @@ impl Planner<'_> {
             let ex = em.set(Ty::I64, e::div(it.clone(), rows));
             let r = em.set(Ty::I64, e::rem(it.clone(), rows));
             let sr = src_row(em, r.clone());
-            let base = em.set(Ty::I64, e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))));
+            let base = em.set(
+                Ty::I64,
+                e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
+            );
             let si = if per_tensor { e::i(0) } else { ex.clone() };
             let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
             let dec = em.set(Ty::F32, e::load(dec_b, si));
@@ -602,31 +854,73 @@ impl Planner<'_> {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
                 let mx = b.var(Ty::F32, e::f(0.0));
                 b.for_(e::i(0), e::i(16), |b2, c| {
-                    b2.out.push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c))))));
+                    b2.out.push(Stmt::Set(
+                        mx,
+                        fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c)))),
+                    ));
                 });
                 // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
-                let s = clamp(fmul(gs.clone(), fmul(e::v(mx), e::f(1.0f32 / 6.0))), -448.0, 448.0);
+                let s = clamp(
+                    fmul(gs.clone(), fmul(e::v(mx), e::f(1.0f32 / 6.0))),
+                    -448.0,
+                    448.0,
+                );
                 let sbyte = quant::e4m3_rne(b, s);
                 let sval = quant::e4m3_decode(b, sbyte.clone());
                 let zero = b.set(Ty::Bool, e::bin(BinOp::IEq, sbyte.clone(), e::i32(0)));
-                let osc = b.set(Ty::F32, e::sel(zero.clone(), e::f(0.0), fdiv(e::f(1.0), fmul(sval, dec.clone()))));
+                let osc = b.set(
+                    Ty::F32,
+                    e::sel(
+                        zero.clone(),
+                        e::f(0.0),
+                        fdiv(e::f(1.0), fmul(sval, dec.clone())),
+                    ),
+                );
                 if let Some((sbuf, _)) = scl {
                     let idx = match &sw {
                         Some(l) => layout_index(l, &[ex.clone(), r.clone(), j.clone()]),
                         None => e::add(e::mul(it.clone(), e::i(nb)), j.clone()),
                     };
                     let idx = b.set(Ty::I64, idx);
-                    b.out.push(Stmt::Store { buf: sbuf, index: idx, value: sbyte });
+                    b.out.push(Stmt::Store {
+                        buf: sbuf,
+                        index: idx,
+                        value: sbyte,
+                    });
                 }
                 if let Some(vb) = vals {
-                    let ob = b.set(Ty::I64, e::add(e::mul(it.clone(), e::i(cols / 2)), e::mul(j.clone(), e::i(8))));
+                    let ob = b.set(
+                        Ty::I64,
+                        e::add(
+                            e::mul(it.clone(), e::i(cols / 2)),
+                            e::mul(j.clone(), e::i(8)),
+                        ),
+                    );
                     b.for_(e::i(0), e::i(8), |b2, k| {
                         let lo = b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
-                        let c0 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, lo.clone()), osc.clone()), -6.0, 6.0));
-                        let c1 = quant::e2m1_rne(b2, clamp(fmul(e::load(xb, e::add(lo, e::i(1))), osc.clone()), -6.0, 6.0));
+                        let c0 = quant::e2m1_rne(
+                            b2,
+                            clamp(fmul(e::load(xb, lo.clone()), osc.clone()), -6.0, 6.0),
+                        );
+                        let c1 = quant::e2m1_rne(
+                            b2,
+                            clamp(
+                                fmul(e::load(xb, e::add(lo, e::i(1))), osc.clone()),
+                                -6.0,
+                                6.0,
+                            ),
+                        );
                         // Element 2k in the low nibble; a zero block scale gives zero codes.
-                        let byte = e::sel(zero.clone(), e::i32(0), e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4))));
-                        b2.out.push(Stmt::Store { buf: vb, index: e::add(ob.clone(), k), value: byte });
+                        let byte = e::sel(
+                            zero.clone(),
+                            e::i32(0),
+                            e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4))),
+                        );
+                        b2.out.push(Stmt::Store {
+                            buf: vb,
+                            index: e::add(ob.clone(), k),
+                            value: byte,
+                        });
                     });
                 }
             });
@@ -634,7 +928,10 @@ impl Planner<'_> {
         })?;
         // Zero fill of the swizzled padding (rows M..Mp, columns K/16..Kp of each expert).
         if let (Some((sbuf, true)), Some(l)) = (scl, sw2) {
-            let (mp, kp) = (moeforge_dsl::spec::ru(rows, 128), moeforge_dsl::spec::ru(nb, 4));
+            let (mp, kp) = (
+                moeforge_dsl::spec::ru(rows, 128),
+                moeforge_dsl::spec::ru(nb, 4),
+            );
             if mp != rows || kp != nb {
                 self.kernel(format!("{tag}_pad"), ne * mp, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), mp));
@@ -646,8 +943,15 @@ impl Planner<'_> {
                             e::un(UnOp::BoolToI, e::bin(BinOp::ILt, e::i(nb - 1), c.clone())),
                         );
                         let idx = layout_index(&l, &[ex.clone(), r.clone(), c]);
-                        let then = vec![Stmt::Store { buf: sbuf, index: idx, value: e::i32(0) }];
-                        b.out.push(Stmt::If { cond: e::bin(BinOp::IEq, pad, e::i32(1)), then });
+                        let then = vec![Stmt::Store {
+                            buf: sbuf,
+                            index: idx,
+                            value: e::i32(0),
+                        }];
+                        b.out.push(Stmt::If {
+                            cond: e::bin(BinOp::IEq, pad, e::i32(1)),
+                            then,
+                        });
                     });
                     Ok(())
                 })?;
@@ -659,7 +963,10 @@ impl Planner<'_> {
     /// A param that is not a quantization output: a copy or per-expert f32 arithmetic.
     fn other(&mut self, id: TensorId) -> Result<()> {
         let t = self.tensor(id)?.clone();
-        let out = *self.params.get(&id).ok_or(Error::Internal("param buffer"))?;
+        let out = *self
+            .params
+            .get(&id)
+            .ok_or(Error::Internal("param buffer"))?;
         let v = t.value.ok_or(Error::Internal("param value"))?;
         let (base, rows) = self.strip_gather(&t.name, v)?;
         if let Op::Tensor(src) = self.op(base)? {
@@ -669,33 +976,50 @@ impl Planner<'_> {
                 }
                 let shape = self.shape(base)?;
                 if shape.len() == 3 {
-                    let [ne, nr, nc] = shape[..] else { return Err(Error::Internal("rank")) };
+                    let [ne, nr, nc] = shape[..] else {
+                        return Err(Error::Internal("rank"));
+                    };
                     let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
-                    return self.kernel(format!("{}_{}_copy", self.prog.recipe, t.name), ne * nr, |em, it| {
-                        let ex = em.set(Ty::I64, e::div(it.clone(), nr));
-                        let r = em.set(Ty::I64, e::rem(it.clone(), nr));
-                        let sr = match &rows {
-                            Some(iv) => em.set(Ty::I64, index_vec_expr(iv, r, &atoms)),
-                            None => r,
-                        };
-                        let src_base = em.set(Ty::I64, e::add(e::mul(ex, e::i(nr * nc)), e::mul(sr, e::i(nc))));
-                        let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
-                        em.for_(e::i(0), e::i(nc), |b, c| {
-                            b.out.push(Stmt::Store {
-                                buf: out,
-                                index: e::add(dst_base.clone(), c.clone()),
-                                value: e::load(xb, e::add(src_base.clone(), c)),
+                    return self.kernel(
+                        format!("{}_{}_copy", self.prog.recipe, t.name),
+                        ne * nr,
+                        |em, it| {
+                            let ex = em.set(Ty::I64, e::div(it.clone(), nr));
+                            let r = em.set(Ty::I64, e::rem(it.clone(), nr));
+                            let sr = match &rows {
+                                Some(iv) => em.set(Ty::I64, index_vec_expr(iv, r, &atoms)),
+                                None => r,
+                            };
+                            let src_base = em.set(
+                                Ty::I64,
+                                e::add(e::mul(ex, e::i(nr * nc)), e::mul(sr, e::i(nc))),
+                            );
+                            let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
+                            em.for_(e::i(0), e::i(nc), |b, c| {
+                                b.out.push(Stmt::Store {
+                                    buf: out,
+                                    index: e::add(dst_base.clone(), c.clone()),
+                                    value: e::load(xb, e::add(src_base.clone(), c)),
+                                });
                             });
-                        });
-                        Ok(())
-                    });
+                            Ok(())
+                        },
+                    );
                 }
                 if rows.is_none() {
                     let n: i64 = shape.iter().product();
-                    return self.kernel(format!("{}_{}_copy", self.prog.recipe, t.name), n, |em, it| {
-                        em.out.push(Stmt::Store { buf: out, index: it.clone(), value: e::load(xb, it) });
-                        Ok(())
-                    });
+                    return self.kernel(
+                        format!("{}_{}_copy", self.prog.recipe, t.name),
+                        n,
+                        |em, it| {
+                            em.out.push(Stmt::Store {
+                                buf: out,
+                                index: it.clone(),
+                                value: e::load(xb, it),
+                            });
+                            Ok(())
+                        },
+                    );
                 }
             }
         }
@@ -713,7 +1037,11 @@ impl Planner<'_> {
         let body = {
             let mut em = Emit::new(&mut va);
             match this.scalar_expr(&t.name, v, e::v(item)) {
-                Ok(x) => em.out.push(Stmt::Store { buf: out, index: e::v(item), value: x }),
+                Ok(x) => em.out.push(Stmt::Store {
+                    buf: out,
+                    index: e::v(item),
+                    value: x,
+                }),
                 Err(er) => err = Some(er),
             }
             em.out
@@ -721,7 +1049,9 @@ impl Planner<'_> {
         if let Some(er) = err {
             return Err(er);
         }
-        self.prog.steps.push(Step::Kernel(va.kernel(name, item, ne, body)));
+        self.prog
+            .steps
+            .push(Step::Kernel(va.kernel(name, item, ne, body)));
         Ok(())
     }
 
@@ -746,17 +1076,33 @@ impl Planner<'_> {
                 .copied()
                 .ok_or_else(|| unsupported(name, "`reduce_max` of a tensor that is not stored"))?;
             let n: i64 = self.shape(base)?.iter().product();
-            let tb = self.buf(BufRole::Temp(format!("{name}_max{}", v.0)), Elem::F32, 1, false);
-            self.kernel(format!("{}_{name}_max{}", self.prog.recipe, v.0), 1, |em, _it| {
-                let mx = em.var(Ty::F32, e::f(f32::NEG_INFINITY));
-                em.for_(e::i(0), e::i(n), |b, i| {
-                    b.out.push(Stmt::Set(mx, fmax(e::v(mx), e::load(xb, i))));
-                });
-                em.out.push(Stmt::Store { buf: tb, index: e::i(0), value: e::v(mx) });
-                Ok(())
-            })?;
+            let tb = self.buf(
+                BufRole::Temp(format!("{name}_max{}", v.0)),
+                Elem::F32,
+                1,
+                false,
+            );
+            self.kernel(
+                format!("{}_{name}_max{}", self.prog.recipe, v.0),
+                1,
+                |em, _it| {
+                    let mx = em.var(Ty::F32, e::f(f32::NEG_INFINITY));
+                    em.for_(e::i(0), e::i(n), |b, i| {
+                        b.out.push(Stmt::Set(mx, fmax(e::v(mx), e::load(xb, i))));
+                    });
+                    em.out.push(Stmt::Store {
+                        buf: tb,
+                        index: e::i(0),
+                        value: e::v(mx),
+                    });
+                    Ok(())
+                },
+            )?;
             if group != Group::None {
-                self.prog.steps.push(Step::AllReduceMax { buf: tb, group: group.name().to_string() });
+                self.prog.steps.push(Step::AllReduceMax {
+                    buf: tb,
+                    group: group.name().to_string(),
+                });
             }
             self.reduces.insert(v, tb);
         }
@@ -777,7 +1123,11 @@ impl Planner<'_> {
 
     fn scalar_expr(&self, name: &str, v: ValueId, ex: Expr) -> Result<Expr> {
         let v = self.through_lets(v)?;
-        let val = self.info.module().value(v).ok_or(Error::Internal("value"))?;
+        let val = self
+            .info
+            .module()
+            .value(v)
+            .ok_or(Error::Internal("value"))?;
         let per_expert = !val.shape.is_empty();
         let idx = if per_expert { ex.clone() } else { e::i(0) };
         Ok(match &val.op {
@@ -788,9 +1138,17 @@ impl Planner<'_> {
                     .get(t)
                     .or(self.inputs.get(t))
                     .copied()
-                    .ok_or_else(|| unsupported(name, "reading a tensor that is neither an input nor an earlier param"))?;
+                    .ok_or_else(|| {
+                        unsupported(
+                            name,
+                            "reading a tensor that is neither an input nor an earlier param",
+                        )
+                    })?;
                 if val.shape.len() > 1 || self.tensor(*t)?.dtype != DType::F32 {
-                    return Err(unsupported(name, "arithmetic on a tensor that is not f32[E] or a scalar"));
+                    return Err(unsupported(
+                        name,
+                        "arithmetic on a tensor that is not f32[E] or a scalar",
+                    ));
                 }
                 e::load(b, idx)
             }
@@ -804,20 +1162,34 @@ impl Planner<'_> {
             }
             Op::Broadcast { base } => self.scalar_expr(name, *base, ex)?,
             Op::ReduceMax { .. } => {
-                let b = self.reduces.get(&v).copied().ok_or(Error::Internal("reduction not prepared"))?;
+                let b = self
+                    .reduces
+                    .get(&v)
+                    .copied()
+                    .ok_or(Error::Internal("reduction not prepared"))?;
                 e::load(b, e::i(0))
             }
             Op::Field { quant, field } => {
-                let qt = self.quants.get(quant).ok_or_else(|| unsupported(name, "a quantization output used before any param holds it"))?;
+                let qt = self.quants.get(quant).ok_or_else(|| {
+                    unsupported(name, "a quantization output used before any param holds it")
+                })?;
                 let b = match field {
                     QuantField::GlobalScale => qt.gs,
                     QuantField::DecodeScale => qt.decode,
                     QuantField::Scales => qt.fp8_scale,
                     QuantField::Values => None,
                 };
-                e::load(b.ok_or_else(|| unsupported(name, "this quantization output in arithmetic"))?, idx)
+                e::load(
+                    b.ok_or_else(|| unsupported(name, "this quantization output in arithmetic"))?,
+                    idx,
+                )
             }
-            other => return Err(unsupported(name, format!("{} in per-expert arithmetic", other.describe()))),
+            other => {
+                return Err(unsupported(
+                    name,
+                    format!("{} in per-expert arithmetic", other.describe()),
+                ))
+            }
         })
     }
 }

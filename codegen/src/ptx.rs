@@ -1,1 +1,909 @@
-//! ptx (todo)
+//! The PTX backend: every kernel of a [`Program`] as PTX for Hopper (`sm_90a`) or Blackwell
+//! (`sm_100a`), `.version 8.7`, built through a typed instruction builder (virtual registers by type,
+//! typed operands; ptxas allocates registers). Output is deterministic.
+//!
+//! Each kernel takes one `.u64` global pointer per program buffer, in program order, and runs its
+//! work items in a grid-stride loop (`item = ctaid.x * ntid.x + tid.x`, step `nctaid.x * ntid.x`).
+//! All float arithmetic is IEEE round-to-nearest without flush-to-zero (`add.rn`, `mul.rn`,
+//! `div.rn`), matching the host backend and the interpreter bit for bit. E2M1 rounding is the IR's
+//! own arithmetic, so Hopper (which lacks `cvt.rn.satfinite.e2m1x2.f32`) computes the same codes.
+
+use std::fmt::{self, Write as _};
+
+use crate::kir::{BinOp, Elem, Expr, Kernel, Program, Stmt, Ty, UnOp};
+use crate::{Error, Result};
+
+/// A GPU target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// Hopper.
+    Sm90a,
+    /// Blackwell.
+    Sm100a,
+}
+
+impl Target {
+    /// The `.target` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Sm90a => "sm_90a",
+            Target::Sm100a => "sm_100a",
+        }
+    }
+
+    /// Parse `sm_90a` / `sm_100a`.
+    pub fn from_name(s: &str) -> Option<Target> {
+        match s {
+            "sm_90a" => Some(Target::Sm90a),
+            "sm_100a" => Some(Target::Sm100a),
+            _ => None,
+        }
+    }
+}
+
+/// The PTX ISA version emitted (accepted by ptxas 13.0 for both targets).
+pub const PTX_VERSION: &str = "8.7";
+
+/// Register classes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegClass {
+    /// Predicate.
+    Pred,
+    /// 32-bit integer / bits.
+    B32,
+    /// 64-bit integer.
+    B64,
+    /// f32.
+    F32,
+}
+
+impl RegClass {
+    fn prefix(self) -> &'static str {
+        match self {
+            RegClass::Pred => "p",
+            RegClass::B32 => "r",
+            RegClass::B64 => "rd",
+            RegClass::F32 => "f",
+        }
+    }
+
+    fn decl(self) -> &'static str {
+        match self {
+            RegClass::Pred => ".pred",
+            RegClass::B32 => ".b32",
+            RegClass::B64 => ".b64",
+            RegClass::F32 => ".f32",
+        }
+    }
+
+    fn of(t: Ty) -> RegClass {
+        match t {
+            Ty::I64 => RegClass::B64,
+            Ty::I32 => RegClass::B32,
+            Ty::F32 => RegClass::F32,
+            Ty::Bool => RegClass::Pred,
+        }
+    }
+}
+
+/// A virtual register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Reg {
+    /// Class.
+    pub class: RegClass,
+    /// Number within the class.
+    pub n: u32,
+}
+
+impl fmt::Display for Reg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}{}", self.class.prefix(), self.n)
+    }
+}
+
+/// An operand: a register or an immediate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Operand {
+    /// Register.
+    Reg(Reg),
+    /// Integer immediate.
+    Int(i64),
+    /// f32 immediate (printed as `0fXXXXXXXX`, exact).
+    F32(f32),
+}
+
+impl fmt::Display for Operand {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Operand::Reg(r) => write!(f, "{r}"),
+            Operand::Int(i) => write!(f, "{i}"),
+            Operand::F32(x) => write!(f, "0f{:08X}", x.to_bits()),
+        }
+    }
+}
+
+/// A PTX instruction type suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PtxTy {
+    /// `.s64`
+    S64,
+    /// `.u64`
+    U64,
+    /// `.s32`
+    S32,
+    /// `.u32`
+    U32,
+    /// `.b32`
+    B32,
+    /// `.f32`
+    F32,
+    /// `.u16`
+    U16,
+    /// `.u8`
+    U8,
+}
+
+impl fmt::Display for PtxTy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PtxTy::S64 => ".s64",
+            PtxTy::U64 => ".u64",
+            PtxTy::S32 => ".s32",
+            PtxTy::U32 => ".u32",
+            PtxTy::B32 => ".b32",
+            PtxTy::F32 => ".f32",
+            PtxTy::U16 => ".u16",
+            PtxTy::U8 => ".u8",
+        })
+    }
+}
+
+/// Typed PTX instructions (the subset the kernel IR needs).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inst {
+    /// `op.ty d, a, b` for arithmetic and logic (`add`, `sub`, `mul.lo`, `div`, `rem`, `and`, `or`,
+    /// `shl`, `shr`, `add.rn`, `mul.rn`, `div.rn`, `max`, `min`).
+    Bin {
+        /// Opcode with modifiers.
+        op: &'static str,
+        /// Type.
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// First operand.
+        a: Operand,
+        /// Second operand.
+        b: Operand,
+    },
+    /// `op.ty d, a` for `abs`, `mov` and typed conversions written as `cvt.xxx.yyy`.
+    Un {
+        /// Opcode with modifiers and types.
+        op: &'static str,
+        /// Destination.
+        d: Reg,
+        /// Operand.
+        a: Operand,
+    },
+    /// `setp.cmp.ty p, a, b`.
+    Setp {
+        /// Comparison (`lt`, `le`, `eq`, `ge`).
+        cmp: &'static str,
+        /// Type.
+        ty: PtxTy,
+        /// Destination predicate.
+        p: Reg,
+        /// First operand.
+        a: Operand,
+        /// Second operand.
+        b: Operand,
+    },
+    /// `selp.ty d, a, b, p`.
+    Selp {
+        /// Type.
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// Value when `p`.
+        a: Operand,
+        /// Value otherwise.
+        b: Operand,
+        /// Predicate.
+        p: Reg,
+    },
+    /// `ld.global.ty d, [addr]`.
+    Ld {
+        /// Type.
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// Address register (64-bit).
+        addr: Reg,
+    },
+    /// `st.global.ty [addr], v`.
+    St {
+        /// Type.
+        ty: PtxTy,
+        /// Address register.
+        addr: Reg,
+        /// Value register.
+        v: Reg,
+    },
+    /// `red.global.max.u32 [addr], v`.
+    RedMaxU32 {
+        /// Address.
+        addr: Reg,
+        /// Value.
+        v: Reg,
+    },
+    /// `ld.param.u64 d, [name]`.
+    LdParam {
+        /// Destination.
+        d: Reg,
+        /// Parameter name.
+        name: String,
+    },
+    /// `cvta.to.global.u64 d, a`.
+    Cvta {
+        /// Destination.
+        d: Reg,
+        /// Generic address.
+        a: Reg,
+    },
+    /// `mov.u32 d, %special`.
+    Special {
+        /// Destination.
+        d: Reg,
+        /// `tid.x`, `ntid.x`, `ctaid.x`, `nctaid.x`.
+        name: &'static str,
+    },
+    /// `mul.wide.u32 d, a, b`.
+    MulWide {
+        /// Destination (64-bit).
+        d: Reg,
+        /// First.
+        a: Reg,
+        /// Second.
+        b: Reg,
+    },
+    /// `[@p] bra label` (`@!p` when `negate`).
+    Bra {
+        /// Label.
+        label: String,
+        /// Guard.
+        pred: Option<(Reg, bool)>,
+    },
+    /// `label:`.
+    Label(String),
+    /// `ret`.
+    Ret,
+}
+
+impl fmt::Display for Inst {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Inst::Bin { op, ty, d, a, b } => write!(f, "\t{op}{ty} \t{d}, {a}, {b};"),
+            Inst::Un { op, d, a } => write!(f, "\t{op} \t{d}, {a};"),
+            Inst::Setp { cmp, ty, p, a, b } => write!(f, "\tsetp.{cmp}{ty} \t{p}, {a}, {b};"),
+            Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
+            Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
+            Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
+            Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
+            Inst::LdParam { d, name } => write!(f, "\tld.param.u64 \t{d}, [{name}];"),
+            Inst::Cvta { d, a } => write!(f, "\tcvta.to.global.u64 \t{d}, {a};"),
+            Inst::Special { d, name } => write!(f, "\tmov.u32 \t{d}, %{name};"),
+            Inst::MulWide { d, a, b } => write!(f, "\tmul.wide.u32 \t{d}, {a}, {b};"),
+            Inst::Bra { label, pred } => match pred {
+                None => write!(f, "\tbra.uni \t{label};"),
+                Some((p, false)) => write!(f, "\t@{p} bra \t{label};"),
+                Some((p, true)) => write!(f, "\t@!{p} bra \t{label};"),
+            },
+            Inst::Label(l) => write!(f, "{l}:"),
+            Inst::Ret => write!(f, "\tret;"),
+        }
+    }
+}
+
+/// Builds one kernel's instruction list with virtual registers.
+#[derive(Debug, Default)]
+pub struct Builder {
+    counts: [u32; 4],
+    /// Instructions so far.
+    pub insts: Vec<Inst>,
+    labels: u32,
+}
+
+impl Builder {
+    /// A fresh register of a class.
+    pub fn reg(&mut self, class: RegClass) -> Reg {
+        let k = class as usize;
+        self.counts[k] += 1;
+        Reg {
+            class,
+            n: self.counts[k],
+        }
+    }
+
+    /// Append an instruction.
+    pub fn push(&mut self, i: Inst) {
+        self.insts.push(i);
+    }
+
+    /// A fresh label.
+    pub fn label(&mut self, stem: &str) -> String {
+        self.labels += 1;
+        format!("$L_{stem}_{}", self.labels)
+    }
+
+    /// Register declarations.
+    pub fn decls(&self) -> String {
+        let mut s = String::new();
+        for c in [RegClass::Pred, RegClass::B32, RegClass::B64, RegClass::F32] {
+            let n = self.counts[c as usize];
+            if n > 0 {
+                let _ = writeln!(s, "\t.reg {} \t%{}<{}>;", c.decl(), c.prefix(), n + 1);
+            }
+        }
+        s
+    }
+}
+
+struct Gen<'a> {
+    b: Builder,
+    vars: Vec<Reg>,
+    bases: Vec<Reg>,
+    elems: &'a [Elem],
+}
+
+fn int_ty(c: RegClass) -> PtxTy {
+    if c == RegClass::B64 {
+        PtxTy::S64
+    } else {
+        PtxTy::S32
+    }
+}
+
+impl Gen<'_> {
+    fn in_reg(&mut self, o: Operand, class: RegClass) -> Reg {
+        match o {
+            Operand::Reg(r) => r,
+            imm => {
+                let d = self.b.reg(class);
+                let op = match class {
+                    RegClass::B64 => "mov.u64",
+                    RegClass::F32 => "mov.f32",
+                    _ => "mov.u32",
+                };
+                self.b.push(Inst::Un { op, d, a: imm });
+                d
+            }
+        }
+    }
+
+    fn class_of(&self, x: &Expr) -> Result<RegClass> {
+        Ok(match x {
+            Expr::Var(v) => {
+                self.vars
+                    .get(v.0 as usize)
+                    .ok_or(Error::Internal("variable"))?
+                    .class
+            }
+            Expr::I64(_) => RegClass::B64,
+            Expr::I32(_) => RegClass::B32,
+            Expr::F32(_) => RegClass::F32,
+            Expr::Load { buf, .. } => RegClass::of(
+                self.elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?
+                    .ty(),
+            ),
+            Expr::Select(_, a, _) => self.class_of(a)?,
+            Expr::Un(op, _) => match op {
+                UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => RegClass::F32,
+                UnOp::F2I | UnOp::BitsOf | UnOp::Narrow | UnOp::BoolToI => RegClass::B32,
+                UnOp::Widen => RegClass::B64,
+            },
+            Expr::Bin(op, a, _) => match op {
+                BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => RegClass::Pred,
+                _ => self.class_of(a)?,
+            },
+        })
+    }
+
+    fn addr(&mut self, buf: usize, index: &Expr) -> Result<Reg> {
+        let elem = *self.elems.get(buf).ok_or(Error::Internal("buffer"))?;
+        let base = *self.bases.get(buf).ok_or(Error::Internal("buffer"))?;
+        let i = self.expr(index)?;
+        let i = self.in_reg(i, RegClass::B64);
+        let d = self.b.reg(RegClass::B64);
+        if elem.size() == 1 {
+            self.b.push(Inst::Bin {
+                op: "add",
+                ty: PtxTy::S64,
+                d,
+                a: Operand::Reg(base),
+                b: Operand::Reg(i),
+            });
+        } else {
+            let t = self.b.reg(RegClass::B64);
+            self.b.push(Inst::Bin {
+                op: "mul.lo",
+                ty: PtxTy::S64,
+                d: t,
+                a: Operand::Reg(i),
+                b: Operand::Int(elem.size() as i64),
+            });
+            self.b.push(Inst::Bin {
+                op: "add",
+                ty: PtxTy::S64,
+                d,
+                a: Operand::Reg(base),
+                b: Operand::Reg(t),
+            });
+        }
+        Ok(d)
+    }
+
+    fn expr(&mut self, x: &Expr) -> Result<Operand> {
+        Ok(match x {
+            Expr::Var(v) => Operand::Reg(
+                *self
+                    .vars
+                    .get(v.0 as usize)
+                    .ok_or(Error::Internal("variable"))?,
+            ),
+            Expr::I64(c) => Operand::Int(*c),
+            Expr::I32(c) => Operand::Int(*c as i64),
+            Expr::F32(c) => Operand::F32(*c),
+            Expr::Load { buf, index } => {
+                let elem = *self
+                    .elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?;
+                let addr = self.addr(buf.0 as usize, index)?;
+                match elem {
+                    Elem::U8 => {
+                        let d = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Ld {
+                            ty: PtxTy::U8,
+                            d,
+                            addr,
+                        });
+                        Operand::Reg(d)
+                    }
+                    Elem::F32 => {
+                        let d = self.b.reg(RegClass::F32);
+                        self.b.push(Inst::Ld {
+                            ty: PtxTy::F32,
+                            d,
+                            addr,
+                        });
+                        Operand::Reg(d)
+                    }
+                    Elem::Bf16 => {
+                        let h = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Ld {
+                            ty: PtxTy::U16,
+                            d: h,
+                            addr,
+                        });
+                        let s = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Bin {
+                            op: "shl",
+                            ty: PtxTy::B32,
+                            d: s,
+                            a: Operand::Reg(h),
+                            b: Operand::Int(16),
+                        });
+                        let d = self.b.reg(RegClass::F32);
+                        self.b.push(Inst::Un {
+                            op: "mov.b32",
+                            d,
+                            a: Operand::Reg(s),
+                        });
+                        Operand::Reg(d)
+                    }
+                }
+            }
+            Expr::Select(c, a, b) => {
+                let class = self.class_of(a)?;
+                if class == RegClass::Pred {
+                    return Err(Error::Internal("select of predicates"));
+                }
+                let p = self.expr(c)?;
+                let p = self.in_reg(p, RegClass::Pred);
+                let (a, b) = (self.expr(a)?, self.expr(b)?);
+                let d = self.b.reg(class);
+                let ty = match class {
+                    RegClass::F32 => PtxTy::F32,
+                    RegClass::B64 => PtxTy::S64,
+                    _ => PtxTy::S32,
+                };
+                self.b.push(Inst::Selp { ty, d, a, b, p });
+                Operand::Reg(d)
+            }
+            Expr::Un(op, a) => {
+                let ac = self.class_of(a)?;
+                let a = self.expr(a)?;
+                let a = Operand::Reg(self.in_reg(a, ac));
+                let (opc, class): (&'static str, RegClass) = match op {
+                    UnOp::FAbs => ("abs.f32", RegClass::F32),
+                    UnOp::FRoundEven => ("cvt.rni.f32.f32", RegClass::F32),
+                    UnOp::F2I => ("cvt.rzi.s32.f32", RegClass::B32),
+                    UnOp::I2F => ("cvt.rn.f32.s32", RegClass::F32),
+                    UnOp::BitsOf | UnOp::FromBits => {
+                        let class = if *op == UnOp::BitsOf {
+                            RegClass::B32
+                        } else {
+                            RegClass::F32
+                        };
+                        ("mov.b32", class)
+                    }
+                    UnOp::Widen => ("cvt.s64.s32", RegClass::B64),
+                    UnOp::Narrow => ("cvt.u32.u64", RegClass::B32),
+                    UnOp::BoolToI => {
+                        let Operand::Reg(p) = a else {
+                            return Err(Error::Internal("predicate"));
+                        };
+                        let d = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Selp {
+                            ty: PtxTy::U32,
+                            d,
+                            a: Operand::Int(1),
+                            b: Operand::Int(0),
+                            p,
+                        });
+                        return Ok(Operand::Reg(d));
+                    }
+                };
+                let d = self.b.reg(class);
+                self.b.push(Inst::Un { op: opc, d, a });
+                Operand::Reg(d)
+            }
+            Expr::Bin(op, a, b) => {
+                let ac = self.class_of(a)?;
+                let a = self.expr(a)?;
+                let a = Operand::Reg(self.in_reg(a, ac));
+                let b = self.expr(b)?;
+                let ity = int_ty(ac);
+                let (opc, ty, class) = match op {
+                    BinOp::IAdd => ("add", ity, ac),
+                    BinOp::ISub => ("sub", ity, ac),
+                    BinOp::IMul => ("mul.lo", ity, ac),
+                    BinOp::IDiv => (
+                        "div",
+                        if ac == RegClass::B64 {
+                            PtxTy::U64
+                        } else {
+                            PtxTy::U32
+                        },
+                        ac,
+                    ),
+                    BinOp::IRem => (
+                        "rem",
+                        if ac == RegClass::B64 {
+                            PtxTy::U64
+                        } else {
+                            PtxTy::U32
+                        },
+                        ac,
+                    ),
+                    BinOp::And => ("and", PtxTy::B32, ac),
+                    BinOp::Or => ("or", PtxTy::B32, ac),
+                    BinOp::Shl => ("shl", PtxTy::B32, ac),
+                    BinOp::Shr => ("shr", PtxTy::U32, ac),
+                    BinOp::FAdd => ("add.rn", PtxTy::F32, RegClass::F32),
+                    BinOp::FMul => ("mul.rn", PtxTy::F32, RegClass::F32),
+                    BinOp::FDiv => ("div.rn", PtxTy::F32, RegClass::F32),
+                    BinOp::FMax => ("max", PtxTy::F32, RegClass::F32),
+                    BinOp::FMin => ("min", PtxTy::F32, RegClass::F32),
+                    BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => {
+                        let (cmp, ty) = match op {
+                            BinOp::ILt => ("lt", ity),
+                            BinOp::IEq => ("eq", ity),
+                            BinOp::FLt => ("lt", PtxTy::F32),
+                            BinOp::FLe => ("le", PtxTy::F32),
+                            _ => ("eq", PtxTy::F32),
+                        };
+                        let p = self.b.reg(RegClass::Pred);
+                        self.b.push(Inst::Setp { cmp, ty, p, a, b });
+                        return Ok(Operand::Reg(p));
+                    }
+                };
+                let d = self.b.reg(class);
+                self.b.push(Inst::Bin {
+                    op: opc,
+                    ty,
+                    d,
+                    a,
+                    b,
+                });
+                Operand::Reg(d)
+            }
+        })
+    }
+
+    fn assign(&mut self, dst: Reg, x: &Expr) -> Result<()> {
+        let v = self.expr(x)?;
+        let op = match dst.class {
+            RegClass::B64 => "mov.u64",
+            RegClass::F32 => "mov.f32",
+            RegClass::B32 => "mov.u32",
+            RegClass::Pred => "mov.pred",
+        };
+        self.b.push(Inst::Un { op, d: dst, a: v });
+        Ok(())
+    }
+
+    fn stmts(&mut self, body: &[Stmt]) -> Result<()> {
+        for s in body {
+            match s {
+                Stmt::Set(v, x) => {
+                    let dst = *self
+                        .vars
+                        .get(v.0 as usize)
+                        .ok_or(Error::Internal("variable"))?;
+                    self.assign(dst, x)?;
+                }
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    body,
+                } => {
+                    let r = *self
+                        .vars
+                        .get(var.0 as usize)
+                        .ok_or(Error::Internal("variable"))?;
+                    self.assign(r, start)?;
+                    let end = self.expr(end)?;
+                    let end = Operand::Reg(self.in_reg(end, RegClass::B64));
+                    let head = self.b.label("loop");
+                    let done = self.b.label("done");
+                    self.b.push(Inst::Label(head.clone()));
+                    let p = self.b.reg(RegClass::Pred);
+                    self.b.push(Inst::Setp {
+                        cmp: "ge",
+                        ty: PtxTy::S64,
+                        p,
+                        a: Operand::Reg(r),
+                        b: end,
+                    });
+                    self.b.push(Inst::Bra {
+                        label: done.clone(),
+                        pred: Some((p, false)),
+                    });
+                    self.stmts(body)?;
+                    self.b.push(Inst::Bin {
+                        op: "add",
+                        ty: PtxTy::S64,
+                        d: r,
+                        a: Operand::Reg(r),
+                        b: Operand::Int(1),
+                    });
+                    self.b.push(Inst::Bra {
+                        label: head,
+                        pred: None,
+                    });
+                    self.b.push(Inst::Label(done));
+                }
+                Stmt::If { cond, then } => {
+                    let p = self.expr(cond)?;
+                    let p = self.in_reg(p, RegClass::Pred);
+                    let skip = self.b.label("endif");
+                    self.b.push(Inst::Bra {
+                        label: skip.clone(),
+                        pred: Some((p, true)),
+                    });
+                    self.stmts(then)?;
+                    self.b.push(Inst::Label(skip));
+                }
+                Stmt::Store { buf, index, value } => {
+                    let elem = *self
+                        .elems
+                        .get(buf.0 as usize)
+                        .ok_or(Error::Internal("buffer"))?;
+                    let addr = self.addr(buf.0 as usize, index)?;
+                    let v = self.expr(value)?;
+                    match elem {
+                        Elem::U8 => {
+                            let v = self.in_reg(v, RegClass::B32);
+                            self.b.push(Inst::St {
+                                ty: PtxTy::U8,
+                                addr,
+                                v,
+                            });
+                        }
+                        Elem::F32 => {
+                            let v = self.in_reg(v, RegClass::F32);
+                            self.b.push(Inst::St {
+                                ty: PtxTy::F32,
+                                addr,
+                                v,
+                            });
+                        }
+                        Elem::Bf16 => {
+                            let v = self.in_reg(v, RegClass::F32);
+                            let bits = self.b.reg(RegClass::B32);
+                            self.b.push(Inst::Un {
+                                op: "mov.b32",
+                                d: bits,
+                                a: Operand::Reg(v),
+                            });
+                            let hi = self.b.reg(RegClass::B32);
+                            self.b.push(Inst::Bin {
+                                op: "shr",
+                                ty: PtxTy::U32,
+                                d: hi,
+                                a: Operand::Reg(bits),
+                                b: Operand::Int(16),
+                            });
+                            self.b.push(Inst::St {
+                                ty: PtxTy::U16,
+                                addr,
+                                v: hi,
+                            });
+                        }
+                    }
+                }
+                Stmt::AtomicMaxF32 { buf, index, value } => {
+                    let addr = self.addr(buf.0 as usize, index)?;
+                    let v = self.expr(value)?;
+                    let v = self.in_reg(v, RegClass::F32);
+                    let bits = self.b.reg(RegClass::B32);
+                    self.b.push(Inst::Un {
+                        op: "mov.b32",
+                        d: bits,
+                        a: Operand::Reg(v),
+                    });
+                    self.b.push(Inst::RedMaxU32 { addr, v: bits });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The PTX of one kernel (an `.entry`), taking one pointer per program buffer.
+pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
+    let mut g = Gen {
+        b: Builder::default(),
+        vars: Vec::new(),
+        bases: Vec::new(),
+        elems,
+    };
+    for t in &k.var_types {
+        let r = g.b.reg(RegClass::of(*t));
+        g.vars.push(r);
+    }
+    let params: Vec<String> = (0..elems.len())
+        .map(|i| format!("{}_param_{i}", k.name))
+        .collect();
+    for p in &params {
+        let gen = g.b.reg(RegClass::B64);
+        g.b.push(Inst::LdParam {
+            d: gen,
+            name: p.clone(),
+        });
+        let glob = g.b.reg(RegClass::B64);
+        g.b.push(Inst::Cvta { d: glob, a: gen });
+        g.bases.push(glob);
+    }
+    // item = ctaid.x * ntid.x + tid.x; stride = nctaid.x * ntid.x (64-bit).
+    let [ctaid, ntid, tid, nctaid] = [
+        g.b.reg(RegClass::B32),
+        g.b.reg(RegClass::B32),
+        g.b.reg(RegClass::B32),
+        g.b.reg(RegClass::B32),
+    ];
+    for (d, name) in [
+        (ctaid, "ctaid.x"),
+        (ntid, "ntid.x"),
+        (tid, "tid.x"),
+        (nctaid, "nctaid.x"),
+    ] {
+        g.b.push(Inst::Special { d, name });
+    }
+    let item = *g
+        .vars
+        .get(k.item.0 as usize)
+        .ok_or(Error::Internal("item variable"))?;
+    let base = g.b.reg(RegClass::B64);
+    g.b.push(Inst::MulWide {
+        d: base,
+        a: ctaid,
+        b: ntid,
+    });
+    let tid64 = g.b.reg(RegClass::B64);
+    g.b.push(Inst::Un {
+        op: "cvt.u64.u32",
+        d: tid64,
+        a: Operand::Reg(tid),
+    });
+    g.b.push(Inst::Bin {
+        op: "add",
+        ty: PtxTy::S64,
+        d: item,
+        a: Operand::Reg(base),
+        b: Operand::Reg(tid64),
+    });
+    let stride = g.b.reg(RegClass::B64);
+    g.b.push(Inst::MulWide {
+        d: stride,
+        a: nctaid,
+        b: ntid,
+    });
+    let head = g.b.label("item");
+    let done = g.b.label("exit");
+    g.b.push(Inst::Label(head.clone()));
+    let p = g.b.reg(RegClass::Pred);
+    g.b.push(Inst::Setp {
+        cmp: "ge",
+        ty: PtxTy::S64,
+        p,
+        a: Operand::Reg(item),
+        b: Operand::Int(k.items),
+    });
+    g.b.push(Inst::Bra {
+        label: done.clone(),
+        pred: Some((p, false)),
+    });
+    g.stmts(&k.body)?;
+    g.b.push(Inst::Bin {
+        op: "add",
+        ty: PtxTy::S64,
+        d: item,
+        a: Operand::Reg(item),
+        b: Operand::Reg(stride),
+    });
+    g.b.push(Inst::Bra {
+        label: head,
+        pred: None,
+    });
+    g.b.push(Inst::Label(done));
+    g.b.push(Inst::Ret);
+
+    let mut s = String::new();
+    let _ = writeln!(s, "// {} work items", k.items);
+    let _ = writeln!(s, ".visible .entry {}(", k.name);
+    for (i, p) in params.iter().enumerate() {
+        let sep = if i + 1 == params.len() { "" } else { "," };
+        let _ = writeln!(s, "\t.param .u64 .ptr .global .align 16 {p}{sep}");
+    }
+    let _ = writeln!(s, ")\n{{");
+    s.push_str(&g.b.decls());
+    s.push('\n');
+    for i in &g.b.insts {
+        let _ = writeln!(s, "{i}");
+    }
+    let _ = writeln!(s, "}}");
+    Ok(s)
+}
+
+/// The PTX module of a whole program for a target.
+pub fn compile(prog: &Program, target: Target) -> Result<String> {
+    let elems: Vec<Elem> = prog.bufs.iter().map(|b| b.elem).collect();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "//\n// Generated by moeforge {} from recipe `{}`",
+        env!("CARGO_PKG_VERSION"),
+        prog.recipe
+    );
+    let _ = writeln!(
+        s,
+        "// Buffers (one .u64 kernel parameter each, in this order):"
+    );
+    for (i, b) in prog.bufs.iter().enumerate() {
+        let _ = writeln!(s, "//   {i}: {} {}[{}]", b.name(), b.elem.name(), b.len);
+    }
+    let _ = writeln!(
+        s,
+        "//\n\n.version {PTX_VERSION}\n.target {}\n.address_size 64\n",
+        target.name()
+    );
+    for k in prog.kernels() {
+        s.push_str(&kernel_ptx(k, &elems)?);
+        s.push('\n');
+    }
+    Ok(s)
+}

@@ -73,7 +73,10 @@ pub fn e4m3_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
     // Subnormal range (|x| < 2^-6): code = rne(|x| * 2^9), exact scaling; 8 is the smallest normal.
     let sub = e::un(
         UnOp::F2I,
-        e::un(UnOp::FRoundEven, e::bin(BinOp::FMul, a.clone(), e::f(512.0))),
+        e::un(
+            UnOp::FRoundEven,
+            e::bin(BinOp::FMul, a.clone(), e::f(512.0)),
+        ),
     );
     // Normal range: round the 23-bit mantissa to 3 bits, ties to even, then re-bias 127 -> 7.
     let abits = em.set(Ty::I32, e::un(UnOp::BitsOf, a.clone()));

@@ -95,7 +95,11 @@ pub fn nvfp4_quantize(x: &[f32], k: usize, gs: f32) -> (Vec<u8>, Vec<u8>) {
             scales.push(s);
             for pair in blk.chunks(2) {
                 let c = |v: f32| e2m1_from_f32((v * oscale).clamp(-6.0, 6.0));
-                let byte = if sv == 0.0 { 0 } else { c(pair[0]) | (c(pair[1]) << 4) };
+                let byte = if sv == 0.0 {
+                    0
+                } else {
+                    c(pair[0]) | (c(pair[1]) << 4)
+                };
                 packed.push(byte);
             }
         }
@@ -108,7 +112,12 @@ pub fn fp8_per_tensor(x: &[f32]) -> (Vec<u8>, f32) {
     let a = amax(x);
     let scale = if a == 0.0 { 1.0 } else { a / 448.0 };
     let inv = 1.0 / scale;
-    (x.iter().map(|v| e4m3_from_f32((v * inv).clamp(-448.0, 448.0))).collect(), scale)
+    (
+        x.iter()
+            .map(|v| e4m3_from_f32((v * inv).clamp(-448.0, 448.0)))
+            .collect(),
+        scale,
+    )
 }
 
 /// FP8 per-channel: per row `scale = max(amax/448, 1/(448*512))` (1 for a zero row), `q = e4m3(x/scale)`.
@@ -117,9 +126,16 @@ pub fn fp8_per_channel(x: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
     let mut s = Vec::new();
     for row in x.chunks(k) {
         let a = amax(row);
-        let scale = if a == 0.0 { 1.0 } else { (a / 448.0).max(1.0 / (448.0 * 512.0)) };
+        let scale = if a == 0.0 {
+            1.0
+        } else {
+            (a / 448.0).max(1.0 / (448.0 * 512.0))
+        };
         s.push(scale);
-        q.extend(row.iter().map(|v| e4m3_from_f32((v / scale).clamp(-448.0, 448.0))));
+        q.extend(
+            row.iter()
+                .map(|v| e4m3_from_f32((v / scale).clamp(-448.0, 448.0))),
+        );
     }
     (q, s)
 }
@@ -182,7 +198,10 @@ pub fn int8_per_row(x: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
         let a = amax(row);
         let scale = if a == 0.0 { 1.0 } else { a / 127.0 };
         s.push(scale);
-        q.extend(row.iter().map(|v| ((v / scale).round_ties_even().clamp(-128.0, 127.0) as i8) as u8));
+        q.extend(
+            row.iter()
+                .map(|v| ((v / scale).round_ties_even().clamp(-128.0, 127.0) as i8) as u8),
+        );
     }
     (q, s)
 }
@@ -203,7 +222,16 @@ mod tests {
 
     #[test]
     fn e2m1_ties_go_to_even() {
-        let cases = [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6), (6.0, 7)];
+        let cases = [
+            (0.25, 0),
+            (0.75, 2),
+            (1.25, 2),
+            (1.75, 4),
+            (2.5, 4),
+            (3.5, 6),
+            (5.0, 6),
+            (6.0, 7),
+        ];
         for (x, c) in cases {
             assert_eq!(e2m1_from_f32(x), c, "{x}");
         }
@@ -222,7 +250,9 @@ mod tests {
         assert_eq!(&packed[..4], &[0xD7, 0x02, 0x08, 0x00]);
         assert_eq!(scales[0], 0x6E);
         let deq: Vec<f32> = (0..5)
-            .map(|i| e2m1_to_f32((packed[i / 2] >> (4 * (i % 2))) & 0xF) * e4m3_to_f32(scales[0]) / gs)
+            .map(|i| {
+                e2m1_to_f32((packed[i / 2] >> (4 * (i % 2))) & 0xF) * e4m3_to_f32(scales[0]) / gs
+            })
             .collect();
         assert_eq!(deq, vec![3.0, -1.5, 0.5, 0.0, -0.0]);
     }
