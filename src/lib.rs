@@ -10,6 +10,7 @@ pub use moeforge_kernels as kernels;
 pub use moeforge_runtime as runtime;
 
 pub mod demo;
+pub mod pack;
 pub mod report;
 
 /// Errors of the `moeforge` command.
@@ -34,6 +35,9 @@ pub enum Error {
     /// A command-line usage error.
     #[error("{0}")]
     Usage(String),
+    /// A checkpoint is missing a tensor, has a wrong shape or dtype, or is not a safetensors file.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// Code generation failed.
     #[error(transparent)]
     Codegen(#[from] codegen::Error),

@@ -46,6 +46,28 @@ enum Command {
         #[arg(short = 'o', long = "output")]
         output: Option<std::path::PathBuf>,
     },
+    /// Pack checkpoint expert weights with a recipe on the host (Cranelift JIT).
+    Pack {
+        /// The recipe file, or the name of a standard recipe.
+        file: String,
+        /// Input safetensors files (repeat for sharded checkpoints).
+        #[arg(long = "input", required = true)]
+        inputs: Vec<std::path::PathBuf>,
+        /// Output safetensors file (written atomically).
+        #[arg(long)]
+        output: std::path::PathBuf,
+        /// Inclusive layer range, e.g. `0-3`; every MoE layer when absent.
+        #[arg(long)]
+        layers: Option<String>,
+        /// Host threads (0: all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
+    /// List the tensors and metadata of a safetensors file.
+    Inspect {
+        /// The file.
+        file: std::path::PathBuf,
+    },
     /// Run the main job on an embedded default MoE layer.
     Demo,
 }
@@ -153,6 +175,46 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 Some(path) => moeforge::write_atomic(&path, text.as_bytes())?,
                 None => out.write_all(text.as_bytes()).map_err(io)?,
             }
+        }
+        Command::Pack {
+            file,
+            inputs,
+            output,
+            layers,
+            threads,
+        } => {
+            let (name, src) = read_recipe(&file)?;
+            let layers = match layers {
+                Some(l) => Some(moeforge::pack::parse_layers(&l)?),
+                None => None,
+            };
+            let opts = moeforge::pack::PackOptions {
+                recipe_src: src,
+                recipe_path: name,
+                inputs,
+                output: output.clone(),
+                layers,
+                threads,
+                progress: true,
+            };
+            let r = moeforge::pack::pack(&opts)?;
+            let bytes: usize = r.layers.iter().map(|l| l.input_bytes).sum();
+            let secs: f64 = r.layers.iter().map(|l| l.seconds).sum();
+            writeln!(
+                out,
+                "packed {} layer(s), {:.1} MB of expert weights in {:.2} s ({:.2} GB/s in the host backend), wrote {} ({:.1} MB) in {:.2} s total",
+                r.layers.len(),
+                bytes as f64 / 1e6,
+                secs,
+                bytes as f64 / secs.max(1e-9) / 1e9,
+                output.display(),
+                r.output_bytes as f64 / 1e6,
+                r.seconds
+            )
+            .map_err(io)?;
+        }
+        Command::Inspect { file } => {
+            write!(out, "{}", moeforge::pack::inspect(&file)?).map_err(io)?;
         }
         Command::Demo => {
             write!(out, "{}", moeforge::demo::run()?).map_err(io)?;

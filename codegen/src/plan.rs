@@ -79,6 +79,12 @@ fn elem_of(d: DType) -> Option<Elem> {
 /// Lower a verified module, bound to a shape, to a pack program. Params that depend on an optional
 /// input the checkpoint lacks are left out.
 pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
+    plan_with(info, present, &|_: &str| false)
+}
+
+/// [`plan`], reading the inputs `as_f32` names as f32 buffers whatever their declared float type (a
+/// checkpoint stored in f16 or f32 is widened exactly, never rounded to the declared bf16).
+pub fn plan_with(info: &ModuleInfo, present: &dyn Presence, as_f32: &dyn Fn(&str) -> bool) -> Result<Program> {
     if info.binding().is_none() {
         return Err(Error::Unbound);
     }
@@ -101,8 +107,11 @@ pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
             if optional && !present.has(&t.name) {
                 continue;
             }
-            let elem = elem_of(t.dtype)
+            let mut elem = elem_of(t.dtype)
                 .ok_or_else(|| unsupported(&t.name, format!("{} inputs", t.dtype)))?;
+            if t.dtype.is_wide_float() && as_f32(&t.name) {
+                elem = Elem::F32;
+            }
             let len = p.numel(&t.shape)?;
             let b = p.buf(BufRole::Input(t.name.clone()), elem, len, false);
             p.inputs.insert(id, b);
@@ -971,8 +980,9 @@ impl Planner<'_> {
         let (base, rows) = self.strip_gather(&t.name, v)?;
         if let Op::Tensor(src) = self.op(base)? {
             if let Some(&xb) = self.inputs.get(&src) {
-                if self.tensor(src)?.dtype != t.dtype {
-                    return Err(unsupported(&t.name, "a copy that changes the dtype"));
+                let src_elem = self.prog.buf(xb).map(|b| b.elem);
+                if self.tensor(src)?.dtype != t.dtype || src_elem != elem_of(t.dtype) {
+                    return Err(unsupported(&t.name, "a copy that changes the dtype (it would round)"));
                 }
                 let shape = self.shape(base)?;
                 if shape.len() == 3 {

@@ -1,0 +1,536 @@
+//! `moeforge pack` and `moeforge inspect`: checkpoints in, packed params out, through the host backend.
+//!
+//! Expert weights are found under Hugging Face names (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`,
+//! `up_proj`, `down_proj`; Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`; or already fused
+//! `model.layers.{L}.mlp.experts.w13_weight` / `w2_weight`), stacked as `w13 = [gate; up]` per expert,
+//! the recipe is bound from their shapes and the packed params are written as
+//! `model.layers.{L}.mlp.experts.{param}`. The output is written to a temporary file and renamed
+//! only when everything succeeded.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::codegen::kir::{BufRole, Program};
+use crate::dsl::ir::{DType, TensorKind};
+use crate::{Error, Result};
+
+/// Options of [`pack`].
+#[derive(Debug, Clone)]
+pub struct PackOptions {
+    /// Recipe source.
+    pub recipe_src: String,
+    /// Recipe file name (for diagnostics).
+    pub recipe_path: String,
+    /// Input checkpoint files.
+    pub inputs: Vec<PathBuf>,
+    /// Output file.
+    pub output: PathBuf,
+    /// Inclusive layer range; every MoE layer found when `None`.
+    pub layers: Option<(u32, u32)>,
+    /// Host threads (0: all cores).
+    pub threads: usize,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
+/// What [`pack`] did for one layer.
+#[derive(Debug, Clone)]
+pub struct LayerReport {
+    /// Layer index.
+    pub layer: u32,
+    /// Experts, hidden and intermediate sizes.
+    pub dims: (usize, usize, usize),
+    /// Bytes of expert weights read (as stored in the checkpoint).
+    pub input_bytes: usize,
+    /// Seconds spent in the host backend (quantize, swizzle, write to buffers).
+    pub seconds: f64,
+}
+
+/// What [`pack`] did.
+#[derive(Debug, Clone)]
+pub struct PackReport {
+    /// Per layer.
+    pub layers: Vec<LayerReport>,
+    /// Bytes written.
+    pub output_bytes: usize,
+    /// Wall-clock seconds of the whole pack.
+    pub seconds: f64,
+}
+
+fn ckpt(msg: impl Into<String>) -> Error {
+    Error::Checkpoint(msg.into())
+}
+
+/// Parse `0-3` or `5` (inclusive).
+pub fn parse_layers(s: &str) -> Result<(u32, u32)> {
+    let bad = || Error::Usage(format!("bad --layers `{s}`: expected `N` or `A-B` (inclusive)"));
+    let (a, b) = match s.split_once('-') {
+        Some((a, b)) => (a.trim(), b.trim()),
+        None => (s.trim(), s.trim()),
+    };
+    let (a, b): (u32, u32) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+    if a > b {
+        return Err(bad());
+    }
+    Ok((a, b))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// gate_proj / up_proj / down_proj per expert.
+    Hf,
+    /// Mixtral's w1 (gate) / w3 (up) / w2 (down) per expert.
+    Mixtral,
+    /// Already fused `w13_weight [E, 2I, H]` / `w2_weight [E, H, I]`.
+    Fused,
+}
+
+#[derive(Debug, Default)]
+struct LayerIndex {
+    forms: BTreeMap<u32, (Form, BTreeSet<u32>)>,
+}
+
+fn index_layers(names: &[String]) -> Result<LayerIndex> {
+    let mut idx = LayerIndex::default();
+    for n in names {
+        let Some(rest) = n.strip_prefix("model.layers.") else { continue };
+        let Some((l, rest)) = rest.split_once('.') else { continue };
+        let Ok(layer) = l.parse::<u32>() else { continue };
+        let (form, expert) = if let Some(r) = rest.strip_prefix("mlp.experts.") {
+            if r == "w13_weight" || r == "w2_weight" {
+                (Form::Fused, None)
+            } else if let Some((e, w)) = r.split_once('.') {
+                if !matches!(w, "gate_proj.weight" | "up_proj.weight" | "down_proj.weight") {
+                    continue;
+                }
+                (Form::Hf, e.parse::<u32>().ok())
+            } else {
+                continue;
+            }
+        } else if let Some(r) = rest.strip_prefix("block_sparse_moe.experts.") {
+            let Some((e, w)) = r.split_once('.') else { continue };
+            if !matches!(w, "w1.weight" | "w2.weight" | "w3.weight") {
+                continue;
+            }
+            (Form::Mixtral, e.parse::<u32>().ok())
+        } else {
+            continue;
+        };
+        let entry = idx.forms.entry(layer).or_insert((form, BTreeSet::new()));
+        if entry.0 != form {
+            return Err(ckpt(format!(
+                "layer {layer} mixes expert naming schemes (`{n}` is {form:?}, earlier tensors {:?})",
+                entry.0
+            )));
+        }
+        if let Some(e) = expert {
+            entry.1.insert(e);
+        }
+    }
+    Ok(idx)
+}
+
+struct Files {
+    data: Vec<(PathBuf, Vec<u8>)>,
+}
+
+struct Source<'a> {
+    tensors: HashMap<String, (usize, TensorView<'a>)>,
+    files: Vec<&'a Path>,
+}
+
+impl<'a> Source<'a> {
+    fn open(files: &'a Files) -> Result<Source<'a>> {
+        let mut tensors = HashMap::new();
+        let mut paths = Vec::new();
+        for (k, (path, bytes)) in files.data.iter().enumerate() {
+            paths.push(path.as_path());
+            let st = SafeTensors::deserialize(bytes).map_err(|e| {
+                ckpt(format!("{}: not a valid safetensors file ({e})", path.display()))
+            })?;
+            for (name, view) in st.tensors() {
+                if tensors.contains_key(&name) {
+                    return Err(ckpt(format!("tensor `{name}` appears in more than one input file")));
+                }
+                tensors.insert(name, (k, view));
+            }
+        }
+        Ok(Source {
+            tensors,
+            files: paths,
+        })
+    }
+
+    fn get(&self, name: &str) -> Result<&TensorView<'a>> {
+        self.tensors.get(name).map(|x| &x.1).ok_or_else(|| {
+            ckpt(format!(
+                "missing tensor `{name}` (looked in {})",
+                self.files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+            ))
+        })
+    }
+
+    /// A float tensor of an expected shape, widened exactly to f32 or kept as bf16 bytes.
+    fn float(&self, name: &str, shape: &[usize]) -> Result<&TensorView<'a>> {
+        let t = self.get(name)?;
+        if t.shape() != shape {
+            return Err(ckpt(format!(
+                "tensor `{name}`: expected shape {shape:?}, found {:?}",
+                t.shape()
+            )));
+        }
+        if !matches!(t.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+            return Err(ckpt(format!(
+                "tensor `{name}`: expected dtype BF16, F16 or F32, found {:?}",
+                t.dtype()
+            )));
+        }
+        Ok(t)
+    }
+}
+
+/// Append a tensor's data as bf16 (when `bf16` and the tensor is bf16) or as exact f32.
+fn append(out: &mut Vec<u8>, t: &TensorView<'_>, bf16: bool) {
+    let d = t.data();
+    match (t.dtype(), bf16) {
+        (Dtype::BF16, true) | (Dtype::F32, false) => out.extend_from_slice(d),
+        (Dtype::BF16, false) => {
+            for c in d.chunks_exact(2) {
+                let x = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        (Dtype::F16, _) => {
+            for c in d.chunks_exact(2) {
+                out.extend_from_slice(&f16_to_f32(u16::from_le_bytes([c[0], c[1]])).to_le_bytes());
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Exact IEEE half -> single conversion.
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exp = ((h >> 10) & 0x1F) as u32;
+    let mant = (h & 0x3FF) as u32;
+    let bits = match (exp, mant) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalize.
+            let shift = m.leading_zeros() - 21;
+            let m = (m << shift) & 0x3FF;
+            sign | ((127 - 15 - shift + 1) << 23) | (m << 13)
+        }
+        (0x1F, m) => sign | (0xFF << 23) | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+fn out_dtype(d: DType) -> Dtype {
+    match d {
+        DType::E2m1 | DType::U8 => Dtype::U8,
+        DType::E4m3 => Dtype::F8_E4M3,
+        DType::E5m2 => Dtype::F8_E5M2,
+        DType::E8m0 => Dtype::F8_E8M0,
+        DType::I8 => Dtype::I8,
+        DType::Bf16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+        DType::F32 => Dtype::F32,
+        DType::I32 => Dtype::I32,
+    }
+}
+
+/// A layer's inputs, as byte buffers in the recipe's input names.
+struct LayerInputs {
+    dims: (usize, usize, usize),
+    bufs: HashMap<String, Vec<u8>>,
+    as_f32: bool,
+    input_bytes: usize,
+}
+
+fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32>) -> Result<LayerInputs> {
+    let p = format!("model.layers.{layer}");
+    let (e, h, i, mut input_bytes);
+    let mut w13 = Vec::new();
+    let mut w2 = Vec::new();
+    let as_f32;
+    match form {
+        Form::Fused => {
+            let a = src.get(&format!("{p}.mlp.experts.w13_weight"))?;
+            let [ne, two_i, hh] = a.shape()[..] else {
+                return Err(ckpt(format!("tensor `{p}.mlp.experts.w13_weight`: expected 3 dimensions [E, 2*I, H], found {:?}", a.shape())));
+            };
+            (e, h, i) = (ne, hh, two_i / 2);
+            let a = src.float(&format!("{p}.mlp.experts.w13_weight"), &[e, 2 * i, h])?;
+            let b = src.float(&format!("{p}.mlp.experts.w2_weight"), &[e, h, i])?;
+            as_f32 = a.dtype() != Dtype::BF16 || b.dtype() != Dtype::BF16;
+            append(&mut w13, a, !as_f32);
+            append(&mut w2, b, !as_f32);
+            input_bytes = a.data().len() + b.data().len();
+        }
+        Form::Hf | Form::Mixtral => {
+            let (g, u, d, base) = match form {
+                Form::Hf => ("gate_proj", "up_proj", "down_proj", format!("{p}.mlp.experts")),
+                _ => ("w1", "w3", "w2", format!("{p}.block_sparse_moe.experts")),
+            };
+            e = experts.iter().next_back().map(|x| *x as usize + 1).unwrap_or(0);
+            for k in 0..e as u32 {
+                for w in [g, u, d] {
+                    let name = format!("{base}.{k}.{w}.weight");
+                    if !src.tensors.contains_key(&name) {
+                        return Err(ckpt(format!("missing tensor `{name}`: layer {layer} has experts up to {} but not expert {k}'s `{w}`", e - 1)));
+                    }
+                }
+            }
+            let first = src.get(&format!("{base}.0.{g}.weight"))?;
+            let [ii, hh] = first.shape()[..] else {
+                return Err(ckpt(format!("tensor `{base}.0.{g}.weight`: expected 2 dimensions [I, H], found {:?}", first.shape())));
+            };
+            (h, i) = (hh, ii);
+            let mut views = Vec::new();
+            for k in 0..e {
+                let gv = src.float(&format!("{base}.{k}.{g}.weight"), &[i, h])?;
+                let uv = src.float(&format!("{base}.{k}.{u}.weight"), &[i, h])?;
+                let dv = src.float(&format!("{base}.{k}.{d}.weight"), &[h, i])?;
+                views.push((gv, uv, dv));
+            }
+            as_f32 = views.iter().any(|(a, b, c)| [a, b, c].iter().any(|t| t.dtype() != Dtype::BF16));
+            input_bytes = 0;
+            for (gv, uv, dv) in &views {
+                append(&mut w13, gv, !as_f32);
+                append(&mut w13, uv, !as_f32);
+                append(&mut w2, dv, !as_f32);
+                input_bytes += gv.data().len() + uv.data().len() + dv.data().len();
+            }
+        }
+    }
+    let mut bufs = HashMap::new();
+    bufs.insert("w13".to_string(), w13);
+    bufs.insert("w2".to_string(), w2);
+    // Calibrated activation scales, when the checkpoint has them.
+    let scale = |name: &str| -> Result<Option<f32>> {
+        match src.tensors.get(name) {
+            None => Ok(None),
+            Some((_, t)) => {
+                if t.dtype() != Dtype::F32 || t.data().len() != 4 {
+                    return Err(ckpt(format!("tensor `{name}`: expected an F32 scalar, found {:?} {:?}", t.dtype(), t.shape())));
+                }
+                let d = t.data();
+                Ok(Some(f32::from_le_bytes([d[0], d[1], d[2], d[3]])))
+            }
+        }
+    };
+    let (s13, s2): (Vec<Option<f32>>, Vec<Option<f32>>) = match form {
+        Form::Fused => {
+            let v = |n: &str| -> Result<Option<Vec<f32>>> {
+                match src.tensors.get(&format!("{p}.mlp.experts.{n}")) {
+                    None => Ok(None),
+                    Some((_, t)) => {
+                        if t.dtype() != Dtype::F32 || t.shape() != [e] {
+                            return Err(ckpt(format!("tensor `{p}.mlp.experts.{n}`: expected F32 [{e}], found {:?} {:?}", t.dtype(), t.shape())));
+                        }
+                        Ok(Some(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()))
+                    }
+                }
+            };
+            let a = v("w13_input_scale")?.map(|x| x.into_iter().map(Some).collect()).unwrap_or_default();
+            let b = v("w2_input_scale")?.map(|x| x.into_iter().map(Some).collect()).unwrap_or_default();
+            (a, b)
+        }
+        _ => {
+            let (g, u, d, base) = match form {
+                Form::Hf => ("gate_proj", "up_proj", "down_proj", format!("{p}.mlp.experts")),
+                _ => ("w1", "w3", "w2", format!("{p}.block_sparse_moe.experts")),
+            };
+            let mut a = Vec::new();
+            let mut b = Vec::new();
+            for k in 0..e {
+                let gs = scale(&format!("{base}.{k}.{g}.input_scale"))?;
+                let us = scale(&format!("{base}.{k}.{u}.input_scale"))?;
+                a.push(match (gs, us) {
+                    (Some(x), Some(y)) => Some(x.max(y)),
+                    (x, y) => x.or(y),
+                });
+                b.push(scale(&format!("{base}.{k}.{d}.input_scale"))?);
+            }
+            (a, b)
+        }
+    };
+    for (name, v) in [("w13_input_scale", s13), ("w2_input_scale", s2)] {
+        if !v.is_empty() && v.iter().all(|x| x.is_some()) {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.unwrap_or(0.0).to_le_bytes()).collect();
+            bufs.insert(name.to_string(), bytes);
+        } else if v.iter().any(|x| x.is_some()) {
+            return Err(ckpt(format!("layer {layer}: `{name}` is given for some experts but not all")));
+        }
+    }
+    Ok(LayerInputs {
+        dims: (e, h, i),
+        bufs,
+        as_f32,
+        input_bytes,
+    })
+}
+
+/// Pack checkpoints with a recipe.
+pub fn pack(opts: &PackOptions) -> Result<PackReport> {
+    let t0 = Instant::now();
+    let mut files = Files { data: Vec::new() };
+    for p in &opts.inputs {
+        let bytes = std::fs::read(p).map_err(|e| Error::Io {
+            path: p.display().to_string(),
+            source: e,
+        })?;
+        files.data.push((p.clone(), bytes));
+    }
+    let src = Source::open(&files)?;
+    let mut names: Vec<String> = src.tensors.keys().cloned().collect();
+    names.sort();
+    let idx = index_layers(&names)?;
+    let layers: Vec<(u32, Form, BTreeSet<u32>)> = idx
+        .forms
+        .into_iter()
+        .filter(|(l, _)| opts.layers.is_none_or(|(a, b)| *l >= a && *l <= b))
+        .map(|(l, (f, e))| (l, f, e))
+        .collect();
+    if layers.is_empty() {
+        return Err(ckpt(match opts.layers {
+            Some((a, b)) => format!("no MoE expert weights for layers {a}-{b} in the input files"),
+            None => "no MoE expert weights found (expected `model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, `...block_sparse_moe.experts.{e}.w1.weight` or `...mlp.experts.w13_weight`)".into(),
+        }));
+    }
+    // Check the recipe once, unbound, so recipe errors come first.
+    let module = crate::dsl::compile(&opts.recipe_src)
+        .map_err(|d| crate::recipe_error(&d, &opts.recipe_path, &opts.recipe_src))?;
+    for need in ["E", "H", "I"] {
+        if !module.dims.iter().any(|d| d.name == need) {
+            return Err(Error::Usage(format!("recipe `{}` must have dimensions E, H and I to pack a checkpoint", module.name)));
+        }
+    }
+    for t in &module.tensors {
+        if let TensorKind::Input { optional: false } = t.kind {
+            if t.name != "w13" && t.name != "w2" {
+                return Err(Error::Usage(format!("recipe input `{}` has no checkpoint source (pack provides `w13`, `w2`, `w13_input_scale`, `w2_input_scale`)", t.name)));
+            }
+        }
+    }
+    let hash = blake3::hash(opts.recipe_src.as_bytes()).to_hex().to_string();
+    let bar = if opts.progress {
+        indicatif::ProgressBar::new(layers.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} packing layer {msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut reports = Vec::new();
+    type Key = (usize, usize, usize, bool, Vec<String>);
+    let mut cache: Option<(Key, crate::dsl::ModuleInfo, crate::codegen::host::Compiled)> = None;
+    let mut binding = String::new();
+    for (layer, form, experts) in &layers {
+        bar.set_message(layer.to_string());
+        let li = gather_layer(&src, *layer, *form, experts)?;
+        let (e, h, i) = li.dims;
+        binding = format!("E={e},H={h},I={i}");
+        let mut present: Vec<String> = li.bufs.keys().cloned().collect();
+        present.sort();
+        let key = (e, h, i, li.as_f32, present.clone());
+        if cache.as_ref().is_none_or(|c| c.0 != key) {
+            let info = crate::check_source(&opts.recipe_src, &opts.recipe_path, Some(&binding))?;
+            let has = |n: &str| li.bufs.contains_key(n);
+            let as_f32 = li.as_f32;
+            let prog = crate::codegen::plan::plan_with(&info, &has, &|n: &str| as_f32 && (n == "w13" || n == "w2"))?;
+            cache = Some((key, info, crate::codegen::host::compile(&prog)?));
+        }
+        let Some((_, info, compiled)) = &cache else {
+            return Err(Error::Usage("internal: no compiled program".into()));
+        };
+        let prog: &Program = compiled.program();
+        let mut bufs = crate::codegen::alloc_buffers(prog, &mut |n| li.bufs.get(n).cloned())?;
+        let t1 = Instant::now();
+        compiled.run(&mut bufs, &crate::codegen::SingleProcess, opts.threads)?;
+        let seconds = t1.elapsed().as_secs_f64();
+        for (b, data) in prog.bufs.iter().zip(bufs) {
+            let BufRole::Param(pname) = &b.role else { continue };
+            let Some(t) = module.tensors.iter().rev().find(|t| &t.name == pname && t.kind == TensorKind::Param) else {
+                continue;
+            };
+            let mut shape: Vec<usize> = t.shape.iter().map(|p| info.eval(p).unwrap_or(0) as usize).collect();
+            if t.dtype == DType::E2m1 {
+                if let Some(last) = shape.last_mut() {
+                    *last /= 2;
+                }
+            }
+            out.push((format!("model.layers.{layer}.mlp.experts.{pname}"), out_dtype(t.dtype), shape, data));
+        }
+        reports.push(LayerReport {
+            layer: *layer,
+            dims: li.dims,
+            input_bytes: li.input_bytes,
+            seconds,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert("moeforge.recipe".to_string(), module.name.clone());
+    meta.insert("moeforge.recipe_blake3".to_string(), hash);
+    meta.insert("moeforge.version".to_string(), env!("CARGO_PKG_VERSION").to_string());
+    meta.insert("moeforge.binding".to_string(), binding);
+    let views: Vec<(String, TensorView<'_>)> = out
+        .iter()
+        .map(|(n, d, s, data)| {
+            TensorView::new(*d, s.clone(), data)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| ckpt(format!("tensor `{n}`: {e}")))
+        })
+        .collect::<Result<_>>()?;
+    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| ckpt(format!("serializing: {e}")))?;
+    crate::write_atomic(&opts.output, &bytes)?;
+    Ok(PackReport {
+        layers: reports,
+        output_bytes: bytes.len(),
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// `moeforge inspect`: every tensor of a safetensors file with its dtype, shape and size, and the
+/// metadata (recipe, its hash, moeforge version).
+pub fn inspect(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| ckpt(format!("{}: not a valid safetensors file ({e})", path.display())))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| ckpt(format!("{}: not a valid safetensors file ({e})", path.display())))?;
+    let mut out = String::new();
+    if let Some(m) = meta.metadata() {
+        let mut keys: Vec<(&String, &String)> = m.iter().collect();
+        keys.sort();
+        for (k, v) in keys {
+            out.push_str(&format!("{k}: {v}\n"));
+        }
+        out.push('\n');
+    }
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let w = tensors.iter().map(|t| t.0.len()).max().unwrap_or(0);
+    let mut total = 0usize;
+    for (name, t) in &tensors {
+        total += t.data().len();
+        out.push_str(&format!("{name:<w$}  {:<8}  {:?}  {} bytes\n", format!("{:?}", t.dtype()), t.shape(), t.data().len()));
+    }
+    out.push_str(&format!("\n{} tensors, {total} bytes\n", tensors.len()));
+    Ok(out)
+}
