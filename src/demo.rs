@@ -27,7 +27,7 @@ pub fn run() -> crate::Result<String> {
     );
     let _ = writeln!(
         out,
-        "device: host (CPU). Packing and GPU kernels are not built yet: this run parses, binds and verifies.\n"
+        "device: host (CPU, Cranelift JIT). The GPU runtime is not built yet, so this run verifies and packs on the host.\n"
     );
     let mut rows = vec![vec![
         "recipe".to_string(),
@@ -74,6 +74,28 @@ pub fn run() -> crate::Result<String> {
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    // Pack one synthetic layer of that shape with every recipe.
+    let (e, h, i) = (bind[0].1 as usize, bind[1].1 as usize, bind[2].1 as usize);
+    let layer = crate::bench::Layer::synthetic(e, h, i, 1);
+    let _ = writeln!(
+        out,
+        "\npacking a synthetic layer ({:.0} MB of bf16 weights) on the host:",
+        layer.bytes() as f64 / 1e6
+    );
+    let rows = crate::bench::pack_all(&layer, 0, 1, true, None)?;
+    let _ = writeln!(out, "{:<16} {:>9} {:>8} {:>22} {:>14}", "recipe", "time ms", "GB/s", "max |x-x'| / amax", "max |x-x'|");
+    for r in &rows {
+        let f = |x: Option<f32>| x.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            out,
+            "{:<16} {:>9.1} {:>8.2} {:>22} {:>14}",
+            r.recipe,
+            r.seconds * 1e3,
+            r.gbps,
+            f(r.max_rel_err),
+            f(r.max_abs_err)
+        );
     }
     let _ = writeln!(
         out,

@@ -9,7 +9,9 @@ pub use moeforge_dsl as dsl;
 pub use moeforge_kernels as kernels;
 pub use moeforge_runtime as runtime;
 
+pub mod bench;
 pub mod demo;
+pub mod dequant;
 pub mod pack;
 pub mod report;
 

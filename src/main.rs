@@ -68,6 +68,18 @@ enum Command {
         /// The file.
         file: std::path::PathBuf,
     },
+    /// Benchmarks: `--host` packs a Qwen3-30B-A3B layer with every recipe on this machine.
+    Bench {
+        /// Run the host benchmarks.
+        #[arg(long)]
+        host: bool,
+        /// Host threads (0: all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Only this standard recipe.
+        #[arg(long)]
+        recipe: Option<String>,
+    },
     /// Run the main job on an embedded default MoE layer.
     Demo,
 }
@@ -215,6 +227,18 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
         }
         Command::Inspect { file } => {
             write!(out, "{}", moeforge::pack::inspect(&file)?).map_err(io)?;
+        }
+        Command::Bench {
+            host,
+            threads,
+            recipe,
+        } => {
+            if !host {
+                return Err(moeforge::Error::Usage(
+                    "nothing to run: pass --host (GPU benchmarks arrive with the GPU runtime)".into(),
+                ));
+            }
+            write!(out, "{}", moeforge::bench::host_report(threads, recipe.as_deref())?).map_err(io)?;
         }
         Command::Demo => {
             write!(out, "{}", moeforge::demo::run()?).map_err(io)?;

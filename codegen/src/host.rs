@@ -65,7 +65,8 @@ pub fn clif_text(prog: &Program) -> Result<String> {
 
 fn native_isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
     let mut flags = settings::builder();
-    flags.set("opt_level", "speed").map_err(cl)?;
+    let opt = std::env::var("MOEFORGE_CL_OPT").unwrap_or_else(|_| "speed".into());
+    flags.set("opt_level", &opt).map_err(cl)?;
     flags.set("use_colocated_libcalls", "false").map_err(cl)?;
     flags.set("is_pic", "false").map_err(cl)?;
     cranelift_native::builder()
@@ -98,9 +99,15 @@ pub fn compile(prog: &Program) -> Result<Compiled> {
             b.seal_all_blocks();
             b.finalize(fcfg);
         }
+        // MOEFORGE_DISASM=DIR writes each kernel's machine code there (for performance work).
+        let dump = std::env::var_os("MOEFORGE_DISASM");
+        ctx.set_disasm(dump.is_some());
         module
             .define_function(id, &mut ctx)
             .map_err(|e| Error::Cranelift(format!("{e:?}")))?;
+        if let (Some(dir), Some(code)) = (dump, ctx.compiled_code().and_then(|c| c.vcode.clone())) {
+            let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{}.s", k.name)), code);
+        }
         module.clear_context(&mut ctx);
         ids.push(id);
     }
@@ -350,8 +357,16 @@ impl<'a, 'b> Gen<'a, 'b> {
                     BinOp::FAdd => ins.fadd(a, b),
                     BinOp::FMul => ins.fmul(a, b),
                     BinOp::FDiv => ins.fdiv(a, b),
-                    BinOp::FMax => ins.fmax(a, b),
-                    BinOp::FMin => ins.fmin(a, b),
+                    // The IR's operands of max/min are never NaN and never a (+0, -0) pair, so a
+                    // compare and select is exact (and much shorter than x86's NaN-aware fmax).
+                    BinOp::FMax => {
+                        let lt = ins.fcmp(FloatCC::LessThan, a, b);
+                        self.b.ins().select(lt, b, a)
+                    }
+                    BinOp::FMin => {
+                        let lt = ins.fcmp(FloatCC::LessThan, b, a);
+                        self.b.ins().select(lt, b, a)
+                    }
                     BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
                     BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
                     BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
@@ -383,6 +398,11 @@ impl Compiled {
                     expected: want,
                     got: d.len(),
                 });
+            }
+        }
+        for (b, d) in self.prog.bufs.iter().zip(bufs.iter_mut()) {
+            if b.zeroed {
+                d.fill(0);
             }
         }
         let threads = if threads == 0 {

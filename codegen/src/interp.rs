@@ -224,10 +224,16 @@ pub fn run_kernel(k: &Kernel, elems: &[Elem], bufs: &mut [Vec<u8>]) -> Result<()
     Ok(())
 }
 
-/// Run a whole program. `bufs` holds one byte vector per program buffer, sized and (where the
-/// program says so) zeroed by [`crate::alloc_buffers`].
+/// Run a whole program. `bufs` holds one byte vector per program buffer, sized by
+/// [`crate::alloc_buffers`]; buffers the program marks `zeroed` are cleared first, so buffers can be
+/// reused between runs.
 pub fn run(prog: &Program, bufs: &mut [Vec<u8>], coll: &dyn Collective) -> Result<()> {
     let elems: Vec<Elem> = prog.bufs.iter().map(|b| b.elem).collect();
+    for (b, d) in prog.bufs.iter().zip(bufs.iter_mut()) {
+        if b.zeroed {
+            d.fill(0);
+        }
+    }
     for s in &prog.steps {
         match s {
             Step::Kernel(k) => run_kernel(k, &elems, bufs)?,

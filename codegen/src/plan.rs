@@ -747,7 +747,7 @@ impl Planner<'_> {
                     em.for_(e::i(0), e::i(nb), |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
                         let mx = b.var(Ty::F32, e::f(0.0));
-                        b.for_(e::i(0), e::i(32), |b2, c| {
+                        b.unroll(32, |b2, c| {
                             b2.out.push(Stmt::Set(
                                 mx,
                                 fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c)))),
@@ -790,7 +790,7 @@ impl Planner<'_> {
                                     e::mul(j.clone(), e::i(16)),
                                 ),
                             );
-                            b.for_(e::i(0), e::i(16), |b2, k| {
+                            b.unroll(16, |b2, k| {
                                 let lo =
                                     b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
                                 let c0 = quant::e2m1_rne(
@@ -862,7 +862,7 @@ impl Planner<'_> {
             em.for_(e::i(0), e::i(nb), |b, j| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
                 let mx = b.var(Ty::F32, e::f(0.0));
-                b.for_(e::i(0), e::i(16), |b2, c| {
+                b.unroll(16, |b2, c| {
                     b2.out.push(Stmt::Set(
                         mx,
                         fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c)))),
@@ -905,7 +905,7 @@ impl Planner<'_> {
                             e::mul(j.clone(), e::i(8)),
                         ),
                     );
-                    b.for_(e::i(0), e::i(8), |b2, k| {
+                    b.unroll(8, |b2, k| {
                         let lo = b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
                         let c0 = quant::e2m1_rne(
                             b2,

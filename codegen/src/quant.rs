@@ -42,6 +42,13 @@ impl<'a> Emit<'a> {
         sub.out
     }
 
+    /// `body(0); body(1); ...; body(n-1)`: a loop of constant trip count, unrolled.
+    pub fn unroll(&mut self, n: i64, mut f: impl FnMut(&mut Emit<'_>, Expr)) {
+        for k in 0..n {
+            f(self, e::i(k));
+        }
+    }
+
     /// `for var in start..end { body }`.
     pub fn for_(&mut self, start: Expr, end: Expr, f: impl FnOnce(&mut Emit<'_>, Expr)) {
         let var = self.vars.new_var(Ty::I64);
@@ -120,17 +127,33 @@ pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
 }
 
 /// Round-to-nearest-even of a finite f32 with `|x| <= 6` to an E2M1 nibble (sign in bit 3; a value that
-/// rounds to zero keeps its sign, as the hardware conversion does).
+/// rounds to zero keeps its sign, as the hardware conversion does). Below 1 the grid step is 0.5, so the
+/// code is `rne(2|x|)`; from 1 on, the f32 mantissa is rounded to one bit (ties to even) and the
+/// exponent re-biased from 127 to 1, exactly as for E4M3.
 pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
     let x = em.set(Ty::F32, x);
     let a = em.set(Ty::F32, e::un(UnOp::FAbs, x.clone()));
-    // Thresholds of the E2M1 grid [0, .5, 1, 1.5, 2, 3, 4, 6]; ties go to the even code.
-    let gt = |t: f32| e::un(UnOp::BoolToI, e::bin(BinOp::FLt, e::f(t), a.clone()));
-    let ge = |t: f32| e::un(UnOp::BoolToI, e::bin(BinOp::FLe, e::f(t), a.clone()));
-    let mut code = gt(0.25);
-    for c in [ge(0.75), gt(1.25), ge(1.75), gt(2.5), ge(3.5), gt(5.0)] {
-        code = e::bin(BinOp::IAdd, code, c);
-    }
+    let sub = e::un(
+        UnOp::F2I,
+        e::un(UnOp::FRoundEven, e::bin(BinOp::FMul, a.clone(), e::f(2.0))),
+    );
+    let abits = em.set(Ty::I32, e::un(UnOp::BitsOf, a.clone()));
+    let lsb = e::bin(
+        BinOp::And,
+        e::bin(BinOp::Shr, abits.clone(), e::i32(22)),
+        e::i32(1),
+    );
+    let rounded = e::bin(
+        BinOp::IAdd,
+        e::bin(BinOp::IAdd, abits, e::i32((1 << 21) - 1)),
+        lsb,
+    );
+    let normal = e::bin(
+        BinOp::ISub,
+        e::bin(BinOp::Shr, rounded, e::i32(22)),
+        e::i32(126 << 1),
+    );
+    let code = e::sel(e::bin(BinOp::FLt, a, e::f(1.0)), sub, normal);
     let sign = e::bin(
         BinOp::And,
         e::bin(BinOp::Shr, e::un(UnOp::BitsOf, x), e::i32(28)),
