@@ -357,16 +357,8 @@ impl<'a, 'b> Gen<'a, 'b> {
                     BinOp::FAdd => ins.fadd(a, b),
                     BinOp::FMul => ins.fmul(a, b),
                     BinOp::FDiv => ins.fdiv(a, b),
-                    // The IR's operands of max/min are never NaN and never a (+0, -0) pair, so a
-                    // compare and select is exact (and much shorter than x86's NaN-aware fmax).
-                    BinOp::FMax => {
-                        let lt = ins.fcmp(FloatCC::LessThan, a, b);
-                        self.b.ins().select(lt, b, a)
-                    }
-                    BinOp::FMin => {
-                        let lt = ins.fcmp(FloatCC::LessThan, b, a);
-                        self.b.ins().select(lt, b, a)
-                    }
+                    BinOp::FMax => ins.fmax(a, b),
+                    BinOp::FMin => ins.fmin(a, b),
                     BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
                     BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
                     BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
@@ -424,6 +416,7 @@ impl Compiled {
                     // Small chunks balance uneven rows; at least one item per chunk.
                     let chunk = (n + t * 8 - 1) / (t * 8);
                     let next = std::sync::atomic::AtomicI64::new(0);
+                    let t0 = std::time::Instant::now();
                     std::thread::scope(|s| {
                         for _ in 0..t {
                             s.spawn(|| loop {
@@ -443,6 +436,10 @@ impl Compiled {
                             });
                         }
                     });
+                    #[allow(clippy::print_stderr)]
+                    if std::env::var_os("MOEFORGE_PROFILE").is_some() {
+                        eprintln!("PROFILE {} {:.1} ms", k.name, t0.elapsed().as_secs_f64() * 1e3);
+                    }
                 }
                 Step::AllReduceMax { buf, group } => {
                     crate::all_reduce_bytes(coll, group, bufs, *buf)?

@@ -861,16 +861,15 @@ impl Planner<'_> {
             let dec = em.set(Ty::F32, e::load(dec_b, si));
             em.for_(e::i(0), e::i(nb), |b, j| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
-                let mx = b.var(Ty::F32, e::f(0.0));
-                b.unroll(16, |b2, c| {
-                    b2.out.push(Stmt::Set(
-                        mx,
-                        fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c)))),
-                    ));
-                });
+                // The block's 16 values, loaded once; vmax as a balanced tree of maxima.
+                let xs: Vec<Expr> = (0..16)
+                    .map(|c| b.set(Ty::F32, e::load(xb, e::add(b0.clone(), e::i(c)))))
+                    .collect();
+                let mx = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
+                let mx = b.set(Ty::F32, mx);
                 // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
                 let s = clamp(
-                    fmul(gs.clone(), fmul(e::v(mx), e::f(1.0f32 / 6.0))),
+                    fmul(gs.clone(), fmul(mx, e::f(1.0f32 / 6.0))),
                     -448.0,
                     448.0,
                 );
@@ -906,19 +905,13 @@ impl Planner<'_> {
                         ),
                     );
                     b.unroll(8, |b2, k| {
-                        let lo = b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
-                        let c0 = quant::e2m1_rne(
-                            b2,
-                            clamp(fmul(e::load(xb, lo.clone()), osc.clone()), -6.0, 6.0),
-                        );
-                        let c1 = quant::e2m1_rne(
-                            b2,
-                            clamp(
-                                fmul(e::load(xb, e::add(lo, e::i(1))), osc.clone()),
-                                -6.0,
-                                6.0,
-                            ),
-                        );
+                        let kk = match k {
+                            Expr::I64(v) => v as usize,
+                            _ => 0,
+                        };
+                        // e2m1_rne saturates at ±6 itself.
+                        let c0 = quant::e2m1_rne(b2, fmul(xs[2 * kk].clone(), osc.clone()));
+                        let c1 = quant::e2m1_rne(b2, fmul(xs[2 * kk + 1].clone(), osc.clone()));
                         // Element 2k in the low nibble; a zero block scale gives zero codes.
                         let byte = e::sel(
                             zero.clone(),
@@ -1202,6 +1195,22 @@ impl Planner<'_> {
             }
         })
     }
+}
+
+/// `max` of several f32 values as a balanced tree (short dependency chains).
+fn max_tree(mut v: Vec<Expr>) -> Expr {
+    while v.len() > 1 {
+        let mut next = Vec::with_capacity(v.len().div_ceil(2));
+        let mut it = v.into_iter();
+        while let Some(a) = it.next() {
+            next.push(match it.next() {
+                Some(b) => fmax(a, b),
+                None => a,
+            });
+        }
+        v = next;
+    }
+    v.pop().unwrap_or(e::f(0.0))
 }
 
 fn imax(a: Expr, b: Expr) -> Expr {

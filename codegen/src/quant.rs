@@ -62,6 +62,17 @@ impl<'a> Emit<'a> {
     }
 }
 
+/// `rne(y)` as an i32 for `|y| < 2^22`: adding 1.5 * 2^23 makes the f32 addition itself round to an
+/// integer (ties to even), and the low bits of the sum are that integer in two's complement. Exact,
+/// branch-free, and the same on every backend (one correctly rounded f32 add).
+pub fn rne_small_int(y: Expr) -> Expr {
+    e::bin(
+        BinOp::ISub,
+        e::un(UnOp::BitsOf, e::bin(BinOp::FAdd, y, e::f(12_582_912.0))),
+        e::i32(0x4B40_0000),
+    )
+}
+
 /// `min(max(x, lo), hi)` for f32.
 pub fn clamp(x: Expr, lo: f32, hi: f32) -> Expr {
     e::bin(BinOp::FMin, e::bin(BinOp::FMax, x, e::f(lo)), e::f(hi))
@@ -78,13 +89,7 @@ pub fn e4m3_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
     );
     let a = em.set(Ty::F32, e::un(UnOp::FAbs, x));
     // Subnormal range (|x| < 2^-6): code = rne(|x| * 2^9), exact scaling; 8 is the smallest normal.
-    let sub = e::un(
-        UnOp::F2I,
-        e::un(
-            UnOp::FRoundEven,
-            e::bin(BinOp::FMul, a.clone(), e::f(512.0)),
-        ),
-    );
+    let sub = rne_small_int(e::bin(BinOp::FMul, a.clone(), e::f(512.0)));
     // Normal range: round the 23-bit mantissa to 3 bits, ties to even, then re-bias 127 -> 7.
     let abits = em.set(Ty::I32, e::un(UnOp::BitsOf, a.clone()));
     let lsb = e::bin(
@@ -126,17 +131,15 @@ pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
     )
 }
 
-/// Round-to-nearest-even of a finite f32 with `|x| <= 6` to an E2M1 nibble (sign in bit 3; a value that
+/// Round-to-nearest-even of a finite f32, saturated to ±6, to an E2M1 nibble (sign in bit 3; a value that
 /// rounds to zero keeps its sign, as the hardware conversion does). Below 1 the grid step is 0.5, so the
 /// code is `rne(2|x|)`; from 1 on, the f32 mantissa is rounded to one bit (ties to even) and the
 /// exponent re-biased from 127 to 1, exactly as for E4M3.
 pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
     let x = em.set(Ty::F32, x);
-    let a = em.set(Ty::F32, e::un(UnOp::FAbs, x.clone()));
-    let sub = e::un(
-        UnOp::F2I,
-        e::un(UnOp::FRoundEven, e::bin(BinOp::FMul, a.clone(), e::f(2.0))),
-    );
+    // Saturate the magnitude at 6 (the sign is taken from `x` itself).
+    let a = em.set(Ty::F32, e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)));
+    let sub = rne_small_int(e::bin(BinOp::FMul, a.clone(), e::f(2.0)));
     let abits = em.set(Ty::I32, e::un(UnOp::BitsOf, a.clone()));
     let lsb = e::bin(
         BinOp::And,
@@ -189,9 +192,7 @@ pub fn is_zero(x: Expr) -> Expr {
 
 /// Symmetric INT8: `clamp(rne(x / scale), -128, 127)` as a byte (two's complement).
 pub fn int8_rne(em: &mut Emit<'_>, x: Expr, scale: Expr) -> Expr {
-    let q = clamp(e::un(UnOp::FRoundEven, fdiv(x, scale)), -128.0, 127.0);
-    em.set(
-        Ty::I32,
-        e::bin(BinOp::And, e::un(UnOp::F2I, q), e::i32(0xFF)),
-    )
+    // |x / scale| <= 127 up to rounding, so the magic-number rounding is exact; clamp after.
+    let q = em.set(Ty::I32, rne_small_int(clamp(fdiv(x, scale), -128.0, 127.0)));
+    em.set(Ty::I32, e::bin(BinOp::And, q, e::i32(0xFF)))
 }
