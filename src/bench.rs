@@ -81,18 +81,32 @@ pub struct Row {
 }
 
 /// Pack `layer` with every standard recipe on the host, `reps` times each (best time kept).
-pub fn pack_all(layer: &Layer, threads: usize, reps: usize, errors: bool, only: Option<&str>) -> Result<Vec<Row>> {
+pub fn pack_all(
+    layer: &Layer,
+    threads: usize,
+    reps: usize,
+    errors: bool,
+    only: Option<&str>,
+) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let bind = layer.binding();
-    let inputs: HashMap<&str, &Vec<u8>> = [("w13", &layer.w13), ("w2", &layer.w2)].into_iter().collect();
+    let inputs: HashMap<&str, &Vec<u8>> = [("w13", &layer.w13), ("w2", &layer.w2)]
+        .into_iter()
+        .collect();
     for r in STANDARD.iter().filter(|r| only.is_none_or(|o| o == r.name)) {
         let info = crate::check_source(r.source, r.path, Some(&bind))?;
-        let prog = crate::codegen::plan::plan(&info, &|n: &str| inputs.contains_key(n))?;
+        let prog = crate::codegen::plan::plan_with(
+            &info,
+            &|n: &str| inputs.contains_key(n),
+            &|_| false,
+            true,
+        )?;
         let compiled = crate::codegen::host::compile(&prog)?;
         let mut best = f64::INFINITY;
         // Buffers are allocated and touched once, then reused: what is timed is the backend, not the
         // operating system's first-touch page faults (which this VM makes expensive).
-        let mut bufs = crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
+        let mut bufs =
+            crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
         for (d, b) in bufs.iter_mut().zip(&prog.bufs) {
             if !matches!(b.role, BufRole::Input(_)) {
                 d.fill(0xFF);
@@ -116,7 +130,10 @@ pub fn pack_all(layer: &Layer, threads: usize, reps: usize, errors: bool, only: 
                 })
                 .collect();
             let (e, h, i) = layer.dims;
-            for (name, bytes, shape) in [("w13", &layer.w13, (e, 2 * i, h)), ("w2", &layer.w2, (e, h, i))] {
+            for (name, bytes, shape) in [
+                ("w13", &layer.w13, (e, 2 * i, h)),
+                ("w2", &layer.w2, (e, h, i)),
+            ] {
                 let x = Layer::f32s(bytes);
                 if let Some(d) = crate::dequant::error(&info, name, &x, shape, &params) {
                     rel = Some(rel.unwrap_or(0f32).max(d.max_rel_to_amax));
@@ -154,27 +171,42 @@ pub fn memcpy_gbps(bytes: usize, reps: usize) -> f64 {
 pub fn host_report(threads: usize, only: Option<&str>) -> Result<String> {
     let mut out = String::new();
     let (e, h, i) = (128, 2048, 768);
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let threads_used = if threads == 0 { cores } else { threads };
     let _ = writeln!(out, "moeforge bench --host: Qwen3-30B-A3B layer (E={e}, H={h}, I={i}), {threads_used} thread(s) on {cores} core(s)");
     let layer = Layer::synthetic(e, h, i, 42);
     let mc = memcpy_gbps(layer.bytes(), 5);
-    let _ = writeln!(out, "input: {:.1} MB of bf16; memcpy of the same bytes: {mc:.2} GB/s (1 thread)\n", layer.bytes() as f64 / 1e6);
+    let _ = writeln!(
+        out,
+        "input: {:.1} MB of bf16; memcpy of the same bytes: {mc:.2} GB/s (1 thread)\n",
+        layer.bytes() as f64 / 1e6
+    );
     let rows = pack_all(&layer, threads, 3, false, only)?;
     // Speed-up over the interpreter, measured on a 1-expert slice of the same layer.
     let small = Layer::synthetic(1, h, i, 7);
-    let _ = writeln!(out, "{:<16} {:>9} {:>8} {:>10} {:>14} {:>12}", "recipe", "pack ms", "GB/s", "/ memcpy", "vs interpreter", "recipe->PTX");
+    let _ = writeln!(
+        out,
+        "{:<16} {:>9} {:>8} {:>10} {:>14} {:>12}",
+        "recipe", "pack ms", "GB/s", "/ memcpy", "vs interpreter", "recipe->PTX"
+    );
     for row in &rows {
-        let r = crate::kernels::find(&row.recipe).ok_or_else(|| crate::Error::Usage("recipe".into()))?;
+        let r = crate::kernels::find(&row.recipe)
+            .ok_or_else(|| crate::Error::Usage("recipe".into()))?;
         let info = crate::check_source(r.source, r.path, Some(&small.binding()))?;
-        let prog = crate::codegen::plan::plan(&info, &|_: &str| false)?;
-        let inputs: HashMap<&str, &Vec<u8>> = [("w13", &small.w13), ("w2", &small.w2)].into_iter().collect();
-        let mut bufs = crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
+        let prog = crate::codegen::plan::plan_with(&info, &|_: &str| false, &|_| false, true)?;
+        let inputs: HashMap<&str, &Vec<u8>> = [("w13", &small.w13), ("w2", &small.w2)]
+            .into_iter()
+            .collect();
+        let mut bufs =
+            crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
         let t = Instant::now();
         crate::codegen::interp::run(&prog, &mut bufs, &crate::codegen::SingleProcess)?;
         let ti = t.elapsed().as_secs_f64();
         let compiled = crate::codegen::host::compile(&prog)?;
-        let mut bufs = crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
+        let mut bufs =
+            crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
         let t = Instant::now();
         compiled.run(&mut bufs, &crate::codegen::SingleProcess, threads)?;
         let th = t.elapsed().as_secs_f64();
@@ -184,7 +216,10 @@ pub fn host_report(threads: usize, only: Option<&str>) -> Result<String> {
             let t = Instant::now();
             let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
             let prog = crate::codegen::plan::plan(&info, &|_: &str| true)?;
-            std::hint::black_box(crate::codegen::ptx::compile(&prog, crate::codegen::ptx::Target::Sm90a)?);
+            std::hint::black_box(crate::codegen::ptx::compile(
+                &prog,
+                crate::codegen::ptx::Target::Sm90a,
+            )?);
             times.push(t.elapsed().as_secs_f64());
         }
         times.sort_by(|a, b| a.total_cmp(b));

@@ -11,7 +11,7 @@ use crate::kernels::{QWEN3_30B_A3B, STANDARD};
 use crate::report;
 
 /// Run the demo and return its report.
-pub fn run() -> crate::Result<String> {
+pub fn run(pack_experts: usize) -> crate::Result<String> {
     let bind: Vec<(String, i64)> = QWEN3_30B_A3B
         .iter()
         .map(|(k, v)| (k.to_string(), *v))
@@ -76,15 +76,19 @@ pub fn run() -> crate::Result<String> {
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }
     // Pack one synthetic layer of that shape with every recipe.
-    let (e, h, i) = (bind[0].1 as usize, bind[1].1 as usize, bind[2].1 as usize);
+    let (e, h, i) = (pack_experts.max(1), bind[1].1 as usize, bind[2].1 as usize);
     let layer = crate::bench::Layer::synthetic(e, h, i, 1);
     let _ = writeln!(
         out,
-        "\npacking a synthetic layer ({:.0} MB of bf16 weights) on the host:",
+        "\npacking a synthetic layer (E={e}, H={h}, I={i}: {:.0} MB of bf16 weights) on the host:",
         layer.bytes() as f64 / 1e6
     );
     let rows = crate::bench::pack_all(&layer, 0, 1, true, None)?;
-    let _ = writeln!(out, "{:<16} {:>9} {:>8} {:>22} {:>14}", "recipe", "time ms", "GB/s", "max |x-x'| / amax", "max |x-x'|");
+    let _ = writeln!(
+        out,
+        "{:<16} {:>9} {:>8} {:>22} {:>14}",
+        "recipe", "time ms", "GB/s", "max |x-x'| / amax", "max |x-x'|"
+    );
     for r in &rows {
         let f = |x: Option<f32>| x.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
         let _ = writeln!(

@@ -61,9 +61,14 @@ fn parts(info: &ModuleInfo, input: &str) -> Parts {
         let (v, sw, rows) = strip(info, v);
         match m.value(v).map(|x| x.op.clone()) {
             Some(Op::Field { quant, field }) => {
-                let Some(Op::Quant { scheme, input: qi }) = m.value(quant).map(|x| x.op.clone()) else { continue };
+                let Some(Op::Quant { scheme, input: qi }) = m.value(quant).map(|x| x.op.clone())
+                else {
+                    continue;
+                };
                 let (qi, _, rows_in) = strip(info, qi);
-                let Some(Op::Tensor(x)) = m.value(qi).map(|x| x.op.clone()) else { continue };
+                let Some(Op::Tensor(x)) = m.value(qi).map(|x| x.op.clone()) else {
+                    continue;
+                };
                 if m.tensor(x).map(|x| x.name.as_str()) != Some(input) {
                     continue;
                 }
@@ -89,7 +94,9 @@ fn parts(info: &ModuleInfo, input: &str) -> Parts {
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// Dequantize the params packed from input `name` (`[E, M, K]`, given as f32 values) and compare.
@@ -111,8 +118,16 @@ pub fn error(
             None => r,
         }
     };
-    let scales = p.scales.as_ref().and_then(|(n, sw)| params.get(n).map(|b| (b, *sw)));
-    let dec_v: Vec<f32> = p.decode.as_ref().and_then(|n| params.get(n)).map(|b| f32s(b)).unwrap_or_default();
+    let scales = p
+        .scales
+        .as_ref()
+        .and_then(|(n, sw)| params.get(n).map(|b| (b, *sw)));
+    let dec_v: Vec<f32> = p
+        .decode
+        .as_ref()
+        .and_then(|n| params.get(n))
+        .map(|b| f32s(b))
+        .unwrap_or_default();
     let sf_v: Vec<f32> = scales.map(|(b, _)| f32s(b)).unwrap_or_default();
     let amax = x.iter().fold(0f32, |a, b| a.max(b.abs()));
     let mut worst = 0f32;
@@ -123,13 +138,25 @@ pub fn error(
                 let xv = x[(e * m + sr) * k + c];
                 let o = (e * m + r) * k + c;
                 let deq = match p.scheme {
-                    None => f32::from_bits((u16::from_le_bytes([vals[2 * o], vals[2 * o + 1]]) as u32) << 16),
+                    None => f32::from_bits(
+                        (u16::from_le_bytes([vals[2 * o], vals[2 * o + 1]]) as u32) << 16,
+                    ),
                     Some(QuantScheme::Nvfp4 { .. }) => {
                         let (sb, sw) = scales?;
                         let kb = k / 16;
                         let so = if sw {
-                            let (mp, kp) = (crate::dsl::spec::ru(m as i64, 128) as usize, crate::dsl::spec::ru(kb as i64, 4) as usize);
-                            e * mp * kp + crate::dsl::spec::swizzle_128x4_offset(0, r as i64, (c / 16) as i64, m as i64, kb as i64) as usize
+                            let (mp, kp) = (
+                                crate::dsl::spec::ru(m as i64, 128) as usize,
+                                crate::dsl::spec::ru(kb as i64, 4) as usize,
+                            );
+                            e * mp * kp
+                                + crate::dsl::spec::swizzle_128x4_offset(
+                                    0,
+                                    r as i64,
+                                    (c / 16) as i64,
+                                    m as i64,
+                                    kb as i64,
+                                ) as usize
                         } else {
                             (e * m + r) * kb + c / 16
                         };
@@ -154,9 +181,7 @@ pub fn error(
                         };
                         r::e4m3_to_f32(vals[o]) * sc
                     }
-                    Some(QuantScheme::Int8Row) => {
-                        (vals[o] as i8) as f32 * sf_v[e * m + r]
-                    }
+                    Some(QuantScheme::Int8Row) => (vals[o] as i8) as f32 * sf_v[e * m + r],
                 };
                 worst = worst.max((xv - deq).abs());
             }

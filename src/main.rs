@@ -80,8 +80,12 @@ enum Command {
         #[arg(long)]
         recipe: Option<String>,
     },
-    /// Run the main job on an embedded default MoE layer.
-    Demo,
+    /// Run the main job on an embedded default MoE layer (Qwen3-30B-A3B shaped).
+    Demo {
+        /// Experts in the synthetic layer that is packed (the verification uses the full 128).
+        #[arg(long, default_value_t = 128)]
+        experts: usize,
+    },
 }
 
 fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
@@ -235,13 +239,19 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
         } => {
             if !host {
                 return Err(moeforge::Error::Usage(
-                    "nothing to run: pass --host (GPU benchmarks arrive with the GPU runtime)".into(),
+                    "nothing to run: pass --host (GPU benchmarks arrive with the GPU runtime)"
+                        .into(),
                 ));
             }
-            write!(out, "{}", moeforge::bench::host_report(threads, recipe.as_deref())?).map_err(io)?;
+            write!(
+                out,
+                "{}",
+                moeforge::bench::host_report(threads, recipe.as_deref())?
+            )
+            .map_err(io)?;
         }
-        Command::Demo => {
-            write!(out, "{}", moeforge::demo::run()?).map_err(io)?;
+        Command::Demo { experts } => {
+            write!(out, "{}", moeforge::demo::run(experts)?).map_err(io)?;
         }
     }
     Ok(())

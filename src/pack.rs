@@ -67,7 +67,11 @@ fn ckpt(msg: impl Into<String>) -> Error {
 
 /// Parse `0-3` or `5` (inclusive).
 pub fn parse_layers(s: &str) -> Result<(u32, u32)> {
-    let bad = || Error::Usage(format!("bad --layers `{s}`: expected `N` or `A-B` (inclusive)"));
+    let bad = || {
+        Error::Usage(format!(
+            "bad --layers `{s}`: expected `N` or `A-B` (inclusive)"
+        ))
+    };
     let (a, b) = match s.split_once('-') {
         Some((a, b)) => (a.trim(), b.trim()),
         None => (s.trim(), s.trim()),
@@ -97,14 +101,23 @@ struct LayerIndex {
 fn index_layers(names: &[String]) -> Result<LayerIndex> {
     let mut idx = LayerIndex::default();
     for n in names {
-        let Some(rest) = n.strip_prefix("model.layers.") else { continue };
-        let Some((l, rest)) = rest.split_once('.') else { continue };
-        let Ok(layer) = l.parse::<u32>() else { continue };
+        let Some(rest) = n.strip_prefix("model.layers.") else {
+            continue;
+        };
+        let Some((l, rest)) = rest.split_once('.') else {
+            continue;
+        };
+        let Ok(layer) = l.parse::<u32>() else {
+            continue;
+        };
         let (form, expert) = if let Some(r) = rest.strip_prefix("mlp.experts.") {
             if r == "w13_weight" || r == "w2_weight" {
                 (Form::Fused, None)
             } else if let Some((e, w)) = r.split_once('.') {
-                if !matches!(w, "gate_proj.weight" | "up_proj.weight" | "down_proj.weight") {
+                if !matches!(
+                    w,
+                    "gate_proj.weight" | "up_proj.weight" | "down_proj.weight"
+                ) {
                     continue;
                 }
                 (Form::Hf, e.parse::<u32>().ok())
@@ -112,7 +125,9 @@ fn index_layers(names: &[String]) -> Result<LayerIndex> {
                 continue;
             }
         } else if let Some(r) = rest.strip_prefix("block_sparse_moe.experts.") {
-            let Some((e, w)) = r.split_once('.') else { continue };
+            let Some((e, w)) = r.split_once('.') else {
+                continue;
+            };
             if !matches!(w, "w1.weight" | "w2.weight" | "w3.weight") {
                 continue;
             }
@@ -150,11 +165,16 @@ impl<'a> Source<'a> {
         for (k, (path, bytes)) in files.data.iter().enumerate() {
             paths.push(path.as_path());
             let st = SafeTensors::deserialize(bytes).map_err(|e| {
-                ckpt(format!("{}: not a valid safetensors file ({e})", path.display()))
+                ckpt(format!(
+                    "{}: not a valid safetensors file ({e})",
+                    path.display()
+                ))
             })?;
             for (name, view) in st.tensors() {
                 if tensors.contains_key(&name) {
-                    return Err(ckpt(format!("tensor `{name}` appears in more than one input file")));
+                    return Err(ckpt(format!(
+                        "tensor `{name}` appears in more than one input file"
+                    )));
                 }
                 tensors.insert(name, (k, view));
             }
@@ -169,7 +189,11 @@ impl<'a> Source<'a> {
         self.tensors.get(name).map(|x| &x.1).ok_or_else(|| {
             ckpt(format!(
                 "missing tensor `{name}` (looked in {})",
-                self.files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                self.files
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ))
         })
     }
@@ -254,7 +278,12 @@ struct LayerInputs {
     input_bytes: usize,
 }
 
-fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32>) -> Result<LayerInputs> {
+fn gather_layer(
+    src: &Source<'_>,
+    layer: u32,
+    form: Form,
+    experts: &BTreeSet<u32>,
+) -> Result<LayerInputs> {
     let p = format!("model.layers.{layer}");
     let (e, h, i, mut input_bytes);
     let mut w13 = Vec::new();
@@ -276,10 +305,19 @@ fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32
         }
         Form::Hf | Form::Mixtral => {
             let (g, u, d, base) = match form {
-                Form::Hf => ("gate_proj", "up_proj", "down_proj", format!("{p}.mlp.experts")),
+                Form::Hf => (
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                    format!("{p}.mlp.experts"),
+                ),
                 _ => ("w1", "w3", "w2", format!("{p}.block_sparse_moe.experts")),
             };
-            e = experts.iter().next_back().map(|x| *x as usize + 1).unwrap_or(0);
+            e = experts
+                .iter()
+                .next_back()
+                .map(|x| *x as usize + 1)
+                .unwrap_or(0);
             for k in 0..e as u32 {
                 for w in [g, u, d] {
                     let name = format!("{base}.{k}.{w}.weight");
@@ -290,7 +328,10 @@ fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32
             }
             let first = src.get(&format!("{base}.0.{g}.weight"))?;
             let [ii, hh] = first.shape()[..] else {
-                return Err(ckpt(format!("tensor `{base}.0.{g}.weight`: expected 2 dimensions [I, H], found {:?}", first.shape())));
+                return Err(ckpt(format!(
+                    "tensor `{base}.0.{g}.weight`: expected 2 dimensions [I, H], found {:?}",
+                    first.shape()
+                )));
             };
             (h, i) = (hh, ii);
             let mut views = Vec::new();
@@ -300,7 +341,9 @@ fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32
                 let dv = src.float(&format!("{base}.{k}.{d}.weight"), &[h, i])?;
                 views.push((gv, uv, dv));
             }
-            as_f32 = views.iter().any(|(a, b, c)| [a, b, c].iter().any(|t| t.dtype() != Dtype::BF16));
+            as_f32 = views
+                .iter()
+                .any(|(a, b, c)| [a, b, c].iter().any(|t| t.dtype() != Dtype::BF16));
             input_bytes = 0;
             for (gv, uv, dv) in &views {
                 append(&mut w13, gv, !as_f32);
@@ -319,7 +362,11 @@ fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32
             None => Ok(None),
             Some((_, t)) => {
                 if t.dtype() != Dtype::F32 || t.data().len() != 4 {
-                    return Err(ckpt(format!("tensor `{name}`: expected an F32 scalar, found {:?} {:?}", t.dtype(), t.shape())));
+                    return Err(ckpt(format!(
+                        "tensor `{name}`: expected an F32 scalar, found {:?} {:?}",
+                        t.dtype(),
+                        t.shape()
+                    )));
                 }
                 let d = t.data();
                 Ok(Some(f32::from_le_bytes([d[0], d[1], d[2], d[3]])))
@@ -333,19 +380,37 @@ fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32
                     None => Ok(None),
                     Some((_, t)) => {
                         if t.dtype() != Dtype::F32 || t.shape() != [e] {
-                            return Err(ckpt(format!("tensor `{p}.mlp.experts.{n}`: expected F32 [{e}], found {:?} {:?}", t.dtype(), t.shape())));
+                            return Err(ckpt(format!(
+                                "tensor `{p}.mlp.experts.{n}`: expected F32 [{e}], found {:?} {:?}",
+                                t.dtype(),
+                                t.shape()
+                            )));
                         }
-                        Ok(Some(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()))
+                        Ok(Some(
+                            t.data()
+                                .chunks_exact(4)
+                                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                                .collect(),
+                        ))
                     }
                 }
             };
-            let a = v("w13_input_scale")?.map(|x| x.into_iter().map(Some).collect()).unwrap_or_default();
-            let b = v("w2_input_scale")?.map(|x| x.into_iter().map(Some).collect()).unwrap_or_default();
+            let a = v("w13_input_scale")?
+                .map(|x| x.into_iter().map(Some).collect())
+                .unwrap_or_default();
+            let b = v("w2_input_scale")?
+                .map(|x| x.into_iter().map(Some).collect())
+                .unwrap_or_default();
             (a, b)
         }
         _ => {
             let (g, u, d, base) = match form {
-                Form::Hf => ("gate_proj", "up_proj", "down_proj", format!("{p}.mlp.experts")),
+                Form::Hf => (
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                    format!("{p}.mlp.experts"),
+                ),
                 _ => ("w1", "w3", "w2", format!("{p}.block_sparse_moe.experts")),
             };
             let mut a = Vec::new();
@@ -364,10 +429,15 @@ fn gather_layer(src: &Source<'_>, layer: u32, form: Form, experts: &BTreeSet<u32
     };
     for (name, v) in [("w13_input_scale", s13), ("w2_input_scale", s2)] {
         if !v.is_empty() && v.iter().all(|x| x.is_some()) {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.unwrap_or(0.0).to_le_bytes()).collect();
+            let bytes: Vec<u8> = v
+                .iter()
+                .flat_map(|x| x.unwrap_or(0.0).to_le_bytes())
+                .collect();
             bufs.insert(name.to_string(), bytes);
         } else if v.iter().any(|x| x.is_some()) {
-            return Err(ckpt(format!("layer {layer}: `{name}` is given for some experts but not all")));
+            return Err(ckpt(format!(
+                "layer {layer}: `{name}` is given for some experts but not all"
+            )));
         }
     }
     Ok(LayerInputs {
@@ -410,7 +480,10 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         .map_err(|d| crate::recipe_error(&d, &opts.recipe_path, &opts.recipe_src))?;
     for need in ["E", "H", "I"] {
         if !module.dims.iter().any(|d| d.name == need) {
-            return Err(Error::Usage(format!("recipe `{}` must have dimensions E, H and I to pack a checkpoint", module.name)));
+            return Err(Error::Usage(format!(
+                "recipe `{}` must have dimensions E, H and I to pack a checkpoint",
+                module.name
+            )));
         }
     }
     for t in &module.tensors {
@@ -420,15 +493,19 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             }
         }
     }
-    let hash = blake3::hash(opts.recipe_src.as_bytes()).to_hex().to_string();
+    let hash = blake3::hash(opts.recipe_src.as_bytes())
+        .to_hex()
+        .to_string();
     let bar = if opts.progress {
         indicatif::ProgressBar::new(layers.len() as u64)
     } else {
         indicatif::ProgressBar::hidden()
     };
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} packing layer {msg} [{bar:30}] {pos}/{len} {elapsed}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} packing layer {msg} [{bar:30}] {pos}/{len} {elapsed}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut reports = Vec::new();
@@ -447,7 +524,12 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             let info = crate::check_source(&opts.recipe_src, &opts.recipe_path, Some(&binding))?;
             let has = |n: &str| li.bufs.contains_key(n);
             let as_f32 = li.as_f32;
-            let prog = crate::codegen::plan::plan_with(&info, &has, &|n: &str| as_f32 && (n == "w13" || n == "w2"))?;
+            let prog = crate::codegen::plan::plan_with(
+                &info,
+                &has,
+                &|n: &str| as_f32 && (n == "w13" || n == "w2"),
+                true,
+            )?;
             cache = Some((key, info, crate::codegen::host::compile(&prog)?));
         }
         let Some((_, info, compiled)) = &cache else {
@@ -459,17 +541,33 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         compiled.run(&mut bufs, &crate::codegen::SingleProcess, opts.threads)?;
         let seconds = t1.elapsed().as_secs_f64();
         for (b, data) in prog.bufs.iter().zip(bufs) {
-            let BufRole::Param(pname) = &b.role else { continue };
-            let Some(t) = module.tensors.iter().rev().find(|t| &t.name == pname && t.kind == TensorKind::Param) else {
+            let BufRole::Param(pname) = &b.role else {
                 continue;
             };
-            let mut shape: Vec<usize> = t.shape.iter().map(|p| info.eval(p).unwrap_or(0) as usize).collect();
+            let Some(t) = module
+                .tensors
+                .iter()
+                .rev()
+                .find(|t| &t.name == pname && t.kind == TensorKind::Param)
+            else {
+                continue;
+            };
+            let mut shape: Vec<usize> = t
+                .shape
+                .iter()
+                .map(|p| info.eval(p).unwrap_or(0) as usize)
+                .collect();
             if t.dtype == DType::E2m1 {
                 if let Some(last) = shape.last_mut() {
                     *last /= 2;
                 }
             }
-            out.push((format!("model.layers.{layer}.mlp.experts.{pname}"), out_dtype(t.dtype), shape, data));
+            out.push((
+                format!("model.layers.{layer}.mlp.experts.{pname}"),
+                out_dtype(t.dtype),
+                shape,
+                data,
+            ));
         }
         reports.push(LayerReport {
             layer: *layer,
@@ -484,7 +582,10 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     meta.insert("format".to_string(), "pt".to_string());
     meta.insert("moeforge.recipe".to_string(), module.name.clone());
     meta.insert("moeforge.recipe_blake3".to_string(), hash);
-    meta.insert("moeforge.version".to_string(), env!("CARGO_PKG_VERSION").to_string());
+    meta.insert(
+        "moeforge.version".to_string(),
+        env!("CARGO_PKG_VERSION").to_string(),
+    );
     meta.insert("moeforge.binding".to_string(), binding);
     let views: Vec<(String, TensorView<'_>)> = out
         .iter()
@@ -494,7 +595,8 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
                 .map_err(|e| ckpt(format!("tensor `{n}`: {e}")))
         })
         .collect::<Result<_>>()?;
-    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| ckpt(format!("serializing: {e}")))?;
+    let bytes =
+        safetensors::serialize(views, Some(meta)).map_err(|e| ckpt(format!("serializing: {e}")))?;
     crate::write_atomic(&opts.output, &bytes)?;
     Ok(PackReport {
         layers: reports,
@@ -510,10 +612,18 @@ pub fn inspect(path: &Path) -> Result<String> {
         path: path.display().to_string(),
         source: e,
     })?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| ckpt(format!("{}: not a valid safetensors file ({e})", path.display())))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| ckpt(format!("{}: not a valid safetensors file ({e})", path.display())))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| {
+        ckpt(format!(
+            "{}: not a valid safetensors file ({e})",
+            path.display()
+        ))
+    })?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        ckpt(format!(
+            "{}: not a valid safetensors file ({e})",
+            path.display()
+        ))
+    })?;
     let mut out = String::new();
     if let Some(m) = meta.metadata() {
         let mut keys: Vec<(&String, &String)> = m.iter().collect();
@@ -529,7 +639,12 @@ pub fn inspect(path: &Path) -> Result<String> {
     let mut total = 0usize;
     for (name, t) in &tensors {
         total += t.data().len();
-        out.push_str(&format!("{name:<w$}  {:<8}  {:?}  {} bytes\n", format!("{:?}", t.dtype()), t.shape(), t.data().len()));
+        out.push_str(&format!(
+            "{name:<w$}  {:<8}  {:?}  {} bytes\n",
+            format!("{:?}", t.dtype()),
+            t.shape(),
+            t.data().len()
+        ));
     }
     out.push_str(&format!("\n{} tensors, {total} bytes\n", tensors.len()));
     Ok(out)

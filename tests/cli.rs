@@ -193,10 +193,13 @@ fn bad_bindings_and_missing_files_fail_cleanly() {
 
 #[test]
 fn demo_checks_every_standard_recipe() {
-    let (code, out, err) = moeforge(&["demo"]);
+    // A 2-expert pack keeps this debug-build test fast; the verification still uses E=128.
+    let (code, out, err) = moeforge(&["demo", "--experts", "2"]);
     assert_eq!(code, 0, "{err}");
     for r in moeforge::kernels::STANDARD {
         assert!(out.contains(r.name), "demo lacks {}", r.name);
     }
     assert!(out.contains("E=128, H=2048, I=768"));
+    assert!(out.contains("packing a synthetic layer (E=2, H=2048, I=768"));
+    assert!(out.contains("nvfp4_cutedsl") && out.contains("max |x-x'| / amax"));
 }

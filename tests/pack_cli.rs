@@ -24,7 +24,9 @@ fn value(k: usize) -> f32 {
 }
 
 fn bf16(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect()
+    v.iter()
+        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+        .collect()
 }
 
 struct Tensors(Vec<(String, Dtype, Vec<usize>, Vec<u8>)>);
@@ -45,16 +47,42 @@ fn hf_layer(t: &mut Tensors, layer: usize, scales: bool) -> (Vec<f32>, Vec<f32>)
     let mut w13 = Vec::new();
     let mut w2 = Vec::new();
     for e in 0..E {
-        let g: Vec<f32> = (0..I * H).map(|k| value(k + e * 100_003 + layer * 7)).collect();
+        let g: Vec<f32> = (0..I * H)
+            .map(|k| value(k + e * 100_003 + layer * 7))
+            .collect();
         let u: Vec<f32> = (0..I * H).map(|k| value(k * 3 + e * 1009 + 17)).collect();
         let d: Vec<f32> = (0..H * I).map(|k| value(k * 5 + e * 31 + 5)).collect();
         let p = format!("model.layers.{layer}.mlp.experts.{e}");
-        t.0.push((format!("{p}.gate_proj.weight"), Dtype::BF16, vec![I, H], bf16(&g)));
-        t.0.push((format!("{p}.up_proj.weight"), Dtype::BF16, vec![I, H], bf16(&u)));
-        t.0.push((format!("{p}.down_proj.weight"), Dtype::BF16, vec![H, I], bf16(&d)));
+        t.0.push((
+            format!("{p}.gate_proj.weight"),
+            Dtype::BF16,
+            vec![I, H],
+            bf16(&g),
+        ));
+        t.0.push((
+            format!("{p}.up_proj.weight"),
+            Dtype::BF16,
+            vec![I, H],
+            bf16(&u),
+        ));
+        t.0.push((
+            format!("{p}.down_proj.weight"),
+            Dtype::BF16,
+            vec![H, I],
+            bf16(&d),
+        ));
         if scales {
-            for (w, s) in [("gate_proj", 0.5 + e as f32), ("up_proj", 0.25), ("down_proj", 2.0)] {
-                t.0.push((format!("{p}.{w}.input_scale"), Dtype::F32, vec![], s.to_le_bytes().to_vec()));
+            for (w, s) in [
+                ("gate_proj", 0.5 + e as f32),
+                ("up_proj", 0.25),
+                ("down_proj", 2.0),
+            ] {
+                t.0.push((
+                    format!("{p}.{w}.input_scale"),
+                    Dtype::F32,
+                    vec![],
+                    s.to_le_bytes().to_vec(),
+                ));
             }
         }
         w13.extend(g);
@@ -65,11 +93,24 @@ fn hf_layer(t: &mut Tensors, layer: usize, scales: bool) -> (Vec<f32>, Vec<f32>)
 }
 
 fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_moeforge")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
-    (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    let o = Command::new(env!("CARGO_BIN_EXE_moeforge"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
-fn read(path: &Path) -> (HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>, HashMap<String, String>) {
+fn read(
+    path: &Path,
+) -> (
+    HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    HashMap<String, String>,
+) {
     let bytes = std::fs::read(path).unwrap();
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -82,7 +123,9 @@ fn read(path: &Path) -> (HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>, HashMap<
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 #[test]
@@ -94,22 +137,40 @@ fn nvfp4_round_trip_within_spec_bound() {
     hf_layer(&mut t, 1, false);
     t.write(&ck);
     let out = dir.path().join("packed.safetensors");
-    let (code, stdout, err) = run(&["pack", "nvfp4_cutedsl", "--input", ck.to_str().unwrap(), "--output", out.to_str().unwrap(), "--layers", "0-0"]);
+    let (code, stdout, err) = run(&[
+        "pack",
+        "nvfp4_cutedsl",
+        "--input",
+        ck.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--layers",
+        "0-0",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(stdout.contains("packed 1 layer(s)"), "{stdout}");
     let (p, meta) = read(&out);
     assert_eq!(meta["moeforge.recipe"], "nvfp4_cutedsl");
     assert_eq!(meta["moeforge.version"], env!("CARGO_PKG_VERSION"));
     let src = moeforge::kernels::find("nvfp4_cutedsl").unwrap().source;
-    assert_eq!(meta["moeforge.recipe_blake3"], blake3::hash(src.as_bytes()).to_hex().to_string());
+    assert_eq!(
+        meta["moeforge.recipe_blake3"],
+        blake3::hash(src.as_bytes()).to_hex().to_string()
+    );
     let pre = "model.layers.0.mlp.experts.";
     let (vd, vs, vals) = &p[&format!("{pre}w13_weight")];
     assert_eq!((*vd, vs.clone()), (Dtype::U8, vec![E, 2 * I, H / 2]));
     let (sd, ss, scl) = &p[&format!("{pre}w13_weight_scale")];
     assert_eq!((*sd, ss.clone()), (Dtype::F8_E4M3, vec![E, 2 * I, 8]));
     let dec = f32s(&p[&format!("{pre}w13_weight_scale_2")].2);
-    assert!(p.contains_key(&format!("{pre}g1_alphas")), "activation scales present -> alphas written");
-    assert!(!p.keys().any(|k| k.starts_with("model.layers.1.")), "--layers 0-0 is inclusive of 0 only");
+    assert!(
+        p.contains_key(&format!("{pre}g1_alphas")),
+        "activation scales present -> alphas written"
+    );
+    assert!(
+        !p.keys().any(|k| k.starts_with("model.layers.1.")),
+        "--layers 0-0 is inclusive of 0 only"
+    );
     // Dequantize: row r of the packed weight is source row cutedsl_row_src(r).
     let m = 2 * I;
     let kb = H / 16;
@@ -118,7 +179,8 @@ fn nvfp4_round_trip_within_spec_bound() {
         for r in 0..m {
             let src = spec::cutedsl_row_src(r as i64, m as i64, 64) as usize;
             for j in 0..kb {
-                let so = spec::swizzle_128x4_offset(0, r as i64, j as i64, m as i64, kb as i64) as usize;
+                let so =
+                    spec::swizzle_128x4_offset(0, r as i64, j as i64, m as i64, kb as i64) as usize;
                 let s = r::e4m3_to_f32(scl[e * m * 8 + so]);
                 let xb = &w13[(e * m + src) * H + j * 16..(e * m + src) * H + j * 16 + 16];
                 let vmax = xb.iter().fold(0f32, |a, b| a.max(b.abs()));
@@ -128,7 +190,11 @@ fn nvfp4_round_trip_within_spec_bound() {
                     let xq = r::e2m1_to_f32(code) * s * dec[e];
                     let bound = vmax / 6.0 * (1.0 + 0.125) + 1e-6;
                     let err = (x - xq).abs();
-                    assert!(err <= bound, "expert {e} row {r} col {}: {x} -> {xq} (bound {bound})", j * 16 + c);
+                    assert!(
+                        err <= bound,
+                        "expert {e} row {r} col {}: {x} -> {xq} (bound {bound})",
+                        j * 16 + c
+                    );
                     worst = worst.max(err / vmax.max(1e-30));
                 }
             }
@@ -139,8 +205,14 @@ fn nvfp4_round_trip_within_spec_bound() {
     let (code, listing, _) = run(&["inspect", out.to_str().unwrap()]);
     assert_eq!(code, 0);
     assert!(listing.contains("moeforge.recipe: nvfp4_cutedsl"));
-    let line = listing.lines().find(|l| l.starts_with("model.layers.0.mlp.experts.w13_weight_scale ")).unwrap();
-    assert!(line.contains("F8_E4M3") && line.contains("[3, 128, 8]"), "{listing}");
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with("model.layers.0.mlp.experts.w13_weight_scale "))
+        .unwrap();
+    assert!(
+        line.contains("F8_E4M3") && line.contains("[3, 128, 8]"),
+        "{listing}"
+    );
 }
 
 #[test]
@@ -159,11 +231,21 @@ fn fp8_and_bf16_recipes_from_mixtral_and_fused_naming() {
     let ck = dir.path().join("mixtral.safetensors");
     t.write(&ck);
     let out = dir.path().join("fp8.safetensors");
-    let (code, _, err) = run(&["pack", "fp8_per_tensor", "--input", ck.to_str().unwrap(), "--output", out.to_str().unwrap()]);
+    let (code, _, err) = run(&[
+        "pack",
+        "fp8_per_tensor",
+        "--input",
+        ck.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     let (p, _) = read(&out);
     let pre = "model.layers.3.mlp.experts.";
-    assert!(!p.contains_key(&format!("{pre}g1_alphas")), "no activation scales -> no alphas");
+    assert!(
+        !p.contains_key(&format!("{pre}g1_alphas")),
+        "no activation scales -> no alphas"
+    );
     assert!(!p.contains_key(&format!("{pre}w13_input_scale")));
     let q = &p[&format!("{pre}w13_weight")];
     assert_eq!((q.0, q.1.clone()), (Dtype::F8_E4M3, vec![E, 2 * I, H]));
@@ -175,18 +257,38 @@ fn fp8_and_bf16_recipes_from_mixtral_and_fused_naming() {
         assert_eq!(&q.2[e * 2 * I * H..(e + 1) * 2 * I * H], &want_q[..]);
         for (x, b) in xs.iter().zip(&want_q) {
             let deq = r::e4m3_to_f32(*b) * want_s;
-            assert!((x - deq).abs() <= x.abs() / 16.0 + want_s * 2f32.powi(-9), "{x} vs {deq}");
+            assert!(
+                (x - deq).abs() <= x.abs() / 16.0 + want_s * 2f32.powi(-9),
+                "{x} vs {deq}"
+            );
         }
     }
     // Fused naming, bf16 recipe: a byte-exact copy.
     let fused = dir.path().join("fused.safetensors");
     Tensors(vec![
-        ("model.layers.0.mlp.experts.w13_weight".into(), Dtype::BF16, vec![E, 2 * I, H], bf16(&w13)),
-        ("model.layers.0.mlp.experts.w2_weight".into(), Dtype::BF16, vec![E, H, I], bf16(&w2)),
+        (
+            "model.layers.0.mlp.experts.w13_weight".into(),
+            Dtype::BF16,
+            vec![E, 2 * I, H],
+            bf16(&w13),
+        ),
+        (
+            "model.layers.0.mlp.experts.w2_weight".into(),
+            Dtype::BF16,
+            vec![E, H, I],
+            bf16(&w2),
+        ),
     ])
     .write(&fused);
     let out = dir.path().join("bf16.safetensors");
-    let (code, _, err) = run(&["pack", "bf16", "--input", fused.to_str().unwrap(), "--output", out.to_str().unwrap()]);
+    let (code, _, err) = run(&[
+        "pack",
+        "bf16",
+        "--input",
+        fused.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     let (p, _) = read(&out);
     assert_eq!(p["model.layers.0.mlp.experts.w13_weight"].2, bf16(&w13));
@@ -197,12 +299,26 @@ fn expect_failure(dir: &Path, t: Tensors, recipe: &str, needle: &str) {
     let ck = dir.join("bad.safetensors");
     t.write(&ck);
     let out = dir.join("out.safetensors");
-    let (code, _, err) = run(&["pack", recipe, "--input", ck.to_str().unwrap(), "--output", out.to_str().unwrap()]);
+    let (code, _, err) = run(&[
+        "pack",
+        recipe,
+        "--input",
+        ck.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains(needle), "expected {needle:?} in: {err}");
     assert!(!out.exists(), "a failed pack left an output file");
-    let leftovers: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(leftovers.len(), 1, "temporary files left behind: {leftovers:?}");
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        1,
+        "temporary files left behind: {leftovers:?}"
+    );
 }
 
 #[test]
@@ -216,18 +332,29 @@ fn bad_checkpoints_name_the_tensor_and_write_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let mut t = fresh();
     t.0.retain(|x| x.0 != "model.layers.0.mlp.experts.1.up_proj.weight");
-    expect_failure(dir.path(), t, "nvfp4_cutedsl", "missing tensor `model.layers.0.mlp.experts.1.up_proj.weight`");
+    expect_failure(
+        dir.path(),
+        t,
+        "nvfp4_cutedsl",
+        "missing tensor `model.layers.0.mlp.experts.1.up_proj.weight`",
+    );
     // Wrong shape.
     let dir = tempfile::tempdir().unwrap();
     let mut t = fresh();
-    for x in t.0.iter_mut().filter(|x| x.0 == "model.layers.0.mlp.experts.2.down_proj.weight") {
+    for x in
+        t.0.iter_mut()
+            .filter(|x| x.0 == "model.layers.0.mlp.experts.2.down_proj.weight")
+    {
         x.2 = vec![I, H];
     }
     expect_failure(dir.path(), t, "fp8_block128", &format!("tensor `model.layers.0.mlp.experts.2.down_proj.weight`: expected shape [{H}, {I}], found [{I}, {H}]"));
     // Wrong dtype.
     let dir = tempfile::tempdir().unwrap();
     let mut t = fresh();
-    for x in t.0.iter_mut().filter(|x| x.0 == "model.layers.0.mlp.experts.0.gate_proj.weight") {
+    for x in
+        t.0.iter_mut()
+            .filter(|x| x.0 == "model.layers.0.mlp.experts.0.gate_proj.weight")
+    {
         x.1 = Dtype::I16;
     }
     expect_failure(dir.path(), t, "mxfp4", "tensor `model.layers.0.mlp.experts.0.gate_proj.weight`: expected dtype BF16, F16 or F32, found I16");
@@ -239,7 +366,14 @@ fn bad_checkpoints_name_the_tensor_and_write_nothing() {
     let bytes = std::fs::read(&ck).unwrap();
     std::fs::write(&ck, &bytes[..bytes.len() / 2]).unwrap();
     let out = dir.path().join("out.safetensors");
-    let (code, _, err) = run(&["pack", "int8_per_row", "--input", ck.to_str().unwrap(), "--output", out.to_str().unwrap()]);
+    let (code, _, err) = run(&[
+        "pack",
+        "int8_per_row",
+        "--input",
+        ck.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 1);
     assert!(err.contains("not a valid safetensors file"), "{err}");
     assert!(!out.exists());
@@ -247,7 +381,10 @@ fn bad_checkpoints_name_the_tensor_and_write_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let mut t = fresh();
     for x in t.0.iter_mut() {
-        let v: Vec<f32> = x.3.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect();
+        let v: Vec<f32> =
+            x.3.chunks_exact(2)
+                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .collect();
         x.1 = Dtype::F32;
         x.3 = v.iter().flat_map(|f| f.to_le_bytes()).collect();
     }
@@ -263,18 +400,31 @@ fn f32_and_f16_checkpoints_are_widened_exactly() {
         let mut t = Tensors(Vec::new());
         hf_layer(&mut t, 0, false);
         for x in t.0.iter_mut() {
-            let v: Vec<f32> = x.3.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect();
+            let v: Vec<f32> =
+                x.3.chunks_exact(2)
+                    .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                    .collect();
             x.1 = dt;
             x.3 = match dt {
                 Dtype::BF16 => bf16(&v),
                 Dtype::F32 => v.iter().flat_map(|f| f.to_le_bytes()).collect(),
-                _ => v.iter().flat_map(|f| f32_to_f16_exact(*f).to_le_bytes()).collect(),
+                _ => v
+                    .iter()
+                    .flat_map(|f| f32_to_f16_exact(*f).to_le_bytes())
+                    .collect(),
             };
         }
         let ck = dir.path().join(format!("{dt:?}.safetensors"));
         t.write(&ck);
         let out = dir.path().join(format!("{dt:?}.out.safetensors"));
-        let (code, _, err) = run(&["pack", "mxfp4", "--input", ck.to_str().unwrap(), "--output", out.to_str().unwrap()]);
+        let (code, _, err) = run(&[
+            "pack",
+            "mxfp4",
+            "--input",
+            ck.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
         assert_eq!(code, 0, "{dt:?}: {err}");
         outs.push(read(&out).0);
     }
@@ -290,7 +440,10 @@ fn f32_to_f16_exact(x: f32) -> u16 {
         return sign;
     }
     let exp = ((b >> 23) & 0xFF) as i32 - 127 + 15;
-    assert!(exp > 0 && exp < 31 && b & 0x1FFF == 0, "{x} is not an exact f16 normal");
+    assert!(
+        exp > 0 && exp < 31 && b & 0x1FFF == 0,
+        "{x} is not an exact f16 normal"
+    );
     sign | ((exp as u16) << 10) | ((b >> 13) & 0x3FF) as u16
 }
 
@@ -303,7 +456,11 @@ fn f16_widening_is_exact() {
             continue;
         }
         let mant = (h & 0x3FF) as f64;
-        let v = if exp == 0 { mant * 2f64.powi(-24) } else { (1.0 + mant / 1024.0) * 2f64.powi(exp as i32 - 15) };
+        let v = if exp == 0 {
+            mant * 2f64.powi(-24)
+        } else {
+            (1.0 + mant / 1024.0) * 2f64.powi(exp as i32 - 15)
+        };
         let v = if h & 0x8000 != 0 { -v } else { v };
         assert_eq!(f as f64, v, "{h:#06x}");
     }

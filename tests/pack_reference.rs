@@ -76,9 +76,11 @@ fn pack(
         ("I".into(), bind.2),
     ];
     let info = moeforge::dsl::check(src, Some(&b)).unwrap();
-    let prog = codegen::plan::plan(&info, &|n: &str| inputs.contains_key(n)).unwrap();
+    let x4 = backend.ends_with("_x4");
+    let prog =
+        codegen::plan::plan_with(&info, &|n: &str| inputs.contains_key(n), &|_| false, x4).unwrap();
     let mut bufs = codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).cloned()).unwrap();
-    match backend {
+    match backend.trim_end_matches("_x4") {
         "interp" => codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap(),
         "host" => {
             let compiled = codegen::host::compile(&prog).unwrap();
@@ -302,7 +304,7 @@ fn every_recipe_matches_spec_on_random_inputs() {
         for with_scales in [false, true] {
             let inputs = c.inputs(with_scales);
             let want = expected(recipe, &c, with_scales);
-            for backend in ["interp", "host"] {
+            for backend in ["interp", "host", "interp_x4", "host_x4"] {
                 let got = pack(recipe, (e as i64, h as i64, i as i64), &inputs, backend);
                 compare(recipe, seed, (e, h, i), &want, &got, backend);
             }

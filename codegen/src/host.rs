@@ -35,7 +35,14 @@ fn clty(t: Ty) -> Type {
         Ty::I32 => types::I32,
         Ty::F32 => types::F32,
         Ty::Bool => types::I8,
+        Ty::F32x4 => types::F32X4,
+        Ty::I32x4 | Ty::Boolx4 => types::I32X4,
     }
+}
+
+/// Flags of vector bitcasts (lane order must be explicit).
+fn little() -> MemFlags {
+    MemFlags::new().with_endianness(cranelift_codegen::ir::Endianness::Little)
 }
 
 /// The CLIF of every kernel of a program, as Cranelift prints it (before optimization).
@@ -106,7 +113,10 @@ pub fn compile(prog: &Program) -> Result<Compiled> {
             .define_function(id, &mut ctx)
             .map_err(|e| Error::Cranelift(format!("{e:?}")))?;
         if let (Some(dir), Some(code)) = (dump, ctx.compiled_code().and_then(|c| c.vcode.clone())) {
-            let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{}.s", k.name)), code);
+            let _ = std::fs::write(
+                std::path::Path::new(&dir).join(format!("{}.s", k.name)),
+                code,
+            );
         }
         module.clear_context(&mut ctx);
         ids.push(id);
@@ -283,6 +293,89 @@ impl<'a, 'b> Gen<'a, 'b> {
         Ok(self.b.ins().iadd(base, off))
     }
 
+    /// The IR type of an expression.
+    fn ty(&self, x: &Expr) -> Result<Ty> {
+        Ok(match x {
+            Expr::Var(v) => *self
+                .k
+                .var_types
+                .get(v.0 as usize)
+                .ok_or(Error::Internal("variable"))?,
+            Expr::I64(_) => Ty::I64,
+            Expr::I32(_) => Ty::I32,
+            Expr::F32(_) => Ty::F32,
+            Expr::Load { buf, .. } => self
+                .elems
+                .get(buf.0 as usize)
+                .ok_or(Error::Internal("buffer"))?
+                .ty(),
+            Expr::LoadX4 { buf, .. } => self
+                .elems
+                .get(buf.0 as usize)
+                .ok_or(Error::Internal("buffer"))?
+                .ty()
+                .x4(),
+            Expr::Splat(a) => self.ty(a)?.x4(),
+            Expr::Lane(a, _) => match self.ty(a)? {
+                Ty::F32x4 => Ty::F32,
+                Ty::Boolx4 => Ty::Bool,
+                _ => Ty::I32,
+            },
+            Expr::Select(_, a, b) => {
+                let (ta, tb) = (self.ty(a)?, self.ty(b)?);
+                if tb.is_vector() {
+                    tb
+                } else {
+                    ta
+                }
+            }
+            Expr::Un(op, a) => {
+                let t = self.ty(a)?;
+                let v = t.is_vector();
+                let s = match op {
+                    UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => Ty::F32,
+                    UnOp::F2I | UnOp::BitsOf | UnOp::Narrow | UnOp::BoolToI => Ty::I32,
+                    UnOp::Widen => Ty::I64,
+                };
+                if v {
+                    s.x4()
+                } else {
+                    s
+                }
+            }
+            Expr::Bin(op, a, b) => {
+                let (ta, tb) = (self.ty(a)?, self.ty(b)?);
+                let v = ta.is_vector() || tb.is_vector();
+                let t = if ta.is_vector() {
+                    ta
+                } else if tb.is_vector() {
+                    tb.x4()
+                } else {
+                    ta
+                };
+                match op {
+                    BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => {
+                        if v {
+                            Ty::Boolx4
+                        } else {
+                            Ty::Bool
+                        }
+                    }
+                    _ => t,
+                }
+            }
+        })
+    }
+
+    /// `v` as a value of type `want`, broadcasting a scalar to a vector.
+    fn coerce(&mut self, v: Value, have: Ty, want: Ty) -> Value {
+        if want.is_vector() && !have.is_vector() {
+            self.b.ins().splat(clty(want), v)
+        } else {
+            v
+        }
+    }
+
     fn expr(&mut self, x: &Expr) -> Result<Value> {
         Ok(match x {
             Expr::Var(v) => {
@@ -309,9 +402,113 @@ impl<'a, 'b> Gen<'a, 'b> {
                     }
                 }
             }
+            Expr::LoadX4 { buf, index } => {
+                let elem = *self
+                    .elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?;
+                let addr = self.addr(buf.0 as usize, index, elem)?;
+                // Vector loads may be unaligned: no `aligned` flag.
+                let f = MemFlags::new().with_notrap();
+                match elem {
+                    Elem::Bf16 => {
+                        let h = self.b.ins().uload16x4(f, addr, 0);
+                        let bits = self.b.ins().ishl_imm_u(h, 16);
+                        self.b.ins().bitcast(types::F32X4, little(), bits)
+                    }
+                    Elem::F32 => self.b.ins().load(types::F32X4, f, addr, 0),
+                    Elem::U8 => return Err(Error::Internal("byte vector loads")),
+                }
+            }
+            Expr::Splat(a) => {
+                let t = self.ty(a)?;
+                let v = self.expr(a)?;
+                self.b.ins().splat(clty(t.x4()), v)
+            }
+            Expr::Lane(a, k) => {
+                let v = self.expr(a)?;
+                self.b.ins().extractlane(v, *k)
+            }
             Expr::Select(c, a, b) => {
+                let want = self.ty(x)?;
+                let (tc, ta, tb) = (self.ty(c)?, self.ty(a)?, self.ty(b)?);
                 let (c, a, b) = (self.expr(c)?, self.expr(a)?, self.expr(b)?);
-                self.b.ins().select(c, a, b)
+                let a = self.coerce(a, ta, want);
+                let b = self.coerce(b, tb, want);
+                if tc.is_vector() {
+                    let c = if want == Ty::F32x4 {
+                        self.b.ins().bitcast(types::F32X4, little(), c)
+                    } else {
+                        c
+                    };
+                    self.b.ins().bitselect(c, a, b)
+                } else {
+                    self.b.ins().select(c, a, b)
+                }
+            }
+            Expr::Un(op, a) if self.ty(a)?.is_vector() => {
+                let a = self.expr(a)?;
+                let ins = self.b.ins();
+                match op {
+                    UnOp::FAbs => ins.fabs(a),
+                    UnOp::FRoundEven => ins.nearest(a),
+                    UnOp::F2I => ins.fcvt_to_sint_sat(types::I32X4, a),
+                    UnOp::I2F => ins.fcvt_from_sint(types::F32X4, a),
+                    UnOp::BitsOf => ins.bitcast(types::I32X4, little(), a),
+                    UnOp::FromBits => ins.bitcast(types::F32X4, little(), a),
+                    UnOp::BoolToI => {
+                        let one = self.b.ins().iconst(types::I32, 1);
+                        let one = self.b.ins().splat(types::I32X4, one);
+                        self.b.ins().band(a, one)
+                    }
+                    UnOp::Widen | UnOp::Narrow => {
+                        return Err(Error::Internal("vector widen/narrow"))
+                    }
+                }
+            }
+            Expr::Bin(op, a, b) if self.ty(a)?.is_vector() || self.ty(b)?.is_vector() => {
+                let (ta, tb) = (self.ty(a)?, self.ty(b)?);
+                let want = if ta.is_vector() { ta } else { tb.x4() };
+                let (a, b) = (self.expr(a)?, self.expr(b)?);
+                let a = self.coerce(a, ta, want);
+                let b = if matches!(op, BinOp::Shl | BinOp::Shr) {
+                    b
+                } else {
+                    self.coerce(b, tb, want)
+                };
+                let ins = self.b.ins();
+                match op {
+                    BinOp::IAdd => ins.iadd(a, b),
+                    BinOp::ISub => ins.isub(a, b),
+                    BinOp::IMul => ins.imul(a, b),
+                    BinOp::And => ins.band(a, b),
+                    BinOp::Or => ins.bor(a, b),
+                    BinOp::Shl => ins.ishl(a, b),
+                    BinOp::Shr => ins.ushr(a, b),
+                    BinOp::FAdd => ins.fadd(a, b),
+                    BinOp::FMul => ins.fmul(a, b),
+                    BinOp::FDiv => ins.fdiv(a, b),
+                    // Operands of the IR's max/min are never NaN and never a (+0, -0) pair, so a
+                    // lane mask and a bit select are exact, and much shorter than the NaN-aware
+                    // sequence x86 needs for `fmax` on vectors.
+                    BinOp::FMax => {
+                        let lt = ins.fcmp(FloatCC::LessThan, a, b);
+                        let m = self.b.ins().bitcast(types::F32X4, little(), lt);
+                        self.b.ins().bitselect(m, b, a)
+                    }
+                    BinOp::FMin => {
+                        let lt = ins.fcmp(FloatCC::LessThan, b, a);
+                        let m = self.b.ins().bitcast(types::F32X4, little(), lt);
+                        self.b.ins().bitselect(m, b, a)
+                    }
+                    BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
+                    BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
+                    // Vector comparisons give i32x4 lane masks.
+                    BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
+                    BinOp::FLe => ins.fcmp(FloatCC::LessThanOrEqual, a, b),
+                    BinOp::FEq => ins.fcmp(FloatCC::Equal, a, b),
+                    BinOp::IDiv | BinOp::IRem => return Err(Error::Internal("vector division")),
+                }
             }
             Expr::Un(op, a) => {
                 let a = self.expr(a)?;
@@ -416,7 +613,7 @@ impl Compiled {
                     // Small chunks balance uneven rows; at least one item per chunk.
                     let chunk = (n + t * 8 - 1) / (t * 8);
                     let next = std::sync::atomic::AtomicI64::new(0);
-                    let t0 = std::time::Instant::now();
+
                     std::thread::scope(|s| {
                         for _ in 0..t {
                             s.spawn(|| loop {
@@ -436,10 +633,6 @@ impl Compiled {
                             });
                         }
                     });
-                    #[allow(clippy::print_stderr)]
-                    if std::env::var_os("MOEFORGE_PROFILE").is_some() {
-                        eprintln!("PROFILE {} {:.1} ms", k.name, t0.elapsed().as_secs_f64() * 1e3);
-                    }
                 }
                 Step::AllReduceMax { buf, group } => {
                     crate::all_reduce_bytes(coll, group, bufs, *buf)?

@@ -10,9 +10,35 @@ enum Val {
     I32(i32),
     F32(f32),
     Bool(bool),
+    F32x4([f32; 4]),
+    I32x4([i32; 4]),
+    Boolx4([bool; 4]),
 }
 
 impl Val {
+    fn is_vector(self) -> bool {
+        matches!(self, Val::F32x4(_) | Val::I32x4(_) | Val::Boolx4(_))
+    }
+
+    /// Lane `k` of a vector, or the scalar itself (broadcast).
+    fn lane(self, k: usize) -> Val {
+        match self {
+            Val::F32x4(v) => Val::F32(v[k]),
+            Val::I32x4(v) => Val::I32(v[k]),
+            Val::Boolx4(v) => Val::Bool(v[k]),
+            s => s,
+        }
+    }
+
+    fn gather(l: [Val; 4]) -> Result<Val> {
+        Ok(match l[0] {
+            Val::F32(_) => Val::F32x4([l[0].f32()?, l[1].f32()?, l[2].f32()?, l[3].f32()?]),
+            Val::I32(_) => Val::I32x4([l[0].i32()?, l[1].i32()?, l[2].i32()?, l[3].i32()?]),
+            Val::Bool(_) => Val::Boolx4([l[0].bool()?, l[1].bool()?, l[2].bool()?, l[3].bool()?]),
+            _ => return Err(Error::Internal("interpreter: bad vector lanes")),
+        })
+    }
+
     fn i64(self) -> Result<i64> {
         match self {
             Val::I64(x) => Ok(x),
@@ -101,14 +127,66 @@ impl Ctx<'_> {
             Expr::F32(c) => Val::F32(*c),
             Expr::Load { buf, index } => self.load(buf.0 as usize, self.eval(index)?.i64()?)?,
             Expr::Select(c, a, b) => {
-                if self.eval(c)?.bool()? {
-                    self.eval(a)?
+                let (c, a, b) = (self.eval(c)?, self.eval(a)?, self.eval(b)?);
+                if c.is_vector() || a.is_vector() || b.is_vector() {
+                    let mut l = [Val::I32(0); 4];
+                    for (k, slot) in l.iter_mut().enumerate() {
+                        *slot = if c.lane(k).bool()? {
+                            a.lane(k)
+                        } else {
+                            b.lane(k)
+                        };
+                    }
+                    Val::gather(l)?
+                } else if c.bool()? {
+                    a
                 } else {
-                    self.eval(b)?
+                    b
                 }
             }
+            Expr::LoadX4 { buf, index } => {
+                let i = self.eval(index)?.i64()?;
+                let mut l = [Val::I32(0); 4];
+                for (k, slot) in l.iter_mut().enumerate() {
+                    *slot = self.load(buf.0 as usize, i + k as i64)?;
+                }
+                Val::gather(l)?
+            }
+            Expr::Splat(a) => {
+                let a = self.eval(a)?;
+                Val::gather([a; 4])?
+            }
+            Expr::Lane(a, k) => self.eval(a)?.lane(*k as usize),
             Expr::Un(op, a) => {
                 let a = self.eval(a)?;
+                if a.is_vector() {
+                    let mut l = [Val::I32(0); 4];
+                    for (k, slot) in l.iter_mut().enumerate() {
+                        *slot = un(*op, a.lane(k))?;
+                    }
+                    return Val::gather(l);
+                }
+                un(*op, a)?
+            }
+            Expr::Bin(op, a, b) => {
+                let (a, b) = (self.eval(a)?, self.eval(b)?);
+                if a.is_vector() || b.is_vector() {
+                    let mut l = [Val::I32(0); 4];
+                    for (k, slot) in l.iter_mut().enumerate() {
+                        *slot = bin(*op, a.lane(k), b.lane(k))?;
+                    }
+                    return Val::gather(l);
+                }
+                bin(*op, a, b)?
+            }
+        })
+    }
+}
+
+fn un(op: UnOp, a: Val) -> Result<Val> {
+    Ok({
+        {
+            {
                 match op {
                     UnOp::FAbs => Val::F32(a.f32()?.abs()),
                     UnOp::FRoundEven => Val::F32(a.f32()?.round_ties_even()),
@@ -121,13 +199,11 @@ impl Ctx<'_> {
                     UnOp::BoolToI => Val::I32(a.bool()? as i32),
                 }
             }
-            Expr::Bin(op, a, b) => {
-                let (a, b) = (self.eval(a)?, self.eval(b)?);
-                bin(*op, a, b)?
-            }
-        })
-    }
+        }
+    })
+}
 
+impl Ctx<'_> {
     fn exec(&mut self, body: &[Stmt]) -> Result<()> {
         for s in body {
             match s {

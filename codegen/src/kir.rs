@@ -20,6 +20,29 @@ pub enum Ty {
     F32,
     /// Truth value.
     Bool,
+    /// Four f32 lanes (host backend only).
+    F32x4,
+    /// Four i32 lanes (host backend only).
+    I32x4,
+    /// Four lane masks (host backend only).
+    Boolx4,
+}
+
+impl Ty {
+    /// The 4-lane form of a scalar type (vector types map to themselves).
+    pub fn x4(self) -> Ty {
+        match self {
+            Ty::F32 | Ty::F32x4 => Ty::F32x4,
+            Ty::I32 | Ty::I32x4 => Ty::I32x4,
+            Ty::Bool | Ty::Boolx4 => Ty::Boolx4,
+            Ty::I64 => Ty::I64,
+        }
+    }
+
+    /// Whether this is a vector type.
+    pub fn is_vector(self) -> bool {
+        matches!(self, Ty::F32x4 | Ty::I32x4 | Ty::Boolx4)
+    }
 }
 
 /// Element types of buffers.
@@ -69,7 +92,8 @@ pub struct BufId(pub u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Var(pub u32);
 
-/// Binary operators (operands of one type; comparisons give `Bool`).
+/// Binary operators (operands of one type; comparisons give `Bool`). On vectors they act lane-wise,
+/// and a scalar operand of a vector operation is broadcast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BinOp {
     /// Integer add.
@@ -157,8 +181,19 @@ pub enum Expr {
     Bin(BinOp, Box<Expr>, Box<Expr>),
     /// Unary operation.
     Un(UnOp, Box<Expr>),
-    /// `cond ? a : b`.
+    /// `cond ? a : b` (lane-wise for vectors).
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// Four consecutive elements `buf[index..index+4]` as an f32x4 (float buffers) or i32x4 (bytes).
+    LoadX4 {
+        /// Buffer.
+        buf: BufId,
+        /// Index of the first element (i64).
+        index: Box<Expr>,
+    },
+    /// A scalar broadcast to four lanes.
+    Splat(Box<Expr>),
+    /// One lane of a vector.
+    Lane(Box<Expr>, u8),
 }
 
 /// A statement.
@@ -331,6 +366,21 @@ pub mod e {
             index: Box::new(index),
         }
     }
+    /// Four consecutive elements as a vector.
+    pub fn load_x4(buf: BufId, index: Expr) -> Expr {
+        Expr::LoadX4 {
+            buf,
+            index: Box::new(index),
+        }
+    }
+    /// Broadcast.
+    pub fn splat(a: Expr) -> Expr {
+        Expr::Splat(Box::new(a))
+    }
+    /// Lane `k`.
+    pub fn lane(a: Expr, k: u8) -> Expr {
+        Expr::Lane(Box::new(a), k)
+    }
     /// Select.
     pub fn sel(c: Expr, a: Expr, b: Expr) -> Expr {
         Expr::Select(Box::new(c), Box::new(a), Box::new(b))
@@ -407,6 +457,9 @@ impl fmt::Display for Expr {
             Expr::Bin(op, a, b) => write!(f, "{op:?}({a}, {b})"),
             Expr::Un(op, a) => write!(f, "{op:?}({a})"),
             Expr::Select(c, a, b) => write!(f, "select({c}, {a}, {b})"),
+            Expr::LoadX4 { buf, index } => write!(f, "b{}[{index}..+4]", buf.0),
+            Expr::Splat(a) => write!(f, "splat({a})"),
+            Expr::Lane(a, k) => write!(f, "lane({a}, {k})"),
         }
     }
 }

@@ -56,6 +56,7 @@ struct Planner<'a> {
     params: HashMap<TensorId, BufId>,
     quants: HashMap<ValueId, QuantTemps>,
     reduces: HashMap<ValueId, BufId>,
+    x4: bool,
 }
 
 fn unsupported(param: &str, what: impl Into<String>) -> Error {
@@ -79,12 +80,20 @@ fn elem_of(d: DType) -> Option<Elem> {
 /// Lower a verified module, bound to a shape, to a pack program. Params that depend on an optional
 /// input the checkpoint lacks are left out.
 pub fn plan(info: &ModuleInfo, present: &dyn Presence) -> Result<Program> {
-    plan_with(info, present, &|_: &str| false)
+    plan_with(info, present, &|_: &str| false, false)
 }
 
 /// [`plan`], reading the inputs `as_f32` names as f32 buffers whatever their declared float type (a
 /// checkpoint stored in f16 or f32 is widened exactly, never rounded to the declared bf16).
-pub fn plan_with(info: &ModuleInfo, present: &dyn Presence, as_f32: &dyn Fn(&str) -> bool) -> Result<Program> {
+///
+/// `x4` uses 4-lane vector IR in the hot loops (for the host backend; the PTX backend takes scalar
+/// IR, where the GPU's threads are the parallelism).
+pub fn plan_with(
+    info: &ModuleInfo,
+    present: &dyn Presence,
+    as_f32: &dyn Fn(&str) -> bool,
+    x4: bool,
+) -> Result<Program> {
     if info.binding().is_none() {
         return Err(Error::Unbound);
     }
@@ -100,6 +109,7 @@ pub fn plan_with(info: &ModuleInfo, present: &dyn Presence, as_f32: &dyn Fn(&str
         params: HashMap::new(),
         quants: HashMap::new(),
         reduces: HashMap::new(),
+        x4,
     };
     // Inputs first, in declaration order.
     for (id, t) in m.tensors_with_ids() {
@@ -420,14 +430,30 @@ impl Planner<'_> {
                     true,
                 );
                 // 1. amax: one work item per row, atomically max-reduced per expert.
+                let x4 = self.x4 && cols % 16 == 0;
                 self.kernel(format!("{tag}_amax"), ne * rows, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let base = em.set(Ty::I64, e::mul(it, e::i(cols)));
-                    let mx = em.var(Ty::F32, e::f(0.0));
-                    em.for_(e::i(0), e::i(cols), |b, c| {
-                        b.out
-                            .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
-                    });
+                    let mx = if x4 {
+                        // 16 values per step in four f32x4 lanes, reduced across lanes at the end.
+                        let mv = em.var(Ty::F32x4, e::splat(e::f(0.0)));
+                        em.for_(e::i(0), e::i(cols / 16), |b, c| {
+                            let at = b.set(Ty::I64, e::add(base.clone(), e::mul(c, e::i(16))));
+                            let vs = (0..4)
+                                .map(|q| fabs(e::load_x4(xb, e::add(at.clone(), e::i(4 * q)))))
+                                .collect();
+                            b.out.push(Stmt::Set(mv, fmax(e::v(mv), max_tree(vs))));
+                        });
+                        let lanes = (0..4).map(|k| e::lane(e::v(mv), k)).collect();
+                        em.var(Ty::F32, max_tree(lanes))
+                    } else {
+                        let mx = em.var(Ty::F32, e::f(0.0));
+                        em.for_(e::i(0), e::i(cols), |b, c| {
+                            b.out
+                                .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                        });
+                        mx
+                    };
                     let idx = if per_tensor { e::i(0) } else { ex };
                     em.out.push(Stmt::AtomicMaxF32 {
                         buf: amax_b,
@@ -539,6 +565,7 @@ impl Planner<'_> {
                     );
                     // 3. q = e4m3(clamp(x * inv, +-448)).
                     let vb = vals;
+                    let x4_q = self.x4 && cols % 4 == 0;
                     self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
                         let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                         let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -550,19 +577,41 @@ impl Planner<'_> {
                         let out = em.set(Ty::I64, e::mul(it, e::i(cols)));
                         let inv = em.set(Ty::F32, e::load(s2, ex));
                         if let Some(vb) = vb {
-                            em.for_(e::i(0), e::i(cols), |b, c| {
-                                let x = clamp(
-                                    fmul(load(base.clone(), c.clone()), inv.clone()),
-                                    -448.0,
-                                    448.0,
-                                );
-                                let code = quant::e4m3_rne(b, x);
-                                b.out.push(Stmt::Store {
-                                    buf: vb,
-                                    index: e::add(out.clone(), c),
-                                    value: code,
+                            if x4_q {
+                                em.for_(e::i(0), e::i(cols / 4), |b, c| {
+                                    let c4 = b.set(Ty::I64, e::mul(c, e::i(4)));
+                                    let x = fmul(
+                                        e::load_x4(xb, e::add(base.clone(), c4.clone())),
+                                        inv.clone(),
+                                    );
+                                    let code =
+                                        b.vector(|bv| quant::e4m3_rne(bv, clamp(x, -448.0, 448.0)));
+                                    for k in 0..4u8 {
+                                        b.out.push(Stmt::Store {
+                                            buf: vb,
+                                            index: e::add(
+                                                e::add(out.clone(), c4.clone()),
+                                                e::i(k as i64),
+                                            ),
+                                            value: e::lane(code.clone(), k),
+                                        });
+                                    }
                                 });
-                            });
+                            } else {
+                                em.for_(e::i(0), e::i(cols), |b, c| {
+                                    let x = clamp(
+                                        fmul(load(base.clone(), c.clone()), inv.clone()),
+                                        -448.0,
+                                        448.0,
+                                    );
+                                    let code = quant::e4m3_rne(b, x);
+                                    b.out.push(Stmt::Store {
+                                        buf: vb,
+                                        index: e::add(out.clone(), c),
+                                        value: code,
+                                    });
+                                });
+                            }
                         }
                         Ok(())
                     })?;
@@ -848,6 +897,7 @@ impl Planner<'_> {
             _ => None,
         };
         let sw2 = sw.clone();
+        let x4 = self.x4;
         self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
             let ex = em.set(Ty::I64, e::div(it.clone(), rows));
             let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -861,11 +911,24 @@ impl Planner<'_> {
             let dec = em.set(Ty::F32, e::load(dec_b, si));
             em.for_(e::i(0), e::i(nb), |b, j| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
-                // The block's 16 values, loaded once; vmax as a balanced tree of maxima.
-                let xs: Vec<Expr> = (0..16)
-                    .map(|c| b.set(Ty::F32, e::load(xb, e::add(b0.clone(), e::i(c)))))
-                    .collect();
+                // The block's 16 values, loaded once (as four f32x4 in vector mode); vmax as a
+                // balanced tree of maxima.
+                let xs: Vec<Expr> = if x4 {
+                    (0..4)
+                        .map(|q| b.set(Ty::F32x4, e::load_x4(xb, e::add(b0.clone(), e::i(4 * q)))))
+                        .collect()
+                } else {
+                    (0..16)
+                        .map(|c| b.set(Ty::F32, e::load(xb, e::add(b0.clone(), e::i(c)))))
+                        .collect()
+                };
                 let mx = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
+                let mx = if x4 {
+                    let mv = b.set(Ty::F32x4, mx);
+                    max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
+                } else {
+                    mx
+                };
                 let mx = b.set(Ty::F32, mx);
                 // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
                 let s = clamp(
@@ -904,14 +967,29 @@ impl Planner<'_> {
                             e::mul(j.clone(), e::i(8)),
                         ),
                     );
+                    // Codes of the 16 values: four 4-lane conversions, or sixteen scalar ones.
+                    let codes: Vec<Expr> = if x4 {
+                        let vc: Vec<Expr> = xs
+                            .iter()
+                            .map(|v| {
+                                b.vector(|bv| quant::e2m1_rne(bv, fmul(v.clone(), osc.clone())))
+                            })
+                            .collect();
+                        (0..16)
+                            .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
+                            .collect()
+                    } else {
+                        // e2m1_rne saturates at ±6 itself.
+                        xs.iter()
+                            .map(|x| quant::e2m1_rne(b, fmul(x.clone(), osc.clone())))
+                            .collect()
+                    };
                     b.unroll(8, |b2, k| {
                         let kk = match k {
                             Expr::I64(v) => v as usize,
                             _ => 0,
                         };
-                        // e2m1_rne saturates at ±6 itself.
-                        let c0 = quant::e2m1_rne(b2, fmul(xs[2 * kk].clone(), osc.clone()));
-                        let c1 = quant::e2m1_rne(b2, fmul(xs[2 * kk + 1].clone(), osc.clone()));
+                        let (c0, c1) = (codes[2 * kk].clone(), codes[2 * kk + 1].clone());
                         // Element 2k in the low nibble; a zero block scale gives zero codes.
                         let byte = e::sel(
                             zero.clone(),
@@ -975,7 +1053,10 @@ impl Planner<'_> {
             if let Some(&xb) = self.inputs.get(&src) {
                 let src_elem = self.prog.buf(xb).map(|b| b.elem);
                 if self.tensor(src)?.dtype != t.dtype || src_elem != elem_of(t.dtype) {
-                    return Err(unsupported(&t.name, "a copy that changes the dtype (it would round)"));
+                    return Err(unsupported(
+                        &t.name,
+                        "a copy that changes the dtype (it would round)",
+                    ));
                 }
                 let shape = self.shape(base)?;
                 if shape.len() == 3 {

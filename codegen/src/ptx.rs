@@ -82,6 +82,8 @@ impl RegClass {
             Ty::I32 => RegClass::B32,
             Ty::F32 => RegClass::F32,
             Ty::Bool => RegClass::Pred,
+            // Vector IR is host-only; `kernel_ptx` rejects it before registers are made.
+            Ty::F32x4 | Ty::I32x4 | Ty::Boolx4 => RegClass::B32,
         }
     }
 }
@@ -397,6 +399,9 @@ impl Gen<'_> {
                     .ty(),
             ),
             Expr::Select(_, a, _) => self.class_of(a)?,
+            Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
+                return Err(Error::Internal("vector IR reached the PTX backend"))
+            }
             Expr::Un(op, _) => match op {
                 UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => RegClass::F32,
                 UnOp::F2I | UnOp::BitsOf | UnOp::Narrow | UnOp::BoolToI => RegClass::B32,
@@ -503,6 +508,9 @@ impl Gen<'_> {
                         Operand::Reg(d)
                     }
                 }
+            }
+            Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
+                return Err(Error::Internal("vector IR reached the PTX backend"))
             }
             Expr::Select(c, a, b) => {
                 let class = self.class_of(a)?;
@@ -765,6 +773,11 @@ impl Gen<'_> {
 
 /// The PTX of one kernel (an `.entry`), taking one pointer per program buffer.
 pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
+    if k.var_types.iter().any(|t| t.is_vector()) {
+        return Err(Error::Internal(
+            "vector IR reached the PTX backend (plan with `x4: false`)",
+        ));
+    }
     let mut g = Gen {
         b: Builder::default(),
         vars: Vec::new(),

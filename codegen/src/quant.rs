@@ -10,6 +10,8 @@ pub struct Emit<'a> {
     pub vars: &'a mut VarAlloc,
     /// Statements emitted so far.
     pub out: Vec<Stmt>,
+    /// Whether the conversions below are built on 4-lane vectors.
+    pub x4: bool,
 }
 
 impl<'a> Emit<'a> {
@@ -18,7 +20,26 @@ impl<'a> Emit<'a> {
         Emit {
             vars,
             out: Vec::new(),
+            x4: false,
         }
+    }
+
+    /// The type of a conversion temporary: `ty`, or its 4-lane form in vector mode.
+    pub fn vt(&self, ty: Ty) -> Ty {
+        if self.x4 {
+            ty.x4()
+        } else {
+            ty
+        }
+    }
+
+    /// Build with 4-lane conversions.
+    pub fn vector<R>(&mut self, f: impl FnOnce(&mut Emit<'_>) -> R) -> R {
+        let old = self.x4;
+        self.x4 = true;
+        let r = f(self);
+        self.x4 = old;
+        r
     }
 
     /// Bind an expression to a fresh variable and return it.
@@ -38,6 +59,7 @@ impl<'a> Emit<'a> {
     /// A sub-block with the same allocator.
     pub fn block(&mut self, f: impl FnOnce(&mut Emit<'_>)) -> Vec<Stmt> {
         let mut sub = Emit::new(self.vars);
+        sub.x4 = self.x4;
         f(&mut sub);
         sub.out
     }
@@ -80,18 +102,18 @@ pub fn clamp(x: Expr, lo: f32, hi: f32) -> Expr {
 
 /// Round-to-nearest-even conversion of a finite f32 with `|x| <= 448` to an E4M3 byte (i32).
 pub fn e4m3_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
-    let x = em.set(Ty::F32, x);
-    let bits = em.set(Ty::I32, e::un(UnOp::BitsOf, x.clone()));
+    let x = em.set(em.vt(Ty::F32), x);
+    let bits = em.set(em.vt(Ty::I32), e::un(UnOp::BitsOf, x.clone()));
     let sign = e::bin(
         BinOp::And,
         e::bin(BinOp::Shr, bits.clone(), e::i32(24)),
         e::i32(0x80),
     );
-    let a = em.set(Ty::F32, e::un(UnOp::FAbs, x));
+    let a = em.set(em.vt(Ty::F32), e::un(UnOp::FAbs, x));
     // Subnormal range (|x| < 2^-6): code = rne(|x| * 2^9), exact scaling; 8 is the smallest normal.
     let sub = rne_small_int(e::bin(BinOp::FMul, a.clone(), e::f(512.0)));
     // Normal range: round the 23-bit mantissa to 3 bits, ties to even, then re-bias 127 -> 7.
-    let abits = em.set(Ty::I32, e::un(UnOp::BitsOf, a.clone()));
+    let abits = em.set(em.vt(Ty::I32), e::un(UnOp::BitsOf, a.clone()));
     let lsb = e::bin(
         BinOp::And,
         e::bin(BinOp::Shr, abits.clone(), e::i32(20)),
@@ -108,12 +130,12 @@ pub fn e4m3_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
         e::i32(120 << 3),
     );
     let code = e::sel(e::bin(BinOp::FLt, a, e::f(1.0 / 64.0)), sub, normal);
-    em.set(Ty::I32, e::bin(BinOp::Or, sign, code))
+    em.set(em.vt(Ty::I32), e::bin(BinOp::Or, sign, code))
 }
 
 /// The f32 value of an E4M3 byte in `[0, 0x7E]` (non-negative).
 pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
-    let b = em.set(Ty::I32, b);
+    let b = em.set(em.vt(Ty::I32), b);
     let exp = e::bin(BinOp::Shr, b.clone(), e::i32(3));
     let mant = e::bin(BinOp::And, b.clone(), e::i32(7));
     let normal = e::un(
@@ -125,10 +147,8 @@ pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
         ),
     );
     let sub = e::bin(BinOp::FMul, e::un(UnOp::I2F, mant), e::f(1.0 / 512.0));
-    em.set(
-        Ty::F32,
-        e::sel(e::bin(BinOp::IEq, exp, e::i32(0)), sub, normal),
-    )
+    let t = em.vt(Ty::F32);
+    em.set(t, e::sel(e::bin(BinOp::IEq, exp, e::i32(0)), sub, normal))
 }
 
 /// Round-to-nearest-even of a finite f32, saturated to ±6, to an E2M1 nibble (sign in bit 3; a value that
@@ -136,11 +156,14 @@ pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
 /// code is `rne(2|x|)`; from 1 on, the f32 mantissa is rounded to one bit (ties to even) and the
 /// exponent re-biased from 127 to 1, exactly as for E4M3.
 pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
-    let x = em.set(Ty::F32, x);
+    let x = em.set(em.vt(Ty::F32), x);
     // Saturate the magnitude at 6 (the sign is taken from `x` itself).
-    let a = em.set(Ty::F32, e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)));
+    let a = em.set(
+        em.vt(Ty::F32),
+        e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)),
+    );
     let sub = rne_small_int(e::bin(BinOp::FMul, a.clone(), e::f(2.0)));
-    let abits = em.set(Ty::I32, e::un(UnOp::BitsOf, a.clone()));
+    let abits = em.set(em.vt(Ty::I32), e::un(UnOp::BitsOf, a.clone()));
     let lsb = e::bin(
         BinOp::And,
         e::bin(BinOp::Shr, abits.clone(), e::i32(22)),
@@ -162,7 +185,7 @@ pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
         e::bin(BinOp::Shr, e::un(UnOp::BitsOf, x), e::i32(28)),
         e::i32(8),
     );
-    em.set(Ty::I32, e::bin(BinOp::Or, sign, code))
+    em.set(em.vt(Ty::I32), e::bin(BinOp::Or, sign, code))
 }
 
 /// `abs(x)`.
@@ -193,6 +216,9 @@ pub fn is_zero(x: Expr) -> Expr {
 /// Symmetric INT8: `clamp(rne(x / scale), -128, 127)` as a byte (two's complement).
 pub fn int8_rne(em: &mut Emit<'_>, x: Expr, scale: Expr) -> Expr {
     // |x / scale| <= 127 up to rounding, so the magic-number rounding is exact; clamp after.
-    let q = em.set(Ty::I32, rne_small_int(clamp(fdiv(x, scale), -128.0, 127.0)));
-    em.set(Ty::I32, e::bin(BinOp::And, q, e::i32(0xFF)))
+    let q = em.set(
+        em.vt(Ty::I32),
+        rne_small_int(clamp(fdiv(x, scale), -128.0, 127.0)),
+    );
+    em.set(em.vt(Ty::I32), e::bin(BinOp::And, q, e::i32(0xFF)))
 }
