@@ -105,12 +105,12 @@ fn run(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-fn read(
-    path: &Path,
-) -> (
+type Packed = (
     HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
     HashMap<String, String>,
-) {
+);
+
+fn read(path: &Path) -> Packed {
     let bytes = std::fs::read(path).unwrap();
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
