@@ -12,6 +12,7 @@ pub use moeforge_runtime as runtime;
 pub mod bench;
 pub mod demo;
 pub mod dequant;
+pub mod gpu;
 pub mod pack;
 pub mod report;
 
@@ -40,6 +41,9 @@ pub enum Error {
     /// A checkpoint is missing a tensor, has a wrong shape or dtype, or is not a safetensors file.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// The GPU runtime failed (or there is no GPU).
+    #[error(transparent)]
+    Runtime(#[from] runtime::Error),
     /// Code generation failed.
     #[error(transparent)]
     Codegen(#[from] codegen::Error),

@@ -62,6 +62,9 @@ enum Command {
         /// Host threads (0: all cores).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// `host` (Cranelift JIT) or `gpu` (generated PTX on GPU 0).
+        #[arg(long, default_value = "host")]
+        device: String,
     },
     /// List the tensors and metadata of a safetensors file.
     Inspect {
@@ -73,6 +76,9 @@ enum Command {
         /// Run the host benchmarks.
         #[arg(long)]
         host: bool,
+        /// Run the GPU benchmarks (JIT latency, on-GPU pack).
+        #[arg(long)]
+        gpu: bool,
         /// Host threads (0: all cores).
         #[arg(long, default_value_t = 0)]
         threads: usize,
@@ -80,11 +86,50 @@ enum Command {
         #[arg(long)]
         recipe: Option<String>,
     },
+    /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
+    Selftest {
+        /// Run the GPU tests (they say that they skipped when there is no GPU).
+        #[arg(long)]
+        gpu: bool,
+        /// Only the two smallest shapes.
+        #[arg(long)]
+        quick: bool,
+    },
+    /// The kernel cache: list, clear, or warm up the variants a binding needs.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+    },
     /// Run the main job on an embedded default MoE layer (Qwen3-30B-A3B shaped).
     Demo {
         /// Experts in the synthetic layer that is packed (the verification uses the full 128).
         #[arg(long, default_value_t = 128)]
         experts: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    /// List the entries on disk.
+    Ls,
+    /// Remove every entry.
+    Clear,
+    /// Compile the PTX (and, with a GPU, the cubin) a binding needs into the cache.
+    Warmup {
+        /// The recipe file, or the name of a standard recipe.
+        file: Option<String>,
+        /// Dimension values.
+        #[arg(long)]
+        bind: Option<String>,
+        /// PTX target.
+        #[arg(long, default_value = "sm_90a")]
+        target: String,
+        /// Also write a precompile manifest here.
+        #[arg(long)]
+        manifest: Option<std::path::PathBuf>,
+        /// Replay a manifest.
+        #[arg(long)]
+        replay: Option<std::path::PathBuf>,
     },
 }
 
@@ -99,6 +144,113 @@ fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
             }),
         },
     }
+}
+
+fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
+    let io = |e: std::io::Error| moeforge::Error::Io {
+        path: "<stdout>".into(),
+        source: e,
+    };
+    let cache = moeforge::runtime::Cache::new(moeforge::runtime::Cache::default_dir());
+    match action {
+        CacheAction::Ls => {
+            let entries = cache.entries()?;
+            let dir = cache
+                .dir()
+                .map(|d| d.display().to_string())
+                .unwrap_or_else(|| "-".into());
+            writeln!(out, "{} entries in {dir}", entries.len()).map_err(io)?;
+            for e in entries {
+                let state = if e.valid {
+                    "ok"
+                } else {
+                    "CORRUPT (will be recompiled)"
+                };
+                writeln!(
+                    out,
+                    "{:<6} {}  {:>9} bytes  {state}",
+                    e.kind, e.key, e.bytes
+                )
+                .map_err(io)?;
+            }
+        }
+        CacheAction::Clear => {
+            let n = cache.clear()?;
+            writeln!(out, "removed {n} entries").map_err(io)?;
+        }
+        CacheAction::Warmup {
+            file,
+            bind,
+            target,
+            manifest,
+            replay,
+        } => {
+            let mut jobs: Vec<(String, String, String)> = Vec::new();
+            if let Some(m) = replay {
+                let text = std::fs::read_to_string(&m).map_err(|e| moeforge::Error::Io {
+                    path: m.display().to_string(),
+                    source: e,
+                })?;
+                for line in text
+                    .lines()
+                    .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+                {
+                    let parts: Vec<&str> = line.split('\t').collect();
+                    let [f, b, t] = parts[..] else {
+                        return Err(moeforge::Error::Usage(format!(
+                            "bad manifest line `{line}` (expected RECIPE<TAB>BINDING<TAB>TARGET)"
+                        )));
+                    };
+                    jobs.push((f.into(), b.into(), t.into()));
+                }
+            }
+            if let (Some(f), Some(b)) = (file, bind) {
+                jobs.push((f, b, target));
+            }
+            if jobs.is_empty() {
+                return Err(moeforge::Error::Usage(
+                    "warmup needs RECIPE --bind ... or --replay MANIFEST".into(),
+                ));
+            }
+            let dev = moeforge::runtime::Device::open(0);
+            for (f, b, t) in &jobs {
+                let (name, src) = read_recipe(f)?;
+                // The variants a binding needs: its pack program (every optional input present).
+                let prog = moeforge::pack_program(&src, &name, b, &|_| true)?;
+                let tgt = moeforge::codegen::ptx::Target::from_name(t)
+                    .ok_or_else(|| moeforge::Error::Usage(format!("unknown target `{t}`")))?;
+                let key = moeforge::runtime::Cache::ptx_key(&prog, tgt.name(), "");
+                let (_, hit) = cache.get_or_insert("ptx", &key, || {
+                    Ok(moeforge::codegen::ptx::compile(&prog, tgt)?.into_bytes())
+                })?;
+                match &dev {
+                    Ok(d) if d.target() == Some(tgt) => {
+                        let gp = moeforge::runtime::gpu_pack::GpuProgram::load(d, &cache, &prog)?;
+                        writeln!(out, "{f} {b} {t}: ptx {hit:?}, cubin {:?}", gp.cubin_hit)
+                            .map_err(io)?;
+                    }
+                    Ok(_) => writeln!(
+                        out,
+                        "{f} {b} {t}: ptx {hit:?}; cubin step skipped (the GPU here is not {t})"
+                    )
+                    .map_err(io)?,
+                    Err(why) => {
+                        writeln!(out, "{f} {b} {t}: ptx {hit:?}; cubin step skipped ({why})")
+                            .map_err(io)?
+                    }
+                }
+            }
+            if let Some(m) = manifest {
+                let text: String = jobs
+                    .iter()
+                    .map(|(f, b, t)| format!("{f}\t{b}\t{t}\n"))
+                    .collect();
+                moeforge::write_atomic(&m, text.as_bytes())?;
+                writeln!(out, "wrote manifest {}", m.display()).map_err(io)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
@@ -198,7 +350,17 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             output,
             layers,
             threads,
+            device,
         } => {
+            let gpu = match device.as_str() {
+                "host" => false,
+                "gpu" => true,
+                other => {
+                    return Err(moeforge::Error::Usage(format!(
+                        "unknown --device `{other}` (expected host or gpu)"
+                    )))
+                }
+            };
             let (name, src) = read_recipe(&file)?;
             let layers = match layers {
                 Some(l) => Some(moeforge::pack::parse_layers(&l)?),
@@ -212,14 +374,16 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 layers,
                 threads,
                 progress: true,
+                gpu,
             };
             let r = moeforge::pack::pack(&opts)?;
             let bytes: usize = r.layers.iter().map(|l| l.input_bytes).sum();
             let secs: f64 = r.layers.iter().map(|l| l.seconds).sum();
             writeln!(
                 out,
-                "packed {} layer(s), {:.1} MB of expert weights in {:.2} s ({:.2} GB/s in the host backend), wrote {} ({:.1} MB) in {:.2} s total",
+                "packed {} layer(s) on the {}, {:.1} MB of expert weights in {:.2} s ({:.2} GB/s in the backend), wrote {} ({:.1} MB) in {:.2} s total",
                 r.layers.len(),
+                if gpu { "GPU" } else { "host" },
                 bytes as f64 / 1e6,
                 secs,
                 bytes as f64 / secs.max(1e-9) / 1e9,
@@ -234,22 +398,38 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
         }
         Command::Bench {
             host,
+            gpu,
             threads,
             recipe,
         } => {
-            if !host {
+            if !host && !gpu {
                 return Err(moeforge::Error::Usage(
-                    "nothing to run: pass --host (GPU benchmarks arrive with the GPU runtime)"
-                        .into(),
+                    "nothing to run: pass --host and/or --gpu".into(),
                 ));
             }
-            write!(
-                out,
-                "{}",
-                moeforge::bench::host_report(threads, recipe.as_deref())?
-            )
-            .map_err(io)?;
+            if host {
+                write!(
+                    out,
+                    "{}",
+                    moeforge::bench::host_report(threads, recipe.as_deref())?
+                )
+                .map_err(io)?;
+            }
+            if gpu {
+                write!(out, "{}", moeforge::gpu::bench()?).map_err(io)?;
+            }
         }
+        Command::Selftest { gpu, quick } => {
+            if !gpu {
+                return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
+            }
+            let (report, ok) = moeforge::gpu::selftest(quick)?;
+            write!(out, "{report}").map_err(io)?;
+            if ok == Some(false) {
+                return Err(moeforge::Error::Usage("GPU self-test failed".into()));
+            }
+        }
+        Command::Cache { action } => cache_cmd(action, out)?,
         Command::Demo { experts } => {
             write!(out, "{}", moeforge::demo::run(experts)?).map_err(io)?;
         }

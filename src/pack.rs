@@ -35,6 +35,8 @@ pub struct PackOptions {
     pub threads: usize,
     /// Show a progress bar.
     pub progress: bool,
+    /// Pack on GPU 0 instead of the host.
+    pub gpu: bool,
 }
 
 /// What [`pack`] did for one layer.
@@ -510,7 +512,17 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut reports = Vec::new();
     type Key = (usize, usize, usize, bool, Vec<String>);
-    let mut cache: Option<(Key, crate::dsl::ModuleInfo, crate::codegen::host::Compiled)> = None;
+    enum Backend {
+        Host(crate::codegen::host::Compiled),
+        Gpu(crate::runtime::gpu_pack::GpuProgram),
+    }
+    let dev = if opts.gpu {
+        Some(crate::runtime::Device::open(0)?)
+    } else {
+        None
+    };
+    let kcache = crate::runtime::Cache::new(crate::runtime::Cache::default_dir());
+    let mut cache: Option<(Key, crate::dsl::ModuleInfo, Backend)> = None;
     let mut binding = String::new();
     for (layer, form, experts) in &layers {
         bar.set_message(layer.to_string());
@@ -524,21 +536,55 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             let info = crate::check_source(&opts.recipe_src, &opts.recipe_path, Some(&binding))?;
             let has = |n: &str| li.bufs.contains_key(n);
             let as_f32 = li.as_f32;
+            // The host takes the 4-lane form of the program, the GPU the scalar one.
             let prog = crate::codegen::plan::plan_with(
                 &info,
                 &has,
                 &|n: &str| as_f32 && (n == "w13" || n == "w2"),
-                true,
+                dev.is_none(),
             )?;
-            cache = Some((key, info, crate::codegen::host::compile(&prog)?));
+            let backend = match &dev {
+                Some(d) => Backend::Gpu(crate::runtime::gpu_pack::GpuProgram::load(
+                    d, &kcache, &prog,
+                )?),
+                None => Backend::Host(crate::codegen::host::compile(&prog)?),
+            };
+            cache = Some((key, info, backend));
         }
-        let Some((_, info, compiled)) = &cache else {
+        let Some((_, info, backend)) = &cache else {
             return Err(Error::Usage("internal: no compiled program".into()));
         };
-        let prog: &Program = compiled.program();
-        let mut bufs = crate::codegen::alloc_buffers(prog, &mut |n| li.bufs.get(n).cloned())?;
         let t1 = Instant::now();
-        compiled.run(&mut bufs, &crate::codegen::SingleProcess, opts.threads)?;
+        let (prog, bufs): (&Program, Vec<Vec<u8>>) = match (backend, &dev) {
+            (Backend::Host(compiled), _) => {
+                let prog = compiled.program();
+                let mut bufs =
+                    crate::codegen::alloc_buffers(prog, &mut |n| li.bufs.get(n).cloned())?;
+                compiled.run(&mut bufs, &crate::codegen::SingleProcess, opts.threads)?;
+                (prog, bufs)
+            }
+            (Backend::Gpu(gp), Some(d)) => {
+                let prog = gp.program();
+                let mut dbufs = gp.alloc(d, &mut |n| li.bufs.get(n).cloned())?;
+                gp.run(d, &mut dbufs)?;
+                let params: HashMap<String, Vec<u8>> =
+                    gp.download(d, &dbufs)?.into_iter().collect();
+                let bufs = prog
+                    .bufs
+                    .iter()
+                    .map(|b| match &b.role {
+                        BufRole::Param(n) => params.get(n).cloned().unwrap_or_default(),
+                        _ => Vec::new(),
+                    })
+                    .collect();
+                (prog, bufs)
+            }
+            (Backend::Gpu(_), None) => {
+                return Err(Error::Usage(
+                    "internal: GPU program without a device".into(),
+                ))
+            }
+        };
         let seconds = t1.elapsed().as_secs_f64();
         for (b, data) in prog.bufs.iter().zip(bufs) {
             let BufRole::Param(pname) = &b.role else {

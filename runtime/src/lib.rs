@@ -1,25 +1,60 @@
-//! moeforge's GPU runtime: device, JIT cache, parameter store, collectives and the EPLB executor.
+//! moeforge's GPU runtime: the CUDA device (cudarc, loaded dynamically), the JIT from PTX to cubin
+//! through the driver's linker, a content-addressed kernel cache, and GPU execution of pack programs.
 //!
-//! Not built yet (issue [3/5]); the crate exists so that the workspace has its final shape.
+//! Every entry point returns [`Error::NoDriver`] on a machine without a loadable CUDA driver: cudarc
+//! panics when libcuda is missing, so its presence is checked before any driver call.
+
+pub mod cache;
+pub mod device;
+pub mod gpu_pack;
+pub mod jit;
+
+pub use cache::Cache;
+pub use device::Device;
 
 /// Errors of the runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// No GPU driver could be loaded on this machine.
-    #[error("no CUDA driver is available: {0}")]
+    /// No CUDA driver library could be loaded, or no device is present.
+    #[error("no CUDA device: {0}")]
     NoDriver(String),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error in {call}: {detail}")]
+    Driver {
+        /// The call.
+        call: &'static str,
+        /// The driver's message.
+        detail: String,
+    },
+    /// The driver's JIT linker rejected the PTX; the log says why.
+    #[error("JIT of `{name}` failed ({code}):\n{log}")]
+    Jit {
+        /// Module name.
+        name: String,
+        /// CUresult.
+        code: String,
+        /// The linker's error and info log.
+        log: String,
+    },
+    /// Reading or writing the cache failed.
+    #[error("kernel cache at {path}: {source}")]
+    Cache {
+        /// Path.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Code generation failed.
+    #[error(transparent)]
+    Codegen(#[from] moeforge_codegen::Error),
 }
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Whether a CUDA driver library can be found on this machine (by the usual names).
-pub fn driver_present() -> bool {
-    [
-        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
-        "/usr/lib64/libcuda.so.1",
-        "/usr/lib/wsl/lib/libcuda.so.1",
-    ]
-    .iter()
-    .any(|p| std::path::Path::new(p).exists())
+pub(crate) fn drv<E: std::fmt::Debug>(call: &'static str) -> impl Fn(E) -> Error {
+    move |e| Error::Driver {
+        call,
+        detail: format!("{e:?}"),
+    }
 }

@@ -1,0 +1,297 @@
+//! The content-addressed kernel cache: an in-memory map over an on-disk store.
+//!
+//! A PTX entry's key hashes (BLAKE3) the normalized kernel IR of the program, the target, the options
+//! and the moeforge version; a cubin entry's key adds the driver version. Never paths or mtimes. Disk
+//! entries live under `$MOEFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/moeforge`, else
+//! `~/.cache/moeforge`, in `kernels/`. Each file is a header line, the BLAKE3 checksum of the payload
+//! and the payload; it is written to a temporary file and renamed into place, so readers never see half
+//! an entry and two processes compiling the same key both succeed (the last rename wins, with identical
+//! bytes). A corrupt or truncated entry fails its checksum, is recompiled and replaced, never trusted.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::{Error, Result};
+
+const MAGIC: &[u8] = b"MOEFORGE-KERNEL-CACHE 1\n";
+
+/// Where a cached artifact came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hit {
+    /// The in-memory map.
+    Memory,
+    /// The on-disk store (checksum verified).
+    Disk,
+    /// Not cached: compiled now.
+    Compiled,
+    /// A disk entry failed its checksum and was recompiled and replaced.
+    Recompiled,
+}
+
+/// One stored entry.
+#[derive(Debug, Clone)]
+pub struct EntryInfo {
+    /// `ptx` or `cubin`.
+    pub kind: String,
+    /// The key (hex).
+    pub key: String,
+    /// File size in bytes.
+    pub bytes: u64,
+    /// Whether its checksum verifies.
+    pub valid: bool,
+}
+
+/// The kernel cache.
+pub struct Cache {
+    dir: Option<PathBuf>,
+    mem: Mutex<HashMap<String, Arc<Vec<u8>>>>,
+}
+
+impl Cache {
+    /// The default on-disk location (see the module docs), if one can be determined.
+    pub fn default_dir() -> Option<PathBuf> {
+        if let Some(d) = std::env::var_os("MOEFORGE_CACHE_DIR") {
+            return Some(PathBuf::from(d));
+        }
+        if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+            return Some(PathBuf::from(d).join("moeforge"));
+        }
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moeforge"))
+    }
+
+    /// A cache over a folder (`None`: in memory only).
+    pub fn new(dir: Option<PathBuf>) -> Cache {
+        Cache {
+            dir: dir.map(|d| d.join("kernels")),
+            mem: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The folder entries are stored in.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// The key of a program's PTX for a target.
+    pub fn ptx_key(prog: &moeforge_codegen::kir::Program, target: &str, options: &str) -> String {
+        let mut h = blake3::Hasher::new();
+        for part in ["moeforge-ptx", env!("CARGO_PKG_VERSION"), target, options] {
+            h.update(part.as_bytes());
+            h.update(&[0]);
+        }
+        h.update(prog.to_string().as_bytes());
+        h.finalize().to_hex().to_string()
+    }
+
+    /// The key of the cubin compiled from a PTX entry by a driver version.
+    pub fn cubin_key(ptx_key: &str, driver_version: i32) -> String {
+        let mut h = blake3::Hasher::new();
+        h.update(b"moeforge-cubin\0culink\0");
+        h.update(ptx_key.as_bytes());
+        h.update(&driver_version.to_le_bytes());
+        h.finalize().to_hex().to_string()
+    }
+
+    fn path(&self, kind: &str, key: &str) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join(format!("{key}.{kind}")))
+    }
+
+    fn read(path: &Path) -> Option<Vec<u8>> {
+        let data = std::fs::read(path).ok()?;
+        parse(&data)
+    }
+
+    fn write(&self, path: &Path, payload: &[u8]) -> Result<()> {
+        let io = |e: std::io::Error| Error::Cache {
+            path: path.display().to_string(),
+            source: e,
+        };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
+        tmp.write_all(MAGIC).map_err(io)?;
+        tmp.write_all(blake3::hash(payload).to_hex().as_bytes())
+            .map_err(io)?;
+        tmp.write_all(b"\n").map_err(io)?;
+        tmp.write_all(payload).map_err(io)?;
+        tmp.persist(path).map_err(|e| io(e.error))?;
+        Ok(())
+    }
+
+    /// The artifact of `kind` under `key`: from memory, from disk (checksum verified), or made by
+    /// `make` and stored in both.
+    pub fn get_or_insert(
+        &self,
+        kind: &str,
+        key: &str,
+        make: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<(Arc<Vec<u8>>, Hit)> {
+        let mkey = format!("{kind}:{key}");
+        if let Some(v) = self.mem.lock().ok().and_then(|m| m.get(&mkey).cloned()) {
+            return Ok((v, Hit::Memory));
+        }
+        let path = self.path(kind, key);
+        let mut hit = Hit::Compiled;
+        if let Some(p) = &path {
+            if p.exists() {
+                match Self::read(p) {
+                    Some(v) => {
+                        let v = Arc::new(v);
+                        if let Ok(mut m) = self.mem.lock() {
+                            m.insert(mkey, v.clone());
+                        }
+                        return Ok((v, Hit::Disk));
+                    }
+                    None => hit = Hit::Recompiled,
+                }
+            }
+        }
+        let v = Arc::new(make()?);
+        if let Some(p) = &path {
+            self.write(p, &v)?;
+        }
+        if let Ok(mut m) = self.mem.lock() {
+            m.insert(mkey, v.clone());
+        }
+        Ok((v, hit))
+    }
+
+    /// Forget the in-memory map (the disk store stays).
+    pub fn forget_memory(&self) {
+        if let Ok(mut m) = self.mem.lock() {
+            m.clear();
+        }
+    }
+
+    /// Every entry on disk.
+    pub fn entries(&self) -> Result<Vec<EntryInfo>> {
+        let Some(dir) = &self.dir else {
+            return Ok(Vec::new());
+        };
+        let rd = match std::fs::read_dir(dir) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => {
+                return Err(Error::Cache {
+                    path: dir.display().to_string(),
+                    source: e,
+                })
+            }
+        };
+        let mut out = Vec::new();
+        for e in rd.flatten() {
+            let p = e.path();
+            let (Some(stem), Some(ext)) = (p.file_stem(), p.extension()) else {
+                continue;
+            };
+            let (ext, stem) = (
+                ext.to_string_lossy().into_owned(),
+                stem.to_string_lossy().into_owned(),
+            );
+            if ext != "ptx" && ext != "cubin" {
+                continue;
+            }
+            out.push(EntryInfo {
+                kind: ext,
+                key: stem,
+                bytes: e.metadata().map(|m| m.len()).unwrap_or(0),
+                valid: Self::read(&p).is_some(),
+            });
+        }
+        out.sort_by(|a, b| (&a.kind, &a.key).cmp(&(&b.kind, &b.key)));
+        Ok(out)
+    }
+
+    /// Remove every entry; returns how many files were removed.
+    pub fn clear(&self) -> Result<usize> {
+        self.forget_memory();
+        let mut n = 0;
+        for e in self.entries()? {
+            if let Some(p) = self.path(&e.kind, &e.key) {
+                std::fs::remove_file(&p).map_err(|err| Error::Cache {
+                    path: p.display().to_string(),
+                    source: err,
+                })?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Parse a stored entry: the header, a checksum line and a payload that matches it.
+fn parse(data: &[u8]) -> Option<Vec<u8>> {
+    let rest = data.strip_prefix(MAGIC)?;
+    if rest.len() < 65 || rest[64] != b'\n' {
+        return None;
+    }
+    let (sum, payload) = (&rest[..64], &rest[65..]);
+    (blake3::hash(payload).to_hex().as_bytes() == sum).then(|| payload.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn corrupt_and_truncated_entries_are_recompiled_and_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Cache::new(Some(dir.path().to_path_buf()));
+        let (v, hit) = c
+            .get_or_insert("ptx", "k1", || Ok(b"payload one".to_vec()))
+            .unwrap();
+        assert_eq!((v.as_slice(), hit), (&b"payload one"[..], Hit::Compiled));
+        let (_, hit) = c.get_or_insert("ptx", "k1", || unreachable!()).unwrap();
+        assert_eq!(hit, Hit::Memory);
+        // A new process: disk hit.
+        let c2 = Cache::new(Some(dir.path().to_path_buf()));
+        let (v, hit) = c2.get_or_insert("ptx", "k1", || unreachable!()).unwrap();
+        assert_eq!((v.as_slice(), hit), (&b"payload one"[..], Hit::Disk));
+        // Flip one payload byte: recompiled, and the replacement is valid.
+        let p = dir.path().join("kernels/k1.ptx");
+        let mut bytes = std::fs::read(&p).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let c3 = Cache::new(Some(dir.path().to_path_buf()));
+        let (v, hit) = c3
+            .get_or_insert("ptx", "k1", || Ok(b"payload one".to_vec()))
+            .unwrap();
+        assert_eq!((v.as_slice(), hit), (&b"payload one"[..], Hit::Recompiled));
+        assert!(c3.entries().unwrap().iter().all(|e| e.valid));
+        // Truncate: recompiled too.
+        std::fs::write(&p, &bytes[..10]).unwrap();
+        let c4 = Cache::new(Some(dir.path().to_path_buf()));
+        let (_, hit) = c4
+            .get_or_insert("ptx", "k1", || Ok(b"payload one".to_vec()))
+            .unwrap();
+        assert_eq!(hit, Hit::Recompiled);
+        assert_eq!(c4.clear().unwrap(), 1);
+        assert!(c4.entries().unwrap().is_empty());
+    }
+
+    #[test]
+    fn concurrent_writers_of_one_key_both_succeed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let p = path.clone();
+                std::thread::spawn(move || {
+                    let c = Cache::new(Some(p));
+                    c.get_or_insert("cubin", "same", || Ok(vec![7u8; 1 << 16]))
+                        .map(|(v, _)| v.len())
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap().unwrap(), 1 << 16);
+        }
+        let c = Cache::new(Some(path));
+        let e = c.entries().unwrap();
+        assert_eq!(e.len(), 1);
+        assert!(e[0].valid);
+    }
+}

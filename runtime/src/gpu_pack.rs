@@ -1,0 +1,175 @@
+//! Pack programs on the GPU: the same kernel IR as the host backend, compiled to PTX, JIT-linked to a
+//! cubin (both cached), loaded, and launched in program order on device buffers.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use moeforge_codegen::kir::{BufRole, Program, Step};
+use moeforge_codegen::ptx;
+
+use crate::cache::{Cache, Hit};
+use crate::{drv, Device, Error, Result};
+
+/// A pack program loaded on a device.
+pub struct GpuProgram {
+    prog: Program,
+    _module: Arc<CudaModule>,
+    funcs: Vec<CudaFunction>,
+    /// Where the PTX came from.
+    pub ptx_hit: Hit,
+    /// Where the cubin came from.
+    pub cubin_hit: Hit,
+    /// Seconds spent generating PTX (0 on a hit).
+    pub ptx_seconds: f64,
+    /// Seconds spent in PTX -> cubin and module load.
+    pub load_seconds: f64,
+}
+
+impl GpuProgram {
+    /// Generate (or fetch) the PTX, JIT it (or fetch the cubin) and load the module.
+    pub fn load(dev: &Device, cache: &Cache, prog: &Program) -> Result<GpuProgram> {
+        let target = dev.target().ok_or_else(|| {
+            Error::NoDriver(format!(
+                "no PTX target for compute capability {:?}",
+                dev.capability
+            ))
+        })?;
+        let key = Cache::ptx_key(prog, target.name(), "");
+        let t0 = Instant::now();
+        let (ptx_text, ptx_hit) =
+            cache.get_or_insert("ptx", &key, || Ok(ptx::compile(prog, target)?.into_bytes()))?;
+        let ptx_seconds = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let ckey = Cache::cubin_key(&key, dev.driver_version);
+        let (cubin, cubin_hit) = cache.get_or_insert("cubin", &ckey, || {
+            let text = String::from_utf8_lossy(&ptx_text).into_owned();
+            crate::jit::link_ptx(dev, &prog.recipe, &text).map(|(c, _log)| c)
+        })?;
+        let module = dev
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.as_ref().clone()))
+            .map_err(drv("cuModuleLoadData"))?;
+        let funcs = prog
+            .kernels()
+            .map(|k| {
+                module
+                    .load_function(&k.name)
+                    .map_err(drv("cuModuleGetFunction"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(GpuProgram {
+            prog: prog.clone(),
+            _module: module,
+            funcs,
+            ptx_hit,
+            cubin_hit,
+            ptx_seconds,
+            load_seconds: t1.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The program.
+    pub fn program(&self) -> &Program {
+        &self.prog
+    }
+
+    /// Device buffers for the program: inputs uploaded from `fill`, the rest zeroed.
+    pub fn alloc(
+        &self,
+        dev: &Device,
+        fill: &mut dyn FnMut(&str) -> Option<Vec<u8>>,
+    ) -> Result<Vec<CudaSlice<u8>>> {
+        let mut out = Vec::with_capacity(self.prog.bufs.len());
+        for b in &self.prog.bufs {
+            let bytes = b.len * b.elem.size();
+            match &b.role {
+                BufRole::Input(n) => {
+                    let data = fill(n).ok_or_else(|| {
+                        Error::Codegen(moeforge_codegen::Error::BufferSize {
+                            name: n.clone(),
+                            expected: bytes,
+                            got: 0,
+                        })
+                    })?;
+                    if data.len() != bytes {
+                        return Err(Error::Codegen(moeforge_codegen::Error::BufferSize {
+                            name: n.clone(),
+                            expected: bytes,
+                            got: data.len(),
+                        }));
+                    }
+                    out.push(dev.stream.clone_htod(&data).map_err(drv("cuMemcpyHtoD"))?);
+                }
+                _ => out.push(
+                    dev.stream
+                        .alloc_zeros::<u8>(bytes.max(1))
+                        .map_err(drv("cuMemAlloc"))?,
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Launch every step in order on the device's stream (asynchronous; collective steps over one
+    /// process are the identity).
+    pub fn run(&self, dev: &Device, bufs: &mut [CudaSlice<u8>]) -> Result<()> {
+        if bufs.len() != self.prog.bufs.len() {
+            return Err(Error::Codegen(moeforge_codegen::Error::Internal(
+                "buffer count",
+            )));
+        }
+        for (b, d) in self.prog.bufs.iter().zip(bufs.iter_mut()) {
+            if b.zeroed {
+                dev.stream.memset_zeros(d).map_err(drv("cuMemsetD8"))?;
+            }
+        }
+        let mut funcs = self.funcs.iter();
+        for step in &self.prog.steps {
+            match step {
+                Step::Kernel(k) => {
+                    let f =
+                        funcs
+                            .next()
+                            .ok_or(Error::Codegen(moeforge_codegen::Error::Internal(
+                                "kernel count",
+                            )))?;
+                    let threads = 256u32;
+                    let blocks =
+                        ((k.items as u64).div_ceil(threads as u64)).clamp(1, 132 * 32) as u32;
+                    let cfg = LaunchConfig {
+                        grid_dim: (blocks, 1, 1),
+                        block_dim: (threads, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut l = dev.stream.launch_builder(f);
+                    for d in bufs.iter() {
+                        l.arg(d);
+                    }
+                    // SAFETY: every generated kernel takes exactly one `.u64` global pointer per program
+                    // buffer, in program order (`ptx::kernel_ptx`), and that is what was pushed; each
+                    // buffer has the size the program declares (`alloc`), and the kernels index only
+                    // inside those sizes (the same programs run bounds-checked in the interpreter).
+                    unsafe { l.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+                }
+                Step::AllReduceMax { .. } => {
+                    // One process: the identity. (Across ranks this becomes an NCCL all-reduce.)
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy every param back: `(name, bytes)` in program order.
+    pub fn download(&self, dev: &Device, bufs: &[CudaSlice<u8>]) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut out = Vec::new();
+        for (b, d) in self.prog.bufs.iter().zip(bufs) {
+            if let BufRole::Param(n) = &b.role {
+                let mut v = dev.stream.clone_dtoh(d).map_err(drv("cuMemcpyDtoH"))?;
+                v.truncate(b.len * b.elem.size());
+                out.push((n.clone(), v));
+            }
+        }
+        Ok(out)
+    }
+}

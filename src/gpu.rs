@@ -1,0 +1,315 @@
+//! GPU self-tests and benchmarks (`moeforge selftest --gpu`, `moeforge bench --gpu`): on-GPU packing
+//! byte-identical to the host backend for every standard recipe at several shapes, JIT latency through
+//! the cache, and on-GPU pack time against each recipe's traffic bound. Without a GPU they say so and
+//! skip.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use crate::bench::Layer;
+use crate::kernels::STANDARD;
+use crate::runtime::cache::{Cache, Hit};
+use crate::runtime::gpu_pack::GpuProgram;
+use crate::runtime::Device;
+use crate::{Error, Result};
+
+fn rt(e: crate::runtime::Error) -> Error {
+    Error::Runtime(e)
+}
+
+/// Open GPU 0, or the reason there is none.
+pub fn open() -> std::result::Result<Device, String> {
+    Device::open(0).map_err(|e| e.to_string())
+}
+
+fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {
+    let (e, _, _) = layer.dims;
+    let mut m = HashMap::new();
+    m.insert("w13".to_string(), layer.w13.clone());
+    m.insert("w2".to_string(), layer.w2.clone());
+    let s13: Vec<u8> = (0..e)
+        .flat_map(|k| (0.5f32 + k as f32 * 0.125).to_le_bytes())
+        .collect();
+    let s2: Vec<u8> = (0..e)
+        .flat_map(|k| (2.0f32 - k as f32 * 0.0625).to_le_bytes())
+        .collect();
+    m.insert("w13_input_scale".to_string(), s13);
+    m.insert("w2_input_scale".to_string(), s2);
+    m
+}
+
+fn host_pack(
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let prog =
+        crate::codegen::plan::plan_with(info, &|n: &str| inp.contains_key(n), &|_| false, true)?;
+    let compiled = crate::codegen::host::compile(&prog)?;
+    let mut bufs = crate::codegen::alloc_buffers(&prog, &mut |n| inp.get(n).cloned())?;
+    compiled.run(&mut bufs, &crate::codegen::SingleProcess, 0)?;
+    Ok(prog
+        .bufs
+        .iter()
+        .zip(bufs)
+        .filter_map(|(b, d)| match &b.role {
+            crate::codegen::kir::BufRole::Param(n) => Some((n.clone(), d)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// Pack on the GPU: returns the params and the GPU program.
+pub fn gpu_pack(
+    dev: &Device,
+    cache: &Cache,
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+) -> Result<(Vec<(String, Vec<u8>)>, GpuProgram)> {
+    let prog = crate::codegen::plan::plan(info, &|n: &str| inp.contains_key(n))?;
+    let gp = GpuProgram::load(dev, cache, &prog).map_err(rt)?;
+    let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
+    gp.run(dev, &mut bufs).map_err(rt)?;
+    let out = gp.download(dev, &bufs).map_err(rt)?;
+    Ok((out, gp))
+}
+
+/// Shapes of the self-test: small, not multiples of the tiles where the recipe allows, and a real layer.
+pub const SHAPES: &[(usize, usize, usize)] =
+    &[(2, 128, 128), (3, 192, 64), (4, 320, 192), (8, 2048, 768)];
+
+/// `moeforge selftest --gpu`: GPU == host byte for byte. Returns the report and whether all passed
+/// (`None` when there is no GPU).
+pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
+    let mut out = String::new();
+    let dev = match open() {
+        Ok(d) => d,
+        Err(why) => {
+            let _ = writeln!(out, "SKIPPED: GPU self-test needs a CUDA GPU ({why})");
+            return Ok((out, None));
+        }
+    };
+    let _ = writeln!(
+        out,
+        "device: {} (sm_{}{}), driver CUDA {}",
+        dev.name, dev.capability.0, dev.capability.1, dev.driver_version
+    );
+    let cache = Cache::new(None);
+    let shapes: &[(usize, usize, usize)] = if quick { &SHAPES[..2] } else { SHAPES };
+    let mut all = true;
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let _ = writeln!(out, "seed {seed}");
+    let _ = writeln!(
+        out,
+        "{:<16} {:>14} {:>8} {:>12}  result",
+        "recipe", "E,H,I", "params", "bytes"
+    );
+    for r in STANDARD {
+        for &(e, h, i) in shapes {
+            let bind = format!("E={e},H={h},I={i}");
+            let Ok(info) = crate::check_source(r.source, r.path, Some(&bind)) else {
+                let _ = writeln!(out, "{:<16} {:>14} {:>8} {:>12}  skipped (the recipe's where-clause rejects this shape)", r.name, format!("{e},{h},{i}"), "-", "-");
+                continue;
+            };
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let layer = Layer::synthetic(e, h, i, seed);
+            let inp = inputs(&layer);
+            let want = host_pack(&info, &inp)?;
+            let (got, _) = gpu_pack(&dev, &cache, &info, &inp)?;
+            let mut verdict = "identical".to_string();
+            let mut bytes = 0usize;
+            for ((wn, wb), (gn, gb)) in want.iter().zip(&got) {
+                bytes += wb.len();
+                if wn != gn || wb.len() != gb.len() {
+                    verdict = format!("DIFFERENT params: {wn} vs {gn}");
+                    break;
+                }
+                if let Some(k) = wb.iter().zip(gb).position(|(a, b)| a != b) {
+                    verdict = format!(
+                        "DIFFERENT: {wn} byte {k}: host {:#04x}, gpu {:#04x}",
+                        wb[k], gb[k]
+                    );
+                    break;
+                }
+            }
+            if want.len() != got.len() {
+                verdict = format!(
+                    "DIFFERENT: {} params on host, {} on GPU",
+                    want.len(),
+                    got.len()
+                );
+            }
+            all &= verdict == "identical";
+            let _ = writeln!(
+                out,
+                "{:<16} {:>14} {:>8} {:>12}  {verdict}",
+                r.name,
+                format!("{e},{h},{i}"),
+                want.len(),
+                bytes
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "{}",
+        if all {
+            "GPU == host: all identical"
+        } else {
+            "GPU != host: FAILED"
+        }
+    );
+    Ok((out, Some(all)))
+}
+
+/// Fewest bytes a recipe's pack must move: each input read (twice where a per-expert or per-tensor
+/// amax must be known before quantizing), each param written once.
+fn traffic_bytes(info: &crate::dsl::ModuleInfo, prog: &crate::codegen::kir::Program) -> f64 {
+    let two_pass = prog.kernels().any(|k| k.name.ends_with("_amax"));
+    let mut b = 0f64;
+    for buf in &prog.bufs {
+        let n = (buf.len * buf.elem.size()) as f64;
+        match &buf.role {
+            crate::codegen::kir::BufRole::Input(_) => {
+                b += if two_pass && n > 1e6 { 2.0 * n } else { n }
+            }
+            crate::codegen::kir::BufRole::Param(_) => b += n,
+            _ => {}
+        }
+    }
+    let _ = info;
+    b
+}
+
+/// `moeforge bench --gpu`: JIT latency and on-GPU pack time of a DeepSeek-V3 EP8 layer.
+pub fn bench() -> Result<String> {
+    let mut out = String::new();
+    let dev = match open() {
+        Ok(d) => d,
+        Err(why) => {
+            let _ = writeln!(out, "SKIPPED: GPU benchmarks need a CUDA GPU ({why})");
+            return Ok(out);
+        }
+    };
+    let _ = writeln!(
+        out,
+        "device: {} (sm_{}{}), driver CUDA {}; CUDA_CACHE_DISABLE={}",
+        dev.name,
+        dev.capability.0,
+        dev.capability.1,
+        dev.driver_version,
+        std::env::var("CUDA_CACHE_DISABLE").unwrap_or_default()
+    );
+    // JIT latency per recipe at the Qwen3-30B-A3B binding.
+    let _ = writeln!(out, "\nJIT latency (Qwen3-30B-A3B binding, sm_90a):");
+    let _ = writeln!(
+        out,
+        "{:<16} {:>12} {:>16} {:>16} {:>18}",
+        "recipe", "recipe->PTX", "cold PTX->module", "warm memory hit", "warm disk hit"
+    );
+    for r in STANDARD {
+        let dir = tempfile::tempdir().map_err(|e| Error::Io {
+            path: "tempdir".into(),
+            source: e,
+        })?;
+        let t = Instant::now();
+        let info = crate::check_source(r.source, r.path, Some("E=128,H=2048,I=768"))?;
+        let prog = crate::codegen::plan::plan(&info, &|_: &str| true)?;
+        let target = dev
+            .target()
+            .ok_or_else(|| Error::Usage("unsupported GPU".into()))?;
+        let ptx_text = crate::codegen::ptx::compile(&prog, target)?;
+        let t_ptx = t.elapsed().as_secs_f64();
+        std::hint::black_box(&ptx_text);
+        let cache = Cache::new(Some(dir.path().to_path_buf()));
+        let t = Instant::now();
+        let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
+        let t_cold = t.elapsed().as_secs_f64() - gp.ptx_seconds;
+        // Warm in-memory hit: key the program and fetch both artifacts from the map.
+        let t = Instant::now();
+        let key = Cache::ptx_key(&prog, target.name(), "");
+        let (_, h1) = cache
+            .get_or_insert("ptx", &key, || {
+                Err(crate::runtime::Error::NoDriver("miss".into()))
+            })
+            .map_err(rt)?;
+        let (_, h2) = cache
+            .get_or_insert("cubin", &Cache::cubin_key(&key, dev.driver_version), || {
+                Err(crate::runtime::Error::NoDriver("miss".into()))
+            })
+            .map_err(rt)?;
+        let t_mem = t.elapsed().as_secs_f64();
+        // Warm disk hit: a fresh cache object over the same folder, then module load.
+        let cache2 = Cache::new(Some(dir.path().to_path_buf()));
+        let t = Instant::now();
+        let gp2 = GpuProgram::load(&dev, &cache2, &prog).map_err(rt)?;
+        let t_disk = t.elapsed().as_secs_f64();
+        let ok = h1 == Hit::Memory
+            && h2 == Hit::Memory
+            && gp2.ptx_hit == Hit::Disk
+            && gp2.cubin_hit == Hit::Disk;
+        let _ = writeln!(
+            out,
+            "{:<16} {:>9.2} ms {:>13.1} ms {:>13.1} us {:>15.2} ms{}",
+            r.name,
+            t_ptx * 1e3,
+            t_cold * 1e3,
+            t_mem * 1e6,
+            t_disk * 1e3,
+            if ok { "" } else { "  (unexpected cache path)" }
+        );
+    }
+    // On-GPU pack of a DeepSeek-V3 EP8 layer.
+    let (e, h, i) = (32, 7168, 2048);
+    let layer = Layer::synthetic(e, h, i, 5);
+    let inp = inputs(&layer);
+    let _ = writeln!(out, "\nOn-GPU pack, DeepSeek-V3 EP8 layer (E={e}, H={h}, I={i}; {:.2} GB of bf16), copy ceiling 4.27 TB/s:", layer.bytes() as f64 / 1e9);
+    let _ = writeln!(
+        out,
+        "{:<16} {:>10} {:>12} {:>12} {:>10}",
+        "recipe", "time ms", "traffic GB", "bound ms", "of bound"
+    );
+    let cache = Cache::new(None);
+    for r in STANDARD {
+        let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
+        let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
+        let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
+        let mut bufs = gp.alloc(&dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
+        gp.run(&dev, &mut bufs).map_err(rt)?;
+        dev.stream.synchronize().map_err(|e| {
+            rt(crate::runtime::Error::Driver {
+                call: "cuStreamSynchronize",
+                detail: format!("{e:?}"),
+            })
+        })?;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = Instant::now();
+            gp.run(&dev, &mut bufs).map_err(rt)?;
+            dev.stream.synchronize().map_err(|e| {
+                rt(crate::runtime::Error::Driver {
+                    call: "cuStreamSynchronize",
+                    detail: format!("{e:?}"),
+                })
+            })?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let traffic = traffic_bytes(&info, &prog);
+        let bound = traffic / 4.27e12;
+        let _ = writeln!(
+            out,
+            "{:<16} {:>10.2} {:>12.2} {:>12.3} {:>9.1}%",
+            r.name,
+            best * 1e3,
+            traffic / 1e9,
+            bound * 1e3,
+            bound / best * 100.0
+        );
+    }
+    Ok(out)
+}
