@@ -24,12 +24,13 @@ pub fn link_ptx(dev: &Device, name: &str, ptx: &str) -> Result<(Vec<u8>, String)
         CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
         CUjit_option::CU_JIT_LOG_VERBOSE,
     ];
+    // Integer-valued options travel in the pointer-sized slot, as the driver API defines.
     let mut vals: [*mut c_void; 5] = [
         info.as_mut_ptr() as *mut c_void,
-        LOG as *mut c_void,
+        std::ptr::without_provenance_mut(LOG),
         error.as_mut_ptr() as *mut c_void,
-        LOG as *mut c_void,
-        1usize as *mut c_void,
+        std::ptr::without_provenance_mut(LOG),
+        std::ptr::without_provenance_mut(1),
     ];
     let src = CString::new(ptx).map_err(|_| Error::Jit {
         name: name.into(),
