@@ -65,7 +65,7 @@ pub fn gpu_pack(
     cache: &Cache,
     info: &crate::dsl::ModuleInfo,
     inp: &HashMap<String, Vec<u8>>,
-) -> Result<(Vec<(String, Vec<u8>)>, GpuProgram)> {
+) -> Result<(Params, GpuProgram)> {
     let prog = crate::codegen::plan::plan(info, &|n: &str| inp.contains_key(n))?;
     let gp = GpuProgram::load(dev, cache, &prog).map_err(rt)?;
     let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;

@@ -513,7 +513,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     let mut reports = Vec::new();
     type Key = (usize, usize, usize, bool, Vec<String>);
     enum Backend {
-        Host(crate::codegen::host::Compiled),
+        Host(Box<crate::codegen::host::Compiled>),
         Gpu(crate::runtime::gpu_pack::GpuProgram),
     }
     let dev = if opts.gpu {
@@ -547,7 +547,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
                 Some(d) => Backend::Gpu(crate::runtime::gpu_pack::GpuProgram::load(
                     d, &kcache, &prog,
                 )?),
-                None => Backend::Host(crate::codegen::host::compile(&prog)?),
+                None => Backend::Host(Box::new(crate::codegen::host::compile(&prog)?)),
             };
             cache = Some((key, info, backend));
         }
