@@ -39,10 +39,10 @@ fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {
     m
 }
 
-fn host_pack(
-    info: &crate::dsl::ModuleInfo,
-    inp: &HashMap<String, Vec<u8>>,
-) -> Result<Vec<(String, Vec<u8>)>> {
+/// Packed params: `(name, bytes)` in program order.
+pub type Params = Vec<(String, Vec<u8>)>;
+
+fn host_pack(info: &crate::dsl::ModuleInfo, inp: &HashMap<String, Vec<u8>>) -> Result<Params> {
     let prog =
         crate::codegen::plan::plan_with(info, &|n: &str| inp.contains_key(n), &|_| false, true)?;
     let compiled = crate::codegen::host::compile(&prog)?;
