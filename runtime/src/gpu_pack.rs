@@ -173,3 +173,55 @@ impl GpuProgram {
         Ok(out)
     }
 }
+
+/// Loaded programs of one process, indexed by what a caller asks for (recipe source, binding, present
+/// inputs, target), in front of the content-addressed [`Cache`]: a repeated request costs one hash of
+/// the recipe text and a map lookup, with no planning, IR printing or module load.
+pub struct Loaded {
+    map: std::sync::Mutex<std::collections::HashMap<String, Arc<GpuProgram>>>,
+}
+
+impl Default for Loaded {
+    fn default() -> Self {
+        Loaded {
+            map: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+}
+
+impl Loaded {
+    /// The request key: BLAKE3 of the recipe text, the binding, the inputs present, the target and
+    /// the moeforge version.
+    pub fn key(recipe_src: &str, binding: &str, present: &[&str], target: &str) -> String {
+        let mut h = blake3::Hasher::new();
+        for p in [env!("CARGO_PKG_VERSION"), recipe_src, binding, target] {
+            h.update(p.as_bytes());
+            h.update(&[0]);
+        }
+        for p in present {
+            h.update(p.as_bytes());
+            h.update(&[1]);
+        }
+        h.finalize().to_hex().to_string()
+    }
+
+    /// The loaded program for a request, made (planned, compiled through the cache, loaded) on a miss.
+    /// The flag says whether it was already loaded.
+    pub fn get_or_load(
+        &self,
+        dev: &Device,
+        cache: &Cache,
+        key: &str,
+        make: impl FnOnce() -> Result<Program>,
+    ) -> Result<(Arc<GpuProgram>, bool)> {
+        if let Some(p) = self.map.lock().ok().and_then(|m| m.get(key).cloned()) {
+            return Ok((p, true));
+        }
+        let prog = make()?;
+        let gp = Arc::new(GpuProgram::load(dev, cache, &prog)?);
+        if let Ok(mut m) = self.map.lock() {
+            m.insert(key.to_string(), gp.clone());
+        }
+        Ok((gp, false))
+    }
+}
