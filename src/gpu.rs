@@ -232,16 +232,34 @@ pub fn bench() -> Result<String> {
         let t_cold = t.elapsed().as_secs_f64() - gp.ptx_seconds;
         // Warm in-memory hit: the same request again, answered by the process's loaded programs.
         let loaded = crate::runtime::gpu_pack::Loaded::default();
-        let key = |src: &str| crate::runtime::gpu_pack::Loaded::key(src, "E=128,H=2048,I=768", &["w13", "w2", "w13_input_scale", "w2_input_scale"], target.name());
+        let key = |src: &str| {
+            crate::runtime::gpu_pack::Loaded::key(
+                src,
+                "E=128,H=2048,I=768",
+                &["w13", "w2", "w13_input_scale", "w2_input_scale"],
+                target.name(),
+            )
+        };
         let k0 = key(r.source);
-        let (_, hit0) = loaded.get_or_load(&dev, &cache, &k0, || Ok(prog.clone())).map_err(rt)?;
+        let (_, hit0) = loaded
+            .get_or_load(&dev, &cache, &k0, || Ok(prog.clone()))
+            .map_err(rt)?;
         let t = Instant::now();
         let k1 = key(r.source);
         let (_, hit1) = loaded
-            .get_or_load(&dev, &cache, &k1, || Err(crate::runtime::Error::NoDriver("miss".into())))
+            .get_or_load(&dev, &cache, &k1, || {
+                Err(crate::runtime::Error::NoDriver("miss".into()))
+            })
             .map_err(rt)?;
         let t_mem = t.elapsed().as_secs_f64();
-        let (h1, h2) = (if !hit0 && hit1 { Hit::Memory } else { Hit::Compiled }, Hit::Memory);
+        let (h1, h2) = (
+            if !hit0 && hit1 {
+                Hit::Memory
+            } else {
+                Hit::Compiled
+            },
+            Hit::Memory,
+        );
         // Warm disk hit: a fresh cache object over the same folder, then module load.
         let cache2 = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();

@@ -431,37 +431,79 @@ impl Planner<'_> {
                 );
                 // 1. amax: one work item per row, atomically max-reduced per expert.
                 let x4 = self.x4 && cols % 16 == 0;
-                self.kernel(format!("{tag}_amax"), ne * rows, |em, it| {
-                    let ex = em.set(Ty::I64, e::div(it.clone(), rows));
-                    let base = em.set(Ty::I64, e::mul(it, e::i(cols)));
-                    let mx = if x4 {
-                        // 16 values per step in four f32x4 lanes, reduced across lanes at the end.
-                        let mv = em.var(Ty::F32x4, e::splat(e::f(0.0)));
-                        em.for_(e::i(0), e::i(cols / 16), |b, c| {
-                            let at = b.set(Ty::I64, e::add(base.clone(), e::mul(c, e::i(16))));
-                            let vs = (0..4)
-                                .map(|q| fabs(e::load_x4(xb, e::add(at.clone(), e::i(4 * q)))))
-                                .collect();
-                            b.out.push(Stmt::Set(mv, fmax(e::v(mv), max_tree(vs))));
-                        });
-                        let lanes = (0..4).map(|k| e::lane(e::v(mv), k)).collect();
-                        em.var(Ty::F32, max_tree(lanes))
-                    } else {
+                if !self.x4 {
+                    // GPU form: `lanes` work items per expert stride through it together, so that
+                    // neighbouring threads read neighbouring 16-byte chunks (coalesced), then one
+                    // atomic max per work item.
+                    let n_e = rows * cols;
+                    let chunk = if n_e % 8 == 0 { 8 } else { 1 };
+                    let lanes = (n_e / chunk).clamp(1, 2048);
+                    let steps = (n_e / chunk + lanes - 1) / lanes;
+                    self.kernel(format!("{tag}_amax"), ne * lanes, |em, it| {
+                        let ex = em.set(Ty::I64, e::div(it.clone(), lanes));
+                        let lane = em.set(Ty::I64, e::rem(it, lanes));
+                        let base = em.set(Ty::I64, e::mul(ex.clone(), e::i(n_e)));
                         let mx = em.var(Ty::F32, e::f(0.0));
-                        em.for_(e::i(0), e::i(cols), |b, c| {
-                            b.out
-                                .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                        em.for_(e::i(0), e::i(steps), |b, st| {
+                            let idx = b.set(
+                                Ty::I64,
+                                e::mul(e::add(e::mul(st, e::i(lanes)), lane.clone()), e::i(chunk)),
+                            );
+                            let body = b.block(|b2| {
+                                let at = b2.set(Ty::I64, e::add(base.clone(), idx.clone()));
+                                let vs = (0..chunk)
+                                    .map(|c| fabs(e::load(xb, e::add(at.clone(), e::i(c)))))
+                                    .collect();
+                                b2.out.push(Stmt::Set(mx, fmax(e::v(mx), max_tree(vs))));
+                            });
+                            b.out.push(Stmt::If {
+                                cond: e::bin(BinOp::ILt, idx, e::i(n_e)),
+                                then: body,
+                            });
                         });
-                        mx
-                    };
-                    let idx = if per_tensor { e::i(0) } else { ex };
-                    em.out.push(Stmt::AtomicMaxF32 {
-                        buf: amax_b,
-                        index: idx,
-                        value: e::v(mx),
-                    });
-                    Ok(())
-                })?;
+                        let idx = if per_tensor { e::i(0) } else { ex };
+                        em.out.push(Stmt::AtomicMaxF32 {
+                            buf: amax_b,
+                            index: idx,
+                            value: e::v(mx),
+                        });
+                        Ok(())
+                    })?;
+                } else {
+                    self.kernel(format!("{tag}_amax"), ne * rows, |em, it| {
+                        let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                        let base = em.set(Ty::I64, e::mul(it, e::i(cols)));
+                        let mx = if x4 {
+                            // 16 values per step in four f32x4 lanes, reduced across lanes at the end.
+                            let mv = em.var(Ty::F32x4, e::splat(e::f(0.0)));
+                            em.for_(e::i(0), e::i(cols / 16), |b, c| {
+                                let at = b.set(Ty::I64, e::add(base.clone(), e::mul(c, e::i(16))));
+                                let vs = (0..4)
+                                    .map(|q| fabs(e::load_x4(xb, e::add(at.clone(), e::i(4 * q)))))
+                                    .collect();
+                                b.out.push(Stmt::Set(mv, fmax(e::v(mv), max_tree(vs))));
+                            });
+                            let lanes = (0..4).map(|k| e::lane(e::v(mv), k)).collect();
+                            em.var(Ty::F32, max_tree(lanes))
+                        } else {
+                            let mx = em.var(Ty::F32, e::f(0.0));
+                            em.for_(e::i(0), e::i(cols), |b, c| {
+                                b.out.push(Stmt::Set(
+                                    mx,
+                                    fmax(e::v(mx), fabs(load(base.clone(), c))),
+                                ));
+                            });
+                            mx
+                        };
+                        let idx = if per_tensor { e::i(0) } else { ex };
+                        em.out.push(Stmt::AtomicMaxF32 {
+                            buf: amax_b,
+                            index: idx,
+                            value: e::v(mx),
+                        });
+                        Ok(())
+                    })?;
+                }
                 if group != Group::None {
                     self.prog.steps.push(Step::AllReduceMax {
                         buf: amax_b,
@@ -566,7 +608,21 @@ impl Planner<'_> {
                     // 3. q = e4m3(clamp(x * inv, +-448)).
                     let vb = vals;
                     let x4_q = self.x4 && cols % 4 == 0;
-                    self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+                    // GPU form: one work item per 16 elements of a row (coalesced).
+                    let nch = if !self.x4 && cols % 16 == 0 {
+                        cols / 16
+                    } else {
+                        1
+                    };
+                    let (c0, c1) = (if nch > 1 { 16 } else { cols }, nch);
+                    self.kernel(format!("{tag}_quant"), ne * rows * c1, |em, it0| {
+                        let (it, cstart) = if nch > 1 {
+                            let row = em.set(Ty::I64, e::div(it0.clone(), nch));
+                            let ch = em.set(Ty::I64, e::mul(e::rem(it0, nch), e::i(16)));
+                            (row, ch)
+                        } else {
+                            (it0, e::i(0))
+                        };
                         let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                         let r = em.set(Ty::I64, e::rem(it.clone(), rows));
                         let sr = src_row(em, r);
@@ -598,19 +654,23 @@ impl Planner<'_> {
                                     }
                                 });
                             } else {
-                                em.for_(e::i(0), e::i(cols), |b, c| {
-                                    let x = clamp(
-                                        fmul(load(base.clone(), c.clone()), inv.clone()),
-                                        -448.0,
-                                        448.0,
-                                    );
-                                    let code = quant::e4m3_rne(b, x);
-                                    b.out.push(Stmt::Store {
-                                        buf: vb,
-                                        index: e::add(out.clone(), c),
-                                        value: code,
-                                    });
-                                });
+                                em.for_(
+                                    cstart.clone(),
+                                    e::add(cstart.clone(), e::i(c0)),
+                                    |b, c| {
+                                        let x = clamp(
+                                            fmul(load(base.clone(), c.clone()), inv.clone()),
+                                            -448.0,
+                                            448.0,
+                                        );
+                                        let code = quant::e4m3_rne(b, x);
+                                        b.out.push(Stmt::Store {
+                                            buf: vb,
+                                            index: e::add(out.clone(), c),
+                                            value: code,
+                                        });
+                                    },
+                                );
                             }
                         }
                         Ok(())
@@ -705,7 +765,10 @@ impl Planner<'_> {
                 let (bm, bk) = ((rows + 127) / 128, (cols + 127) / 128);
                 let sb = scl.map(|x| x.0);
                 // One work item per (expert, 128-row band): amax, scale, quantize each 128x128 block.
-                self.kernel(format!("{tag}_quant"), ne * bm, |em, it| {
+                // One work item per 128x128 block.
+                self.kernel(format!("{tag}_quant"), ne * bm * bk, |em, it0| {
+                    let it = em.set(Ty::I64, e::div(it0.clone(), bk));
+                    let kb0 = em.set(Ty::I64, e::rem(it0, bk));
                     let ex = em.set(Ty::I64, e::div(it.clone(), bm));
                     let band = em.set(Ty::I64, e::rem(it.clone(), bm));
                     let r0 = em.set(Ty::I64, e::mul(band.clone(), e::i(128)));
@@ -714,7 +777,7 @@ impl Planner<'_> {
                         Ty::I64,
                         e::sel(e::bin(BinOp::ILt, r1.clone(), e::i(rows)), r1, e::i(rows)),
                     );
-                    em.for_(e::i(0), e::i(bk), |b, kb| {
+                    em.for_(kb0.clone(), e::add(kb0.clone(), e::i(1)), |b, kb| {
                         let c0 = b.set(Ty::I64, e::mul(kb.clone(), e::i(128)));
                         let c1 = b.set(Ty::I64, e::bin(BinOp::IAdd, c0.clone(), e::i(128)));
                         let c1 = b.set(
@@ -785,7 +848,16 @@ impl Planner<'_> {
                 if let Some((_, true)) = sb {
                     return Err(unsupported(&pname, "swizzled MXFP4 scales"));
                 }
-                self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+                // GPU form: one work item per 32-element block.
+                let per_item = if self.x4 { 1 } else { nb };
+                self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
+                    let (it, j0, j1) = if per_item == 1 {
+                        (it0, e::i(0), e::i(nb))
+                    } else {
+                        let row = em.set(Ty::I64, e::div(it0.clone(), nb));
+                        let jj = em.set(Ty::I64, e::rem(it0, nb));
+                        (row, jj.clone(), e::add(jj, e::i(1)))
+                    };
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
                     let sr = src_row(em, r);
@@ -793,7 +865,7 @@ impl Planner<'_> {
                         Ty::I64,
                         e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
                     );
-                    em.for_(e::i(0), e::i(nb), |b, j| {
+                    em.for_(j0, j1, |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
                         let mx = b.var(Ty::F32, e::f(0.0));
                         b.unroll(32, |b2, c| {
@@ -898,7 +970,17 @@ impl Planner<'_> {
         };
         let sw2 = sw.clone();
         let x4 = self.x4;
-        self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+        // Host form: one work item per row, looping over its blocks. GPU form: one work item per
+        // 16-element block, so that neighbouring threads read neighbouring 32-byte blocks.
+        let per_item = if x4 { 1 } else { nb };
+        self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
+            let (it, j0, j1) = if x4 {
+                (it0, e::i(0), e::i(nb))
+            } else {
+                let row = em.set(Ty::I64, e::div(it0.clone(), nb));
+                let j = em.set(Ty::I64, e::rem(it0, nb));
+                (row, j.clone(), e::add(j, e::i(1)))
+            };
             let ex = em.set(Ty::I64, e::div(it.clone(), rows));
             let r = em.set(Ty::I64, e::rem(it.clone(), rows));
             let sr = src_row(em, r.clone());
@@ -909,7 +991,7 @@ impl Planner<'_> {
             let si = if per_tensor { e::i(0) } else { ex.clone() };
             let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
             let dec = em.set(Ty::F32, e::load(dec_b, si));
-            em.for_(e::i(0), e::i(nb), |b, j| {
+            em.for_(j0, j1, |b, j| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
                 // The block's 16 values, loaded once (as four f32x4 in vector mode); vmax as a
                 // balanced tree of maxima.
@@ -1064,10 +1146,20 @@ impl Planner<'_> {
                         return Err(Error::Internal("rank"));
                     };
                     let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
+                    let nch = if !self.x4 && nc % 16 == 0 { nc / 16 } else { 1 };
+                    let clen = if nch > 1 { 16 } else { nc };
                     return self.kernel(
                         format!("{}_{}_copy", self.prog.recipe, t.name),
-                        ne * nr,
-                        |em, it| {
+                        ne * nr * nch,
+                        |em, it0| {
+                            // GPU form: one work item per 16 elements of a row (coalesced).
+                            let (it, cstart) = if nch > 1 {
+                                let row = em.set(Ty::I64, e::div(it0.clone(), nch));
+                                let ch = em.set(Ty::I64, e::mul(e::rem(it0, nch), e::i(16)));
+                                (row, ch)
+                            } else {
+                                (it0, e::i(0))
+                            };
                             let ex = em.set(Ty::I64, e::div(it.clone(), nr));
                             let r = em.set(Ty::I64, e::rem(it.clone(), nr));
                             let sr = match &rows {
@@ -1079,13 +1171,17 @@ impl Planner<'_> {
                                 e::add(e::mul(ex, e::i(nr * nc)), e::mul(sr, e::i(nc))),
                             );
                             let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
-                            em.for_(e::i(0), e::i(nc), |b, c| {
-                                b.out.push(Stmt::Store {
-                                    buf: out,
-                                    index: e::add(dst_base.clone(), c.clone()),
-                                    value: e::load(xb, e::add(src_base.clone(), c)),
-                                });
-                            });
+                            em.for_(
+                                cstart.clone(),
+                                e::add(cstart.clone(), e::i(clen)),
+                                |b, c| {
+                                    b.out.push(Stmt::Store {
+                                        buf: out,
+                                        index: e::add(dst_base.clone(), c.clone()),
+                                        value: e::load(xb, e::add(src_base.clone(), c)),
+                                    });
+                                },
+                            );
                             Ok(())
                         },
                     );
