@@ -13,6 +13,7 @@ use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gpu_pack::GpuProgram;
 use crate::runtime::Device;
 use crate::{Error, Result};
+use cudarc::driver as cudarc_err;
 
 fn rt(e: crate::runtime::Error) -> Error {
     Error::Runtime(e)
@@ -153,6 +154,9 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
                 want.len(),
                 bytes
             );
+            if e == 4 {
+                all &= rearrange_check(&dev, &info, &inp, &got, e, &mut out)?;
+            }
         }
     }
     let _ = writeln!(
@@ -165,6 +169,74 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
         }
     );
     Ok((out, Some(all)))
+}
+
+/// Rearranging experts in place on the device equals packing the permuted checkpoint.
+fn rearrange_check(
+    dev: &Device,
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+    got: &Params,
+    e: usize,
+    out: &mut String,
+) -> Result<bool> {
+    let perm: Vec<usize> = (0..e).map(|k| (k * 3 + 2) % e).collect();
+    let drv = |call: &'static str| {
+        move |err: cudarc_err::DriverError| {
+            rt(crate::runtime::Error::Driver {
+                call,
+                detail: format!("{err:?}"),
+            })
+        }
+    };
+    let mut params = Vec::new();
+    for (n, b) in got {
+        let buf = dev.stream.clone_htod(b).map_err(drv("cuMemcpyHtoD"))?;
+        params.push((
+            n.clone(),
+            crate::runtime::store::DeviceStorage {
+                buf,
+                stream: dev.stream.clone(),
+            },
+        ));
+    }
+    let mut store = crate::runtime::store::ParamStore::new(info, params).map_err(rt)?;
+    store.rearrange(&perm).map_err(rt)?;
+    let permuted: HashMap<String, Vec<u8>> = inp
+        .iter()
+        .map(|(k, v)| {
+            let n = v.len() / e;
+            (
+                k.clone(),
+                perm.iter()
+                    .flat_map(|&p| v[p * n..(p + 1) * n].to_vec())
+                    .collect(),
+            )
+        })
+        .collect();
+    let mut ok = true;
+    for (n, want) in host_pack(info, &permuted)? {
+        let Some(s) = store.param(&n) else {
+            ok = false;
+            continue;
+        };
+        let have = dev.stream.clone_dtoh(&s.buf).map_err(drv("cuMemcpyDtoH"))?;
+        ok &= have.get(..want.len()) == Some(&want[..]);
+    }
+    let verdict = if ok {
+        "identical to packing the permuted checkpoint"
+    } else {
+        "DIFFERENT after rearrangement"
+    };
+    let _ = writeln!(
+        out,
+        "{:<16} {:>14} {:>8} {:>12}  {verdict}",
+        info.module().name,
+        format!("perm {perm:?}"),
+        "",
+        ""
+    );
+    Ok(ok)
 }
 
 /// Fewest bytes a recipe's pack must move: each input read (twice where a per-expert or per-tensor

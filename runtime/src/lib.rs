@@ -8,6 +8,7 @@ pub mod cache;
 pub mod device;
 pub mod gpu_pack;
 pub mod jit;
+pub mod store;
 
 pub use cache::Cache;
 pub use device::Device;
