@@ -27,7 +27,7 @@ pub fn run(pack_experts: usize) -> crate::Result<String> {
     );
     let _ = writeln!(
         out,
-        "device: host (CPU, Cranelift JIT). The GPU runtime is not built yet, so this run verifies and packs on the host.\n"
+        "verification and the host pack run on the CPU (Cranelift JIT); with a CUDA GPU the layer is packed there too and checked against the host.\n"
     );
     let mut rows = vec![vec![
         "recipe".to_string(),
@@ -100,6 +100,78 @@ pub fn run(pack_experts: usize) -> crate::Result<String> {
             f(r.max_rel_err),
             f(r.max_abs_err)
         );
+    }
+    // With a GPU: pack the same layer on the device and verify it against the host, byte for byte.
+    match crate::gpu::open() {
+        Ok(dev) => {
+            let _ = writeln!(
+                out,
+                "\nGPU: {} - packing the same layer on the device, verified against the host:",
+                dev.name
+            );
+            let cache = crate::runtime::Cache::new(crate::runtime::Cache::default_dir());
+            let inputs: std::collections::HashMap<String, Vec<u8>> = [
+                ("w13".to_string(), layer.w13.clone()),
+                ("w2".to_string(), layer.w2.clone()),
+            ]
+            .into_iter()
+            .collect();
+            let binding = format!("E={e},H={h},I={i}");
+            let _ = writeln!(
+                out,
+                "{:<16} {:>9} {:>8}  result",
+                "recipe", "time ms", "GB/s"
+            );
+            for r in STANDARD {
+                let info = crate::check_source(r.source, r.path, Some(&binding))?;
+                let host = crate::gpu::host_pack(&info, &inputs)?;
+                let prog = crate::codegen::plan::plan(&info, &|n: &str| inputs.contains_key(n))?;
+                let gp = crate::runtime::gpu_pack::GpuProgram::load(&dev, &cache, &prog)?;
+                let mut bufs = gp.alloc(&dev, &mut |n| inputs.get(n).cloned())?;
+                gp.run(&dev, &mut bufs)?;
+                dev.ctx
+                    .synchronize()
+                    .map_err(|e| crate::runtime::Error::Driver {
+                        call: "cuCtxSynchronize",
+                        detail: format!("{e:?}"),
+                    })?;
+                let t = Instant::now();
+                gp.run(&dev, &mut bufs)?;
+                dev.ctx
+                    .synchronize()
+                    .map_err(|e| crate::runtime::Error::Driver {
+                        call: "cuCtxSynchronize",
+                        detail: format!("{e:?}"),
+                    })?;
+                let secs = t.elapsed().as_secs_f64();
+                let gpu = gp.download(&dev, &bufs)?;
+                let same = host.len() == gpu.len() && host.iter().zip(&gpu).all(|(a, b)| a == b);
+                let _ = writeln!(
+                    out,
+                    "{:<16} {:>9.2} {:>8.1}  {}",
+                    r.name,
+                    secs * 1e3,
+                    layer.bytes() as f64 / secs / 1e9,
+                    if same {
+                        "identical to the host"
+                    } else {
+                        "DIFFERENT from the host"
+                    }
+                );
+                if !same {
+                    return Err(crate::Error::Usage(format!(
+                        "GPU pack of `{}` differs from the host",
+                        r.name
+                    )));
+                }
+            }
+        }
+        Err(why) => {
+            let _ = writeln!(
+                out,
+                "\nno GPU here ({why}): the packing above ran on the host only"
+            );
+        }
     }
     let _ = writeln!(
         out,

@@ -43,7 +43,8 @@ fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {
 /// Packed params: `(name, bytes)` in program order.
 pub type Params = Vec<(String, Vec<u8>)>;
 
-fn host_pack(info: &crate::dsl::ModuleInfo, inp: &HashMap<String, Vec<u8>>) -> Result<Params> {
+/// Pack on the host (4-lane Cranelift form): `(param, bytes)` in program order.
+pub fn host_pack(info: &crate::dsl::ModuleInfo, inp: &HashMap<String, Vec<u8>>) -> Result<Params> {
     let prog =
         crate::codegen::plan::plan_with(info, &|n: &str| inp.contains_key(n), &|_| false, true)?;
     let compiled = crate::codegen::host::compile(&prog)?;
