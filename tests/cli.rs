@@ -203,3 +203,68 @@ fn demo_checks_every_standard_recipe() {
     assert!(out.contains("packing a synthetic layer (E=2, H=2048, I=768"));
     assert!(out.contains("nvfp4_cutedsl") && out.contains("max |x-x'| / amax"));
 }
+
+#[test]
+fn gpu_commands_without_a_gpu_say_so() {
+    if moeforge::runtime::device::driver_present() {
+        return; // covered by `moeforge selftest --gpu` on the GPU machine
+    }
+    let (code, out, _) = moeforge(&["selftest", "--gpu"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with("SKIPPED: GPU self-test needs a CUDA GPU"),
+        "{out}"
+    );
+    let (code, out, _) = moeforge(&["bench", "--gpu"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("SKIPPED"), "{out}");
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_moeforge"))
+            .args(args)
+            .env("MOEFORGE_CACHE_DIR", &cache)
+            .output()
+            .unwrap();
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let manifest = dir.path().join("warm.tsv");
+    let (code, out, err) = run(&[
+        "cache",
+        "warmup",
+        "nvfp4_cutedsl",
+        "--bind",
+        "E=8,H=2048,I=768",
+        "--manifest",
+        manifest.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("ptx Compiled; cubin step skipped (no CUDA device"),
+        "{out}"
+    );
+    let (code, out, _) = run(&["cache", "ls"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("1 entries") && out.contains(" ok"), "{out}");
+    let (code, out, _) = run(&["cache", "warmup", "--replay", manifest.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(out.contains("ptx Disk"), "{out}");
+    let (code, out, _) = run(&["cache", "clear"]);
+    assert_eq!((code, out.trim()), (0, "removed 1 entries"));
+    let (code, _, err) = moeforge(&[
+        "pack",
+        "bf16",
+        "--input",
+        "nothing.safetensors",
+        "--output",
+        "x.safetensors",
+        "--device",
+        "gpu",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("nothing.safetensors"), "{err}");
+}

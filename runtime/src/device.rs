@@ -74,3 +74,21 @@ impl Device {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_a_clean_error() {
+        if driver_present() {
+            // A machine with a driver: `moeforge selftest --gpu` covers the device path there.
+            return;
+        }
+        match Device::open(0) {
+            Err(Error::NoDriver(why)) => assert!(why.contains("libcuda"), "{why}"),
+            Err(other) => panic!("expected NoDriver, got {other}"),
+            Ok(_) => panic!("opened a device without a driver"),
+        }
+    }
+}
