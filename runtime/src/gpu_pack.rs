@@ -134,9 +134,15 @@ impl GpuProgram {
                             .ok_or(Error::Codegen(moeforge_codegen::Error::Internal(
                                 "kernel count",
                             )))?;
+                    // Threads per block, and a cap on blocks past which the grid-stride loop takes
+                    // over (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs).
                     let threads = 256u32;
+                    let max_blocks: u64 = std::env::var("MOEFORGE_GPU_MAX_BLOCKS")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(132 * 32);
                     let blocks =
-                        ((k.items as u64).div_ceil(threads as u64)).clamp(1, 132 * 32) as u32;
+                        ((k.items as u64).div_ceil(threads as u64)).clamp(1, max_blocks.max(1)) as u32;
                     let cfg = LaunchConfig {
                         grid_dim: (blocks, 1, 1),
                         block_dim: (threads, 1, 1),
