@@ -266,6 +266,30 @@ impl<'a, 'b> Gen<'a, 'b> {
                         }
                     }
                 }
+                // Packed accesses are element accesses on the host.
+                Stmt::LoadPacked { buf, index, dst } => {
+                    let base = self.expr(index)?;
+                    let tmp = self.b.declare_var(types::I64);
+                    self.b.def_var(tmp, base);
+                    for (k, v) in dst.iter().enumerate() {
+                        let var = self.var(*v)?;
+                        let i = self.b.use_var(tmp);
+                        let i = self.b.ins().iadd_imm_s(i, k as i64);
+                        let val = self.load_at(buf.0 as usize, i)?;
+                        self.b.def_var(var, val);
+                    }
+                }
+                Stmt::StorePacked { buf, index, values } => {
+                    let base = self.expr(index)?;
+                    let tmp = self.b.declare_var(types::I64);
+                    self.b.def_var(tmp, base);
+                    for (k, x) in values.iter().enumerate() {
+                        let v = self.expr(x)?;
+                        let i = self.b.use_var(tmp);
+                        let i = self.b.ins().iadd_imm_s(i, k as i64);
+                        self.store_at(buf.0 as usize, i, v)?;
+                    }
+                }
                 Stmt::AtomicMaxF32 { buf, index, value } => {
                     let addr = self.addr(buf.0 as usize, index, Elem::F32)?;
                     let v = self.expr(value)?;
@@ -284,13 +308,54 @@ impl<'a, 'b> Gen<'a, 'b> {
     }
 
     fn addr(&mut self, buf: usize, index: &Expr, elem: Elem) -> Result<Value> {
-        let base = *self.bases.get(buf).ok_or(Error::Internal("buffer"))?;
         let i = self.expr(index)?;
+        self.addr_val(buf, i, elem)
+    }
+
+    fn addr_val(&mut self, buf: usize, i: Value, elem: Elem) -> Result<Value> {
+        let base = *self.bases.get(buf).ok_or(Error::Internal("buffer"))?;
         let off = match elem.size() {
             1 => i,
             n => self.b.ins().imul_imm_s(i, n as i64),
         };
         Ok(self.b.ins().iadd(base, off))
+    }
+
+    /// Load element `i` (an i64 value) of a buffer as its scalar type.
+    fn load_at(&mut self, buf: usize, i: Value) -> Result<Value> {
+        let elem = *self.elems.get(buf).ok_or(Error::Internal("buffer"))?;
+        let addr = self.addr_val(buf, i, elem)?;
+        let f = MemFlags::trusted();
+        Ok(match elem {
+            Elem::U8 => self.b.ins().uload8(types::I32, f, addr, 0),
+            Elem::F32 => self.b.ins().load(types::F32, f, addr, 0),
+            Elem::Bf16 => {
+                let h = self.b.ins().uload16(types::I32, f, addr, 0);
+                let bits = self.b.ins().ishl_imm_u(h, 16);
+                self.b.ins().bitcast(types::F32, MemFlags::new(), bits)
+            }
+        })
+    }
+
+    /// Store a scalar to element `i` (an i64 value) of a buffer.
+    fn store_at(&mut self, buf: usize, i: Value, v: Value) -> Result<()> {
+        let elem = *self.elems.get(buf).ok_or(Error::Internal("buffer"))?;
+        let addr = self.addr_val(buf, i, elem)?;
+        let f = MemFlags::trusted();
+        match elem {
+            Elem::U8 => {
+                self.b.ins().istore8(f, v, addr, 0);
+            }
+            Elem::F32 => {
+                self.b.ins().store(f, v, addr, 0);
+            }
+            Elem::Bf16 => {
+                let bits = self.b.ins().bitcast(types::I32, MemFlags::new(), v);
+                let hi = self.b.ins().ushr_imm_u(bits, 16);
+                self.b.ins().istore16(f, hi, addr, 0);
+            }
+        }
+        Ok(())
     }
 
     /// The IR type of an expression.

@@ -239,6 +239,23 @@ impl Ctx<'_> {
                     let (i, v) = (self.eval(index)?.i64()?, self.eval(value)?);
                     self.store(buf.0 as usize, i, v)?;
                 }
+                Stmt::LoadPacked { buf, index, dst } => {
+                    let i = self.eval(index)?.i64()?;
+                    for (k, v) in dst.iter().enumerate() {
+                        let val = self.load(buf.0 as usize, i + k as i64)?;
+                        *self
+                            .vars
+                            .get_mut(v.0 as usize)
+                            .ok_or(Error::Internal("variable"))? = val;
+                    }
+                }
+                Stmt::StorePacked { buf, index, values } => {
+                    let i = self.eval(index)?.i64()?;
+                    for (k, x) in values.iter().enumerate() {
+                        let v = self.eval(x)?;
+                        self.store(buf.0 as usize, i + k as i64, v)?;
+                    }
+                }
                 Stmt::AtomicMaxF32 { buf, index, value } => {
                     let i = self.eval(index)?.i64()?;
                     let v = self.eval(value)?.f32()?;

@@ -228,6 +228,26 @@ pub enum Stmt {
         /// Value (f32 for float buffers, i32 for bytes).
         value: Expr,
     },
+    /// `dst[k] = buf[index + k]` for every k: consecutive elements read at once (a 16-byte vector load
+    /// on the GPU). `index` must be aligned to the whole access.
+    LoadPacked {
+        /// Buffer.
+        buf: BufId,
+        /// First element.
+        index: Expr,
+        /// Destinations.
+        dst: Vec<Var>,
+    },
+    /// `buf[index + k] = values[k]` for every k: consecutive elements written at once (a vector store
+    /// on the GPU). `index` must be aligned to the whole access.
+    StorePacked {
+        /// Buffer.
+        buf: BufId,
+        /// First element.
+        index: Expr,
+        /// Values.
+        values: Vec<Expr>,
+    },
     /// `buf[index] = max(buf[index], value)` atomically, for non-negative f32 (ordered as their bits).
     AtomicMaxF32 {
         /// Buffer (f32).
@@ -487,6 +507,26 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
             Stmt::Store { buf, index, value } => writeln!(f, "{pad}b{}[{index}] = {value}", buf.0)?,
             Stmt::AtomicMaxF32 { buf, index, value } => {
                 writeln!(f, "{pad}atomic_max b{}[{index}], {value}", buf.0)?
+            }
+            Stmt::LoadPacked { buf, index, dst } => {
+                let d: Vec<String> = dst.iter().map(|v| format!("%{}", v.0)).collect();
+                writeln!(
+                    f,
+                    "{pad}{} = b{}[{index}..+{}]",
+                    d.join(", "),
+                    buf.0,
+                    dst.len()
+                )?
+            }
+            Stmt::StorePacked { buf, index, values } => {
+                let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
+                writeln!(
+                    f,
+                    "{pad}b{}[{index}..+{}] = [{}]",
+                    buf.0,
+                    values.len(),
+                    v.join(", ")
+                )?
             }
         }
     }

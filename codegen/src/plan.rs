@@ -437,6 +437,7 @@ impl Planner<'_> {
                     // atomic max per work item.
                     let n_e = rows * cols;
                     let chunk = if n_e % 8 == 0 { 8 } else { 1 };
+                    let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                     let lanes = (n_e / chunk).clamp(1, 2048);
                     let steps = (n_e / chunk + lanes - 1) / lanes;
                     self.kernel(format!("{tag}_amax"), ne * lanes, |em, it| {
@@ -451,8 +452,9 @@ impl Planner<'_> {
                             );
                             let body = b.block(|b2| {
                                 let at = b2.set(Ty::I64, e::add(base.clone(), idx.clone()));
-                                let vs = (0..chunk)
-                                    .map(|c| fabs(e::load(xb, e::add(at.clone(), e::i(c)))))
+                                let vs = load_block(b2, xb, xelem, at.clone(), chunk as usize)
+                                    .into_iter()
+                                    .map(fabs)
                                     .collect();
                                 b2.out.push(Stmt::Set(mx, fmax(e::v(mx), max_tree(vs))));
                             });
@@ -608,6 +610,7 @@ impl Planner<'_> {
                     // 3. q = e4m3(clamp(x * inv, +-448)).
                     let vb = vals;
                     let x4_q = self.x4 && cols % 4 == 0;
+                    let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                     // GPU form: one work item per 16 elements of a row (coalesced).
                     let nch = if !self.x4 && cols % 16 == 0 {
                         cols / 16
@@ -653,6 +656,31 @@ impl Planner<'_> {
                                         });
                                     }
                                 });
+                            } else if nch > 1 {
+                                // GPU form: 16 elements in, 16 bytes out, as packed accesses.
+                                let xs = load_block(
+                                    em,
+                                    xb,
+                                    xelem,
+                                    e::add(base.clone(), cstart.clone()),
+                                    16,
+                                );
+                                let codes: Vec<Expr> = xs
+                                    .into_iter()
+                                    .map(|x| {
+                                        quant::e4m3_rne(
+                                            em,
+                                            clamp(fmul(x, inv.clone()), -448.0, 448.0),
+                                        )
+                                    })
+                                    .collect();
+                                store_block(
+                                    em,
+                                    vb,
+                                    Elem::U8,
+                                    e::add(out.clone(), cstart.clone()),
+                                    codes,
+                                );
                             } else {
                                 em.for_(
                                     cstart.clone(),
@@ -849,6 +877,7 @@ impl Planner<'_> {
                     return Err(unsupported(&pname, "swizzled MXFP4 scales"));
                 }
                 // GPU form: one work item per 32-element block.
+                let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 let per_item = if self.x4 { 1 } else { nb };
                 self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
                     let (it, j0, j1) = if per_item == 1 {
@@ -867,13 +896,12 @@ impl Planner<'_> {
                     );
                     em.for_(j0, j1, |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
-                        let mx = b.var(Ty::F32, e::f(0.0));
-                        b.unroll(32, |b2, c| {
-                            b2.out.push(Stmt::Set(
-                                mx,
-                                fmax(e::v(mx), fabs(e::load(xb, e::add(b0.clone(), c)))),
-                            ));
-                        });
+                        // The block's 32 values, loaded once as packed 16-byte accesses.
+                        let xs = load_block(b, xb, xelem, b0.clone(), 32);
+                        let mx = b.var(
+                            Ty::F32,
+                            max_tree(xs.iter().map(|x| fabs(x.clone())).collect()),
+                        );
                         // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
                         let ebits = b.set(
                             Ty::I32,
@@ -911,29 +939,21 @@ impl Planner<'_> {
                                     e::mul(j.clone(), e::i(16)),
                                 ),
                             );
-                            b.unroll(16, |b2, k| {
-                                let lo =
-                                    b2.set(Ty::I64, e::add(b0.clone(), e::mul(k.clone(), e::i(2))));
-                                let c0 = quant::e2m1_rne(
-                                    b2,
-                                    clamp(fmul(e::load(xb, lo.clone()), mult.clone()), -6.0, 6.0),
-                                );
-                                let c1 = quant::e2m1_rne(
-                                    b2,
-                                    clamp(
-                                        fmul(e::load(xb, e::add(lo, e::i(1))), mult.clone()),
-                                        -6.0,
-                                        6.0,
-                                    ),
-                                );
-                                let byte = e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4)));
-                                let byte = e::sel(zero.clone(), e::i32(0), byte);
-                                b2.out.push(Stmt::Store {
-                                    buf: vb,
-                                    index: e::add(ob.clone(), k),
-                                    value: byte,
-                                });
-                            });
+                            // e2m1_rne saturates at ±6 itself; 16 bytes go out as one packed store.
+                            let bytes: Vec<Expr> = (0..16)
+                                .map(|k| {
+                                    let c0 =
+                                        quant::e2m1_rne(b, fmul(xs[2 * k].clone(), mult.clone()));
+                                    let c1 = quant::e2m1_rne(
+                                        b,
+                                        fmul(xs[2 * k + 1].clone(), mult.clone()),
+                                    );
+                                    let byte =
+                                        e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4)));
+                                    e::sel(zero.clone(), e::i32(0), byte)
+                                })
+                                .collect();
+                            store_block(b, vb, Elem::U8, ob.clone(), bytes);
                         }
                     });
                     Ok(())
@@ -970,6 +990,7 @@ impl Planner<'_> {
         };
         let sw2 = sw.clone();
         let x4 = self.x4;
+        let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
         // Host form: one work item per row, looping over its blocks. GPU form: one work item per
         // 16-element block, so that neighbouring threads read neighbouring 32-byte blocks.
         let per_item = if x4 { 1 } else { nb };
@@ -1000,9 +1021,8 @@ impl Planner<'_> {
                         .map(|q| b.set(Ty::F32x4, e::load_x4(xb, e::add(b0.clone(), e::i(4 * q)))))
                         .collect()
                 } else {
-                    (0..16)
-                        .map(|c| b.set(Ty::F32, e::load(xb, e::add(b0.clone(), e::i(c)))))
-                        .collect()
+                    // 16-byte packed loads (the block starts on a 16-element boundary).
+                    load_block(b, xb, xelem, b0.clone(), 16)
                 };
                 let mx = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
                 let mx = if x4 {
@@ -1066,24 +1086,19 @@ impl Planner<'_> {
                             .map(|x| quant::e2m1_rne(b, fmul(x.clone(), osc.clone())))
                             .collect()
                     };
-                    b.unroll(8, |b2, k| {
-                        let kk = match k {
-                            Expr::I64(v) => v as usize,
-                            _ => 0,
-                        };
-                        let (c0, c1) = (codes[2 * kk].clone(), codes[2 * kk + 1].clone());
-                        // Element 2k in the low nibble; a zero block scale gives zero codes.
-                        let byte = e::sel(
-                            zero.clone(),
-                            e::i32(0),
-                            e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4))),
-                        );
-                        b2.out.push(Stmt::Store {
-                            buf: vb,
-                            index: e::add(ob.clone(), k),
-                            value: byte,
-                        });
-                    });
+                    // Element 2k in the low nibble; a zero block scale gives zero codes. The 8
+                    // bytes of the block go out as one packed store.
+                    let bytes: Vec<Expr> = (0..8)
+                        .map(|kk| {
+                            let (c0, c1) = (codes[2 * kk].clone(), codes[2 * kk + 1].clone());
+                            e::sel(
+                                zero.clone(),
+                                e::i32(0),
+                                e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4))),
+                            )
+                        })
+                        .collect();
+                    store_block(b, vb, Elem::U8, ob.clone(), bytes);
                 }
             });
             Ok(())
@@ -1147,6 +1162,7 @@ impl Planner<'_> {
                     };
                     let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
                     let nch = if !self.x4 && nc % 16 == 0 { nc / 16 } else { 1 };
+                    let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                     let clen = if nch > 1 { 16 } else { nc };
                     return self.kernel(
                         format!("{}_{}_copy", self.prog.recipe, t.name),
@@ -1171,6 +1187,24 @@ impl Planner<'_> {
                                 e::add(e::mul(ex, e::i(nr * nc)), e::mul(sr, e::i(nc))),
                             );
                             let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
+                            if nch > 1 {
+                                // GPU form: 16 elements as packed loads and stores.
+                                let xs = load_block(
+                                    em,
+                                    xb,
+                                    xelem,
+                                    e::add(src_base.clone(), cstart.clone()),
+                                    16,
+                                );
+                                store_block(
+                                    em,
+                                    out,
+                                    xelem,
+                                    e::add(dst_base.clone(), cstart.clone()),
+                                    xs,
+                                );
+                                return Ok(());
+                            }
                             em.for_(
                                 cstart.clone(),
                                 e::add(cstart.clone(), e::i(clen)),
@@ -1371,6 +1405,40 @@ impl Planner<'_> {
                 ))
             }
         })
+    }
+}
+
+/// Load `n` consecutive elements starting at an aligned `index` as packed accesses of at most 16
+/// bytes (vector loads on the GPU); returns the values.
+fn load_block(em: &mut Emit<'_>, buf: BufId, elem: Elem, index: Expr, n: usize) -> Vec<Expr> {
+    let per = (16 / elem.size()).min(n).max(1);
+    let mut out = Vec::with_capacity(n);
+    let at = em.set(Ty::I64, index);
+    for c in (0..n).step_by(per) {
+        let dst: Vec<crate::kir::Var> = (0..per.min(n - c))
+            .map(|_| em.vars.new_var(elem.ty()))
+            .collect();
+        out.extend(dst.iter().map(|v| e::v(*v)));
+        em.out.push(Stmt::LoadPacked {
+            buf,
+            index: e::add(at.clone(), e::i(c as i64)),
+            dst,
+        });
+    }
+    out
+}
+
+/// Store values to consecutive elements from an aligned `index` as packed accesses of at most 16
+/// bytes (vector stores on the GPU).
+fn store_block(em: &mut Emit<'_>, buf: BufId, elem: Elem, index: Expr, values: Vec<Expr>) {
+    let per = (16 / elem.size()).max(1);
+    let at = em.set(Ty::I64, index);
+    for (k, chunk) in values.chunks(per).enumerate() {
+        em.out.push(Stmt::StorePacked {
+            buf,
+            index: e::add(at.clone(), e::i((k * per) as i64)),
+            values: chunk.to_vec(),
+        });
     }
 }
 

@@ -230,6 +230,20 @@ pub enum Inst {
         /// Value register.
         v: Reg,
     },
+    /// `ld.global[.vN].b32 {words}, [addr]`: 4, 8 or 16 bytes at once.
+    LdV {
+        /// Destination words (1, 2 or 4).
+        words: Vec<Reg>,
+        /// Address (aligned to the access).
+        addr: Reg,
+    },
+    /// `st.global[.vN].b32 [addr], {words}`.
+    StV {
+        /// Source words (1, 2 or 4).
+        words: Vec<Reg>,
+        /// Address (aligned to the access).
+        addr: Reg,
+    },
     /// `red.global.max.u32 [addr], v`.
     RedMaxU32 {
         /// Address.
@@ -290,6 +304,20 @@ impl fmt::Display for Inst {
             Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
             Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
             Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
+            Inst::LdV { words, addr } => {
+                let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
+                match words.len() {
+                    1 => write!(f, "\tld.global.b32 \t{}, [{addr}];", w[0]),
+                    n => write!(f, "\tld.global.v{n}.b32 \t{{{}}}, [{addr}];", w.join(", ")),
+                }
+            }
+            Inst::StV { words, addr } => {
+                let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
+                match words.len() {
+                    1 => write!(f, "\tst.global.b32 \t[{addr}], {};", w[0]),
+                    n => write!(f, "\tst.global.v{n}.b32 \t[{addr}], {{{}}};", w.join(", ")),
+                }
+            }
             Inst::LdParam { d, name } => write!(f, "\tld.param.u64 \t{d}, [{name}];"),
             Inst::Cvta { d, a } => write!(f, "\tcvta.to.global.u64 \t{d}, {a};"),
             Inst::Special { d, name } => write!(f, "\tmov.u32 \t{d}, %{name};"),
@@ -752,6 +780,192 @@ impl Gen<'_> {
                             });
                         }
                     }
+                }
+                Stmt::LoadPacked { buf, index, dst } => {
+                    let elem = *self
+                        .elems
+                        .get(buf.0 as usize)
+                        .ok_or(Error::Internal("buffer"))?;
+                    let bytes = dst.len() * elem.size();
+                    let nw = bytes / 4;
+                    if bytes % 4 != 0 || !matches!(nw, 1 | 2 | 4) {
+                        // No vector form: element loads.
+                        for (k, v) in dst.iter().enumerate() {
+                            let r = *self
+                                .vars
+                                .get(v.0 as usize)
+                                .ok_or(Error::Internal("variable"))?;
+                            let at = Expr::Bin(
+                                BinOp::IAdd,
+                                Box::new(index.clone()),
+                                Box::new(Expr::I64(k as i64)),
+                            );
+                            self.assign(
+                                r,
+                                &Expr::Load {
+                                    buf: *buf,
+                                    index: Box::new(at),
+                                },
+                            )?;
+                        }
+                        continue;
+                    }
+                    let addr = self.addr(buf.0 as usize, index)?;
+                    let words: Vec<Reg> = (0..nw).map(|_| self.b.reg(RegClass::B32)).collect();
+                    self.b.push(Inst::LdV {
+                        words: words.clone(),
+                        addr,
+                    });
+                    for (k, v) in dst.iter().enumerate() {
+                        let d = *self
+                            .vars
+                            .get(v.0 as usize)
+                            .ok_or(Error::Internal("variable"))?;
+                        match elem {
+                            Elem::F32 => self.b.push(Inst::Un {
+                                op: "mov.b32",
+                                d,
+                                a: Operand::Reg(words[k]),
+                            }),
+                            Elem::Bf16 => {
+                                let t = self.b.reg(RegClass::B32);
+                                let w = Operand::Reg(words[k / 2]);
+                                if k % 2 == 0 {
+                                    self.b.push(Inst::Bin {
+                                        op: "shl",
+                                        ty: PtxTy::B32,
+                                        d: t,
+                                        a: w,
+                                        b: Operand::Int(16),
+                                    });
+                                } else {
+                                    self.b.push(Inst::Bin {
+                                        op: "and",
+                                        ty: PtxTy::B32,
+                                        d: t,
+                                        a: w,
+                                        b: Operand::Int(0xFFFF_0000),
+                                    });
+                                }
+                                self.b.push(Inst::Un {
+                                    op: "mov.b32",
+                                    d,
+                                    a: Operand::Reg(t),
+                                });
+                            }
+                            Elem::U8 => {
+                                let t = self.b.reg(RegClass::B32);
+                                let w = Operand::Reg(words[k / 4]);
+                                self.b.push(Inst::Bin {
+                                    op: "shr",
+                                    ty: PtxTy::U32,
+                                    d: t,
+                                    a: w,
+                                    b: Operand::Int(8 * (k % 4) as i64),
+                                });
+                                self.b.push(Inst::Bin {
+                                    op: "and",
+                                    ty: PtxTy::B32,
+                                    d,
+                                    a: Operand::Reg(t),
+                                    b: Operand::Int(0xFF),
+                                });
+                            }
+                        }
+                    }
+                }
+                Stmt::StorePacked { buf, index, values } => {
+                    let elem = *self
+                        .elems
+                        .get(buf.0 as usize)
+                        .ok_or(Error::Internal("buffer"))?;
+                    let bytes = values.len() * elem.size();
+                    let nw = bytes / 4;
+                    if bytes % 4 != 0 || !matches!(nw, 1 | 2 | 4) {
+                        for (k, x) in values.iter().enumerate() {
+                            let at = Expr::Bin(
+                                BinOp::IAdd,
+                                Box::new(index.clone()),
+                                Box::new(Expr::I64(k as i64)),
+                            );
+                            self.stmts(&[Stmt::Store {
+                                buf: *buf,
+                                index: at,
+                                value: x.clone(),
+                            }])?;
+                        }
+                        continue;
+                    }
+                    // Each value as its bits in the low bits of a 32-bit register.
+                    let per = 4 / elem.size();
+                    let mut parts: Vec<Reg> = Vec::new();
+                    for x in values {
+                        let v = self.expr(x)?;
+                        let r = match elem {
+                            Elem::U8 => {
+                                let v = self.in_reg(v, RegClass::B32);
+                                let t = self.b.reg(RegClass::B32);
+                                self.b.push(Inst::Bin {
+                                    op: "and",
+                                    ty: PtxTy::B32,
+                                    d: t,
+                                    a: Operand::Reg(v),
+                                    b: Operand::Int(0xFF),
+                                });
+                                t
+                            }
+                            Elem::Bf16 | Elem::F32 => {
+                                let v = self.in_reg(v, RegClass::F32);
+                                let t = self.b.reg(RegClass::B32);
+                                self.b.push(Inst::Un {
+                                    op: "mov.b32",
+                                    d: t,
+                                    a: Operand::Reg(v),
+                                });
+                                if elem == Elem::Bf16 {
+                                    let h = self.b.reg(RegClass::B32);
+                                    self.b.push(Inst::Bin {
+                                        op: "shr",
+                                        ty: PtxTy::U32,
+                                        d: h,
+                                        a: Operand::Reg(t),
+                                        b: Operand::Int(16),
+                                    });
+                                    h
+                                } else {
+                                    t
+                                }
+                            }
+                        };
+                        parts.push(r);
+                    }
+                    let mut words = Vec::with_capacity(nw);
+                    for w in 0..nw {
+                        let mut acc = parts[w * per];
+                        for j in 1..per {
+                            let sh = self.b.reg(RegClass::B32);
+                            let bits = (8 * elem.size() * j) as i64;
+                            self.b.push(Inst::Bin {
+                                op: "shl",
+                                ty: PtxTy::B32,
+                                d: sh,
+                                a: Operand::Reg(parts[w * per + j]),
+                                b: Operand::Int(bits),
+                            });
+                            let o = self.b.reg(RegClass::B32);
+                            self.b.push(Inst::Bin {
+                                op: "or",
+                                ty: PtxTy::B32,
+                                d: o,
+                                a: Operand::Reg(acc),
+                                b: Operand::Reg(sh),
+                            });
+                            acc = o;
+                        }
+                        words.push(acc);
+                    }
+                    let addr = self.addr(buf.0 as usize, index)?;
+                    self.b.push(Inst::StV { words, addr });
                 }
                 Stmt::AtomicMaxF32 { buf, index, value } => {
                     let addr = self.addr(buf.0 as usize, index)?;

@@ -141,8 +141,8 @@ impl GpuProgram {
                         .ok()
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(132 * 32);
-                    let blocks =
-                        ((k.items as u64).div_ceil(threads as u64)).clamp(1, max_blocks.max(1)) as u32;
+                    let blocks = ((k.items as u64).div_ceil(threads as u64))
+                        .clamp(1, max_blocks.max(1)) as u32;
                     let cfg = LaunchConfig {
                         grid_dim: (blocks, 1, 1),
                         block_dim: (threads, 1, 1),
