@@ -6,6 +6,9 @@
 //! earlier params, inputs and collective maxima (the alphas). Every quantization becomes an amax
 //! reduction, a collective hook where the recipe names a group, and one quantize pass that writes every
 //! output of that quantization. Index maps are generated from the CuTe layouts of the storage.
+//!
+//! Invariant the backends rely on: integer division and remainder are applied only to coordinates
+//! (work-item indices and what division derives from them, rows, blocks), never to memory offsets.
 
 use std::collections::HashMap;
 

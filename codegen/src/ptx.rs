@@ -382,6 +382,11 @@ struct Gen<'a> {
     vars: Vec<Reg>,
     bases: Vec<Reg>,
     elems: &'a [Elem],
+    /// The kernel has fewer than 2^32 work items. The planner divides only coordinates (work-item
+    /// indices and what is derived from them by division, rows, block numbers), never offsets, so then
+    /// every division's operands fit 32 bits, and 64-bit divisions (a long software sequence on the
+    /// GPU) are done in 32 bits.
+    narrow_div: bool,
 }
 
 fn int_ty(c: RegClass) -> PtxTy {
@@ -593,6 +598,39 @@ impl Gen<'_> {
                 };
                 let d = self.b.reg(class);
                 self.b.push(Inst::Un { op: opc, d, a });
+                Operand::Reg(d)
+            }
+            Expr::Bin(op @ (BinOp::IDiv | BinOp::IRem), a, b)
+                if self.narrow_div
+                    && self.class_of(a)? == RegClass::B64
+                    && matches!(**b, Expr::I64(c) if c > 0 && c < (1 << 31)) =>
+            {
+                let Expr::I64(c) = **b else {
+                    return Err(Error::Internal("divisor"));
+                };
+                let a = self.expr(a)?;
+                let a = self.in_reg(a, RegClass::B64);
+                let a32 = self.b.reg(RegClass::B32);
+                self.b.push(Inst::Un {
+                    op: "cvt.u32.u64",
+                    d: a32,
+                    a: Operand::Reg(a),
+                });
+                let q = self.b.reg(RegClass::B32);
+                let opc = if *op == BinOp::IDiv { "div" } else { "rem" };
+                self.b.push(Inst::Bin {
+                    op: opc,
+                    ty: PtxTy::U32,
+                    d: q,
+                    a: Operand::Reg(a32),
+                    b: Operand::Int(c),
+                });
+                let d = self.b.reg(RegClass::B64);
+                self.b.push(Inst::Un {
+                    op: "cvt.u64.u32",
+                    d,
+                    a: Operand::Reg(q),
+                });
                 Operand::Reg(d)
             }
             Expr::Bin(op, a, b) => {
@@ -997,6 +1035,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
         vars: Vec::new(),
         bases: Vec::new(),
         elems,
+        narrow_div: k.items < (1i64 << 32),
     };
     for t in &k.var_types {
         let r = g.b.reg(RegClass::of(*t));
