@@ -724,6 +724,8 @@ impl Planner<'_> {
                     },
                 );
                 let sb = scl.map(|x| x.0);
+                let packed = !self.x4 && cols % 8 == 0;
+                let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -734,10 +736,20 @@ impl Planner<'_> {
                     );
                     let out = em.set(Ty::I64, e::mul(it.clone(), e::i(cols)));
                     let mx = em.var(Ty::F32, e::f(0.0));
-                    em.for_(e::i(0), e::i(cols), |b, c| {
-                        b.out
-                            .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
-                    });
+                    if packed {
+                        // GPU form: the row in 8-element packed loads (16 bytes of bf16).
+                        em.for_(e::i(0), e::i(cols / 8), |b, c8| {
+                            let at = e::add(base.clone(), e::mul(c8, e::i(8)));
+                            let xs = load_block(b, xb, xelem, at, 8);
+                            let m = max_tree(xs.into_iter().map(fabs).collect());
+                            b.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
+                        });
+                    } else {
+                        em.for_(e::i(0), e::i(cols), |b, c| {
+                            b.out
+                                .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
+                        });
+                    }
                     let scale = if int8 {
                         // scale = amax / 127, 1 for an all-zero row.
                         em.set(
@@ -762,21 +774,33 @@ impl Planner<'_> {
                             value: scale.clone(),
                         });
                     }
+                    let code_of = |b: &mut Emit<'_>, x: Expr| {
+                        if int8 {
+                            quant::int8_rne(b, x, scale.clone())
+                        } else {
+                            let y = clamp(fdiv(x, scale.clone()), -448.0, 448.0);
+                            quant::e4m3_rne(b, y)
+                        }
+                    };
                     if let Some(vb) = vals {
-                        em.for_(e::i(0), e::i(cols), |b, c| {
-                            let x = load(base.clone(), c.clone());
-                            let code = if int8 {
-                                quant::int8_rne(b, x, scale.clone())
-                            } else {
-                                let y = clamp(fdiv(x, scale.clone()), -448.0, 448.0);
-                                quant::e4m3_rne(b, y)
-                            };
-                            b.out.push(Stmt::Store {
-                                buf: vb,
-                                index: e::add(out.clone(), c),
-                                value: code,
+                        if packed {
+                            em.for_(e::i(0), e::i(cols / 8), |b, c8| {
+                                let c = b.set(Ty::I64, e::mul(c8, e::i(8)));
+                                let xs =
+                                    load_block(b, xb, xelem, e::add(base.clone(), c.clone()), 8);
+                                let codes = xs.into_iter().map(|x| code_of(b, x)).collect();
+                                store_block(b, vb, Elem::U8, e::add(out.clone(), c), codes);
                             });
-                        });
+                        } else {
+                            em.for_(e::i(0), e::i(cols), |b, c| {
+                                let code = code_of(b, load(base.clone(), c.clone()));
+                                b.out.push(Stmt::Store {
+                                    buf: vb,
+                                    index: e::add(out.clone(), c),
+                                    value: code,
+                                });
+                            });
+                        }
                     }
                     Ok(())
                 })
@@ -795,8 +819,9 @@ impl Planner<'_> {
                 );
                 let (bm, bk) = ((rows + 127) / 128, (cols + 127) / 128);
                 let sb = scl.map(|x| x.0);
-                // One work item per (expert, 128-row band): amax, scale, quantize each 128x128 block.
-                // One work item per 128x128 block.
+                let packed = !self.x4 && cols % 8 == 0;
+                let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
+                // One work item per 128x128 block: amax, scale, quantize.
                 self.kernel(format!("{tag}_quant"), ne * bm * bk, |em, it0| {
                     let it = em.set(Ty::I64, e::div(it0.clone(), bk));
                     let kb0 = em.set(Ty::I64, e::rem(it0, bk));
@@ -827,14 +852,40 @@ impl Planner<'_> {
                                     Ty::I64,
                                     e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r, e::i(cols))),
                                 );
-                                b2.for_(c0.clone(), c1.clone(), |b3, c| {
-                                    f(b3, e::add(base.clone(), c.clone()), e::add(out.clone(), c))
-                                });
+                                if packed {
+                                    // GPU form: 8-element chunks as 16-byte packed accesses.
+                                    let (k0, k1) = (e::div(c0.clone(), 8), e::div(c1.clone(), 8));
+                                    b2.for_(k0, k1, |b3, c8| {
+                                        let c = b3.set(Ty::I64, e::mul(c8, e::i(8)));
+                                        f(
+                                            b3,
+                                            e::add(base.clone(), c.clone()),
+                                            e::add(out.clone(), c),
+                                        )
+                                    });
+                                } else {
+                                    b2.for_(c0.clone(), c1.clone(), |b3, c| {
+                                        f(
+                                            b3,
+                                            e::add(base.clone(), c.clone()),
+                                            e::add(out.clone(), c),
+                                        )
+                                    });
+                                }
                             });
                         };
                         rows_v(b, &|b3, src, _| {
-                            b3.out
-                                .push(Stmt::Set(mx, fmax(e::v(mx), fabs(e::load(xb, src)))));
+                            let m = if packed {
+                                max_tree(
+                                    load_block(b3, xb, xelem, src, 8)
+                                        .into_iter()
+                                        .map(fabs)
+                                        .collect(),
+                                )
+                            } else {
+                                fabs(e::load(xb, src))
+                            };
+                            b3.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
                         });
                         // sf = max(amax, 1e-4) / 448; q = e4m3(clamp(x * (1/sf))).
                         let sf = b.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
@@ -852,13 +903,21 @@ impl Planner<'_> {
                         }
                         if let Some(vb) = vals {
                             rows_v(b, &|b3, src, dst| {
-                                let y = clamp(fmul(e::load(xb, src), inv.clone()), -448.0, 448.0);
-                                let code = quant::e4m3_rne(b3, y);
-                                b3.out.push(Stmt::Store {
-                                    buf: vb,
-                                    index: dst,
-                                    value: code,
-                                });
+                                let q = |b4: &mut Emit<'_>, x: Expr| {
+                                    quant::e4m3_rne(b4, clamp(fmul(x, inv.clone()), -448.0, 448.0))
+                                };
+                                if packed {
+                                    let xs = load_block(b3, xb, xelem, src, 8);
+                                    let codes = xs.into_iter().map(|x| q(b3, x)).collect();
+                                    store_block(b3, vb, Elem::U8, dst, codes);
+                                } else {
+                                    let code = q(b3, e::load(xb, src));
+                                    b3.out.push(Stmt::Store {
+                                        buf: vb,
+                                        index: dst,
+                                        value: code,
+                                    });
+                                }
                             });
                         }
                     });
