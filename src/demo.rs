@@ -129,20 +129,10 @@ pub fn run(pack_experts: usize) -> crate::Result<String> {
                 let gp = crate::runtime::gpu_pack::GpuProgram::load(&dev, &cache, &prog)?;
                 let mut bufs = gp.alloc(&dev, &mut |n| inputs.get(n).cloned())?;
                 gp.run(&dev, &mut bufs)?;
-                dev.ctx
-                    .synchronize()
-                    .map_err(|e| crate::runtime::Error::Driver {
-                        call: "cuCtxSynchronize",
-                        detail: format!("{e:?}"),
-                    })?;
+                dev.sync()?;
                 let t = Instant::now();
                 gp.run(&dev, &mut bufs)?;
-                dev.ctx
-                    .synchronize()
-                    .map_err(|e| crate::runtime::Error::Driver {
-                        call: "cuCtxSynchronize",
-                        detail: format!("{e:?}"),
-                    })?;
+                dev.sync()?;
                 let secs = t.elapsed().as_secs_f64();
                 let gpu = gp.download(&dev, &bufs)?;
                 let same = host.len() == gpu.len() && host.iter().zip(&gpu).all(|(a, b)| a == b);

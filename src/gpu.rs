@@ -370,22 +370,12 @@ pub fn bench() -> Result<String> {
         let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
         let mut bufs = gp.alloc(&dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
         gp.run(&dev, &mut bufs).map_err(rt)?;
-        dev.stream.synchronize().map_err(|e| {
-            rt(crate::runtime::Error::Driver {
-                call: "cuStreamSynchronize",
-                detail: format!("{e:?}"),
-            })
-        })?;
+        dev.sync().map_err(rt)?;
         let mut best = f64::INFINITY;
         for _ in 0..5 {
             let t = Instant::now();
             gp.run(&dev, &mut bufs).map_err(rt)?;
-            dev.stream.synchronize().map_err(|e| {
-                rt(crate::runtime::Error::Driver {
-                    call: "cuStreamSynchronize",
-                    detail: format!("{e:?}"),
-                })
-            })?;
+            dev.sync().map_err(rt)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         let traffic = traffic_bytes(&info, &prog);

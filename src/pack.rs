@@ -272,6 +272,27 @@ fn out_dtype(d: DType) -> Dtype {
     }
 }
 
+/// The gate, up and down projection names of a per-expert naming scheme, and the experts' prefix.
+fn per_expert_names(
+    form: Form,
+    layer_prefix: &str,
+) -> (&'static str, &'static str, &'static str, String) {
+    match form {
+        Form::Mixtral => (
+            "w1",
+            "w3",
+            "w2",
+            format!("{layer_prefix}.block_sparse_moe.experts"),
+        ),
+        _ => (
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            format!("{layer_prefix}.mlp.experts"),
+        ),
+    }
+}
+
 /// A layer's inputs, as byte buffers in the recipe's input names.
 struct LayerInputs {
     dims: (usize, usize, usize),
@@ -306,15 +327,7 @@ fn gather_layer(
             input_bytes = a.data().len() + b.data().len();
         }
         Form::Hf | Form::Mixtral => {
-            let (g, u, d, base) = match form {
-                Form::Hf => (
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                    format!("{p}.mlp.experts"),
-                ),
-                _ => ("w1", "w3", "w2", format!("{p}.block_sparse_moe.experts")),
-            };
+            let (g, u, d, base) = per_expert_names(form, &p);
             e = experts
                 .iter()
                 .next_back()
@@ -406,15 +419,7 @@ fn gather_layer(
             (a, b)
         }
         _ => {
-            let (g, u, d, base) = match form {
-                Form::Hf => (
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                    format!("{p}.mlp.experts"),
-                ),
-                _ => ("w1", "w3", "w2", format!("{p}.block_sparse_moe.experts")),
-            };
+            let (g, u, d, base) = per_expert_names(form, &p);
             let mut a = Vec::new();
             let mut b = Vec::new();
             for k in 0..e {

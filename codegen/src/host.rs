@@ -245,26 +245,9 @@ impl<'a, 'b> Gen<'a, 'b> {
                     self.b.switch_to_block(merge);
                 }
                 Stmt::Store { buf, index, value } => {
-                    let elem = *self
-                        .elems
-                        .get(buf.0 as usize)
-                        .ok_or(Error::Internal("buffer"))?;
-                    let addr = self.addr(buf.0 as usize, index, elem)?;
+                    let i = self.expr(index)?;
                     let v = self.expr(value)?;
-                    let f = MemFlags::trusted();
-                    match elem {
-                        Elem::U8 => {
-                            self.b.ins().istore8(f, v, addr, 0);
-                        }
-                        Elem::F32 => {
-                            self.b.ins().store(f, v, addr, 0);
-                        }
-                        Elem::Bf16 => {
-                            let bits = self.b.ins().bitcast(types::I32, MemFlags::new(), v);
-                            let hi = self.b.ins().ushr_imm_u(bits, 16);
-                            self.b.ins().istore16(f, hi, addr, 0);
-                        }
-                    }
+                    self.store_at(buf.0 as usize, i, v)?;
                 }
                 // Packed accesses are element accesses on the host.
                 Stmt::LoadPacked { buf, index, dst } => {
@@ -451,21 +434,8 @@ impl<'a, 'b> Gen<'a, 'b> {
             Expr::I32(c) => self.b.ins().iconst(types::I32, *c as i64),
             Expr::F32(c) => self.b.ins().f32const(*c),
             Expr::Load { buf, index } => {
-                let elem = *self
-                    .elems
-                    .get(buf.0 as usize)
-                    .ok_or(Error::Internal("buffer"))?;
-                let addr = self.addr(buf.0 as usize, index, elem)?;
-                let f = MemFlags::trusted();
-                match elem {
-                    Elem::U8 => self.b.ins().uload8(types::I32, f, addr, 0),
-                    Elem::F32 => self.b.ins().load(types::F32, f, addr, 0),
-                    Elem::Bf16 => {
-                        let h = self.b.ins().uload16(types::I32, f, addr, 0);
-                        let bits = self.b.ins().ishl_imm_u(h, 16);
-                        self.b.ins().bitcast(types::F32, MemFlags::new(), bits)
-                    }
-                }
+                let i = self.expr(index)?;
+                self.load_at(buf.0 as usize, i)?
             }
             Expr::LoadX4 { buf, index } => {
                 let elem = *self

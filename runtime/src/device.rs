@@ -65,6 +65,13 @@ impl Device {
         })
     }
 
+    /// Wait for all work queued on the stream.
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
+    }
+
     /// The PTX target for this device (`sm_90a` on Hopper, `sm_100a` on Blackwell).
     pub fn target(&self) -> Option<moeforge_codegen::ptx::Target> {
         match self.capability {
