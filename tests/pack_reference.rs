@@ -298,6 +298,7 @@ fn every_recipe_matches_spec_on_random_inputs() {
         ("nvfp4_cutedsl", (3, 64, 128)),
         ("mxfp4", (2, 64, 96)),
         ("int8_per_row", (2, 40, 24)),
+        ("int8_per_row", (2, 1040, 48)),
     ];
     for &(recipe, (e, h, i)) in shapes {
         let c = Case::new(&mut rng, e, h, i);

@@ -726,6 +726,118 @@ impl Planner<'_> {
                 let sb = scl.map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
+                // The row's scale from its amax, as SPEC §8 (int8) or the per-channel FP8 formula.
+                let scale_of = move |em: &mut Emit<'_>, mx: Expr| -> Expr {
+                    if int8 {
+                        em.set(
+                            Ty::F32,
+                            e::sel(is_zero(mx.clone()), e::f(1.0), fdiv(mx, e::f(127.0))),
+                        )
+                    } else {
+                        em.set(
+                            Ty::F32,
+                            e::sel(
+                                is_zero(mx.clone()),
+                                e::f(1.0),
+                                fmax(fdiv(mx, e::f(448.0)), e::f(1.0 / (448.0 * 512.0))),
+                            ),
+                        )
+                    }
+                };
+                if !self.x4 && cols % 16 == 0 {
+                    // GPU form in two passes, so that neighbouring threads touch neighbouring memory:
+                    // (1) `lanes` work items per row stride through it in 16-element blocks and
+                    // atomically max-reduce into the row's amax; (2) one work item per 16-element
+                    // block quantizes with its row's scale.
+                    let nch = cols / 16;
+                    let lanes = nch.min(32);
+                    let steps = (nch + lanes - 1) / lanes;
+                    let amax_b = self.buf(
+                        BufRole::Temp(format!("{tag}_row_amax")),
+                        Elem::F32,
+                        (ne * rows) as usize,
+                        true,
+                    );
+                    self.kernel(format!("{tag}_amax"), ne * rows * lanes, |em, it| {
+                        let row = em.set(Ty::I64, e::div(it.clone(), lanes));
+                        let lane = em.set(Ty::I64, e::rem(it, lanes));
+                        let ex = em.set(Ty::I64, e::div(row.clone(), rows));
+                        let r = em.set(Ty::I64, e::rem(row.clone(), rows));
+                        let sr = src_row(em, r);
+                        let base = em.set(
+                            Ty::I64,
+                            e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
+                        );
+                        let mx = em.var(Ty::F32, e::f(0.0));
+                        em.for_(e::i(0), e::i(steps), |b, st| {
+                            let blk = b.set(Ty::I64, e::add(e::mul(st, e::i(lanes)), lane.clone()));
+                            let body = b.block(|b2| {
+                                let at = e::add(base.clone(), e::mul(blk.clone(), e::i(16)));
+                                let xs = load_block(b2, xb, xelem, at, 16);
+                                let m = max_tree(xs.into_iter().map(fabs).collect());
+                                b2.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
+                            });
+                            b.out.push(Stmt::If {
+                                cond: e::bin(BinOp::ILt, blk, e::i(nch)),
+                                then: body,
+                            });
+                        });
+                        em.out.push(Stmt::AtomicMaxF32 {
+                            buf: amax_b,
+                            index: row,
+                            value: e::v(mx),
+                        });
+                        Ok(())
+                    })?;
+                    return self.kernel(format!("{tag}_quant"), ne * rows * nch, |em, it0| {
+                        let row = em.set(Ty::I64, e::div(it0.clone(), nch));
+                        let ch = em.set(Ty::I64, e::rem(it0, nch));
+                        let ex = em.set(Ty::I64, e::div(row.clone(), rows));
+                        let r = em.set(Ty::I64, e::rem(row.clone(), rows));
+                        let sr = src_row(em, r);
+                        let base = em.set(
+                            Ty::I64,
+                            e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
+                        );
+                        let scale = scale_of(em, e::load(amax_b, row.clone()));
+                        if let Some(sb) = sb {
+                            let then = vec![Stmt::Store {
+                                buf: sb,
+                                index: row.clone(),
+                                value: scale.clone(),
+                            }];
+                            em.out.push(Stmt::If {
+                                cond: e::bin(BinOp::IEq, ch.clone(), e::i(0)),
+                                then,
+                            });
+                        }
+                        if let Some(vb) = vals {
+                            let c = em.set(Ty::I64, e::mul(ch, e::i(16)));
+                            let xs = load_block(em, xb, xelem, e::add(base, c.clone()), 16);
+                            let codes = xs
+                                .into_iter()
+                                .map(|x| {
+                                    if int8 {
+                                        quant::int8_rne(em, x, scale.clone())
+                                    } else {
+                                        quant::e4m3_rne(
+                                            em,
+                                            clamp(fdiv(x, scale.clone()), -448.0, 448.0),
+                                        )
+                                    }
+                                })
+                                .collect();
+                            store_block(
+                                em,
+                                vb,
+                                Elem::U8,
+                                e::add(e::mul(row, e::i(cols)), c),
+                                codes,
+                            );
+                        }
+                        Ok(())
+                    });
+                }
                 self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -750,23 +862,8 @@ impl Planner<'_> {
                                 .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
                         });
                     }
-                    let scale = if int8 {
-                        // scale = amax / 127, 1 for an all-zero row.
-                        em.set(
-                            Ty::F32,
-                            e::sel(is_zero(e::v(mx)), e::f(1.0), fdiv(e::v(mx), e::f(127.0))),
-                        )
-                    } else {
-                        // scale = max(amax / 448, 1 / (448*512)), 1 for an all-zero row.
-                        em.set(
-                            Ty::F32,
-                            e::sel(
-                                is_zero(e::v(mx)),
-                                e::f(1.0),
-                                fmax(fdiv(e::v(mx), e::f(448.0)), e::f(1.0 / (448.0 * 512.0))),
-                            ),
-                        )
-                    };
+                    // int8: amax / 127; fp8 per channel: max(amax / 448, 1 / (448*512)); 1 for a zero row.
+                    let scale = scale_of(em, e::v(mx));
                     if let Some(sb) = sb {
                         em.out.push(Stmt::Store {
                             buf: sb,
@@ -821,6 +918,135 @@ impl Planner<'_> {
                 let sb = scl.map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
+                if !self.x4 && cols % 16 == 0 {
+                    // GPU form in three passes: (1) one work item per row segment of a 128x128 block
+                    // (neighbouring items: neighbouring segments of one row) max-reduces into the block's
+                    // amax; (2) the block scales; (3) one work item per 16 elements quantizes.
+                    let nblk = (ne * bm * bk) as usize;
+                    let amax_b = self.buf(
+                        BufRole::Temp(format!("{tag}_blk_amax")),
+                        Elem::F32,
+                        nblk,
+                        true,
+                    );
+                    let sf_b = self.buf(
+                        BufRole::Temp(format!("{tag}_blk_sf")),
+                        Elem::F32,
+                        nblk,
+                        false,
+                    );
+                    self.kernel(format!("{tag}_amax"), ne * bm * 128 * bk, |em, it| {
+                        let kb = em.set(Ty::I64, e::rem(it.clone(), bk));
+                        let t = em.set(Ty::I64, e::div(it, bk));
+                        let rr = em.set(Ty::I64, e::rem(t.clone(), 128));
+                        let eb = em.set(Ty::I64, e::div(t, 128));
+                        let band = em.set(Ty::I64, e::rem(eb.clone(), bm));
+                        let ex = em.set(Ty::I64, e::div(eb.clone(), bm));
+                        let r = em.set(Ty::I64, e::add(e::mul(band, e::i(128)), rr));
+                        let c0 = em.set(Ty::I64, e::mul(kb.clone(), e::i(128)));
+                        let c1 = em.set(Ty::I64, e::bin(BinOp::IAdd, c0.clone(), e::i(128)));
+                        let c1 = em.set(
+                            Ty::I64,
+                            e::sel(e::bin(BinOp::ILt, c1.clone(), e::i(cols)), c1, e::i(cols)),
+                        );
+                        let blk = em.set(Ty::I64, e::add(e::mul(eb, e::i(bk)), kb));
+                        let body = em.block(|b| {
+                            let sr = src_row(b, r.clone());
+                            let base = b.set(
+                                Ty::I64,
+                                e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
+                            );
+                            let mx = b.var(Ty::F32, e::f(0.0));
+                            b.for_(e::div(c0.clone(), 16), e::div(c1.clone(), 16), |b2, c16| {
+                                let at = e::add(base.clone(), e::mul(c16, e::i(16)));
+                                let xs = load_block(b2, xb, xelem, at, 16);
+                                let m = max_tree(xs.into_iter().map(fabs).collect());
+                                b2.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
+                            });
+                            b.out.push(Stmt::AtomicMaxF32 {
+                                buf: amax_b,
+                                index: blk.clone(),
+                                value: e::v(mx),
+                            });
+                        });
+                        em.out.push(Stmt::If {
+                            cond: e::bin(BinOp::ILt, r.clone(), e::i(rows)),
+                            then: body,
+                        });
+                        Ok(())
+                    })?;
+                    // sf = max(amax, 1e-4) / 448 per block.
+                    self.kernel(format!("{tag}_sf"), nblk as i64, |em, it| {
+                        let sf = em.set(
+                            Ty::F32,
+                            fdiv(fmax(e::load(amax_b, it.clone()), e::f(1e-4)), e::f(448.0)),
+                        );
+                        em.out.push(Stmt::Store {
+                            buf: sf_b,
+                            index: it.clone(),
+                            value: sf.clone(),
+                        });
+                        if let Some(sb) = sb {
+                            em.out.push(Stmt::Store {
+                                buf: sb,
+                                index: it,
+                                value: sf,
+                            });
+                        }
+                        Ok(())
+                    })?;
+                    let nch = cols / 16;
+                    return match vals {
+                        None => Ok(()),
+                        Some(vb) => {
+                            self.kernel(format!("{tag}_quant"), ne * rows * nch, |em, it0| {
+                                let row = em.set(Ty::I64, e::div(it0.clone(), nch));
+                                let ch = em.set(Ty::I64, e::rem(it0, nch));
+                                let ex = em.set(Ty::I64, e::div(row.clone(), rows));
+                                let r = em.set(Ty::I64, e::rem(row.clone(), rows));
+                                let blk = em.set(
+                                    Ty::I64,
+                                    e::add(
+                                        e::mul(
+                                            e::add(
+                                                e::mul(ex.clone(), e::i(bm)),
+                                                e::div(r.clone(), 128),
+                                            ),
+                                            e::i(bk),
+                                        ),
+                                        e::div(ch.clone(), 8),
+                                    ),
+                                );
+                                let sr = src_row(em, r);
+                                let base = em.set(
+                                    Ty::I64,
+                                    e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
+                                );
+                                // q = e4m3(clamp(x * (1/sf))).
+                                let inv = em.set(Ty::F32, fdiv(e::f(1.0), e::load(sf_b, blk)));
+                                let c = em.set(Ty::I64, e::mul(ch, e::i(16)));
+                                let xs = load_block(em, xb, xelem, e::add(base, c.clone()), 16);
+                                let codes = xs
+                                    .into_iter()
+                                    .map(|x| {
+                                        quant::e4m3_rne(
+                                            em,
+                                            clamp(fmul(x, inv.clone()), -448.0, 448.0),
+                                        )
+                                    })
+                                    .collect();
+                                store_block(
+                                    em,
+                                    vb,
+                                    Elem::U8,
+                                    e::add(e::mul(row, e::i(cols)), c),
+                                    codes,
+                                );
+                                Ok(())
+                            })
+                        }
+                    };
+                }
                 // One work item per 128x128 block: amax, scale, quantize.
                 self.kernel(format!("{tag}_quant"), ne * bm * bk, |em, it0| {
                     let it = em.set(Ty::I64, e::div(it0.clone(), bk));
