@@ -758,7 +758,7 @@ impl Planner<'_> {
                         (ne * rows) as usize,
                         true,
                     );
-                    self.kernel(format!("{tag}_amax"), ne * rows * lanes, |em, it| {
+                    self.kernel(format!("{tag}_row_amax"), ne * rows * lanes, |em, it| {
                         let row = em.set(Ty::I64, e::div(it.clone(), lanes));
                         let lane = em.set(Ty::I64, e::rem(it, lanes));
                         let ex = em.set(Ty::I64, e::div(row.clone(), rows));
@@ -935,7 +935,7 @@ impl Planner<'_> {
                         nblk,
                         false,
                     );
-                    self.kernel(format!("{tag}_amax"), ne * bm * 128 * bk, |em, it| {
+                    self.kernel(format!("{tag}_block_amax"), ne * bm * 128 * bk, |em, it| {
                         let kb = em.set(Ty::I64, e::rem(it.clone(), bk));
                         let t = em.set(Ty::I64, e::div(it, bk));
                         let rr = em.set(Ty::I64, e::rem(t.clone(), 128));
