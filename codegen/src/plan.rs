@@ -668,15 +668,7 @@ impl Planner<'_> {
                                     e::add(base.clone(), cstart.clone()),
                                     16,
                                 );
-                                let codes: Vec<Expr> = xs
-                                    .into_iter()
-                                    .map(|x| {
-                                        quant::e4m3_rne(
-                                            em,
-                                            clamp(fmul(x, inv.clone()), -448.0, 448.0),
-                                        )
-                                    })
-                                    .collect();
+                                let codes: Vec<Expr> = e4m3_codes(em, xs, &inv);
                                 store_block(
                                     em,
                                     vb,
@@ -1026,15 +1018,7 @@ impl Planner<'_> {
                                 let inv = em.set(Ty::F32, fdiv(e::f(1.0), e::load(sf_b, blk)));
                                 let c = em.set(Ty::I64, e::mul(ch, e::i(16)));
                                 let xs = load_block(em, xb, xelem, e::add(base, c.clone()), 16);
-                                let codes = xs
-                                    .into_iter()
-                                    .map(|x| {
-                                        quant::e4m3_rne(
-                                            em,
-                                            clamp(fmul(x, inv.clone()), -448.0, 448.0),
-                                        )
-                                    })
-                                    .collect();
+                                let codes = e4m3_codes(em, xs, &inv);
                                 store_block(
                                     em,
                                     vb,
@@ -1129,20 +1113,13 @@ impl Planner<'_> {
                         }
                         if let Some(vb) = vals {
                             rows_v(b, &|b3, src, dst| {
-                                let q = |b4: &mut Emit<'_>, x: Expr| {
-                                    quant::e4m3_rne(b4, clamp(fmul(x, inv.clone()), -448.0, 448.0))
-                                };
                                 if packed {
                                     let xs = load_block(b3, xb, xelem, src, 8);
-                                    let codes = xs.into_iter().map(|x| q(b3, x)).collect();
+                                    let codes = e4m3_codes(b3, xs, &inv);
                                     store_block(b3, vb, Elem::U8, dst, codes);
                                 } else {
-                                    let code = q(b3, e::load(xb, src));
-                                    b3.out.push(Stmt::Store {
-                                        buf: vb,
-                                        index: dst,
-                                        value: code,
-                                    });
+                                    let code = e4m3_codes(b3, vec![e::load(xb, src)], &inv);
+                                    store_block(b3, vb, Elem::U8, dst, code);
                                 }
                             });
                         }
@@ -1728,6 +1705,13 @@ fn store_block(em: &mut Emit<'_>, buf: BufId, elem: Elem, index: Expr, values: V
             values: chunk.to_vec(),
         });
     }
+}
+
+/// E4M3 codes of `xs * inv`, saturated at ±448 (SPEC §5's FP8 quantization with a reciprocal scale).
+fn e4m3_codes(em: &mut Emit<'_>, xs: Vec<Expr>, inv: &Expr) -> Vec<Expr> {
+    xs.into_iter()
+        .map(|x| quant::e4m3_rne(em, clamp(fmul(x, inv.clone()), -448.0, 448.0)))
+        .collect()
 }
 
 /// `max` of several f32 values as a balanced tree (short dependency chains).
