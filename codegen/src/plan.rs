@@ -717,6 +717,7 @@ impl Planner<'_> {
                 );
                 let sb = scl.map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
+                let x4r = self.x4 && cols % 4 == 0;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 // The row's scale from its amax, as SPEC §8 (int8) or the per-channel FP8 formula.
                 let scale_of = move |em: &mut Emit<'_>, mx: Expr| -> Expr {
@@ -840,7 +841,16 @@ impl Planner<'_> {
                     );
                     let out = em.set(Ty::I64, e::mul(it.clone(), e::i(cols)));
                     let mx = em.var(Ty::F32, e::f(0.0));
-                    if packed {
+                    if x4r {
+                        // Host form: four lanes at a time, reduced across lanes at the end.
+                        let mv = em.var(Ty::F32x4, e::splat(e::f(0.0)));
+                        em.for_(e::i(0), e::i(cols / 4), |b, c4| {
+                            let x = fabs(e::load_x4(xb, e::add(base.clone(), e::mul(c4, e::i(4)))));
+                            b.out.push(Stmt::Set(mv, fmax(e::v(mv), x)));
+                        });
+                        let lanes = (0..4).map(|k| e::lane(e::v(mv), k)).collect();
+                        em.out.push(Stmt::Set(mx, max_tree(lanes)));
+                    } else if packed {
                         // GPU form: the row in 8-element packed loads (16 bytes of bf16).
                         em.for_(e::i(0), e::i(cols / 8), |b, c8| {
                             let at = e::add(base.clone(), e::mul(c8, e::i(8)));
@@ -872,7 +882,15 @@ impl Planner<'_> {
                         }
                     };
                     if let Some(vb) = vals {
-                        if packed {
+                        if x4r {
+                            em.for_(e::i(0), e::i(cols / 4), |b, c4| {
+                                let c = b.set(Ty::I64, e::mul(c4, e::i(4)));
+                                let x = e::load_x4(xb, e::add(base.clone(), c.clone()));
+                                let codes = b.vector(|bv| code_of(bv, x));
+                                let lanes = (0..4u8).map(|k| e::lane(codes.clone(), k)).collect();
+                                store_block(b, vb, Elem::U8, e::add(out.clone(), c), lanes);
+                            });
+                        } else if packed {
                             em.for_(e::i(0), e::i(cols / 8), |b, c8| {
                                 let c = b.set(Ty::I64, e::mul(c8, e::i(8)));
                                 let xs =
@@ -1142,6 +1160,7 @@ impl Planner<'_> {
                     return Err(unsupported(&pname, "swizzled MXFP4 scales"));
                 }
                 // GPU form: one work item per 32-element block.
+                let x4 = self.x4;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 let per_item = if self.x4 { 1 } else { nb };
                 self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
@@ -1161,12 +1180,28 @@ impl Planner<'_> {
                     );
                     em.for_(j0, j1, |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
-                        // The block's 32 values, loaded once as packed 16-byte accesses.
-                        let xs = load_block(b, xb, xelem, b0.clone(), 32);
-                        let mx = b.var(
-                            Ty::F32,
-                            max_tree(xs.iter().map(|x| fabs(x.clone())).collect()),
-                        );
+                        // The block's 32 values, loaded once: eight f32x4 on the host, packed 16-byte
+                        // accesses on the GPU.
+                        let xs: Vec<Expr> = if x4 {
+                            (0..8)
+                                .map(|q| {
+                                    b.set(
+                                        Ty::F32x4,
+                                        e::load_x4(xb, e::add(b0.clone(), e::i(4 * q))),
+                                    )
+                                })
+                                .collect()
+                        } else {
+                            load_block(b, xb, xelem, b0.clone(), 32)
+                        };
+                        let m = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
+                        let m = if x4 {
+                            let mv = b.set(Ty::F32x4, m);
+                            max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
+                        } else {
+                            m
+                        };
+                        let mx = b.var(Ty::F32, m);
                         // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
                         let ebits = b.set(
                             Ty::I32,
@@ -1205,14 +1240,26 @@ impl Planner<'_> {
                                 ),
                             );
                             // e2m1_rne saturates at ±6 itself; 16 bytes go out as one packed store.
+                            let codes: Vec<Expr> = if x4 {
+                                let vc: Vec<Expr> = xs
+                                    .iter()
+                                    .map(|v| {
+                                        b.vector(|bv| {
+                                            quant::e2m1_rne(bv, fmul(v.clone(), mult.clone()))
+                                        })
+                                    })
+                                    .collect();
+                                (0..32)
+                                    .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
+                                    .collect()
+                            } else {
+                                xs.iter()
+                                    .map(|x| quant::e2m1_rne(b, fmul(x.clone(), mult.clone())))
+                                    .collect()
+                            };
                             let bytes: Vec<Expr> = (0..16)
                                 .map(|k| {
-                                    let c0 =
-                                        quant::e2m1_rne(b, fmul(xs[2 * k].clone(), mult.clone()));
-                                    let c1 = quant::e2m1_rne(
-                                        b,
-                                        fmul(xs[2 * k + 1].clone(), mult.clone()),
-                                    );
+                                    let (c0, c1) = (codes[2 * k].clone(), codes[2 * k + 1].clone());
                                     let byte =
                                         e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4)));
                                     e::sel(zero.clone(), e::i32(0), byte)
