@@ -175,3 +175,31 @@ fn compile_cli_emits_ptx_ir_and_clif() {
         .contains(".target sm_90a"));
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
 }
+
+#[test]
+fn ptx_compiles_at_shapes_that_take_every_code_path() {
+    // Shapes where rows and columns are and are not multiples of the GPU form's block sizes.
+    let shapes = [
+        (2, 128, 128),
+        (3, 40, 24),
+        (3, 72, 40),
+        (1, 192, 64),
+        (2, 1040, 48),
+    ];
+    let mut compiled = 0;
+    for r in moeforge::kernels::STANDARD {
+        for (e, h, i) in shapes {
+            let bind = format!("E={e},H={h},I={i}");
+            let Ok(prog) = moeforge::pack_program(r.source, r.path, &bind, &|_| true) else {
+                continue; // the recipe's where-clause rejects this shape
+            };
+            for t in [Target::Sm90a, Target::Sm100a] {
+                let ptx = moeforge::codegen::ptx::compile(&prog, t)
+                    .unwrap_or_else(|err| panic!("{} at {bind} for {}: {err}", r.name, t.name()));
+                assert!(ptx.contains(".entry"));
+                compiled += 1;
+            }
+        }
+    }
+    assert!(compiled >= 24, "only {compiled} programs compiled");
+}

@@ -927,6 +927,14 @@ impl Planner<'_> {
                 let (bm, bk) = ((rows + 127) / 128, (cols + 127) / 128);
                 let sb = scl.map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
+                let x4b = self.x4 && cols % 4 == 0;
+                let chunk: i64 = if packed {
+                    8
+                } else if x4b {
+                    4
+                } else {
+                    1
+                };
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 if !self.x4 && cols % 16 == 0 {
                     // GPU form in three passes: (1) one work item per row segment of a 128x128 block
@@ -1080,11 +1088,13 @@ impl Planner<'_> {
                                     Ty::I64,
                                     e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r, e::i(cols))),
                                 );
-                                if packed {
-                                    // GPU form: 8-element chunks as 16-byte packed accesses.
-                                    let (k0, k1) = (e::div(c0.clone(), 8), e::div(c1.clone(), 8));
-                                    b2.for_(k0, k1, |b3, c8| {
-                                        let c = b3.set(Ty::I64, e::mul(c8, e::i(8)));
+                                if chunk > 1 {
+                                    // GPU form: 8-element chunks as 16-byte packed accesses; host form:
+                                    // 4-lane vectors.
+                                    let (k0, k1) =
+                                        (e::div(c0.clone(), chunk), e::div(c1.clone(), chunk));
+                                    b2.for_(k0, k1, |b3, ck| {
+                                        let c = b3.set(Ty::I64, e::mul(ck, e::i(chunk)));
                                         f(
                                             b3,
                                             e::add(base.clone(), c.clone()),
@@ -1102,7 +1112,14 @@ impl Planner<'_> {
                                 }
                             });
                         };
+                        // A vector accumulator only in the host form (the PTX backend takes scalar IR).
+                        let mv = x4b.then(|| b.var(Ty::F32x4, e::splat(e::f(0.0))));
                         rows_v(b, &|b3, src, _| {
+                            if let Some(mv) = mv {
+                                b3.out
+                                    .push(Stmt::Set(mv, fmax(e::v(mv), fabs(e::load_x4(xb, src)))));
+                                return;
+                            }
                             let m = if packed {
                                 max_tree(
                                     load_block(b3, xb, xelem, src, 8)
@@ -1115,6 +1132,10 @@ impl Planner<'_> {
                             };
                             b3.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
                         });
+                        if let Some(mv) = mv {
+                            let lanes = (0..4).map(|k| e::lane(e::v(mv), k)).collect();
+                            b.out.push(Stmt::Set(mx, max_tree(lanes)));
+                        }
                         // sf = max(amax, 1e-4) / 448; q = e4m3(clamp(x * (1/sf))).
                         let sf = b.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
                         let inv = b.set(Ty::F32, fdiv(e::f(1.0), sf.clone()));
@@ -1131,7 +1152,14 @@ impl Planner<'_> {
                         }
                         if let Some(vb) = vals {
                             rows_v(b, &|b3, src, dst| {
-                                if packed {
+                                if x4b {
+                                    let x = fmul(e::load_x4(xb, src), inv.clone());
+                                    let codes = b3
+                                        .vector(|bv| quant::e4m3_rne(bv, clamp(x, -448.0, 448.0)));
+                                    let lanes =
+                                        (0..4u8).map(|k| e::lane(codes.clone(), k)).collect();
+                                    store_block(b3, vb, Elem::U8, dst, lanes);
+                                } else if packed {
                                     let xs = load_block(b3, xb, xelem, src, 8);
                                     let codes = e4m3_codes(b3, xs, &inv);
                                     store_block(b3, vb, Elem::U8, dst, codes);
