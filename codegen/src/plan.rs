@@ -1208,27 +1208,8 @@ impl Planner<'_> {
                     );
                     em.for_(j0, j1, |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
-                        // The block's 32 values, loaded once: eight f32x4 on the host, packed 16-byte
-                        // accesses on the GPU.
-                        let xs: Vec<Expr> = if x4 {
-                            (0..8)
-                                .map(|q| {
-                                    b.set(
-                                        Ty::F32x4,
-                                        e::load_x4(xb, e::add(b0.clone(), e::i(4 * q))),
-                                    )
-                                })
-                                .collect()
-                        } else {
-                            load_block(b, xb, xelem, b0.clone(), 32)
-                        };
-                        let m = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
-                        let m = if x4 {
-                            let mv = b.set(Ty::F32x4, m);
-                            max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
-                        } else {
-                            m
-                        };
+                        let xs = load_fp_block(b, xb, xelem, b0.clone(), 32, x4);
+                        let m = abs_max(b, &xs, x4);
                         let mx = b.var(Ty::F32, m);
                         // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
                         let ebits = b.set(
@@ -1267,32 +1248,7 @@ impl Planner<'_> {
                                     e::mul(j.clone(), e::i(16)),
                                 ),
                             );
-                            // e2m1_rne saturates at ±6 itself; 16 bytes go out as one packed store.
-                            let codes: Vec<Expr> = if x4 {
-                                let vc: Vec<Expr> = xs
-                                    .iter()
-                                    .map(|v| {
-                                        b.vector(|bv| {
-                                            quant::e2m1_rne(bv, fmul(v.clone(), mult.clone()))
-                                        })
-                                    })
-                                    .collect();
-                                (0..32)
-                                    .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
-                                    .collect()
-                            } else {
-                                xs.iter()
-                                    .map(|x| quant::e2m1_rne(b, fmul(x.clone(), mult.clone())))
-                                    .collect()
-                            };
-                            let bytes: Vec<Expr> = (0..16)
-                                .map(|k| {
-                                    let (c0, c1) = (codes[2 * k].clone(), codes[2 * k + 1].clone());
-                                    let byte =
-                                        e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4)));
-                                    e::sel(zero.clone(), e::i32(0), byte)
-                                })
-                                .collect();
+                            let bytes = e2m1_bytes(b, &xs, &mult, &zero, x4);
                             store_block(b, vb, Elem::U8, ob.clone(), bytes);
                         }
                     });
@@ -1354,23 +1310,8 @@ impl Planner<'_> {
             let dec = em.set(Ty::F32, e::load(dec_b, si));
             em.for_(j0, j1, |b, j| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
-                // The block's 16 values, loaded once (as four f32x4 in vector mode); vmax as a
-                // balanced tree of maxima.
-                let xs: Vec<Expr> = if x4 {
-                    (0..4)
-                        .map(|q| b.set(Ty::F32x4, e::load_x4(xb, e::add(b0.clone(), e::i(4 * q)))))
-                        .collect()
-                } else {
-                    // 16-byte packed loads (the block starts on a 16-element boundary).
-                    load_block(b, xb, xelem, b0.clone(), 16)
-                };
-                let mx = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
-                let mx = if x4 {
-                    let mv = b.set(Ty::F32x4, mx);
-                    max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
-                } else {
-                    mx
-                };
+                let xs = load_fp_block(b, xb, xelem, b0.clone(), 16, x4);
+                let mx = abs_max(b, &xs, x4);
                 let mx = b.set(Ty::F32, mx);
                 // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
                 let s = clamp(
@@ -1409,35 +1350,7 @@ impl Planner<'_> {
                             e::mul(j.clone(), e::i(8)),
                         ),
                     );
-                    // Codes of the 16 values: four 4-lane conversions, or sixteen scalar ones.
-                    let codes: Vec<Expr> = if x4 {
-                        let vc: Vec<Expr> = xs
-                            .iter()
-                            .map(|v| {
-                                b.vector(|bv| quant::e2m1_rne(bv, fmul(v.clone(), osc.clone())))
-                            })
-                            .collect();
-                        (0..16)
-                            .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
-                            .collect()
-                    } else {
-                        // e2m1_rne saturates at ±6 itself.
-                        xs.iter()
-                            .map(|x| quant::e2m1_rne(b, fmul(x.clone(), osc.clone())))
-                            .collect()
-                    };
-                    // Element 2k in the low nibble; a zero block scale gives zero codes. The 8
-                    // bytes of the block go out as one packed store.
-                    let bytes: Vec<Expr> = (0..8)
-                        .map(|kk| {
-                            let (c0, c1) = (codes[2 * kk].clone(), codes[2 * kk + 1].clone());
-                            e::sel(
-                                zero.clone(),
-                                e::i32(0),
-                                e::bin(BinOp::Or, c0, e::bin(BinOp::Shl, c1, e::i32(4))),
-                            )
-                        })
-                        .collect();
+                    let bytes = e2m1_bytes(b, &xs, &osc, &zero, x4);
                     store_block(b, vb, Elem::U8, ob.clone(), bytes);
                 }
             });
@@ -1780,6 +1693,70 @@ fn store_block(em: &mut Emit<'_>, buf: BufId, elem: Elem, index: Expr, values: V
             values: chunk.to_vec(),
         });
     }
+}
+
+/// A block of `n` consecutive float values at an aligned `index`, loaded once: `n/4` f32x4 vectors in
+/// the host form, 16-byte packed accesses in the GPU form.
+fn load_fp_block(
+    em: &mut Emit<'_>,
+    buf: BufId,
+    elem: Elem,
+    index: Expr,
+    n: i64,
+    x4: bool,
+) -> Vec<Expr> {
+    if x4 {
+        (0..n / 4)
+            .map(|q| {
+                em.set(
+                    Ty::F32x4,
+                    e::load_x4(buf, e::add(index.clone(), e::i(4 * q))),
+                )
+            })
+            .collect()
+    } else {
+        load_block(em, buf, elem, index, n as usize)
+    }
+}
+
+/// `max |x|` over a block from [`load_fp_block`], as a balanced tree (across lanes last).
+fn abs_max(em: &mut Emit<'_>, xs: &[Expr], x4: bool) -> Expr {
+    let m = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
+    if x4 {
+        let mv = em.set(Ty::F32x4, m);
+        max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
+    } else {
+        m
+    }
+}
+
+/// The packed FP4 bytes of a block: E2M1 codes of `x * scale` (saturating at ±6), element 2k in the
+/// low nibble, and all-zero bytes when `zero` holds (a zero block scale).
+fn e2m1_bytes(em: &mut Emit<'_>, xs: &[Expr], scale: &Expr, zero: &Expr, x4: bool) -> Vec<Expr> {
+    let codes: Vec<Expr> = if x4 {
+        let vc: Vec<Expr> = xs
+            .iter()
+            .map(|v| em.vector(|bv| quant::e2m1_rne(bv, fmul(v.clone(), scale.clone()))))
+            .collect();
+        (0..4 * vc.len())
+            .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
+            .collect()
+    } else {
+        xs.iter()
+            .map(|x| quant::e2m1_rne(em, fmul(x.clone(), scale.clone())))
+            .collect()
+    };
+    codes
+        .chunks(2)
+        .map(|p| {
+            let byte = e::bin(
+                BinOp::Or,
+                p[0].clone(),
+                e::bin(BinOp::Shl, p[1].clone(), e::i32(4)),
+            );
+            e::sel(zero.clone(), e::i32(0), byte)
+        })
+        .collect()
 }
 
 /// E4M3 codes of `xs * inv`, saturated at ±448 (SPEC §5's FP8 quantization with a reciprocal scale).
