@@ -424,6 +424,43 @@ impl<'a, 'b> Gen<'a, 'b> {
         }
     }
 
+    /// One binary operation on scalars, or lane-wise on vectors (operands already of one type).
+    fn binop(&mut self, op: BinOp, a: Value, b: Value, vector: bool) -> Result<Value> {
+        let ins = self.b.ins();
+        Ok(match op {
+            BinOp::IAdd => ins.iadd(a, b),
+            BinOp::ISub => ins.isub(a, b),
+            BinOp::IMul => ins.imul(a, b),
+            BinOp::IDiv | BinOp::IRem if vector => return Err(Error::Internal("vector division")),
+            BinOp::IDiv => ins.udiv(a, b),
+            BinOp::IRem => ins.urem(a, b),
+            BinOp::And => ins.band(a, b),
+            BinOp::Or => ins.bor(a, b),
+            BinOp::Shl => ins.ishl(a, b),
+            BinOp::Shr => ins.ushr(a, b),
+            BinOp::FAdd => ins.fadd(a, b),
+            BinOp::FMul => ins.fmul(a, b),
+            BinOp::FDiv => ins.fdiv(a, b),
+            // Operands of the IR's max/min are never NaN and never a (+0, -0) pair, so on vectors a
+            // lane mask and a bit select are exact, and much shorter than the NaN-aware sequence x86
+            // needs for `fmax`.
+            BinOp::FMax | BinOp::FMin if vector => {
+                let (x, y) = if op == BinOp::FMax { (a, b) } else { (b, a) };
+                let lt = ins.fcmp(FloatCC::LessThan, x, y);
+                let m = self.b.ins().bitcast(types::F32X4, little(), lt);
+                self.b.ins().bitselect(m, b, a)
+            }
+            BinOp::FMax => ins.fmax(a, b),
+            BinOp::FMin => ins.fmin(a, b),
+            BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
+            BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
+            // On vectors, comparisons give i32x4 lane masks.
+            BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
+            BinOp::FLe => ins.fcmp(FloatCC::LessThanOrEqual, a, b),
+            BinOp::FEq => ins.fcmp(FloatCC::Equal, a, b),
+        })
+    }
+
     fn expr(&mut self, x: &Expr) -> Result<Value> {
         Ok(match x {
             Expr::Var(v) => {
@@ -511,39 +548,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                 } else {
                     self.coerce(b, tb, want)
                 };
-                let ins = self.b.ins();
-                match op {
-                    BinOp::IAdd => ins.iadd(a, b),
-                    BinOp::ISub => ins.isub(a, b),
-                    BinOp::IMul => ins.imul(a, b),
-                    BinOp::And => ins.band(a, b),
-                    BinOp::Or => ins.bor(a, b),
-                    BinOp::Shl => ins.ishl(a, b),
-                    BinOp::Shr => ins.ushr(a, b),
-                    BinOp::FAdd => ins.fadd(a, b),
-                    BinOp::FMul => ins.fmul(a, b),
-                    BinOp::FDiv => ins.fdiv(a, b),
-                    // Operands of the IR's max/min are never NaN and never a (+0, -0) pair, so a
-                    // lane mask and a bit select are exact, and much shorter than the NaN-aware
-                    // sequence x86 needs for `fmax` on vectors.
-                    BinOp::FMax => {
-                        let lt = ins.fcmp(FloatCC::LessThan, a, b);
-                        let m = self.b.ins().bitcast(types::F32X4, little(), lt);
-                        self.b.ins().bitselect(m, b, a)
-                    }
-                    BinOp::FMin => {
-                        let lt = ins.fcmp(FloatCC::LessThan, b, a);
-                        let m = self.b.ins().bitcast(types::F32X4, little(), lt);
-                        self.b.ins().bitselect(m, b, a)
-                    }
-                    BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
-                    BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
-                    // Vector comparisons give i32x4 lane masks.
-                    BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
-                    BinOp::FLe => ins.fcmp(FloatCC::LessThanOrEqual, a, b),
-                    BinOp::FEq => ins.fcmp(FloatCC::Equal, a, b),
-                    BinOp::IDiv | BinOp::IRem => return Err(Error::Internal("vector division")),
-                }
+                self.binop(*op, a, b, true)?
             }
             Expr::Un(op, a) => {
                 let a = self.expr(a)?;
@@ -575,28 +580,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     });
                 }
                 let (a, b) = (self.expr(a)?, self.expr(b)?);
-                let ins = self.b.ins();
-                match op {
-                    BinOp::IAdd => ins.iadd(a, b),
-                    BinOp::ISub => ins.isub(a, b),
-                    BinOp::IMul => ins.imul(a, b),
-                    BinOp::IDiv => ins.udiv(a, b),
-                    BinOp::IRem => ins.urem(a, b),
-                    BinOp::And => ins.band(a, b),
-                    BinOp::Or => ins.bor(a, b),
-                    BinOp::Shl => ins.ishl(a, b),
-                    BinOp::Shr => ins.ushr(a, b),
-                    BinOp::FAdd => ins.fadd(a, b),
-                    BinOp::FMul => ins.fmul(a, b),
-                    BinOp::FDiv => ins.fdiv(a, b),
-                    BinOp::FMax => ins.fmax(a, b),
-                    BinOp::FMin => ins.fmin(a, b),
-                    BinOp::ILt => ins.icmp(IntCC::SignedLessThan, a, b),
-                    BinOp::IEq => ins.icmp(IntCC::Equal, a, b),
-                    BinOp::FLt => ins.fcmp(FloatCC::LessThan, a, b),
-                    BinOp::FLe => ins.fcmp(FloatCC::LessThanOrEqual, a, b),
-                    BinOp::FEq => ins.fcmp(FloatCC::Equal, a, b),
-                }
+                self.binop(*op, a, b, false)?
             }
         })
     }

@@ -499,22 +499,14 @@ impl Gen<'_> {
                     .ok_or(Error::Internal("buffer"))?;
                 let addr = self.addr(buf.0 as usize, index)?;
                 match elem {
-                    Elem::U8 => {
-                        let d = self.b.reg(RegClass::B32);
-                        self.b.push(Inst::Ld {
-                            ty: PtxTy::U8,
-                            d,
-                            addr,
-                        });
-                        Operand::Reg(d)
-                    }
-                    Elem::F32 => {
-                        let d = self.b.reg(RegClass::F32);
-                        self.b.push(Inst::Ld {
-                            ty: PtxTy::F32,
-                            d,
-                            addr,
-                        });
+                    Elem::U8 | Elem::F32 => {
+                        let (class, ty) = if elem == Elem::U8 {
+                            (RegClass::B32, PtxTy::U8)
+                        } else {
+                            (RegClass::F32, PtxTy::F32)
+                        };
+                        let d = self.b.reg(class);
+                        self.b.push(Inst::Ld { ty, d, addr });
                         Operand::Reg(d)
                     }
                     Elem::Bf16 => {
