@@ -125,10 +125,3 @@ pub fn alloc_buffers(
     }
     Ok(out)
 }
-
-/// Backend options shared by every target.
-#[derive(Debug, Clone, Default)]
-pub struct Options {
-    /// Worker threads for the host backend (0: all cores).
-    pub threads: usize,
-}

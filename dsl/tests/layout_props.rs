@@ -16,17 +16,23 @@ fn flat_layout(max_rank: usize, max_shape: i64, max_stride: i64) -> impl Strateg
     })
 }
 
+/// A permutation of `0..n` drawn from `seed` (Fisher-Yates with the seed's mixed-radix digits).
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut s = seed;
+    for i in (1..n).rev() {
+        let j = (s % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+        s /= i as u64 + 1;
+    }
+    order
+}
+
 /// A compact layout: shapes in random order with column-major strides permuted.
 fn compact_layout() -> impl Strategy<Value = Layout> {
     (prop::collection::vec(1i64..=5, 1..=4), any::<u64>()).prop_map(|(shape, seed)| {
         let n = shape.len();
-        let mut order: Vec<usize> = (0..n).collect();
-        let mut s = seed;
-        for i in (1..n).rev() {
-            let j = (s % (i as u64 + 1)) as usize;
-            order.swap(i, j);
-            s /= i as u64 + 1;
-        }
+        let order = permutation(n, seed);
         let mut stride = vec![0i64; n];
         let mut acc = 1;
         for &k in &order {
@@ -149,13 +155,7 @@ fn sym_case() -> impl Strategy<Value = SymCase> {
     )
         .prop_map(|(shapes, seed, bump, slice)| {
             let n = shapes.len();
-            let mut order: Vec<usize> = (0..n).collect();
-            let mut s = seed;
-            for i in (1..n).rev() {
-                let j = (s % (i as u64 + 1)) as usize;
-                order.swap(i, j);
-                s /= i as u64 + 1;
-            }
+            let order = permutation(n, seed);
             SymCase {
                 shapes,
                 order,
