@@ -394,6 +394,14 @@ pub fn bench() -> Result<String> {
             bound * 1e3,
             bound / best * 100.0
         );
+        // Where the time goes: one more run with an event pair around each kernel.
+        let per = gp.run_timed(&dev, &mut bufs).map_err(rt)?;
+        let parts: Vec<String> = per
+            .iter()
+            .filter(|(_, ms)| *ms >= 0.005)
+            .map(|(n, ms)| format!("{} {:.3}", n.strip_prefix(r.name).unwrap_or(n), ms))
+            .collect();
+        let _ = writeln!(out, "    kernels (ms): {}", parts.join(", "));
     }
     Ok(out)
 }

@@ -47,6 +47,8 @@ fn little() -> MemFlags {
 
 /// The CLIF of every kernel of a program, as Cranelift prints it (before optimization).
 pub fn clif_text(prog: &Program) -> Result<String> {
+    let soft = crate::quant::soften(prog, &|_| false);
+    let prog = &soft;
     let mut out = String::new();
     let isa = native_isa()?;
     let ptr = isa.pointer_type();
@@ -84,6 +86,9 @@ fn native_isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
 
 /// Compile every kernel of a program for this machine.
 pub fn compile(prog: &Program) -> Result<Compiled> {
+    // The host has no narrow-float conversion instructions: their integer sequences instead.
+    let soft = crate::quant::soften(prog, &|_| false);
+    let prog = &soft;
     let isa = native_isa()?;
     let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
     let ptr = module.target_config().pointer_type();
@@ -382,7 +387,12 @@ impl<'a, 'b> Gen<'a, 'b> {
                 let v = t.is_vector();
                 let s = match op {
                     UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => Ty::F32,
-                    UnOp::F2I | UnOp::BitsOf | UnOp::Narrow | UnOp::BoolToI => Ty::I32,
+                    UnOp::F2I
+                    | UnOp::BitsOf
+                    | UnOp::Narrow
+                    | UnOp::BoolToI
+                    | UnOp::E4m3
+                    | UnOp::E2m1 => Ty::I32,
                     UnOp::Widen => Ty::I64,
                 };
                 if v {
@@ -536,6 +546,9 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen | UnOp::Narrow => {
                         return Err(Error::Internal("vector widen/narrow"))
                     }
+                    UnOp::E4m3 | UnOp::E2m1 => {
+                        return Err(Error::Internal("native conversion not softened"))
+                    }
                 }
             }
             Expr::Bin(op, a, b) if self.ty(a)?.is_vector() || self.ty(b)?.is_vector() => {
@@ -563,6 +576,9 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen => ins.sextend(types::I64, a),
                     UnOp::Narrow => ins.ireduce(types::I32, a),
                     UnOp::BoolToI => ins.uextend(types::I32, a),
+                    UnOp::E4m3 | UnOp::E2m1 => {
+                        return Err(Error::Internal("native conversion not softened"))
+                    }
                 }
             }
             Expr::Bin(op, a, b) => {

@@ -197,6 +197,11 @@ fn un(op: UnOp, a: Val) -> Result<Val> {
                     UnOp::Widen => Val::I64(a.i32()? as i64),
                     UnOp::Narrow => Val::I32(a.i64()? as i32),
                     UnOp::BoolToI => Val::I32(a.bool()? as i32),
+                    // The oracle's table search, not the IR sequence: an independent check of both.
+                    UnOp::E4m3 => Val::I32(crate::reference::e4m3_from_f32(a.f32()?) as i32),
+                    UnOp::E2m1 => {
+                        Val::I32(crate::reference::e2m1_from_f32(a.f32()?.clamp(-6.0, 6.0)) as i32)
+                    }
                 }
             }
         }

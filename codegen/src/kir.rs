@@ -157,6 +157,14 @@ pub enum UnOp {
     Narrow,
     /// Boolean -> i32 (0 or 1).
     BoolToI,
+    /// f32 -> E4M3 byte (i32 in `0..=255`): round to nearest even, saturating at ±448, the sign kept
+    /// for values that round to zero (SPEC §0). One `cvt.rn.satfinite.e4m3x2.f32` on the GPU; backends
+    /// without it get the integer sequence of [`crate::quant::soften`].
+    E4m3,
+    /// f32 -> E2M1 nibble (i32 in `0..=15`): round to nearest even, saturating at ±6, the sign kept for
+    /// values that round to zero. Native on sm_100a (`cvt.rn.satfinite.e2m1x2.f32`); elsewhere the
+    /// integer sequence of [`crate::quant::soften`].
+    E2m1,
 }
 
 /// A scalar expression (a tree).
@@ -449,6 +457,16 @@ impl VarAlloc {
     pub fn new_var(&mut self, ty: Ty) -> Var {
         self.types.push(ty);
         Var(self.types.len() as u32 - 1)
+    }
+
+    /// An allocator continuing a kernel's variables (for passes that add variables).
+    pub fn continuing(types: Vec<Ty>) -> VarAlloc {
+        VarAlloc { types }
+    }
+
+    /// The number of variables and their types.
+    pub fn into_parts(self) -> (u32, Vec<Ty>) {
+        (self.types.len() as u32, self.types)
     }
 
     /// Finish a kernel.

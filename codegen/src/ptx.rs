@@ -31,6 +31,16 @@ impl Target {
         }
     }
 
+    /// Whether the target converts to a narrow float format in one instruction: E4M3 everywhere
+    /// (`cvt.rn.satfinite.e4m3x2.f32`, sm_89 on), E2M1 only on sm_100a (`...e2m1x2.f32`).
+    pub fn native(self, op: UnOp) -> bool {
+        match op {
+            UnOp::E4m3 => true,
+            UnOp::E2m1 => self == Target::Sm100a,
+            _ => true,
+        }
+    }
+
     /// Parse `sm_90a` / `sm_100a`.
     pub fn from_name(s: &str) -> Option<Target> {
         match s {
@@ -39,6 +49,14 @@ impl Target {
             _ => None,
         }
     }
+}
+
+/// The multiplier and shift that divide any `a < 2^31` by a constant `2 <= c < 2^31`:
+/// `a / c == mulhi32(a, m) >> shift` with `m = ceil(2^(31+l) / c) < 2^32`, `2^l >= c`, `shift = l - 1`.
+pub fn magic_u31(c: i64) -> (i64, i64) {
+    let l = 64 - ((c - 1) as u64).leading_zeros() as i64;
+    let m = ((1u128 << (31 + l)) + c as u128 - 1) / c as u128;
+    (m as i64, l - 1)
 }
 
 /// The PTX ISA version emitted (accepted by ptxas 13.0 for both targets).
@@ -244,6 +262,16 @@ pub enum Inst {
         /// Address (aligned to the access).
         addr: Reg,
     },
+    /// `d = e4m3(a)` or `d = e2m1(a)` (RNE, saturating, in the low bits of a 32-bit register): one
+    /// `cvt.rn.satfinite.{e4m3x2,e2m1x2}.f32` with 0 as the other element, in a scoped block.
+    CvtNarrow {
+        /// E2M1 (else E4M3).
+        e2m1: bool,
+        /// Destination (32-bit).
+        d: Reg,
+        /// Operand (f32).
+        a: Reg,
+    },
     /// `red.global.max.u32 [addr], v`.
     RedMaxU32 {
         /// Address.
@@ -303,6 +331,14 @@ impl fmt::Display for Inst {
             Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
             Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
             Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
+            Inst::CvtNarrow { e2m1: false, d, a } => write!(
+                f,
+                "\t{{ .reg .b16 %cvt; cvt.rn.satfinite.e4m3x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u16 {d}, %cvt; }}"
+            ),
+            Inst::CvtNarrow { e2m1: true, d, a } => write!(
+                f,
+                "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
+            ),
             Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
             Inst::LdV { words, addr } => {
                 let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
@@ -387,6 +423,8 @@ struct Gen<'a> {
     /// every division's operands fit 32 bits, and 64-bit divisions (a long software sequence on the
     /// GPU) are done in 32 bits.
     narrow_div: bool,
+    /// Items (so every coordinate) below 2^31: constant division by multiply-high.
+    magic_div: bool,
 }
 
 fn int_ty(c: RegClass) -> PtxTy {
@@ -398,6 +436,71 @@ fn int_ty(c: RegClass) -> PtxTy {
 }
 
 impl Gen<'_> {
+    /// `a / c` or `a % c` of a 32-bit value `a` by a constant `0 < c < 2^31`: a shift or mask for a
+    /// power of two; otherwise, where the kernel's items (and so every coordinate) are below 2^31, a
+    /// multiply-high by `m = ceil(2^(31+l) / c)` with `2^l >= c` (Granlund-Montgomery: exact for every
+    /// `a < 2^31`); else `div.u32`/`rem.u32`. ptxas was seen to expand constant `div.u32` into a
+    /// reciprocal sequence, several times the cost of these.
+    fn div32(&mut self, div: bool, a32: Reg, c: i64) -> Reg {
+        let q = self.b.reg(RegClass::B32);
+        if c & (c - 1) == 0 {
+            let k = c.trailing_zeros() as i64;
+            self.b.push(Inst::Bin {
+                op: if div { "shr" } else { "and" },
+                ty: PtxTy::B32,
+                d: q,
+                a: Operand::Reg(a32),
+                b: Operand::Int(if div { k } else { c - 1 }),
+            });
+            return q;
+        }
+        if !self.magic_div {
+            self.b.push(Inst::Bin {
+                op: if div { "div" } else { "rem" },
+                ty: PtxTy::U32,
+                d: q,
+                a: Operand::Reg(a32),
+                b: Operand::Int(c),
+            });
+            return q;
+        }
+        let (m, shift) = magic_u31(c);
+        let hi = self.b.reg(RegClass::B32);
+        self.b.push(Inst::Bin {
+            op: "mul.hi",
+            ty: PtxTy::U32,
+            d: hi,
+            a: Operand::Reg(a32),
+            b: Operand::Int(m),
+        });
+        let quo = if div { q } else { self.b.reg(RegClass::B32) };
+        self.b.push(Inst::Bin {
+            op: "shr",
+            ty: PtxTy::B32,
+            d: quo,
+            a: Operand::Reg(hi),
+            b: Operand::Int(shift),
+        });
+        if !div {
+            let t = self.b.reg(RegClass::B32);
+            self.b.push(Inst::Bin {
+                op: "mul.lo",
+                ty: PtxTy::U32,
+                d: t,
+                a: Operand::Reg(quo),
+                b: Operand::Int(c),
+            });
+            self.b.push(Inst::Bin {
+                op: "sub",
+                ty: PtxTy::U32,
+                d: q,
+                a: Operand::Reg(a32),
+                b: Operand::Reg(t),
+            });
+        }
+        q
+    }
+
     fn in_reg(&mut self, o: Operand, class: RegClass) -> Reg {
         match o {
             Operand::Reg(r) => r,
@@ -437,7 +540,12 @@ impl Gen<'_> {
             }
             Expr::Un(op, _) => match op {
                 UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => RegClass::F32,
-                UnOp::F2I | UnOp::BitsOf | UnOp::Narrow | UnOp::BoolToI => RegClass::B32,
+                UnOp::F2I
+                | UnOp::BitsOf
+                | UnOp::Narrow
+                | UnOp::BoolToI
+                | UnOp::E4m3
+                | UnOp::E2m1 => RegClass::B32,
                 UnOp::Widen => RegClass::B64,
             },
             Expr::Bin(op, a, _) => match op {
@@ -573,6 +681,18 @@ impl Gen<'_> {
                     }
                     UnOp::Widen => ("cvt.s64.s32", RegClass::B64),
                     UnOp::Narrow => ("cvt.u32.u64", RegClass::B32),
+                    UnOp::E4m3 | UnOp::E2m1 => {
+                        let Operand::Reg(a) = a else {
+                            return Err(Error::Internal("conversion operand"));
+                        };
+                        let d = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::CvtNarrow {
+                            e2m1: *op == UnOp::E2m1,
+                            d,
+                            a,
+                        });
+                        return Ok(Operand::Reg(d));
+                    }
                     UnOp::BoolToI => {
                         let Operand::Reg(p) = a else {
                             return Err(Error::Internal("predicate"));
@@ -608,15 +728,7 @@ impl Gen<'_> {
                     d: a32,
                     a: Operand::Reg(a),
                 });
-                let q = self.b.reg(RegClass::B32);
-                let opc = if *op == BinOp::IDiv { "div" } else { "rem" };
-                self.b.push(Inst::Bin {
-                    op: opc,
-                    ty: PtxTy::U32,
-                    d: q,
-                    a: Operand::Reg(a32),
-                    b: Operand::Int(c),
-                });
+                let q = self.div32(*op == BinOp::IDiv, a32, c);
                 let d = self.b.reg(RegClass::B64);
                 self.b.push(Inst::Un {
                     op: "cvt.u64.u32",
@@ -1028,6 +1140,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
         bases: Vec::new(),
         elems,
         narrow_div: k.items < (1i64 << 32),
+        magic_div: k.items < (1i64 << 31),
     };
     for t in &k.var_types {
         let r = g.b.reg(RegClass::of(*t));
@@ -1159,9 +1272,43 @@ pub fn compile(prog: &Program, target: Target) -> Result<String> {
         "//\n\n.version {PTX_VERSION}\n.target {}\n.address_size 64\n",
         target.name()
     );
+    // Conversions the target lacks become integer sequences first.
+    let prog = crate::quant::soften(prog, &|op| target.native(op));
     for k in prog.kernels() {
         s.push_str(&kernel_ptx(k, &elems)?);
         s.push('\n');
     }
     Ok(s)
+}
+
+#[cfg(test)]
+mod magic_tests {
+    use super::magic_u31;
+
+    #[test]
+    fn magic_division_is_exact_below_2_pow_31() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for c in (2i64..600).chain([448, 7168, 14336, 4096 * 7, 29_360_128, (1 << 31) - 1]) {
+            let (m, sh) = magic_u31(c);
+            assert!((0..1i64 << 32).contains(&m), "c={c} m={m}");
+            let check = |a: u64| {
+                let q = ((a * m as u64) >> 32) >> sh;
+                assert_eq!(q, a / c as u64, "a={a} c={c}");
+            };
+            for a in [0, 1, c as u64 - 1, c as u64, (1 << 31) - 1, (1 << 31) - 2] {
+                check(a);
+            }
+            let top = ((1u64 << 31) - 1) / c as u64;
+            for k in [top, top.saturating_sub(1)] {
+                check(k * c as u64);
+                check((k * c as u64).saturating_sub(1));
+            }
+            for _ in 0..2000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                check(x % (1 << 31));
+            }
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //! spelled out in integer and correctly rounded f32 operations, so every backend computes the same
 //! bits (Hopper included, which has no hardware E2M1 conversion).
 
-use crate::kir::{e, BinOp, Expr, Stmt, Ty, UnOp, Var, VarAlloc};
+use crate::kir::{e, BinOp, Expr, Program, Step, Stmt, Ty, UnOp, Var, VarAlloc};
 
 /// Emits statements into a block, allocating variables.
 pub struct Emit<'a> {
@@ -100,8 +100,20 @@ pub fn clamp(x: Expr, lo: f32, hi: f32) -> Expr {
     e::bin(BinOp::FMin, e::bin(BinOp::FMax, x, e::f(lo)), e::f(hi))
 }
 
-/// Round-to-nearest-even conversion of a finite f32 with `|x| <= 448` to an E4M3 byte (i32).
+/// Round-to-nearest-even conversion of a finite f32 to an E4M3 byte (i32), saturating at ±448: the
+/// IR's [`UnOp::E4m3`] in scalar form (one hardware conversion on the GPU), the integer sequence of
+/// [`e4m3_soft`] in 4-lane form.
 pub fn e4m3_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
+    if em.x4 {
+        e4m3_soft(em, clamp(x, -448.0, 448.0))
+    } else {
+        em.set(Ty::I32, e::un(UnOp::E4m3, x))
+    }
+}
+
+/// Round-to-nearest-even conversion of a finite f32 with `|x| <= 448` to an E4M3 byte (i32), in
+/// integer and correctly rounded f32 operations.
+pub fn e4m3_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
     let x = em.set(em.vt(Ty::F32), x);
     let bits = em.set(em.vt(Ty::I32), e::un(UnOp::BitsOf, x.clone()));
     let sign = e::bin(
@@ -151,41 +163,155 @@ pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
     em.set(t, e::sel(e::bin(BinOp::IEq, exp, e::i32(0)), sub, normal))
 }
 
-/// Round-to-nearest-even of a finite f32, saturated to ±6, to an E2M1 nibble (sign in bit 3; a value that
-/// rounds to zero keeps its sign, as the hardware conversion does). Below 1 the grid step is 0.5, so the
-/// code is `rne(2|x|)`; from 1 on, the f32 mantissa is rounded to one bit (ties to even) and the
-/// exponent re-biased from 127 to 1, exactly as for E4M3.
+/// Round-to-nearest-even of a finite f32, saturated to ±6, to an E2M1 nibble (sign in bit 3; a value
+/// that rounds to zero keeps its sign, as the hardware conversion does): the IR's [`UnOp::E2m1`] in
+/// scalar form (native on sm_100a), the integer sequence of [`e2m1_soft`] in 4-lane form.
 pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
+    if em.x4 {
+        e2m1_soft(em, x)
+    } else {
+        em.set(Ty::I32, e::un(UnOp::E2m1, x))
+    }
+}
+
+/// [`e2m1_rne`] in integer and correctly rounded f32 operations. With `y = min(|x|, 6)`, the E2M1 grid
+/// has step 1/2 below 2, 1 in [2, 4) and 2 in [4, 6], so the code is `rne(y * s) + off` with
+/// `(s, off) = (2, 0)`, `(1, 2)` or `(1/2, 4)`: the products are exact (powers of two), one correctly
+/// rounded add does the rounding (ties to even, and code parity is mantissa parity), and the offsets
+/// make the codes continue across the range boundaries (rne(2y) = 4 at y -> 2 is code 4, etc.).
+pub fn e2m1_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
     let x = em.set(em.vt(Ty::F32), x);
-    // Saturate the magnitude at 6 (the sign is taken from `x` itself).
-    let a = em.set(
+    let y = em.set(
         em.vt(Ty::F32),
         e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)),
     );
-    let sub = rne_small_int(e::bin(BinOp::FMul, a.clone(), e::f(2.0)));
-    let abits = em.set(em.vt(Ty::I32), e::un(UnOp::BitsOf, a.clone()));
-    let lsb = e::bin(
-        BinOp::And,
-        e::bin(BinOp::Shr, abits.clone(), e::i32(22)),
-        e::i32(1),
-    );
-    let rounded = e::bin(
-        BinOp::IAdd,
-        e::bin(BinOp::IAdd, abits, e::i32((1 << 21) - 1)),
-        lsb,
-    );
-    let normal = e::bin(
-        BinOp::ISub,
-        e::bin(BinOp::Shr, rounded, e::i32(22)),
-        e::i32(126 << 1),
-    );
-    let code = e::sel(e::bin(BinOp::FLt, a, e::f(1.0)), sub, normal);
+    let lt2 = em.set(em.vt(Ty::Bool), e::bin(BinOp::FLt, y.clone(), e::f(2.0)));
+    let lt4 = em.set(em.vt(Ty::Bool), e::bin(BinOp::FLt, y.clone(), e::f(4.0)));
+    // Select arms are vectors in 4-lane form.
+    let x4 = em.x4;
+    let kf = |v: f32| if x4 { e::splat(e::f(v)) } else { e::f(v) };
+    let ki = |v: i32| if x4 { e::splat(e::i32(v)) } else { e::i32(v) };
+    let s = e::sel(lt2.clone(), kf(2.0), e::sel(lt4.clone(), kf(1.0), kf(0.5)));
+    let off = e::sel(lt2, ki(0), e::sel(lt4, ki(2), ki(4)));
+    let code = e::bin(BinOp::IAdd, rne_small_int(e::bin(BinOp::FMul, y, s)), off);
     let sign = e::bin(
         BinOp::And,
         e::bin(BinOp::Shr, e::un(UnOp::BitsOf, x), e::i32(28)),
         e::i32(8),
     );
     em.set(em.vt(Ty::I32), e::bin(BinOp::Or, sign, code))
+}
+
+/// Rewrite the native conversions a backend lacks ([`UnOp::E4m3`], [`UnOp::E2m1`] where `native` says
+/// no) into their integer sequences: each such operand is bound to a fresh variable just before the
+/// statement that uses it, followed by the sequence, whose result replaces the operation. Every
+/// expression here is pure (loads included), so evaluating it a statement earlier is the same.
+pub fn soften(prog: &Program, native: &dyn Fn(UnOp) -> bool) -> Program {
+    let mut out = prog.clone();
+    for st in out.steps.iter_mut() {
+        if let Step::Kernel(k) = st {
+            let mut va = VarAlloc::continuing(k.var_types.clone());
+            let body = std::mem::take(&mut k.body);
+            k.body = soften_block(body, &mut va, native);
+            let (vars, types) = va.into_parts();
+            k.vars = vars;
+            k.var_types = types;
+        }
+    }
+    out
+}
+
+fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> bool) -> Vec<Stmt> {
+    let mut out = Vec::with_capacity(body.len());
+    for st in body {
+        let mut em = Emit::new(va);
+        let st = match st {
+            Stmt::Set(v, x) => Stmt::Set(v, soften_expr(x, &mut em, native)),
+            Stmt::For {
+                var,
+                start,
+                end,
+                body,
+            } => {
+                let start = soften_expr(start, &mut em, native);
+                let end = soften_expr(end, &mut em, native);
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    body: soften_block(body, em.vars, native),
+                }
+            }
+            Stmt::If { cond, then } => {
+                let cond = soften_expr(cond, &mut em, native);
+                Stmt::If {
+                    cond,
+                    then: soften_block(then, em.vars, native),
+                }
+            }
+            Stmt::Store { buf, index, value } => Stmt::Store {
+                buf,
+                index: soften_expr(index, &mut em, native),
+                value: soften_expr(value, &mut em, native),
+            },
+            Stmt::LoadPacked { buf, index, dst } => Stmt::LoadPacked {
+                buf,
+                index: soften_expr(index, &mut em, native),
+                dst,
+            },
+            Stmt::StorePacked { buf, index, values } => Stmt::StorePacked {
+                buf,
+                index: soften_expr(index, &mut em, native),
+                values: values
+                    .into_iter()
+                    .map(|x| soften_expr(x, &mut em, native))
+                    .collect(),
+            },
+            Stmt::AtomicMaxF32 { buf, index, value } => Stmt::AtomicMaxF32 {
+                buf,
+                index: soften_expr(index, &mut em, native),
+                value: soften_expr(value, &mut em, native),
+            },
+        };
+        out.append(&mut em.out);
+        out.push(st);
+    }
+    out
+}
+
+fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Expr {
+    let bx = |x: Box<Expr>, em: &mut Emit<'_>| Box::new(soften_expr(*x, em, native));
+    match x {
+        Expr::Un(op @ (UnOp::E4m3 | UnOp::E2m1), a) if !native(op) => {
+            let a = soften_expr(*a, em, native);
+            if op == UnOp::E4m3 {
+                e4m3_soft(em, clamp(a, -448.0, 448.0))
+            } else {
+                e2m1_soft(em, a)
+            }
+        }
+        Expr::Un(op, a) => Expr::Un(op, bx(a, em)),
+        Expr::Bin(op, a, b) => {
+            let a = bx(a, em);
+            Expr::Bin(op, a, bx(b, em))
+        }
+        Expr::Select(c, a, b) => {
+            let c = bx(c, em);
+            let a = bx(a, em);
+            Expr::Select(c, a, bx(b, em))
+        }
+        Expr::Load { buf, index } => Expr::Load {
+            buf,
+            index: bx(index, em),
+        },
+        Expr::LoadX4 { buf, index } => Expr::LoadX4 {
+            buf,
+            index: bx(index, em),
+        },
+        Expr::Splat(a) => Expr::Splat(bx(a, em)),
+        Expr::Lane(a, k) => Expr::Lane(bx(a, em), k),
+        leaf @ (Expr::Var(_) | Expr::I64(_) | Expr::I32(_) | Expr::F32(_)) => leaf,
+    }
 }
 
 /// `abs(x)`.
@@ -221,4 +347,123 @@ pub fn int8_rne(em: &mut Emit<'_>, x: Expr, scale: Expr) -> Expr {
         rne_small_int(clamp(fdiv(x, scale), -128.0, 127.0)),
     );
     em.set(em.vt(Ty::I32), e::bin(BinOp::And, q, e::i32(0xFF)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kir::{Buf, BufId, BufRole, Elem, Kernel};
+
+    /// A one-kernel program `out[i] = op(in[i])` over f32 inputs.
+    fn convert(op: UnOp, xs: &[f32], x4: bool) -> Program {
+        let mut va = VarAlloc::default();
+        let item = va.new_var(Ty::I64);
+        let body = {
+            let mut em = Emit::new(&mut va);
+            if x4 {
+                let v = e::load_x4(BufId(0), e::mul(e::v(item), e::i(4)));
+                let c = em.vector(|bv| {
+                    if op == UnOp::E4m3 {
+                        e4m3_rne(bv, v)
+                    } else {
+                        e2m1_rne(bv, v)
+                    }
+                });
+                for k in 0..4u8 {
+                    em.out.push(Stmt::Store {
+                        buf: BufId(1),
+                        index: e::add(e::mul(e::v(item), e::i(4)), e::i(k as i64)),
+                        value: e::lane(c.clone(), k),
+                    });
+                }
+            } else {
+                let x = e::load(BufId(0), e::v(item));
+                em.out.push(Stmt::Store {
+                    buf: BufId(1),
+                    index: e::v(item),
+                    value: e::un(op, x),
+                });
+            }
+            em.out
+        };
+        let n = xs.len() as i64;
+        let k: Kernel = va.kernel("cvt".into(), item, if x4 { n / 4 } else { n }, body);
+        Program {
+            recipe: "cvt".into(),
+            bufs: vec![
+                Buf {
+                    role: BufRole::Input("x".into()),
+                    elem: Elem::F32,
+                    len: xs.len(),
+                    zeroed: false,
+                },
+                Buf {
+                    role: BufRole::Param("q".into()),
+                    elem: Elem::U8,
+                    len: xs.len(),
+                    zeroed: false,
+                },
+            ],
+            steps: vec![Step::Kernel(k)],
+        }
+    }
+
+    /// Every f32 in `[0, hi]` whose low `skip` mantissa bits are zero, each grid point and tie of the
+    /// target format with its neighbours one ulp away, all of it with both signs.
+    fn values(hi: f32, skip: u32, grid: &[f32]) -> Vec<f32> {
+        let mut v = Vec::new();
+        let mut b = 0u32;
+        while f32::from_bits(b) <= hi {
+            v.push(f32::from_bits(b));
+            b += 1 << skip;
+        }
+        for w in grid.windows(2) {
+            for p in [w[0], (w[0] + w[1]) / 2.0] {
+                let pb = p.to_bits();
+                v.extend([
+                    p,
+                    f32::from_bits(pb + 1),
+                    f32::from_bits(pb.saturating_sub(1)),
+                ]);
+            }
+        }
+        v.extend([hi * 2.0, 1e30, f32::MIN_POSITIVE, 1e-40]);
+        let neg: Vec<f32> = v.iter().map(|x| -x).collect();
+        v.extend(neg);
+        while v.len() % 4 != 0 {
+            v.push(0.0);
+        }
+        v
+    }
+
+    fn check(op: UnOp, xs: &[f32]) {
+        let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        for x4 in [false, true] {
+            let prog = convert(op, xs, x4);
+            let mut host = vec![bytes.clone(), vec![0u8; xs.len()]];
+            crate::host::compile(&prog)
+                .and_then(|c| c.run(&mut host, &crate::SingleProcess, 1))
+                .expect("host run");
+            for (i, x) in xs.iter().enumerate() {
+                let want = if op == UnOp::E4m3 {
+                    crate::reference::e4m3_from_f32(*x)
+                } else {
+                    crate::reference::e2m1_from_f32(x.clamp(-6.0, 6.0))
+                };
+                assert_eq!(host[1][i], want, "{op:?} of {x:e} (x4 = {x4})");
+            }
+        }
+    }
+
+    #[test]
+    fn e2m1_sequence_matches_the_threshold_table() {
+        let grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        check(UnOp::E2m1, &values(6.5, 8, &grid));
+    }
+
+    #[test]
+    fn e4m3_sequence_matches_the_code_table() {
+        let grid: Vec<f32> = (0u8..=0x7E).map(crate::reference::e4m3_to_f32).collect();
+        check(UnOp::E4m3, &values(500.0, 12, &grid));
+    }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use moeforge_codegen::kir::{BufRole, Program, Step};
 use moeforge_codegen::ptx;
 
@@ -114,6 +114,32 @@ impl GpuProgram {
     /// Launch every step in order on the device's stream (asynchronous; collective steps over one
     /// process are the identity).
     pub fn run(&self, dev: &Device, bufs: &mut [CudaSlice<u8>]) -> Result<()> {
+        self.launch_all(dev, bufs, None)
+    }
+
+    /// [`GpuProgram::run`] with a timing event around every kernel: `(kernel name, milliseconds)` in
+    /// program order (waits for the stream). For benchmarks: the events add a little launch overhead.
+    pub fn run_timed(
+        &self,
+        dev: &Device,
+        bufs: &mut [CudaSlice<u8>],
+    ) -> Result<Vec<(String, f64)>> {
+        let mut ev = Vec::new();
+        self.launch_all(dev, bufs, Some(&mut ev))?;
+        let mut out = Vec::new();
+        for (name, a, b) in ev {
+            let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?;
+            out.push((name, ms as f64));
+        }
+        Ok(out)
+    }
+
+    fn launch_all(
+        &self,
+        dev: &Device,
+        bufs: &mut [CudaSlice<u8>],
+        mut events: Option<&mut Vec<(String, CudaEvent, CudaEvent)>>,
+    ) -> Result<()> {
         if bufs.len() != self.prog.bufs.len() {
             return Err(Error::Codegen(moeforge_codegen::Error::Internal(
                 "buffer count",
@@ -148,6 +174,15 @@ impl GpuProgram {
                         block_dim: (threads, 1, 1),
                         shared_mem_bytes: 0,
                     };
+                    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let start = match events {
+                        Some(_) => Some(
+                            dev.stream
+                                .record_event(timing)
+                                .map_err(drv("cuEventRecord"))?,
+                        ),
+                        None => None,
+                    };
                     let mut l = dev.stream.launch_builder(f);
                     for d in bufs.iter() {
                         l.arg(d);
@@ -157,6 +192,13 @@ impl GpuProgram {
                     // buffer has the size the program declares (`alloc`), and the kernels index only
                     // inside those sizes (the same programs run bounds-checked in the interpreter).
                     unsafe { l.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+                    if let (Some(ev), Some(start)) = (events.as_deref_mut(), start) {
+                        let end = dev
+                            .stream
+                            .record_event(timing)
+                            .map_err(drv("cuEventRecord"))?;
+                        ev.push((k.name.clone(), start, end));
+                    }
                 }
                 Step::AllReduceMax { .. } => {
                     // One process: the identity. (Across ranks this becomes an NCCL all-reduce.)
