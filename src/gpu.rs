@@ -77,8 +77,16 @@ pub fn gpu_pack(
 }
 
 /// Shapes of the self-test: small, not multiples of the tiles where the recipe allows, and a real layer.
-pub const SHAPES: &[(usize, usize, usize)] =
-    &[(2, 128, 128), (3, 192, 64), (4, 320, 192), (8, 2048, 768)];
+/// (The last two reach the CTA-per-row forms: rows of 7168 (128 threads, unrolled) and of 4160
+/// (256 threads, looped), partial 128x128 blocks, and a 2112-wide row for the warp form's loop.)
+pub const SHAPES: &[(usize, usize, usize)] = &[
+    (2, 128, 128),
+    (3, 192, 64),
+    (4, 320, 192),
+    (8, 2048, 768),
+    (2, 7168, 256),
+    (1, 4160, 2112),
+];
 
 /// `moeforge selftest --gpu`: GPU == host byte for byte. Returns the report and whether all passed
 /// (`None` when there is no GPU).
@@ -264,8 +272,19 @@ fn traffic_bytes(prog: &crate::codegen::kir::Program) -> f64 {
     b
 }
 
-/// `moeforge bench --gpu`: JIT latency and on-GPU pack time of a DeepSeek-V3 EP8 layer.
-pub fn bench() -> Result<String> {
+/// `moeforge bench --gpu [--recipe NAME]`: JIT latency and on-GPU pack time of a DeepSeek-V3 EP8
+/// layer, for every standard recipe or only the one named.
+pub fn bench(only: Option<&str>) -> Result<String> {
+    if let Some(name) = only {
+        if !STANDARD.iter().any(|r| r.name == name) {
+            return Err(Error::Usage(format!("no standard recipe `{name}`")));
+        }
+    }
+    let chosen = || {
+        STANDARD
+            .iter()
+            .filter(move |r| only.is_none_or(|n| n == r.name))
+    };
     let mut out = String::new();
     let dev = match open() {
         Ok(d) => d,
@@ -290,7 +309,7 @@ pub fn bench() -> Result<String> {
         "{:<16} {:>12} {:>16} {:>16} {:>18}",
         "recipe", "recipe->PTX", "cold PTX->module", "warm memory hit", "warm disk hit"
     );
-    for r in STANDARD {
+    for r in chosen() {
         let dir = tempfile::tempdir().map_err(|e| Error::Io {
             path: "tempdir".into(),
             source: e,
@@ -369,7 +388,7 @@ pub fn bench() -> Result<String> {
         "recipe", "time ms", "traffic GB", "bound ms", "of bound"
     );
     let cache = Cache::new(None);
-    for r in STANDARD {
+    for r in chosen() {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
         let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
         let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;

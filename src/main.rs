@@ -416,7 +416,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 .map_err(io)?;
             }
             if gpu {
-                write!(out, "{}", moeforge::gpu::bench()?).map_err(io)?;
+                write!(out, "{}", moeforge::gpu::bench(recipe.as_deref())?).map_err(io)?;
             }
         }
         Command::Selftest { gpu, quick } => {

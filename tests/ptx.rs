@@ -185,7 +185,12 @@ fn ptx_compiles_at_shapes_that_take_every_code_path() {
         (3, 72, 40),
         (1, 192, 64),
         (2, 1040, 48),
+        // The CTA-per-row forms: unrolled (7168: 128 threads) and looped (4160: 256 threads).
+        (2, 7168, 256),
+        (1, 4160, 2112),
     ];
+    let assembler = ptxas();
+    let out = tempfile::tempdir().unwrap();
     let mut compiled = 0;
     for r in moeforge::kernels::STANDARD {
         for (e, h, i) in shapes {
@@ -197,6 +202,25 @@ fn ptx_compiles_at_shapes_that_take_every_code_path() {
                 let ptx = moeforge::codegen::ptx::compile(&prog, t)
                     .unwrap_or_else(|err| panic!("{} at {bind} for {}: {err}", r.name, t.name()));
                 assert!(ptx.contains(".entry"));
+                if let Some(ptxas) = &assembler {
+                    // Assembled as well where ptxas is at hand (scripts/test installs it).
+                    let src = out.path().join(format!("{}.{}.ptx", r.name, t.name()));
+                    std::fs::write(&src, &ptx).unwrap();
+                    let res = Command::new(ptxas)
+                        .arg(format!("-arch={}", t.name()))
+                        .arg(&src)
+                        .arg("-o")
+                        .arg(out.path().join("k.cubin"))
+                        .output()
+                        .unwrap();
+                    assert!(
+                        res.status.success(),
+                        "ptxas rejected {} at {bind} for {}:\n{}",
+                        r.name,
+                        t.name(),
+                        String::from_utf8_lossy(&res.stderr)
+                    );
+                }
                 compiled += 1;
             }
         }

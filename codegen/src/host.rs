@@ -47,7 +47,7 @@ fn little() -> MemFlags {
 
 /// The CLIF of every kernel of a program, as Cranelift prints it (before optimization).
 pub fn clif_text(prog: &Program) -> Result<String> {
-    let soft = crate::quant::soften(prog, &|_| false);
+    let soft = crate::quant::soften(&prog.sequential(), &|_| false);
     let prog = &soft;
     let mut out = String::new();
     let isa = native_isa()?;
@@ -87,7 +87,7 @@ fn native_isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
 /// Compile every kernel of a program for this machine.
 pub fn compile(prog: &Program) -> Result<Compiled> {
     // The host has no narrow-float conversion instructions: their integer sequences instead.
-    let soft = crate::quant::soften(prog, &|_| false);
+    let soft = crate::quant::soften(&prog.sequential(), &|_| false);
     let prog = &soft;
     let isa = native_isa()?;
     let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
@@ -289,6 +289,9 @@ impl<'a, 'b> Gen<'a, 'b> {
                         addr,
                         bits,
                     );
+                }
+                Stmt::GroupMax { .. } | Stmt::GroupFor { .. } => {
+                    return Err(Error::Internal("group construct in a sequential kernel"))
                 }
             }
         }

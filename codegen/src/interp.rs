@@ -269,6 +269,9 @@ impl Ctx<'_> {
                         self.store(buf.0 as usize, i, Val::F32(v))?;
                     }
                 }
+                Stmt::GroupMax { .. } | Stmt::GroupFor { .. } => {
+                    return Err(Error::Internal("group construct in a sequential kernel"))
+                }
             }
         }
         Ok(())
@@ -308,6 +311,14 @@ fn bin(op: BinOp, a: Val, b: Val) -> Result<Val> {
 
 /// Run one kernel over all its work items.
 pub fn run_kernel(k: &Kernel, elems: &[Elem], bufs: &mut [Vec<u8>]) -> Result<()> {
+    // Group kernels run as their sequential form (one thread per item).
+    let seq;
+    let k = if k.group == 1 {
+        k
+    } else {
+        seq = k.sequential();
+        &seq
+    };
     let mut ctx = Ctx {
         elems: elems.to_vec(),
         bufs,

@@ -256,6 +256,33 @@ pub enum Stmt {
         /// Values.
         values: Vec<Expr>,
     },
+    /// `var = max(0, max over sub in 0..count of value)`, `body` run before each `value`: a reduction
+    /// shared by the work item's group of threads (a warp or a CTA on the GPU: the threads take `sub`
+    /// in turns, then combine by warp shuffles and shared memory, and every thread gets the result). Values are non-negative f32; max is
+    /// exact and order-free, so every backend gets the same bits. Only at the top level of a group
+    /// kernel's body (never inside a loop, branch or group loop).
+    GroupMax {
+        /// The result (f32).
+        var: Var,
+        /// The sub-item (i64).
+        sub: Var,
+        /// Number of sub-items (i64).
+        count: Expr,
+        /// Statements run for each sub-item.
+        body: Vec<Stmt>,
+        /// The sub-item's value (f32, >= 0).
+        value: Expr,
+    },
+    /// `for var in 0..count { body }` with independent iterations, shared by the work item's group of
+    /// threads (lanes take `var` in turns on the GPU).
+    GroupFor {
+        /// Loop variable (i64).
+        var: Var,
+        /// Trip count (i64).
+        count: Expr,
+        /// Body.
+        body: Vec<Stmt>,
+    },
     /// `buf[index] = max(buf[index], value)` atomically, for non-negative f32 (ordered as their bits).
     AtomicMaxF32 {
         /// Buffer (f32).
@@ -282,6 +309,93 @@ pub struct Kernel {
     pub vars: u32,
     /// Types of the local variables.
     pub var_types: Vec<Ty>,
+    /// Threads per work item: 1, or a whole number of warps for a kernel using
+    /// [`Stmt::GroupMax`]/[`Stmt::GroupFor`]: one warp (32: shuffles only) or one CTA (64 to 1024:
+    /// shuffles, then shared memory) per item on the GPU, so that an item's data is read from DRAM
+    /// once and again from L1/L2 while it is still there; a sequential loop elsewhere. In a group kernel, statements outside the group constructs run on every thread,
+    /// and their stores are made by thread 0 only.
+    pub group: u32,
+}
+
+impl Kernel {
+    /// The same kernel run by one thread per item: group constructs become plain loops (what the
+    /// interpreter and the host backend run).
+    pub fn sequential(&self) -> Kernel {
+        let mut k = self.clone();
+        let mut va = VarAlloc::continuing(k.var_types.clone());
+        k.body = sequential_block(std::mem::take(&mut k.body), &mut va);
+        let (vars, types) = va.into_parts();
+        k.vars = vars;
+        k.var_types = types;
+        k.group = 1;
+        k
+    }
+}
+
+fn sequential_block(body: Vec<Stmt>, va: &mut VarAlloc) -> Vec<Stmt> {
+    let mut out = Vec::with_capacity(body.len());
+    for st in body {
+        match st {
+            Stmt::GroupMax {
+                var,
+                sub,
+                count,
+                body,
+                value,
+            } => {
+                let mut inner = sequential_block(body, va);
+                inner.push(Stmt::Set(
+                    var,
+                    Expr::Bin(BinOp::FMax, Box::new(Expr::Var(var)), Box::new(value)),
+                ));
+                out.push(Stmt::Set(var, Expr::F32(0.0)));
+                out.push(Stmt::For {
+                    var: sub,
+                    start: Expr::I64(0),
+                    end: count,
+                    body: inner,
+                });
+            }
+            Stmt::GroupFor { var, count, body } => out.push(Stmt::For {
+                var,
+                start: Expr::I64(0),
+                end: count,
+                body: sequential_block(body, va),
+            }),
+            Stmt::For {
+                var,
+                start,
+                end,
+                body,
+            } => out.push(Stmt::For {
+                var,
+                start,
+                end,
+                body: sequential_block(body, va),
+            }),
+            Stmt::If { cond, then } => out.push(Stmt::If {
+                cond,
+                then: sequential_block(then, va),
+            }),
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+impl Program {
+    /// Every kernel made [`Kernel::sequential`].
+    pub fn sequential(&self) -> Program {
+        let mut p = self.clone();
+        for s in p.steps.iter_mut() {
+            if let Step::Kernel(k) = s {
+                if k.group != 1 {
+                    *k = k.sequential();
+                }
+            }
+        }
+        p
+    }
 }
 
 /// What a buffer holds.
@@ -478,6 +592,7 @@ impl VarAlloc {
             body,
             vars: self.types.len() as u32,
             var_types: self.types,
+            group: 1,
         }
     }
 }
@@ -526,6 +641,23 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
             Stmt::AtomicMaxF32 { buf, index, value } => {
                 writeln!(f, "{pad}atomic_max b{}[{index}], {value}", buf.0)?
             }
+            Stmt::GroupMax {
+                var,
+                sub,
+                count,
+                body,
+                value,
+            } => {
+                writeln!(f, "{pad}%{} = group_max %{} in 0..{count} {{", var.0, sub.0)?;
+                write_block(f, body, depth + 1)?;
+                writeln!(f, "{pad}  yield {value}")?;
+                writeln!(f, "{pad}}}")?;
+            }
+            Stmt::GroupFor { var, count, body } => {
+                writeln!(f, "{pad}group_for %{} in 0..{count} {{", var.0)?;
+                write_block(f, body, depth + 1)?;
+                writeln!(f, "{pad}}}")?;
+            }
             Stmt::LoadPacked { buf, index, dst } => {
                 let d: Vec<String> = dst.iter().map(|v| format!("%{}", v.0)).collect();
                 writeln!(
@@ -553,9 +685,14 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
 
 impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let group = if self.group == 1 {
+            String::new()
+        } else {
+            format!(" group {}", self.group)
+        };
         writeln!(
             f,
-            "kernel {} parallel %{} in 0..{} {{",
+            "kernel {} parallel %{} in 0..{}{group} {{",
             self.name, self.item.0, self.items
         )?;
         write_block(f, &self.body, 1)?;

@@ -339,6 +339,21 @@ impl Planner<'_> {
         Ok(())
     }
 
+    /// A kernel run by `group` threads per work item (see [`Kernel::group`]).
+    fn group_kernel(
+        &mut self,
+        name: String,
+        items: i64,
+        group: u32,
+        f: impl FnOnce(&mut Emit<'_>, Expr) -> Result<()>,
+    ) -> Result<()> {
+        self.kernel(name, items, f)?;
+        if let Some(Step::Kernel(k)) = self.prog.steps.last_mut() {
+            k.group = group;
+        }
+        Ok(())
+    }
+
     /// One quantization: amax, collective hook, scales, quantize pass.
     fn quantize(&mut self, q: ValueId, u: &QuantUse) -> Result<()> {
         let m = self.info.module();
@@ -435,36 +450,50 @@ impl Planner<'_> {
                 // 1. amax: one work item per row, atomically max-reduced per expert.
                 let x4 = self.x4 && cols % 16 == 0;
                 if !self.x4 {
-                    // GPU form: `lanes` work items per expert stride through it together, so that
-                    // neighbouring threads read neighbouring 16-byte chunks (coalesced), then one
-                    // atomic max per work item.
+                    // GPU form: one CTA per slice of 4096 16-byte chunks of an expert; its threads
+                    // take neighbouring chunks (coalesced, 16 trips each, unrolled), reduce together,
+                    // and thread 0 makes one atomic max per slice.
                     let n_e = rows * cols;
                     let chunk = if n_e % 8 == 0 { 8 } else { 1 };
                     let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
-                    let lanes = (n_e / chunk).clamp(1, 2048);
-                    let steps = (n_e / chunk + lanes - 1) / lanes;
-                    self.kernel(format!("{tag}_amax"), ne * lanes, |em, it| {
-                        let ex = em.set(Ty::I64, e::div(it.clone(), lanes));
-                        let lane = em.set(Ty::I64, e::rem(it, lanes));
+                    let per: i64 = 4096;
+                    let nchunks = n_e / chunk;
+                    let slices = (nchunks + per - 1) / per;
+                    let guard = nchunks % per != 0;
+                    self.group_kernel(format!("{tag}_amax"), ne * slices, 256, |em, it| {
+                        let ex = em.set(Ty::I64, e::div(it.clone(), slices));
+                        let sl = em.set(Ty::I64, e::rem(it, slices));
                         let base = em.set(Ty::I64, e::mul(ex.clone(), e::i(n_e)));
-                        let mx = em.var(Ty::F32, e::f(0.0));
-                        em.for_(e::i(0), e::i(steps), |b, st| {
-                            let idx = b.set(
-                                Ty::I64,
-                                e::mul(e::add(e::mul(st, e::i(lanes)), lane.clone()), e::i(chunk)),
-                            );
-                            let body = b.block(|b2| {
-                                let at = b2.set(Ty::I64, e::add(base.clone(), idx.clone()));
-                                let vs = load_block(b2, xb, xelem, at.clone(), chunk as usize)
-                                    .into_iter()
-                                    .map(fabs)
-                                    .collect();
-                                b2.out.push(Stmt::Set(mx, fmax(e::v(mx), max_tree(vs))));
+                        let mx = em.vars.new_var(Ty::F32);
+                        let sub = em.vars.new_var(Ty::I64);
+                        let m = em.vars.new_var(Ty::F32);
+                        let body = em.block(|b| {
+                            let ci =
+                                b.set(Ty::I64, e::add(e::mul(sl.clone(), e::i(per)), e::v(sub)));
+                            let load = b.block(|b2| {
+                                let at = e::add(base.clone(), e::mul(ci.clone(), e::i(chunk)));
+                                let xs = load_block(b2, xb, xelem, at, chunk as usize);
+                                b2.out.push(Stmt::Set(
+                                    m,
+                                    max_tree(xs.into_iter().map(fabs).collect()),
+                                ));
                             });
-                            b.out.push(Stmt::If {
-                                cond: e::bin(BinOp::ILt, idx, e::i(n_e)),
-                                then: body,
-                            });
+                            if guard {
+                                b.out.push(Stmt::Set(m, e::f(0.0)));
+                                b.out.push(Stmt::If {
+                                    cond: e::bin(BinOp::ILt, ci, e::i(nchunks)),
+                                    then: load,
+                                });
+                            } else {
+                                b.out.extend(load);
+                            }
+                        });
+                        em.out.push(Stmt::GroupMax {
+                            var: mx,
+                            sub,
+                            count: e::i(per),
+                            body,
+                            value: e::v(m),
                         });
                         let idx = if per_tensor { e::i(0) } else { ex };
                         em.out.push(Stmt::AtomicMaxF32 {
@@ -737,99 +766,84 @@ impl Planner<'_> {
                         )
                     }
                 };
-                if !self.x4 && cols % 16 == 0 {
-                    // GPU form in two passes, so that neighbouring threads touch neighbouring memory:
-                    // (1) `lanes` work items per row stride through it in 16-element blocks and
-                    // atomically max-reduce into the row's amax; (2) one work item per 16-element
-                    // block quantizes with its row's scale.
-                    let nch = cols / 16;
-                    let lanes = nch.min(32);
-                    let steps = (nch + lanes - 1) / lanes;
-                    let amax_b = self.buf(
-                        BufRole::Temp(format!("{tag}_row_amax")),
-                        Elem::F32,
-                        (ne * rows) as usize,
-                        true,
-                    );
-                    self.kernel(format!("{tag}_row_amax"), ne * rows * lanes, |em, it| {
-                        let row = em.set(Ty::I64, e::div(it.clone(), lanes));
-                        let lane = em.set(Ty::I64, e::rem(it, lanes));
-                        let ex = em.set(Ty::I64, e::div(row.clone(), rows));
-                        let r = em.set(Ty::I64, e::rem(row.clone(), rows));
-                        let sr = src_row(em, r);
-                        let base = em.set(
-                            Ty::I64,
-                            e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
-                        );
-                        let mx = em.var(Ty::F32, e::f(0.0));
-                        em.for_(e::i(0), e::i(steps), |b, st| {
-                            let blk = b.set(Ty::I64, e::add(e::mul(st, e::i(lanes)), lane.clone()));
-                            let body = b.block(|b2| {
-                                let at = e::add(base.clone(), e::mul(blk.clone(), e::i(16)));
-                                let xs = load_block(b2, xb, xelem, at, 16);
-                                let m = max_tree(xs.into_iter().map(fabs).collect());
-                                b2.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
-                            });
-                            b.out.push(Stmt::If {
-                                cond: e::bin(BinOp::ILt, blk, e::i(nch)),
-                                then: body,
-                            });
-                        });
-                        em.out.push(Stmt::AtomicMaxF32 {
-                            buf: amax_b,
-                            index: row,
-                            value: e::v(mx),
-                        });
-                        Ok(())
-                    })?;
-                    return self.kernel(format!("{tag}_quant"), ne * rows * nch, |em, it0| {
-                        let row = em.set(Ty::I64, e::div(it0.clone(), nch));
-                        let ch = em.set(Ty::I64, e::rem(it0, nch));
-                        let ex = em.set(Ty::I64, e::div(row.clone(), rows));
-                        let r = em.set(Ty::I64, e::rem(row.clone(), rows));
-                        let sr = src_row(em, r);
-                        let base = em.set(
-                            Ty::I64,
-                            e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
-                        );
-                        let scale = scale_of(em, e::load(amax_b, row.clone()));
-                        if let Some(sb) = sb {
-                            let then = vec![Stmt::Store {
-                                buf: sb,
-                                index: row.clone(),
-                                value: scale.clone(),
-                            }];
-                            em.out.push(Stmt::If {
-                                cond: e::bin(BinOp::IEq, ch.clone(), e::i(0)),
-                                then,
-                            });
-                        }
-                        if let Some(vb) = vals {
-                            let c = em.set(Ty::I64, e::mul(ch, e::i(16)));
-                            let xs = load_block(em, xb, xelem, e::add(base, c.clone()), 16);
-                            let codes = xs
-                                .into_iter()
-                                .map(|x| {
-                                    if int8 {
-                                        quant::int8_rne(em, x, scale.clone())
-                                    } else {
-                                        quant::e4m3_rne(
-                                            em,
-                                            clamp(fdiv(x, scale.clone()), -448.0, 448.0),
-                                        )
-                                    }
-                                })
-                                .collect();
-                            store_block(
-                                em,
-                                vb,
-                                Elem::U8,
-                                e::add(e::mul(row, e::i(cols)), c),
-                                codes,
+                if packed {
+                    // GPU form: one CTA per row. Its threads stride through the row in 8-element
+                    // packed loads and max-reduce together (warp shuffles, shared memory); then they
+                    // quantize the row, reading it again from L1/L2 while it is still there, so DRAM
+                    // sees the input once.
+                    return self.group_kernel(
+                        format!("{tag}_quant"),
+                        ne * rows,
+                        row_group(cols / 8),
+                        |em, row| {
+                            let ex = em.set(Ty::I64, e::div(row.clone(), rows));
+                            let r = em.set(Ty::I64, e::rem(row.clone(), rows));
+                            let sr = src_row(em, r);
+                            let base = em.set(
+                                Ty::I64,
+                                e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
                             );
-                        }
-                        Ok(())
-                    });
+                            let mx = em.vars.new_var(Ty::F32);
+                            let sub = em.vars.new_var(Ty::I64);
+                            let mut value = e::f(0.0);
+                            let body = em.block(|b| {
+                                let at = e::add(base.clone(), e::mul(e::v(sub), e::i(8)));
+                                let xs = load_block(b, xb, xelem, at, 8);
+                                value = max_tree(xs.into_iter().map(fabs).collect());
+                            });
+                            em.out.push(Stmt::GroupMax {
+                                var: mx,
+                                sub,
+                                count: e::i(cols / 8),
+                                body,
+                                value,
+                            });
+                            let scale = scale_of(em, e::v(mx));
+                            if let Some(sb) = sb {
+                                em.out.push(Stmt::Store {
+                                    buf: sb,
+                                    index: row.clone(),
+                                    value: scale.clone(),
+                                });
+                            }
+                            if let Some(vb) = vals {
+                                let c8 = em.vars.new_var(Ty::I64);
+                                let body = em.block(|b| {
+                                    let c = b.set(Ty::I64, e::mul(e::v(c8), e::i(8)));
+                                    let xs = load_block(
+                                        b,
+                                        xb,
+                                        xelem,
+                                        e::add(base.clone(), c.clone()),
+                                        8,
+                                    );
+                                    let codes = xs
+                                        .into_iter()
+                                        .map(|x| {
+                                            if int8 {
+                                                quant::int8_rne(b, x, scale.clone())
+                                            } else {
+                                                quant::e4m3_rne(b, fdiv(x, scale.clone()))
+                                            }
+                                        })
+                                        .collect();
+                                    store_block(
+                                        b,
+                                        vb,
+                                        Elem::U8,
+                                        e::add(e::mul(row.clone(), e::i(cols)), c),
+                                        codes,
+                                    );
+                                });
+                                em.out.push(Stmt::GroupFor {
+                                    var: c8,
+                                    count: e::i(cols / 8),
+                                    body,
+                                });
+                            }
+                            Ok(())
+                        },
+                    );
                 }
                 self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
@@ -936,126 +950,105 @@ impl Planner<'_> {
                     1
                 };
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
-                if !self.x4 && cols % 16 == 0 {
-                    // GPU form in three passes: (1) one work item per row segment of a 128x128 block
-                    // (neighbouring items: neighbouring segments of one row) max-reduces into the block's
-                    // amax; (2) the block scales; (3) one work item per 16 elements quantizes.
-                    let nblk = (ne * bm * bk) as usize;
-                    let amax_b = self.buf(
-                        BufRole::Temp(format!("{tag}_blk_amax")),
-                        Elem::F32,
-                        nblk,
-                        true,
-                    );
-                    let sf_b = self.buf(
-                        BufRole::Temp(format!("{tag}_blk_sf")),
-                        Elem::F32,
-                        nblk,
-                        false,
-                    );
-                    self.kernel(format!("{tag}_block_amax"), ne * bm * 128 * bk, |em, it| {
+                if packed {
+                    // GPU form: one CTA per 128x128 block. Its threads take 8-element row segments
+                    // in turns (16 to a block row: neighbouring threads read neighbouring memory),
+                    // max-reduce together, and quantize the block, reading it again from L1/L2.
+                    let (need_r, need_c) = (rows % 128 != 0, cols % 128 != 0);
+                    return self.group_kernel(format!("{tag}_quant"), ne * bm * bk, 256, |em, it| {
                         let kb = em.set(Ty::I64, e::rem(it.clone(), bk));
                         let t = em.set(Ty::I64, e::div(it, bk));
-                        let rr = em.set(Ty::I64, e::rem(t.clone(), 128));
-                        let eb = em.set(Ty::I64, e::div(t, 128));
-                        let band = em.set(Ty::I64, e::rem(eb.clone(), bm));
-                        let ex = em.set(Ty::I64, e::div(eb.clone(), bm));
-                        let r = em.set(Ty::I64, e::add(e::mul(band, e::i(128)), rr));
-                        let c0 = em.set(Ty::I64, e::mul(kb.clone(), e::i(128)));
-                        let c1 = em.set(Ty::I64, e::bin(BinOp::IAdd, c0.clone(), e::i(128)));
-                        let c1 = em.set(
-                            Ty::I64,
-                            e::sel(e::bin(BinOp::ILt, c1.clone(), e::i(cols)), c1, e::i(cols)),
-                        );
-                        let blk = em.set(Ty::I64, e::add(e::mul(eb, e::i(bk)), kb));
-                        let body = em.block(|b| {
-                            let sr = src_row(b, r.clone());
-                            let base = b.set(
+                        let band = em.set(Ty::I64, e::rem(t.clone(), bm));
+                        let ex = em.set(Ty::I64, e::div(t, bm));
+                        // Segment `sub` of the block: row band*128 + sub/16, columns kb*128 + 8*(sub%16).
+                        let seg = |b: &mut Emit<'_>, sub: Expr, f: &mut dyn FnMut(&mut Emit<'_>, Expr, Expr)| {
+                            let r = b.set(
                                 Ty::I64,
-                                e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
+                                e::add(e::mul(band.clone(), e::i(128)), e::div(sub.clone(), 16)),
                             );
-                            let mx = b.var(Ty::F32, e::f(0.0));
-                            b.for_(e::div(c0.clone(), 16), e::div(c1.clone(), 16), |b2, c16| {
-                                let at = e::add(base.clone(), e::mul(c16, e::i(16)));
-                                let xs = load_block(b2, xb, xelem, at, 16);
-                                let m = max_tree(xs.into_iter().map(fabs).collect());
-                                b2.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
+                            let c = b.set(
+                                Ty::I64,
+                                e::add(e::mul(kb.clone(), e::i(128)), e::mul(e::rem(sub, 16), e::i(8))),
+                            );
+                            let inner = b.block(|b2| {
+                                let sr = src_row(b2, r.clone());
+                                let src = b2.set(
+                                    Ty::I64,
+                                    e::add(
+                                        e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
+                                        c.clone(),
+                                    ),
+                                );
+                                let dst = e::add(
+                                    e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r.clone(), e::i(cols))),
+                                    c.clone(),
+                                );
+                                f(b2, src, dst);
                             });
-                            b.out.push(Stmt::AtomicMaxF32 {
-                                buf: amax_b,
-                                index: blk.clone(),
-                                value: e::v(mx),
+                            let mut guarded = inner;
+                            if need_c {
+                                guarded = vec![Stmt::If {
+                                    cond: e::bin(BinOp::ILt, c.clone(), e::i(cols)),
+                                    then: guarded,
+                                }];
+                            }
+                            if need_r {
+                                guarded = vec![Stmt::If {
+                                    cond: e::bin(BinOp::ILt, r.clone(), e::i(rows)),
+                                    then: guarded,
+                                }];
+                            }
+                            b.out.extend(guarded);
+                        };
+                        let mx = em.vars.new_var(Ty::F32);
+                        let sub = em.vars.new_var(Ty::I64);
+                        let m = em.vars.new_var(Ty::F32);
+                        let body = em.block(|b| {
+                            b.out.push(Stmt::Set(m, e::f(0.0)));
+                            seg(b, e::v(sub), &mut |b2, src, _| {
+                                let xs = load_block(b2, xb, xelem, src, 8);
+                                let v = max_tree(xs.into_iter().map(fabs).collect());
+                                b2.out.push(Stmt::Set(m, v));
                             });
                         });
-                        em.out.push(Stmt::If {
-                            cond: e::bin(BinOp::ILt, r.clone(), e::i(rows)),
-                            then: body,
+                        em.out.push(Stmt::GroupMax {
+                            var: mx,
+                            sub,
+                            count: e::i(128 * 16),
+                            body,
+                            value: e::v(m),
                         });
-                        Ok(())
-                    })?;
-                    // sf = max(amax, 1e-4) / 448 per block.
-                    self.kernel(format!("{tag}_sf"), nblk as i64, |em, it| {
-                        let sf = em.set(
-                            Ty::F32,
-                            fdiv(fmax(e::load(amax_b, it.clone()), e::f(1e-4)), e::f(448.0)),
-                        );
-                        em.out.push(Stmt::Store {
-                            buf: sf_b,
-                            index: it.clone(),
-                            value: sf.clone(),
-                        });
+                        // sf = max(amax, 1e-4) / 448; q = e4m3(x * (1/sf)).
+                        let sf = em.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
+                        let inv = em.set(Ty::F32, fdiv(e::f(1.0), sf.clone()));
                         if let Some(sb) = sb {
+                            let si = e::add(
+                                e::mul(ex.clone(), e::i(bm * bk)),
+                                e::add(e::mul(band.clone(), e::i(bk)), kb.clone()),
+                            );
                             em.out.push(Stmt::Store {
                                 buf: sb,
-                                index: it,
+                                index: si,
                                 value: sf,
                             });
                         }
-                        Ok(())
-                    })?;
-                    let nch = cols / 16;
-                    return match vals {
-                        None => Ok(()),
-                        Some(vb) => {
-                            self.kernel(format!("{tag}_quant"), ne * rows * nch, |em, it0| {
-                                let row = em.set(Ty::I64, e::div(it0.clone(), nch));
-                                let ch = em.set(Ty::I64, e::rem(it0, nch));
-                                let ex = em.set(Ty::I64, e::div(row.clone(), rows));
-                                let r = em.set(Ty::I64, e::rem(row.clone(), rows));
-                                let blk = em.set(
-                                    Ty::I64,
-                                    e::add(
-                                        e::mul(
-                                            e::add(
-                                                e::mul(ex.clone(), e::i(bm)),
-                                                e::div(r.clone(), 128),
-                                            ),
-                                            e::i(bk),
-                                        ),
-                                        e::div(ch.clone(), 8),
-                                    ),
-                                );
-                                let sr = src_row(em, r);
-                                let base = em.set(
-                                    Ty::I64,
-                                    e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
-                                );
-                                // q = e4m3(clamp(x * (1/sf))).
-                                let inv = em.set(Ty::F32, fdiv(e::f(1.0), e::load(sf_b, blk)));
-                                let c = em.set(Ty::I64, e::mul(ch, e::i(16)));
-                                let xs = load_block(em, xb, xelem, e::add(base, c.clone()), 16);
-                                let codes = e4m3_codes(em, xs, &inv);
-                                store_block(
-                                    em,
-                                    vb,
-                                    Elem::U8,
-                                    e::add(e::mul(row, e::i(cols)), c),
-                                    codes,
-                                );
-                                Ok(())
-                            })
+                        if let Some(vb) = vals {
+                            let s2 = em.vars.new_var(Ty::I64);
+                            let body = em.block(|b| {
+                                seg(b, e::v(s2), &mut |b2, src, dst| {
+                                    let xs = load_block(b2, xb, xelem, src, 8);
+                                    let codes = e4m3_codes(b2, xs, &inv);
+                                    store_block(b2, vb, Elem::U8, dst, codes);
+                                });
+                            });
+                            em.out.push(Stmt::GroupFor {
+                                var: s2,
+                                count: e::i(128 * 16),
+                                body,
+                            });
                         }
-                    };
+                        Ok(())
+                    });
                 }
                 // One work item per 128x128 block: amax, scale, quantize.
                 self.kernel(format!("{tag}_quant"), ne * bm * bk, |em, it0| {
@@ -1414,17 +1407,23 @@ impl Planner<'_> {
                         return Err(Error::Internal("rank"));
                     };
                     let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
-                    let nch = if !self.x4 && nc % 16 == 0 { nc / 16 } else { 1 };
+                    // GPU form: one work item per 16 bytes of a row, so that each load and store
+                    // instruction of a warp covers 512 contiguous bytes.
                     let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
-                    let clen = if nch > 1 { 16 } else { nc };
+                    let chunk = (16 / xelem.size()) as i64;
+                    let nch = if !self.x4 && nc % chunk == 0 {
+                        nc / chunk
+                    } else {
+                        1
+                    };
+                    let clen = if nch > 1 { chunk } else { nc };
                     return self.kernel(
                         format!("{}_{}_copy", self.prog.recipe, t.name),
                         ne * nr * nch,
                         |em, it0| {
-                            // GPU form: one work item per 16 elements of a row (coalesced).
                             let (it, cstart) = if nch > 1 {
                                 let row = em.set(Ty::I64, e::div(it0.clone(), nch));
-                                let ch = em.set(Ty::I64, e::mul(e::rem(it0, nch), e::i(16)));
+                                let ch = em.set(Ty::I64, e::mul(e::rem(it0, nch), e::i(chunk)));
                                 (row, ch)
                             } else {
                                 (it0, e::i(0))
@@ -1441,13 +1440,13 @@ impl Planner<'_> {
                             );
                             let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
                             if nch > 1 {
-                                // GPU form: 16 elements as packed loads and stores.
+                                // GPU form: one packed load and store.
                                 let xs = load_block(
                                     em,
                                     xb,
                                     xelem,
                                     e::add(src_base.clone(), cstart.clone()),
-                                    16,
+                                    chunk as usize,
                                 );
                                 store_block(
                                     em,
@@ -1659,6 +1658,21 @@ impl Planner<'_> {
             }
         })
     }
+}
+
+/// Threads for a group work item of `n` sub-items: a warp for short rows (its shuffles are the whole
+/// reduction), else a CTA whose size divides `n` into at most 16 trips per thread where one does (the
+/// PTX backend then unrolls the loop, keeping every load in flight), else 256.
+fn row_group(n: i64) -> u32 {
+    if n < 512 {
+        return 32;
+    }
+    for g in [256, 128, 64] {
+        if n % g == 0 && n / g <= 16 {
+            return g as u32;
+        }
+    }
+    256
 }
 
 /// Load `n` consecutive elements starting at an aligned `index` as packed accesses of at most 16

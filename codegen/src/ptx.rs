@@ -149,6 +149,8 @@ pub enum PtxTy {
     S64,
     /// `.u64`
     U64,
+    /// `.b64`
+    B64,
     /// `.s32`
     S32,
     /// `.u32`
@@ -168,6 +170,7 @@ impl fmt::Display for PtxTy {
         f.write_str(match self {
             PtxTy::S64 => ".s64",
             PtxTy::U64 => ".u64",
+            PtxTy::B64 => ".b64",
             PtxTy::S32 => ".s32",
             PtxTy::U32 => ".u32",
             PtxTy::B32 => ".b32",
@@ -248,8 +251,11 @@ pub enum Inst {
         /// Value register.
         v: Reg,
     },
-    /// `ld.global[.vN].b32 {words}, [addr]`: 4, 8 or 16 bytes at once.
+    /// `ld.global[.nc][.vN].b32 {words}, [addr]`: 4, 8 or 16 bytes at once.
     LdV {
+        /// Through the read-only (non-coherent) path: the buffer is a checkpoint input, never
+        /// written while the program runs (which also lets ptxas move these loads past stores).
+        nc: bool,
         /// Destination words (1, 2 or 4).
         words: Vec<Reg>,
         /// Address (aligned to the access).
@@ -271,6 +277,40 @@ pub enum Inst {
         d: Reg,
         /// Operand (f32).
         a: Reg,
+    },
+    /// `bar.sync 0` (the whole CTA).
+    BarSync,
+    /// `st.shared.f32 [addr], v`.
+    StShared {
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Value (f32).
+        v: Reg,
+    },
+    /// `ld.shared.f32 d, [addr+off]`.
+    LdShared {
+        /// Destination (f32).
+        d: Reg,
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
+    /// `mov.u32 d, symbol` (the address of a shared variable).
+    MovSym {
+        /// Destination.
+        d: Reg,
+        /// Symbol.
+        sym: String,
+    },
+    /// `shfl.sync.bfly.b32 d, a, lanemask, 0x1f, 0xffffffff` (the whole warp, converged).
+    ShflBfly {
+        /// Destination.
+        d: Reg,
+        /// Value.
+        a: Reg,
+        /// Lane mask (XOR distance).
+        mask: i64,
     },
     /// `red.global.max.u32 [addr], v`.
     RedMaxU32 {
@@ -339,12 +379,20 @@ impl fmt::Display for Inst {
                 f,
                 "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
             ),
+            Inst::BarSync => write!(f, "\tbar.sync \t0;"),
+            Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
+            Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
+            Inst::MovSym { d, sym } => write!(f, "\tmov.u32 \t{d}, {sym};"),
+            Inst::ShflBfly { d, a, mask } => {
+                write!(f, "\tshfl.sync.bfly.b32 \t{d}, {a}, {mask}, 31, -1;")
+            }
             Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
-            Inst::LdV { words, addr } => {
+            Inst::LdV { nc, words, addr } => {
                 let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
+                let nc = if *nc { ".nc" } else { "" };
                 match words.len() {
-                    1 => write!(f, "\tld.global.b32 \t{}, [{addr}];", w[0]),
-                    n => write!(f, "\tld.global.v{n}.b32 \t{{{}}}, [{addr}];", w.join(", ")),
+                    1 => write!(f, "\tld.global{nc}.b32 \t{}, [{addr}];", w[0]),
+                    n => write!(f, "\tld.global{nc}.v{n}.b32 \t{{{}}}, [{addr}];", w.join(", ")),
                 }
             }
             Inst::StV { words, addr } => {
@@ -418,6 +466,8 @@ struct Gen<'a> {
     vars: Vec<Reg>,
     bases: Vec<Reg>,
     elems: &'a [Elem],
+    /// Buffers no kernel of the program writes (checkpoint inputs).
+    readonly: &'a [bool],
     /// The kernel has fewer than 2^32 work items. The planner divides only coordinates (work-item
     /// indices and what is derived from them by division, rows, block numbers), never offsets, so then
     /// every division's operands fit 32 bits, and 64-bit divisions (a long software sequence on the
@@ -425,6 +475,16 @@ struct Gen<'a> {
     narrow_div: bool,
     /// Items (so every coordinate) below 2^31: constant division by multiply-high.
     magic_div: bool,
+    /// In a group (CTA-per-item) kernel: the thread's index in the CTA (64-bit) and the predicate
+    /// `tid != 0`.
+    lane: Option<(Reg, Reg)>,
+    /// Threads per item (the CTA size of a group kernel; 1 otherwise).
+    group: i64,
+    /// In a group kernel: this warp's slot of the reduction array, the array's base, and the
+    /// predicate `lane in warp != 0` (shared-memory addresses, 32-bit).
+    red: Option<(Reg, Reg, Reg)>,
+    /// Inside a group construct (its stores are every lane's own).
+    in_group: bool,
 }
 
 fn int_ty(c: RegClass) -> PtxTy {
@@ -814,321 +874,506 @@ impl Gen<'_> {
 
     fn stmts(&mut self, body: &[Stmt]) -> Result<()> {
         for s in body {
-            match s {
-                Stmt::Set(v, x) => {
-                    let dst = *self
-                        .vars
-                        .get(v.0 as usize)
-                        .ok_or(Error::Internal("variable"))?;
-                    self.assign(dst, x)?;
-                }
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    body,
-                } => {
-                    let r = *self
-                        .vars
-                        .get(var.0 as usize)
-                        .ok_or(Error::Internal("variable"))?;
-                    self.assign(r, start)?;
-                    let end = self.expr(end)?;
-                    let end = Operand::Reg(self.in_reg(end, RegClass::B64));
-                    let head = self.b.label("loop");
-                    let done = self.b.label("done");
-                    self.b.push(Inst::Label(head.clone()));
-                    let p = self.b.reg(RegClass::Pred);
-                    self.b.push(Inst::Setp {
-                        cmp: "ge",
-                        ty: PtxTy::S64,
-                        p,
-                        a: Operand::Reg(r),
-                        b: end,
-                    });
+            // In a group kernel, stores outside the group constructs are lane 0's alone.
+            let guard = match (self.lane, self.in_group, s) {
+                (
+                    Some((_, not0)),
+                    false,
+                    Stmt::Store { .. } | Stmt::StorePacked { .. } | Stmt::AtomicMaxF32 { .. },
+                ) => {
+                    let skip = self.b.label("lane0");
                     self.b.push(Inst::Bra {
-                        label: done.clone(),
-                        pred: Some((p, false)),
+                        label: skip.clone(),
+                        pred: Some((not0, false)),
                     });
-                    self.stmts(body)?;
+                    Some(skip)
+                }
+                _ => None,
+            };
+            self.stmt(s)?;
+            if let Some(skip) = guard {
+                self.b.push(Inst::Label(skip));
+            }
+        }
+        Ok(())
+    }
+
+    /// `var = lane; while var < count { body; var += 32 }` (the group loop of one lane).
+    fn lane_loop(
+        &mut self,
+        var: Reg,
+        count: &Expr,
+        body: &mut dyn FnMut(&mut Self) -> Result<()>,
+    ) -> Result<()> {
+        let (lane, _) = self
+            .lane
+            .ok_or(Error::Internal("group construct outside a group kernel"))?;
+        if self.in_group {
+            return Err(Error::Internal("nested group construct"));
+        }
+        // Every thread makes the same number of trips (a constant multiple of the group size, at
+        // most 16): straight-line copies of the body, so that all their loads can be in flight at once.
+        if let Expr::I64(c) = *count {
+            let trips = c / self.group;
+            if c > 0 && c % self.group == 0 && trips <= 16 {
+                self.in_group = true;
+                let mut r = Ok(());
+                for t in 0..trips {
                     self.b.push(Inst::Bin {
                         op: "add",
                         ty: PtxTy::S64,
-                        d: r,
-                        a: Operand::Reg(r),
-                        b: Operand::Int(1),
+                        d: var,
+                        a: Operand::Reg(lane),
+                        b: Operand::Int(t * self.group),
                     });
-                    self.b.push(Inst::Bra {
-                        label: head,
-                        pred: None,
-                    });
-                    self.b.push(Inst::Label(done));
-                }
-                Stmt::If { cond, then } => {
-                    let p = self.expr(cond)?;
-                    let p = self.in_reg(p, RegClass::Pred);
-                    let skip = self.b.label("endif");
-                    self.b.push(Inst::Bra {
-                        label: skip.clone(),
-                        pred: Some((p, true)),
-                    });
-                    self.stmts(then)?;
-                    self.b.push(Inst::Label(skip));
-                }
-                Stmt::Store { buf, index, value } => {
-                    let elem = *self
-                        .elems
-                        .get(buf.0 as usize)
-                        .ok_or(Error::Internal("buffer"))?;
-                    let addr = self.addr(buf.0 as usize, index)?;
-                    let v = self.expr(value)?;
-                    match elem {
-                        Elem::U8 => {
-                            let v = self.in_reg(v, RegClass::B32);
-                            self.b.push(Inst::St {
-                                ty: PtxTy::U8,
-                                addr,
-                                v,
-                            });
-                        }
-                        Elem::F32 => {
-                            let v = self.in_reg(v, RegClass::F32);
-                            self.b.push(Inst::St {
-                                ty: PtxTy::F32,
-                                addr,
-                                v,
-                            });
-                        }
-                        Elem::Bf16 => {
-                            let v = self.in_reg(v, RegClass::F32);
-                            let bits = self.b.reg(RegClass::B32);
-                            self.b.push(Inst::Un {
-                                op: "mov.b32",
-                                d: bits,
-                                a: Operand::Reg(v),
-                            });
-                            let hi = self.b.reg(RegClass::B32);
-                            self.b.push(Inst::Bin {
-                                op: "shr",
-                                ty: PtxTy::U32,
-                                d: hi,
-                                a: Operand::Reg(bits),
-                                b: Operand::Int(16),
-                            });
-                            self.b.push(Inst::St {
-                                ty: PtxTy::U16,
-                                addr,
-                                v: hi,
-                            });
-                        }
+                    r = body(self);
+                    if r.is_err() {
+                        break;
                     }
                 }
-                Stmt::LoadPacked { buf, index, dst } => {
-                    let elem = *self
-                        .elems
-                        .get(buf.0 as usize)
-                        .ok_or(Error::Internal("buffer"))?;
-                    let bytes = dst.len() * elem.size();
-                    let nw = bytes / 4;
-                    if bytes % 4 != 0 || !matches!(nw, 1 | 2 | 4) {
-                        // No vector form: element loads.
-                        for (k, v) in dst.iter().enumerate() {
-                            let r = *self
-                                .vars
-                                .get(v.0 as usize)
-                                .ok_or(Error::Internal("variable"))?;
-                            let at = Expr::Bin(
-                                BinOp::IAdd,
-                                Box::new(index.clone()),
-                                Box::new(Expr::I64(k as i64)),
-                            );
-                            self.assign(
-                                r,
-                                &Expr::Load {
-                                    buf: *buf,
-                                    index: Box::new(at),
-                                },
-                            )?;
-                        }
-                        continue;
+                self.in_group = false;
+                return r;
+            }
+        }
+        let end = self.expr(count)?;
+        let end = Operand::Reg(self.in_reg(end, RegClass::B64));
+        self.b.push(Inst::Un {
+            op: "mov.u64",
+            d: var,
+            a: Operand::Reg(lane),
+        });
+        let head = self.b.label("lanes");
+        let done = self.b.label("lanes_done");
+        self.b.push(Inst::Label(head.clone()));
+        let p = self.b.reg(RegClass::Pred);
+        self.b.push(Inst::Setp {
+            cmp: "ge",
+            ty: PtxTy::S64,
+            p,
+            a: Operand::Reg(var),
+            b: end,
+        });
+        self.b.push(Inst::Bra {
+            label: done.clone(),
+            pred: Some((p, false)),
+        });
+        self.in_group = true;
+        let r = body(self);
+        self.in_group = false;
+        r?;
+        self.b.push(Inst::Bin {
+            op: "add",
+            ty: PtxTy::S64,
+            d: var,
+            a: Operand::Reg(var),
+            b: Operand::Int(self.group),
+        });
+        self.b.push(Inst::Bra {
+            label: head,
+            pred: None,
+        });
+        self.b.push(Inst::Label(done));
+        Ok(())
+    }
+
+    fn stmt(&mut self, s: &Stmt) -> Result<()> {
+        match s {
+            Stmt::Set(v, x) => {
+                let dst = *self
+                    .vars
+                    .get(v.0 as usize)
+                    .ok_or(Error::Internal("variable"))?;
+                self.assign(dst, x)?;
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                body,
+            } => {
+                let r = *self
+                    .vars
+                    .get(var.0 as usize)
+                    .ok_or(Error::Internal("variable"))?;
+                self.assign(r, start)?;
+                let end = self.expr(end)?;
+                let end = Operand::Reg(self.in_reg(end, RegClass::B64));
+                let head = self.b.label("loop");
+                let done = self.b.label("done");
+                self.b.push(Inst::Label(head.clone()));
+                let p = self.b.reg(RegClass::Pred);
+                self.b.push(Inst::Setp {
+                    cmp: "ge",
+                    ty: PtxTy::S64,
+                    p,
+                    a: Operand::Reg(r),
+                    b: end,
+                });
+                self.b.push(Inst::Bra {
+                    label: done.clone(),
+                    pred: Some((p, false)),
+                });
+                self.stmts(body)?;
+                self.b.push(Inst::Bin {
+                    op: "add",
+                    ty: PtxTy::S64,
+                    d: r,
+                    a: Operand::Reg(r),
+                    b: Operand::Int(1),
+                });
+                self.b.push(Inst::Bra {
+                    label: head,
+                    pred: None,
+                });
+                self.b.push(Inst::Label(done));
+            }
+            Stmt::If { cond, then } => {
+                let p = self.expr(cond)?;
+                let p = self.in_reg(p, RegClass::Pred);
+                let skip = self.b.label("endif");
+                self.b.push(Inst::Bra {
+                    label: skip.clone(),
+                    pred: Some((p, true)),
+                });
+                self.stmts(then)?;
+                self.b.push(Inst::Label(skip));
+            }
+            Stmt::Store { buf, index, value } => {
+                let elem = *self
+                    .elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?;
+                let addr = self.addr(buf.0 as usize, index)?;
+                let v = self.expr(value)?;
+                match elem {
+                    Elem::U8 => {
+                        let v = self.in_reg(v, RegClass::B32);
+                        self.b.push(Inst::St {
+                            ty: PtxTy::U8,
+                            addr,
+                            v,
+                        });
                     }
-                    let addr = self.addr(buf.0 as usize, index)?;
-                    let words: Vec<Reg> = (0..nw).map(|_| self.b.reg(RegClass::B32)).collect();
-                    self.b.push(Inst::LdV {
-                        words: words.clone(),
-                        addr,
-                    });
+                    Elem::F32 => {
+                        let v = self.in_reg(v, RegClass::F32);
+                        self.b.push(Inst::St {
+                            ty: PtxTy::F32,
+                            addr,
+                            v,
+                        });
+                    }
+                    Elem::Bf16 => {
+                        let v = self.in_reg(v, RegClass::F32);
+                        let bits = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Un {
+                            op: "mov.b32",
+                            d: bits,
+                            a: Operand::Reg(v),
+                        });
+                        let hi = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Bin {
+                            op: "shr",
+                            ty: PtxTy::U32,
+                            d: hi,
+                            a: Operand::Reg(bits),
+                            b: Operand::Int(16),
+                        });
+                        self.b.push(Inst::St {
+                            ty: PtxTy::U16,
+                            addr,
+                            v: hi,
+                        });
+                    }
+                }
+            }
+            Stmt::LoadPacked { buf, index, dst } => {
+                let elem = *self
+                    .elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?;
+                let bytes = dst.len() * elem.size();
+                let nw = bytes / 4;
+                if bytes % 4 != 0 || !matches!(nw, 1 | 2 | 4) {
+                    // No vector form: element loads.
                     for (k, v) in dst.iter().enumerate() {
-                        let d = *self
+                        let r = *self
                             .vars
                             .get(v.0 as usize)
                             .ok_or(Error::Internal("variable"))?;
-                        match elem {
-                            Elem::F32 => self.b.push(Inst::Un {
-                                op: "mov.b32",
-                                d,
-                                a: Operand::Reg(words[k]),
-                            }),
-                            Elem::Bf16 => {
-                                let t = self.b.reg(RegClass::B32);
-                                let w = Operand::Reg(words[k / 2]);
-                                if k % 2 == 0 {
-                                    self.b.push(Inst::Bin {
-                                        op: "shl",
-                                        ty: PtxTy::B32,
-                                        d: t,
-                                        a: w,
-                                        b: Operand::Int(16),
-                                    });
-                                } else {
-                                    self.b.push(Inst::Bin {
-                                        op: "and",
-                                        ty: PtxTy::B32,
-                                        d: t,
-                                        a: w,
-                                        b: Operand::Int(0xFFFF_0000),
-                                    });
-                                }
-                                self.b.push(Inst::Un {
-                                    op: "mov.b32",
-                                    d,
-                                    a: Operand::Reg(t),
+                        let at = Expr::Bin(
+                            BinOp::IAdd,
+                            Box::new(index.clone()),
+                            Box::new(Expr::I64(k as i64)),
+                        );
+                        self.assign(
+                            r,
+                            &Expr::Load {
+                                buf: *buf,
+                                index: Box::new(at),
+                            },
+                        )?;
+                    }
+                    return Ok(());
+                }
+                let addr = self.addr(buf.0 as usize, index)?;
+                let words: Vec<Reg> = (0..nw).map(|_| self.b.reg(RegClass::B32)).collect();
+                let nc = self.readonly.get(buf.0 as usize).copied().unwrap_or(false);
+                self.b.push(Inst::LdV {
+                    nc,
+                    words: words.clone(),
+                    addr,
+                });
+                for (k, v) in dst.iter().enumerate() {
+                    let d = *self
+                        .vars
+                        .get(v.0 as usize)
+                        .ok_or(Error::Internal("variable"))?;
+                    match elem {
+                        Elem::F32 => self.b.push(Inst::Un {
+                            op: "mov.b32",
+                            d,
+                            a: Operand::Reg(words[k]),
+                        }),
+                        Elem::Bf16 => {
+                            let t = self.b.reg(RegClass::B32);
+                            let w = Operand::Reg(words[k / 2]);
+                            if k % 2 == 0 {
+                                self.b.push(Inst::Bin {
+                                    op: "shl",
+                                    ty: PtxTy::B32,
+                                    d: t,
+                                    a: w,
+                                    b: Operand::Int(16),
+                                });
+                            } else {
+                                self.b.push(Inst::Bin {
+                                    op: "and",
+                                    ty: PtxTy::B32,
+                                    d: t,
+                                    a: w,
+                                    b: Operand::Int(0xFFFF_0000),
                                 });
                             }
-                            Elem::U8 => {
-                                let t = self.b.reg(RegClass::B32);
-                                let w = Operand::Reg(words[k / 4]);
+                            self.b.push(Inst::Un {
+                                op: "mov.b32",
+                                d,
+                                a: Operand::Reg(t),
+                            });
+                        }
+                        Elem::U8 => {
+                            let t = self.b.reg(RegClass::B32);
+                            let w = Operand::Reg(words[k / 4]);
+                            self.b.push(Inst::Bin {
+                                op: "shr",
+                                ty: PtxTy::U32,
+                                d: t,
+                                a: w,
+                                b: Operand::Int(8 * (k % 4) as i64),
+                            });
+                            self.b.push(Inst::Bin {
+                                op: "and",
+                                ty: PtxTy::B32,
+                                d,
+                                a: Operand::Reg(t),
+                                b: Operand::Int(0xFF),
+                            });
+                        }
+                    }
+                }
+            }
+            Stmt::StorePacked { buf, index, values } => {
+                let elem = *self
+                    .elems
+                    .get(buf.0 as usize)
+                    .ok_or(Error::Internal("buffer"))?;
+                let bytes = values.len() * elem.size();
+                let nw = bytes / 4;
+                if bytes % 4 != 0 || !matches!(nw, 1 | 2 | 4) {
+                    for (k, x) in values.iter().enumerate() {
+                        let at = Expr::Bin(
+                            BinOp::IAdd,
+                            Box::new(index.clone()),
+                            Box::new(Expr::I64(k as i64)),
+                        );
+                        self.stmts(&[Stmt::Store {
+                            buf: *buf,
+                            index: at,
+                            value: x.clone(),
+                        }])?;
+                    }
+                    return Ok(());
+                }
+                // Each value as its bits in the low bits of a 32-bit register.
+                let per = 4 / elem.size();
+                let mut parts: Vec<Reg> = Vec::new();
+                for x in values {
+                    let v = self.expr(x)?;
+                    let r = match elem {
+                        Elem::U8 => {
+                            let v = self.in_reg(v, RegClass::B32);
+                            let t = self.b.reg(RegClass::B32);
+                            self.b.push(Inst::Bin {
+                                op: "and",
+                                ty: PtxTy::B32,
+                                d: t,
+                                a: Operand::Reg(v),
+                                b: Operand::Int(0xFF),
+                            });
+                            t
+                        }
+                        Elem::Bf16 | Elem::F32 => {
+                            let v = self.in_reg(v, RegClass::F32);
+                            let t = self.b.reg(RegClass::B32);
+                            self.b.push(Inst::Un {
+                                op: "mov.b32",
+                                d: t,
+                                a: Operand::Reg(v),
+                            });
+                            if elem == Elem::Bf16 {
+                                let h = self.b.reg(RegClass::B32);
                                 self.b.push(Inst::Bin {
                                     op: "shr",
                                     ty: PtxTy::U32,
-                                    d: t,
-                                    a: w,
-                                    b: Operand::Int(8 * (k % 4) as i64),
-                                });
-                                self.b.push(Inst::Bin {
-                                    op: "and",
-                                    ty: PtxTy::B32,
-                                    d,
+                                    d: h,
                                     a: Operand::Reg(t),
-                                    b: Operand::Int(0xFF),
+                                    b: Operand::Int(16),
                                 });
-                            }
-                        }
-                    }
-                }
-                Stmt::StorePacked { buf, index, values } => {
-                    let elem = *self
-                        .elems
-                        .get(buf.0 as usize)
-                        .ok_or(Error::Internal("buffer"))?;
-                    let bytes = values.len() * elem.size();
-                    let nw = bytes / 4;
-                    if bytes % 4 != 0 || !matches!(nw, 1 | 2 | 4) {
-                        for (k, x) in values.iter().enumerate() {
-                            let at = Expr::Bin(
-                                BinOp::IAdd,
-                                Box::new(index.clone()),
-                                Box::new(Expr::I64(k as i64)),
-                            );
-                            self.stmts(&[Stmt::Store {
-                                buf: *buf,
-                                index: at,
-                                value: x.clone(),
-                            }])?;
-                        }
-                        continue;
-                    }
-                    // Each value as its bits in the low bits of a 32-bit register.
-                    let per = 4 / elem.size();
-                    let mut parts: Vec<Reg> = Vec::new();
-                    for x in values {
-                        let v = self.expr(x)?;
-                        let r = match elem {
-                            Elem::U8 => {
-                                let v = self.in_reg(v, RegClass::B32);
-                                let t = self.b.reg(RegClass::B32);
-                                self.b.push(Inst::Bin {
-                                    op: "and",
-                                    ty: PtxTy::B32,
-                                    d: t,
-                                    a: Operand::Reg(v),
-                                    b: Operand::Int(0xFF),
-                                });
+                                h
+                            } else {
                                 t
                             }
-                            Elem::Bf16 | Elem::F32 => {
-                                let v = self.in_reg(v, RegClass::F32);
-                                let t = self.b.reg(RegClass::B32);
-                                self.b.push(Inst::Un {
-                                    op: "mov.b32",
-                                    d: t,
-                                    a: Operand::Reg(v),
-                                });
-                                if elem == Elem::Bf16 {
-                                    let h = self.b.reg(RegClass::B32);
-                                    self.b.push(Inst::Bin {
-                                        op: "shr",
-                                        ty: PtxTy::U32,
-                                        d: h,
-                                        a: Operand::Reg(t),
-                                        b: Operand::Int(16),
-                                    });
-                                    h
-                                } else {
-                                    t
-                                }
-                            }
-                        };
-                        parts.push(r);
-                    }
-                    let mut words = Vec::with_capacity(nw);
-                    for w in 0..nw {
-                        let mut acc = parts[w * per];
-                        for j in 1..per {
-                            let sh = self.b.reg(RegClass::B32);
-                            let bits = (8 * elem.size() * j) as i64;
-                            self.b.push(Inst::Bin {
-                                op: "shl",
-                                ty: PtxTy::B32,
-                                d: sh,
-                                a: Operand::Reg(parts[w * per + j]),
-                                b: Operand::Int(bits),
-                            });
-                            let o = self.b.reg(RegClass::B32);
-                            self.b.push(Inst::Bin {
-                                op: "or",
-                                ty: PtxTy::B32,
-                                d: o,
-                                a: Operand::Reg(acc),
-                                b: Operand::Reg(sh),
-                            });
-                            acc = o;
                         }
-                        words.push(acc);
-                    }
-                    let addr = self.addr(buf.0 as usize, index)?;
-                    self.b.push(Inst::StV { words, addr });
+                    };
+                    parts.push(r);
                 }
-                Stmt::AtomicMaxF32 { buf, index, value } => {
-                    let addr = self.addr(buf.0 as usize, index)?;
-                    let v = self.expr(value)?;
-                    let v = self.in_reg(v, RegClass::F32);
-                    let bits = self.b.reg(RegClass::B32);
-                    self.b.push(Inst::Un {
-                        op: "mov.b32",
-                        d: bits,
-                        a: Operand::Reg(v),
+                let mut words = Vec::with_capacity(nw);
+                for w in 0..nw {
+                    let mut acc = parts[w * per];
+                    for j in 1..per {
+                        let sh = self.b.reg(RegClass::B32);
+                        let bits = (8 * elem.size() * j) as i64;
+                        self.b.push(Inst::Bin {
+                            op: "shl",
+                            ty: PtxTy::B32,
+                            d: sh,
+                            a: Operand::Reg(parts[w * per + j]),
+                            b: Operand::Int(bits),
+                        });
+                        let o = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Bin {
+                            op: "or",
+                            ty: PtxTy::B32,
+                            d: o,
+                            a: Operand::Reg(acc),
+                            b: Operand::Reg(sh),
+                        });
+                        acc = o;
+                    }
+                    words.push(acc);
+                }
+                let addr = self.addr(buf.0 as usize, index)?;
+                self.b.push(Inst::StV { words, addr });
+            }
+            Stmt::GroupFor { var, count, body } => {
+                let r = *self
+                    .vars
+                    .get(var.0 as usize)
+                    .ok_or(Error::Internal("variable"))?;
+                self.lane_loop(r, count, &mut |g| g.stmts(body))?;
+            }
+            Stmt::GroupMax {
+                var,
+                sub,
+                count,
+                body,
+                value,
+            } => {
+                let [acc, r] = [var, sub].map(|v| self.vars.get(v.0 as usize).copied());
+                let (acc, r) = (
+                    acc.ok_or(Error::Internal("variable"))?,
+                    r.ok_or(Error::Internal("variable"))?,
+                );
+                self.b.push(Inst::Un {
+                    op: "mov.f32",
+                    d: acc,
+                    a: Operand::F32(0.0),
+                });
+                self.lane_loop(r, count, &mut |g| {
+                    g.stmts(body)?;
+                    let v = g.expr(value)?;
+                    let v = g.in_reg(v, RegClass::F32);
+                    g.b.push(Inst::Bin {
+                        op: "max",
+                        ty: PtxTy::F32,
+                        d: acc,
+                        a: Operand::Reg(acc),
+                        b: Operand::Reg(v),
                     });
-                    self.b.push(Inst::RedMaxU32 { addr, v: bits });
+                    Ok(())
+                })?;
+                // Butterfly: after five exchanges every lane holds its warp's maximum; lane 0 of each
+                // warp puts it in shared memory (after a barrier, so that no thread still reads the
+                // previous reduction's values), and after a second barrier every thread reads them all.
+                for mask in [16, 8, 4, 2, 1] {
+                    let t = self.b.reg(RegClass::F32);
+                    self.b.push(Inst::ShflBfly { d: t, a: acc, mask });
+                    self.b.push(Inst::Bin {
+                        op: "max",
+                        ty: PtxTy::F32,
+                        d: acc,
+                        a: Operand::Reg(acc),
+                        b: Operand::Reg(t),
+                    });
+                }
+                let Some((slot, base, wnot0)) = self.red else {
+                    // A warp group: the butterfly was the whole reduction.
+                    return Ok(());
+                };
+                self.b.push(Inst::BarSync);
+                let skip = self.b.label("warp0");
+                self.b.push(Inst::Bra {
+                    label: skip.clone(),
+                    pred: Some((wnot0, false)),
+                });
+                self.b.push(Inst::StShared { addr: slot, v: acc });
+                self.b.push(Inst::Label(skip));
+                self.b.push(Inst::BarSync);
+                for w in 0..self.group / 32 {
+                    let t = self.b.reg(RegClass::F32);
+                    self.b.push(Inst::LdShared {
+                        d: t,
+                        addr: base,
+                        off: 4 * w,
+                    });
+                    self.b.push(Inst::Bin {
+                        op: "max",
+                        ty: PtxTy::F32,
+                        d: acc,
+                        a: Operand::Reg(acc),
+                        b: Operand::Reg(t),
+                    });
                 }
             }
+            Stmt::AtomicMaxF32 { buf, index, value } => {
+                let addr = self.addr(buf.0 as usize, index)?;
+                let v = self.expr(value)?;
+                let v = self.in_reg(v, RegClass::F32);
+                let bits = self.b.reg(RegClass::B32);
+                self.b.push(Inst::Un {
+                    op: "mov.b32",
+                    d: bits,
+                    a: Operand::Reg(v),
+                });
+                self.b.push(Inst::RedMaxU32 { addr, v: bits });
+            }
         }
+
         Ok(())
     }
 }
 
 /// The PTX of one kernel (an `.entry`), taking one pointer per program buffer.
-pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
+pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<String> {
     if k.var_types.iter().any(|t| t.is_vector()) {
         return Err(Error::Internal(
             "vector IR reached the PTX backend (plan with `x4: false`)",
@@ -1139,9 +1384,19 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
         vars: Vec::new(),
         bases: Vec::new(),
         elems,
+        readonly,
         narrow_div: k.items < (1i64 << 32),
         magic_div: k.items < (1i64 << 31),
+        lane: None,
+        in_group: false,
+        group: k.group as i64,
+        red: None,
     };
+    if k.group != 1 && (k.group % 32 != 0 || k.group > 1024) {
+        return Err(Error::Internal(
+            "group size not a whole number of warps up to 1024",
+        ));
+    }
     for t in &k.var_types {
         let r = g.b.reg(RegClass::of(*t));
         g.vars.push(r);
@@ -1203,6 +1458,105 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
         a: nctaid,
         b: ntid,
     });
+    let red_sym = format!("{}_red", k.name);
+    if k.group == 32 {
+        // One warp per item: item = global thread / 32, stride = threads / 32; every lane of a warp
+        // sees the same items, so the item loop is uniform across the warp and its shuffles.
+        for r in [item, stride] {
+            g.b.push(Inst::Bin {
+                op: "shr",
+                ty: PtxTy::U64,
+                d: r,
+                a: Operand::Reg(r),
+                b: Operand::Int(5),
+            });
+        }
+        let lane = g.b.reg(RegClass::B64);
+        g.b.push(Inst::Bin {
+            op: "and",
+            ty: PtxTy::B64,
+            d: lane,
+            a: Operand::Reg(tid64),
+            b: Operand::Int(31),
+        });
+        let not0 = g.b.reg(RegClass::Pred);
+        g.b.push(Inst::Setp {
+            cmp: "ne",
+            ty: PtxTy::S64,
+            p: not0,
+            a: Operand::Reg(lane),
+            b: Operand::Int(0),
+        });
+        g.lane = Some((lane, not0));
+    } else if k.group > 1 {
+        // One CTA of `group` threads per item: item = ctaid.x, stride = nctaid.x, and the thread's
+        // index in the CTA is its lane in the group loops (the item loop is uniform across the CTA,
+        // so its barriers are reached by every thread).
+        g.b.push(Inst::Un {
+            op: "cvt.u64.u32",
+            d: item,
+            a: Operand::Reg(ctaid),
+        });
+        g.b.push(Inst::Un {
+            op: "cvt.u64.u32",
+            d: stride,
+            a: Operand::Reg(nctaid),
+        });
+        let not0 = g.b.reg(RegClass::Pred);
+        g.b.push(Inst::Setp {
+            cmp: "ne",
+            ty: PtxTy::S64,
+            p: not0,
+            a: Operand::Reg(tid64),
+            b: Operand::Int(0),
+        });
+        g.lane = Some((tid64, not0));
+        let base = g.b.reg(RegClass::B32);
+        g.b.push(Inst::MovSym {
+            d: base,
+            sym: red_sym.clone(),
+        });
+        let w = g.b.reg(RegClass::B32);
+        g.b.push(Inst::Bin {
+            op: "shr",
+            ty: PtxTy::B32,
+            d: w,
+            a: Operand::Reg(tid),
+            b: Operand::Int(5),
+        });
+        let slot = g.b.reg(RegClass::B32);
+        g.b.push(Inst::Bin {
+            op: "shl",
+            ty: PtxTy::B32,
+            d: slot,
+            a: Operand::Reg(w),
+            b: Operand::Int(2),
+        });
+        g.b.push(Inst::Bin {
+            op: "add",
+            ty: PtxTy::U32,
+            d: slot,
+            a: Operand::Reg(slot),
+            b: Operand::Reg(base),
+        });
+        let wl = g.b.reg(RegClass::B32);
+        g.b.push(Inst::Bin {
+            op: "and",
+            ty: PtxTy::B32,
+            d: wl,
+            a: Operand::Reg(tid),
+            b: Operand::Int(31),
+        });
+        let wnot0 = g.b.reg(RegClass::Pred);
+        g.b.push(Inst::Setp {
+            cmp: "ne",
+            ty: PtxTy::S32,
+            p: wnot0,
+            a: Operand::Reg(wl),
+            b: Operand::Int(0),
+        });
+        g.red = Some((slot, base, wnot0));
+    }
     let head = g.b.label("item");
     let done = g.b.label("exit");
     g.b.push(Inst::Label(head.clone()));
@@ -1242,6 +1596,9 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem]) -> Result<String> {
     }
     let _ = writeln!(s, ")\n{{");
     s.push_str(&g.b.decls());
+    if k.group > 32 {
+        let _ = writeln!(s, "\t.shared .align 4 .f32 \t{red_sym}[{}];", k.group / 32);
+    }
     s.push('\n');
     for i in &g.b.insts {
         let _ = writeln!(s, "{i}");
@@ -1272,10 +1629,15 @@ pub fn compile(prog: &Program, target: Target) -> Result<String> {
         "//\n\n.version {PTX_VERSION}\n.target {}\n.address_size 64\n",
         target.name()
     );
+    let readonly: Vec<bool> = prog
+        .bufs
+        .iter()
+        .map(|b| matches!(b.role, crate::kir::BufRole::Input(_)))
+        .collect();
     // Conversions the target lacks become integer sequences first.
     let prog = crate::quant::soften(prog, &|op| target.native(op));
     for k in prog.kernels() {
-        s.push_str(&kernel_ptx(k, &elems)?);
+        s.push_str(&kernel_ptx(k, &elems, &readonly)?);
         s.push('\n');
     }
     Ok(s)

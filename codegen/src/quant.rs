@@ -272,6 +272,35 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
                 index: soften_expr(index, &mut em, native),
                 value: soften_expr(value, &mut em, native),
             },
+            Stmt::GroupMax {
+                var,
+                sub,
+                count,
+                body,
+                value,
+            } => {
+                let count = soften_expr(count, &mut em, native);
+                // The value's conversions go at the end of the body (evaluated per sub-item).
+                let mut body = soften_block(body, em.vars, native);
+                let mut tail = Emit::new(em.vars);
+                let value = soften_expr(value, &mut tail, native);
+                body.append(&mut tail.out);
+                Stmt::GroupMax {
+                    var,
+                    sub,
+                    count,
+                    body,
+                    value,
+                }
+            }
+            Stmt::GroupFor { var, count, body } => {
+                let count = soften_expr(count, &mut em, native);
+                Stmt::GroupFor {
+                    var,
+                    count,
+                    body: soften_block(body, em.vars, native),
+                }
+            }
         };
         out.append(&mut em.out);
         out.push(st);

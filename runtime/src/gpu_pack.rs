@@ -161,14 +161,19 @@ impl GpuProgram {
                                 "kernel count",
                             )))?;
                     // Threads per block, and a cap on blocks past which the grid-stride loop takes
-                    // over (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs).
-                    let threads = 256u32;
+                    // over (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs). A group kernel
+                    // runs one warp (group 32) or one CTA of exactly `group` threads per work item.
                     let max_blocks: u64 = std::env::var("MOEFORGE_GPU_MAX_BLOCKS")
                         .ok()
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(132 * 32);
-                    let blocks = ((k.items as u64).div_ceil(threads as u64))
-                        .clamp(1, max_blocks.max(1)) as u32;
+                    let (threads, per_block) = match k.group {
+                        0 | 1 => (256u32, 256u64),
+                        32 => (256, 8),
+                        g => (g, 1),
+                    };
+                    let blocks =
+                        ((k.items as u64).div_ceil(per_block)).clamp(1, max_blocks.max(1)) as u32;
                     let cfg = LaunchConfig {
                         grid_dim: (blocks, 1, 1),
                         block_dim: (threads, 1, 1),
