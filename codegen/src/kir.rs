@@ -322,17 +322,13 @@ impl Kernel {
     /// interpreter and the host backend run).
     pub fn sequential(&self) -> Kernel {
         let mut k = self.clone();
-        let mut va = VarAlloc::continuing(k.var_types.clone());
-        k.body = sequential_block(std::mem::take(&mut k.body), &mut va);
-        let (vars, types) = va.into_parts();
-        k.vars = vars;
-        k.var_types = types;
+        k.body = sequential_block(std::mem::take(&mut k.body));
         k.group = 1;
         k
     }
 }
 
-fn sequential_block(body: Vec<Stmt>, va: &mut VarAlloc) -> Vec<Stmt> {
+fn sequential_block(body: Vec<Stmt>) -> Vec<Stmt> {
     let mut out = Vec::with_capacity(body.len());
     for st in body {
         match st {
@@ -343,7 +339,7 @@ fn sequential_block(body: Vec<Stmt>, va: &mut VarAlloc) -> Vec<Stmt> {
                 body,
                 value,
             } => {
-                let mut inner = sequential_block(body, va);
+                let mut inner = sequential_block(body);
                 inner.push(Stmt::Set(
                     var,
                     Expr::Bin(BinOp::FMax, Box::new(Expr::Var(var)), Box::new(value)),
@@ -360,7 +356,7 @@ fn sequential_block(body: Vec<Stmt>, va: &mut VarAlloc) -> Vec<Stmt> {
                 var,
                 start: Expr::I64(0),
                 end: count,
-                body: sequential_block(body, va),
+                body: sequential_block(body),
             }),
             Stmt::For {
                 var,
@@ -371,11 +367,11 @@ fn sequential_block(body: Vec<Stmt>, va: &mut VarAlloc) -> Vec<Stmt> {
                 var,
                 start,
                 end,
-                body: sequential_block(body, va),
+                body: sequential_block(body),
             }),
             Stmt::If { cond, then } => out.push(Stmt::If {
                 cond,
-                then: sequential_block(then, va),
+                then: sequential_block(then),
             }),
             other => out.push(other),
         }

@@ -55,7 +55,7 @@ impl Target {
 /// `a / c == mulhi32(a, m) >> shift` with `m = ceil(2^(31+l) / c) < 2^32`, `2^l >= c`, `shift = l - 1`.
 pub fn magic_u31(c: i64) -> (i64, i64) {
     let l = 64 - ((c - 1) as u64).leading_zeros() as i64;
-    let m = ((1u128 << (31 + l)) + c as u128 - 1) / c as u128;
+    let m = (1u128 << (31 + l)).div_ceil(c as u128);
     (m as i64, l - 1)
 }
 
@@ -1392,7 +1392,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         group: k.group as i64,
         red: None,
     };
-    if k.group != 1 && (k.group % 32 != 0 || k.group > 1024) {
+    if k.group != 1 && (!k.group.is_multiple_of(32) || k.group > 1024) {
         return Err(Error::Internal(
             "group size not a whole number of warps up to 1024",
         ));
