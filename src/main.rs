@@ -214,20 +214,25 @@ fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
             }
             let dev = moeforge::runtime::Device::open(0);
             for (f, b, t) in &jobs {
+                // Request to loaded modules (parse, plan, keys, cache, JIT or disk, module load):
+                // what a serving process pays at start-up after opening the device.
+                let t0 = std::time::Instant::now();
                 let (name, src) = read_recipe(f)?;
                 // The variants a binding needs: its pack program (every optional input present).
                 let prog = moeforge::pack_program(&src, &name, b, &|_| true)?;
                 let tgt = moeforge::codegen::ptx::Target::from_name(t)
                     .ok_or_else(|| moeforge::Error::Usage(format!("unknown target `{t}`")))?;
-                let key = moeforge::runtime::Cache::ptx_key(&prog, tgt.name(), "");
-                let (_, hit) = cache.get_or_insert("ptx", &key, || {
-                    Ok(moeforge::codegen::ptx::compile(&prog, tgt)?.into_bytes())
-                })?;
+                let (_, hit) = moeforge::runtime::gpu_pack::unit_ptx(&cache, &prog, tgt)?;
                 match &dev {
                     Ok(d) if d.target() == Some(tgt) => {
                         let gp = moeforge::runtime::gpu_pack::GpuProgram::load(d, &cache, &prog)?;
-                        writeln!(out, "{f} {b} {t}: ptx {hit:?}, cubin {:?}", gp.cubin_hit)
-                            .map_err(io)?;
+                        writeln!(
+                            out,
+                            "{f} {b} {t}: ptx {hit:?}, cubin {:?}, loaded in {:.2} ms",
+                            gp.cubin_hit,
+                            t0.elapsed().as_secs_f64() * 1e3
+                        )
+                        .map_err(io)?;
                     }
                     Ok(_) => writeln!(
                         out,

@@ -247,14 +247,37 @@ fn gpu_commands_without_a_gpu_say_so() {
         out.contains("ptx Compiled; cubin step skipped (no CUDA device"),
         "{out}"
     );
+    // One PTX entry per kernel of the program (kernels are the unit of caching and JIT).
+    let kernels = moeforge::pack_program(
+        moeforge::kernels::STANDARD
+            .iter()
+            .find(|r| r.name == "nvfp4_cutedsl")
+            .unwrap()
+            .source,
+        "nvfp4_cutedsl",
+        "E=8,H=2048,I=768",
+        &|_| true,
+    )
+    .unwrap()
+    .kernels()
+    .count();
+    assert!(kernels > 1);
     let (code, out, _) = run(&["cache", "ls"]);
     assert_eq!(code, 0);
-    assert!(out.starts_with("1 entries") && out.contains(" ok"), "{out}");
+    assert!(
+        out.starts_with(&format!("{kernels} entries"))
+            && out.contains(" ok")
+            && !out.contains("CORRUPT"),
+        "{out}"
+    );
     let (code, out, _) = run(&["cache", "warmup", "--replay", manifest.to_str().unwrap()]);
     assert_eq!(code, 0);
     assert!(out.contains("ptx Disk"), "{out}");
     let (code, out, _) = run(&["cache", "clear"]);
-    assert_eq!((code, out.trim()), (0, "removed 1 entries"));
+    assert_eq!(
+        (code, out.trim()),
+        (0, format!("removed {kernels} entries").as_str())
+    );
     let (code, _, err) = moeforge(&[
         "pack",
         "bf16",

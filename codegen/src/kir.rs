@@ -315,6 +315,9 @@ pub struct Kernel {
     /// once and again from L1/L2 while it is still there; a sequential loop elsewhere. In a group kernel, statements outside the group constructs run on every thread,
     /// and their stores are made by thread 0 only.
     pub group: u32,
+    /// A cap on registers per thread for the GPU (`.maxnreg`), trading a few spills for more resident
+    /// threads; `None` leaves the choice to the assembler.
+    pub maxnreg: Option<u32>,
 }
 
 impl Kernel {
@@ -589,6 +592,7 @@ impl VarAlloc {
             vars: self.types.len() as u32,
             var_types: self.types,
             group: 1,
+            maxnreg: None,
         }
     }
 }
@@ -681,11 +685,14 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
 
 impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let group = if self.group == 1 {
+        let mut group = if self.group == 1 {
             String::new()
         } else {
             format!(" group {}", self.group)
         };
+        if let Some(n) = self.maxnreg {
+            group.push_str(&format!(" maxnreg {n}"));
+        }
         writeln!(
             f,
             "kernel {} parallel %{} in 0..{}{group} {{",

@@ -1199,7 +1199,7 @@ impl Planner<'_> {
                         Ty::I64,
                         e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
                     );
-                    em.for_(j0, j1, |b, j| {
+                    em.for_or_once(j0, j1, per_item != 1, |b, j| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
                         let xs = load_fp_block(b, xb, xelem, b0.clone(), 32, x4);
                         let m = abs_max(b, &xs, x4);
@@ -1301,7 +1301,7 @@ impl Planner<'_> {
             let si = if per_tensor { e::i(0) } else { ex.clone() };
             let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
             let dec = em.set(Ty::F32, e::load(dec_b, si));
-            em.for_(j0, j1, |b, j| {
+            em.for_or_once(j0, j1, !x4, |b, j| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
                 let xs = load_fp_block(b, xb, xelem, b0.clone(), 16, x4);
                 let mx = abs_max(b, &xs, x4);

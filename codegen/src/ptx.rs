@@ -278,6 +278,17 @@ pub enum Inst {
         /// Operand (f32).
         a: Reg,
     },
+    /// `prmt.b32 d, a, b, sel` (byte permute: bytes 0-3 of `a`, 4-7 of `b`).
+    Prmt {
+        /// Destination.
+        d: Reg,
+        /// Bytes 0-3.
+        a: Reg,
+        /// Bytes 4-7.
+        b: Reg,
+        /// Selector (one nibble per destination byte).
+        sel: i64,
+    },
     /// `bar.sync 0` (the whole CTA).
     BarSync,
     /// `st.shared.f32 [addr], v`.
@@ -380,6 +391,7 @@ impl fmt::Display for Inst {
                 "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
             ),
             Inst::BarSync => write!(f, "\tbar.sync \t0;"),
+            Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
             Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
             Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
             Inst::MovSym { d, sym } => write!(f, "\tmov.u32 \t{d}, {sym};"),
@@ -1203,6 +1215,40 @@ impl Gen<'_> {
                     }
                     return Ok(());
                 }
+                if elem == Elem::U8 {
+                    // Four low bytes to a word with three byte permutes (no masking or shifts).
+                    let mut regs = Vec::with_capacity(values.len());
+                    for x in values {
+                        let v = self.expr(x)?;
+                        regs.push(self.in_reg(v, RegClass::B32));
+                    }
+                    let mut words = Vec::with_capacity(nw);
+                    for q in regs.chunks(4) {
+                        let [t1, t2, w] = [0; 3].map(|_| self.b.reg(RegClass::B32));
+                        self.b.push(Inst::Prmt {
+                            d: t1,
+                            a: q[0],
+                            b: q[1],
+                            sel: 0x0040,
+                        });
+                        self.b.push(Inst::Prmt {
+                            d: t2,
+                            a: q[2],
+                            b: q[3],
+                            sel: 0x0040,
+                        });
+                        self.b.push(Inst::Prmt {
+                            d: w,
+                            a: t1,
+                            b: t2,
+                            sel: 0x5410,
+                        });
+                        words.push(w);
+                    }
+                    let addr = self.addr(buf.0 as usize, index)?;
+                    self.b.push(Inst::StV { words, addr });
+                    return Ok(());
+                }
                 // Each value as its bits in the low bits of a 32-bit register.
                 let per = 4 / elem.size();
                 let mut parts: Vec<Reg> = Vec::new();
@@ -1594,7 +1640,11 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         let sep = if i + 1 == params.len() { "" } else { "," };
         let _ = writeln!(s, "\t.param .u64 .ptr .global .align 16 {p}{sep}");
     }
-    let _ = writeln!(s, ")\n{{");
+    let _ = writeln!(s, ")");
+    if let Some(n) = k.maxnreg {
+        let _ = writeln!(s, ".maxnreg {n}");
+    }
+    let _ = writeln!(s, "{{");
     s.push_str(&g.b.decls());
     if k.group > 32 {
         let _ = writeln!(s, "\t.shared .align 4 .f32 \t{red_sym}[{}];", k.group / 32);

@@ -11,14 +11,15 @@ use moeforge_codegen::ptx;
 use crate::cache::{Cache, Hit};
 use crate::{drv, Device, Error, Result};
 
-/// A pack program loaded on a device.
+/// A pack program loaded on a device: one module per kernel.
 pub struct GpuProgram {
     prog: Program,
-    _module: Arc<CudaModule>,
+    _modules: Vec<Arc<CudaModule>>,
     funcs: Vec<CudaFunction>,
-    /// Where the PTX came from.
+    /// Where the PTX came from (the least cached of the kernels': compiled over recompiled over disk
+    /// over memory).
     pub ptx_hit: Hit,
-    /// Where the cubin came from.
+    /// Where the cubins came from (likewise).
     pub cubin_hit: Hit,
     /// Seconds spent generating PTX (0 on a hit).
     pub ptx_seconds: f64,
@@ -26,8 +27,55 @@ pub struct GpuProgram {
     pub load_seconds: f64,
 }
 
+/// The least cached of two outcomes.
+fn worst(a: Hit, b: Hit) -> Hit {
+    let rank = |h: Hit| match h {
+        Hit::Memory => 0,
+        Hit::Disk => 1,
+        Hit::Recompiled => 2,
+        Hit::Compiled => 3,
+    };
+    if rank(b) > rank(a) {
+        b
+    } else {
+        a
+    }
+}
+
+/// One single-kernel program per kernel of `prog` (every buffer kept, so the kernels' parameter
+/// lists are unchanged): the unit of PTX generation, caching and JIT, so that a program's kernels are
+/// compiled in parallel and a kernel shared by two programs is compiled once.
+pub fn units(prog: &Program) -> Vec<Program> {
+    prog.kernels()
+        .map(|k| Program {
+            recipe: prog.recipe.clone(),
+            bufs: prog.bufs.clone(),
+            steps: vec![Step::Kernel(k.clone())],
+        })
+        .collect()
+}
+
+/// A unit's cache key and PTX text.
+pub type UnitPtx = (String, Arc<Vec<u8>>);
+
+/// The PTX of every unit of a program through the cache: `(key, text)` per kernel, and where the
+/// least cached one came from.
+pub fn unit_ptx(cache: &Cache, prog: &Program, target: ptx::Target) -> Result<(Vec<UnitPtx>, Hit)> {
+    let mut out = Vec::new();
+    let mut hit = Hit::Memory;
+    for u in units(prog) {
+        let key = Cache::ptx_key(&u, target.name(), "");
+        let (text, h) =
+            cache.get_or_insert("ptx", &key, || Ok(ptx::compile(&u, target)?.into_bytes()))?;
+        hit = worst(hit, h);
+        out.push((key, text));
+    }
+    Ok((out, hit))
+}
+
 impl GpuProgram {
-    /// Generate (or fetch) the PTX, JIT it (or fetch the cubin) and load the module.
+    /// Generate (or fetch) the PTX of every kernel, JIT them in parallel, one thread per kernel (or
+    /// fetch the cubins), and load the modules.
     pub fn load(dev: &Device, cache: &Cache, prog: &Program) -> Result<GpuProgram> {
         let target = dev.target().ok_or_else(|| {
             Error::NoDriver(format!(
@@ -35,32 +83,79 @@ impl GpuProgram {
                 dev.capability
             ))
         })?;
-        let key = Cache::ptx_key(prog, target.name(), "");
+        // MOEFORGE_MAXNREG=N caps registers in every one-thread-per-item kernel (for tuning runs; the
+        // cap is part of the kernel IR, so of its cache keys).
+        let tuned;
+        let prog = match std::env::var("MOEFORGE_MAXNREG")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+        {
+            Some(n) => {
+                let mut p = prog.clone();
+                for st in p.steps.iter_mut() {
+                    if let Step::Kernel(k) = st {
+                        if k.group == 1 {
+                            k.maxnreg = Some(n);
+                        }
+                    }
+                }
+                tuned = p;
+                &tuned
+            }
+            None => prog,
+        };
         let t0 = Instant::now();
-        let (ptx_text, ptx_hit) =
-            cache.get_or_insert("ptx", &key, || Ok(ptx::compile(prog, target)?.into_bytes()))?;
+        let (ptx_units, ptx_hit) = unit_ptx(cache, prog, target)?;
         let ptx_seconds = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let ckey = Cache::cubin_key(&key, dev.driver_version);
-        let (cubin, cubin_hit) = cache.get_or_insert("cubin", &ckey, || {
-            let text = String::from_utf8_lossy(&ptx_text).into_owned();
-            crate::jit::link_ptx(dev, &prog.recipe, &text).map(|(c, _log)| c)
-        })?;
-        let module = dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.as_ref().clone()))
-            .map_err(drv("cuModuleLoadData"))?;
-        let funcs = prog
-            .kernels()
-            .map(|k| {
+        let names: Vec<&str> = prog.kernels().map(|k| k.name.as_str()).collect();
+        let cubins: Vec<Result<(Arc<Vec<u8>>, Hit)>> = std::thread::scope(|s| {
+            let jobs: Vec<_> = ptx_units
+                .iter()
+                .zip(&names)
+                .map(|((key, text), name)| {
+                    s.spawn(move || {
+                        let ckey = Cache::cubin_key(key, dev.driver_version);
+                        cache.get_or_insert("cubin", &ckey, || {
+                            let text = String::from_utf8_lossy(text).into_owned();
+                            crate::jit::link_ptx(dev, name, &text).map(|(c, _log)| c)
+                        })
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .zip(&names)
+                .map(|(j, name)| {
+                    j.join().unwrap_or_else(|_| {
+                        Err(Error::Jit {
+                            name: name.to_string(),
+                            code: "panic".into(),
+                            log: "the JIT thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let mut cubin_hit = Hit::Memory;
+        let mut modules = Vec::with_capacity(names.len());
+        let mut funcs = Vec::with_capacity(names.len());
+        for (c, name) in cubins.into_iter().zip(&names) {
+            let (cubin, h) = c?;
+            cubin_hit = worst(cubin_hit, h);
+            let module = dev
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.as_ref().clone()))
+                .map_err(drv("cuModuleLoadData"))?;
+            funcs.push(
                 module
-                    .load_function(&k.name)
-                    .map_err(drv("cuModuleGetFunction"))
-            })
-            .collect::<Result<Vec<_>>>()?;
+                    .load_function(name)
+                    .map_err(drv("cuModuleGetFunction"))?,
+            );
+            modules.push(module);
+        }
         Ok(GpuProgram {
             prog: prog.clone(),
-            _module: module,
+            _modules: modules,
             funcs,
             ptx_hit,
             cubin_hit,
