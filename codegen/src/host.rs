@@ -377,6 +377,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                 Ty::Boolx4 => Ty::Bool,
                 _ => Ty::I32,
             },
+            Expr::Fma(..) => Ty::F32,
             Expr::Select(_, a, b) => {
                 let (ta, tb) = (self.ty(a)?, self.ty(b)?);
                 if tb.is_vector() {
@@ -513,6 +514,10 @@ impl<'a, 'b> Gen<'a, 'b> {
             Expr::Lane(a, k) => {
                 let v = self.expr(a)?;
                 self.b.ins().extractlane(v, *k)
+            }
+            Expr::Fma(a, b, c) => {
+                let (a, b, c) = (self.expr(a)?, self.expr(b)?, self.expr(c)?);
+                self.b.ins().fma(a, b, c)
             }
             Expr::Select(c, a, b) => {
                 let want = self.ty(x)?;

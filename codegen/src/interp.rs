@@ -126,6 +126,11 @@ impl Ctx<'_> {
             Expr::I32(c) => Val::I32(*c),
             Expr::F32(c) => Val::F32(*c),
             Expr::Load { buf, index } => self.load(buf.0 as usize, self.eval(index)?.i64()?)?,
+            Expr::Fma(a, b, c) => Val::F32(
+                self.eval(a)?
+                    .f32()?
+                    .mul_add(self.eval(b)?.f32()?, self.eval(c)?.f32()?),
+            ),
             Expr::Select(c, a, b) => {
                 let (c, a, b) = (self.eval(c)?, self.eval(a)?, self.eval(b)?);
                 if c.is_vector() || a.is_vector() || b.is_vector() {

@@ -191,6 +191,8 @@ pub enum Expr {
     Un(UnOp, Box<Expr>),
     /// `cond ? a : b` (lane-wise for vectors).
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// `a * b + c` in f32 with one rounding (a fused multiply-add; scalar only).
+    Fma(Box<Expr>, Box<Expr>, Box<Expr>),
     /// Four consecutive elements `buf[index..index+4]` as an f32x4 (float buffers) or i32x4 (bytes).
     LoadX4 {
         /// Buffer.
@@ -526,6 +528,10 @@ pub mod e {
     pub fn sel(c: Expr, a: Expr, b: Expr) -> Expr {
         Expr::Select(Box::new(c), Box::new(a), Box::new(b))
     }
+    /// `a * b + c` rounded once (f32).
+    pub fn fma(a: Expr, b: Expr, c: Expr) -> Expr {
+        Expr::Fma(Box::new(a), Box::new(b), Box::new(c))
+    }
     /// a + b (i64), folding constants.
     pub fn add(a: Expr, b: Expr) -> Expr {
         match (&a, &b) {
@@ -610,6 +616,7 @@ impl fmt::Display for Expr {
             Expr::Bin(op, a, b) => write!(f, "{op:?}({a}, {b})"),
             Expr::Un(op, a) => write!(f, "{op:?}({a})"),
             Expr::Select(c, a, b) => write!(f, "select({c}, {a}, {b})"),
+            Expr::Fma(a, b, c) => write!(f, "fma({a}, {b}, {c})"),
             Expr::LoadX4 { buf, index } => write!(f, "b{}[{index}..+4]", buf.0),
             Expr::Splat(a) => write!(f, "splat({a})"),
             Expr::Lane(a, k) => write!(f, "lane({a}, {k})"),

@@ -807,39 +807,74 @@ impl Planner<'_> {
                                 });
                             }
                             if let Some(vb) = vals {
-                                let c8 = em.vars.new_var(Ty::I64);
-                                let body = em.block(|b| {
-                                    let c = b.set(Ty::I64, e::mul(e::v(c8), e::i(8)));
-                                    let xs = load_block(
-                                        b,
-                                        xb,
-                                        xelem,
-                                        e::add(base.clone(), c.clone()),
-                                        8,
-                                    );
-                                    let codes = xs
-                                        .into_iter()
-                                        .map(|x| {
-                                            if int8 {
-                                                quant::int8_rne(b, x, scale.clone())
-                                            } else {
-                                                quant::e4m3_rne(b, fdiv(x, scale.clone()))
-                                            }
-                                        })
-                                        .collect();
-                                    store_block(
-                                        b,
-                                        vb,
-                                        Elem::U8,
-                                        e::add(e::mul(row.clone(), e::i(cols)), c),
-                                        codes,
-                                    );
-                                });
-                                em.out.push(Stmt::GroupFor {
-                                    var: c8,
-                                    count: e::i(cols / 8),
-                                    body,
-                                });
+                                // bf16 rows whose scale is in range divide by the row's reciprocal
+                                // and one correction (see `quant::quot_by_reciprocal`); others, and
+                                // wider inputs, by a correctly rounded division per element.
+                                let fast = xelem == Elem::Bf16;
+                                let (neg_b, y) = if fast {
+                                    (
+                                        em.set(Ty::F32, fmul(scale.clone(), e::f(-1.0))),
+                                        em.set(Ty::F32, fdiv(e::f(1.0), scale.clone())),
+                                    )
+                                } else {
+                                    (e::f(0.0), e::f(0.0))
+                                };
+                                let safe = em.set(Ty::I32, quant::reciprocal_safe(scale.clone()));
+                                let pass = |em: &mut Emit<'_>, by_reciprocal: bool| {
+                                    let c8 = em.vars.new_var(Ty::I64);
+                                    let body = em.block(|b| {
+                                        let c = b.set(Ty::I64, e::mul(e::v(c8), e::i(8)));
+                                        let xs = load_block(
+                                            b,
+                                            xb,
+                                            xelem,
+                                            e::add(base.clone(), c.clone()),
+                                            8,
+                                        );
+                                        let codes = xs
+                                            .into_iter()
+                                            .map(|x| {
+                                                let q = if by_reciprocal {
+                                                    quant::quot_by_reciprocal(b, x, &neg_b, &y)
+                                                } else {
+                                                    fdiv(x, scale.clone())
+                                                };
+                                                if int8 {
+                                                    quant::int8_of_quotient(b, q)
+                                                } else {
+                                                    quant::e4m3_rne(b, q)
+                                                }
+                                            })
+                                            .collect();
+                                        store_block(
+                                            b,
+                                            vb,
+                                            Elem::U8,
+                                            e::add(e::mul(row.clone(), e::i(cols)), c),
+                                            codes,
+                                        );
+                                    });
+                                    vec![Stmt::GroupFor {
+                                        var: c8,
+                                        count: e::i(cols / 8),
+                                        body,
+                                    }]
+                                };
+                                if fast {
+                                    let then = pass(em, true);
+                                    em.out.push(Stmt::If {
+                                        cond: e::bin(BinOp::IEq, safe.clone(), e::i32(1)),
+                                        then,
+                                    });
+                                    let then = pass(em, false);
+                                    em.out.push(Stmt::If {
+                                        cond: e::bin(BinOp::IEq, safe, e::i32(0)),
+                                        then,
+                                    });
+                                } else {
+                                    let body = pass(em, false);
+                                    em.out.extend(body);
+                                }
                             }
                             Ok(())
                         },

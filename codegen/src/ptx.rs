@@ -289,6 +289,17 @@ pub enum Inst {
         /// Selector (one nibble per destination byte).
         sel: i64,
     },
+    /// `fma.rn.f32 d, a, b, c`.
+    Fma {
+        /// Destination.
+        d: Reg,
+        /// Multiplicand.
+        a: Reg,
+        /// Multiplier.
+        b: Reg,
+        /// Addend.
+        c: Reg,
+    },
     /// `bar.sync 0` (the whole CTA).
     BarSync,
     /// `st.shared.f32 [addr], v`.
@@ -391,6 +402,7 @@ impl fmt::Display for Inst {
                 "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
             ),
             Inst::BarSync => write!(f, "\tbar.sync \t0;"),
+            Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
             Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
             Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
@@ -607,6 +619,7 @@ impl Gen<'_> {
                     .ty(),
             ),
             Expr::Select(_, a, _) => self.class_of(a)?,
+            Expr::Fma(..) => RegClass::F32,
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
             }
@@ -716,6 +729,21 @@ impl Gen<'_> {
             }
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
+            }
+            Expr::Fma(a, b, c) => {
+                let mut r = Vec::with_capacity(3);
+                for x in [a, b, c] {
+                    let v = self.expr(x)?;
+                    r.push(self.in_reg(v, RegClass::F32));
+                }
+                let d = self.b.reg(RegClass::F32);
+                self.b.push(Inst::Fma {
+                    d,
+                    a: r[0],
+                    b: r[1],
+                    c: r[2],
+                });
+                Operand::Reg(d)
             }
             Expr::Select(c, a, b) => {
                 let class = self.class_of(a)?;

@@ -195,6 +195,9 @@ pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
 /// rounded add does the rounding (ties to even, and code parity is mantissa parity), and the offsets
 /// make the codes continue across the range boundaries (rne(2y) = 4 at y -> 2 is code 4, etc.).
 pub fn e2m1_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
+    if !em.x4 {
+        return e2m1_soft_scalar(em, x);
+    }
     let x = em.set(em.vt(Ty::F32), x);
     let y = em.set(
         em.vt(Ty::F32),
@@ -215,6 +218,48 @@ pub fn e2m1_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
         e::i32(8),
     );
     em.set(em.vt(Ty::I32), e::bin(BinOp::Or, sign, code))
+}
+
+/// [`e2m1_soft`] for one value, with the range's `s` and offset taken from the exponent field instead
+/// of two selects each: `E = exponent of max(y, 1)` (127..=129 as `y <= 6`), `s = 2^(128 - E)`,
+/// `off = 2 (E - 127)`; `fma(y, s, 1.5 * 2^23 + off)` rounds `y * s` (exact) to an integer and adds
+/// `off` in one rounding, and as `1.5 * 2^23` has zero low bits, the code is the sum's low three bits.
+fn e2m1_soft_scalar(em: &mut Emit<'_>, x: Expr) -> Expr {
+    let x = em.set(Ty::F32, x);
+    let y = em.set(
+        Ty::F32,
+        e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)),
+    );
+    let m = em.set(
+        Ty::I32,
+        e::bin(
+            BinOp::And,
+            e::un(UnOp::BitsOf, e::bin(BinOp::FMax, y.clone(), e::f(1.0))),
+            e::i32(0x7F80_0000),
+        ),
+    );
+    let s = e::un(
+        UnOp::FromBits,
+        e::bin(BinOp::ISub, e::i32(0x7F80_0000), m.clone()),
+    );
+    let magic = e::un(
+        UnOp::FromBits,
+        e::bin(
+            BinOp::IAdd,
+            e::bin(BinOp::Shr, m, e::i32(22)),
+            e::i32(0x4B40_0000 - 254),
+        ),
+    );
+    let sum = e::un(UnOp::BitsOf, e::fma(y, s, magic));
+    let sign = e::bin(
+        BinOp::And,
+        e::bin(BinOp::Shr, e::un(UnOp::BitsOf, x), e::i32(28)),
+        e::i32(8),
+    );
+    em.set(
+        Ty::I32,
+        e::bin(BinOp::Or, sign, e::bin(BinOp::And, sum, e::i32(7))),
+    )
 }
 
 /// Rewrite the native conversions a backend lacks ([`UnOp::E4m3`], [`UnOp::E2m1`] where `native` says
@@ -344,6 +389,11 @@ fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Exp
             let a = bx(a, em);
             Expr::Select(c, a, bx(b, em))
         }
+        Expr::Fma(a, b, c) => {
+            let a = bx(a, em);
+            let b = bx(b, em);
+            Expr::Fma(a, b, bx(c, em))
+        }
         Expr::Load { buf, index } => Expr::Load {
             buf,
             index: bx(index, em),
@@ -385,12 +435,40 @@ pub fn is_zero(x: Expr) -> Expr {
 
 /// Symmetric INT8: `clamp(rne(x / scale), -128, 127)` as a byte (two's complement).
 pub fn int8_rne(em: &mut Emit<'_>, x: Expr, scale: Expr) -> Expr {
-    // |x / scale| <= 127 up to rounding, so the magic-number rounding is exact; clamp after.
-    let q = em.set(
-        em.vt(Ty::I32),
-        rne_small_int(clamp(fdiv(x, scale), -128.0, 127.0)),
-    );
+    int8_of_quotient(em, fdiv(x, scale))
+}
+
+/// The INT8 byte of a quotient `q = x / scale`: `clamp(rne(q), -128, 127)`.
+pub fn int8_of_quotient(em: &mut Emit<'_>, q: Expr) -> Expr {
+    // The clamped quotient is small, so the magic-number rounding is exact.
+    let q = em.set(em.vt(Ty::I32), rne_small_int(clamp(q, -128.0, 127.0)));
     em.set(em.vt(Ty::I32), e::bin(BinOp::And, q, e::i32(0xFF)))
+}
+
+/// `x / b` from the row's `y = RN(1/b)` and `-b` by one multiply and two fused multiply-adds
+/// (Markstein's correction step: `q0 = x*y`, `r = x - b*q0` exactly, `q = q0 + r*y`), for rows whose
+/// `b` lies in `[2^-100, 2^100]`. Where the residual does not underflow this is the correctly rounded
+/// quotient; for every bf16 `x` and every scale derived from a bf16 row maximum, the INT8 and E4M3
+/// codes of this quotient equal those of `x / b` (checked exhaustively: `exhaustive_row_division`).
+pub fn quot_by_reciprocal(em: &mut Emit<'_>, x: Expr, neg_b: &Expr, y: &Expr) -> Expr {
+    let x = em.set(Ty::F32, x);
+    let q0 = em.set(Ty::F32, fmul(x.clone(), y.clone()));
+    let r = em.set(Ty::F32, e::fma(neg_b.clone(), q0.clone(), x));
+    em.set(Ty::F32, e::fma(r, y.clone(), q0))
+}
+
+/// The range of row scales [`quot_by_reciprocal`] is used for: `2^-100 <= b <= 2^100`, as an i32
+/// flag (1 or 0).
+pub fn reciprocal_safe(b: Expr) -> Expr {
+    let lo = e::un(
+        UnOp::BoolToI,
+        e::bin(BinOp::FLe, e::f(f32::from_bits(0x0D80_0000)), b.clone()),
+    );
+    let hi = e::un(
+        UnOp::BoolToI,
+        e::bin(BinOp::FLe, b, e::f(f32::from_bits(0x7180_0000))),
+    );
+    e::bin(BinOp::And, lo, hi)
 }
 
 #[cfg(test)]
@@ -509,5 +587,63 @@ mod tests {
     fn e4m3_sequence_matches_the_code_table() {
         let grid: Vec<f32> = (0u8..=0x7E).map(crate::reference::e4m3_to_f32).collect();
         check(UnOp::E4m3, &values(500.0, 12, &grid));
+    }
+}
+
+#[cfg(test)]
+mod division_tests {
+    /// Every bf16 `x` with `|x| <= amax` (non-negative: the sequence is odd-symmetric) against every
+    /// `step`-th positive bf16 row maximum whose scale is in `reciprocal_safe`'s range: the INT8 code and
+    /// the E4M3 code of `quot_by_reciprocal`'s quotient (the same f32 operations, in Rust) equal those
+    /// of the correctly rounded `x / scale`. Returns the number of pairs checked.
+    fn row_division(step: u32) -> u64 {
+        let bf = |b: u32| f32::from_bits(b << 16);
+        let (lo, hi) = (f32::from_bits(0x0D80_0000), f32::from_bits(0x7180_0000));
+        let mut pairs = 0u64;
+        for int8 in [true, false] {
+            let mut a_b = 1u32;
+            while a_b < 0x7F80 {
+                let amax = bf(a_b);
+                let scale = if int8 {
+                    amax / 127.0
+                } else {
+                    (amax / 448.0).max(1.0 / (448.0 * 512.0))
+                };
+                if (lo..=hi).contains(&scale) {
+                    let y = 1.0f32 / scale;
+                    for x_b in 0..=a_b {
+                        let x = bf(x_b);
+                        let want = x / scale;
+                        let q0 = x * y;
+                        let q = ((-scale).mul_add(q0, x)).mul_add(y, q0);
+                        pairs += 1;
+                        if q.to_bits() == want.to_bits() {
+                            continue;
+                        }
+                        if int8 {
+                            let c = |v: f32| v.clamp(-128.0, 127.0).round_ties_even();
+                            assert_eq!(c(q), c(want), "int8: x={x:e} scale={scale:e}");
+                        } else {
+                            let c = crate::reference::e4m3_from_f32;
+                            assert_eq!(c(q), c(want), "e4m3: x={x:e} scale={scale:e}");
+                        }
+                    }
+                }
+                a_b += step;
+            }
+        }
+        pairs
+    }
+
+    #[test]
+    fn row_division_by_reciprocal_sampled() {
+        assert!(row_division(97) > 1_000_000);
+    }
+
+    /// The whole domain (about 9e8 pairs; `cargo test --release -p moeforge-codegen -- --ignored`).
+    #[test]
+    #[ignore]
+    fn exhaustive_row_division() {
+        assert!(row_division(1) > 800_000_000);
     }
 }
