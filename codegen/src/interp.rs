@@ -274,7 +274,7 @@ impl Ctx<'_> {
                         self.store(buf.0 as usize, i, Val::F32(v))?;
                     }
                 }
-                Stmt::GroupMax { .. } | Stmt::GroupFor { .. } => {
+                Stmt::GroupMax { .. } | Stmt::GroupRow { .. } | Stmt::GroupFor { .. } => {
                     return Err(Error::Internal("group construct in a sequential kernel"))
                 }
             }

@@ -275,6 +275,27 @@ pub enum Stmt {
         /// The sub-item's value (f32, >= 0).
         value: Expr,
     },
+    /// A group's two passes over the same sub-items: `var = max(0, max over sub of value)` with `load`
+    /// run before each `value` (as [`Stmt::GroupMax`]); then `mid` once; then, for every `sub` again,
+    /// `load` and `body` (as [`Stmt::GroupFor`]). Sequentially `load` simply runs twice (its loads are
+    /// pure); on the GPU, where every thread makes the same few trips, what `load` defines stays in
+    /// registers between the passes, so the data is read from memory once. Top level only.
+    GroupRow {
+        /// The maximum (f32).
+        var: Var,
+        /// The sub-item (i64).
+        sub: Var,
+        /// Number of sub-items (i64).
+        count: Expr,
+        /// Loads of a sub-item (pure).
+        load: Vec<Stmt>,
+        /// The sub-item's value for the maximum (f32, >= 0).
+        value: Expr,
+        /// Run once between the passes (every thread; stores by thread 0).
+        mid: Vec<Stmt>,
+        /// The second pass's work on a sub-item (after `load`).
+        body: Vec<Stmt>,
+    },
     /// `for var in 0..count { body }` with independent iterations, shared by the work item's group of
     /// threads (lanes take `var` in turns on the GPU).
     GroupFor {
@@ -355,6 +376,38 @@ fn sequential_block(body: Vec<Stmt>) -> Vec<Stmt> {
                     start: Expr::I64(0),
                     end: count,
                     body: inner,
+                });
+            }
+            Stmt::GroupRow {
+                var,
+                sub,
+                count,
+                load,
+                value,
+                mid,
+                body,
+            } => {
+                let load = sequential_block(load);
+                let mut first = load.clone();
+                first.push(Stmt::Set(
+                    var,
+                    Expr::Bin(BinOp::FMax, Box::new(Expr::Var(var)), Box::new(value)),
+                ));
+                out.push(Stmt::Set(var, Expr::F32(0.0)));
+                out.push(Stmt::For {
+                    var: sub,
+                    start: Expr::I64(0),
+                    end: count.clone(),
+                    body: first,
+                });
+                out.extend(sequential_block(mid));
+                let mut second = load;
+                second.extend(sequential_block(body));
+                out.push(Stmt::For {
+                    var: sub,
+                    start: Expr::I64(0),
+                    end: count,
+                    body: second,
                 });
             }
             Stmt::GroupFor { var, count, body } => out.push(Stmt::For {
@@ -658,6 +711,24 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
                 writeln!(f, "{pad}%{} = group_max %{} in 0..{count} {{", var.0, sub.0)?;
                 write_block(f, body, depth + 1)?;
                 writeln!(f, "{pad}  yield {value}")?;
+                writeln!(f, "{pad}}}")?;
+            }
+            Stmt::GroupRow {
+                var,
+                sub,
+                count,
+                load,
+                value,
+                mid,
+                body,
+            } => {
+                writeln!(f, "{pad}%{} = group_row %{} in 0..{count} {{", var.0, sub.0)?;
+                write_block(f, load, depth + 1)?;
+                writeln!(f, "{pad}  yield {value}")?;
+                writeln!(f, "{pad}}} then {{")?;
+                write_block(f, mid, depth + 1)?;
+                writeln!(f, "{pad}}} again {{")?;
+                write_block(f, body, depth + 1)?;
                 writeln!(f, "{pad}}}")?;
             }
             Stmt::GroupFor { var, count, body } => {

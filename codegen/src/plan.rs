@@ -783,99 +783,89 @@ impl Planner<'_> {
                                 Ty::I64,
                                 e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
                             );
+                            // Pass 1 loads the row and max-reduces it; between the passes, the
+                            // row's scale; pass 2 quantizes what pass 1 loaded.
                             let mx = em.vars.new_var(Ty::F32);
                             let sub = em.vars.new_var(Ty::I64);
-                            let mut value = e::f(0.0);
-                            let body = em.block(|b| {
+                            let mut xs: Vec<Expr> = Vec::new();
+                            let load = em.block(|b| {
                                 let at = e::add(base.clone(), e::mul(e::v(sub), e::i(8)));
-                                let xs = load_block(b, xb, xelem, at, 8);
-                                value = max_tree(xs.into_iter().map(fabs).collect());
+                                xs = load_block(b, xb, xelem, at, 8);
                             });
-                            em.out.push(Stmt::GroupMax {
+                            let value = max_tree(xs.iter().cloned().map(fabs).collect());
+                            // bf16 rows whose scale is in range divide by the row's reciprocal and
+                            // one correction (see `quant::quot_by_reciprocal`); others, and wider
+                            // inputs, by a correctly rounded division per element.
+                            let fast = xelem == Elem::Bf16;
+                            let mut scale = e::f(1.0);
+                            let mut neg_b = e::f(0.0);
+                            let mut y = e::f(0.0);
+                            let mut safe = e::i32(0);
+                            let mid = em.block(|b| {
+                                scale = scale_of(b, e::v(mx));
+                                if let Some(sb) = sb {
+                                    b.out.push(Stmt::Store {
+                                        buf: sb,
+                                        index: row.clone(),
+                                        value: scale.clone(),
+                                    });
+                                }
+                                if fast && vals.is_some() {
+                                    neg_b = b.set(Ty::F32, fmul(scale.clone(), e::f(-1.0)));
+                                    y = b.set(Ty::F32, fdiv(e::f(1.0), scale.clone()));
+                                    safe = b.set(Ty::I32, quant::reciprocal_safe(scale.clone()));
+                                }
+                            });
+                            let mut body = Vec::new();
+                            if let Some(vb) = vals {
+                                let quantize = |b: &mut Emit<'_>, by_reciprocal: bool| {
+                                    let codes = xs
+                                        .iter()
+                                        .map(|x| {
+                                            let q = if by_reciprocal {
+                                                quant::quot_by_reciprocal(b, x.clone(), &neg_b, &y)
+                                            } else {
+                                                fdiv(x.clone(), scale.clone())
+                                            };
+                                            if int8 {
+                                                quant::int8_of_quotient(b, q)
+                                            } else {
+                                                quant::e4m3_rne(b, q)
+                                            }
+                                        })
+                                        .collect();
+                                    let at = e::add(
+                                        e::mul(row.clone(), e::i(cols)),
+                                        e::mul(e::v(sub), e::i(8)),
+                                    );
+                                    store_block(b, vb, Elem::U8, at, codes);
+                                };
+                                body = em.block(|b| {
+                                    if fast {
+                                        let then = b.block(|b2| quantize(b2, true));
+                                        b.out.push(Stmt::If {
+                                            cond: e::bin(BinOp::IEq, safe.clone(), e::i32(1)),
+                                            then,
+                                        });
+                                        let then = b.block(|b2| quantize(b2, false));
+                                        b.out.push(Stmt::If {
+                                            cond: e::bin(BinOp::IEq, safe.clone(), e::i32(0)),
+                                            then,
+                                        });
+                                    } else {
+                                        quantize(b, false);
+                                    }
+                                });
+                            }
+                            em.out.push(Stmt::GroupRow {
                                 var: mx,
                                 sub,
                                 count: e::i(cols / 8),
-                                body,
+                                load,
                                 value,
+                                mid,
+                                body,
                             });
-                            let scale = scale_of(em, e::v(mx));
-                            if let Some(sb) = sb {
-                                em.out.push(Stmt::Store {
-                                    buf: sb,
-                                    index: row.clone(),
-                                    value: scale.clone(),
-                                });
-                            }
-                            if let Some(vb) = vals {
-                                // bf16 rows whose scale is in range divide by the row's reciprocal
-                                // and one correction (see `quant::quot_by_reciprocal`); others, and
-                                // wider inputs, by a correctly rounded division per element.
-                                let fast = xelem == Elem::Bf16;
-                                let (neg_b, y) = if fast {
-                                    (
-                                        em.set(Ty::F32, fmul(scale.clone(), e::f(-1.0))),
-                                        em.set(Ty::F32, fdiv(e::f(1.0), scale.clone())),
-                                    )
-                                } else {
-                                    (e::f(0.0), e::f(0.0))
-                                };
-                                let safe = em.set(Ty::I32, quant::reciprocal_safe(scale.clone()));
-                                let pass = |em: &mut Emit<'_>, by_reciprocal: bool| {
-                                    let c8 = em.vars.new_var(Ty::I64);
-                                    let body = em.block(|b| {
-                                        let c = b.set(Ty::I64, e::mul(e::v(c8), e::i(8)));
-                                        let xs = load_block(
-                                            b,
-                                            xb,
-                                            xelem,
-                                            e::add(base.clone(), c.clone()),
-                                            8,
-                                        );
-                                        let codes = xs
-                                            .into_iter()
-                                            .map(|x| {
-                                                let q = if by_reciprocal {
-                                                    quant::quot_by_reciprocal(b, x, &neg_b, &y)
-                                                } else {
-                                                    fdiv(x, scale.clone())
-                                                };
-                                                if int8 {
-                                                    quant::int8_of_quotient(b, q)
-                                                } else {
-                                                    quant::e4m3_rne(b, q)
-                                                }
-                                            })
-                                            .collect();
-                                        store_block(
-                                            b,
-                                            vb,
-                                            Elem::U8,
-                                            e::add(e::mul(row.clone(), e::i(cols)), c),
-                                            codes,
-                                        );
-                                    });
-                                    vec![Stmt::GroupFor {
-                                        var: c8,
-                                        count: e::i(cols / 8),
-                                        body,
-                                    }]
-                                };
-                                if fast {
-                                    let then = pass(em, true);
-                                    em.out.push(Stmt::If {
-                                        cond: e::bin(BinOp::IEq, safe.clone(), e::i32(1)),
-                                        then,
-                                    });
-                                    let then = pass(em, false);
-                                    em.out.push(Stmt::If {
-                                        cond: e::bin(BinOp::IEq, safe, e::i32(0)),
-                                        then,
-                                    });
-                                } else {
-                                    let body = pass(em, false);
-                                    em.out.extend(body);
-                                }
-                            }
                             Ok(())
                         },
                     );
@@ -988,7 +978,7 @@ impl Planner<'_> {
                 if packed {
                     // GPU form: one CTA per 128x128 block. Its threads take 8-element row segments
                     // in turns (16 to a block row: neighbouring threads read neighbouring memory),
-                    // max-reduce together, and quantize the block, reading it again from L1/L2.
+                    // max-reduce together, and quantize the block from registers.
                     let (need_r, need_c) = (rows % 128 != 0, cols % 128 != 0);
                     return self.group_kernel(format!("{tag}_quant"), ne * bm * bk, 256, |em, it| {
                         let kb = em.set(Ty::I64, e::rem(it.clone(), bk));
@@ -1035,53 +1025,55 @@ impl Planner<'_> {
                             }
                             b.out.extend(guarded);
                         };
+                        // Pass 1 loads the block and max-reduces it; between the passes, its scale;
+                        // pass 2 quantizes what pass 1 loaded.
                         let mx = em.vars.new_var(Ty::F32);
                         let sub = em.vars.new_var(Ty::I64);
                         let m = em.vars.new_var(Ty::F32);
-                        let body = em.block(|b| {
+                        let mut xs: Vec<Expr> = Vec::new();
+                        let load = em.block(|b| {
                             b.out.push(Stmt::Set(m, e::f(0.0)));
                             seg(b, e::v(sub), &mut |b2, src, _| {
-                                let xs = load_block(b2, xb, xelem, src, 8);
-                                let v = max_tree(xs.into_iter().map(fabs).collect());
+                                xs = load_block(b2, xb, xelem, src, 8);
+                                let v = max_tree(xs.iter().cloned().map(fabs).collect());
                                 b2.out.push(Stmt::Set(m, v));
                             });
                         });
-                        em.out.push(Stmt::GroupMax {
+                        // sf = max(amax, 1e-4) / 448; q = e4m3(x * (1/sf)).
+                        let mut inv = e::f(1.0);
+                        let mid = em.block(|b| {
+                            let sf = b.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
+                            inv = b.set(Ty::F32, fdiv(e::f(1.0), sf.clone()));
+                            if let Some(sb) = sb {
+                                let si = e::add(
+                                    e::mul(ex.clone(), e::i(bm * bk)),
+                                    e::add(e::mul(band.clone(), e::i(bk)), kb.clone()),
+                                );
+                                b.out.push(Stmt::Store {
+                                    buf: sb,
+                                    index: si,
+                                    value: sf,
+                                });
+                            }
+                        });
+                        let body = match vals {
+                            Some(vb) => em.block(|b| {
+                                seg(b, e::v(sub), &mut |b2, _, dst| {
+                                    let codes = e4m3_codes(b2, xs.clone(), &inv);
+                                    store_block(b2, vb, Elem::U8, dst, codes);
+                                });
+                            }),
+                            None => Vec::new(),
+                        };
+                        em.out.push(Stmt::GroupRow {
                             var: mx,
                             sub,
                             count: e::i(128 * 16),
-                            body,
+                            load,
                             value: e::v(m),
+                            mid,
+                            body,
                         });
-                        // sf = max(amax, 1e-4) / 448; q = e4m3(x * (1/sf)).
-                        let sf = em.set(Ty::F32, fdiv(fmax(e::v(mx), e::f(1e-4)), e::f(448.0)));
-                        let inv = em.set(Ty::F32, fdiv(e::f(1.0), sf.clone()));
-                        if let Some(sb) = sb {
-                            let si = e::add(
-                                e::mul(ex.clone(), e::i(bm * bk)),
-                                e::add(e::mul(band.clone(), e::i(bk)), kb.clone()),
-                            );
-                            em.out.push(Stmt::Store {
-                                buf: sb,
-                                index: si,
-                                value: sf,
-                            });
-                        }
-                        if let Some(vb) = vals {
-                            let s2 = em.vars.new_var(Ty::I64);
-                            let body = em.block(|b| {
-                                seg(b, e::v(s2), &mut |b2, src, dst| {
-                                    let xs = load_block(b2, xb, xelem, src, 8);
-                                    let codes = e4m3_codes(b2, xs, &inv);
-                                    store_block(b2, vb, Elem::U8, dst, codes);
-                                });
-                            });
-                            em.out.push(Stmt::GroupFor {
-                                var: s2,
-                                count: e::i(128 * 16),
-                                body,
-                            });
-                        }
                         Ok(())
                     });
                 }

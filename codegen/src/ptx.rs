@@ -10,7 +10,7 @@
 
 use std::fmt::{self, Write as _};
 
-use crate::kir::{BinOp, Elem, Expr, Kernel, Program, Stmt, Ty, UnOp};
+use crate::kir::{BinOp, Elem, Expr, Kernel, Program, Stmt, Ty, UnOp, Var};
 use crate::{Error, Result};
 
 /// A GPU target.
@@ -1016,6 +1016,160 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// The group's maximum of every thread's `acc`, left in `acc` on every thread. Butterfly: after
+    /// five exchanges every lane holds its warp's maximum; in a CTA group, lane 0 of each warp then
+    /// puts it in shared memory (after a barrier, so that no thread still reads the previous
+    /// reduction's values), and after a second barrier every thread reads them all.
+    fn reduce_max(&mut self, acc: Reg) {
+        for mask in [16, 8, 4, 2, 1] {
+            let t = self.b.reg(RegClass::F32);
+            self.b.push(Inst::ShflBfly { d: t, a: acc, mask });
+            self.b.push(Inst::Bin {
+                op: "max",
+                ty: PtxTy::F32,
+                d: acc,
+                a: Operand::Reg(acc),
+                b: Operand::Reg(t),
+            });
+        }
+        let Some((slot, base, wnot0)) = self.red else {
+            return;
+        };
+        self.b.push(Inst::BarSync);
+        let skip = self.b.label("warp0");
+        self.b.push(Inst::Bra {
+            label: skip.clone(),
+            pred: Some((wnot0, false)),
+        });
+        self.b.push(Inst::StShared { addr: slot, v: acc });
+        self.b.push(Inst::Label(skip));
+        self.b.push(Inst::BarSync);
+        for w in 0..self.group / 32 {
+            let t = self.b.reg(RegClass::F32);
+            self.b.push(Inst::LdShared {
+                d: t,
+                addr: base,
+                off: 4 * w,
+            });
+            self.b.push(Inst::Bin {
+                op: "max",
+                ty: PtxTy::F32,
+                d: acc,
+                a: Operand::Reg(acc),
+                b: Operand::Reg(t),
+            });
+        }
+    }
+
+    /// [`Stmt::GroupRow`]: where every thread makes the same number of trips (at most 16), each
+    /// trip's loads get registers of their own, kept from the first pass to the second; otherwise a
+    /// group maximum and a group loop that loads again.
+    #[allow(clippy::too_many_arguments)]
+    fn group_row(
+        &mut self,
+        var: Var,
+        sub: Var,
+        count: &Expr,
+        load: &[Stmt],
+        value: &Expr,
+        mid: &[Stmt],
+        body: &[Stmt],
+    ) -> Result<()> {
+        let reg = |g: &Self, v: Var| {
+            g.vars
+                .get(v.0 as usize)
+                .copied()
+                .ok_or(Error::Internal("variable"))
+        };
+        let acc = reg(self, var)?;
+        let (lane, _) = self
+            .lane
+            .ok_or(Error::Internal("group construct outside a group kernel"))?;
+        let trips = match *count {
+            Expr::I64(c) if c > 0 && c % self.group == 0 && c / self.group <= 16 => c / self.group,
+            _ => 0,
+        };
+        if trips == 0 {
+            let mut again = load.to_vec();
+            again.extend_from_slice(body);
+            self.stmt(&Stmt::GroupMax {
+                var,
+                sub,
+                count: count.clone(),
+                body: load.to_vec(),
+                value: value.clone(),
+            })?;
+            self.stmts(mid)?;
+            return self.stmt(&Stmt::GroupFor {
+                var: sub,
+                count: count.clone(),
+                body: again,
+            });
+        }
+        let mut defs = vec![sub];
+        defined(load, &mut defs);
+        let saved: Vec<Reg> = defs.iter().map(|v| reg(self, *v)).collect::<Result<_>>()?;
+        self.b.push(Inst::Un {
+            op: "mov.f32",
+            d: acc,
+            a: Operand::F32(0.0),
+        });
+        self.in_group = true;
+        let mut per_trip: Vec<Vec<Reg>> = Vec::with_capacity(trips as usize);
+        for t in 0..trips {
+            let regs: Vec<Reg> = saved.iter().map(|r| self.b.reg(r.class)).collect();
+            for (v, r) in defs.iter().zip(&regs) {
+                self.vars[v.0 as usize] = *r;
+            }
+            self.b.push(Inst::Bin {
+                op: "add",
+                ty: PtxTy::S64,
+                d: regs[0],
+                a: Operand::Reg(lane),
+                b: Operand::Int(t * self.group),
+            });
+            let r = self.stmts(load).and_then(|_| {
+                let v = self.expr(value)?;
+                let v = self.in_reg(v, RegClass::F32);
+                self.b.push(Inst::Bin {
+                    op: "max",
+                    ty: PtxTy::F32,
+                    d: acc,
+                    a: Operand::Reg(acc),
+                    b: Operand::Reg(v),
+                });
+                Ok(())
+            });
+            if let Err(e) = r {
+                self.in_group = false;
+                return Err(e);
+            }
+            per_trip.push(regs);
+        }
+        self.in_group = false;
+        for (v, r) in defs.iter().zip(&saved) {
+            self.vars[v.0 as usize] = *r;
+        }
+        self.reduce_max(acc);
+        self.stmts(mid)?;
+        self.in_group = true;
+        let mut result = Ok(());
+        for regs in &per_trip {
+            for (v, r) in defs.iter().zip(regs) {
+                self.vars[v.0 as usize] = *r;
+            }
+            result = self.stmts(body);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.in_group = false;
+        for (v, r) in defs.iter().zip(&saved) {
+            self.vars[v.0 as usize] = *r;
+        }
+        result
+    }
+
     fn stmt(&mut self, s: &Stmt) -> Result<()> {
         match s {
             Stmt::Set(v, x) => {
@@ -1385,49 +1539,17 @@ impl Gen<'_> {
                     });
                     Ok(())
                 })?;
-                // Butterfly: after five exchanges every lane holds its warp's maximum; lane 0 of each
-                // warp puts it in shared memory (after a barrier, so that no thread still reads the
-                // previous reduction's values), and after a second barrier every thread reads them all.
-                for mask in [16, 8, 4, 2, 1] {
-                    let t = self.b.reg(RegClass::F32);
-                    self.b.push(Inst::ShflBfly { d: t, a: acc, mask });
-                    self.b.push(Inst::Bin {
-                        op: "max",
-                        ty: PtxTy::F32,
-                        d: acc,
-                        a: Operand::Reg(acc),
-                        b: Operand::Reg(t),
-                    });
-                }
-                let Some((slot, base, wnot0)) = self.red else {
-                    // A warp group: the butterfly was the whole reduction.
-                    return Ok(());
-                };
-                self.b.push(Inst::BarSync);
-                let skip = self.b.label("warp0");
-                self.b.push(Inst::Bra {
-                    label: skip.clone(),
-                    pred: Some((wnot0, false)),
-                });
-                self.b.push(Inst::StShared { addr: slot, v: acc });
-                self.b.push(Inst::Label(skip));
-                self.b.push(Inst::BarSync);
-                for w in 0..self.group / 32 {
-                    let t = self.b.reg(RegClass::F32);
-                    self.b.push(Inst::LdShared {
-                        d: t,
-                        addr: base,
-                        off: 4 * w,
-                    });
-                    self.b.push(Inst::Bin {
-                        op: "max",
-                        ty: PtxTy::F32,
-                        d: acc,
-                        a: Operand::Reg(acc),
-                        b: Operand::Reg(t),
-                    });
-                }
+                self.reduce_max(acc);
             }
+            Stmt::GroupRow {
+                var,
+                sub,
+                count,
+                load,
+                value,
+                mid,
+                body,
+            } => self.group_row(*var, *sub, count, load, value, mid, body)?,
             Stmt::AtomicMaxF32 { buf, index, value } => {
                 let addr = self.addr(buf.0 as usize, index)?;
                 let v = self.expr(value)?;
@@ -1443,6 +1565,51 @@ impl Gen<'_> {
         }
 
         Ok(())
+    }
+}
+
+/// Every variable a block assigns (sets, packed-load destinations, loop variables), in order.
+fn defined(body: &[Stmt], out: &mut Vec<Var>) {
+    for st in body {
+        match st {
+            Stmt::Set(v, _) => {
+                if !out.contains(v) {
+                    out.push(*v)
+                }
+            }
+            Stmt::LoadPacked { dst, .. } => {
+                for v in dst {
+                    if !out.contains(v) {
+                        out.push(*v)
+                    }
+                }
+            }
+            Stmt::For { var, body, .. } | Stmt::GroupFor { var, body, .. } => {
+                if !out.contains(var) {
+                    out.push(*var)
+                }
+                defined(body, out);
+            }
+            Stmt::If { then, .. } => defined(then, out),
+            Stmt::GroupMax { var, sub, body, .. } => {
+                out.extend([*var, *sub]);
+                defined(body, out);
+            }
+            Stmt::GroupRow {
+                var,
+                sub,
+                load,
+                mid,
+                body,
+                ..
+            } => {
+                out.extend([*var, *sub]);
+                defined(load, out);
+                defined(mid, out);
+                defined(body, out);
+            }
+            Stmt::Store { .. } | Stmt::StorePacked { .. } | Stmt::AtomicMaxF32 { .. } => {}
+        }
     }
 }
 

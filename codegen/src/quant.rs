@@ -353,6 +353,31 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
                     value,
                 }
             }
+            Stmt::GroupRow {
+                var,
+                sub,
+                count,
+                load,
+                value,
+                mid,
+                body,
+            } => {
+                let count = soften_expr(count, &mut em, native);
+                let mut load = soften_block(load, em.vars, native);
+                let mut tail = Emit::new(em.vars);
+                let value = soften_expr(value, &mut tail, native);
+                // The value's conversions join the loads (run in both passes; pure).
+                load.append(&mut tail.out);
+                Stmt::GroupRow {
+                    var,
+                    sub,
+                    count,
+                    load,
+                    value,
+                    mid: soften_block(mid, em.vars, native),
+                    body: soften_block(body, em.vars, native),
+                }
+            }
             Stmt::GroupFor { var, count, body } => {
                 let count = soften_expr(count, &mut em, native);
                 Stmt::GroupFor {
