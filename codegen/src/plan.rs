@@ -1207,17 +1207,19 @@ impl Planner<'_> {
                 if let Some((_, true)) = sb {
                     return Err(unsupported(&pname, "swizzled MXFP4 scales"));
                 }
-                // GPU form: one work item per 32-element block.
+                // GPU form: one work item per `bpi` consecutive 32-element blocks of a row (2 where
+                // they divide it: the index arithmetic is shared), unrolled.
                 let x4 = self.x4;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
-                let per_item = if self.x4 { 1 } else { nb };
+                let bpi = if nb % 2 == 0 { 2 } else { 1 };
+                let per_item = if self.x4 { 1 } else { nb / bpi };
                 self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
-                    let (it, j0, j1) = if per_item == 1 {
+                    let (it, j0, j1) = if x4 {
                         (it0, e::i(0), e::i(nb))
                     } else {
-                        let row = em.set(Ty::I64, e::div(it0.clone(), nb));
-                        let jj = em.set(Ty::I64, e::rem(it0, nb));
-                        (row, jj.clone(), e::add(jj, e::i(1)))
+                        let row = em.set(Ty::I64, e::div(it0.clone(), nb / bpi));
+                        let jj = em.set(Ty::I64, e::mul(e::rem(it0, nb / bpi), e::i(bpi)));
+                        (row, jj.clone(), e::add(jj, e::i(bpi)))
                     };
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -1226,7 +1228,7 @@ impl Planner<'_> {
                         Ty::I64,
                         e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
                     );
-                    em.for_or_once(j0, j1, per_item != 1, |b, j| {
+                    let block = |b: &mut Emit<'_>, j: Expr| {
                         let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
                         let xs = load_fp_block(b, xb, xelem, b0.clone(), 32, x4);
                         let m = abs_max(b, &xs, x4);
@@ -1271,7 +1273,15 @@ impl Planner<'_> {
                             let bytes = e2m1_bytes(b, &xs, &mult, &zero, x4);
                             store_block(b, vb, Elem::U8, ob.clone(), bytes);
                         }
-                    });
+                    };
+                    if x4 {
+                        em.for_(j0, j1, block);
+                    } else {
+                        let j0 = em.set(Ty::I64, j0);
+                        for k in 0..bpi {
+                            block(em, e::add(j0.clone(), e::i(k)));
+                        }
+                    }
                     Ok(())
                 })
             }
@@ -1308,15 +1318,17 @@ impl Planner<'_> {
         let x4 = self.x4;
         let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
         // Host form: one work item per row, looping over its blocks. GPU form: one work item per
-        // 16-element block, so that neighbouring threads read neighbouring 32-byte blocks.
-        let per_item = if x4 { 1 } else { nb };
+        // `bpi` consecutive 16-element blocks of a row (4 where they divide the row: the row's index
+        // arithmetic, most of it the scale swizzle's, is then shared by 64 elements), unrolled.
+        let bpi = if nb % 4 == 0 { 4 } else { 1 };
+        let per_item = if x4 { 1 } else { nb / bpi };
         self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
             let (it, j0, j1) = if x4 {
                 (it0, e::i(0), e::i(nb))
             } else {
-                let row = em.set(Ty::I64, e::div(it0.clone(), nb));
-                let j = em.set(Ty::I64, e::rem(it0, nb));
-                (row, j.clone(), e::add(j, e::i(1)))
+                let row = em.set(Ty::I64, e::div(it0.clone(), nb / bpi));
+                let j = em.set(Ty::I64, e::mul(e::rem(it0, nb / bpi), e::i(bpi)));
+                (row, j.clone(), e::add(j, e::i(bpi)))
             };
             let ex = em.set(Ty::I64, e::div(it.clone(), rows));
             let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -1328,7 +1340,7 @@ impl Planner<'_> {
             let si = if per_tensor { e::i(0) } else { ex.clone() };
             let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
             let dec = em.set(Ty::F32, e::load(dec_b, si));
-            em.for_or_once(j0, j1, !x4, |b, j| {
+            let block = |b: &mut Emit<'_>, j: Expr| {
                 let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
                 let xs = load_fp_block(b, xb, xelem, b0.clone(), 16, x4);
                 let mx = abs_max(b, &xs, x4);
@@ -1373,7 +1385,15 @@ impl Planner<'_> {
                     let bytes = e2m1_bytes(b, &xs, &osc, &zero, x4);
                     store_block(b, vb, Elem::U8, ob.clone(), bytes);
                 }
-            });
+            };
+            if x4 {
+                em.for_(j0, j1, block);
+            } else {
+                let j0 = em.set(Ty::I64, j0);
+                for k in 0..bpi {
+                    block(em, e::add(j0.clone(), e::i(k)));
+                }
+            }
             Ok(())
         })?;
         // Zero fill of the swizzled padding (rows M..Mp, columns K/16..Kp of each expert).

@@ -71,21 +71,6 @@ impl<'a> Emit<'a> {
         }
     }
 
-    /// `body(start)` when the caller knows that `end == start + 1`, else `for var in start..end`.
-    pub fn for_or_once(
-        &mut self,
-        start: Expr,
-        end: Expr,
-        once: bool,
-        f: impl FnOnce(&mut Emit<'_>, Expr),
-    ) {
-        if once {
-            f(self, start)
-        } else {
-            self.for_(start, end, f)
-        }
-    }
-
     /// `for var in start..end { body }`.
     pub fn for_(&mut self, start: Expr, end: Expr, f: impl FnOnce(&mut Emit<'_>, Expr)) {
         let var = self.vars.new_var(Ty::I64);
