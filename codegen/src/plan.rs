@@ -1207,8 +1207,9 @@ impl Planner<'_> {
                 if let Some((_, true)) = sb {
                     return Err(unsupported(&pname, "swizzled MXFP4 scales"));
                 }
-                // GPU form: one work item per `bpi` consecutive 32-element blocks of a row (2 where
-                // they divide it: the index arithmetic is shared), unrolled.
+                // GPU form: one work item per `bpi` 32-element blocks of a row, `nb / bpi` apart (2
+                // where they divide it: the index arithmetic is shared, and neighbouring threads take
+                // neighbouring blocks), unrolled.
                 let x4 = self.x4;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 let bpi = if nb % 2 == 0 { 2 } else { 1 };
@@ -1218,8 +1219,8 @@ impl Planner<'_> {
                         (it0, e::i(0), e::i(nb))
                     } else {
                         let row = em.set(Ty::I64, e::div(it0.clone(), nb / bpi));
-                        let jj = em.set(Ty::I64, e::mul(e::rem(it0, nb / bpi), e::i(bpi)));
-                        (row, jj.clone(), e::add(jj, e::i(bpi)))
+                        let jj = em.set(Ty::I64, e::rem(it0, nb / bpi));
+                        (row, jj.clone(), e::add(jj, e::i(1)))
                     };
                     let ex = em.set(Ty::I64, e::div(it.clone(), rows));
                     let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -1279,7 +1280,7 @@ impl Planner<'_> {
                     } else {
                         let j0 = em.set(Ty::I64, j0);
                         for k in 0..bpi {
-                            block(em, e::add(j0.clone(), e::i(k)));
+                            block(em, e::add(j0.clone(), e::i(k * (nb / bpi))));
                         }
                     }
                     Ok(())
@@ -1318,8 +1319,9 @@ impl Planner<'_> {
         let x4 = self.x4;
         let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
         // Host form: one work item per row, looping over its blocks. GPU form: one work item per
-        // `bpi` consecutive 16-element blocks of a row (4 where they divide the row: the row's index
-        // arithmetic, most of it the scale swizzle's, is then shared by 64 elements), unrolled.
+        // `bpi` 16-element blocks of a row, `nb / bpi` blocks apart (4 where they divide the row: the
+        // row's index arithmetic is shared, and neighbouring threads still take neighbouring blocks,
+        // 32 bytes apart), unrolled.
         let bpi = if nb % 4 == 0 { 4 } else { 1 };
         let per_item = if x4 { 1 } else { nb / bpi };
         self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
@@ -1327,8 +1329,8 @@ impl Planner<'_> {
                 (it0, e::i(0), e::i(nb))
             } else {
                 let row = em.set(Ty::I64, e::div(it0.clone(), nb / bpi));
-                let j = em.set(Ty::I64, e::mul(e::rem(it0, nb / bpi), e::i(bpi)));
-                (row, j.clone(), e::add(j, e::i(bpi)))
+                let j = em.set(Ty::I64, e::rem(it0, nb / bpi));
+                (row, j.clone(), e::add(j, e::i(1)))
             };
             let ex = em.set(Ty::I64, e::div(it.clone(), rows));
             let r = em.set(Ty::I64, e::rem(it.clone(), rows));
@@ -1391,7 +1393,7 @@ impl Planner<'_> {
             } else {
                 let j0 = em.set(Ty::I64, j0);
                 for k in 0..bpi {
-                    block(em, e::add(j0.clone(), e::i(k)));
+                    block(em, e::add(j0.clone(), e::i(k * (nb / bpi))));
                 }
             }
             Ok(())
