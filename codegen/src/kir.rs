@@ -297,7 +297,8 @@ pub enum Stmt {
         body: Vec<Stmt>,
     },
     /// `for var in 0..count { body }` with independent iterations, shared by the work item's group of
-    /// threads (lanes take `var` in turns on the GPU).
+    /// threads (lanes take `var` in turns on the GPU, in a loop: for rarely taken paths, whose code
+    /// should stay small).
     GroupFor {
         /// Loop variable (i64).
         var: Var,

@@ -817,6 +817,7 @@ impl Planner<'_> {
                                 }
                             });
                             let mut body = Vec::new();
+                            let mut slow = Vec::new();
                             if let Some(vb) = vals {
                                 let quantize = |b: &mut Emit<'_>, by_reciprocal: bool| {
                                     let codes = xs
@@ -847,15 +848,37 @@ impl Planner<'_> {
                                             cond: e::bin(BinOp::IEq, safe.clone(), e::i32(1)),
                                             then,
                                         });
-                                        let then = b.block(|b2| quantize(b2, false));
-                                        b.out.push(Stmt::If {
-                                            cond: e::bin(BinOp::IEq, safe.clone(), e::i32(0)),
-                                            then,
-                                        });
                                     } else {
                                         quantize(b, false);
                                     }
                                 });
+                                if fast {
+                                    // Rows with an extreme scale: loaded again and divided per
+                                    // element, in a loop (a path real checkpoints do not take, kept
+                                    // out of the unrolled code).
+                                    slow = em.block(|b| {
+                                        let load = b.block(|b2| {
+                                            let at =
+                                                e::add(base.clone(), e::mul(e::v(sub), e::i(8)));
+                                            let again = load_block(b2, xb, xelem, at, 8);
+                                            for (x, y) in xs.iter().zip(again) {
+                                                if let Expr::Var(v) = x {
+                                                    b2.out.push(Stmt::Set(*v, y));
+                                                }
+                                            }
+                                        });
+                                        let mut inner = load;
+                                        inner.extend(b.block(|b2| quantize(b2, false)));
+                                        b.out.push(Stmt::If {
+                                            cond: e::bin(BinOp::IEq, safe.clone(), e::i32(0)),
+                                            then: vec![Stmt::GroupFor {
+                                                var: sub,
+                                                count: e::i(cols / 8),
+                                                body: inner,
+                                            }],
+                                        });
+                                    });
+                                }
                             }
                             em.out.push(Stmt::GroupRow {
                                 var: mx,
@@ -866,6 +889,7 @@ impl Planner<'_> {
                                 mid,
                                 body,
                             });
+                            em.out.extend(slow);
                             Ok(())
                         },
                     );

@@ -943,6 +943,7 @@ impl Gen<'_> {
         &mut self,
         var: Reg,
         count: &Expr,
+        unroll: bool,
         body: &mut dyn FnMut(&mut Self) -> Result<()>,
     ) -> Result<()> {
         let (lane, _) = self
@@ -953,8 +954,8 @@ impl Gen<'_> {
         }
         // Every thread makes the same number of trips (a constant multiple of the group size, at
         // most 16): straight-line copies of the body, so that all their loads can be in flight at once.
-        if let Expr::I64(c) = *count {
-            let trips = c / self.group;
+        if let (Expr::I64(c), true) = (count, unroll) {
+            let (c, trips) = (*c, *c / self.group);
             if c > 0 && c % self.group == 0 && trips <= 16 {
                 self.in_group = true;
                 let mut r = Ok(());
@@ -1507,7 +1508,7 @@ impl Gen<'_> {
                     .vars
                     .get(var.0 as usize)
                     .ok_or(Error::Internal("variable"))?;
-                self.lane_loop(r, count, &mut |g| g.stmts(body))?;
+                self.lane_loop(r, count, false, &mut |g| g.stmts(body))?;
             }
             Stmt::GroupMax {
                 var,
@@ -1526,7 +1527,7 @@ impl Gen<'_> {
                     d: acc,
                     a: Operand::F32(0.0),
                 });
-                self.lane_loop(r, count, &mut |g| {
+                self.lane_loop(r, count, true, &mut |g| {
                     g.stmts(body)?;
                     let v = g.expr(value)?;
                     let v = g.in_reg(v, RegClass::F32);
