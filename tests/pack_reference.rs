@@ -347,3 +347,42 @@ fn nvfp4_worked_example_end_to_end() {
         );
     }
 }
+
+#[test]
+fn signed_zeros_and_zero_scale_blocks_match_spec() {
+    // Blocks whose scale rounds to zero (tiny values next to a large expert maximum), all -0.0 blocks,
+    // and -0.0 inside ordinary blocks: the cases where the sign of a zero decides a code.
+    let seed = seed();
+    let mut rng = Rng::new(seed);
+    for &(recipe, (e, h, i)) in &[
+        ("nvfp4_cutedsl", (2, 64, 64)),
+        ("mxfp4", (2, 64, 64)),
+        ("fp8_per_tensor", (2, 64, 48)),
+        ("fp8_block128", (2, 160, 96)),
+        ("int8_per_row", (2, 40, 24)),
+    ] {
+        let mut c = Case::new(&mut rng, e, h, i);
+        for w in [&mut c.w13, &mut c.w2] {
+            let n = w.len();
+            w[0] = 1000.0;
+            for k in 0..n {
+                match (k / 16) % 5 {
+                    1 => w[k] = -0.0,
+                    // ±2^-96 (bf16-exact, as every value here).
+                    2 => {
+                        let t = f32::from_bits(0x0F80_0000);
+                        w[k] = if k % 3 == 0 { -t } else { t }
+                    }
+                    3 if k % 4 == 1 => w[k] = -0.0,
+                    _ => {}
+                }
+            }
+        }
+        let inputs = c.inputs(false);
+        let want = expected(recipe, &c, false);
+        for backend in ["interp", "host", "interp_x4", "host_x4"] {
+            let got = pack(recipe, (e as i64, h as i64, i as i64), &inputs, backend);
+            compare(recipe, seed, (e, h, i), &want, &got, backend);
+        }
+    }
+}

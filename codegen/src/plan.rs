@@ -1372,11 +1372,8 @@ impl Planner<'_> {
                 let mx = abs_max(b, &xs, x4);
                 let mx = b.set(Ty::F32, mx);
                 // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
-                let s = clamp(
-                    fmul(gs.clone(), fmul(mx, e::f(1.0f32 / 6.0))),
-                    -448.0,
-                    448.0,
-                );
+                // (e4m3_rne saturates at ±448 itself.)
+                let s = fmul(gs.clone(), fmul(mx, e::f(1.0f32 / 6.0)));
                 let sbyte = quant::e4m3_rne(b, s);
                 let sval = quant::e4m3_decode(b, sbyte.clone());
                 let zero = b.set(Ty::Bool, e::bin(BinOp::IEq, sbyte.clone(), e::i32(0)));
@@ -1829,9 +1826,24 @@ fn e2m1_bytes(em: &mut Emit<'_>, xs: &[Expr], scale: &Expr, zero: &Expr, x4: boo
             .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
             .collect()
     } else {
-        xs.iter()
-            .map(|x| quant::e2m1_rne(em, fmul(x.clone(), scale.clone())))
-            .collect()
+        // fma(x, scale, -0) is x * scale to the bit (adding -0 changes nothing, a -0 product
+        // included); in a zero block (scale 0) the addend is +0, which makes every product +0, so
+        // every code is 0 without a select per byte.
+        let zadd = em.set(Ty::F32, e::sel(zero.clone(), e::f(0.0), e::f(-0.0)));
+        let codes: Vec<Expr> = xs
+            .iter()
+            .map(|x| quant::e2m1_rne(em, e::fma(x.clone(), scale.clone(), zadd.clone())))
+            .collect();
+        return codes
+            .chunks(2)
+            .map(|p| {
+                e::bin(
+                    BinOp::Or,
+                    p[0].clone(),
+                    e::bin(BinOp::Shl, p[1].clone(), e::i32(4)),
+                )
+            })
+            .collect();
     };
     codes
         .chunks(2)
