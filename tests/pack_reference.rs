@@ -363,17 +363,16 @@ fn signed_zeros_and_zero_scale_blocks_match_spec() {
     ] {
         let mut c = Case::new(&mut rng, e, h, i);
         for w in [&mut c.w13, &mut c.w2] {
-            let n = w.len();
             w[0] = 1000.0;
-            for k in 0..n {
+            for (k, v) in w.iter_mut().enumerate() {
                 match (k / 16) % 5 {
-                    1 => w[k] = -0.0,
+                    1 => *v = -0.0,
                     // ±2^-96 (bf16-exact, as every value here).
                     2 => {
                         let t = f32::from_bits(0x0F80_0000);
-                        w[k] = if k % 3 == 0 { -t } else { t }
+                        *v = if k % 3 == 0 { -t } else { t }
                     }
-                    3 if k % 4 == 1 => w[k] = -0.0,
+                    3 if k % 4 == 1 => *v = -0.0,
                     _ => {}
                 }
             }
