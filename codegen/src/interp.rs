@@ -298,8 +298,12 @@ fn bin(op: BinOp, a: Val, b: Val) -> Result<Val> {
         (IMul, Val::I32(x), Val::I32(y)) => Val::I32(x.wrapping_mul(y)),
         (And, Val::I32(x), Val::I32(y)) => Val::I32(x & y),
         (Or, Val::I32(x), Val::I32(y)) => Val::I32(x | y),
+        (Xor, Val::I32(x), Val::I32(y)) => Val::I32(x ^ y),
         (Shl, Val::I32(x), Val::I32(y)) => Val::I32(x.wrapping_shl(y as u32)),
         (Shr, Val::I32(x), Val::I32(y)) => Val::I32(((x as u32) >> (y as u32 & 31)) as i32),
+        (MulHi, Val::I32(x), Val::I32(y)) => {
+            Val::I32((((x as u32 as u64) * (y as u32 as u64)) >> 32) as u32 as i32)
+        }
         (ILt, Val::I32(x), Val::I32(y)) => Val::Bool(x < y),
         (IEq, Val::I32(x), Val::I32(y)) => Val::Bool(x == y),
         (FAdd, Val::F32(x), Val::F32(y)) => Val::F32(x + y),

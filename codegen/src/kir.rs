@@ -110,10 +110,15 @@ pub enum BinOp {
     And,
     /// Bitwise or.
     Or,
+    /// Bitwise exclusive or.
+    Xor,
     /// Shift left.
     Shl,
     /// Logical shift right.
     Shr,
+    /// Unsigned 32-bit multiply, high word: `(a * b) >> 32` (i32 operands as unsigned). A right shift
+    /// by `32 - k` is `MulHi(a, 2^k)`, which the GPU runs on its FMA pipe instead of the ALU's.
+    MulHi,
     /// f32 add (round to nearest even).
     FAdd,
     /// f32 multiply (RNE).

@@ -210,40 +210,54 @@ pub fn e2m1_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
 /// `off = 2 (E - 127)`; `fma(y, s, 1.5 * 2^23 + off)` rounds `y * s` (exact) to an integer and adds
 /// `off` in one rounding, and as `1.5 * 2^23` has zero low bits, the code is the sum's low three bits.
 fn e2m1_soft_scalar(em: &mut Emit<'_>, x: Expr) -> Expr {
+    // Mostly multiply-add work, which the GPU's FMA pipe takes, leaving its ALU pipe (min/max and
+    // logic) three operations: right shifts are multiply-highs, and the exponent's uses are
+    // multiply-adds of it.
     let x = em.set(Ty::F32, x);
     let y = em.set(
         Ty::F32,
         e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)),
     );
-    let m = em.set(
+    // E = bits(max(y, 1)) >> 23 (127..=129; the sign is 0 and the mantissa shifts out).
+    let ex = em.set(
         Ty::I32,
         e::bin(
-            BinOp::And,
+            BinOp::MulHi,
             e::un(UnOp::BitsOf, e::bin(BinOp::FMax, y.clone(), e::f(1.0))),
-            e::i32(0x7F80_0000),
+            e::i32(1 << 9),
         ),
     );
+    // s = 2^(128 - E): bits (255 - E) << 23; magic = 1.5 * 2^23 + 2 (E - 127).
     let s = e::un(
         UnOp::FromBits,
-        e::bin(BinOp::ISub, e::i32(0x7F80_0000), m.clone()),
+        e::bin(
+            BinOp::IAdd,
+            e::bin(BinOp::IMul, ex.clone(), e::i32(-(1 << 23))),
+            e::i32(255 << 23),
+        ),
     );
     let magic = e::un(
         UnOp::FromBits,
         e::bin(
             BinOp::IAdd,
-            e::bin(BinOp::Shr, m, e::i32(22)),
+            e::bin(BinOp::IMul, ex, e::i32(2)),
             e::i32(0x4B40_0000 - 254),
         ),
     );
-    let sum = e::un(UnOp::BitsOf, e::fma(y, s, magic));
-    let sign = e::bin(
-        BinOp::And,
-        e::bin(BinOp::Shr, e::un(UnOp::BitsOf, x), e::i32(28)),
-        e::i32(8),
+    let sum = em.set(Ty::I32, e::un(UnOp::BitsOf, e::fma(y, s, magic)));
+    // The top nibble of x (a multiply-high), its sign in bit 3: the code's bits 0-2 merged with
+    // the top's bit 3 as top ^ ((top ^ sum) & 7), one three-input logic operation.
+    let top = em.set(
+        Ty::I32,
+        e::bin(BinOp::MulHi, e::un(UnOp::BitsOf, x), e::i32(16)),
     );
     em.set(
         Ty::I32,
-        e::bin(BinOp::Or, sign, e::bin(BinOp::And, sum, e::i32(7))),
+        e::bin(
+            BinOp::Xor,
+            top.clone(),
+            e::bin(BinOp::And, e::bin(BinOp::Xor, top, sum), e::i32(7)),
+        ),
     )
 }
 
