@@ -390,7 +390,11 @@ impl<'a, 'b> Gen<'a, 'b> {
                 let t = self.ty(a)?;
                 let v = t.is_vector();
                 let s = match op {
-                    UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => Ty::F32,
+                    UnOp::FAbs
+                    | UnOp::FRoundEven
+                    | UnOp::I2F
+                    | UnOp::FromBits
+                    | UnOp::E4m3Decode => Ty::F32,
                     UnOp::F2I
                     | UnOp::BitsOf
                     | UnOp::Narrow
@@ -557,7 +561,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen | UnOp::Narrow => {
                         return Err(Error::Internal("vector widen/narrow"))
                     }
-                    UnOp::E4m3 | UnOp::E2m1 => {
+                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode => {
                         return Err(Error::Internal("native conversion not softened"))
                     }
                 }
@@ -587,7 +591,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen => ins.sextend(types::I64, a),
                     UnOp::Narrow => ins.ireduce(types::I32, a),
                     UnOp::BoolToI => ins.uextend(types::I32, a),
-                    UnOp::E4m3 | UnOp::E2m1 => {
+                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode => {
                         return Err(Error::Internal("native conversion not softened"))
                     }
                 }

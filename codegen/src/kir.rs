@@ -166,6 +166,10 @@ pub enum UnOp {
     /// for values that round to zero (SPEC §0). One `cvt.rn.satfinite.e4m3x2.f32` on the GPU; backends
     /// without it get the integer sequence of [`crate::quant::soften`].
     E4m3,
+    /// E4M3 byte (i32 in `0..=0x7E`) -> its f32 value (exact). Two instructions on the GPU
+    /// (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32); the integer sequence of [`crate::quant::soften`]
+    /// elsewhere.
+    E4m3Decode,
     /// f32 -> E2M1 nibble (i32 in `0..=15`): round to nearest even, saturating at ±6, the sign kept for
     /// values that round to zero. Native on sm_100a (`cvt.rn.satfinite.e2m1x2.f32`); elsewhere the
     /// integer sequence of [`crate::quant::soften`].

@@ -35,7 +35,7 @@ impl Target {
     /// (`cvt.rn.satfinite.e4m3x2.f32`, sm_89 on), E2M1 only on sm_100a (`...e2m1x2.f32`).
     pub fn native(self, op: UnOp) -> bool {
         match op {
-            UnOp::E4m3 => true,
+            UnOp::E4m3 | UnOp::E4m3Decode => true,
             UnOp::E2m1 => self == Target::Sm100a,
             _ => true,
         }
@@ -334,6 +334,14 @@ pub enum Inst {
         /// Lane mask (XOR distance).
         mask: i64,
     },
+    /// `d = f32(e4m3 byte in a)`: `cvt.rn.f16x2.e4m3x2`, then the low half to f32, in a scoped
+    /// block.
+    CvtFromE4m3 {
+        /// Destination (f32).
+        d: Reg,
+        /// The byte (low 8 bits of a 32-bit register, the rest zero).
+        a: Reg,
+    },
     /// `red.global.max.u32 [addr], v`.
     RedMaxU32 {
         /// Address.
@@ -410,6 +418,10 @@ impl fmt::Display for Inst {
             Inst::ShflBfly { d, a, mask } => {
                 write!(f, "\tshfl.sync.bfly.b32 \t{d}, {a}, {mask}, 31, -1;")
             }
+            Inst::CvtFromE4m3 { d, a } => write!(
+                f,
+                "\t{{ .reg .b16 %dlo, %dhi; .reg .b32 %dpair; cvt.u16.u32 %dhi, {a}; cvt.rn.f16x2.e4m3x2 %dpair, %dhi; mov.b32 {{%dlo, %dhi}}, %dpair; cvt.f32.f16 {d}, %dlo; }}"
+            ),
             Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
             Inst::LdV { nc, words, addr } => {
                 let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
@@ -624,7 +636,9 @@ impl Gen<'_> {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
             }
             Expr::Un(op, _) => match op {
-                UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits => RegClass::F32,
+                UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits | UnOp::E4m3Decode => {
+                    RegClass::F32
+                }
                 UnOp::F2I
                 | UnOp::BitsOf
                 | UnOp::Narrow
@@ -781,6 +795,14 @@ impl Gen<'_> {
                     }
                     UnOp::Widen => ("cvt.s64.s32", RegClass::B64),
                     UnOp::Narrow => ("cvt.u32.u64", RegClass::B32),
+                    UnOp::E4m3Decode => {
+                        let Operand::Reg(a) = a else {
+                            return Err(Error::Internal("conversion operand"));
+                        };
+                        let d = self.b.reg(RegClass::F32);
+                        self.b.push(Inst::CvtFromE4m3 { d, a });
+                        return Ok(Operand::Reg(d));
+                    }
                     UnOp::E4m3 | UnOp::E2m1 => {
                         let Operand::Reg(a) = a else {
                             return Err(Error::Internal("conversion operand"));

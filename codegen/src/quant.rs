@@ -145,8 +145,18 @@ pub fn e4m3_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
     em.set(em.vt(Ty::I32), e::bin(BinOp::Or, sign, code))
 }
 
-/// The f32 value of an E4M3 byte in `[0, 0x7E]` (non-negative).
+/// The f32 value of an E4M3 byte in `[0, 0x7E]` (non-negative): the IR's [`UnOp::E4m3Decode`] in
+/// scalar form, the integer sequence of [`e4m3_decode_soft`] in 4-lane form.
 pub fn e4m3_decode(em: &mut Emit<'_>, b: Expr) -> Expr {
+    if em.x4 {
+        e4m3_decode_soft(em, b)
+    } else {
+        em.set(Ty::F32, e::un(UnOp::E4m3Decode, b))
+    }
+}
+
+/// [`e4m3_decode`] in integer and f32 operations.
+pub fn e4m3_decode_soft(em: &mut Emit<'_>, b: Expr) -> Expr {
     let b = em.set(em.vt(Ty::I32), b);
     let exp = e::bin(BinOp::Shr, b.clone(), e::i32(3));
     let mant = e::bin(BinOp::And, b.clone(), e::i32(7));
@@ -395,12 +405,12 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
 fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Expr {
     let bx = |x: Box<Expr>, em: &mut Emit<'_>| Box::new(soften_expr(*x, em, native));
     match x {
-        Expr::Un(op @ (UnOp::E4m3 | UnOp::E2m1), a) if !native(op) => {
+        Expr::Un(op @ (UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode), a) if !native(op) => {
             let a = soften_expr(*a, em, native);
-            if op == UnOp::E4m3 {
-                e4m3_soft(em, clamp(a, -448.0, 448.0))
-            } else {
-                e2m1_soft(em, a)
+            match op {
+                UnOp::E4m3 => e4m3_soft(em, clamp(a, -448.0, 448.0)),
+                UnOp::E2m1 => e2m1_soft(em, a),
+                _ => e4m3_decode_soft(em, a),
             }
         }
         Expr::Un(op, a) => Expr::Un(op, bx(a, em)),
@@ -598,6 +608,42 @@ mod tests {
                 };
                 assert_eq!(host[1][i], want, "{op:?} of {x:e} (x4 = {x4})");
             }
+        }
+    }
+
+    #[test]
+    fn e4m3_decode_sequence_matches_the_table() {
+        let mut va = VarAlloc::default();
+        let item = va.new_var(Ty::I64);
+        let body = vec![Stmt::Store {
+            buf: BufId(1),
+            index: e::v(item),
+            value: e::un(UnOp::E4m3Decode, e::load(BufId(0), e::v(item))),
+        }];
+        let k: Kernel = va.kernel("dec".into(), item, 0x7F, body);
+        let buf = |role, elem, len| Buf {
+            role,
+            elem,
+            len,
+            zeroed: false,
+        };
+        let prog = Program {
+            recipe: "dec".into(),
+            bufs: vec![
+                buf(BufRole::Input("b".into()), Elem::U8, 0x7F),
+                buf(BufRole::Param("v".into()), Elem::F32, 0x7F),
+            ],
+            steps: vec![Step::Kernel(k)],
+        };
+        let codes: Vec<u8> = (0..0x7F).collect();
+        let mut host = vec![codes.clone(), vec![0u8; 4 * 0x7F]];
+        crate::host::compile(&prog)
+            .and_then(|c| c.run(&mut host, &crate::SingleProcess, 1))
+            .expect("host run");
+        for c in codes {
+            let got = f32::from_le_bytes(host[1][4 * c as usize..][..4].try_into().unwrap());
+            let want = crate::reference::e4m3_to_f32(c);
+            assert_eq!(got.to_bits(), want.to_bits(), "byte {c:#04x}");
         }
     }
 
