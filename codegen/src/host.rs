@@ -400,8 +400,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     | UnOp::Narrow
                     | UnOp::BoolToI
                     | UnOp::E4m3
-                    | UnOp::E2m1
-                    | UnOp::E2m1Small => Ty::I32,
+                    | UnOp::E2m1 => Ty::I32,
                     UnOp::Widen => Ty::I64,
                 };
                 if v {
@@ -562,7 +561,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen | UnOp::Narrow => {
                         return Err(Error::Internal("vector widen/narrow"))
                     }
-                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E2m1Small | UnOp::E4m3Decode => {
+                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode => {
                         return Err(Error::Internal("native conversion not softened"))
                     }
                 }
@@ -592,7 +591,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen => ins.sextend(types::I64, a),
                     UnOp::Narrow => ins.ireduce(types::I32, a),
                     UnOp::BoolToI => ins.uextend(types::I32, a),
-                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E2m1Small | UnOp::E4m3Decode => {
+                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode => {
                         return Err(Error::Internal("native conversion not softened"))
                     }
                 }

@@ -205,13 +205,6 @@ fn un(op: UnOp, a: Val) -> Result<Val> {
                     // The oracle's table search, not the IR sequence: an independent check of both.
                     UnOp::E4m3 => Val::I32(crate::reference::e4m3_from_f32(a.f32()?) as i32),
                     UnOp::E4m3Decode => Val::F32(crate::reference::e4m3_to_f32(a.i32()? as u8)),
-                    UnOp::E2m1Small => {
-                        let x = a.f32()?;
-                        if x.abs() >= 7.0 || x.is_nan() {
-                            return Err(Error::Internal("E2m1Small operand outside |x| < 7"));
-                        }
-                        Val::I32(crate::reference::e2m1_from_f32(x.clamp(-6.0, 6.0)) as i32)
-                    }
                     UnOp::E2m1 => {
                         Val::I32(crate::reference::e2m1_from_f32(a.f32()?.clamp(-6.0, 6.0)) as i32)
                     }

@@ -170,10 +170,6 @@ pub enum UnOp {
     /// (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32); the integer sequence of [`crate::quant::soften`]
     /// elsewhere.
     E4m3Decode,
-    /// [`UnOp::E2m1`] of a value with `|x| < 7`, where it needs no saturation step (codes above 6
-    /// round to 7 by themselves). The interpreter refuses operands outside that range, so a plan that
-    /// claims it wrongly fails its tests.
-    E2m1Small,
     /// f32 -> E2M1 nibble (i32 in `0..=15`): round to nearest even, saturating at ±6, the sign kept for
     /// values that round to zero. Native on sm_100a (`cvt.rn.satfinite.e2m1x2.f32`); elsewhere the
     /// integer sequence of [`crate::quant::soften`].

@@ -1295,7 +1295,7 @@ impl Planner<'_> {
                                     e::mul(j.clone(), e::i(16)),
                                 ),
                             );
-                            let bytes = e2m1_bytes(b, &xs, &mult, &zero, x4, false);
+                            let bytes = e2m1_bytes(b, &xs, &mult, &zero, x4);
                             store_block(b, vb, Elem::U8, ob.clone(), bytes);
                         }
                     };
@@ -1394,7 +1394,7 @@ impl Planner<'_> {
                     b.out.push(Stmt::Store {
                         buf: sbuf,
                         index: idx,
-                        value: sbyte.clone(),
+                        value: sbyte,
                     });
                 }
                 if let Some(vb) = vals {
@@ -1405,27 +1405,8 @@ impl Planner<'_> {
                             e::mul(j.clone(), e::i(8)),
                         ),
                     );
-                    if x4 {
-                        let bytes = e2m1_bytes(b, &xs, &osc, &zero, x4, false);
-                        store_block(b, vb, Elem::U8, ob.clone(), bytes);
-                    } else {
-                        // A block with a normal E4M3 scale (byte >= 8) has |x * oscale| <= 6.4:
-                        // sval >= t (1 - 2^-4) for t = gs * vmax / 6, and the f32 roundings add
-                        // parts in 2^22. Its conversion skips the saturation (`E2m1Small`, which the
-                        // interpreter checks); subnormal-scale blocks keep it.
-                        for normal in [true, false] {
-                            let then = b.block(|b2| {
-                                let bytes = e2m1_bytes(b2, &xs, &osc, &zero, false, normal);
-                                store_block(b2, vb, Elem::U8, ob.clone(), bytes);
-                            });
-                            let cond = if normal {
-                                e::bin(BinOp::ILt, e::i32(7), sbyte.clone())
-                            } else {
-                                e::bin(BinOp::ILt, sbyte.clone(), e::i32(8))
-                            };
-                            b.out.push(Stmt::If { cond, then });
-                        }
-                    }
+                    let bytes = e2m1_bytes(b, &xs, &osc, &zero, x4);
+                    store_block(b, vb, Elem::U8, ob.clone(), bytes);
                 }
             };
             if x4 {
@@ -1835,16 +1816,7 @@ fn abs_max(em: &mut Emit<'_>, xs: &[Expr], x4: bool) -> Expr {
 
 /// The packed FP4 bytes of a block: E2M1 codes of `x * scale` (saturating at ±6), element 2k in the
 /// low nibble, and all-zero bytes when `zero` holds (a zero block scale).
-///
-/// `small` (scalar form only) promises `|x * scale| < 7`, so the conversion may skip saturation.
-fn e2m1_bytes(
-    em: &mut Emit<'_>,
-    xs: &[Expr],
-    scale: &Expr,
-    zero: &Expr,
-    x4: bool,
-    small: bool,
-) -> Vec<Expr> {
+fn e2m1_bytes(em: &mut Emit<'_>, xs: &[Expr], scale: &Expr, zero: &Expr, x4: bool) -> Vec<Expr> {
     let codes: Vec<Expr> = if x4 {
         let vc: Vec<Expr> = xs
             .iter()
@@ -1860,14 +1832,7 @@ fn e2m1_bytes(
         let zadd = em.set(Ty::F32, e::sel(zero.clone(), e::f(0.0), e::f(-0.0)));
         let codes: Vec<Expr> = xs
             .iter()
-            .map(|x| {
-                let v = e::fma(x.clone(), scale.clone(), zadd.clone());
-                if small {
-                    em.set(Ty::I32, e::un(UnOp::E2m1Small, v))
-                } else {
-                    quant::e2m1_rne(em, v)
-                }
-            })
+            .map(|x| quant::e2m1_rne(em, e::fma(x.clone(), scale.clone(), zadd.clone())))
             .collect();
         return codes
             .chunks(2)

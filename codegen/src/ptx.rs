@@ -36,7 +36,7 @@ impl Target {
     pub fn native(self, op: UnOp) -> bool {
         match op {
             UnOp::E4m3 | UnOp::E4m3Decode => true,
-            UnOp::E2m1 | UnOp::E2m1Small => self == Target::Sm100a,
+            UnOp::E2m1 => self == Target::Sm100a,
             _ => true,
         }
     }
@@ -644,8 +644,7 @@ impl Gen<'_> {
                 | UnOp::Narrow
                 | UnOp::BoolToI
                 | UnOp::E4m3
-                | UnOp::E2m1
-                | UnOp::E2m1Small => RegClass::B32,
+                | UnOp::E2m1 => RegClass::B32,
                 UnOp::Widen => RegClass::B64,
             },
             Expr::Bin(op, a, _) => match op {
@@ -804,13 +803,13 @@ impl Gen<'_> {
                         self.b.push(Inst::CvtFromE4m3 { d, a });
                         return Ok(Operand::Reg(d));
                     }
-                    UnOp::E4m3 | UnOp::E2m1 | UnOp::E2m1Small => {
+                    UnOp::E4m3 | UnOp::E2m1 => {
                         let Operand::Reg(a) = a else {
                             return Err(Error::Internal("conversion operand"));
                         };
                         let d = self.b.reg(RegClass::B32);
                         self.b.push(Inst::CvtNarrow {
-                            e2m1: *op != UnOp::E4m3,
+                            e2m1: *op == UnOp::E2m1,
                             d,
                             a,
                         });

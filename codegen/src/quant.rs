@@ -191,7 +191,7 @@ pub fn e2m1_rne(em: &mut Emit<'_>, x: Expr) -> Expr {
 /// make the codes continue across the range boundaries (rne(2y) = 4 at y -> 2 is code 4, etc.).
 pub fn e2m1_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
     if !em.x4 {
-        return e2m1_soft_scalar(em, x, true);
+        return e2m1_soft_scalar(em, x);
     }
     let x = em.set(em.vt(Ty::F32), x);
     let y = em.set(
@@ -219,22 +219,14 @@ pub fn e2m1_soft(em: &mut Emit<'_>, x: Expr) -> Expr {
 /// of two selects each: `E = exponent of max(y, 1)` (127..=129 as `y <= 6`), `s = 2^(128 - E)`,
 /// `off = 2 (E - 127)`; `fma(y, s, 1.5 * 2^23 + off)` rounds `y * s` (exact) to an integer and adds
 /// `off` in one rounding, and as `1.5 * 2^23` has zero low bits, the code is the sum's low three bits.
-///
-/// `saturate: false` leaves out the `min(|x|, 6)`: for `|x| < 7` the codes are the same (values in
-/// (6, 7) have `E = 129`, and `rne(y / 2) = 3` gives code 7), one ALU operation fewer.
-fn e2m1_soft_scalar(em: &mut Emit<'_>, x: Expr, saturate: bool) -> Expr {
+fn e2m1_soft_scalar(em: &mut Emit<'_>, x: Expr) -> Expr {
     // Mostly multiply-add work, which the GPU's FMA pipe takes, leaving its ALU pipe (min/max and
     // logic) three operations: right shifts are multiply-highs, and the exponent's uses are
     // multiply-adds of it.
     let x = em.set(Ty::F32, x);
-    let abs = e::un(UnOp::FAbs, x.clone());
     let y = em.set(
         Ty::F32,
-        if saturate {
-            e::bin(BinOp::FMin, abs, e::f(6.0))
-        } else {
-            abs
-        },
+        e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)),
     );
     // E = bits(max(y, 1)) >> 23 (127..=129; the sign is 0 and the mantissa shifts out).
     let ex = em.set(
@@ -413,14 +405,11 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
 fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Expr {
     let bx = |x: Box<Expr>, em: &mut Emit<'_>| Box::new(soften_expr(*x, em, native));
     match x {
-        Expr::Un(op @ (UnOp::E4m3 | UnOp::E2m1 | UnOp::E2m1Small | UnOp::E4m3Decode), a)
-            if !native(op) =>
-        {
+        Expr::Un(op @ (UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode), a) if !native(op) => {
             let a = soften_expr(*a, em, native);
             match op {
                 UnOp::E4m3 => e4m3_soft(em, clamp(a, -448.0, 448.0)),
                 UnOp::E2m1 => e2m1_soft(em, a),
-                UnOp::E2m1Small => e2m1_soft_scalar(em, a, false),
                 _ => e4m3_decode_soft(em, a),
             }
         }
