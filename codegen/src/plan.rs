@@ -913,15 +913,8 @@ impl Planner<'_> {
                         });
                         let lanes = (0..4).map(|k| e::lane(e::v(mv), k)).collect();
                         em.out.push(Stmt::Set(mx, max_tree(lanes)));
-                    } else if packed {
-                        // GPU form: the row in 8-element packed loads (16 bytes of bf16).
-                        em.for_(e::i(0), e::i(cols / 8), |b, c8| {
-                            let at = e::add(base.clone(), e::mul(c8, e::i(8)));
-                            let xs = load_block(b, xb, xelem, at, 8);
-                            let m = max_tree(xs.into_iter().map(fabs).collect());
-                            b.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
-                        });
                     } else {
+                        // (The GPU form of rows a multiple of 8 long returned above.)
                         em.for_(e::i(0), e::i(cols), |b, c| {
                             b.out
                                 .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
@@ -953,14 +946,6 @@ impl Planner<'_> {
                                 let lanes = (0..4u8).map(|k| e::lane(codes.clone(), k)).collect();
                                 store_block(b, vb, Elem::U8, e::add(out.clone(), c), lanes);
                             });
-                        } else if packed {
-                            em.for_(e::i(0), e::i(cols / 8), |b, c8| {
-                                let c = b.set(Ty::I64, e::mul(c8, e::i(8)));
-                                let xs =
-                                    load_block(b, xb, xelem, e::add(base.clone(), c.clone()), 8);
-                                let codes = xs.into_iter().map(|x| code_of(b, x)).collect();
-                                store_block(b, vb, Elem::U8, e::add(out.clone(), c), codes);
-                            });
                         } else {
                             em.for_(e::i(0), e::i(cols), |b, c| {
                                 let code = code_of(b, load(base.clone(), c.clone()));
@@ -991,13 +976,9 @@ impl Planner<'_> {
                 let sb = scl.map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
                 let x4b = self.x4 && cols % 4 == 0;
-                let chunk: i64 = if packed {
-                    8
-                } else if x4b {
-                    4
-                } else {
-                    1
-                };
+                // The fallback below (the host form, and GPU rows not a multiple of 8 long): 4-lane
+                // vectors on the host, single elements otherwise.
+                let chunk: i64 = if x4b { 4 } else { 1 };
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 if packed {
                     // GPU form: one CTA per 128x128 block. Its threads take 8-element row segments
@@ -1133,8 +1114,7 @@ impl Planner<'_> {
                                     e::add(e::mul(ex.clone(), e::i(rc)), e::mul(r, e::i(cols))),
                                 );
                                 if chunk > 1 {
-                                    // GPU form: 8-element chunks as 16-byte packed accesses; host form:
-                                    // 4-lane vectors.
+                                    // Host form: 4-lane vectors.
                                     let (k0, k1) =
                                         (e::div(c0.clone(), chunk), e::div(c1.clone(), chunk));
                                     b2.for_(k0, k1, |b3, ck| {
@@ -1164,16 +1144,7 @@ impl Planner<'_> {
                                     .push(Stmt::Set(mv, fmax(e::v(mv), fabs(e::load_x4(xb, src)))));
                                 return;
                             }
-                            let m = if packed {
-                                max_tree(
-                                    load_block(b3, xb, xelem, src, 8)
-                                        .into_iter()
-                                        .map(fabs)
-                                        .collect(),
-                                )
-                            } else {
-                                fabs(e::load(xb, src))
-                            };
+                            let m = fabs(e::load(xb, src));
                             b3.out.push(Stmt::Set(mx, fmax(e::v(mx), m)));
                         });
                         if let Some(mv) = mv {
@@ -1203,10 +1174,6 @@ impl Planner<'_> {
                                     let lanes =
                                         (0..4u8).map(|k| e::lane(codes.clone(), k)).collect();
                                     store_block(b3, vb, Elem::U8, dst, lanes);
-                                } else if packed {
-                                    let xs = load_block(b3, xb, xelem, src, 8);
-                                    let codes = e4m3_codes(b3, xs, &inv);
-                                    store_block(b3, vb, Elem::U8, dst, codes);
                                 } else {
                                     let code = e4m3_codes(b3, vec![e::load(xb, src)], &inv);
                                     store_block(b3, vb, Elem::U8, dst, code);
