@@ -250,14 +250,10 @@ fn rearrange_check(
 
 /// Fewest bytes a recipe's pack must move: each param written once, each input read once, or twice
 /// where an amax over a whole expert (or tensor) must be known before quantizing (NVFP4's global scale,
-/// FP8 per-tensor). Row and 128x128-block amaxes could stay on chip, so they count one read even though
-/// the GPU form reads those inputs twice.
+/// FP8 per-tensor: the programs with a separate `_amax` pass). Row and 128x128-block amaxes stay on
+/// chip (one group kernel per row or block), so they count one read.
 fn traffic_bytes(prog: &crate::codegen::kir::Program) -> f64 {
-    let two_pass = prog.kernels().any(|k| {
-        k.name.ends_with("_amax")
-            && !k.name.ends_with("_row_amax")
-            && !k.name.ends_with("_block_amax")
-    });
+    let two_pass = prog.kernels().any(|k| k.name.ends_with("_amax"));
     let mut b = 0f64;
     for buf in &prog.bufs {
         let n = (buf.len * buf.elem.size()) as f64;

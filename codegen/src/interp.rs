@@ -189,28 +189,20 @@ impl Ctx<'_> {
 }
 
 fn un(op: UnOp, a: Val) -> Result<Val> {
-    Ok({
-        {
-            {
-                match op {
-                    UnOp::FAbs => Val::F32(a.f32()?.abs()),
-                    UnOp::FRoundEven => Val::F32(a.f32()?.round_ties_even()),
-                    UnOp::F2I => Val::I32(a.f32()? as i32),
-                    UnOp::I2F => Val::F32(a.i32()? as f32),
-                    UnOp::BitsOf => Val::I32(a.f32()?.to_bits() as i32),
-                    UnOp::FromBits => Val::F32(f32::from_bits(a.i32()? as u32)),
-                    UnOp::Widen => Val::I64(a.i32()? as i64),
-                    UnOp::Narrow => Val::I32(a.i64()? as i32),
-                    UnOp::BoolToI => Val::I32(a.bool()? as i32),
-                    // The oracle's table search, not the IR sequence: an independent check of both.
-                    UnOp::E4m3 => Val::I32(crate::reference::e4m3_from_f32(a.f32()?) as i32),
-                    UnOp::E4m3Decode => Val::F32(crate::reference::e4m3_to_f32(a.i32()? as u8)),
-                    UnOp::E2m1 => {
-                        Val::I32(crate::reference::e2m1_from_f32(a.f32()?.clamp(-6.0, 6.0)) as i32)
-                    }
-                }
-            }
-        }
+    Ok(match op {
+        UnOp::FAbs => Val::F32(a.f32()?.abs()),
+        UnOp::FRoundEven => Val::F32(a.f32()?.round_ties_even()),
+        UnOp::F2I => Val::I32(a.f32()? as i32),
+        UnOp::I2F => Val::F32(a.i32()? as f32),
+        UnOp::BitsOf => Val::I32(a.f32()?.to_bits() as i32),
+        UnOp::FromBits => Val::F32(f32::from_bits(a.i32()? as u32)),
+        UnOp::Widen => Val::I64(a.i32()? as i64),
+        UnOp::Narrow => Val::I32(a.i64()? as i32),
+        UnOp::BoolToI => Val::I32(a.bool()? as i32),
+        // The oracle's table search, not the IR sequence: an independent check of both.
+        UnOp::E4m3 => Val::I32(crate::reference::e4m3_from_f32(a.f32()?) as i32),
+        UnOp::E4m3Decode => Val::F32(crate::reference::e4m3_to_f32(a.i32()? as u8)),
+        UnOp::E2m1 => Val::I32(crate::reference::e2m1_from_f32(a.f32()?.clamp(-6.0, 6.0)) as i32),
     })
 }
 

@@ -364,6 +364,36 @@ impl Kernel {
     }
 }
 
+/// What [`Stmt::GroupRow`] means, as the constructs it combines: a group maximum over `load`, then
+/// `mid`, then a group loop running `load` again and `body`. The sequential form, and the GPU form
+/// where the trips are not uniform, are exactly this.
+pub fn group_row_passes(
+    var: Var,
+    sub: Var,
+    count: Expr,
+    load: Vec<Stmt>,
+    value: Expr,
+    mid: Vec<Stmt>,
+    body: Vec<Stmt>,
+) -> Vec<Stmt> {
+    let mut again = load.clone();
+    again.extend(body);
+    let mut out = vec![Stmt::GroupMax {
+        var,
+        sub,
+        count: count.clone(),
+        body: load,
+        value,
+    }];
+    out.extend(mid);
+    out.push(Stmt::GroupFor {
+        var: sub,
+        count,
+        body: again,
+    });
+    out
+}
+
 fn sequential_block(body: Vec<Stmt>) -> Vec<Stmt> {
     let mut out = Vec::with_capacity(body.len());
     for st in body {
@@ -396,30 +426,9 @@ fn sequential_block(body: Vec<Stmt>) -> Vec<Stmt> {
                 value,
                 mid,
                 body,
-            } => {
-                let load = sequential_block(load);
-                let mut first = load.clone();
-                first.push(Stmt::Set(
-                    var,
-                    Expr::Bin(BinOp::FMax, Box::new(Expr::Var(var)), Box::new(value)),
-                ));
-                out.push(Stmt::Set(var, Expr::F32(0.0)));
-                out.push(Stmt::For {
-                    var: sub,
-                    start: Expr::I64(0),
-                    end: count.clone(),
-                    body: first,
-                });
-                out.extend(sequential_block(mid));
-                let mut second = load;
-                second.extend(sequential_block(body));
-                out.push(Stmt::For {
-                    var: sub,
-                    start: Expr::I64(0),
-                    end: count,
-                    body: second,
-                });
-            }
+            } => out.extend(sequential_block(group_row_passes(
+                var, sub, count, load, value, mid, body,
+            ))),
             Stmt::GroupFor { var, count, body } => out.push(Stmt::For {
                 var,
                 start: Expr::I64(0),

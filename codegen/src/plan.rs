@@ -787,11 +787,12 @@ impl Planner<'_> {
                             // row's scale; pass 2 quantizes what pass 1 loaded.
                             let mx = em.vars.new_var(Ty::F32);
                             let sub = em.vars.new_var(Ty::I64);
-                            let mut xs: Vec<Expr> = Vec::new();
-                            let load = em.block(|b| {
+                            let load_segment = |b: &mut Emit<'_>| {
                                 let at = e::add(base.clone(), e::mul(e::v(sub), e::i(8)));
-                                xs = load_block(b, xb, xelem, at, 8);
-                            });
+                                load_block(b, xb, xelem, at, 8)
+                            };
+                            let mut xs: Vec<Expr> = Vec::new();
+                            let load = em.block(|b| xs = load_segment(b));
                             let value = max_tree(xs.iter().cloned().map(fabs).collect());
                             // bf16 rows whose scale is in range divide by the row's reciprocal and
                             // one correction (see `quant::quot_by_reciprocal`); others, and wider
@@ -819,37 +820,43 @@ impl Planner<'_> {
                             let mut body = Vec::new();
                             let mut slow = Vec::new();
                             if let Some(vb) = vals {
-                                let quantize = |b: &mut Emit<'_>, by_reciprocal: bool| {
-                                    let codes = xs
-                                        .iter()
-                                        .map(|x| {
-                                            let q = if by_reciprocal {
-                                                quant::quot_by_reciprocal(b, x.clone(), &neg_b, &y)
-                                            } else {
-                                                fdiv(x.clone(), scale.clone())
-                                            };
-                                            if int8 {
-                                                quant::int8_of_quotient(b, q)
-                                            } else {
-                                                quant::e4m3_rne(b, q)
-                                            }
-                                        })
-                                        .collect();
-                                    let at = e::add(
-                                        e::mul(row.clone(), e::i(cols)),
-                                        e::mul(e::v(sub), e::i(8)),
-                                    );
-                                    store_block(b, vb, Elem::U8, at, codes);
-                                };
+                                let quantize =
+                                    |b: &mut Emit<'_>, by_reciprocal: bool, xs: &[Expr]| {
+                                        let codes = xs
+                                            .iter()
+                                            .map(|x| {
+                                                let q = if by_reciprocal {
+                                                    quant::quot_by_reciprocal(
+                                                        b,
+                                                        x.clone(),
+                                                        &neg_b,
+                                                        &y,
+                                                    )
+                                                } else {
+                                                    fdiv(x.clone(), scale.clone())
+                                                };
+                                                if int8 {
+                                                    quant::int8_of_quotient(b, q)
+                                                } else {
+                                                    quant::e4m3_rne(b, q)
+                                                }
+                                            })
+                                            .collect();
+                                        let at = e::add(
+                                            e::mul(row.clone(), e::i(cols)),
+                                            e::mul(e::v(sub), e::i(8)),
+                                        );
+                                        store_block(b, vb, Elem::U8, at, codes);
+                                    };
                                 body = em.block(|b| {
                                     if fast {
-                                        let then = b.block(|b2| quantize(b2, true));
+                                        let then = b.block(|b2| quantize(b2, true, &xs));
                                         b.out.push(Stmt::If {
                                             cond: e::bin(BinOp::IEq, safe.clone(), e::i32(1)),
                                             then,
                                         });
                                     } else {
-                                        quantize(b, false);
+                                        quantize(b, false, &xs);
                                     }
                                 });
                                 if fast {
@@ -857,18 +864,10 @@ impl Planner<'_> {
                                     // element, in a loop (a path real checkpoints do not take, kept
                                     // out of the unrolled code).
                                     slow = em.block(|b| {
-                                        let load = b.block(|b2| {
-                                            let at =
-                                                e::add(base.clone(), e::mul(e::v(sub), e::i(8)));
-                                            let again = load_block(b2, xb, xelem, at, 8);
-                                            for (x, y) in xs.iter().zip(again) {
-                                                if let Expr::Var(v) = x {
-                                                    b2.out.push(Stmt::Set(*v, y));
-                                                }
-                                            }
+                                        let inner = b.block(|b2| {
+                                            let again = load_segment(b2);
+                                            quantize(b2, false, &again);
                                         });
-                                        let mut inner = load;
-                                        inner.extend(b.block(|b2| quantize(b2, false)));
                                         b.out.push(Stmt::If {
                                             cond: e::bin(BinOp::IEq, safe.clone(), e::i32(0)),
                                             then: vec![Stmt::GroupFor {
@@ -1198,84 +1197,65 @@ impl Planner<'_> {
                 if let Some((_, true)) = sb {
                     return Err(unsupported(&pname, "swizzled MXFP4 scales"));
                 }
-                // GPU form: one work item per `bpi` 32-element blocks of a row, `nb / bpi` apart (2
-                // where they divide it: the index arithmetic is shared, and neighbouring threads take
-                // neighbouring blocks), unrolled.
                 let x4 = self.x4;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
-                let bpi = if nb % 2 == 0 { 2 } else { 1 };
-                let per_item = if self.x4 { 1 } else { nb / bpi };
-                self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
-                    let (it, j0, j1) = if x4 {
-                        (it0, e::i(0), e::i(nb))
-                    } else {
-                        let row = em.set(Ty::I64, e::div(it0.clone(), nb / bpi));
-                        let jj = em.set(Ty::I64, e::rem(it0, nb / bpi));
-                        (row, jj.clone(), e::add(jj, e::i(1)))
-                    };
-                    let ex = em.set(Ty::I64, e::div(it.clone(), rows));
-                    let r = em.set(Ty::I64, e::rem(it.clone(), rows));
-                    let sr = src_row(em, r);
-                    let base = em.set(
-                        Ty::I64,
-                        e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
-                    );
-                    let block = |b: &mut Emit<'_>, j: Expr| {
-                        let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
-                        let xs = load_fp_block(b, xb, xelem, b0.clone(), 32, x4);
-                        let m = abs_max(b, &xs, x4);
-                        let mx = b.var(Ty::F32, m);
-                        // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
-                        let ebits = b.set(
-                            Ty::I32,
-                            e::bin(
-                                BinOp::And,
-                                e::bin(BinOp::Shr, e::un(UnOp::BitsOf, e::v(mx)), e::i32(23)),
-                                e::i32(0xFF),
-                            ),
+                let rb = RowBlocks::new(nb, 2, x4);
+                self.kernel(
+                    format!("{tag}_quant"),
+                    ne * rows * rb.items_per_row(),
+                    |em, it0| {
+                        let (it, first) = rb.row_of(em, it0);
+                        let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                        let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+                        let sr = src_row(em, r);
+                        let base = em.set(
+                            Ty::I64,
+                            e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
                         );
-                        let zero = b.set(Ty::Bool, is_zero(e::v(mx)));
-                        // scale byte = e + 127 = max(ebits - 2, 0); multiplier 2^-e has exponent field min(256 - ebits, 254).
-                        let sbyte = e::sel(
-                            zero.clone(),
-                            e::i32(0),
-                            imax(e::bin(BinOp::ISub, ebits.clone(), e::i32(2)), e::i32(0)),
-                        );
-                        let mexp = imin(e::bin(BinOp::ISub, e::i32(256), ebits), e::i32(254));
-                        let mult = b.set(
-                            Ty::F32,
-                            e::un(UnOp::FromBits, e::bin(BinOp::Shl, mexp, e::i32(23))),
-                        );
-                        if let Some((sbuf, _)) = sb {
-                            let si = e::add(e::mul(it.clone(), e::i(nb)), j.clone());
-                            b.out.push(Stmt::Store {
-                                buf: sbuf,
-                                index: si,
-                                value: sbyte,
-                            });
-                        }
-                        if let Some(vb) = vals {
-                            let ob = b.set(
-                                Ty::I64,
-                                e::add(
-                                    e::mul(it.clone(), e::i(cols / 2)),
-                                    e::mul(j.clone(), e::i(16)),
+                        let block = |b: &mut Emit<'_>, j: Expr| {
+                            let b0 =
+                                b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
+                            let xs = load_fp_block(b, xb, xelem, b0.clone(), 32, x4);
+                            let m = abs_max(b, &xs, x4);
+                            let mx = b.var(Ty::F32, m);
+                            // e = clamp(floor(log2 amax) - 2, -127, 127): from the exponent field.
+                            let ebits = b.set(
+                                Ty::I32,
+                                e::bin(
+                                    BinOp::And,
+                                    e::bin(BinOp::Shr, e::un(UnOp::BitsOf, e::v(mx)), e::i32(23)),
+                                    e::i32(0xFF),
                                 ),
                             );
-                            let bytes = e2m1_bytes(b, &xs, &mult, &zero, x4);
-                            store_block(b, vb, Elem::U8, ob.clone(), bytes);
-                        }
-                    };
-                    if x4 {
-                        em.for_(j0, j1, block);
-                    } else {
-                        let j0 = em.set(Ty::I64, j0);
-                        for k in 0..bpi {
-                            block(em, e::add(j0.clone(), e::i(k * (nb / bpi))));
-                        }
-                    }
-                    Ok(())
-                })
+                            let zero = b.set(Ty::Bool, is_zero(e::v(mx)));
+                            // scale byte = e + 127 = max(ebits - 2, 0); multiplier 2^-e has exponent field min(256 - ebits, 254).
+                            let sbyte = e::sel(
+                                zero.clone(),
+                                e::i32(0),
+                                imax(e::bin(BinOp::ISub, ebits.clone(), e::i32(2)), e::i32(0)),
+                            );
+                            let mexp = imin(e::bin(BinOp::ISub, e::i32(256), ebits), e::i32(254));
+                            let mult = b.set(
+                                Ty::F32,
+                                e::un(UnOp::FromBits, e::bin(BinOp::Shl, mexp, e::i32(23))),
+                            );
+                            if let Some((sbuf, _)) = sb {
+                                let si = e::add(e::mul(it.clone(), e::i(nb)), j.clone());
+                                b.out.push(Stmt::Store {
+                                    buf: sbuf,
+                                    index: si,
+                                    value: sbyte,
+                                });
+                            }
+                            if let Some(vb) = vals {
+                                let at = (it.clone(), j.clone(), cols);
+                                store_fp4_block(b, vb, at, &xs, &mult, &zero, x4);
+                            }
+                        };
+                        rb.blocks(em, first, block);
+                        Ok(())
+                    },
+                )
             }
         }
     }
@@ -1309,83 +1289,62 @@ impl Planner<'_> {
         let sw2 = sw.clone();
         let x4 = self.x4;
         let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
-        // Host form: one work item per row, looping over its blocks. GPU form: one work item per
-        // `bpi` 16-element blocks of a row, `nb / bpi` blocks apart (4 where they divide the row: the
-        // row's index arithmetic is shared, and neighbouring threads still take neighbouring blocks,
-        // 32 bytes apart), unrolled.
-        let bpi = if nb % 4 == 0 { 4 } else { 1 };
-        let per_item = if x4 { 1 } else { nb / bpi };
-        self.kernel(format!("{tag}_quant"), ne * rows * per_item, |em, it0| {
-            let (it, j0, j1) = if x4 {
-                (it0, e::i(0), e::i(nb))
-            } else {
-                let row = em.set(Ty::I64, e::div(it0.clone(), nb / bpi));
-                let j = em.set(Ty::I64, e::rem(it0, nb / bpi));
-                (row, j.clone(), e::add(j, e::i(1)))
-            };
-            let ex = em.set(Ty::I64, e::div(it.clone(), rows));
-            let r = em.set(Ty::I64, e::rem(it.clone(), rows));
-            let sr = src_row(em, r.clone());
-            let base = em.set(
-                Ty::I64,
-                e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
-            );
-            let si = if per_tensor { e::i(0) } else { ex.clone() };
-            let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
-            let dec = em.set(Ty::F32, e::load(dec_b, si));
-            let block = |b: &mut Emit<'_>, j: Expr| {
-                let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
-                let xs = load_fp_block(b, xb, xelem, b0.clone(), 16, x4);
-                let mx = abs_max(b, &xs, x4);
-                let mx = b.set(Ty::F32, mx);
-                // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
-                // (e4m3_rne saturates at ±448 itself.)
-                let s = fmul(gs.clone(), fmul(mx, e::f(1.0f32 / 6.0)));
-                let sbyte = quant::e4m3_rne(b, s);
-                let sval = quant::e4m3_decode(b, sbyte.clone());
-                let zero = b.set(Ty::Bool, e::bin(BinOp::IEq, sbyte.clone(), e::i32(0)));
-                let osc = b.set(
-                    Ty::F32,
-                    e::sel(
-                        zero.clone(),
-                        e::f(0.0),
-                        fdiv(e::f(1.0), fmul(sval, dec.clone())),
-                    ),
+        let rb = RowBlocks::new(nb, 4, x4);
+        self.kernel(
+            format!("{tag}_quant"),
+            ne * rows * rb.items_per_row(),
+            |em, it0| {
+                let (it, first) = rb.row_of(em, it0);
+                let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+                let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+                let sr = src_row(em, r.clone());
+                let base = em.set(
+                    Ty::I64,
+                    e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
                 );
-                if let Some((sbuf, _)) = scl {
-                    let idx = match &sw {
-                        Some(l) => layout_index(l, &[ex.clone(), r.clone(), j.clone()]),
-                        None => e::add(e::mul(it.clone(), e::i(nb)), j.clone()),
-                    };
-                    let idx = b.set(Ty::I64, idx);
-                    b.out.push(Stmt::Store {
-                        buf: sbuf,
-                        index: idx,
-                        value: sbyte,
-                    });
-                }
-                if let Some(vb) = vals {
-                    let ob = b.set(
-                        Ty::I64,
-                        e::add(
-                            e::mul(it.clone(), e::i(cols / 2)),
-                            e::mul(j.clone(), e::i(8)),
+                let si = if per_tensor { e::i(0) } else { ex.clone() };
+                let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
+                let dec = em.set(Ty::F32, e::load(dec_b, si));
+                let block = |b: &mut Emit<'_>, j: Expr| {
+                    let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
+                    let xs = load_fp_block(b, xb, xelem, b0.clone(), 16, x4);
+                    let mx = abs_max(b, &xs, x4);
+                    let mx = b.set(Ty::F32, mx);
+                    // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
+                    // (e4m3_rne saturates at ±448 itself.)
+                    let s = fmul(gs.clone(), fmul(mx, e::f(1.0f32 / 6.0)));
+                    let sbyte = quant::e4m3_rne(b, s);
+                    let sval = quant::e4m3_decode(b, sbyte.clone());
+                    let zero = b.set(Ty::Bool, e::bin(BinOp::IEq, sbyte.clone(), e::i32(0)));
+                    let osc = b.set(
+                        Ty::F32,
+                        e::sel(
+                            zero.clone(),
+                            e::f(0.0),
+                            fdiv(e::f(1.0), fmul(sval, dec.clone())),
                         ),
                     );
-                    let bytes = e2m1_bytes(b, &xs, &osc, &zero, x4);
-                    store_block(b, vb, Elem::U8, ob.clone(), bytes);
-                }
-            };
-            if x4 {
-                em.for_(j0, j1, block);
-            } else {
-                let j0 = em.set(Ty::I64, j0);
-                for k in 0..bpi {
-                    block(em, e::add(j0.clone(), e::i(k * (nb / bpi))));
-                }
-            }
-            Ok(())
-        })?;
+                    if let Some((sbuf, _)) = scl {
+                        let idx = match &sw {
+                            Some(l) => layout_index(l, &[ex.clone(), r.clone(), j.clone()]),
+                            None => e::add(e::mul(it.clone(), e::i(nb)), j.clone()),
+                        };
+                        let idx = b.set(Ty::I64, idx);
+                        b.out.push(Stmt::Store {
+                            buf: sbuf,
+                            index: idx,
+                            value: sbyte,
+                        });
+                    }
+                    if let Some(vb) = vals {
+                        let at = (it.clone(), j.clone(), cols);
+                        store_fp4_block(b, vb, at, &xs, &osc, &zero, x4);
+                    }
+                };
+                rb.blocks(em, first, block);
+                Ok(())
+            },
+        )?;
         // Zero fill of the swizzled padding (rows M..Mp, columns K/16..Kp of each expert).
         if let (Some((sbuf, true)), Some(l)) = (scl, sw2) {
             let (mp, kp) = (
@@ -1697,6 +1656,54 @@ impl Planner<'_> {
     }
 }
 
+/// How the work items of a per-block pass (NVFP4, MXFP4) cover a row of `nb` blocks. Host form
+/// (`x4`): one item per row, looping over its blocks. GPU form: `nb / bpi` items per row, each taking
+/// `bpi` blocks `nb / bpi` apart, unrolled (`bpi` where it divides `nb`, else 1): neighbouring threads
+/// take neighbouring blocks, and an item's blocks share the row's index arithmetic.
+struct RowBlocks {
+    nb: i64,
+    bpi: i64,
+    x4: bool,
+}
+
+impl RowBlocks {
+    fn new(nb: i64, bpi: i64, x4: bool) -> RowBlocks {
+        let bpi = if nb % bpi == 0 { bpi } else { 1 };
+        RowBlocks { nb, bpi, x4 }
+    }
+
+    fn items_per_row(&self) -> i64 {
+        if self.x4 {
+            1
+        } else {
+            self.nb / self.bpi
+        }
+    }
+
+    /// The item's row and its first block (unused in the host form).
+    fn row_of(&self, em: &mut Emit<'_>, it0: Expr) -> (Expr, Expr) {
+        if self.x4 {
+            return (it0, e::i(0));
+        }
+        let ipr = self.items_per_row();
+        let row = em.set(Ty::I64, e::div(it0.clone(), ipr));
+        let first = em.set(Ty::I64, e::rem(it0, ipr));
+        (row, first)
+    }
+
+    /// `block(j)` for every block `j` of the item.
+    fn blocks(&self, em: &mut Emit<'_>, first: Expr, block: impl Fn(&mut Emit<'_>, Expr)) {
+        if self.x4 {
+            em.for_(e::i(0), e::i(self.nb), block);
+            return;
+        }
+        let ipr = self.items_per_row();
+        for k in 0..self.bpi {
+            block(em, e::add(first.clone(), e::i(k * ipr)));
+        }
+    }
+}
+
 /// Threads for a group work item of `n` sub-items: a warp for short rows (its shuffles are the whole
 /// reduction), else a CTA whose size divides `n` into at most 16 trips per thread where one does (the
 /// PTX backend then unrolls the loop, keeping every load in flight), else 256.
@@ -1779,6 +1786,26 @@ fn abs_max(em: &mut Emit<'_>, xs: &[Expr], x4: bool) -> Expr {
     } else {
         m
     }
+}
+
+/// Store block `j` of row `row` (rows `cols` values long) as packed FP4 bytes (see [`e2m1_bytes`]);
+/// the block is `xs.len()` values (`4 * xs.len()` in the host form, whose `xs` are 4-lane vectors).
+fn store_fp4_block(
+    b: &mut Emit<'_>,
+    vb: BufId,
+    (row, j, cols): (Expr, Expr, i64),
+    xs: &[Expr],
+    scale: &Expr,
+    zero: &Expr,
+    x4: bool,
+) {
+    let len = if x4 { 4 * xs.len() } else { xs.len() } as i64;
+    let at = b.set(
+        Ty::I64,
+        e::add(e::mul(row, e::i(cols / 2)), e::mul(j, e::i(len / 2))),
+    );
+    let bytes = e2m1_bytes(b, xs, scale, zero, x4);
+    store_block(b, vb, Elem::U8, at, bytes);
 }
 
 /// The packed FP4 bytes of a block: E2M1 codes of `x * scale` (saturating at ±6), element 2k in the

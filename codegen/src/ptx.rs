@@ -1007,8 +1007,26 @@ impl Gen<'_> {
             d: var,
             a: Operand::Reg(lane),
         });
-        let head = self.b.label("lanes");
-        let done = self.b.label("lanes_done");
+        let step = Operand::Int(self.group);
+        self.counted_loop(var, end, step, ("lanes", "lanes_done"), &mut |g| {
+            g.in_group = true;
+            let r = body(g);
+            g.in_group = false;
+            r
+        })
+    }
+
+    /// `while var < end { body; var += step }` (signed 64-bit), with labels named `names`.
+    fn counted_loop(
+        &mut self,
+        var: Reg,
+        end: Operand,
+        step: Operand,
+        names: (&str, &str),
+        body: &mut dyn FnMut(&mut Self) -> Result<()>,
+    ) -> Result<()> {
+        let head = self.b.label(names.0);
+        let done = self.b.label(names.1);
         self.b.push(Inst::Label(head.clone()));
         let p = self.b.reg(RegClass::Pred);
         self.b.push(Inst::Setp {
@@ -1022,16 +1040,13 @@ impl Gen<'_> {
             label: done.clone(),
             pred: Some((p, false)),
         });
-        self.in_group = true;
-        let r = body(self);
-        self.in_group = false;
-        r?;
+        body(self)?;
         self.b.push(Inst::Bin {
             op: "add",
             ty: PtxTy::S64,
             d: var,
             a: Operand::Reg(var),
-            b: Operand::Int(self.group),
+            b: step,
         });
         self.b.push(Inst::Bra {
             label: head,
@@ -1115,21 +1130,15 @@ impl Gen<'_> {
             _ => 0,
         };
         if trips == 0 {
-            let mut again = load.to_vec();
-            again.extend_from_slice(body);
-            self.stmt(&Stmt::GroupMax {
+            return self.stmts(&crate::kir::group_row_passes(
                 var,
                 sub,
-                count: count.clone(),
-                body: load.to_vec(),
-                value: value.clone(),
-            })?;
-            self.stmts(mid)?;
-            return self.stmt(&Stmt::GroupFor {
-                var: sub,
-                count: count.clone(),
-                body: again,
-            });
+                count.clone(),
+                load.to_vec(),
+                value.clone(),
+                mid.to_vec(),
+                body.to_vec(),
+            ));
         }
         let mut defs = vec![sub];
         defined(load, &mut defs);
@@ -1217,34 +1226,9 @@ impl Gen<'_> {
                 self.assign(r, start)?;
                 let end = self.expr(end)?;
                 let end = Operand::Reg(self.in_reg(end, RegClass::B64));
-                let head = self.b.label("loop");
-                let done = self.b.label("done");
-                self.b.push(Inst::Label(head.clone()));
-                let p = self.b.reg(RegClass::Pred);
-                self.b.push(Inst::Setp {
-                    cmp: "ge",
-                    ty: PtxTy::S64,
-                    p,
-                    a: Operand::Reg(r),
-                    b: end,
-                });
-                self.b.push(Inst::Bra {
-                    label: done.clone(),
-                    pred: Some((p, false)),
-                });
-                self.stmts(body)?;
-                self.b.push(Inst::Bin {
-                    op: "add",
-                    ty: PtxTy::S64,
-                    d: r,
-                    a: Operand::Reg(r),
-                    b: Operand::Int(1),
-                });
-                self.b.push(Inst::Bra {
-                    label: head,
-                    pred: None,
-                });
-                self.b.push(Inst::Label(done));
+                self.counted_loop(r, end, Operand::Int(1), ("loop", "done"), &mut |g| {
+                    g.stmts(body)
+                })?;
             }
             Stmt::If { cond, then } => {
                 let p = self.expr(cond)?;
@@ -1823,34 +1807,13 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         g.red = Some((slot, base, wnot0));
     }
-    let head = g.b.label("item");
-    let done = g.b.label("exit");
-    g.b.push(Inst::Label(head.clone()));
-    let p = g.b.reg(RegClass::Pred);
-    g.b.push(Inst::Setp {
-        cmp: "ge",
-        ty: PtxTy::S64,
-        p,
-        a: Operand::Reg(item),
-        b: Operand::Int(k.items),
-    });
-    g.b.push(Inst::Bra {
-        label: done.clone(),
-        pred: Some((p, false)),
-    });
-    g.stmts(&k.body)?;
-    g.b.push(Inst::Bin {
-        op: "add",
-        ty: PtxTy::S64,
-        d: item,
-        a: Operand::Reg(item),
-        b: Operand::Reg(stride),
-    });
-    g.b.push(Inst::Bra {
-        label: head,
-        pred: None,
-    });
-    g.b.push(Inst::Label(done));
+    g.counted_loop(
+        item,
+        Operand::Int(k.items),
+        Operand::Reg(stride),
+        ("item", "exit"),
+        &mut |g| g.stmts(&k.body),
+    )?;
     g.b.push(Inst::Ret);
 
     let mut s = String::new();

@@ -349,11 +349,7 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
                 value,
             } => {
                 let count = soften_expr(count, &mut em, native);
-                // The value's conversions go at the end of the body (evaluated per sub-item).
-                let mut body = soften_block(body, em.vars, native);
-                let mut tail = Emit::new(em.vars);
-                let value = soften_expr(value, &mut tail, native);
-                body.append(&mut tail.out);
+                let (body, value) = soften_with_value(body, value, em.vars, native);
                 Stmt::GroupMax {
                     var,
                     sub,
@@ -372,11 +368,7 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
                 body,
             } => {
                 let count = soften_expr(count, &mut em, native);
-                let mut load = soften_block(load, em.vars, native);
-                let mut tail = Emit::new(em.vars);
-                let value = soften_expr(value, &mut tail, native);
-                // The value's conversions join the loads (run in both passes; pure).
-                load.append(&mut tail.out);
+                let (load, value) = soften_with_value(load, value, em.vars, native);
                 Stmt::GroupRow {
                     var,
                     sub,
@@ -400,6 +392,21 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
         out.push(st);
     }
     out
+}
+
+/// A per-sub-item block and the value computed after it: the value's conversions go at the end of
+/// the block (evaluated per sub-item; pure, so also right where the block runs twice).
+fn soften_with_value(
+    block: Vec<Stmt>,
+    value: Expr,
+    va: &mut VarAlloc,
+    native: &dyn Fn(UnOp) -> bool,
+) -> (Vec<Stmt>, Expr) {
+    let mut block = soften_block(block, va, native);
+    let mut tail = Emit::new(va);
+    let value = soften_expr(value, &mut tail, native);
+    block.append(&mut tail.out);
+    (block, value)
 }
 
 fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Expr {

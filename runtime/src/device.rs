@@ -26,6 +26,8 @@ pub struct Device {
     pub name: String,
     /// Compute capability (major, minor).
     pub capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sms: u32,
 }
 
 impl Device {
@@ -55,6 +57,10 @@ impl Device {
         let minor = ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
             .map_err(drv("cuDeviceGetAttribute"))?;
+        let sms = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("cuDeviceGetAttribute"))?
+            .max(1) as u32;
         let stream = ctx.default_stream();
         Ok(Device {
             ctx,
@@ -62,6 +68,7 @@ impl Device {
             driver_version: v,
             name,
             capability: (major, minor),
+            sms,
         })
     }
 

@@ -15,7 +15,8 @@ use crate::{drv, Device, Error, Result};
 pub struct GpuProgram {
     prog: Program,
     _modules: Vec<Arc<CudaModule>>,
-    funcs: Vec<CudaFunction>,
+    /// Each kernel's function and launch shape (decided once, at load).
+    funcs: Vec<(CudaFunction, LaunchConfig)>,
     /// Where the PTX came from (the least cached of the kernels': compiled over recompiled over disk
     /// over memory).
     pub ptx_hit: Hit,
@@ -25,6 +26,23 @@ pub struct GpuProgram {
     pub ptx_seconds: f64,
     /// Seconds spent in PTX -> cubin and module load.
     pub load_seconds: f64,
+}
+
+/// A kernel's launch shape: 256-thread blocks of one thread per item, or one warp (group 32) or one
+/// CTA of exactly `group` threads per item; at most `max_blocks` blocks, the grid-stride loop taking
+/// over past that.
+fn launch_config(k: &moeforge_codegen::kir::Kernel, max_blocks: u64) -> LaunchConfig {
+    let (threads, per_block) = match k.group {
+        0 | 1 => (256u32, 256u64),
+        32 => (256, 8),
+        g => (g, 1),
+    };
+    let blocks = ((k.items as u64).div_ceil(per_block)).clamp(1, max_blocks.max(1)) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// The least cached of two outcomes.
@@ -136,21 +154,27 @@ impl GpuProgram {
                 })
                 .collect()
         });
+        // At most 32 blocks per SM (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs).
+        let max_blocks: u64 = std::env::var("MOEFORGE_GPU_MAX_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(dev.sms as u64 * 32);
         let mut cubin_hit = Hit::Memory;
         let mut modules = Vec::with_capacity(names.len());
         let mut funcs = Vec::with_capacity(names.len());
-        for (c, name) in cubins.into_iter().zip(&names) {
+        for ((c, name), k) in cubins.into_iter().zip(&names).zip(prog.kernels()) {
             let (cubin, h) = c?;
             cubin_hit = worst(cubin_hit, h);
             let module = dev
                 .ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.as_ref().clone()))
                 .map_err(drv("cuModuleLoadData"))?;
-            funcs.push(
+            funcs.push((
                 module
                     .load_function(name)
                     .map_err(drv("cuModuleGetFunction"))?,
-            );
+                launch_config(k, max_blocks),
+            ));
             modules.push(module);
         }
         Ok(GpuProgram {
@@ -255,25 +279,7 @@ impl GpuProgram {
                             .ok_or(Error::Codegen(moeforge_codegen::Error::Internal(
                                 "kernel count",
                             )))?;
-                    // Threads per block, and a cap on blocks past which the grid-stride loop takes
-                    // over (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs). A group kernel
-                    // runs one warp (group 32) or one CTA of exactly `group` threads per work item.
-                    let max_blocks: u64 = std::env::var("MOEFORGE_GPU_MAX_BLOCKS")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(132 * 32);
-                    let (threads, per_block) = match k.group {
-                        0 | 1 => (256u32, 256u64),
-                        32 => (256, 8),
-                        g => (g, 1),
-                    };
-                    let blocks =
-                        ((k.items as u64).div_ceil(per_block)).clamp(1, max_blocks.max(1)) as u32;
-                    let cfg = LaunchConfig {
-                        grid_dim: (blocks, 1, 1),
-                        block_dim: (threads, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
+                    let (f, cfg) = f;
                     let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
                     let start = match events {
                         Some(_) => Some(
@@ -291,7 +297,7 @@ impl GpuProgram {
                     // buffer, in program order (`ptx::kernel_ptx`), and that is what was pushed; each
                     // buffer has the size the program declares (`alloc`), and the kernels index only
                     // inside those sizes (the same programs run bounds-checked in the interpreter).
-                    unsafe { l.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+                    unsafe { l.launch(*cfg) }.map_err(drv("cuLaunchKernel"))?;
                     if let (Some(ev), Some(start)) = (events.as_deref_mut(), start) {
                         let end = dev
                             .stream
