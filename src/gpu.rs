@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use crate::bench::Layer;
-use crate::kernels::STANDARD;
+use crate::kernels::{StandardRecipe, STANDARD};
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gpu_pack::GpuProgram;
 use crate::runtime::Device;
@@ -296,18 +296,18 @@ fn new_process_hit(name: &str, dir: &std::path::Path) -> Result<(Option<f64>, f6
 }
 
 /// `moeforge bench --gpu [--recipe NAME]`: JIT latency and on-GPU pack time of a DeepSeek-V3 EP8
-/// layer, for every standard recipe or only the one named.
-pub fn bench(only: Option<&str>) -> Result<String> {
+/// layer, for every standard recipe or only the one named; `pack_only` leaves out the JIT part, and
+/// the pack time is the best of `reps` runs.
+pub fn bench(only: Option<&str>, pack_only: bool, reps: usize) -> Result<String> {
     if let Some(name) = only {
         if !STANDARD.iter().any(|r| r.name == name) {
             return Err(Error::Usage(format!("no standard recipe `{name}`")));
         }
     }
-    let chosen = || {
-        STANDARD
-            .iter()
-            .filter(move |r| only.is_none_or(|n| n == r.name))
-    };
+    let chosen: Vec<&StandardRecipe> = STANDARD
+        .iter()
+        .filter(|r| only.is_none_or(|n| n == r.name))
+        .collect();
     let mut out = String::new();
     let dev = match open() {
         Ok(d) => d,
@@ -325,7 +325,15 @@ pub fn bench(only: Option<&str>) -> Result<String> {
         dev.driver_version,
         std::env::var("CUDA_CACHE_DISABLE").unwrap_or_default()
     );
-    // JIT latency per recipe at the Qwen3-30B-A3B binding.
+    if !pack_only {
+        jit_latency(&dev, &mut out, &chosen)?;
+    }
+    pack_bench(&dev, &mut out, &chosen, reps.max(1))?;
+    Ok(out)
+}
+
+/// JIT latency per recipe at the Qwen3-30B-A3B binding.
+fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Result<()> {
     let _ = writeln!(out, "\nJIT latency (Qwen3-30B-A3B binding, sm_90a):");
     let _ = writeln!(
         out,
@@ -338,7 +346,7 @@ pub fn bench(only: Option<&str>) -> Result<String> {
         "new process hit",
         "process wall"
     );
-    for r in chosen() {
+    for r in chosen {
         let dir = tempfile::tempdir().map_err(|e| Error::Io {
             path: "tempdir".into(),
             source: e,
@@ -413,7 +421,16 @@ pub fn bench(only: Option<&str>) -> Result<String> {
             if ok { "" } else { "  (unexpected cache path)" }
         );
     }
-    // On-GPU pack of a DeepSeek-V3 EP8 layer.
+    Ok(())
+}
+
+/// On-GPU pack of a DeepSeek-V3 EP8 layer, best of `reps` runs, and the per-kernel split.
+fn pack_bench(
+    dev: &Device,
+    out: &mut String,
+    chosen: &[&StandardRecipe],
+    reps: usize,
+) -> Result<()> {
     let (e, h, i) = (32, 7168, 2048);
     let layer = Layer::synthetic(e, h, i, 5);
     let inp = inputs(&layer);
@@ -424,7 +441,7 @@ pub fn bench(only: Option<&str>) -> Result<String> {
         "recipe", "time ms", "traffic GB", "bound ms", "of bound"
     );
     let cache = Cache::new(None);
-    for r in chosen() {
+    for r in chosen {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
         let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
         let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
@@ -432,7 +449,7 @@ pub fn bench(only: Option<&str>) -> Result<String> {
         gp.run(&dev, &mut bufs).map_err(rt)?;
         dev.sync().map_err(rt)?;
         let mut best = f64::INFINITY;
-        for _ in 0..5 {
+        for _ in 0..reps {
             let t = Instant::now();
             gp.run(&dev, &mut bufs).map_err(rt)?;
             dev.sync().map_err(rt)?;
@@ -458,5 +475,5 @@ pub fn bench(only: Option<&str>) -> Result<String> {
             .collect();
         let _ = writeln!(out, "    kernels (ms): {}", parts.join(", "));
     }
-    Ok(out)
+    Ok(())
 }

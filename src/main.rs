@@ -85,6 +85,12 @@ enum Command {
         /// Only this standard recipe.
         #[arg(long)]
         recipe: Option<String>,
+        /// GPU: only the on-GPU pack benchmark (no JIT latency part).
+        #[arg(long)]
+        pack_only: bool,
+        /// GPU: timed pack runs per recipe (the best is reported).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
     },
     /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
     Selftest {
@@ -406,6 +412,8 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             gpu,
             threads,
             recipe,
+            pack_only,
+            reps,
         } => {
             if !host && !gpu {
                 return Err(moeforge::Error::Usage(
@@ -421,7 +429,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 .map_err(io)?;
             }
             if gpu {
-                write!(out, "{}", moeforge::gpu::bench(recipe.as_deref())?).map_err(io)?;
+                write!(out, "{}", moeforge::gpu::bench(recipe.as_deref(), pack_only, reps)?).map_err(io)?;
             }
         }
         Command::Selftest { gpu, quick } => {

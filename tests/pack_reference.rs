@@ -385,3 +385,38 @@ fn signed_zeros_and_zero_scale_blocks_match_spec() {
         }
     }
 }
+
+#[test]
+fn subnormal_scale_blocks_saturate_like_spec() {
+    // NVFP4 blocks whose E4M3 scale is subnormal (bytes 1-7) next to a large expert maximum: the
+    // scale rounds far down, so |x * oscale| reaches past 7 and the saturation at ±6 decides codes
+    // (the GPU form converts normal-scale blocks without that step and these in a separate path).
+    let seed = seed();
+    let mut rng = Rng::new(seed);
+    let (e, h, i) = (2, 64, 64);
+    let mut c = Case::new(&mut rng, e, h, i);
+    let bf = |v: f32| f32::from_bits((v.to_bits() + 0x8000) & 0xFFFF_0000);
+    for (w, per) in [(&mut c.w13, 2 * i * h), (&mut c.w2, h * i)] {
+        for (k, v) in w.iter_mut().enumerate() {
+            if k % per == 0 {
+                *v = 1000.0;
+            } else if (k / 16) % 3 == 1 {
+                // gs = 2.688, so a block maximum near 0.0061 has gs * max / 6 about 1.4 * 2^-9.
+                let top = 0.0040 + 0.0005 * ((k / 16) % 7) as f32;
+                let mag = bf(top * ((k % 16) + 1) as f32 / 16.0);
+                *v = if (k * 7) % 3 == 0 { -mag } else { mag };
+            }
+        }
+    }
+    let inputs = c.inputs(false);
+    let want = expected("nvfp4_cutedsl", &c, false);
+    let subnormal = want["w13_weight_scale"]
+        .iter()
+        .filter(|b| (1..=7).contains(*b))
+        .count();
+    assert!(subnormal > 10, "only {subnormal} subnormal scale bytes");
+    for backend in ["interp", "host", "interp_x4", "host_x4"] {
+        let got = pack("nvfp4_cutedsl", (e as i64, h as i64, i as i64), &inputs, backend);
+        compare("nvfp4_cutedsl", seed, (e, h, i), &want, &got, backend);
+    }
+}

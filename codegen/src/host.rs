@@ -377,7 +377,13 @@ impl<'a, 'b> Gen<'a, 'b> {
                 Ty::Boolx4 => Ty::Bool,
                 _ => Ty::I32,
             },
-            Expr::Fma(..) => Ty::F32,
+            Expr::Fma(..) | Expr::PackE2m1 { .. } => {
+                if matches!(x, Expr::Fma(..)) {
+                    Ty::F32
+                } else {
+                    Ty::I32
+                }
+            }
             Expr::Select(_, a, b) => {
                 let (ta, tb) = (self.ty(a)?, self.ty(b)?);
                 if tb.is_vector() {
@@ -400,7 +406,8 @@ impl<'a, 'b> Gen<'a, 'b> {
                     | UnOp::Narrow
                     | UnOp::BoolToI
                     | UnOp::E4m3
-                    | UnOp::E2m1 => Ty::I32,
+                    | UnOp::E2m1
+                    | UnOp::Byte(_) => Ty::I32,
                     UnOp::Widen => Ty::I64,
                 };
                 if v {
@@ -442,6 +449,29 @@ impl<'a, 'b> Gen<'a, 'b> {
         }
     }
 
+    /// [`BinOp::Prmt`] with a constant selector: per byte a shift and a mask (or, for a copied top
+    /// bit, a shift up and an arithmetic shift down), then an or into place.
+    fn prmt(&mut self, a: Value, b: Value, sel: u16) -> Value {
+        let mut out = self.b.ins().iconst(types::I32, 0);
+        for k in 0..4u16 {
+            let nib = (sel >> (4 * k)) & 15;
+            let src = if nib & 7 < 4 { a } else { b };
+            let at = i64::from(8 * (nib & 3));
+            let ins = self.b.ins();
+            let byte = if nib & 8 != 0 {
+                let up = ins.ishl_imm_u(src, 24 - at);
+                let fill = self.b.ins().sshr_imm_u(up, 31);
+                self.b.ins().band_imm_u(fill, 255)
+            } else {
+                let down = ins.ushr_imm_u(src, at);
+                self.b.ins().band_imm_u(down, 255)
+            };
+            let placed = self.b.ins().ishl_imm_u(byte, i64::from(8 * k));
+            out = self.b.ins().bor(out, placed);
+        }
+        out
+    }
+
     /// One binary operation on scalars, or lane-wise on vectors (operands already of one type).
     fn binop(&mut self, op: BinOp, a: Value, b: Value, vector: bool) -> Result<Value> {
         let ins = self.b.ins();
@@ -459,6 +489,8 @@ impl<'a, 'b> Gen<'a, 'b> {
             BinOp::Shr => ins.ushr(a, b),
             BinOp::MulHi if vector => return Err(Error::Internal("vector multiply-high")),
             BinOp::MulHi => ins.umulhi(a, b),
+            BinOp::Prmt(_) if vector => return Err(Error::Internal("vector byte permute")),
+            BinOp::Prmt(sel) => self.prmt(a, b, sel),
             BinOp::FAdd => ins.fadd(a, b),
             BinOp::FMul => ins.fmul(a, b),
             BinOp::FDiv => ins.fdiv(a, b),
@@ -558,8 +590,8 @@ impl<'a, 'b> Gen<'a, 'b> {
                         let one = self.b.ins().splat(types::I32X4, one);
                         self.b.ins().band(a, one)
                     }
-                    UnOp::Widen | UnOp::Narrow => {
-                        return Err(Error::Internal("vector widen/narrow"))
+                    UnOp::Widen | UnOp::Narrow | UnOp::Byte(_) => {
+                        return Err(Error::Internal("vector widen/narrow/byte"))
                     }
                     UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode => {
                         return Err(Error::Internal("native conversion not softened"))
@@ -591,10 +623,17 @@ impl<'a, 'b> Gen<'a, 'b> {
                     UnOp::Widen => ins.sextend(types::I64, a),
                     UnOp::Narrow => ins.ireduce(types::I32, a),
                     UnOp::BoolToI => ins.uextend(types::I32, a),
+                    UnOp::Byte(k) => {
+                        let down = ins.ushr_imm_u(a, 8 * i64::from(*k & 3));
+                        self.b.ins().band_imm_u(down, 255)
+                    }
                     UnOp::E4m3 | UnOp::E2m1 | UnOp::E4m3Decode => {
                         return Err(Error::Internal("native conversion not softened"))
                     }
                 }
+            }
+            Expr::PackE2m1 { .. } => {
+                return Err(Error::Internal("native conversion not softened"))
             }
             Expr::Bin(op, a, b) => {
                 // Constant right operands become immediates where Cranelift has the form.

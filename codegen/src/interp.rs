@@ -157,6 +157,21 @@ impl Ctx<'_> {
                 }
                 Val::gather(l)?
             }
+            Expr::PackE2m1 { vals, small } => {
+                if vals.is_empty() || vals.len() > 8 {
+                    return Err(Error::Internal("pack_e2m1 of 1 to 8 values"));
+                }
+                let mut w = 0u32;
+                for (k, x) in vals.iter().enumerate() {
+                    let x = self.eval(x)?.f32()?;
+                    if *small && !(x.abs() < 7.0) {
+                        return Err(Error::Internal("pack_e2m1_small value outside |x| < 7"));
+                    }
+                    let nib = crate::reference::e2m1_from_f32(x.clamp(-6.0, 6.0)) as u32;
+                    w |= (nib & 15) << (4 * k);
+                }
+                Val::I32(w as i32)
+            }
             Expr::Splat(a) => {
                 let a = self.eval(a)?;
                 Val::gather([a; 4])?
@@ -203,6 +218,7 @@ fn un(op: UnOp, a: Val) -> Result<Val> {
         UnOp::E4m3 => Val::I32(crate::reference::e4m3_from_f32(a.f32()?) as i32),
         UnOp::E4m3Decode => Val::F32(crate::reference::e4m3_to_f32(a.i32()? as u8)),
         UnOp::E2m1 => Val::I32(crate::reference::e2m1_from_f32(a.f32()?.clamp(-6.0, 6.0)) as i32),
+        UnOp::Byte(k) => Val::I32(((a.i32()? as u32 >> (8 * (k as u32 & 3))) & 255) as i32),
     })
 }
 
@@ -297,6 +313,7 @@ fn bin(op: BinOp, a: Val, b: Val) -> Result<Val> {
         (MulHi, Val::I32(x), Val::I32(y)) => {
             Val::I32((((x as u32 as u64) * (y as u32 as u64)) >> 32) as u32 as i32)
         }
+        (Prmt(sel), Val::I32(x), Val::I32(y)) => Val::I32(prmt(x as u32, y as u32, sel) as i32),
         (ILt, Val::I32(x), Val::I32(y)) => Val::Bool(x < y),
         (IEq, Val::I32(x), Val::I32(y)) => Val::Bool(x == y),
         (FAdd, Val::F32(x), Val::F32(y)) => Val::F32(x + y),
@@ -352,4 +369,25 @@ pub fn run(prog: &Program, bufs: &mut [Vec<u8>], coll: &dyn Collective) -> Resul
         }
     }
     Ok(())
+}
+
+/// [`BinOp::Prmt`]: PTX `prmt.b32` in its default mode.
+pub fn prmt(a: u32, b: u32, sel: u16) -> u32 {
+    let bytes = (u64::from(b) << 32) | u64::from(a);
+    let mut out = 0u32;
+    for k in 0..4 {
+        let nib = (sel >> (4 * k)) & 15;
+        let byte = (bytes >> (8 * (nib & 7))) as u8;
+        let byte = if nib & 8 != 0 {
+            if byte & 0x80 != 0 {
+                0xFF
+            } else {
+                0
+            }
+        } else {
+            byte
+        };
+        out |= u32::from(byte) << (8 * k);
+    }
+    out
 }

@@ -119,6 +119,10 @@ pub enum BinOp {
     /// Unsigned 32-bit multiply, high word: `(a * b) >> 32` (i32 operands as unsigned). A right shift
     /// by `32 - k` is `MulHi(a, 2^k)`, which the GPU runs on its FMA pipe instead of the ALU's.
     MulHi,
+    /// Byte permute (i32): byte `k` of the result is byte `(sel >> 4k) & 7` of the eight bytes of
+    /// `b:a` (`a`'s are 0-3), or, where bit 3 of that nibble is set, that byte's top bit copied to all
+    /// eight bits: PTX `prmt.b32` in its default mode, one instruction on the GPU.
+    Prmt(u16),
     /// f32 add (round to nearest even).
     FAdd,
     /// f32 multiply (RNE).
@@ -174,6 +178,9 @@ pub enum UnOp {
     /// values that round to zero. Native on sm_100a (`cvt.rn.satfinite.e2m1x2.f32`); elsewhere the
     /// integer sequence of [`crate::quant::soften`].
     E2m1,
+    /// Byte `k` of an i32 (`(a >> 8k) & 255`). The GPU backend stores the four bytes of one word,
+    /// stored together in order, as that word.
+    Byte(u8),
 }
 
 /// A scalar expression (a tree).
@@ -208,6 +215,17 @@ pub enum Expr {
         buf: BufId,
         /// Index of the first element (i64).
         index: Box<Expr>,
+    },
+    /// The E2M1 nibbles of up to eight f32 values packed into an i32, value `k` in bits `4k..4k+4`
+    /// (each as [`UnOp::E2m1`]: round to nearest even, saturating at ±6, the sign kept). `small`
+    /// promises `|value| < 7`, where no saturation step is needed; the interpreter refuses a value
+    /// outside it, so a plan that claims it wrongly fails its tests. Pairs of native conversions on
+    /// sm_100a; elsewhere the sequence of [`crate::quant::soften`].
+    PackE2m1 {
+        /// The values (1 to 8; scalar f32).
+        vals: Vec<Expr>,
+        /// Every `|value| < 7`.
+        small: bool,
     },
     /// A scalar broadcast to four lanes.
     Splat(Box<Expr>),
@@ -690,6 +708,11 @@ impl fmt::Display for Expr {
             Expr::Select(c, a, b) => write!(f, "select({c}, {a}, {b})"),
             Expr::Fma(a, b, c) => write!(f, "fma({a}, {b}, {c})"),
             Expr::LoadX4 { buf, index } => write!(f, "b{}[{index}..+4]", buf.0),
+            Expr::PackE2m1 { vals, small } => {
+                let v: Vec<String> = vals.iter().map(|x| x.to_string()).collect();
+                let tag = if *small { "_small" } else { "" };
+                write!(f, "pack_e2m1{tag}({})", v.join(", "))
+            }
             Expr::Splat(a) => write!(f, "splat({a})"),
             Expr::Lane(a, k) => write!(f, "lane({a}, {k})"),
         }

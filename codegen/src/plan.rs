@@ -1249,7 +1249,7 @@ impl Planner<'_> {
                             }
                             if let Some(vb) = vals {
                                 let at = (it.clone(), j.clone(), cols);
-                                store_fp4_block(b, vb, at, &xs, &mult, &zero, x4);
+                                store_fp4_block(b, vb, at, &xs, (&mult, &zero), x4, false);
                             }
                         };
                         rb.blocks(em, first, block);
@@ -1333,12 +1333,49 @@ impl Planner<'_> {
                         b.out.push(Stmt::Store {
                             buf: sbuf,
                             index: idx,
-                            value: sbyte,
+                            value: sbyte.clone(),
                         });
                     }
                     if let Some(vb) = vals {
                         let at = (it.clone(), j.clone(), cols);
-                        store_fp4_block(b, vb, at, &xs, &osc, &zero, x4);
+                        if x4 {
+                            store_fp4_block(b, vb, at, &xs, (&osc, &zero), x4, false);
+                        } else {
+                            // A block with a normal E4M3 scale (byte >= 8) has |x * oscale| <= 6.4:
+                            // sval >= t (1 - 2^-4) for t = gs * vmax / 6, and the f32 roundings add
+                            // parts in 2^22; its conversion needs no saturation step (`small`, which
+                            // the interpreter checks). Zero and subnormal-scale blocks, rare, take a
+                            // loop over groups of 8 values loaded again, with the saturating form.
+                            let fast = b.block(|b2| {
+                                store_fp4_block(b2, vb, at.clone(), &xs, (&osc, &zero), false, true)
+                            });
+                            b.out.push(Stmt::If {
+                                cond: e::bin(BinOp::ILt, e::i32(7), sbyte.clone()),
+                                then: fast,
+                            });
+                            let slow = b.block(|b2| {
+                                b2.for_(e::i(0), e::i(2), |b3, g| {
+                                    let from = e::add(
+                                        e::add(base.clone(), e::mul(j.clone(), e::i(16))),
+                                        e::mul(g.clone(), e::i(8)),
+                                    );
+                                    let xs8 = load_block(b3, xb, xelem, from, 8);
+                                    let to = e::add(
+                                        e::add(
+                                            e::mul(it.clone(), e::i(cols / 2)),
+                                            e::mul(j.clone(), e::i(8)),
+                                        ),
+                                        e::mul(g, e::i(4)),
+                                    );
+                                    let bytes = e2m1_bytes(b3, &xs8, (&osc, &zero), false, false);
+                                    store_block(b3, vb, Elem::U8, to, bytes);
+                                });
+                            });
+                            b.out.push(Stmt::If {
+                                cond: e::bin(BinOp::ILt, sbyte.clone(), e::i32(8)),
+                                then: slow,
+                            });
+                        }
                     }
                 };
                 rb.blocks(em, first, block);
@@ -1795,50 +1832,53 @@ fn store_fp4_block(
     vb: BufId,
     (row, j, cols): (Expr, Expr, i64),
     xs: &[Expr],
-    scale: &Expr,
-    zero: &Expr,
+    scale_zero: (&Expr, &Expr),
     x4: bool,
+    small: bool,
 ) {
     let len = if x4 { 4 * xs.len() } else { xs.len() } as i64;
     let at = b.set(
         Ty::I64,
         e::add(e::mul(row, e::i(cols / 2)), e::mul(j, e::i(len / 2))),
     );
-    let bytes = e2m1_bytes(b, xs, scale, zero, x4);
+    let bytes = e2m1_bytes(b, xs, scale_zero, x4, small);
     store_block(b, vb, Elem::U8, at, bytes);
 }
 
 /// The packed FP4 bytes of a block: E2M1 codes of `x * scale` (saturating at ±6), element 2k in the
-/// low nibble, and all-zero bytes when `zero` holds (a zero block scale).
-fn e2m1_bytes(em: &mut Emit<'_>, xs: &[Expr], scale: &Expr, zero: &Expr, x4: bool) -> Vec<Expr> {
-    let codes: Vec<Expr> = if x4 {
-        let vc: Vec<Expr> = xs
-            .iter()
-            .map(|v| em.vector(|bv| quant::e2m1_rne(bv, fmul(v.clone(), scale.clone()))))
-            .collect();
-        (0..4 * vc.len())
-            .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
-            .collect()
-    } else {
+/// low nibble, and all-zero bytes when `zero` holds (a zero block scale). In the GPU form every 8
+/// values are one [`Expr::PackE2m1`] word, its bytes stored as the word; `small` (GPU form only)
+/// promises `|x * scale| < 7`.
+fn e2m1_bytes(
+    em: &mut Emit<'_>,
+    xs: &[Expr],
+    (scale, zero): (&Expr, &Expr),
+    x4: bool,
+    small: bool,
+) -> Vec<Expr> {
+    if !x4 {
         // fma(x, scale, -0) is x * scale to the bit (adding -0 changes nothing, a -0 product
         // included); in a zero block (scale 0) the addend is +0, which makes every product +0, so
         // every code is 0 without a select per byte.
         let zadd = em.set(Ty::F32, e::sel(zero.clone(), e::f(0.0), e::f(-0.0)));
-        let codes: Vec<Expr> = xs
-            .iter()
-            .map(|x| quant::e2m1_rne(em, e::fma(x.clone(), scale.clone(), zadd.clone())))
-            .collect();
-        return codes
-            .chunks(2)
-            .map(|p| {
-                e::bin(
-                    BinOp::Or,
-                    p[0].clone(),
-                    e::bin(BinOp::Shl, p[1].clone(), e::i32(4)),
-                )
-            })
-            .collect();
-    };
+        let mut bytes = Vec::with_capacity(xs.len().div_ceil(2));
+        for q in xs.chunks(8) {
+            let vals = q
+                .iter()
+                .map(|x| e::fma(x.clone(), scale.clone(), zadd.clone()))
+                .collect();
+            let w = em.set(Ty::I32, Expr::PackE2m1 { vals, small });
+            bytes.extend((0..q.len().div_ceil(2)).map(|k| e::un(UnOp::Byte(k as u8), w.clone())));
+        }
+        return bytes;
+    }
+    let vc: Vec<Expr> = xs
+        .iter()
+        .map(|v| em.vector(|bv| quant::e2m1_rne(bv, fmul(v.clone(), scale.clone()))))
+        .collect();
+    let codes: Vec<Expr> = (0..4 * vc.len())
+        .map(|c| e::lane(vc[c / 4].clone(), (c % 4) as u8))
+        .collect();
     codes
         .chunks(2)
         .map(|p| {

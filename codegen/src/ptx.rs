@@ -268,6 +268,14 @@ pub enum Inst {
         /// Address (aligned to the access).
         addr: Reg,
     },
+    /// `d` = the E2M1 nibbles of `vals` (1 to 8; value k in bits 4k..4k+4): pairs of
+    /// `cvt.rn.satfinite.e2m1x2.f32` (0 for a missing value) and byte permutes, in a scoped block.
+    CvtE2m1Pack {
+        /// Destination (32-bit).
+        d: Reg,
+        /// Operands (f32).
+        vals: Vec<Reg>,
+    },
     /// `d = e4m3(a)` or `d = e2m1(a)` (RNE, saturating, in the low bits of a 32-bit register): one
     /// `cvt.rn.satfinite.{e4m3x2,e2m1x2}.f32` with 0 as the other element, in a scoped block.
     CvtNarrow {
@@ -409,6 +417,22 @@ impl fmt::Display for Inst {
                 f,
                 "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
             ),
+            Inst::CvtE2m1Pack { d, vals } => {
+                write!(f, "\t{{ .reg .b8 %c<4>; .reg .b32 %w<4>;")?;
+                let v = |k: usize| vals.get(k).map_or("0f00000000".to_string(), |r| r.to_string());
+                for k in 0..4 {
+                    write!(
+                        f,
+                        " cvt.rn.satfinite.e2m1x2.f32 %c{k}, {}, {}; cvt.u32.u8 %w{k}, %c{k};",
+                        v(2 * k + 1),
+                        v(2 * k)
+                    )?;
+                }
+                write!(
+                    f,
+                    " prmt.b32 %w0, %w0, %w1, 0x0040; prmt.b32 %w2, %w2, %w3, 0x0040; prmt.b32 {d}, %w0, %w2, 0x5410; }}"
+                )
+            }
             Inst::BarSync => write!(f, "\tbar.sync \t0;"),
             Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
@@ -632,6 +656,7 @@ impl Gen<'_> {
             ),
             Expr::Select(_, a, _) => self.class_of(a)?,
             Expr::Fma(..) => RegClass::F32,
+            Expr::PackE2m1 { .. } => RegClass::B32,
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
             }
@@ -644,7 +669,8 @@ impl Gen<'_> {
                 | UnOp::Narrow
                 | UnOp::BoolToI
                 | UnOp::E4m3
-                | UnOp::E2m1 => RegClass::B32,
+                | UnOp::E2m1
+                | UnOp::Byte(_) => RegClass::B32,
                 UnOp::Widen => RegClass::B64,
             },
             Expr::Bin(op, a, _) => match op {
@@ -744,6 +770,40 @@ impl Gen<'_> {
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
             }
+            Expr::PackE2m1 { vals, .. } => {
+                if vals.is_empty() || vals.len() > 8 {
+                    return Err(Error::Internal("pack_e2m1 of 1 to 8 values"));
+                }
+                let mut regs = Vec::with_capacity(vals.len());
+                for x in vals {
+                    let v = self.expr(x)?;
+                    regs.push(self.in_reg(v, RegClass::F32));
+                }
+                let d = self.b.reg(RegClass::B32);
+                self.b.push(Inst::CvtE2m1Pack { d, vals: regs });
+                Operand::Reg(d)
+            }
+            Expr::Un(UnOp::Byte(k), a) => {
+                let v = self.expr(a)?;
+                let a = self.in_reg(v, RegClass::B32);
+                let t = self.b.reg(RegClass::B32);
+                self.b.push(Inst::Bin {
+                    op: "shr",
+                    ty: PtxTy::U32,
+                    d: t,
+                    a: Operand::Reg(a),
+                    b: Operand::Int(8 * i64::from(*k & 3)),
+                });
+                let d = self.b.reg(RegClass::B32);
+                self.b.push(Inst::Bin {
+                    op: "and",
+                    ty: PtxTy::B32,
+                    d,
+                    a: Operand::Reg(t),
+                    b: Operand::Int(255),
+                });
+                Operand::Reg(d)
+            }
             Expr::Fma(a, b, c) => {
                 let mut r = Vec::with_capacity(3);
                 for x in [a, b, c] {
@@ -793,6 +853,7 @@ impl Gen<'_> {
                         };
                         ("mov.b32", class)
                     }
+                    UnOp::Byte(_) => return Err(Error::Internal("byte extraction")),
                     UnOp::Widen => ("cvt.s64.s32", RegClass::B64),
                     UnOp::Narrow => ("cvt.u32.u64", RegClass::B32),
                     UnOp::E4m3Decode => {
@@ -893,6 +954,20 @@ impl Gen<'_> {
                     BinOp::Shl => ("shl", PtxTy::B32, ac),
                     BinOp::Shr => ("shr", PtxTy::U32, ac),
                     BinOp::MulHi => ("mul.hi", PtxTy::U32, ac),
+                    BinOp::Prmt(sel) => {
+                        let b = self.in_reg(b, RegClass::B32);
+                        let Operand::Reg(a) = a else {
+                            return Err(Error::Internal("permute operand"));
+                        };
+                        let d = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Prmt {
+                            d,
+                            a,
+                            b,
+                            sel: i64::from(*sel),
+                        });
+                        return Ok(Operand::Reg(d));
+                    }
                     BinOp::FAdd => ("add.rn", PtxTy::F32, RegClass::F32),
                     BinOp::FMul => ("mul.rn", PtxTy::F32, RegClass::F32),
                     BinOp::FDiv => ("div.rn", PtxTy::F32, RegClass::F32),
@@ -1407,25 +1482,37 @@ impl Gen<'_> {
                     return Ok(());
                 }
                 if elem == Elem::U8 {
-                    // Four low bytes to a word with three byte permutes (no masking or shifts).
-                    let mut regs = Vec::with_capacity(values.len());
-                    for x in values {
-                        let v = self.expr(x)?;
-                        regs.push(self.in_reg(v, RegClass::B32));
-                    }
+                    // Four low bytes to a word with three byte permutes (no masking or shifts);
+                    // bytes 0-3 of one word, in order, are that word.
                     let mut words = Vec::with_capacity(nw);
-                    for q in regs.chunks(4) {
+                    for q in values.chunks(4) {
+                        let whole = match &q[0] {
+                            Expr::Un(UnOp::Byte(0), w) => (1..4).all(|k| {
+                                matches!(&q[k], Expr::Un(UnOp::Byte(j), w2) if *j as usize == k && w2 == w)
+                            }).then_some(w),
+                            _ => None,
+                        };
+                        if let Some(w) = whole {
+                            let v = self.expr(w)?;
+                            words.push(self.in_reg(v, RegClass::B32));
+                            continue;
+                        }
+                        let mut regs = Vec::with_capacity(4);
+                        for x in q {
+                            let v = self.expr(x)?;
+                            regs.push(self.in_reg(v, RegClass::B32));
+                        }
                         let [t1, t2, w] = [0; 3].map(|_| self.b.reg(RegClass::B32));
                         self.b.push(Inst::Prmt {
                             d: t1,
-                            a: q[0],
-                            b: q[1],
+                            a: regs[0],
+                            b: regs[1],
                             sel: 0x0040,
                         });
                         self.b.push(Inst::Prmt {
                             d: t2,
-                            a: q[2],
-                            b: q[3],
+                            a: regs[2],
+                            b: regs[3],
                             sel: 0x0040,
                         });
                         self.b.push(Inst::Prmt {

@@ -224,9 +224,36 @@ fn e2m1_soft_scalar(em: &mut Emit<'_>, x: Expr) -> Expr {
     // logic) three operations: right shifts are multiply-highs, and the exponent's uses are
     // multiply-adds of it.
     let x = em.set(Ty::F32, x);
+    let sum = e2m1_magnitude(em, x.clone(), false);
+    // The top nibble of x (a multiply-high), its sign in bit 3: the code's bits 0-2 merged with
+    // the top's bit 3 as top ^ ((top ^ sum) & 7), one three-input logic operation.
+    let top = em.set(
+        Ty::I32,
+        e::bin(BinOp::MulHi, e::un(UnOp::BitsOf, x), e::i32(16)),
+    );
+    em.set(
+        Ty::I32,
+        e::bin(
+            BinOp::Xor,
+            top.clone(),
+            e::bin(BinOp::And, e::bin(BinOp::Xor, top, sum), e::i32(7)),
+        ),
+    )
+}
+
+/// The E2M1 code of `|x|` as the low three bits of an i32 whose bits 3-21 are zero (the bits of
+/// `fma(y, s, 1.5 * 2^23 + off)`, see [`e2m1_soft_scalar`]; bits 22 and up are the constant's).
+/// `small` promises `|x| < 7` and leaves out the `min(|x|, 6)`: the codes are the same there (values
+/// in (6, 7) have `E = 129`, and `rne(y / 2) = 3` gives code 7).
+fn e2m1_magnitude(em: &mut Emit<'_>, x: Expr, small: bool) -> Expr {
+    let abs = e::un(UnOp::FAbs, x);
     let y = em.set(
         Ty::F32,
-        e::bin(BinOp::FMin, e::un(UnOp::FAbs, x.clone()), e::f(6.0)),
+        if small {
+            abs
+        } else {
+            e::bin(BinOp::FMin, abs, e::f(6.0))
+        },
     );
     // E = bits(max(y, 1)) >> 23 (127..=129; the sign is 0 and the mantissa shifts out).
     let ex = em.set(
@@ -254,19 +281,54 @@ fn e2m1_soft_scalar(em: &mut Emit<'_>, x: Expr) -> Expr {
             e::i32(0x4B40_0000 - 254),
         ),
     );
-    let sum = em.set(Ty::I32, e::un(UnOp::BitsOf, e::fma(y, s, magic)));
-    // The top nibble of x (a multiply-high), its sign in bit 3: the code's bits 0-2 merged with
-    // the top's bit 3 as top ^ ((top ^ sum) & 7), one three-input logic operation.
-    let top = em.set(
-        Ty::I32,
-        e::bin(BinOp::MulHi, e::un(UnOp::BitsOf, x), e::i32(16)),
+    em.set(Ty::I32, e::un(UnOp::BitsOf, e::fma(y, s, magic)))
+}
+
+/// [`Expr::PackE2m1`] without a native conversion. The magnitudes' codes ([`e2m1_magnitude`]) are
+/// placed by multiply-adds, four per half word (each sum's constant bits start at bit 22, so they
+/// shift out of the half's low 16 bits), and the halves joined by one byte permute. The signs come
+/// from the values' top bytes: byte permutes copying a byte's top bit give `[s0, s2, s4, s6]` and
+/// `[s1, s3, s5, s7]` as 0x00/0xFF bytes (two values per permute, then one to join), and two masked
+/// ors put them at bits 3 and 7 of each byte. Per eight values: 8 code sequences, 6 multiply-adds and
+/// 7 permutes, 2 logic operations (the per-value merge and packing took 27).
+pub fn pack_e2m1_soft(em: &mut Emit<'_>, vals: Vec<Expr>, small: bool) -> Expr {
+    let mut vs: Vec<Expr> = vals.into_iter().map(|v| em.set(Ty::F32, v)).collect();
+    vs.resize(8, e::f(0.0));
+    let sums: Vec<Expr> = vs
+        .iter()
+        .map(|v| e2m1_magnitude(em, v.clone(), small))
+        .collect();
+    let half = |q: &[Expr]| {
+        q.iter().rev().skip(1).fold(q[3].clone(), |acc, c| {
+            e::bin(BinOp::IAdd, e::bin(BinOp::IMul, acc, e::i32(16)), c.clone())
+        })
+    };
+    let lo = em.set(Ty::I32, half(&sums[..4]));
+    let hi = em.set(Ty::I32, half(&sums[4..]));
+    let codes = e::bin(BinOp::Prmt(0x5410), lo, hi);
+    let bits: Vec<Expr> = vs.iter().map(|v| e::un(UnOp::BitsOf, v.clone())).collect();
+    // Top bytes (3 of a, 7 of b) with their top bit copied: [sign(a), sign(b), ...].
+    let signs = |a: &Expr, b: &Expr| e::bin(BinOp::Prmt(0x00FB), a.clone(), b.clone());
+    let even = e::bin(
+        BinOp::Prmt(0x5410),
+        signs(&bits[0], &bits[2]),
+        signs(&bits[4], &bits[6]),
+    );
+    let odd = e::bin(
+        BinOp::Prmt(0x5410),
+        signs(&bits[1], &bits[3]),
+        signs(&bits[5], &bits[7]),
     );
     em.set(
         Ty::I32,
         e::bin(
-            BinOp::Xor,
-            top.clone(),
-            e::bin(BinOp::And, e::bin(BinOp::Xor, top, sum), e::i32(7)),
+            BinOp::Or,
+            e::bin(
+                BinOp::Or,
+                codes,
+                e::bin(BinOp::And, even, e::i32(0x0808_0808)),
+            ),
+            e::bin(BinOp::And, odd, e::i32(0x8080_8080_u32 as i32)),
         ),
     )
 }
@@ -418,6 +480,17 @@ fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Exp
                 UnOp::E4m3 => e4m3_soft(em, clamp(a, -448.0, 448.0)),
                 UnOp::E2m1 => e2m1_soft(em, a),
                 _ => e4m3_decode_soft(em, a),
+            }
+        }
+        Expr::PackE2m1 { vals, small } => {
+            let vals: Vec<Expr> = vals
+                .into_iter()
+                .map(|v| soften_expr(v, em, native))
+                .collect();
+            if native(UnOp::E2m1) {
+                Expr::PackE2m1 { vals, small }
+            } else {
+                pack_e2m1_soft(em, vals, small)
             }
         }
         Expr::Un(op, a) => Expr::Un(op, bx(a, em)),
@@ -658,6 +731,119 @@ mod tests {
     fn e2m1_sequence_matches_the_threshold_table() {
         let grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
         check(UnOp::E2m1, &values(6.5, 8, &grid));
+    }
+
+    /// `out[i] = pack_e2m1(x[8i..8i+8])` (as little-endian words), through the host backend (the
+    /// soft sequence, Cranelift) and the interpreter (the reference per value), against the reference.
+    fn check_pack(xs: &[f32], small: bool) {
+        let mut va = VarAlloc::default();
+        let item = va.new_var(Ty::I64);
+        let mut em = Emit::new(&mut va);
+        let vals = (0..8)
+            .map(|k| e::load(BufId(0), e::add(e::mul(e::v(item), e::i(8)), e::i(k))))
+            .collect();
+        let w = em.set(Ty::I32, Expr::PackE2m1 { vals, small });
+        let bytes = (0..4).map(|k| e::un(UnOp::Byte(k), w.clone())).collect();
+        em.out.push(Stmt::StorePacked {
+            buf: BufId(1),
+            index: e::mul(e::v(item), e::i(4)),
+            values: bytes,
+        });
+        let body = em.out;
+        let n = xs.len() / 8;
+        let k: Kernel = va.kernel("pack".into(), item, n as i64, body);
+        let buf = |role, elem, len| Buf {
+            role,
+            elem,
+            len,
+            zeroed: false,
+        };
+        let prog = Program {
+            recipe: "pack".into(),
+            bufs: vec![
+                buf(BufRole::Input("x".into()), Elem::F32, 8 * n),
+                buf(BufRole::Param("q".into()), Elem::U8, 4 * n),
+            ],
+            steps: vec![Step::Kernel(k)],
+        };
+        let input: Vec<u8> = xs[..8 * n].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut host = vec![input.clone(), vec![0u8; 4 * n]];
+        crate::host::compile(&prog)
+            .and_then(|c| c.run(&mut host, &crate::SingleProcess, 1))
+            .expect("host run");
+        let mut interp = vec![input, vec![0u8; 4 * n]];
+        crate::interp::run(&prog, &mut interp, &crate::SingleProcess).expect("interpreter run");
+        for (i, x) in xs[..8 * n].iter().enumerate() {
+            let want = crate::reference::e2m1_from_f32(x.clamp(-6.0, 6.0));
+            for (who, out) in [("host", &host[1]), ("interpreter", &interp[1])] {
+                let got = (out[i / 2] >> (4 * (i % 2))) & 15;
+                assert_eq!(got, want, "{who}: pack_e2m1 (small {small}) of {x:e} at {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn packed_e2m1_matches_the_threshold_table() {
+        let grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        let mut xs = values(6.5, 8, &grid);
+        // Neighbours in a word differ in sign and size (a rotation of the list per pass).
+        let rot: Vec<f32> = xs.iter().cycle().skip(3).step_by(5).take(xs.len()).copied().collect();
+        xs.extend(rot);
+        check_pack(&xs, false);
+        let small: Vec<f32> = xs.into_iter().filter(|x| x.abs() < 7.0).collect();
+        check_pack(&small, true);
+    }
+
+    #[test]
+    fn packed_e2m1_small_refuses_a_value_outside_its_range() {
+        let mut va = VarAlloc::default();
+        let item = va.new_var(Ty::I64);
+        let mut em = Emit::new(&mut va);
+        let w = em.set(
+            Ty::I32,
+            Expr::PackE2m1 {
+                vals: vec![e::load(BufId(0), e::v(item))],
+                small: true,
+            },
+        );
+        em.out.push(Stmt::Store {
+            buf: BufId(1),
+            index: e::v(item),
+            value: e::un(UnOp::Byte(0), w),
+        });
+        let body = em.out;
+        let k: Kernel = va.kernel("pack".into(), item, 1, body);
+        let buf = |role, elem, len| Buf {
+            role,
+            elem,
+            len,
+            zeroed: false,
+        };
+        let prog = Program {
+            recipe: "pack".into(),
+            bufs: vec![
+                buf(BufRole::Input("x".into()), Elem::F32, 1),
+                buf(BufRole::Param("q".into()), Elem::U8, 1),
+            ],
+            steps: vec![Step::Kernel(k)],
+        };
+        for (x, ok) in [(6.99f32, true), (-6.99, true), (7.0, false), (-9.0, false)] {
+            let mut bufs = vec![x.to_le_bytes().to_vec(), vec![0u8]];
+            let r = crate::interp::run(&prog, &mut bufs, &crate::SingleProcess);
+            assert_eq!(r.is_ok(), ok, "{x}");
+        }
+    }
+
+    #[test]
+    fn byte_permute_follows_ptx_prmt() {
+        let (a, b) = (0x8877_6655u32, 0x44F3_2211u32);
+        // Plain bytes, reversed, and copied top bits (0x88 and 0x44: one set, one clear).
+        assert_eq!(crate::interp::prmt(a, b, 0x3210), a);
+        assert_eq!(crate::interp::prmt(a, b, 0x7654), b);
+        assert_eq!(crate::interp::prmt(a, b, 0x0123), 0x5566_7788);
+        assert_eq!(crate::interp::prmt(a, b, 0x5410), 0x2211_6655);
+        assert_eq!(crate::interp::prmt(a, b, 0x00FB), 0x5555_00FF);
+        assert_eq!(crate::interp::prmt(a, b, 0xEFAB), 0xFF00_00FF);
     }
 
     #[test]
