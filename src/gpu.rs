@@ -362,7 +362,7 @@ fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Re
         std::hint::black_box(&ptx_text);
         let cache = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();
-        let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
+        let gp = GpuProgram::load(dev, &cache, &prog).map_err(rt)?;
         let t_cold = t.elapsed().as_secs_f64() - gp.ptx_seconds;
         // Warm in-memory hit: the same request again, answered by the process's loaded programs.
         let loaded = crate::runtime::gpu_pack::Loaded::default();
@@ -376,12 +376,12 @@ fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Re
         };
         let k0 = key(r.source);
         let (_, hit0) = loaded
-            .get_or_load(&dev, &cache, &k0, || Ok(prog.clone()))
+            .get_or_load(dev, &cache, &k0, || Ok(prog.clone()))
             .map_err(rt)?;
         let t = Instant::now();
         let k1 = key(r.source);
         let (_, hit1) = loaded
-            .get_or_load(&dev, &cache, &k1, || {
+            .get_or_load(dev, &cache, &k1, || {
                 Err(crate::runtime::Error::NoDriver("miss".into()))
             })
             .map_err(rt)?;
@@ -397,7 +397,7 @@ fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Re
         // Warm disk hit: a fresh cache object over the same folder, then module load.
         let cache2 = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();
-        let gp2 = GpuProgram::load(&dev, &cache2, &prog).map_err(rt)?;
+        let gp2 = GpuProgram::load(dev, &cache2, &prog).map_err(rt)?;
         let t_disk = t.elapsed().as_secs_f64();
         // Warm disk hit in a new process: `moeforge cache warmup` over the same folder reports its
         // request-to-loaded time (after opening the device); the process's whole wall time, CUDA
@@ -444,14 +444,14 @@ fn pack_bench(
     for r in chosen {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
         let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
-        let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
-        let mut bufs = gp.alloc(&dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
-        gp.run(&dev, &mut bufs).map_err(rt)?;
+        let gp = GpuProgram::load(dev, &cache, &prog).map_err(rt)?;
+        let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
+        gp.run(dev, &mut bufs).map_err(rt)?;
         dev.sync().map_err(rt)?;
         let mut best = f64::INFINITY;
         for _ in 0..reps {
             let t = Instant::now();
-            gp.run(&dev, &mut bufs).map_err(rt)?;
+            gp.run(dev, &mut bufs).map_err(rt)?;
             dev.sync().map_err(rt)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
@@ -467,7 +467,7 @@ fn pack_bench(
             bound / best * 100.0
         );
         // Where the time goes: one more run with an event pair around each kernel.
-        let per = gp.run_timed(&dev, &mut bufs).map_err(rt)?;
+        let per = gp.run_timed(dev, &mut bufs).map_err(rt)?;
         let parts: Vec<String> = per
             .iter()
             .filter(|(_, ms)| *ms >= 0.005)

@@ -429,7 +429,12 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 .map_err(io)?;
             }
             if gpu {
-                write!(out, "{}", moeforge::gpu::bench(recipe.as_deref(), pack_only, reps)?).map_err(io)?;
+                write!(
+                    out,
+                    "{}",
+                    moeforge::gpu::bench(recipe.as_deref(), pack_only, reps)?
+                )
+                .map_err(io)?;
             }
         }
         Command::Selftest { gpu, quick } => {

@@ -416,7 +416,12 @@ fn subnormal_scale_blocks_saturate_like_spec() {
         .count();
     assert!(subnormal > 10, "only {subnormal} subnormal scale bytes");
     for backend in ["interp", "host", "interp_x4", "host_x4"] {
-        let got = pack("nvfp4_cutedsl", (e as i64, h as i64, i as i64), &inputs, backend);
+        let got = pack(
+            "nvfp4_cutedsl",
+            (e as i64, h as i64, i as i64),
+            &inputs,
+            backend,
+        );
         compare("nvfp4_cutedsl", seed, (e, h, i), &want, &got, backend);
     }
 }

@@ -632,9 +632,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                     }
                 }
             }
-            Expr::PackE2m1 { .. } => {
-                return Err(Error::Internal("native conversion not softened"))
-            }
+            Expr::PackE2m1 { .. } => return Err(Error::Internal("native conversion not softened")),
             Expr::Bin(op, a, b) => {
                 // Constant right operands become immediates where Cranelift has the form.
                 if let (Expr::I64(c), BinOp::IDiv | BinOp::IRem | BinOp::IMul | BinOp::IAdd) =

@@ -164,7 +164,7 @@ impl Ctx<'_> {
                 let mut w = 0u32;
                 for (k, x) in vals.iter().enumerate() {
                     let x = self.eval(x)?.f32()?;
-                    if *small && !(x.abs() < 7.0) {
+                    if *small && (x.is_nan() || x.abs() >= 7.0) {
                         return Err(Error::Internal("pack_e2m1_small value outside |x| < 7"));
                     }
                     let nib = crate::reference::e2m1_from_f32(x.clamp(-6.0, 6.0)) as u32;

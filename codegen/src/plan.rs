@@ -1305,9 +1305,10 @@ impl Planner<'_> {
                 let si = if per_tensor { e::i(0) } else { ex.clone() };
                 let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
                 let dec = em.set(Ty::F32, e::load(dec_b, si));
-                let block = |b: &mut Emit<'_>, j: Expr| {
+                // A block's values, E4M3 scale byte, output scale and zero flag.
+                let scaled = |b: &mut Emit<'_>, j: &Expr| {
                     let b0 = b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(16))));
-                    let xs = load_fp_block(b, xb, xelem, b0.clone(), 16, x4);
+                    let xs = load_fp_block(b, xb, xelem, b0, 16, x4);
                     let mx = abs_max(b, &xs, x4);
                     let mx = b.set(Ty::F32, mx);
                     // s = e4m3(clamp(gs * (vmax * f32(1/6)), 0, 448)); oscale = s == 0 ? 0 : 1 / (s * (1/gs)).
@@ -1324,6 +1325,9 @@ impl Planner<'_> {
                             fdiv(e::f(1.0), fmul(sval, dec.clone())),
                         ),
                     );
+                    (xs, sbyte, osc, zero)
+                };
+                let store_scale = |b: &mut Emit<'_>, j: &Expr, sbyte: Expr| {
                     if let Some((sbuf, _)) = scl {
                         let idx = match &sw {
                             Some(l) => layout_index(l, &[ex.clone(), r.clone(), j.clone()]),
@@ -1333,52 +1337,64 @@ impl Planner<'_> {
                         b.out.push(Stmt::Store {
                             buf: sbuf,
                             index: idx,
-                            value: sbyte.clone(),
+                            value: sbyte,
                         });
                     }
-                    if let Some(vb) = vals {
-                        let at = (it.clone(), j.clone(), cols);
-                        if x4 {
-                            store_fp4_block(b, vb, at, &xs, (&osc, &zero), x4, false);
-                        } else {
-                            // A block with a normal E4M3 scale (byte >= 8) has |x * oscale| <= 6.4:
-                            // sval >= t (1 - 2^-4) for t = gs * vmax / 6, and the f32 roundings add
-                            // parts in 2^22; its conversion needs no saturation step (`small`, which
-                            // the interpreter checks). Zero and subnormal-scale blocks, rare, take a
-                            // loop over groups of 8 values loaded again, with the saturating form.
-                            let fast = b.block(|b2| {
-                                store_fp4_block(b2, vb, at.clone(), &xs, (&osc, &zero), false, true)
-                            });
-                            b.out.push(Stmt::If {
-                                cond: e::bin(BinOp::ILt, e::i32(7), sbyte.clone()),
-                                then: fast,
-                            });
-                            let slow = b.block(|b2| {
-                                b2.for_(e::i(0), e::i(2), |b3, g| {
-                                    let from = e::add(
-                                        e::add(base.clone(), e::mul(j.clone(), e::i(16))),
-                                        e::mul(g.clone(), e::i(8)),
-                                    );
-                                    let xs8 = load_block(b3, xb, xelem, from, 8);
-                                    let to = e::add(
-                                        e::add(
-                                            e::mul(it.clone(), e::i(cols / 2)),
-                                            e::mul(j.clone(), e::i(8)),
-                                        ),
-                                        e::mul(g, e::i(4)),
-                                    );
-                                    let bytes = e2m1_bytes(b3, &xs8, (&osc, &zero), false, false);
-                                    store_block(b3, vb, Elem::U8, to, bytes);
-                                });
-                            });
-                            b.out.push(Stmt::If {
-                                cond: e::bin(BinOp::ILt, sbyte.clone(), e::i32(8)),
-                                then: slow,
-                            });
-                        }
-                    }
                 };
-                rb.blocks(em, first, block);
+                let Some(vb) = vals else {
+                    rb.blocks(em, first, |b, j| {
+                        let (_, sbyte, _, _) = scaled(b, &j);
+                        store_scale(b, &j, sbyte);
+                    });
+                    return Ok(());
+                };
+                if x4 {
+                    rb.blocks(em, first, |b, j| {
+                        let (xs, sbyte, osc, zero) = scaled(b, &j);
+                        store_scale(b, &j, sbyte);
+                        let at = (it.clone(), j, cols);
+                        store_fp4_block(b, vb, at, &xs, (&osc, &zero), true, false);
+                    });
+                    return Ok(());
+                }
+                // A block with a normal E4M3 scale (byte >= 8) has |x * oscale| <= 6.4: sval >=
+                // t (1 - 2^-4) for t = gs * vmax / 6, and the f32 roundings add parts in 2^22; its
+                // conversion needs no saturation step (`small`, which the interpreter checks). The
+                // rare others (zero and subnormal scales) are done again after the item's blocks,
+                // in a loop over them with the saturating form, where any occurred.
+                let slow = em.var(Ty::I32, e::i32(0));
+                rb.blocks(em, first.clone(), |b, j| {
+                    let (xs, sbyte, osc, zero) = scaled(b, &j);
+                    store_scale(b, &j, sbyte.clone());
+                    let at = (it.clone(), j, cols);
+                    let fast =
+                        b.block(|b2| store_fp4_block(b2, vb, at, &xs, (&osc, &zero), false, true));
+                    b.out.push(Stmt::If {
+                        cond: e::bin(BinOp::ILt, e::i32(7), sbyte.clone()),
+                        then: fast,
+                    });
+                    let lt8 = e::un(UnOp::BoolToI, e::bin(BinOp::ILt, sbyte, e::i32(8)));
+                    b.out
+                        .push(Stmt::Set(slow, e::bin(BinOp::Or, e::v(slow), lt8)));
+                });
+                let again = em.block(|b| {
+                    b.for_(e::i(0), e::i(rb.bpi), |b2, k| {
+                        let j = b2.set(Ty::I64, rb.block_of(&first, k));
+                        let (xs, sbyte, osc, zero) = scaled(b2, &j);
+                        let then = b2.block(|b3| {
+                            let at = (it.clone(), j, cols);
+                            store_fp4_block(b3, vb, at, &xs, (&osc, &zero), false, false)
+                        });
+                        b2.out.push(Stmt::If {
+                            cond: e::bin(BinOp::ILt, sbyte, e::i32(8)),
+                            then,
+                        });
+                    });
+                });
+                em.out.push(Stmt::If {
+                    cond: e::bin(BinOp::IEq, e::v(slow), e::i32(1)),
+                    then: again,
+                });
                 Ok(())
             },
         )?;
@@ -1726,6 +1742,11 @@ impl RowBlocks {
         let row = em.set(Ty::I64, e::div(it0.clone(), ipr));
         let first = em.set(Ty::I64, e::rem(it0, ipr));
         (row, first)
+    }
+
+    /// Block `k` of an item whose first block is `first` (GPU form).
+    fn block_of(&self, first: &Expr, k: Expr) -> Expr {
+        e::add(first.clone(), e::mul(k, e::i(self.items_per_row())))
     }
 
     /// `block(j)` for every block `j` of the item.

@@ -777,7 +777,10 @@ mod tests {
             let want = crate::reference::e2m1_from_f32(x.clamp(-6.0, 6.0));
             for (who, out) in [("host", &host[1]), ("interpreter", &interp[1])] {
                 let got = (out[i / 2] >> (4 * (i % 2))) & 15;
-                assert_eq!(got, want, "{who}: pack_e2m1 (small {small}) of {x:e} at {i}");
+                assert_eq!(
+                    got, want,
+                    "{who}: pack_e2m1 (small {small}) of {x:e} at {i}"
+                );
             }
         }
     }
@@ -787,7 +790,14 @@ mod tests {
         let grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
         let mut xs = values(6.5, 8, &grid);
         // Neighbours in a word differ in sign and size (a rotation of the list per pass).
-        let rot: Vec<f32> = xs.iter().cycle().skip(3).step_by(5).take(xs.len()).copied().collect();
+        let rot: Vec<f32> = xs
+            .iter()
+            .cycle()
+            .skip(3)
+            .step_by(5)
+            .take(xs.len())
+            .copied()
+            .collect();
         xs.extend(rot);
         check_pack(&xs, false);
         let small: Vec<f32> = xs.into_iter().filter(|x| x.abs() < 7.0).collect();
