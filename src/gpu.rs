@@ -296,9 +296,9 @@ fn new_process_hit(name: &str, dir: &std::path::Path) -> Result<(Option<f64>, f6
 }
 
 /// `moeforge bench --gpu [--recipe NAME]`: JIT latency and on-GPU pack time of a DeepSeek-V3 EP8
-/// layer, for every standard recipe or only the one named; `pack_only` leaves out the JIT part, and
-/// the pack time is the best of `reps` runs.
-pub fn bench(only: Option<&str>, pack_only: bool, reps: usize) -> Result<String> {
+/// layer, for every standard recipe or only the one named; `pack_only` leaves out the JIT part,
+/// `jit_only` the pack part, and the pack time is the best of `reps` runs.
+pub fn bench(only: Option<&str>, pack_only: bool, jit_only: bool, reps: usize) -> Result<String> {
     if let Some(name) = only {
         if !STANDARD.iter().any(|r| r.name == name) {
             return Err(Error::Usage(format!("no standard recipe `{name}`")));
@@ -328,13 +328,20 @@ pub fn bench(only: Option<&str>, pack_only: bool, reps: usize) -> Result<String>
     if !pack_only {
         jit_latency(&dev, &mut out, &chosen)?;
     }
-    pack_bench(&dev, &mut out, &chosen, reps.max(1))?;
+    if !jit_only {
+        pack_bench(&dev, &mut out, &chosen, reps.max(1))?;
+    }
     Ok(out)
 }
 
 /// JIT latency per recipe at the Qwen3-30B-A3B binding.
 fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Result<()> {
-    let _ = writeln!(out, "\nJIT latency (Qwen3-30B-A3B binding, sm_90a):");
+    let compiler = crate::runtime::jit::Compiler::from_env().map_err(rt)?;
+    let _ = writeln!(
+        out,
+        "\nJIT latency (Qwen3-30B-A3B binding, sm_90a; PTX -> cubin by {}):",
+        compiler.describe()
+    );
     let _ = writeln!(
         out,
         "{:<16} {:>12} {:>16} {:>16} {:>18} {:>16} {:>13}",

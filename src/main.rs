@@ -86,8 +86,11 @@ enum Command {
         #[arg(long)]
         recipe: Option<String>,
         /// GPU: only the on-GPU pack benchmark (no JIT latency part).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "jit_only")]
         pack_only: bool,
+        /// GPU: only the JIT latency part (no pack benchmark).
+        #[arg(long)]
+        jit_only: bool,
         /// GPU: timed pack runs per recipe (the best is reported).
         #[arg(long, default_value_t = 5)]
         reps: usize,
@@ -219,6 +222,7 @@ fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
                 ));
             }
             let dev = moeforge::runtime::Device::open(0);
+            let compiler = moeforge::runtime::jit::Compiler::from_env()?;
             for (f, b, t) in &jobs {
                 // Request to loaded modules (parse, plan, keys, cache, JIT or disk, module load):
                 // what a serving process pays at start-up after opening the device.
@@ -228,7 +232,29 @@ fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
                 let prog = moeforge::pack_program(&src, &name, b, &|_| true)?;
                 let tgt = moeforge::codegen::ptx::Target::from_name(t)
                     .ok_or_else(|| moeforge::Error::Usage(format!("unknown target `{t}`")))?;
-                let (_, hit) = moeforge::runtime::gpu_pack::unit_ptx(&cache, &prog, tgt)?;
+                let (units, hit) = moeforge::runtime::gpu_pack::unit_ptx(&cache, &prog, tgt)?;
+                let on_this_gpu = matches!(&dev, Ok(d) if d.target() == Some(tgt));
+                if !on_this_gpu && compiler != moeforge::runtime::jit::Compiler::Driver {
+                    // ptxas needs no device: the cubin entries are filled here too.
+                    let names: Vec<&str> = prog.kernels().map(|k| k.name.as_str()).collect();
+                    let mut worst = moeforge::runtime::cache::Hit::Memory;
+                    for c in moeforge::runtime::gpu_pack::unit_cubins(
+                        &cache, &units, &names, tgt, &compiler, None,
+                    ) {
+                        worst = moeforge::runtime::gpu_pack::worst(worst, c?.1);
+                    }
+                    writeln!(
+                        out,
+                        "{f} {b} {t}: ptx {hit:?}, cubin {worst:?} by {} (no module loaded: {})",
+                        compiler.describe(),
+                        match &dev {
+                            Ok(_) => format!("the GPU here is not {t}"),
+                            Err(why) => why.to_string(),
+                        }
+                    )
+                    .map_err(io)?;
+                    continue;
+                }
                 match &dev {
                     Ok(d) if d.target() == Some(tgt) => {
                         let gp = moeforge::runtime::gpu_pack::GpuProgram::load(d, &cache, &prog)?;
@@ -413,6 +439,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             threads,
             recipe,
             pack_only,
+            jit_only,
             reps,
         } => {
             if !host && !gpu {
@@ -432,7 +459,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 write!(
                     out,
                     "{}",
-                    moeforge::gpu::bench(recipe.as_deref(), pack_only, reps)?
+                    moeforge::gpu::bench(recipe.as_deref(), pack_only, jit_only, reps)?
                 )
                 .map_err(io)?;
             }

@@ -224,6 +224,7 @@ fn gpu_commands_without_a_gpu_say_so() {
         let o = Command::new(env!("CARGO_BIN_EXE_moeforge"))
             .args(args)
             .env("MOEFORGE_CACHE_DIR", &cache)
+            .env_remove("MOEFORGE_JIT")
             .output()
             .unwrap();
         (
@@ -290,4 +291,54 @@ fn gpu_commands_without_a_gpu_say_so() {
     ]);
     assert_eq!(code, 1);
     assert!(err.contains("nothing.safetensors"), "{err}");
+}
+
+#[test]
+fn warmup_with_ptxas_fills_cubins_without_a_gpu() {
+    // MOEFORGE_JIT=ptxas compiles cubins with a ptxas on the machine, keyed by its release, so a
+    // machine without a GPU can fill them; scripts/test provides ptxas through MOEFORGE_PTXAS.
+    if moeforge::runtime::device::driver_present() {
+        return; // with a GPU the modules are loaded too: `scripts/gpu-check` runs that path
+    }
+    let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") else {
+        assert!(
+            std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
+            "MOEFORGE_REQUIRE_PTXAS is set but MOEFORGE_PTXAS is not"
+        );
+        eprintln!("skipped: no ptxas (set MOEFORGE_PTXAS; scripts/test does)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str], jit: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_moeforge"))
+            .args(args)
+            .env("MOEFORGE_CACHE_DIR", dir.path())
+            .env("MOEFORGE_JIT", jit)
+            .env("MOEFORGE_PTXAS", &ptxas)
+            .output()
+            .unwrap();
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let warm = ["cache", "warmup", "mxfp4", "--bind", "E=4,H=256,I=128"];
+    let (code, out, err) = run(&warm, "ptxas");
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("ptx Compiled, cubin Compiled by"), "{out}");
+    let (code, out, _) = run(&warm, "ptxas");
+    assert_eq!(code, 0);
+    assert!(out.contains("ptx Disk, cubin Disk by"), "{out}");
+    let (_, ls, _) = run(&["cache", "ls"], "driver");
+    let cubins = ls.lines().filter(|l| l.starts_with("cubin")).count();
+    let ptx = ls.lines().filter(|l| l.starts_with("ptx")).count();
+    assert!(cubins > 0 && cubins == ptx, "{ls}");
+    // The driver's JIT cannot run here: it skips the cubin step, and a bad setting is an error.
+    let (code, out, _) = run(&warm, "driver");
+    assert_eq!(code, 0);
+    assert!(out.contains("cubin step skipped"), "{out}");
+    let (code, _, err) = run(&warm, "nvcc");
+    assert_eq!(code, 1);
+    assert!(err.contains("MOEFORGE_JIT=`nvcc`"), "{err}");
 }

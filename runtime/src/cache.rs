@@ -1,7 +1,8 @@
 //! The content-addressed kernel cache: an in-memory map over an on-disk store.
 //!
 //! A PTX entry's key hashes (BLAKE3) the normalized kernel IR of the program, the target, the options
-//! and the moeforge version; a cubin entry's key adds the driver version. Never paths or mtimes. Disk
+//! and the moeforge version; a cubin entry's key adds the compiler: the driver version for the driver's
+//! JIT linker, the release of ptxas where that compiles (`MOEFORGE_JIT`). Never paths or mtimes. Disk
 //! entries live under `$MOEFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/moeforge`, else
 //! `~/.cache/moeforge`, in `kernels/`. Each file is a header line, the BLAKE3 checksum of the payload
 //! and the payload; it is written to a temporary file and renamed into place, so readers never see half
@@ -85,12 +86,15 @@ impl Cache {
         h.finalize().to_hex().to_string()
     }
 
-    /// The key of the cubin compiled from a PTX entry by a driver version.
-    pub fn cubin_key(ptx_key: &str, driver_version: i32) -> String {
+    /// The key of the cubin compiled from a PTX entry by a compiler (`compiler` is
+    /// [`crate::jit::Compiler::key_part`]: the driver version for the driver's JIT linker, the
+    /// release for ptxas).
+    pub fn cubin_key(ptx_key: &str, compiler: &str) -> String {
         let mut h = blake3::Hasher::new();
-        h.update(b"moeforge-cubin\0culink\0");
+        h.update(b"moeforge-cubin\0");
+        h.update(compiler.as_bytes());
+        h.update(&[0]);
         h.update(ptx_key.as_bytes());
-        h.update(&driver_version.to_le_bytes());
         h.finalize().to_hex().to_string()
     }
 

@@ -9,6 +9,7 @@ use moeforge_codegen::kir::{BufRole, Program, Step};
 use moeforge_codegen::ptx;
 
 use crate::cache::{Cache, Hit};
+use crate::jit::Compiler;
 use crate::{drv, Device, Error, Result};
 
 /// A pack program loaded on a device: one module per kernel.
@@ -45,8 +46,8 @@ fn launch_config(k: &moeforge_codegen::kir::Kernel, max_blocks: u64) -> LaunchCo
     }
 }
 
-/// The least cached of two outcomes.
-fn worst(a: Hit, b: Hit) -> Hit {
+/// The less cached of two outcomes (compiled over recompiled over disk over memory).
+pub fn worst(a: Hit, b: Hit) -> Hit {
     let rank = |h: Hit| match h {
         Hit::Memory => 0,
         Hit::Disk => 1,
@@ -91,6 +92,58 @@ pub fn unit_ptx(cache: &Cache, prog: &Program, target: ptx::Target) -> Result<(V
     Ok((out, hit))
 }
 
+/// The cubin of every unit (`names` are the kernels), from the cache or compiled by `compiler`, one
+/// thread per unit. The driver's JIT needs the device; ptxas does not (cache warm-up on a machine
+/// without a GPU).
+pub fn unit_cubins(
+    cache: &Cache,
+    units: &[UnitPtx],
+    names: &[&str],
+    target: ptx::Target,
+    compiler: &Compiler,
+    dev: Option<&Device>,
+) -> Vec<Result<(Arc<Vec<u8>>, Hit)>> {
+    let key_part = compiler.key_part(dev.map_or(0, |d| d.driver_version));
+    let key_part = &key_part;
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = units
+            .iter()
+            .zip(names)
+            .map(|((key, text), name)| {
+                s.spawn(move || {
+                    let ckey = Cache::cubin_key(key, key_part);
+                    cache.get_or_insert("cubin", &ckey, || {
+                        let text = String::from_utf8_lossy(text).into_owned();
+                        match (compiler, dev) {
+                            (Compiler::Driver, Some(dev)) => crate::jit::link_ptx(dev, name, &text),
+                            (Compiler::Driver, None) => Err(Error::NoDriver(
+                                "the driver's JIT needs a device (MOEFORGE_JIT=ptxas does not)"
+                                    .into(),
+                            )),
+                            (Compiler::Ptxas { path, .. }, _) => {
+                                crate::jit::ptxas_compile(path, target.name(), name, &text)
+                            }
+                        }
+                        .map(|(c, _log)| c)
+                    })
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .zip(names)
+            .map(|(j, name)| {
+                j.join().unwrap_or_else(|_| {
+                    Err(Error::Jit {
+                        name: name.to_string(),
+                        code: "panic".into(),
+                        log: "the JIT thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    })
+}
+
 impl GpuProgram {
     /// Generate (or fetch) the PTX of every kernel, JIT them in parallel, one thread per kernel (or
     /// fetch the cubins), and load the modules.
@@ -122,38 +175,13 @@ impl GpuProgram {
             }
             None => prog,
         };
+        let compiler = &Compiler::from_env()?;
         let t0 = Instant::now();
         let (ptx_units, ptx_hit) = unit_ptx(cache, prog, target)?;
         let ptx_seconds = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let names: Vec<&str> = prog.kernels().map(|k| k.name.as_str()).collect();
-        let cubins: Vec<Result<(Arc<Vec<u8>>, Hit)>> = std::thread::scope(|s| {
-            let jobs: Vec<_> = ptx_units
-                .iter()
-                .zip(&names)
-                .map(|((key, text), name)| {
-                    s.spawn(move || {
-                        let ckey = Cache::cubin_key(key, dev.driver_version);
-                        cache.get_or_insert("cubin", &ckey, || {
-                            let text = String::from_utf8_lossy(text).into_owned();
-                            crate::jit::link_ptx(dev, name, &text).map(|(c, _log)| c)
-                        })
-                    })
-                })
-                .collect();
-            jobs.into_iter()
-                .zip(&names)
-                .map(|(j, name)| {
-                    j.join().unwrap_or_else(|_| {
-                        Err(Error::Jit {
-                            name: name.to_string(),
-                            code: "panic".into(),
-                            log: "the JIT thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
+        let cubins = unit_cubins(cache, &ptx_units, &names, target, compiler, Some(dev));
         // At most 32 blocks per SM (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs).
         let max_blocks: u64 = std::env::var("MOEFORGE_GPU_MAX_BLOCKS")
             .ok()

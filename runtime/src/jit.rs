@@ -1,7 +1,10 @@
 //! PTX -> cubin through the driver's JIT linker (`cuLinkCreate` / `cuLinkAddData` / `cuLinkComplete`),
-//! keeping the info and error logs so that a failure says why.
+//! keeping the info and error logs so that a failure says why; or, where asked for
+//! (`MOEFORGE_JIT=ptxas|auto`), through a `ptxas` found on the machine.
 
 use std::ffi::{c_void, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use cudarc::driver::sys::{self, CUjitInputType, CUjit_option, CUresult};
 
@@ -101,4 +104,191 @@ pub fn link_ptx(dev: &Device, name: &str, ptx: &str) -> Result<(Vec<u8>, String)
     // copied out.
     unsafe { sys::cuLinkDestroy(state) };
     result
+}
+
+/// What turns PTX into cubins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Compiler {
+    /// The driver's JIT linker (`cuLink*`): always there with a GPU, no files.
+    Driver,
+    /// A `ptxas` on this machine: the same cubin whatever the driver, so its cache entries do not
+    /// depend on the driver version (they can be filled on a machine without a GPU).
+    Ptxas {
+        /// The executable.
+        path: PathBuf,
+        /// Its `--version` release line (part of every cubin key it makes).
+        version: String,
+    },
+}
+
+impl Compiler {
+    /// The compiler `MOEFORGE_JIT` asks for: `driver` (the default), `ptxas` (an error when none is
+    /// found or it does not run) or `auto` (ptxas when one is found, else the driver).
+    pub fn from_env() -> Result<Compiler> {
+        let want = std::env::var("MOEFORGE_JIT").unwrap_or_default();
+        match want.as_str() {
+            "" | "driver" => Ok(Compiler::Driver),
+            "ptxas" => match find_ptxas() {
+                Some(p) => Compiler::ptxas(&p),
+                None => Err(Error::Compiler(
+                    "MOEFORGE_JIT=ptxas, but no ptxas was found (looked at MOEFORGE_PTXAS, PATH, \
+                     $CUDA_HOME/bin, /usr/local/cuda/bin)"
+                        .into(),
+                )),
+            },
+            "auto" => Ok(find_ptxas()
+                .and_then(|p| Compiler::ptxas(&p).ok())
+                .unwrap_or(Compiler::Driver)),
+            other => Err(Error::Compiler(format!(
+                "MOEFORGE_JIT=`{other}`: expected driver, ptxas or auto"
+            ))),
+        }
+    }
+
+    /// The `ptxas` at `path`, if it runs and reports a version.
+    pub fn ptxas(path: &Path) -> Result<Compiler> {
+        let out = Command::new(path)
+            .arg("--version")
+            .output()
+            .map_err(|e| Error::Compiler(format!("cannot run {}: {e}", path.display())))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let version = text
+            .lines()
+            .find(|l| l.contains("release"))
+            .map(|l| l.trim().to_string());
+        match version {
+            Some(version) if out.status.success() => Ok(Compiler::Ptxas {
+                path: path.to_path_buf(),
+                version,
+            }),
+            _ => Err(Error::Compiler(format!(
+                "{} --version gave no release line:\n{text}{}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ))),
+        }
+    }
+
+    /// What the cubin keys take from the compiler: the driver version for the driver's JIT, the
+    /// release line for ptxas.
+    pub fn key_part(&self, driver_version: i32) -> String {
+        match self {
+            Compiler::Driver => format!("culink {driver_version}"),
+            Compiler::Ptxas { version, .. } => format!("ptxas {version}"),
+        }
+    }
+
+    /// A short name for reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Compiler::Driver => "the driver's JIT linker".into(),
+            Compiler::Ptxas { path, version } => format!("{} ({version})", path.display()),
+        }
+    }
+}
+
+/// A `ptxas` on this machine: `MOEFORGE_PTXAS`, else the first on `PATH`, else `$CUDA_HOME/bin` or
+/// `/usr/local/cuda/bin`.
+pub fn find_ptxas() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("MOEFORGE_PTXAS") {
+        return Some(PathBuf::from(p));
+    }
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Some(h) = std::env::var_os("CUDA_HOME") {
+        dirs.push(PathBuf::from(h).join("bin"));
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/bin"));
+    dirs.into_iter()
+        .map(|d| d.join("ptxas"))
+        .find(|p| p.is_file())
+}
+
+/// Compile PTX text to a cubin for `arch` (e.g. `sm_90a`) with the ptxas at `ptxas`, in a private
+/// temporary folder; the error carries ptxas's messages.
+pub fn ptxas_compile(ptxas: &Path, arch: &str, name: &str, ptx: &str) -> Result<(Vec<u8>, String)> {
+    let io = |what: &str, e: std::io::Error| Error::Jit {
+        name: name.into(),
+        code: what.into(),
+        log: e.to_string(),
+    };
+    let dir = tempfile::tempdir().map_err(|e| io("tempdir", e))?;
+    let src = dir.path().join("k.ptx");
+    let dst = dir.path().join("k.cubin");
+    std::fs::write(&src, ptx).map_err(|e| io("write", e))?;
+    let out = Command::new(ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg("-O3")
+        .arg(&src)
+        .arg("-o")
+        .arg(&dst)
+        .output()
+        .map_err(|e| io("spawn", e))?;
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    if !out.status.success() {
+        return Err(Error::Jit {
+            name: name.into(),
+            code: format!("ptxas exit {}", out.status.code().unwrap_or(-1)),
+            log,
+        });
+    }
+    let cubin = std::fs::read(&dst).map_err(|e| io("read", e))?;
+    Ok((cubin, log))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PTX: &str = ".version 8.6\n.target sm_90a\n.address_size 64\n\
+        .visible .entry k(.param .u64 p)\n{\n.reg .b64 %rd<2>;\n.reg .b32 %r<2>;\n\
+        ld.param.u64 %rd1, [p];\nmov.u32 %r1, 7;\nst.global.u32 [%rd1], %r1;\nret;\n}\n";
+
+    /// ptxas from `MOEFORGE_PTXAS` (scripts/test installs one); `None` skips, saying so, unless
+    /// `MOEFORGE_REQUIRE_PTXAS` is set.
+    fn ptxas() -> Option<Compiler> {
+        let found = std::env::var_os("MOEFORGE_PTXAS").map(PathBuf::from);
+        match found.map(|p| Compiler::ptxas(&p)) {
+            Some(Ok(c)) => Some(c),
+            other => {
+                assert!(
+                    std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
+                    "MOEFORGE_REQUIRE_PTXAS is set but ptxas is unusable: {other:?}"
+                );
+                eprintln!("skipped: no ptxas (set MOEFORGE_PTXAS; scripts/test does)");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn ptxas_compiles_ptx_to_a_cubin_and_reports_errors_with_its_log() {
+        let Some(c) = ptxas() else { return };
+        let Compiler::Ptxas { path, version } = &c else {
+            unreachable!()
+        };
+        assert!(version.contains("release"), "{version}");
+        assert!(c.key_part(13000).starts_with("ptxas "));
+        let (cubin, _) = ptxas_compile(path, "sm_90a", "k", PTX).unwrap();
+        assert_eq!(&cubin[..4], b"\x7fELF");
+        let bad = PTX.replace("mov.u32", "mov.u32.bogus");
+        match ptxas_compile(path, "sm_90a", "k", &bad) {
+            Err(Error::Jit { code, log, .. }) => {
+                assert!(code.starts_with("ptxas exit"), "{code}");
+                assert!(log.contains("bogus") || log.contains("error"), "{log}");
+            }
+            other => panic!("expected a ptxas error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_missing_ptxas_is_a_clear_error() {
+        let err = Compiler::ptxas(Path::new("/nonexistent/ptxas")).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/ptxas"), "{err}");
+    }
 }

@@ -27,7 +27,7 @@ pub enum Error {
         /// The driver's message.
         detail: String,
     },
-    /// The driver's JIT linker rejected the PTX; the log says why.
+    /// The PTX compiler (the driver's JIT linker or ptxas) rejected the PTX; the log says why.
     #[error("JIT of `{name}` failed ({code}):\n{log}")]
     Jit {
         /// Module name.
@@ -37,6 +37,9 @@ pub enum Error {
         /// The linker's error and info log.
         log: String,
     },
+    /// The PTX compiler asked for (`MOEFORGE_JIT`) is not usable.
+    #[error("kernel compiler: {0}")]
+    Compiler(String),
     /// Reading or writing the cache failed.
     #[error("kernel cache at {path}: {source}")]
     Cache {
