@@ -77,17 +77,40 @@ pub fn units(prog: &Program) -> Vec<Program> {
 /// A unit's cache key and PTX text.
 pub type UnitPtx = (String, Arc<Vec<u8>>);
 
-/// The PTX of every unit of a program through the cache: `(key, text)` per kernel, and where the
-/// least cached one came from.
+/// The PTX of every unit of a program through the cache, one thread per unit (key, lookup and, on
+/// a miss, generation): `(key, text)` per kernel, and where the least cached one came from.
 pub fn unit_ptx(cache: &Cache, prog: &Program, target: ptx::Target) -> Result<(Vec<UnitPtx>, Hit)> {
-    let mut out = Vec::new();
+    let units = units(prog);
+    let results: Vec<Result<(UnitPtx, Hit)>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = units
+            .iter()
+            .map(|u| {
+                s.spawn(move || {
+                    let key = Cache::ptx_key(u, target.name(), "");
+                    let (text, h) = cache
+                        .get_or_insert("ptx", &key, || Ok(ptx::compile(u, target)?.into_bytes()))?;
+                    Ok(((key, text), h))
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join().unwrap_or_else(|_| {
+                    Err(Error::Jit {
+                        name: "ptx".into(),
+                        code: "panic".into(),
+                        log: "a PTX generation thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut out = Vec::with_capacity(results.len());
     let mut hit = Hit::Memory;
-    for u in units(prog) {
-        let key = Cache::ptx_key(&u, target.name(), "");
-        let (text, h) =
-            cache.get_or_insert("ptx", &key, || Ok(ptx::compile(&u, target)?.into_bytes()))?;
+    for r in results {
+        let (unit, h) = r?;
         hit = worst(hit, h);
-        out.push((key, text));
+        out.push(unit);
     }
     Ok((out, hit))
 }

@@ -125,6 +125,20 @@ impl Compiler {
     /// The compiler `MOEFORGE_JIT` asks for: `driver` (the default), `ptxas` (an error when none is
     /// found or it does not run) or `auto` (ptxas when one is found, else the driver).
     pub fn from_env() -> Result<Compiler> {
+        // Asked once per process (finding ptxas runs it for its version).
+        static CHOSEN: std::sync::OnceLock<Result<Compiler, String>> = std::sync::OnceLock::new();
+        CHOSEN
+            .get_or_init(|| {
+                Compiler::choose().map_err(|e| match e {
+                    Error::Compiler(m) => m,
+                    other => other.to_string(),
+                })
+            })
+            .clone()
+            .map_err(Error::Compiler)
+    }
+
+    fn choose() -> Result<Compiler> {
         let want = std::env::var("MOEFORGE_JIT").unwrap_or_default();
         match want.as_str() {
             "" | "driver" => Ok(Compiler::Driver),
