@@ -227,3 +227,27 @@ fn ptx_compiles_at_shapes_that_take_every_code_path() {
     }
     assert!(compiled >= 24, "only {compiled} programs compiled");
 }
+
+#[test]
+fn index_arithmetic_of_real_layers_is_proven_32_bit() {
+    // At DeepSeek-V3 EP8 and Qwen3-30B-A3B shapes every kernel's i64 arithmetic provably fits in
+    // i32, so the PTX backend computes indices in 32 bits there; an 8 GB expert tensor does not.
+    for r in moeforge::kernels::STANDARD {
+        for bind in ["E=32,H=7168,I=2048", "E=128,H=2048,I=768"] {
+            let prog = moeforge::pack_program(r.source, r.path, bind, &|_| true).unwrap();
+            for k in prog.kernels() {
+                assert!(
+                    moeforge::codegen::range::indices_fit_i32(k),
+                    "{} at {bind}: kernel {} not proven 32-bit",
+                    r.name,
+                    k.name
+                );
+            }
+        }
+    }
+    let r = moeforge::kernels::find("bf16").unwrap();
+    let prog = moeforge::pack_program(r.source, r.path, "E=512,H=8192,I=4096", &|_| true).unwrap();
+    assert!(prog
+        .kernels()
+        .any(|k| !moeforge::codegen::range::indices_fit_i32(k)));
+}

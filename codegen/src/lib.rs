@@ -11,6 +11,7 @@ pub mod kir;
 pub mod plan;
 pub mod ptx;
 pub mod quant;
+pub mod range;
 pub mod reference;
 
 pub use moeforge_dsl::ModuleInfo;

@@ -535,6 +535,10 @@ struct Gen<'a> {
     narrow_div: bool,
     /// Items (so every coordinate) below 2^31: constant division by multiply-high.
     magic_div: bool,
+    /// The register class of `i64` values: `B32` where [`crate::range::indices_fit_i32`] proves every
+    /// one fits in 32 bits (indices are then computed in 32 bits and widened in address arithmetic
+    /// only), else `B64`.
+    idx: RegClass,
     /// In a group (CTA-per-item) kernel: the thread's index in the CTA (64-bit) and the predicate
     /// `tid != 0`.
     lane: Option<(Reg, Reg)>,
@@ -645,7 +649,7 @@ impl Gen<'_> {
                     .ok_or(Error::Internal("variable"))?
                     .class
             }
-            Expr::I64(_) => RegClass::B64,
+            Expr::I64(_) => self.idx,
             Expr::I32(_) => RegClass::B32,
             Expr::F32(_) => RegClass::F32,
             Expr::Load { buf, .. } => RegClass::of(
@@ -671,7 +675,7 @@ impl Gen<'_> {
                 | UnOp::E4m3
                 | UnOp::E2m1
                 | UnOp::Byte(_) => RegClass::B32,
-                UnOp::Widen => RegClass::B64,
+                UnOp::Widen => self.idx,
             },
             Expr::Bin(op, a, _) => match op {
                 BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => RegClass::Pred,
@@ -684,9 +688,26 @@ impl Gen<'_> {
         let elem = *self.elems.get(buf).ok_or(Error::Internal("buffer"))?;
         let base = *self.bases.get(buf).ok_or(Error::Internal("buffer"))?;
         let i = self.expr(index)?;
-        let i = self.in_reg(i, RegClass::B64);
+        let i = self.in_reg(i, self.idx);
         let d = self.b.reg(RegClass::B64);
-        if elem.size() == 1 {
+        if self.idx == RegClass::B32 {
+            // A 32-bit index (non-negative, proven below 2^31): one widening multiply-add.
+            let t = self.b.reg(RegClass::B64);
+            self.b.push(Inst::Bin {
+                op: "mul.wide",
+                ty: PtxTy::U32,
+                d: t,
+                a: Operand::Reg(i),
+                b: Operand::Int(elem.size() as i64),
+            });
+            self.b.push(Inst::Bin {
+                op: "add",
+                ty: PtxTy::S64,
+                d,
+                a: Operand::Reg(base),
+                b: Operand::Reg(t),
+            });
+        } else if elem.size() == 1 {
             self.b.push(Inst::Bin {
                 op: "add",
                 ty: PtxTy::S64,
@@ -836,6 +857,11 @@ impl Gen<'_> {
                 self.b.push(Inst::Selp { ty, d, a, b, p });
                 Operand::Reg(d)
             }
+            Expr::Un(UnOp::Widen | UnOp::Narrow, a) if self.idx == RegClass::B32 => {
+                // Indices are 32-bit here: widening and narrowing change nothing.
+                let v = self.expr(a)?;
+                Operand::Reg(self.in_reg(v, RegClass::B32))
+            }
             Expr::Un(op, a) => {
                 let ac = self.class_of(a)?;
                 let a = self.expr(a)?;
@@ -894,6 +920,18 @@ impl Gen<'_> {
                 let d = self.b.reg(class);
                 self.b.push(Inst::Un { op: opc, d, a });
                 Operand::Reg(d)
+            }
+            Expr::Bin(op @ (BinOp::IDiv | BinOp::IRem), a, b)
+                if self.idx == RegClass::B32
+                    && self.class_of(a)? == RegClass::B32
+                    && matches!(**b, Expr::I64(c) if c > 0 && c < (1 << 31)) =>
+            {
+                let Expr::I64(c) = **b else {
+                    return Err(Error::Internal("divisor"));
+                };
+                let a = self.expr(a)?;
+                let a = self.in_reg(a, RegClass::B32);
+                Operand::Reg(self.div32(*op == BinOp::IDiv, a, c))
             }
             Expr::Bin(op @ (BinOp::IDiv | BinOp::IRem), a, b)
                 if self.narrow_div
@@ -1061,7 +1099,7 @@ impl Gen<'_> {
                 for t in 0..trips {
                     self.b.push(Inst::Bin {
                         op: "add",
-                        ty: PtxTy::S64,
+                        ty: int_ty(self.idx),
                         d: var,
                         a: Operand::Reg(lane),
                         b: Operand::Int(t * self.group),
@@ -1076,9 +1114,13 @@ impl Gen<'_> {
             }
         }
         let end = self.expr(count)?;
-        let end = Operand::Reg(self.in_reg(end, RegClass::B64));
+        let end = Operand::Reg(self.in_reg(end, self.idx));
         self.b.push(Inst::Un {
-            op: "mov.u64",
+            op: if self.idx == RegClass::B32 {
+                "mov.u32"
+            } else {
+                "mov.u64"
+            },
             d: var,
             a: Operand::Reg(lane),
         });
@@ -1091,7 +1133,7 @@ impl Gen<'_> {
         })
     }
 
-    /// `while var < end { body; var += step }` (signed 64-bit), with labels named `names`.
+    /// `while var < end { body; var += step }` (signed, of `var`'s width), with labels named `names`.
     fn counted_loop(
         &mut self,
         var: Reg,
@@ -1106,7 +1148,7 @@ impl Gen<'_> {
         let p = self.b.reg(RegClass::Pred);
         self.b.push(Inst::Setp {
             cmp: "ge",
-            ty: PtxTy::S64,
+            ty: int_ty(var.class),
             p,
             a: Operand::Reg(var),
             b: end,
@@ -1118,7 +1160,7 @@ impl Gen<'_> {
         body(self)?;
         self.b.push(Inst::Bin {
             op: "add",
-            ty: PtxTy::S64,
+            ty: int_ty(var.class),
             d: var,
             a: Operand::Reg(var),
             b: step,
@@ -1232,7 +1274,7 @@ impl Gen<'_> {
             }
             self.b.push(Inst::Bin {
                 op: "add",
-                ty: PtxTy::S64,
+                ty: int_ty(self.idx),
                 d: regs[0],
                 a: Operand::Reg(lane),
                 b: Operand::Int(t * self.group),
@@ -1300,7 +1342,7 @@ impl Gen<'_> {
                     .ok_or(Error::Internal("variable"))?;
                 self.assign(r, start)?;
                 let end = self.expr(end)?;
-                let end = Operand::Reg(self.in_reg(end, RegClass::B64));
+                let end = Operand::Reg(self.in_reg(end, self.idx));
                 self.counted_loop(r, end, Operand::Int(1), ("loop", "done"), &mut |g| {
                     g.stmts(body)
                 })?;
@@ -1724,6 +1766,11 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         readonly,
         narrow_div: k.items < (1i64 << 32),
         magic_div: k.items < (1i64 << 31),
+        idx: if crate::range::indices_fit_i32(k) {
+            RegClass::B32
+        } else {
+            RegClass::B64
+        },
         lane: None,
         in_group: false,
         group: k.group as i64,
@@ -1735,7 +1782,11 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         ));
     }
     for t in &k.var_types {
-        let r = g.b.reg(RegClass::of(*t));
+        let r = g.b.reg(if *t == Ty::I64 {
+            g.idx
+        } else {
+            RegClass::of(*t)
+        });
         g.vars.push(r);
     }
     let params: Vec<String> = (0..elems.len())
@@ -1766,10 +1817,17 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
     ] {
         g.b.push(Inst::Special { d, name });
     }
-    let item = *g
+    let item_var = *g
         .vars
         .get(k.item.0 as usize)
         .ok_or(Error::Internal("item variable"))?;
+    // The item, its stride and the lane are set up in 64 bits, then narrowed where indices are
+    // 32-bit (once per thread).
+    let item = if g.idx == RegClass::B32 {
+        g.b.reg(RegClass::B64)
+    } else {
+        item_var
+    };
     let base = g.b.reg(RegClass::B64);
     g.b.push(Inst::MulWide {
         d: base,
@@ -1894,8 +1952,28 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         g.red = Some((slot, base, wnot0));
     }
+    let stride = if g.idx == RegClass::B32 {
+        let narrow = |g: &mut Gen<'_>, d: Reg, a: Reg| {
+            g.b.push(Inst::Un {
+                op: "cvt.u32.u64",
+                d,
+                a: Operand::Reg(a),
+            })
+        };
+        narrow(&mut g, item_var, item);
+        let s32 = g.b.reg(RegClass::B32);
+        narrow(&mut g, s32, stride);
+        if let Some((lane, not0)) = g.lane {
+            let l32 = g.b.reg(RegClass::B32);
+            narrow(&mut g, l32, lane);
+            g.lane = Some((l32, not0));
+        }
+        s32
+    } else {
+        stride
+    };
     g.counted_loop(
-        item,
+        item_var,
         Operand::Int(k.items),
         Operand::Reg(stride),
         ("item", "exit"),
