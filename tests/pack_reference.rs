@@ -292,6 +292,9 @@ fn every_recipe_matches_spec_on_random_inputs() {
     // H=160 leave partial 128x128 FP8 blocks.
     let shapes: &[(&str, (usize, usize, usize))] = &[
         ("bf16", (2, 64, 64)),
+        // Copies of 1, 2 and 4 chunks per GPU work item (rows of 5, 6, 3 and 10 16-byte chunks).
+        ("bf16", (2, 40, 24)),
+        ("bf16", (2, 48, 80)),
         ("fp8_per_tensor", (3, 64, 48)),
         ("fp8_block128", (2, 160, 96)),
         ("nvfp4_cutedsl", (2, 192, 64)),
