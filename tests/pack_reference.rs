@@ -428,3 +428,57 @@ fn subnormal_scale_blocks_saturate_like_spec() {
         compare("nvfp4_cutedsl", seed, (e, h, i), &want, &got, backend);
     }
 }
+
+#[test]
+fn nvfp4_blocks_whose_output_scale_overflows_saturate_like_spec() {
+    // An expert whose amax is near f32's underflow (1e-34): gs = 2688 / amax is finite, but for a
+    // block of denormal values the scale's decode product sval / gs is denormal too and its
+    // reciprocal, the output scale, is +inf; x * oscale is then ±inf, which SPEC saturates to ±6. The
+    // GPU form must not take its no-saturation path there (normal scale byte, finite output scale).
+    let seed = seed();
+    let mut rng = Rng::new(seed);
+    let (e, h, i) = (2, 64, 64);
+    let mut c = Case::new(&mut rng, e, h, i);
+    let bf = |v: f32| f32::from_bits((v.to_bits() + 0x8000) & 0xFFFF_0000);
+    let per13 = 2 * i * h;
+    for (k, v) in c.w13[..per13].iter_mut().enumerate() {
+        let blk = k / 16;
+        *v = if k == 0 {
+            bf(1e-34)
+        } else {
+            // Block maxima from 2e-39 to about 2.4e-38 (scale bytes 8 and up), no zeros.
+            let top = 2e-39 * (1.0 + (blk % 12) as f32);
+            let mag = bf(top * ((k % 16) + 1) as f32 / 16.0).max(f32::from_bits(0x0001_0000));
+            if (k * 5) % 3 == 0 {
+                -mag
+            } else {
+                mag
+            }
+        };
+    }
+    // Blocks of that expert with a normal scale byte and an infinite output scale (as SPEC computes).
+    let (gs, _) = r::nvfp4_global(&c.w13[..per13]);
+    let overflowing = c.w13[..per13]
+        .chunks(16)
+        .filter(|b| {
+            let vmax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let s = r::e4m3_from_f32((gs * (vmax * (1.0f32 / 6.0))).clamp(-448.0, 448.0));
+            s >= 8 && (1.0 / (r::e4m3_to_f32(s) * (1.0 / gs))).is_infinite()
+        })
+        .count();
+    assert!(
+        overflowing > 10,
+        "only {overflowing} blocks with an infinite output scale"
+    );
+    let inputs = c.inputs(false);
+    let want = expected("nvfp4_cutedsl", &c, false);
+    for backend in ["interp", "host", "interp_x4", "host_x4"] {
+        let got = pack(
+            "nvfp4_cutedsl",
+            (e as i64, h as i64, i as i64),
+            &inputs,
+            backend,
+        );
+        compare("nvfp4_cutedsl", seed, (e, h, i), &want, &got, backend);
+    }
+}

@@ -16,6 +16,10 @@ pub mod reference;
 
 pub use moeforge_dsl::ModuleInfo;
 
+/// A fingerprint of this crate's sources (see `build.rs`): the kernel cache keys include it, so a
+/// backend change that leaves a kernel's IR unchanged still gets that kernel compiled again.
+pub const FINGERPRINT: &str = env!("MOEFORGE_CODEGEN_FINGERPRINT");
+
 /// Errors of the backends.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

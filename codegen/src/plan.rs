@@ -1357,25 +1357,35 @@ impl Planner<'_> {
                     });
                     return Ok(());
                 }
-                // A block with a normal E4M3 scale (byte >= 8) has |x * oscale| <= 6.4: sval >=
-                // t (1 - 2^-4) for t = gs * vmax / 6, and the f32 roundings add parts in 2^22; its
-                // conversion needs no saturation step (`small`, which the interpreter checks). The
-                // rare others (zero and subnormal scales) are done again after the item's blocks,
-                // in a loop over them with the saturating form, where any occurred.
+                // A block with a normal E4M3 scale (byte >= 8) and a finite output scale has
+                // |x * oscale| <= 6.4: sval >= t (1 - 2^-4) for t = gs * vmax / 6, and the f32
+                // roundings add parts in 2^22; its conversion needs no saturation step (`small`,
+                // which the interpreter checks). The rare others (zero and subnormal scales, and an
+                // infinite or NaN output scale from an expert whose amax is near f32's underflow)
+                // are done again after the item's blocks, in a loop over them with the saturating
+                // form, where any occurred.
+                let normal_of = |sbyte: Expr, osc: Expr| {
+                    e::bin(
+                        BinOp::And,
+                        e::un(UnOp::BoolToI, e::bin(BinOp::ILt, e::i32(7), sbyte)),
+                        e::un(UnOp::BoolToI, e::bin(BinOp::FLt, osc, e::f(f32::INFINITY))),
+                    )
+                };
                 let slow = em.var(Ty::I32, e::i32(0));
                 rb.blocks(em, first.clone(), |b, j| {
                     let (xs, sbyte, osc, zero) = scaled(b, &j);
                     store_scale(b, &j, sbyte.clone());
                     let at = (it.clone(), j, cols);
+                    let normal = b.set(Ty::I32, normal_of(sbyte, osc.clone()));
                     let fast =
                         b.block(|b2| store_fp4_block(b2, vb, at, &xs, (&osc, &zero), false, true));
                     b.out.push(Stmt::If {
-                        cond: e::bin(BinOp::ILt, e::i32(7), sbyte.clone()),
+                        cond: e::bin(BinOp::IEq, normal.clone(), e::i32(1)),
                         then: fast,
                     });
-                    let lt8 = e::un(UnOp::BoolToI, e::bin(BinOp::ILt, sbyte, e::i32(8)));
+                    let not = e::bin(BinOp::Xor, normal, e::i32(1));
                     b.out
-                        .push(Stmt::Set(slow, e::bin(BinOp::Or, e::v(slow), lt8)));
+                        .push(Stmt::Set(slow, e::bin(BinOp::Or, e::v(slow), not)));
                 });
                 let again = em.block(|b| {
                     b.for_(e::i(0), e::i(rb.bpi), |b2, k| {
@@ -1386,7 +1396,7 @@ impl Planner<'_> {
                             store_fp4_block(b3, vb, at, &xs, (&osc, &zero), false, false)
                         });
                         b2.out.push(Stmt::If {
-                            cond: e::bin(BinOp::ILt, sbyte, e::i32(8)),
+                            cond: e::bin(BinOp::IEq, normal_of(sbyte, osc), e::i32(0)),
                             then,
                         });
                     });

@@ -13,14 +13,17 @@ use crate::kir::{BinOp, Expr, Kernel, Stmt, Ty, UnOp, Var};
 
 type Iv = (i128, i128);
 
-const LO: i128 = i32::MIN as i128;
-const HI: i128 = i32::MAX as i128;
+/// The proven range, with headroom below i32's limits: backends add small constants to proven
+/// values (a packed access's element offsets, up to 16).
+const LO: i128 = i32::MIN as i128 + 1024;
+const HI: i128 = i32::MAX as i128 - 1024;
 
 /// Headroom above a group loop's count: its variable steps past the count by up to a group (1024).
 const GROUP_STEP: i128 = 1024;
 
 /// Whether every `i64` value of `k` (indices, coordinates, loop variables, the item and the item
-/// loop's step past the last item) fits in `i32`.
+/// loop's step past the last item) fits in `i32`, with headroom. The item loop's bound assumes what
+/// the runtime's launch configuration guarantees: at most `items` plus one CTA of threads.
 pub fn indices_fit_i32(k: &Kernel) -> bool {
     // The item loop steps by the launched threads, at most `items` plus a CTA past the last item.
     if k.items < 1 || i128::from(k.items) * 2 + 2 * GROUP_STEP > HI {
@@ -109,10 +112,10 @@ impl Analysis<'_> {
                     end,
                     body,
                 } => {
-                    let (lo, _) = self.int(start)?;
+                    let (lo, start_hi) = self.int(start)?;
                     let (_, hi) = self.int(end)?;
-                    // The variable ends at `end` (or stays at `start` for an empty loop).
-                    self.set(*var, (lo.min(hi), hi.max(lo)))?;
+                    // The variable ends at `end`, or stays at `start` for an empty loop.
+                    self.set(*var, (lo, hi.max(start_hi)))?;
                     self.block(body)?;
                 }
                 Stmt::If { cond, then } => {

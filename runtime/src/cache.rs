@@ -1,9 +1,10 @@
 //! The content-addressed kernel cache: an in-memory map over an on-disk store.
 //!
-//! A PTX entry's key hashes (BLAKE3) the normalized kernel IR of the program, the target, the options
-//! and the moeforge version; a cubin entry's key adds the compiler: the driver version for the driver's
-//! JIT linker, the release of ptxas where that compiles (`MOEFORGE_JIT`). Never paths or mtimes. Disk
-//! entries live under `$MOEFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/moeforge`, else
+//! A PTX entry's key hashes (BLAKE3) the normalized kernel IR of the program, the target, the options,
+//! the moeforge version and a fingerprint of the code generator's sources
+//! ([`moeforge_codegen::FINGERPRINT`]); a cubin entry's key adds the compiler: the driver version for
+//! the driver's JIT linker, the release of ptxas where that compiles (`MOEFORGE_JIT`). Never paths or
+//! mtimes. Disk entries live under `$MOEFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/moeforge`, else
 //! `~/.cache/moeforge`, in `kernels/`. Each file is a header line, the BLAKE3 checksum of the payload
 //! and the payload; it is written to a temporary file and renamed into place, so readers never see half
 //! an entry and two processes compiling the same key both succeed (the last rename wins, with identical
@@ -78,7 +79,13 @@ impl Cache {
     /// The key of a program's PTX for a target.
     pub fn ptx_key(prog: &moeforge_codegen::kir::Program, target: &str, options: &str) -> String {
         let mut h = blake3::Hasher::new();
-        for part in ["moeforge-ptx", env!("CARGO_PKG_VERSION"), target, options] {
+        for part in [
+            "moeforge-ptx",
+            env!("CARGO_PKG_VERSION"),
+            moeforge_codegen::FINGERPRINT,
+            target,
+            options,
+        ] {
             h.update(part.as_bytes());
             h.update(&[0]);
         }

@@ -140,9 +140,14 @@ impl Compiler {
 
     fn choose() -> Result<Compiler> {
         let want = std::env::var("MOEFORGE_JIT").unwrap_or_default();
-        match want.as_str() {
+        Compiler::choose_from(&want, find_ptxas())
+    }
+
+    /// The compiler for a `MOEFORGE_JIT` value, given the ptxas found (if any).
+    pub fn choose_from(want: &str, found: Option<PathBuf>) -> Result<Compiler> {
+        match want {
             "" | "driver" => Ok(Compiler::Driver),
-            "ptxas" => match find_ptxas() {
+            "ptxas" => match found {
                 Some(p) => Compiler::ptxas(&p),
                 None => Err(Error::Compiler(
                     "MOEFORGE_JIT=ptxas, but no ptxas was found (looked at MOEFORGE_PTXAS, PATH, \
@@ -150,8 +155,15 @@ impl Compiler {
                         .into(),
                 )),
             },
-            "auto" => Ok(find_ptxas()
+            // A ptxas too old for the PTX moeforge writes (or broken) leaves the driver's JIT.
+            "auto" => Ok(found
                 .and_then(|p| Compiler::ptxas(&p).ok())
+                .filter(|c| match c {
+                    Compiler::Ptxas { path, .. } => {
+                        ptxas_compile(path, "sm_90a", "probe", &probe()).is_ok()
+                    }
+                    Compiler::Driver => true,
+                })
                 .unwrap_or(Compiler::Driver)),
             other => Err(Error::Compiler(format!(
                 "MOEFORGE_JIT=`{other}`: expected driver, ptxas or auto"
@@ -201,6 +213,17 @@ impl Compiler {
     }
 }
 
+/// The smallest kernel of the PTX version moeforge writes: `auto` uses a ptxas only if it takes it.
+fn probe() -> String {
+    format!(
+        ".version {}\n.target sm_90a\n.address_size 64\n.visible .entry probe()\n{{\nret;\n}}\n",
+        moeforge_codegen::ptx::PTX_VERSION
+    )
+}
+
+/// How long one ptxas run may take before it is stopped and reported.
+const PTXAS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// A `ptxas` on this machine: `MOEFORGE_PTXAS`, else the first on `PATH`, else `$CUDA_HOME/bin` or
 /// `/usr/local/cuda/bin`.
 pub fn find_ptxas() -> Option<PathBuf> {
@@ -231,23 +254,41 @@ pub fn ptxas_compile(ptxas: &Path, arch: &str, name: &str, ptx: &str) -> Result<
     let src = dir.path().join("k.ptx");
     let dst = dir.path().join("k.cubin");
     std::fs::write(&src, ptx).map_err(|e| io("write", e))?;
-    let out = Command::new(ptxas)
+    let log_path = dir.path().join("log");
+    let log_file = std::fs::File::create(&log_path).map_err(|e| io("log", e))?;
+    let log_err = log_file.try_clone().map_err(|e| io("log", e))?;
+    let mut child = Command::new(ptxas)
         .arg(format!("-arch={arch}"))
         .arg("-O3")
         .arg(&src)
         .arg("-o")
         .arg(&dst)
-        .output()
+        .stdout(log_file)
+        .stderr(log_err)
+        .spawn()
         .map_err(|e| io("spawn", e))?;
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    if !out.status.success() {
+    let started = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait().map_err(|e| io("wait", e))? {
+            Some(status) => break status,
+            None if started.elapsed() > PTXAS_TIMEOUT => {
+                // Best effort: the process may have ended meanwhile.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::Jit {
+                    name: name.into(),
+                    code: "ptxas timeout".into(),
+                    log: format!("ptxas ran longer than {} s", PTXAS_TIMEOUT.as_secs()),
+                });
+            }
+            None => std::thread::sleep(std::time::Duration::from_millis(2)),
+        }
+    };
+    let log = String::from_utf8_lossy(&std::fs::read(&log_path).unwrap_or_default()).into_owned();
+    if !status.success() {
         return Err(Error::Jit {
             name: name.into(),
-            code: format!("ptxas exit {}", out.status.code().unwrap_or(-1)),
+            code: format!("ptxas exit {}", status.code().unwrap_or(-1)),
             log,
         });
     }
@@ -297,6 +338,33 @@ mod tests {
                 assert!(log.contains("bogus") || log.contains("error"), "{log}");
             }
             other => panic!("expected a ptxas error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_choice_follows_moeforge_jit() {
+        assert_eq!(Compiler::choose_from("", None).unwrap(), Compiler::Driver);
+        assert_eq!(
+            Compiler::choose_from("driver", None).unwrap(),
+            Compiler::Driver
+        );
+        // auto: no ptxas, or one that does not run or rejects the probe, is the driver.
+        assert_eq!(
+            Compiler::choose_from("auto", None).unwrap(),
+            Compiler::Driver
+        );
+        let not_ptxas = Some(PathBuf::from("/bin/true"));
+        assert_eq!(
+            Compiler::choose_from("auto", not_ptxas).unwrap(),
+            Compiler::Driver
+        );
+        assert!(Compiler::choose_from("ptxas", None).is_err());
+        let err = Compiler::choose_from("nvcc", None).unwrap_err().to_string();
+        assert!(err.contains("MOEFORGE_JIT=`nvcc`"), "{err}");
+        if let Some(Compiler::Ptxas { path, .. }) = ptxas() {
+            let c = Compiler::choose_from("auto", Some(path.clone())).unwrap();
+            assert!(matches!(c, Compiler::Ptxas { .. }), "{c:?}");
+            assert_eq!(Compiler::choose_from("ptxas", Some(path)).unwrap(), c);
         }
     }
 
