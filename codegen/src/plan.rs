@@ -1466,9 +1466,8 @@ impl Planner<'_> {
                         return Err(Error::Internal("rank"));
                     };
                     let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
-                    // GPU form: work items of `per` 16-byte chunks of a row, a `nch / per`-th of
-                    // the row apart, so that each load and store instruction of a warp covers 512
-                    // contiguous bytes, and an item's loads are all in flight before its stores.
+                    // GPU form: one work item per 16 bytes of a row, so that each load and store
+                    // instruction of a warp covers 512 contiguous bytes.
                     let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                     let chunk = (16 / xelem.size()) as i64;
                     let nch = if !self.x4 && nc % chunk == 0 {
@@ -1476,16 +1475,14 @@ impl Planner<'_> {
                     } else {
                         1
                     };
-                    let per = [4, 2, 1].into_iter().find(|p| nch % p == 0).unwrap_or(1);
                     let clen = if nch > 1 { chunk } else { nc };
                     return self.kernel(
                         format!("{}_{}_copy", self.prog.recipe, t.name),
-                        ne * nr * nch / per,
+                        ne * nr * nch,
                         |em, it0| {
                             let (it, cstart) = if nch > 1 {
-                                let ipr = nch / per;
-                                let row = em.set(Ty::I64, e::div(it0.clone(), ipr));
-                                let ch = em.set(Ty::I64, e::mul(e::rem(it0, ipr), e::i(chunk)));
+                                let row = em.set(Ty::I64, e::div(it0.clone(), nch));
+                                let ch = em.set(Ty::I64, e::mul(e::rem(it0, nch), e::i(chunk)));
                                 (row, ch)
                             } else {
                                 (it0, e::i(0))
@@ -1502,19 +1499,21 @@ impl Planner<'_> {
                             );
                             let dst_base = em.set(Ty::I64, e::mul(it, e::i(nc)));
                             if nch > 1 {
-                                // GPU form: `per` packed loads, then `per` packed stores.
-                                let step = (nch / per) * chunk;
-                                let at = |k: i64| e::add(cstart.clone(), e::i(k * step));
-                                let loaded: Vec<Vec<Expr>> = (0..per)
-                                    .map(|k| {
-                                        let from = e::add(src_base.clone(), at(k));
-                                        load_block(em, xb, xelem, from, chunk as usize)
-                                    })
-                                    .collect();
-                                for (k, xs) in (0..per).zip(loaded) {
-                                    let to = e::add(dst_base.clone(), at(k));
-                                    store_block(em, out, xelem, to, xs);
-                                }
+                                // GPU form: one packed load and store.
+                                let xs = load_block(
+                                    em,
+                                    xb,
+                                    xelem,
+                                    e::add(src_base.clone(), cstart.clone()),
+                                    chunk as usize,
+                                );
+                                store_block(
+                                    em,
+                                    out,
+                                    xelem,
+                                    e::add(dst_base.clone(), cstart.clone()),
+                                    xs,
+                                );
                                 return Ok(());
                             }
                             em.for_(
