@@ -299,6 +299,9 @@ fn every_recipe_matches_spec_on_random_inputs() {
         ("fp8_block128", (2, 160, 96)),
         ("nvfp4_cutedsl", (2, 192, 64)),
         ("nvfp4_cutedsl", (3, 64, 128)),
+        // Rows of 16 and 32 blocks: a work item's four blocks are 4 or 8 columns apart, which the
+        // 128x4 swizzle moves by a constant (their scale offsets are the first's plus multiples).
+        ("nvfp4_cutedsl", (2, 256, 512)),
         ("mxfp4", (2, 64, 96)),
         ("int8_per_row", (2, 40, 24)),
         ("int8_per_row", (2, 1040, 48)),

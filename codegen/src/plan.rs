@@ -1371,10 +1371,29 @@ impl Planner<'_> {
                         e::un(UnOp::BoolToI, e::bin(BinOp::FLt, osc, e::f(f32::INFINITY))),
                     )
                 };
+                // The item's blocks share a row, `ipr` columns apart: where the swizzle moves a
+                // block by a constant for that, their scale offsets are the first's plus multiples.
+                let shift = sw
+                    .as_ref()
+                    .and_then(|l| layout_shift(l, 2, rb.items_per_row()));
+                let first_idx = match (&sw, shift, scl) {
+                    (Some(l), Some(_), Some(_)) => Some(em.set(
+                        Ty::I64,
+                        layout_index(l, &[ex.clone(), r.clone(), first.clone()]),
+                    )),
+                    _ => None,
+                };
                 let slow = em.var(Ty::I32, e::i32(0));
-                rb.blocks(em, first.clone(), |b, j| {
+                rb.blocks_k(em, first.clone(), |b, j, k| {
                     let (xs, sbyte, osc, zero) = scaled(b, &j);
-                    store_scale(b, &j, sbyte.clone());
+                    match (&first_idx, shift, scl) {
+                        (Some(i0), Some(d), Some((sbuf, _))) => b.out.push(Stmt::Store {
+                            buf: sbuf,
+                            index: e::add(i0.clone(), e::i(k * d)),
+                            value: sbyte.clone(),
+                        }),
+                        _ => store_scale(b, &j, sbyte.clone()),
+                    }
                     let at = (it.clone(), j, cols);
                     let normal = b.set(Ty::I32, normal_of(sbyte, osc.clone()));
                     let fast =
@@ -1765,9 +1784,14 @@ impl RowBlocks {
             em.for_(e::i(0), e::i(self.nb), block);
             return;
         }
+        self.blocks_k(em, first, |b, j, _| block(b, j));
+    }
+
+    /// GPU form: `block(j, k)` for the item's `k`-th block `j`.
+    fn blocks_k(&self, em: &mut Emit<'_>, first: Expr, block: impl Fn(&mut Emit<'_>, Expr, i64)) {
         let ipr = self.items_per_row();
         for k in 0..self.bpi {
-            block(em, e::add(first.clone(), e::i(k * ipr)));
+            block(em, e::add(first.clone(), e::i(k * ipr)), k);
         }
     }
 }
@@ -1977,6 +2001,16 @@ pub fn index_vec_expr(iv: &IndexVec, j: Expr, atoms: &[i128]) -> Expr {
             index_vec_expr(base, src, atoms)
         }
     }
+}
+
+/// How much [`layout_index`] moves when coordinate `k` grows by `delta`, where that is one constant
+/// for every coordinate: `delta` a multiple of the mode's inner sizes, so that only its last part
+/// (which `layout_index` leaves unreduced) grows.
+fn layout_shift(l: &Layout, k: usize, delta: i64) -> Option<i64> {
+    let subs = l.mode(k)?.flat_modes();
+    let (last, inner) = subs.split_last()?;
+    let p: i64 = inner.iter().map(|&(s, _)| s).product();
+    (p > 0 && delta % p == 0).then(|| delta / p * last.1)
 }
 
 /// The offset of a natural coordinate (one integer per top-level mode) under a CuTe layout: each
