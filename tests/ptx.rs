@@ -251,3 +251,64 @@ fn index_arithmetic_of_real_layers_is_proven_32_bit() {
         .kernels()
         .any(|k| !moeforge::codegen::range::indices_fit_i32(k)));
 }
+
+/// Assemble `ptx` for `t` with ptxas where it is at hand; panics with ptxas's messages on rejection.
+fn assemble(ptx: &str, t: Target, what: &str) {
+    let Some(ptxas) = ptxas() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("k.ptx");
+    std::fs::write(&src, ptx).unwrap();
+    let res = Command::new(ptxas)
+        .arg(format!("-arch={}", t.name()))
+        .arg(&src)
+        .arg("-o")
+        .arg(dir.path().join("k.cubin"))
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "ptxas rejected {what} for {}:\n{}",
+        t.name(),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+#[test]
+fn the_64_bit_index_path_compiles_for_layers_past_2_31_elements() {
+    // All 256 DeepSeek-V3 experts in one process: w13 alone is 7.5e9 elements, so its kernels keep
+    // 64-bit indices (`%rd` registers in index arithmetic); and every recipe at a small shape with
+    // `wide_index` forced (what `MOEFORGE_INDEX64=1` does for the GPU self-test).
+    let mut compiled = 0;
+    for r in moeforge::kernels::STANDARD {
+        if let Ok(prog) = moeforge::pack_program(r.source, r.path, "E=256,H=7168,I=2048", &|_| true)
+        {
+            assert!(
+                prog.kernels()
+                    .any(|k| !moeforge::codegen::range::indices_fit_i32(k)),
+                "{}: every kernel proven 32-bit at E=256",
+                r.name
+            );
+            for t in [Target::Sm90a, Target::Sm100a] {
+                let ptx = moeforge::codegen::ptx::compile(&prog, t).unwrap();
+                assemble(&ptx, t, &format!("{} at E=256,H=7168,I=2048", r.name));
+                compiled += 1;
+            }
+        }
+        let mut prog =
+            moeforge::pack_program(r.source, r.path, "E=3,H=192,I=64", &|_| true).unwrap();
+        for st in prog.steps.iter_mut() {
+            if let moeforge::codegen::kir::Step::Kernel(k) = st {
+                k.wide_index = true;
+            }
+        }
+        for t in [Target::Sm90a, Target::Sm100a] {
+            let ptx = moeforge::codegen::ptx::compile(&prog, t).unwrap();
+            assert!(ptx.contains("mul.lo.s64") || ptx.contains("add.s64"));
+            assemble(&ptx, t, &format!("{} with wide_index", r.name));
+        }
+    }
+    assert!(
+        compiled >= 8,
+        "only {compiled} huge-layer programs compiled"
+    );
+}

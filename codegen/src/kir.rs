@@ -369,6 +369,9 @@ pub struct Kernel {
     /// A cap on registers per thread for the GPU (`.maxnreg`), trading a few spills for more resident
     /// threads; `None` leaves the choice to the assembler.
     pub maxnreg: Option<u32>,
+    /// Keep 64-bit index arithmetic on the GPU even where 32 bits are proven enough (the path of
+    /// layers over 2^31 elements, run at small shapes to test it).
+    pub wide_index: bool,
 }
 
 impl Kernel {
@@ -689,6 +692,7 @@ impl VarAlloc {
             var_types: self.types,
             group: 1,
             maxnreg: None,
+            wide_index: false,
         }
     }
 }
@@ -812,6 +816,9 @@ impl fmt::Display for Kernel {
         };
         if let Some(n) = self.maxnreg {
             group.push_str(&format!(" maxnreg {n}"));
+        }
+        if self.wide_index {
+            group.push_str(" wide_index");
         }
         writeln!(
             f,

@@ -1766,7 +1766,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         readonly,
         narrow_div: k.items < (1i64 << 32),
         magic_div: k.items < (1i64 << 31),
-        idx: if crate::range::indices_fit_i32(k) {
+        idx: if !k.wide_index && crate::range::indices_fit_i32(k) {
             RegClass::B32
         } else {
             RegClass::B64

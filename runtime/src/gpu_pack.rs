@@ -177,26 +177,29 @@ impl GpuProgram {
                 dev.capability
             ))
         })?;
-        // MOEFORGE_MAXNREG=N caps registers in every one-thread-per-item kernel (for tuning runs; the
-        // cap is part of the kernel IR, so of its cache keys).
-        let tuned;
-        let prog = match std::env::var("MOEFORGE_MAXNREG")
+        // MOEFORGE_MAXNREG=N caps registers in every one-thread-per-item kernel (for tuning runs);
+        // MOEFORGE_INDEX64=1 keeps every kernel's index arithmetic 64-bit (the path of layers over
+        // 2^31 elements, for testing it at small shapes). Both are part of the kernel IR, so of its
+        // cache keys.
+        let maxnreg = std::env::var("MOEFORGE_MAXNREG")
             .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-        {
-            Some(n) => {
-                let mut p = prog.clone();
-                for st in p.steps.iter_mut() {
-                    if let Step::Kernel(k) = st {
-                        if k.group == 1 {
-                            k.maxnreg = Some(n);
-                        }
+            .and_then(|v| v.parse::<u32>().ok());
+        let wide = std::env::var("MOEFORGE_INDEX64").is_ok_and(|v| v == "1");
+        let tuned;
+        let prog = if maxnreg.is_some() || wide {
+            let mut p = prog.clone();
+            for st in p.steps.iter_mut() {
+                if let Step::Kernel(k) = st {
+                    if k.group == 1 && maxnreg.is_some() {
+                        k.maxnreg = maxnreg;
                     }
+                    k.wide_index |= wide;
                 }
-                tuned = p;
-                &tuned
             }
-            None => prog,
+            tuned = p;
+            &tuned
+        } else {
+            prog
         };
         let compiler = &Compiler::from_env()?;
         let t0 = Instant::now();
