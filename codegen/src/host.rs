@@ -377,13 +377,8 @@ impl<'a, 'b> Gen<'a, 'b> {
                 Ty::Boolx4 => Ty::Bool,
                 _ => Ty::I32,
             },
-            Expr::Fma(..) | Expr::PackE2m1 { .. } => {
-                if matches!(x, Expr::Fma(..)) {
-                    Ty::F32
-                } else {
-                    Ty::I32
-                }
-            }
+            Expr::Fma(..) | Expr::AbsMax(_) => Ty::F32,
+            Expr::PackE2m1 { .. } => Ty::I32,
             Expr::Select(_, a, b) => {
                 let (ta, tb) = (self.ty(a)?, self.ty(b)?);
                 if tb.is_vector() {
@@ -633,6 +628,15 @@ impl<'a, 'b> Gen<'a, 'b> {
                 }
             }
             Expr::PackE2m1 { .. } => return Err(Error::Internal("native conversion not softened")),
+            Expr::AbsMax(vals) => {
+                // The same as a chain of f32 maxima of absolute values (exact and order-free).
+                let tree = vals
+                    .iter()
+                    .map(|x| Expr::Un(UnOp::FAbs, Box::new(x.clone())))
+                    .reduce(|a, b| Expr::Bin(BinOp::FMax, Box::new(a), Box::new(b)))
+                    .ok_or(Error::Internal("absmax of no values"))?;
+                return self.expr(&tree);
+            }
             Expr::Bin(op, a, b) => {
                 // Constant right operands become immediates where Cranelift has the form.
                 if let (Expr::I64(c), BinOp::IDiv | BinOp::IRem | BinOp::IMul | BinOp::IAdd) =

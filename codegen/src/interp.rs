@@ -172,6 +172,14 @@ impl Ctx<'_> {
                 }
                 Val::I32(w as i32)
             }
+            Expr::AbsMax(vals) => {
+                let mut m: Option<f32> = None;
+                for x in vals {
+                    let a = self.eval(x)?.f32()?.abs();
+                    m = Some(m.map_or(a, |b| b.max(a)));
+                }
+                Val::F32(m.ok_or(Error::Internal("absmax of no values"))?)
+            }
             Expr::Splat(a) => {
                 let a = self.eval(a)?;
                 Val::gather([a; 4])?

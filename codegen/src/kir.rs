@@ -227,6 +227,10 @@ pub enum Expr {
         /// Every `|value| < 7`.
         small: bool,
     },
+    /// `max |x|` over scalar f32 values (never NaN), one f32. The GPU backend takes values loaded from
+    /// bf16 pairs two at a time (`max.xorsign.abs.bf16x2` on the loaded words; exact, as the maximum
+    /// of bf16 values is one of them).
+    AbsMax(Vec<Expr>),
     /// A scalar broadcast to four lanes.
     Splat(Box<Expr>),
     /// One lane of a vector.
@@ -716,6 +720,10 @@ impl fmt::Display for Expr {
                 let v: Vec<String> = vals.iter().map(|x| x.to_string()).collect();
                 let tag = if *small { "_small" } else { "" };
                 write!(f, "pack_e2m1{tag}({})", v.join(", "))
+            }
+            Expr::AbsMax(vals) => {
+                let v: Vec<String> = vals.iter().map(|x| x.to_string()).collect();
+                write!(f, "absmax({})", v.join(", "))
             }
             Expr::Splat(a) => write!(f, "splat({a})"),
             Expr::Lane(a, k) => write!(f, "lane({a}, {k})"),

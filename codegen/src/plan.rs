@@ -473,10 +473,7 @@ impl Planner<'_> {
                             let load = b.block(|b2| {
                                 let at = e::add(base.clone(), e::mul(ci.clone(), e::i(chunk)));
                                 let xs = load_block(b2, xb, xelem, at, chunk as usize);
-                                b2.out.push(Stmt::Set(
-                                    m,
-                                    max_tree(xs.into_iter().map(fabs).collect()),
-                                ));
+                                b2.out.push(Stmt::Set(m, Expr::AbsMax(xs)));
                             });
                             if guard {
                                 b.out.push(Stmt::Set(m, e::f(0.0)));
@@ -793,7 +790,7 @@ impl Planner<'_> {
                             };
                             let mut xs: Vec<Expr> = Vec::new();
                             let load = em.block(|b| xs = load_segment(b));
-                            let value = max_tree(xs.iter().cloned().map(fabs).collect());
+                            let value = Expr::AbsMax(xs.clone());
                             // bf16 rows whose scale is in range divide by the row's reciprocal and
                             // one correction (see `quant::quot_by_reciprocal`); others, and wider
                             // inputs, by a correctly rounded division per element.
@@ -1039,8 +1036,7 @@ impl Planner<'_> {
                             b.out.push(Stmt::Set(m, e::f(0.0)));
                             seg(b, e::v(sub), &mut |b2, src, _| {
                                 xs = load_block(b2, xb, xelem, src, 8);
-                                let v = max_tree(xs.iter().cloned().map(fabs).collect());
-                                b2.out.push(Stmt::Set(m, v));
+                                b2.out.push(Stmt::Set(m, Expr::AbsMax(xs.clone())));
                             });
                         });
                         // sf = max(amax, 1e-4) / 448; q = e4m3(x * (1/sf)).
@@ -1869,15 +1865,15 @@ fn load_fp_block(
     }
 }
 
-/// `max |x|` over a block from [`load_fp_block`], as a balanced tree (across lanes last).
+/// `max |x|` over a block from [`load_fp_block`]: one [`Expr::AbsMax`] in the GPU form (packed bf16
+/// pairs there), a balanced tree across the 4-lane vectors and then their lanes in the host form.
 fn abs_max(em: &mut Emit<'_>, xs: &[Expr], x4: bool) -> Expr {
-    let m = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
-    if x4 {
-        let mv = em.set(Ty::F32x4, m);
-        max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
-    } else {
-        m
+    if !x4 {
+        return Expr::AbsMax(xs.to_vec());
     }
+    let m = max_tree(xs.iter().map(|x| fabs(x.clone())).collect());
+    let mv = em.set(Ty::F32x4, m);
+    max_tree((0..4).map(|k| e::lane(mv.clone(), k)).collect())
 }
 
 /// Store block `j` of row `row` (rows `cols` values long) as packed FP4 bytes (see [`e2m1_bytes`]);

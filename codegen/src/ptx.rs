@@ -163,6 +163,8 @@ pub enum PtxTy {
     U16,
     /// `.u8`
     U8,
+    /// `.bf16x2`
+    Bf16x2,
 }
 
 impl fmt::Display for PtxTy {
@@ -177,6 +179,7 @@ impl fmt::Display for PtxTy {
             PtxTy::F32 => ".f32",
             PtxTy::U16 => ".u16",
             PtxTy::U8 => ".u8",
+            PtxTy::Bf16x2 => ".bf16x2",
         })
     }
 }
@@ -523,6 +526,9 @@ impl Builder {
 
 struct Gen<'a> {
     b: Builder,
+    /// f32 registers holding a bf16 loaded as half of a 32-bit word: the word and the half (0 low,
+    /// 1 high), for [`Expr::AbsMax`] on packed pairs; a register leaves when written again.
+    halves: std::collections::HashMap<Reg, (Reg, u8)>,
     vars: Vec<Reg>,
     bases: Vec<Reg>,
     elems: &'a [Elem],
@@ -659,7 +665,7 @@ impl Gen<'_> {
                     .ty(),
             ),
             Expr::Select(_, a, _) => self.class_of(a)?,
-            Expr::Fma(..) => RegClass::F32,
+            Expr::Fma(..) | Expr::AbsMax(_) => RegClass::F32,
             Expr::PackE2m1 { .. } => RegClass::B32,
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
@@ -791,6 +797,7 @@ impl Gen<'_> {
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
             }
+            Expr::AbsMax(vals) => Operand::Reg(self.abs_max(vals)?),
             Expr::PackE2m1 { vals, .. } => {
                 if vals.is_empty() || vals.len() > 8 {
                     return Err(Error::Internal("pack_e2m1 of 1 to 8 values"));
@@ -1037,8 +1044,113 @@ impl Gen<'_> {
         })
     }
 
+    /// `max |x|` over `vals`: where they are exactly the two halves of some loaded bf16 words, a
+    /// tree of `max.xorsign.abs.bf16x2` over the words (each half the larger magnitude; the sign is
+    /// dropped at the end), then the larger half as f32; otherwise a tree of f32 maxima.
+    fn abs_max(&mut self, vals: &[Expr]) -> Result<Reg> {
+        let mut regs = Vec::with_capacity(vals.len());
+        for x in vals {
+            let v = self.expr(x)?;
+            regs.push(self.in_reg(v, RegClass::F32));
+        }
+        let mut words: Vec<Reg> = Vec::new();
+        let mut seen: std::collections::HashMap<Reg, u8> = std::collections::HashMap::new();
+        let mut packed = !regs.is_empty();
+        for r in &regs {
+            match self.halves.get(r) {
+                Some(&(w, half)) => {
+                    let m = seen.entry(w).or_insert_with(|| {
+                        words.push(w);
+                        0
+                    });
+                    if *m & (1 << half) != 0 {
+                        packed = false;
+                    }
+                    *m |= 1 << half;
+                }
+                None => packed = false,
+            }
+        }
+        packed &= seen.values().all(|&m| m == 3);
+        let mut level: Vec<Reg> = if packed {
+            while words.len() > 1 {
+                let mut next = Vec::with_capacity(words.len().div_ceil(2));
+                for pair in words.chunks(2) {
+                    if let [a, b] = pair {
+                        let d = self.b.reg(RegClass::B32);
+                        self.b.push(Inst::Bin {
+                            op: "max.xorsign.abs",
+                            ty: PtxTy::Bf16x2,
+                            d,
+                            a: Operand::Reg(*a),
+                            b: Operand::Reg(*b),
+                        });
+                        next.push(d);
+                    } else {
+                        next.extend_from_slice(pair);
+                    }
+                }
+                words = next;
+            }
+            let w = *words
+                .first()
+                .ok_or(Error::Internal("absmax of no values"))?;
+            let mut halves = Vec::with_capacity(2);
+            for (op, k) in [("shl", 16), ("and", 0xFFFF_0000)] {
+                let t = self.b.reg(RegClass::B32);
+                self.b.push(Inst::Bin {
+                    op,
+                    ty: PtxTy::B32,
+                    d: t,
+                    a: Operand::Reg(w),
+                    b: Operand::Int(k),
+                });
+                let f = self.b.reg(RegClass::F32);
+                self.b.push(Inst::Un {
+                    op: "mov.b32",
+                    d: f,
+                    a: Operand::Reg(t),
+                });
+                halves.push(f);
+            }
+            halves
+        } else {
+            regs
+        };
+        for r in level.iter_mut() {
+            let d = self.b.reg(RegClass::F32);
+            self.b.push(Inst::Un {
+                op: "abs.f32",
+                d,
+                a: Operand::Reg(*r),
+            });
+            *r = d;
+        }
+        while level.len() > 1 {
+            let mut next = Vec::with_capacity(level.len().div_ceil(2));
+            for pair in level.chunks(2) {
+                if let [a, b] = pair {
+                    let d = self.b.reg(RegClass::F32);
+                    self.b.push(Inst::Bin {
+                        op: "max",
+                        ty: PtxTy::F32,
+                        d,
+                        a: Operand::Reg(*a),
+                        b: Operand::Reg(*b),
+                    });
+                    next.push(d);
+                } else {
+                    next.extend_from_slice(pair);
+                }
+            }
+            level = next;
+        }
+        level.pop().ok_or(Error::Internal("absmax of no values"))
+    }
+
     fn assign(&mut self, dst: Reg, x: &Expr) -> Result<()> {
         let v = self.expr(x)?;
+        self.halves.remove(&dst);
         let op = match dst.class {
             RegClass::B64 => "mov.u64",
             RegClass::F32 => "mov.f32",
@@ -1322,6 +1434,27 @@ impl Gen<'_> {
     }
 
     fn stmt(&mut self, s: &Stmt) -> Result<()> {
+        // Which registers hold loaded bf16 halves is known within straight-line code only: a branch
+        // or loop may skip a load while another path wrote the register.
+        let control = !matches!(
+            s,
+            Stmt::Set(..)
+                | Stmt::Store { .. }
+                | Stmt::LoadPacked { .. }
+                | Stmt::StorePacked { .. }
+                | Stmt::AtomicMaxF32 { .. }
+        );
+        if control {
+            self.halves.clear();
+        }
+        let r = self.stmt_inner(s);
+        if control {
+            self.halves.clear();
+        }
+        r
+    }
+
+    fn stmt_inner(&mut self, s: &Stmt) -> Result<()> {
         match s {
             Stmt::Set(v, x) => {
                 let dst = *self
@@ -1448,6 +1581,11 @@ impl Gen<'_> {
                         .vars
                         .get(v.0 as usize)
                         .ok_or(Error::Internal("variable"))?;
+                    if elem == Elem::Bf16 {
+                        self.halves.insert(d, (words[k / 2], (k % 2) as u8));
+                    } else {
+                        self.halves.remove(&d);
+                    }
                     match elem {
                         Elem::F32 => self.b.push(Inst::Un {
                             op: "mov.b32",
@@ -1760,6 +1898,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
     }
     let mut g = Gen {
         b: Builder::default(),
+        halves: std::collections::HashMap::new(),
         vars: Vec::new(),
         bases: Vec::new(),
         elems,

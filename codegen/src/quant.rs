@@ -493,6 +493,11 @@ fn soften_expr(x: Expr, em: &mut Emit<'_>, native: &dyn Fn(UnOp) -> bool) -> Exp
                 pack_e2m1_soft(em, vals, small)
             }
         }
+        Expr::AbsMax(vals) => Expr::AbsMax(
+            vals.into_iter()
+                .map(|v| soften_expr(v, em, native))
+                .collect(),
+        ),
         Expr::Un(op, a) => Expr::Un(op, bx(a, em)),
         Expr::Bin(op, a, b) => {
             let a = bx(a, em);

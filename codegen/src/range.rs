@@ -243,7 +243,7 @@ impl Analysis<'_> {
                 }
                 None
             }
-            Expr::PackE2m1 { vals, .. } => {
+            Expr::PackE2m1 { vals, .. } | Expr::AbsMax(vals) => {
                 for y in vals {
                     self.expr(y)?;
                 }
