@@ -390,21 +390,7 @@ impl<'a, 'b> Gen<'a, 'b> {
             Expr::Un(op, a) => {
                 let t = self.ty(a)?;
                 let v = t.is_vector();
-                let s = match op {
-                    UnOp::FAbs
-                    | UnOp::FRoundEven
-                    | UnOp::I2F
-                    | UnOp::FromBits
-                    | UnOp::E4m3Decode => Ty::F32,
-                    UnOp::F2I
-                    | UnOp::BitsOf
-                    | UnOp::Narrow
-                    | UnOp::BoolToI
-                    | UnOp::E4m3
-                    | UnOp::E2m1
-                    | UnOp::Byte(_) => Ty::I32,
-                    UnOp::Widen => Ty::I64,
-                };
+                let s = op.result_ty();
                 if v {
                     s.x4()
                 } else {

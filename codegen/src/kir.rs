@@ -183,6 +183,25 @@ pub enum UnOp {
     Byte(u8),
 }
 
+impl UnOp {
+    /// The scalar type of the result (lane-wise on vectors).
+    pub fn result_ty(self) -> Ty {
+        match self {
+            UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits | UnOp::E4m3Decode => {
+                Ty::F32
+            }
+            UnOp::F2I
+            | UnOp::BitsOf
+            | UnOp::Narrow
+            | UnOp::BoolToI
+            | UnOp::E4m3
+            | UnOp::E2m1
+            | UnOp::Byte(_) => Ty::I32,
+            UnOp::Widen => Ty::I64,
+        }
+    }
+}
+
 /// A scalar expression (a tree).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Expr {

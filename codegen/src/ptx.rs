@@ -670,18 +670,9 @@ impl Gen<'_> {
             Expr::LoadX4 { .. } | Expr::Splat(_) | Expr::Lane(..) => {
                 return Err(Error::Internal("vector IR reached the PTX backend"))
             }
-            Expr::Un(op, _) => match op {
-                UnOp::FAbs | UnOp::FRoundEven | UnOp::I2F | UnOp::FromBits | UnOp::E4m3Decode => {
-                    RegClass::F32
-                }
-                UnOp::F2I
-                | UnOp::BitsOf
-                | UnOp::Narrow
-                | UnOp::BoolToI
-                | UnOp::E4m3
-                | UnOp::E2m1
-                | UnOp::Byte(_) => RegClass::B32,
-                UnOp::Widen => self.idx,
+            Expr::Un(op, _) => match op.result_ty() {
+                Ty::I64 => self.idx,
+                t => RegClass::of(t),
             },
             Expr::Bin(op, a, _) => match op {
                 BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => RegClass::Pred,
@@ -1073,47 +1064,14 @@ impl Gen<'_> {
         }
         packed &= seen.values().all(|&m| m == 3);
         let mut level: Vec<Reg> = if packed {
-            while words.len() > 1 {
-                let mut next = Vec::with_capacity(words.len().div_ceil(2));
-                for pair in words.chunks(2) {
-                    if let [a, b] = pair {
-                        let d = self.b.reg(RegClass::B32);
-                        self.b.push(Inst::Bin {
-                            op: "max.xorsign.abs",
-                            ty: PtxTy::Bf16x2,
-                            d,
-                            a: Operand::Reg(*a),
-                            b: Operand::Reg(*b),
-                        });
-                        next.push(d);
-                    } else {
-                        next.extend_from_slice(pair);
-                    }
-                }
-                words = next;
-            }
-            let w = *words
-                .first()
-                .ok_or(Error::Internal("absmax of no values"))?;
-            let mut halves = Vec::with_capacity(2);
-            for (op, k) in [("shl", 16), ("and", 0xFFFF_0000)] {
-                let t = self.b.reg(RegClass::B32);
-                self.b.push(Inst::Bin {
-                    op,
-                    ty: PtxTy::B32,
-                    d: t,
-                    a: Operand::Reg(w),
-                    b: Operand::Int(k),
-                });
-                let f = self.b.reg(RegClass::F32);
-                self.b.push(Inst::Un {
-                    op: "mov.b32",
-                    d: f,
-                    a: Operand::Reg(t),
-                });
-                halves.push(f);
-            }
-            halves
+            let w = self.tree(words, RegClass::B32, "max.xorsign.abs", PtxTy::Bf16x2)?;
+            (0..2)
+                .map(|half| {
+                    let f = self.b.reg(RegClass::F32);
+                    self.bf16_half(f, w, half);
+                    f
+                })
+                .collect()
         } else {
             regs
         };
@@ -1126,14 +1084,25 @@ impl Gen<'_> {
             });
             *r = d;
         }
-        while level.len() > 1 {
-            let mut next = Vec::with_capacity(level.len().div_ceil(2));
-            for pair in level.chunks(2) {
+        self.tree(level, RegClass::F32, "max", PtxTy::F32)
+    }
+
+    /// A balanced tree of the binary `op` over `regs` (short dependency chains).
+    fn tree(
+        &mut self,
+        mut regs: Vec<Reg>,
+        class: RegClass,
+        op: &'static str,
+        ty: PtxTy,
+    ) -> Result<Reg> {
+        while regs.len() > 1 {
+            let mut next = Vec::with_capacity(regs.len().div_ceil(2));
+            for pair in regs.chunks(2) {
                 if let [a, b] = pair {
-                    let d = self.b.reg(RegClass::F32);
+                    let d = self.b.reg(class);
                     self.b.push(Inst::Bin {
-                        op: "max",
-                        ty: PtxTy::F32,
+                        op,
+                        ty,
                         d,
                         a: Operand::Reg(*a),
                         b: Operand::Reg(*b),
@@ -1143,9 +1112,31 @@ impl Gen<'_> {
                     next.extend_from_slice(pair);
                 }
             }
-            level = next;
+            regs = next;
         }
-        level.pop().ok_or(Error::Internal("absmax of no values"))
+        regs.pop().ok_or(Error::Internal("reduction of no values"))
+    }
+
+    /// `d` (f32) = the bf16 in half `half` (0 low, 1 high) of the 32-bit word `w`.
+    fn bf16_half(&mut self, d: Reg, w: Reg, half: usize) {
+        let t = self.b.reg(RegClass::B32);
+        let (op, k) = if half == 0 {
+            ("shl", 16)
+        } else {
+            ("and", 0xFFFF_0000)
+        };
+        self.b.push(Inst::Bin {
+            op,
+            ty: PtxTy::B32,
+            d: t,
+            a: Operand::Reg(w),
+            b: Operand::Int(k),
+        });
+        self.b.push(Inst::Un {
+            op: "mov.b32",
+            d,
+            a: Operand::Reg(t),
+        });
     }
 
     fn assign(&mut self, dst: Reg, x: &Expr) -> Result<()> {
@@ -1592,32 +1583,7 @@ impl Gen<'_> {
                             d,
                             a: Operand::Reg(words[k]),
                         }),
-                        Elem::Bf16 => {
-                            let t = self.b.reg(RegClass::B32);
-                            let w = Operand::Reg(words[k / 2]);
-                            if k % 2 == 0 {
-                                self.b.push(Inst::Bin {
-                                    op: "shl",
-                                    ty: PtxTy::B32,
-                                    d: t,
-                                    a: w,
-                                    b: Operand::Int(16),
-                                });
-                            } else {
-                                self.b.push(Inst::Bin {
-                                    op: "and",
-                                    ty: PtxTy::B32,
-                                    d: t,
-                                    a: w,
-                                    b: Operand::Int(0xFFFF_0000),
-                                });
-                            }
-                            self.b.push(Inst::Un {
-                                op: "mov.b32",
-                                d,
-                                a: Operand::Reg(t),
-                            });
-                        }
+                        Elem::Bf16 => self.bf16_half(d, words[k / 2], k % 2),
                         Elem::U8 => {
                             let t = self.b.reg(RegClass::B32);
                             let w = Operand::Reg(words[k / 4]);
