@@ -284,6 +284,22 @@ fn compare(
     }
 }
 
+/// Pack `c` with the interpreter and the host backend, each in both forms, and compare with `want`.
+fn check_backends(
+    recipe: &str,
+    seed: u64,
+    c: &Case,
+    inputs: &HashMap<String, Vec<u8>>,
+    want: &Params,
+) {
+    let shape = (c.e, c.h, c.i);
+    for backend in ["interp", "host", "interp_x4", "host_x4"] {
+        let bind = (c.e as i64, c.h as i64, c.i as i64);
+        let got = pack(recipe, bind, inputs, backend);
+        compare(recipe, seed, shape, want, &got, backend);
+    }
+}
+
 #[test]
 fn every_recipe_matches_spec_on_random_inputs() {
     let seed = seed();
@@ -309,12 +325,8 @@ fn every_recipe_matches_spec_on_random_inputs() {
     for &(recipe, (e, h, i)) in shapes {
         let c = Case::new(&mut rng, e, h, i);
         for with_scales in [false, true] {
-            let inputs = c.inputs(with_scales);
             let want = expected(recipe, &c, with_scales);
-            for backend in ["interp", "host", "interp_x4", "host_x4"] {
-                let got = pack(recipe, (e as i64, h as i64, i as i64), &inputs, backend);
-                compare(recipe, seed, (e, h, i), &want, &got, backend);
-            }
+            check_backends(recipe, seed, &c, &c.inputs(with_scales), &want);
         }
     }
 }
@@ -383,12 +395,8 @@ fn signed_zeros_and_zero_scale_blocks_match_spec() {
                 }
             }
         }
-        let inputs = c.inputs(false);
         let want = expected(recipe, &c, false);
-        for backend in ["interp", "host", "interp_x4", "host_x4"] {
-            let got = pack(recipe, (e as i64, h as i64, i as i64), &inputs, backend);
-            compare(recipe, seed, (e, h, i), &want, &got, backend);
-        }
+        check_backends(recipe, seed, &c, &c.inputs(false), &want);
     }
 }
 
@@ -421,15 +429,7 @@ fn subnormal_scale_blocks_saturate_like_spec() {
         .filter(|b| (1..=7).contains(*b))
         .count();
     assert!(subnormal > 10, "only {subnormal} subnormal scale bytes");
-    for backend in ["interp", "host", "interp_x4", "host_x4"] {
-        let got = pack(
-            "nvfp4_cutedsl",
-            (e as i64, h as i64, i as i64),
-            &inputs,
-            backend,
-        );
-        compare("nvfp4_cutedsl", seed, (e, h, i), &want, &got, backend);
-    }
+    check_backends("nvfp4_cutedsl", seed, &c, &inputs, &want);
 }
 
 #[test]
@@ -475,13 +475,5 @@ fn nvfp4_blocks_whose_output_scale_overflows_saturate_like_spec() {
     );
     let inputs = c.inputs(false);
     let want = expected("nvfp4_cutedsl", &c, false);
-    for backend in ["interp", "host", "interp_x4", "host_x4"] {
-        let got = pack(
-            "nvfp4_cutedsl",
-            (e as i64, h as i64, i as i64),
-            &inputs,
-            backend,
-        );
-        compare("nvfp4_cutedsl", seed, (e, h, i), &want, &got, backend);
-    }
+    check_backends("nvfp4_cutedsl", seed, &c, &inputs, &want);
 }

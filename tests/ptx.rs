@@ -243,6 +243,14 @@ fn index_arithmetic_of_real_layers_is_proven_32_bit() {
                     k.name
                 );
             }
+            for t in [Target::Sm90a, Target::Sm100a] {
+                let ptx = moeforge::codegen::ptx::compile(&prog, t).unwrap();
+                assert!(
+                    !ptx.contains("setp.ge.s64"),
+                    "{} at {bind}: a 64-bit loop",
+                    r.name
+                );
+            }
         }
     }
     let r = moeforge::kernels::find("bf16").unwrap();
@@ -303,7 +311,12 @@ fn the_64_bit_index_path_compiles_for_layers_past_2_31_elements() {
         }
         for t in [Target::Sm90a, Target::Sm100a] {
             let ptx = moeforge::codegen::ptx::compile(&prog, t).unwrap();
-            assert!(ptx.contains("mul.lo.s64") || ptx.contains("add.s64"));
+            // The item loop's bound check is 64-bit only on this path (addresses are 64-bit on both).
+            assert!(
+                ptx.contains("setp.ge.s64"),
+                "{}: no 64-bit item loop",
+                r.name
+            );
             assemble(&ptx, t, &format!("{} with wide_index", r.name));
         }
     }

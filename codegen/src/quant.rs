@@ -629,21 +629,22 @@ mod tests {
         };
         let n = xs.len() as i64;
         let k: Kernel = va.kernel("cvt".into(), item, if x4 { n / 4 } else { n }, body);
+        one_kernel(k, (Elem::F32, xs.len()), (Elem::U8, xs.len()))
+    }
+
+    /// A program of kernel `k` over an input buffer (0) and a param buffer (1), `(element, length)`.
+    fn one_kernel(k: Kernel, input: (Elem, usize), param: (Elem, usize)) -> Program {
+        let buf = |role, (elem, len)| Buf {
+            role,
+            elem,
+            len,
+            zeroed: false,
+        };
         Program {
-            recipe: "cvt".into(),
+            recipe: k.name.clone(),
             bufs: vec![
-                Buf {
-                    role: BufRole::Input("x".into()),
-                    elem: Elem::F32,
-                    len: xs.len(),
-                    zeroed: false,
-                },
-                Buf {
-                    role: BufRole::Param("q".into()),
-                    elem: Elem::U8,
-                    len: xs.len(),
-                    zeroed: false,
-                },
+                buf(BufRole::Input("x".into()), input),
+                buf(BufRole::Param("q".into()), param),
             ],
             steps: vec![Step::Kernel(k)],
         }
@@ -706,20 +707,7 @@ mod tests {
             value: e::un(UnOp::E4m3Decode, e::load(BufId(0), e::v(item))),
         }];
         let k: Kernel = va.kernel("dec".into(), item, 0x7F, body);
-        let buf = |role, elem, len| Buf {
-            role,
-            elem,
-            len,
-            zeroed: false,
-        };
-        let prog = Program {
-            recipe: "dec".into(),
-            bufs: vec![
-                buf(BufRole::Input("b".into()), Elem::U8, 0x7F),
-                buf(BufRole::Param("v".into()), Elem::F32, 0x7F),
-            ],
-            steps: vec![Step::Kernel(k)],
-        };
+        let prog = one_kernel(k, (Elem::U8, 0x7F), (Elem::F32, 0x7F));
         let codes: Vec<u8> = (0..0x7F).collect();
         let mut host = vec![codes.clone(), vec![0u8; 4 * 0x7F]];
         crate::host::compile(&prog)
@@ -757,20 +745,7 @@ mod tests {
         let body = em.out;
         let n = xs.len() / 8;
         let k: Kernel = va.kernel("pack".into(), item, n as i64, body);
-        let buf = |role, elem, len| Buf {
-            role,
-            elem,
-            len,
-            zeroed: false,
-        };
-        let prog = Program {
-            recipe: "pack".into(),
-            bufs: vec![
-                buf(BufRole::Input("x".into()), Elem::F32, 8 * n),
-                buf(BufRole::Param("q".into()), Elem::U8, 4 * n),
-            ],
-            steps: vec![Step::Kernel(k)],
-        };
+        let prog = one_kernel(k, (Elem::F32, 8 * n), (Elem::U8, 4 * n));
         let input: Vec<u8> = xs[..8 * n].iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut host = vec![input.clone(), vec![0u8; 4 * n]];
         crate::host::compile(&prog)
@@ -828,20 +803,7 @@ mod tests {
         });
         let body = em.out;
         let k: Kernel = va.kernel("pack".into(), item, 1, body);
-        let buf = |role, elem, len| Buf {
-            role,
-            elem,
-            len,
-            zeroed: false,
-        };
-        let prog = Program {
-            recipe: "pack".into(),
-            bufs: vec![
-                buf(BufRole::Input("x".into()), Elem::F32, 1),
-                buf(BufRole::Param("q".into()), Elem::U8, 1),
-            ],
-            steps: vec![Step::Kernel(k)],
-        };
+        let prog = one_kernel(k, (Elem::F32, 1), (Elem::U8, 1));
         for (x, ok) in [(6.99f32, true), (-6.99, true), (7.0, false), (-9.0, false)] {
             let mut bufs = vec![x.to_le_bytes().to_vec(), vec![0u8]];
             let r = crate::interp::run(&prog, &mut bufs, &crate::SingleProcess);
