@@ -1200,14 +1200,9 @@ impl Planner<'_> {
                     format!("{tag}_quant"),
                     ne * rows * rb.items_per_row(),
                     |em, it0| {
-                        let (it, first) = rb.row_of(em, it0);
-                        let ex = em.set(Ty::I64, e::div(it.clone(), rows));
-                        let r = em.set(Ty::I64, e::rem(it.clone(), rows));
-                        let sr = src_row(em, r);
-                        let base = em.set(
-                            Ty::I64,
-                            e::add(e::mul(ex, e::i(rc)), e::mul(sr, e::i(cols))),
-                        );
+                        let ItemRow {
+                            it, first, base, ..
+                        } = rb.locate(em, it0, (rows, cols), &src_row);
                         let block = |b: &mut Emit<'_>, j: Expr| {
                             let b0 =
                                 b.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(32))));
@@ -1273,7 +1268,6 @@ impl Planner<'_> {
         src_row: &dyn Fn(&mut Emit<'_>, Expr) -> Expr,
     ) -> Result<()> {
         let nb = cols / 16;
-        let rc = rows * cols;
         // The scale storage map: linear [E, M, K/16] or SPEC §1's 128x4 tiles of [E, Mp, Kp].
         let sw = match scl {
             Some((_, true)) => Some(
@@ -1290,14 +1284,13 @@ impl Planner<'_> {
             format!("{tag}_quant"),
             ne * rows * rb.items_per_row(),
             |em, it0| {
-                let (it, first) = rb.row_of(em, it0);
-                let ex = em.set(Ty::I64, e::div(it.clone(), rows));
-                let r = em.set(Ty::I64, e::rem(it.clone(), rows));
-                let sr = src_row(em, r.clone());
-                let base = em.set(
-                    Ty::I64,
-                    e::add(e::mul(ex.clone(), e::i(rc)), e::mul(sr, e::i(cols))),
-                );
+                let ItemRow {
+                    it,
+                    first,
+                    ex,
+                    r,
+                    base,
+                } = rb.locate(em, it0, (rows, cols), src_row);
                 let si = if per_tensor { e::i(0) } else { ex.clone() };
                 let gs = em.set(Ty::F32, e::load(gs_b, si.clone()));
                 let dec = em.set(Ty::F32, e::load(dec_b, si));
@@ -1734,6 +1727,16 @@ impl Planner<'_> {
     }
 }
 
+/// A per-block work item's place: its output row (`[E * rows]`), first block (GPU form), expert, row
+/// within the expert, and the input offset of its source row.
+struct ItemRow {
+    it: Expr,
+    first: Expr,
+    ex: Expr,
+    r: Expr,
+    base: Expr,
+}
+
 /// How the work items of a per-block pass (NVFP4, MXFP4) cover a row of `nb` blocks. Host form
 /// (`x4`): one item per row, looping over its blocks. GPU form: `nb / bpi` items per row, each taking
 /// `bpi` blocks `nb / bpi` apart, unrolled (`bpi` where it divides `nb`, else 1): neighbouring threads
@@ -1758,15 +1761,39 @@ impl RowBlocks {
         }
     }
 
-    /// The item's row and its first block (unused in the host form).
-    fn row_of(&self, em: &mut Emit<'_>, it0: Expr) -> (Expr, Expr) {
-        if self.x4 {
-            return (it0, e::i(0));
+    /// Where work item `it0` is, in `[E, rows, cols]` inputs whose row `r` is read from row
+    /// `src_row(r)` of its expert.
+    fn locate(
+        &self,
+        em: &mut Emit<'_>,
+        it0: Expr,
+        (rows, cols): (i64, i64),
+        src_row: &dyn Fn(&mut Emit<'_>, Expr) -> Expr,
+    ) -> ItemRow {
+        let (it, first) = if self.x4 {
+            (it0, e::i(0))
+        } else {
+            let ipr = self.items_per_row();
+            let row = em.set(Ty::I64, e::div(it0.clone(), ipr));
+            (row, em.set(Ty::I64, e::rem(it0, ipr)))
+        };
+        let ex = em.set(Ty::I64, e::div(it.clone(), rows));
+        let r = em.set(Ty::I64, e::rem(it.clone(), rows));
+        let sr = src_row(em, r.clone());
+        let base = em.set(
+            Ty::I64,
+            e::add(
+                e::mul(ex.clone(), e::i(rows * cols)),
+                e::mul(sr, e::i(cols)),
+            ),
+        );
+        ItemRow {
+            it,
+            first,
+            ex,
+            r,
+            base,
         }
-        let ipr = self.items_per_row();
-        let row = em.set(Ty::I64, e::div(it0.clone(), ipr));
-        let first = em.set(Ty::I64, e::rem(it0, ipr));
-        (row, first)
     }
 
     /// Block `k` of an item whose first block is `first` (GPU form).
