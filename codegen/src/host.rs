@@ -290,7 +290,7 @@ impl<'a, 'b> Gen<'a, 'b> {
                         bits,
                     );
                 }
-                Stmt::GroupMax { .. } | Stmt::GroupRow { .. } | Stmt::GroupFor { .. } => {
+                Stmt::GroupMax { .. } | Stmt::GroupRow(_) | Stmt::GroupFor { .. } => {
                     return Err(Error::Internal("group construct in a sequential kernel"))
                 }
             }

@@ -291,7 +291,7 @@ impl Ctx<'_> {
                         self.store(buf.0 as usize, i, Val::F32(v))?;
                     }
                 }
-                Stmt::GroupMax { .. } | Stmt::GroupRow { .. } | Stmt::GroupFor { .. } => {
+                Stmt::GroupMax { .. } | Stmt::GroupRow(_) | Stmt::GroupFor { .. } => {
                     return Err(Error::Internal("group construct in a sequential kernel"))
                 }
             }

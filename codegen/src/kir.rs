@@ -202,6 +202,25 @@ impl UnOp {
     }
 }
 
+/// The parts of a [`Stmt::GroupRow`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupRow {
+    /// The maximum (f32).
+    pub var: Var,
+    /// The sub-item (i64).
+    pub sub: Var,
+    /// Number of sub-items (i64).
+    pub count: Expr,
+    /// Loads of a sub-item (pure).
+    pub load: Vec<Stmt>,
+    /// The sub-item's value for the maximum (f32, >= 0).
+    pub value: Expr,
+    /// Run once between the passes (every thread; stores by thread 0).
+    pub mid: Vec<Stmt>,
+    /// The second pass's work on a sub-item (after `load`).
+    pub body: Vec<Stmt>,
+}
+
 /// A scalar expression (a tree).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Expr {
@@ -330,22 +349,7 @@ pub enum Stmt {
     /// `load` and `body` (as [`Stmt::GroupFor`]). Sequentially `load` simply runs twice (its loads are
     /// pure); on the GPU, where every thread makes the same few trips, what `load` defines stays in
     /// registers between the passes, so the data is read from memory once. Top level only.
-    GroupRow {
-        /// The maximum (f32).
-        var: Var,
-        /// The sub-item (i64).
-        sub: Var,
-        /// Number of sub-items (i64).
-        count: Expr,
-        /// Loads of a sub-item (pure).
-        load: Vec<Stmt>,
-        /// The sub-item's value for the maximum (f32, >= 0).
-        value: Expr,
-        /// Run once between the passes (every thread; stores by thread 0).
-        mid: Vec<Stmt>,
-        /// The second pass's work on a sub-item (after `load`).
-        body: Vec<Stmt>,
-    },
+    GroupRow(GroupRow),
     /// `for var in 0..count { body }` with independent iterations, shared by the work item's group of
     /// threads (lanes take `var` in turns on the GPU, in a loop: for rarely taken paths, whose code
     /// should stay small).
@@ -411,15 +415,16 @@ impl Kernel {
 /// What [`Stmt::GroupRow`] means, as the constructs it combines: a group maximum over `load`, then
 /// `mid`, then a group loop running `load` again and `body`. The sequential form, and the GPU form
 /// where the trips are not uniform, are exactly this.
-pub fn group_row_passes(
-    var: Var,
-    sub: Var,
-    count: Expr,
-    load: Vec<Stmt>,
-    value: Expr,
-    mid: Vec<Stmt>,
-    body: Vec<Stmt>,
-) -> Vec<Stmt> {
+pub fn group_row_passes(g: GroupRow) -> Vec<Stmt> {
+    let GroupRow {
+        var,
+        sub,
+        count,
+        load,
+        value,
+        mid,
+        body,
+    } = g;
     let mut again = load.clone();
     again.extend(body);
     let mut out = vec![Stmt::GroupMax {
@@ -462,17 +467,7 @@ fn sequential_block(body: Vec<Stmt>) -> Vec<Stmt> {
                     body: inner,
                 });
             }
-            Stmt::GroupRow {
-                var,
-                sub,
-                count,
-                load,
-                value,
-                mid,
-                body,
-            } => out.extend(sequential_block(group_row_passes(
-                var, sub, count, load, value, mid, body,
-            ))),
+            Stmt::GroupRow(g) => out.extend(sequential_block(group_row_passes(g))),
             Stmt::GroupFor { var, count, body } => out.push(Stmt::For {
                 var,
                 start: Expr::I64(0),
@@ -786,7 +781,7 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
                 writeln!(f, "{pad}  yield {value}")?;
                 writeln!(f, "{pad}}}")?;
             }
-            Stmt::GroupRow {
+            Stmt::GroupRow(GroupRow {
                 var,
                 sub,
                 count,
@@ -794,7 +789,7 @@ fn write_block(f: &mut fmt::Formatter<'_>, body: &[Stmt], depth: usize) -> fmt::
                 value,
                 mid,
                 body,
-            } => {
+            }) => {
                 writeln!(f, "{pad}%{} = group_row %{} in 0..{count} {{", var.0, sub.0)?;
                 write_block(f, load, depth + 1)?;
                 writeln!(f, "{pad}  yield {value}")?;

@@ -20,7 +20,8 @@ use moeforge_dsl::layout::Layout;
 use moeforge_dsl::ModuleInfo;
 
 use crate::kir::{
-    e, BinOp, Buf, BufId, BufRole, Elem, Expr, Kernel, Program, Step, Stmt, Ty, UnOp, VarAlloc,
+    e, BinOp, Buf, BufId, BufRole, Elem, Expr, GroupRow, Kernel, Program, Step, Stmt, Ty, UnOp,
+    VarAlloc,
 };
 use crate::quant::{self, clamp, fabs, fdiv, fmax, fmul, is_zero, Emit};
 use crate::{Error, Result};
@@ -876,7 +877,7 @@ impl Planner<'_> {
                                     });
                                 }
                             }
-                            em.out.push(Stmt::GroupRow {
+                            em.out.push(Stmt::GroupRow(GroupRow {
                                 var: mx,
                                 sub,
                                 count: e::i(cols / 8),
@@ -884,7 +885,7 @@ impl Planner<'_> {
                                 value,
                                 mid,
                                 body,
-                            });
+                            }));
                             em.out.extend(slow);
                             Ok(())
                         },
@@ -1065,7 +1066,7 @@ impl Planner<'_> {
                             }),
                             None => Vec::new(),
                         };
-                        em.out.push(Stmt::GroupRow {
+                        em.out.push(Stmt::GroupRow(GroupRow {
                             var: mx,
                             sub,
                             count: e::i(128 * 16),
@@ -1073,7 +1074,7 @@ impl Planner<'_> {
                             value: e::v(m),
                             mid,
                             body,
-                        });
+                        }));
                         Ok(())
                     });
                 }

@@ -10,7 +10,7 @@
 
 use std::fmt::{self, Write as _};
 
-use crate::kir::{BinOp, Elem, Expr, Kernel, Program, Stmt, Ty, UnOp, Var};
+use crate::kir::{BinOp, Elem, Expr, GroupRow, Kernel, Program, Stmt, Ty, UnOp, Var};
 use crate::{Error, Result};
 
 /// A GPU target.
@@ -1324,17 +1324,17 @@ impl Gen<'_> {
     /// [`Stmt::GroupRow`]: where every thread makes the same number of trips (at most 16), each
     /// trip's loads get registers of their own, kept from the first pass to the second; otherwise a
     /// group maximum and a group loop that loads again.
-    #[allow(clippy::too_many_arguments)]
-    fn group_row(
-        &mut self,
-        var: Var,
-        sub: Var,
-        count: &Expr,
-        load: &[Stmt],
-        value: &Expr,
-        mid: &[Stmt],
-        body: &[Stmt],
-    ) -> Result<()> {
+    fn group_row(&mut self, g: &GroupRow) -> Result<()> {
+        let GroupRow {
+            var,
+            sub,
+            count,
+            load,
+            value,
+            mid,
+            body,
+        } = g;
+        let (var, sub) = (*var, *sub);
         let reg = |g: &Self, v: Var| {
             g.vars
                 .get(v.0 as usize)
@@ -1350,15 +1350,7 @@ impl Gen<'_> {
             _ => 0,
         };
         if trips == 0 {
-            return self.stmts(&crate::kir::group_row_passes(
-                var,
-                sub,
-                count.clone(),
-                load.to_vec(),
-                value.clone(),
-                mid.to_vec(),
-                body.to_vec(),
-            ));
+            return self.stmts(&crate::kir::group_row_passes(g.clone()));
         }
         let mut defs = vec![sub];
         defined(load, &mut defs);
@@ -1783,15 +1775,7 @@ impl Gen<'_> {
                 })?;
                 self.reduce_max(acc);
             }
-            Stmt::GroupRow {
-                var,
-                sub,
-                count,
-                load,
-                value,
-                mid,
-                body,
-            } => self.group_row(*var, *sub, count, load, value, mid, body)?,
+            Stmt::GroupRow(g) => self.group_row(g)?,
             Stmt::AtomicMaxF32 { buf, index, value } => {
                 let addr = self.addr(buf.0 as usize, index)?;
                 let v = self.expr(value)?;
@@ -1837,18 +1821,11 @@ fn defined(body: &[Stmt], out: &mut Vec<Var>) {
                 out.extend([*var, *sub]);
                 defined(body, out);
             }
-            Stmt::GroupRow {
-                var,
-                sub,
-                load,
-                mid,
-                body,
-                ..
-            } => {
-                out.extend([*var, *sub]);
-                defined(load, out);
-                defined(mid, out);
-                defined(body, out);
+            Stmt::GroupRow(g) => {
+                out.extend([g.var, g.sub]);
+                defined(&g.load, out);
+                defined(&g.mid, out);
+                defined(&g.body, out);
             }
             Stmt::Store { .. } | Stmt::StorePacked { .. } | Stmt::AtomicMaxF32 { .. } => {}
         }

@@ -2,7 +2,7 @@
 //! spelled out in integer and correctly rounded f32 operations, so every backend computes the same
 //! bits (Hopper included, which has no hardware E2M1 conversion).
 
-use crate::kir::{e, BinOp, Expr, Program, Step, Stmt, Ty, UnOp, Var, VarAlloc};
+use crate::kir::{e, BinOp, Expr, GroupRow, Program, Step, Stmt, Ty, UnOp, Var, VarAlloc};
 
 /// Emits statements into a block, allocating variables.
 pub struct Emit<'a> {
@@ -420,26 +420,17 @@ fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> boo
                     value,
                 }
             }
-            Stmt::GroupRow {
-                var,
-                sub,
-                count,
-                load,
-                value,
-                mid,
-                body,
-            } => {
-                let count = soften_expr(count, &mut em, native);
-                let (load, value) = soften_with_value(load, value, em.vars, native);
-                Stmt::GroupRow {
-                    var,
-                    sub,
+            Stmt::GroupRow(g) => {
+                let count = soften_expr(g.count, &mut em, native);
+                let (load, value) = soften_with_value(g.load, g.value, em.vars, native);
+                Stmt::GroupRow(GroupRow {
                     count,
                     load,
                     value,
-                    mid: soften_block(mid, em.vars, native),
-                    body: soften_block(body, em.vars, native),
-                }
+                    mid: soften_block(g.mid, em.vars, native),
+                    body: soften_block(g.body, em.vars, native),
+                    ..g
+                })
             }
             Stmt::GroupFor { var, count, body } => {
                 let count = soften_expr(count, &mut em, native);

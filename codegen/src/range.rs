@@ -149,20 +149,12 @@ impl Analysis<'_> {
                     self.block(body)?;
                     self.expr(value)?;
                 }
-                Stmt::GroupRow {
-                    sub,
-                    count,
-                    load,
-                    value,
-                    mid,
-                    body,
-                    ..
-                } => {
-                    self.group_var(*sub, count)?;
-                    self.block(load)?;
-                    self.expr(value)?;
-                    self.block(mid)?;
-                    self.block(body)?;
+                Stmt::GroupRow(g) => {
+                    self.group_var(g.sub, &g.count)?;
+                    self.block(&g.load)?;
+                    self.expr(&g.value)?;
+                    self.block(&g.mid)?;
+                    self.block(&g.body)?;
                 }
                 Stmt::GroupFor { var, count, body } => {
                     self.group_var(*var, count)?;
