@@ -687,48 +687,32 @@ impl Gen<'_> {
         let i = self.expr(index)?;
         let i = self.in_reg(i, self.idx);
         let d = self.b.reg(RegClass::B64);
-        if self.idx == RegClass::B32 {
-            // A 32-bit index (non-negative, proven below 2^31): one widening multiply-add.
+        // The byte offset: a 32-bit index (non-negative, proven below 2^31) by one widening multiply.
+        let off = if self.idx == RegClass::B32 || elem.size() != 1 {
             let t = self.b.reg(RegClass::B64);
+            let (op, ty) = if self.idx == RegClass::B32 {
+                ("mul.wide", PtxTy::U32)
+            } else {
+                ("mul.lo", PtxTy::S64)
+            };
             self.b.push(Inst::Bin {
-                op: "mul.wide",
-                ty: PtxTy::U32,
+                op,
+                ty,
                 d: t,
                 a: Operand::Reg(i),
                 b: Operand::Int(elem.size() as i64),
             });
-            self.b.push(Inst::Bin {
-                op: "add",
-                ty: PtxTy::S64,
-                d,
-                a: Operand::Reg(base),
-                b: Operand::Reg(t),
-            });
-        } else if elem.size() == 1 {
-            self.b.push(Inst::Bin {
-                op: "add",
-                ty: PtxTy::S64,
-                d,
-                a: Operand::Reg(base),
-                b: Operand::Reg(i),
-            });
+            t
         } else {
-            let t = self.b.reg(RegClass::B64);
-            self.b.push(Inst::Bin {
-                op: "mul.lo",
-                ty: PtxTy::S64,
-                d: t,
-                a: Operand::Reg(i),
-                b: Operand::Int(elem.size() as i64),
-            });
-            self.b.push(Inst::Bin {
-                op: "add",
-                ty: PtxTy::S64,
-                d,
-                a: Operand::Reg(base),
-                b: Operand::Reg(t),
-            });
-        }
+            i
+        };
+        self.b.push(Inst::Bin {
+            op: "add",
+            ty: PtxTy::S64,
+            d,
+            a: Operand::Reg(base),
+            b: Operand::Reg(off),
+        });
         Ok(d)
     }
 
