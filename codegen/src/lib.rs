@@ -5,6 +5,7 @@
 //! quantization arithmetic spelled out. Three backends consume it: [`interp`] (the plain-Rust oracle),
 //! [`host`] (Cranelift JIT, multi-threaded) and [`ptx`] (PTX text for sm_90a and sm_100a).
 
+pub mod addr;
 pub mod host;
 pub mod interp;
 pub mod kir;

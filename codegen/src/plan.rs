@@ -16,8 +16,9 @@ use moeforge_dsl::ir::{
     AmaxGranularity, Arith, DType, Fp8Granularity, Group, IndexVec, Op, QuantField, QuantScheme,
     TensorId, TensorKind, ValueId,
 };
-use moeforge_dsl::layout::Layout;
 use moeforge_dsl::ModuleInfo;
+
+use crate::addr::StorageMap;
 
 use crate::kir::{
     e, BinOp, Buf, BufId, BufRole, Elem, Expr, GroupRow, Kernel, Program, Step, Stmt, Ty, UnOp,
@@ -41,7 +42,7 @@ impl<F: Fn(&str) -> bool> Presence for F {
 #[derive(Debug, Clone, Default)]
 struct QuantUse {
     values: Option<(TensorId, Option<IndexVec>)>,
-    scales: Option<(TensorId, Option<IndexVec>, bool)>,
+    scales: Option<(TensorId, Option<IndexVec>)>,
     global: Option<TensorId>,
     decode: Option<TensorId>,
 }
@@ -60,7 +61,19 @@ struct Planner<'a> {
     params: HashMap<TensorId, BufId>,
     quants: HashMap<ValueId, QuantTemps>,
     reduces: HashMap<ValueId, BufId>,
+    /// NVFP4 scale params stored directly through a non-trivial storage map (byte by byte).
+    scale_maps: HashMap<TensorId, StorageMap>,
     x4: bool,
+}
+
+/// A param the passes write row-major into a staging buffer, then copied into its storage layout
+/// (with zero padding) by one relayout kernel.
+struct Relayout {
+    param: TensorId,
+    staging: BufId,
+    out: BufId,
+    /// The unpadded value's shape (the staging buffer, row-major).
+    value_shape: Vec<i64>,
 }
 
 fn unsupported(param: &str, what: impl Into<String>) -> Error {
@@ -113,6 +126,7 @@ pub fn plan_with(
         params: HashMap::new(),
         quants: HashMap::new(),
         reduces: HashMap::new(),
+        scale_maps: HashMap::new(),
         x4,
     };
     // Inputs first, in declaration order.
@@ -134,6 +148,9 @@ pub fn plan_with(
     // Quantization uses, grouped by quantization node.
     let mut uses: Vec<(ValueId, QuantUse)> = Vec::new();
     let mut order: Vec<(TensorId, Option<ValueId>)> = Vec::new();
+    // Each param's value before padding (`swizzle_128x4` and `pad` only pad: the layout is the
+    // param's storage map).
+    let mut unpadded: HashMap<TensorId, ValueId> = HashMap::new();
     for (id, t) in m.tensors_with_ids() {
         if t.kind != TensorKind::Param {
             continue;
@@ -149,10 +166,11 @@ pub fn plan_with(
         let v = t
             .value
             .ok_or_else(|| unsupported(&t.name, "a param without a definition"))?;
-        let (v, swizzled) = match &p.op(v)? {
-            Op::Swizzle128x4 { base } => (*base, true),
+        let (v, padded) = match &p.op(v)? {
+            Op::Swizzle128x4 { base } | Op::Pad { base, .. } => (*base, true),
             _ => (v, false),
         };
+        unpadded.insert(id, v);
         let (v, rows) = p.strip_gather(&t.name, v)?;
         if let Op::Field { quant, field } = p.op(v)? {
             let slot = match uses.iter_mut().find(|u| u.0 == quant) {
@@ -164,41 +182,79 @@ pub fn plan_with(
                 }
             };
             match field {
-                QuantField::Values if !swizzled => slot.1.values = Some((id, rows)),
-                QuantField::Scales => slot.1.scales = Some((id, rows, swizzled)),
-                QuantField::GlobalScale if rows.is_none() && !swizzled => slot.1.global = Some(id),
-                QuantField::DecodeScale if rows.is_none() && !swizzled => slot.1.decode = Some(id),
+                QuantField::Values => slot.1.values = Some((id, rows)),
+                QuantField::Scales => slot.1.scales = Some((id, rows)),
+                QuantField::GlobalScale if rows.is_none() && !padded => slot.1.global = Some(id),
+                QuantField::DecodeScale if rows.is_none() && !padded => slot.1.decode = Some(id),
                 _ => {
                     return Err(unsupported(
                         &t.name,
-                        "this combination of quantization output, gather and swizzle",
+                        "a row gather or padding of a per-expert global scale",
                     ))
                 }
             }
             order.push((id, Some(quant)));
         } else {
-            if swizzled {
-                return Err(unsupported(
-                    &t.name,
-                    "`swizzle_128x4` of anything but quantization scales",
-                ));
-            }
             order.push((id, None));
         }
     }
     let uses: HashMap<ValueId, QuantUse> = uses.into_iter().collect();
-    // Param buffers, in definition order.
+    // NVFP4 block scales are stored one byte at a time: through any storage map, directly.
+    let mut byte_direct: Vec<TensorId> = Vec::new();
+    for (q, u) in &uses {
+        if let (Op::Quant { scheme, .. }, Some((sid, _))) = (p.op(*q)?, &u.scales) {
+            if matches!(scheme, QuantScheme::Nvfp4 { .. }) {
+                byte_direct.push(*sid);
+            }
+        }
+    }
+    // Param buffers, in definition order. A param whose storage map is not the compact row-major
+    // one of its value (a declared layout, a swizzle, padding) is written row-major to a staging
+    // buffer and then relaid through its map, unless its pass stores through the map itself.
+    let mut relayouts: Vec<Relayout> = Vec::new();
     for (id, _) in &order {
-        let t = p.tensor(*id)?;
+        let t = p.tensor(*id)?.clone();
         let elem =
             elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} params", t.dtype)))?;
-        let mut len = p.numel(&t.shape)?;
-        if t.dtype == DType::E2m1 {
-            len /= 2;
-        }
+        let half = |n: usize| if t.dtype == DType::E2m1 { n / 2 } else { n };
+        let len = half(p.numel(&t.shape)?);
         let name = t.name.clone();
-        let b = p.buf(BufRole::Param(name), elem, len, false);
-        p.params.insert(*id, b);
+        let fp4 = t.dtype == DType::E2m1;
+        let b = p.buf(BufRole::Param(name.clone()), elem, len, false);
+        let map = p.storage_map(*id)?;
+        let v0 = unpadded
+            .get(id)
+            .copied()
+            .ok_or(Error::Internal("param value"))?;
+        let value_shape = p.shape(v0)?;
+        let padded = value_shape != map.shape();
+        if map.is_row_major() && !padded {
+            p.params.insert(*id, b);
+        } else if byte_direct.contains(id) {
+            p.params.insert(*id, b);
+            p.scale_maps.insert(*id, map);
+        } else {
+            if fp4 && map.halved().is_none() {
+                return Err(unsupported(
+                    &name,
+                    "a 4-bit layout that splits a byte's pair of elements (the last dimension's innermost stride must be 1 over an even extent)",
+                ));
+            }
+            let n: i64 = value_shape.iter().product();
+            let staging = p.buf(
+                BufRole::Temp(format!("{name}_staged")),
+                elem,
+                half(usize::try_from(n).map_err(|_| Error::Internal("size"))?),
+                false,
+            );
+            p.params.insert(*id, staging);
+            relayouts.push(Relayout {
+                param: *id,
+                staging,
+                out: b,
+                value_shape,
+            });
+        }
     }
     // Steps, in definition order; a quantization runs when its first output is reached.
     for (id, q) in order {
@@ -211,6 +267,9 @@ pub fn plan_with(
             }
             None => p.other(id)?,
         }
+    }
+    for r in relayouts {
+        p.relayout(&r)?;
     }
     Ok(p.prog)
 }
@@ -248,6 +307,110 @@ impl Planner<'_> {
             },
             None => false,
         }
+    }
+
+    /// A param's verified storage map at the binding.
+    fn storage_map(&self, id: TensorId) -> Result<StorageMap> {
+        let pi = self
+            .info
+            .params
+            .iter()
+            .find(|x| x.id == id)
+            .ok_or(Error::Internal("param without verified layout"))?;
+        StorageMap::of(&pi.layout, self.info.binding().ok_or(Error::Unbound)?)
+    }
+
+    /// Copy a staged (row-major, unpadded) param into its storage map, zero-filling the padding:
+    /// one work item per `run` elements of the param's last dimension, which the map proves
+    /// contiguous (16-byte accesses), or one element (byte pair for 4-bit types) at a time.
+    fn relayout(&mut self, r: &Relayout) -> Result<()> {
+        let t = self.tensor(r.param)?.clone();
+        let mut map = self.storage_map(r.param)?;
+        let mut shape = map.shape();
+        let mut vshape = r.value_shape.clone();
+        let elem = self
+            .prog
+            .buf(r.out)
+            .map(|b| b.elem)
+            .ok_or(Error::Internal("relayout buffer"))?;
+        if t.dtype == DType::E2m1 {
+            map = map
+                .halved()
+                .ok_or_else(|| unsupported(&t.name, "a 4-bit layout that splits byte pairs"))?;
+            for s in [&mut shape, &mut vshape] {
+                if let Some(l) = s.last_mut() {
+                    *l /= 2;
+                }
+            }
+        }
+        let rank = shape.len();
+        let (Some(&plast), Some(&vlast)) = (shape.last(), vshape.last()) else {
+            return Err(unsupported(&t.name, "a scalar param with a storage layout"));
+        };
+        let mut run = map.run((16 / elem.size()) as i64);
+        while run > 1 && (vlast % run != 0 || plast % run != 0) {
+            run /= 2;
+        }
+        let items: i64 = shape[..rank - 1].iter().product::<i64>() * (plast / run);
+        let padded = shape != vshape;
+        let name = format!("{}_{}_relayout", self.prog.recipe, t.name);
+        let (src, out) = (r.staging, r.out);
+        self.kernel(name, items, |em, it| {
+            // Row-major coordinates over the param's shape, the last in steps of `run`.
+            let mut coord = vec![e::i(0); rank];
+            let mut rest = it;
+            for k in (0..rank).rev() {
+                let ext = if k + 1 == rank { plast / run } else { shape[k] };
+                let c = em.set(Ty::I64, e::rem(rest.clone(), ext));
+                coord[k] = if k + 1 == rank {
+                    em.set(Ty::I64, e::mul(c, e::i(run)))
+                } else {
+                    c
+                };
+                rest = e::div(rest, ext);
+            }
+            let mut src_at = e::i(0);
+            let mut acc = 1;
+            for k in (0..rank).rev() {
+                src_at = e::add(src_at, e::mul(coord[k].clone(), e::i(acc)));
+                acc *= vshape[k];
+            }
+            let dst = em.set(Ty::I64, map.index(&coord));
+            let copy = em.block(|b| {
+                let xs = load_block(b, src, elem, src_at, run as usize);
+                store_block(b, out, elem, dst.clone(), xs);
+            });
+            if !padded {
+                em.out.extend(copy);
+                return Ok(());
+            }
+            let mut inside = e::i32(1);
+            for k in 0..rank {
+                if shape[k] != vshape[k] {
+                    let lt = e::un(
+                        UnOp::BoolToI,
+                        e::bin(BinOp::ILt, coord[k].clone(), e::i(vshape[k])),
+                    );
+                    inside = e::bin(BinOp::And, inside, lt);
+                }
+            }
+            let inside = em.set(Ty::I32, inside);
+            em.out.push(Stmt::If {
+                cond: e::bin(BinOp::IEq, inside.clone(), e::i32(1)),
+                then: copy,
+            });
+            let zero = if elem == Elem::U8 {
+                e::i32(0)
+            } else {
+                e::f(0.0)
+            };
+            let zeros = em.block(|b| store_block(b, out, elem, dst, vec![zero; run as usize]));
+            em.out.push(Stmt::If {
+                cond: e::bin(BinOp::IEq, inside, e::i32(0)),
+                then: zeros,
+            });
+            Ok(())
+        })
     }
 
     fn tensor(&self, id: TensorId) -> Result<&moeforge_dsl::ir::Tensor> {
@@ -418,10 +581,10 @@ impl Planner<'_> {
             .values
             .as_ref()
             .and_then(|x| self.params.get(&x.0).copied());
-        let scl = u
-            .scales
-            .as_ref()
-            .and_then(|x| self.params.get(&x.0).copied().map(|b| (b, x.2)));
+        let scl = u.scales.as_ref().and_then(|x| {
+            let map = self.scale_maps.get(&x.0).cloned();
+            self.params.get(&x.0).copied().map(|b| (b, map))
+        });
         let glob = u.global.and_then(|x| self.params.get(&x).copied());
         let dec = u.decode.and_then(|x| self.params.get(&x).copied());
         let rc = rows * cols;
@@ -606,7 +769,8 @@ impl Planner<'_> {
                             index: it.clone(),
                             value: inv,
                         });
-                        if let Some((sb, _)) = scl {
+                        if let Some((sb, _)) = &scl {
+                            let sb = *sb;
                             em.out.push(Stmt::Store {
                                 buf: sb,
                                 index: it,
@@ -742,7 +906,7 @@ impl Planner<'_> {
                         fp8_scale: None,
                     },
                 );
-                let sb = scl.map(|x| x.0);
+                let sb = scl.as_ref().map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
                 let x4r = self.x4 && cols % 4 == 0;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
@@ -970,7 +1134,7 @@ impl Planner<'_> {
                     },
                 );
                 let (bm, bk) = ((rows + 127) / 128, (cols + 127) / 128);
-                let sb = scl.map(|x| x.0);
+                let sb = scl.as_ref().map(|x| x.0);
                 let packed = !self.x4 && cols % 8 == 0;
                 let x4b = self.x4 && cols % 4 == 0;
                 // The fallback below (the host form, and GPU rows not a multiple of 8 long): 4-lane
@@ -1190,10 +1354,7 @@ impl Planner<'_> {
                     },
                 );
                 let nb = cols / 32;
-                let sb = scl;
-                if let Some((_, true)) = sb {
-                    return Err(unsupported(&pname, "swizzled MXFP4 scales"));
-                }
+                let sb = scl.as_ref().map(|x| x.0);
                 let x4 = self.x4;
                 let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
                 let rb = RowBlocks::new(nb, 2, x4);
@@ -1231,7 +1392,7 @@ impl Planner<'_> {
                                 Ty::F32,
                                 e::un(UnOp::FromBits, e::bin(BinOp::Shl, mexp, e::i32(23))),
                             );
-                            if let Some((sbuf, _)) = sb {
+                            if let Some(sbuf) = sb {
                                 let si = e::add(e::mul(it.clone(), e::i(nb)), j.clone());
                                 b.out.push(Stmt::Store {
                                     buf: sbuf,
@@ -1265,19 +1426,15 @@ impl Planner<'_> {
         gs_b: BufId,
         dec_b: BufId,
         vals: Option<BufId>,
-        scl: Option<(BufId, bool)>,
+        scl: Option<(BufId, Option<StorageMap>)>,
         src_row: &dyn Fn(&mut Emit<'_>, Expr) -> Expr,
     ) -> Result<()> {
         let nb = cols / 16;
-        // The scale storage map: linear [E, M, K/16] or SPEC §1's 128x4 tiles of [E, Mp, Kp].
-        let sw = match scl {
-            Some((_, true)) => Some(
-                moeforge_dsl::spec::swizzle_128x4_layout(ne, rows, nb)
-                    .map_err(|_| Error::Internal("swizzle layout"))?,
-            ),
-            _ => None,
-        };
+        // The scale param's storage map from the verified module (`None`: compact row-major
+        // [E, M, K/16], addressed linearly), e.g. SPEC §1's 128x4 tiles of a padded [E, Mp, Kp].
+        let sw = scl.as_ref().and_then(|x| x.1.clone());
         let sw2 = sw.clone();
+        let scl = scl.map(|x| x.0);
         let x4 = self.x4;
         let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
         let rb = RowBlocks::new(nb, 4, x4);
@@ -1318,9 +1475,9 @@ impl Planner<'_> {
                     (xs, sbyte, osc, zero)
                 };
                 let store_scale = |b: &mut Emit<'_>, j: &Expr, sbyte: Expr| {
-                    if let Some((sbuf, _)) = scl {
+                    if let Some(sbuf) = scl {
                         let idx = match &sw {
-                            Some(l) => layout_index(l, &[ex.clone(), r.clone(), j.clone()]),
+                            Some(l) => l.index(&[ex.clone(), r.clone(), j.clone()]),
                             None => e::add(e::mul(it.clone(), e::i(nb)), j.clone()),
                         };
                         let idx = b.set(Ty::I64, idx);
@@ -1363,21 +1520,18 @@ impl Planner<'_> {
                 };
                 // The item's blocks share a row, `ipr` columns apart: where the swizzle moves a
                 // block by a constant for that, their scale offsets are the first's plus multiples.
-                let shift = sw
-                    .as_ref()
-                    .and_then(|l| layout_shift(l, 2, rb.items_per_row()));
+                let shift = sw.as_ref().and_then(|l| l.shift(2, rb.items_per_row()));
                 let first_idx = match (&sw, shift, scl) {
-                    (Some(l), Some(_), Some(_)) => Some(em.set(
-                        Ty::I64,
-                        layout_index(l, &[ex.clone(), r.clone(), first.clone()]),
-                    )),
+                    (Some(l), Some(_), Some(_)) => {
+                        Some(em.set(Ty::I64, l.index(&[ex.clone(), r.clone(), first.clone()])))
+                    }
                     _ => None,
                 };
                 let slow = em.var(Ty::I32, e::i32(0));
                 rb.blocks_k(em, first.clone(), |b, j, k| {
                     let (xs, sbyte, osc, zero) = scaled(b, &j);
                     match (&first_idx, shift, scl) {
-                        (Some(i0), Some(d), Some((sbuf, _))) => b.out.push(Stmt::Store {
+                        (Some(i0), Some(d), Some(sbuf)) => b.out.push(Stmt::Store {
                             buf: sbuf,
                             index: e::add(i0.clone(), e::i(k * d)),
                             value: sbyte.clone(),
@@ -1417,12 +1571,11 @@ impl Planner<'_> {
                 Ok(())
             },
         )?;
-        // Zero fill of the swizzled padding (rows M..Mp, columns K/16..Kp of each expert).
-        if let (Some((sbuf, true)), Some(l)) = (scl, sw2) {
-            let (mp, kp) = (
-                moeforge_dsl::spec::ru(rows, 128),
-                moeforge_dsl::spec::ru(nb, 4),
-            );
+        // Zero fill of the padding (rows M..Mp, columns K/16..Kp of each expert), through the map.
+        if let (Some(sbuf), Some(l)) = (scl, sw2) {
+            let [_, mp, kp] = l.shape()[..] else {
+                return Err(Error::Internal("NVFP4 scales of rank other than 3"));
+            };
             if mp != rows || kp != nb {
                 self.kernel(format!("{tag}_pad"), ne * mp, |em, it| {
                     let ex = em.set(Ty::I64, e::div(it.clone(), mp));
@@ -1433,7 +1586,7 @@ impl Planner<'_> {
                             e::un(UnOp::BoolToI, e::bin(BinOp::ILt, e::i(rows - 1), r.clone())),
                             e::un(UnOp::BoolToI, e::bin(BinOp::ILt, e::i(nb - 1), c.clone())),
                         );
-                        let idx = layout_index(&l, &[ex.clone(), r.clone(), c]);
+                        let idx = l.index(&[ex.clone(), r.clone(), c]);
                         let then = vec![Stmt::Store {
                             buf: sbuf,
                             index: idx,
@@ -2025,35 +2178,4 @@ pub fn index_vec_expr(iv: &IndexVec, j: Expr, atoms: &[i128]) -> Expr {
             index_vec_expr(base, src, atoms)
         }
     }
-}
-
-/// How much [`layout_index`] moves when coordinate `k` grows by `delta`, where that is one constant
-/// for every coordinate: `delta` a multiple of the mode's inner sizes, so that only its last part
-/// (which `layout_index` leaves unreduced) grows.
-fn layout_shift(l: &Layout, k: usize, delta: i64) -> Option<i64> {
-    let subs = l.mode(k)?.flat_modes();
-    let (last, inner) = subs.split_last()?;
-    let p: i64 = inner.iter().map(|&(s, _)| s).product();
-    (p > 0 && delta % p == 0).then(|| delta / p * last.1)
-}
-
-/// The offset of a natural coordinate (one integer per top-level mode) under a CuTe layout: each
-/// mode's integer is split colexicographically over its sub-modes.
-pub fn layout_index(l: &Layout, coord: &[Expr]) -> Expr {
-    let mut total = e::i(0);
-    for (k, c) in coord.iter().enumerate() {
-        let Some(mode) = l.mode(k) else { continue };
-        let subs = mode.flat_modes();
-        let mut rest = c.clone();
-        for (j, &(s, d)) in subs.iter().enumerate() {
-            let part = if j + 1 == subs.len() {
-                rest.clone()
-            } else {
-                e::rem(rest.clone(), s)
-            };
-            total = e::add(total, e::mul(part, e::i(d)));
-            rest = e::div(rest, s);
-        }
-    }
-    total
 }

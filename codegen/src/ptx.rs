@@ -557,6 +557,15 @@ struct Gen<'a> {
     in_group: bool,
 }
 
+/// The untyped bits type of an integer register class (for `and`, `or`, `xor`, `shl`).
+fn bits_ty(c: RegClass) -> PtxTy {
+    if c == RegClass::B64 {
+        PtxTy::B64
+    } else {
+        PtxTy::B32
+    }
+}
+
 fn int_ty(c: RegClass) -> PtxTy {
     if c == RegClass::B64 {
         PtxTy::S64
@@ -968,11 +977,19 @@ impl Gen<'_> {
                         },
                         ac,
                     ),
-                    BinOp::And => ("and", PtxTy::B32, ac),
-                    BinOp::Or => ("or", PtxTy::B32, ac),
-                    BinOp::Xor => ("xor", PtxTy::B32, ac),
-                    BinOp::Shl => ("shl", PtxTy::B32, ac),
-                    BinOp::Shr => ("shr", PtxTy::U32, ac),
+                    BinOp::And => ("and", bits_ty(ac), ac),
+                    BinOp::Or => ("or", bits_ty(ac), ac),
+                    BinOp::Xor => ("xor", bits_ty(ac), ac),
+                    BinOp::Shl => ("shl", bits_ty(ac), ac),
+                    BinOp::Shr => (
+                        "shr",
+                        if ac == RegClass::B64 {
+                            PtxTy::U64
+                        } else {
+                            PtxTy::U32
+                        },
+                        ac,
+                    ),
                     BinOp::MulHi => ("mul.hi", PtxTy::U32, ac),
                     BinOp::Prmt(sel) => {
                         let b = self.in_reg(b, RegClass::B32);

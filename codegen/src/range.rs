@@ -275,6 +275,12 @@ fn bin(op: BinOp, a: Iv, b: Iv, bx: &Expr) -> R<Iv> {
             (0, a.1.min(c - 1))
         }
         BinOp::And if a.0 >= 0 && b.0 >= 0 => (0, a.1.min(b.1)),
+        BinOp::Or | BinOp::Xor if a.0 >= 0 && b.0 >= 0 => {
+            // Below the next power of two of the larger operand.
+            let hi = a.1.max(b.1);
+            let bits = 128 - hi.leading_zeros();
+            (0, (1i128 << bits.min(126)) - 1)
+        }
         BinOp::Shr if a.0 >= 0 && b.0 >= 0 && b.1 < 64 => (a.0 >> b.1, a.1 >> b.0),
         BinOp::Shl if a.0 >= 0 && b.0 >= 0 && b.1 < 32 => (a.0 << b.0, a.1 << b.1),
         // Comparisons: both operands checked; the result is a boolean.

@@ -1692,7 +1692,13 @@ impl<'s> Lower<'s> {
                         }
                         Some((lay, l.span))
                     }
-                    None => None,
+                    // `swizzle_128x4` pads; its storage is the 128x4 tile layout unless one is declared.
+                    None => match self.val(v).map(|x| &x.op) {
+                        Some(Op::Swizzle128x4 { .. }) => {
+                            swizzle_128x4_storage(&shape).map(|l| (l, value.span))
+                        }
+                        _ => None,
+                    },
                 };
                 for t in self.m.tensors_read(v) {
                     self.consumed_by_param.push(t);
@@ -2107,25 +2113,36 @@ impl<'s> Lower<'s> {
                 self.reshape(name, &l, shape, span)
             }
             Op::MmaSfView { base } => {
+                // SPEC §2: view coordinate (r%32, (r%128)/32, r/128, c%4, c/4, g) stands for the
+                // logical scale S_g[r, c]: the logical modes split, composed with the storage layout.
                 let l = self.view_layout(name, *base)?;
-                if !self.contiguous(&l) {
-                    self.err(
-                        Diagnostic::error(
-                            "E0306",
-                            format!(
-                                "view `{name}`: `mma_sf_view` needs contiguous swizzled storage"
-                            ),
-                        )
-                        .with_label(span, "its source is already re-indexed"),
-                    );
-                    return None;
-                }
                 let s = l.shape();
-                let mt = s[1].div_exact(128)?;
-                let kt = s[2].div_exact(4)?;
+                let (mt, kt) = (s[1].div_exact(128)?, s[2].div_exact(4)?);
                 let c = |x: i128| Poly::constant(x);
+                let split = |d: &[(Poly, Poly)], parts: &[Poly]| split_mode(d, parts);
+                let composed = match (
+                    l.dims.first(),
+                    split(&l.dims[1], &[c(32), c(4), mt.clone()]),
+                    split(&l.dims[2], &[c(4), kt.clone()]),
+                ) {
+                    (Some(g), Some(r), Some(k)) if g.len() == 1 && l.swizzle.is_none() => {
+                        Some(SymLayout {
+                            dims: vec![
+                                vec![r[0].clone()],
+                                vec![r[1].clone()],
+                                vec![r[2].clone()],
+                                vec![k[0].clone()],
+                                vec![k[1].clone()],
+                                g.clone(),
+                            ],
+                            offset: l.offset.clone(),
+                            swizzle: None,
+                        })
+                    }
+                    _ => None,
+                };
                 let tile = kt.scale(512);
-                Some(SymLayout {
+                let canonical = SymLayout {
                     dims: vec![
                         vec![(c(32), c(16))],
                         vec![(c(4), c(4))],
@@ -2136,7 +2153,34 @@ impl<'s> Lower<'s> {
                     ],
                     offset: Poly::zero(),
                     swizzle: None,
-                })
+                };
+                match composed {
+                    Some(v) if v == canonical => Some(v),
+                    other => {
+                        let got = match &other {
+                            Some(v) => format!("its storage gives {}", v.display(&self.m.atoms)),
+                            None => format!(
+                                "its storage {} does not split into the MMA modes",
+                                l.display(&self.m.atoms)
+                            ),
+                        };
+                        self.err(
+                            Diagnostic::error(
+                                "E0306",
+                                format!(
+                                    "view `{name}`: `mma_sf_view` needs scales stored in the 128x4 tile layout"
+                                ),
+                            )
+                            .with_label(span, got)
+                            .with_note(format!(
+                                "the MMA reads {}",
+                                canonical.display(&self.m.atoms)
+                            ))
+                            .with_note("help: store the scales with `swizzle_128x4(...)` (a padded param alone is not swizzled)"),
+                        );
+                        None
+                    }
+                }
             }
             Op::Apply { base, layout } => {
                 let l = self.view_layout(name, *base)?;
@@ -2294,4 +2338,58 @@ fn similar(a: &str, b: &str) -> bool {
         prev = cur;
     }
     prev[b.len()] <= 2.max(b.len() / 4)
+}
+
+/// SPEC §1's storage of a `swizzle_128x4` param of padded shape `[.., Mp, Kp]`: leading dims
+/// row-major over whole `Mp x Kp` planes, then `((32,4,MT),(4,KT)):((16,4,KT*512),(1,512))`.
+fn swizzle_128x4_storage(shape: &[Poly]) -> Option<SymLayout> {
+    let n = shape.len();
+    if n < 2 {
+        return None;
+    }
+    let c = |x: i128| Poly::constant(x);
+    let (mt, kt) = (shape[n - 2].div_exact(128)?, shape[n - 1].div_exact(4)?);
+    let mut dims = vec![Vec::new(); n];
+    let mut acc = shape[n - 2].mul(&shape[n - 1]);
+    for i in (0..n - 2).rev() {
+        dims[i] = vec![(shape[i].clone(), acc.clone())];
+        acc = acc.mul(&shape[i]);
+    }
+    dims[n - 2] = vec![(c(32), c(16)), (c(4), c(4)), (mt, kt.scale(512))];
+    dims[n - 1] = vec![(c(4), c(1)), (kt, c(512))];
+    Some(SymLayout {
+        dims,
+        offset: Poly::zero(),
+        swizzle: None,
+    })
+}
+
+/// Split one mode (sub-modes fastest first) into `parts` (fastest first) without a copy: each
+/// part takes a whole sub-mode or divides one. `None` where the extents do not line up.
+fn split_mode(mode: &[(Poly, Poly)], parts: &[Poly]) -> Option<Vec<(Poly, Poly)>> {
+    let mut subs: Vec<(Poly, Poly)> = mode
+        .iter()
+        .filter(|(s, _)| !s.is_const(1))
+        .cloned()
+        .collect();
+    subs.reverse(); // pop() yields the fastest
+    let mut out = Vec::new();
+    for p in parts {
+        if p.is_const(1) {
+            out.push((Poly::constant(1), Poly::zero()));
+            continue;
+        }
+        let (s, d) = subs.pop()?;
+        if s == *p {
+            out.push((s, d));
+        } else {
+            let rest = match p.as_const() {
+                Some(k) => s.div_exact(i64::try_from(k).ok()?)?,
+                None => s.div_monomial(p)?,
+            };
+            out.push((p.clone(), d.clone()));
+            subs.push((rest, d.mul(p)));
+        }
+    }
+    subs.is_empty().then_some(out)
 }
