@@ -261,6 +261,40 @@ fn index_arithmetic_of_real_layers_is_proven_32_bit() {
 }
 
 /// Assemble `ptx` for `t` with ptxas where it is at hand; panics with ptxas's messages on rejection.
+#[test]
+fn ptx_of_declared_layouts_assembles() {
+    // examples/layouts: relayout kernels through column-major, tiled and swizzled maps (the swizzle's
+    // 64-bit XOR and shifts) and the padded MXFP4 scale tiles, in the 32- and 64-bit index forms.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layouts");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let src = std::fs::read_to_string(&path).unwrap();
+        let what = path.display().to_string();
+        for bind in ["E=2,H=256,I=128", "E=256,H=7168,I=2048"] {
+            let mut prog = moeforge::pack_program(&src, &what, bind, &|_| true).unwrap();
+            let relaid = prog
+                .kernels()
+                .filter(|k| k.name.ends_with("_relayout"))
+                .count();
+            assert!(relaid >= 1, "{what}: no relayout kernel");
+            for t in [Target::Sm90a, Target::Sm100a] {
+                let ptx = moeforge::codegen::ptx::compile(&prog, t).unwrap();
+                assemble(&ptx, t, &what);
+                n += 1;
+            }
+            for s in &mut prog.steps {
+                if let moeforge::codegen::kir::Step::Kernel(k) = s {
+                    k.wide_index = true;
+                }
+            }
+            let ptx = moeforge::codegen::ptx::compile(&prog, Target::Sm90a).unwrap();
+            assemble(&ptx, Target::Sm90a, &what);
+        }
+    }
+    assert!(n >= 16, "only {n} programs");
+}
+
 fn assemble(ptx: &str, t: Target, what: &str) {
     let Some(ptxas) = ptxas() else { return };
     let dir = tempfile::tempdir().unwrap();

@@ -2076,6 +2076,22 @@ impl<'s> Lower<'s> {
                 end,
             } => {
                 let mut l = self.view_layout(name, *base)?;
+                // A hierarchical mode slices along its last (slowest) sub-mode, where the bounds are
+                // multiples of the inner sub-modes' extent: (s0,..,sk):(d0,..,dk)[a:b] is
+                // (s0,..,(b-a)/P):(d0,..,dk) at offset (a/P)*dk, P = s0*..*s(k-1).
+                if let Some(mode) = l.dims.get(*dim).filter(|m| m.len() > 1) {
+                    let (last, inner) = mode.split_last()?;
+                    let p = inner.iter().fold(Poly::constant(1), |a, (s, _)| a.mul(s));
+                    if let (Some(a), Some(n)) =
+                        (start.div_monomial(&p), end.sub(start).div_monomial(&p))
+                    {
+                        let mut m = inner.to_vec();
+                        m.push((n, last.1.clone()));
+                        l.offset = l.offset.add(&a.mul(&last.1));
+                        l.dims[*dim] = m;
+                        return Some(l);
+                    }
+                }
                 let (_, d) = need_single(self, &l, *dim)?;
                 l.offset = l.offset.add(&start.mul(&d));
                 l.dims[*dim] = vec![(end.sub(start), d)];

@@ -1,0 +1,364 @@
+//! A declared layout is the layout written. Property test: every standard recipe, with random legal
+//! storage layouts declared on its params (permutations of the non-expert modes, tilings that split a
+//! mode, `S<B,M,S>` swizzles, over padded scales too), packed by the interpreter and the Cranelift
+//! host backend; reading each param back through its declared layout (evaluated by the layout
+//! algebra, not by the code generator) must give, element for element, what the standard recipe's
+//! pack holds at the same logical coordinate. A fresh seed each run, printed for replay
+//! (`MOEFORGE_SEED=...`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+
+use moeforge::codegen::{self, kir::BufRole, SingleProcess};
+use moeforge::dsl::ir::DType;
+use moeforge::dsl::layout::IntTuple;
+use moeforge::dsl::ModuleInfo;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn bf16(&mut self) -> f32 {
+        let k = self.next();
+        let mant = ((k >> 8) & 0x7F) as u32;
+        let exp = 118 + ((k >> 16) % 16) as u32;
+        let sign = ((k >> 24) & 1) as u32;
+        f32::from_bits((sign << 31) | (exp << 23) | (mant << 16))
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("MOEFORGE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(7)
+        })
+}
+
+/// Split a comma list at the top level of brackets.
+fn split_top(s: &str) -> Vec<String> {
+    let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0);
+    for ch in s.chars() {
+        match ch {
+            '(' | '[' => depth += 1,
+            ')' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(cur.trim().to_string());
+                cur.clear();
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(ch);
+    }
+    if !cur.trim().is_empty() {
+        out.push(cur.trim().to_string());
+    }
+    out
+}
+
+/// A random dense, expert-major layout literal over the dims `[E, d1, d2, ...]`.
+fn random_layout(rng: &mut Rng, dims: &[String], fp4: bool) -> String {
+    // Leaves per dim, fastest first: (dim, extent).
+    let mut leaves: Vec<Vec<String>> = Vec::new();
+    for d in &dims[1..] {
+        if rng.below(2) == 0 {
+            let t = [2, 4, 8][rng.below(3) as usize];
+            leaves.push(vec![t.to_string(), format!("{d}/{t}")]);
+        } else {
+            leaves.push(vec![d.clone()]);
+        }
+    }
+    // Storage order of the leaves, fastest first; a 4-bit type keeps the last dim's first leaf
+    // fastest (byte pairs).
+    let mut order: Vec<(usize, usize)> = leaves
+        .iter()
+        .enumerate()
+        .flat_map(|(k, l)| (0..l.len()).map(move |j| (k, j)))
+        .collect();
+    for i in (1..order.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    if fp4 {
+        let last = (leaves.len() - 1, 0);
+        order.retain(|x| *x != last);
+        order.insert(0, last);
+    }
+    let mut strides: HashMap<(usize, usize), String> = HashMap::new();
+    let mut acc = "1".to_string();
+    for &(k, j) in &order {
+        strides.insert((k, j), acc.clone());
+        acc = format!("{acc}*{}", leaves[k][j]);
+    }
+    let shape_of = |k: usize| -> String {
+        if leaves[k].len() == 1 {
+            leaves[k][0].clone()
+        } else {
+            format!("({})", leaves[k].join(", "))
+        }
+    };
+    let stride_of = |k: usize| -> String {
+        let s: Vec<String> = (0..leaves[k].len())
+            .map(|j| strides[&(k, j)].clone())
+            .collect();
+        if s.len() == 1 {
+            s[0].clone()
+        } else {
+            format!("({})", s.join(", "))
+        }
+    };
+    let shape: Vec<String> = std::iter::once(dims[0].clone())
+        .chain((0..leaves.len()).map(shape_of))
+        .collect();
+    let stride: Vec<String> = std::iter::once(acc.clone())
+        .chain((0..leaves.len()).map(stride_of))
+        .collect();
+    let swz = if rng.below(3) == 0 {
+        let b = 1 + rng.below(2) as i64;
+        let m = if fp4 { 1 + rng.below(2) } else { rng.below(3) } as i64;
+        let s = b + rng.below(2) as i64;
+        format!("S<{b},{m},{s}> o ")
+    } else {
+        String::new()
+    };
+    format!("{swz}({}):({})", shape.join(", "), stride.join(", "))
+}
+
+/// The recipe with random layouts declared on (some of) its params of rank >= 2.
+fn with_layouts(rng: &mut Rng, src: &str) -> String {
+    let mut out = String::new();
+    for line in src.lines() {
+        let t = line.trim_start();
+        let mut done = false;
+        if let Some(rest) = t.strip_prefix("param ") {
+            if let (Some(colon), Some(eq)) = (rest.find(':'), rest.find(" = ")) {
+                let ty = rest[colon + 1..eq].trim();
+                if let (Some(lb), true) = (ty.find('['), ty.ends_with(']')) {
+                    let dims = split_top(&ty[lb + 1..ty.len() - 1]);
+                    let pname = rest[..colon].trim();
+                    // The MMA view pins its scales to the 128x4 tile layout (refused otherwise).
+                    let pinned = src.contains(&format!("mma_sf_view({pname})"));
+                    if dims.len() >= 2 && !ty.contains('@') && !pinned && rng.below(4) != 0 {
+                        let lay = random_layout(rng, &dims, ty.starts_with("e2m1"));
+                        let indent = &line[..line.len() - t.len()];
+                        out.push_str(&format!(
+                            "{indent}param {} : {ty} @ {lay} = {}\n",
+                            rest[..colon].trim(),
+                            rest[eq + 3..].trim()
+                        ));
+                        done = true;
+                    }
+                }
+            }
+        }
+        if !done {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+type Params = HashMap<String, Vec<u8>>;
+
+/// Pack with a backend: `interp` and `host` take the GPU form of the program, `host_x4` the
+/// host form (4-lane vectors) that `moeforge pack` runs.
+fn pack(info: &ModuleInfo, inputs: &Params, backend: &str) -> Params {
+    let x4 = backend == "host_x4";
+    let prog =
+        codegen::plan::plan_with(info, &|n: &str| inputs.contains_key(n), &|_| false, x4).unwrap();
+    let mut bufs = codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).cloned()).unwrap();
+    match backend {
+        "interp" => codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap(),
+        _ => {
+            let compiled = codegen::host::compile(&prog).unwrap();
+            compiled.run(&mut bufs, &SingleProcess, 2).unwrap();
+        }
+    }
+    prog.bufs
+        .iter()
+        .zip(bufs)
+        .filter_map(|(b, d)| match &b.role {
+            BufRole::Param(n) => Some((n.clone(), d)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every logical element of every param, read through the param's verified storage layout (the
+/// layout algebra's `crd2idx` and `Swizzle::apply`): name -> element bytes in row-major order.
+fn logical(info: &ModuleInfo, params: &Params) -> HashMap<String, Vec<Vec<u8>>> {
+    let b = info.binding().unwrap();
+    let m = info.module();
+    let mut out = HashMap::new();
+    for p in &info.params {
+        let t = m.tensor(p.id).unwrap();
+        let Some(bytes) = params.get(&t.name) else {
+            continue;
+        };
+        let shape: Vec<i64> = t.shape.iter().map(|s| b.eval(s).unwrap() as i64).collect();
+        let (lay, off) = moeforge::dsl::verify::numeric(&p.layout, b).unwrap();
+        let n: i64 = shape.iter().product();
+        let mut elems = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let mut c = vec![0i64; shape.len()];
+            let mut r = i;
+            for k in (0..shape.len()).rev() {
+                c[k] = r % shape[k];
+                r /= shape[k];
+            }
+            let crd = if c.len() == 1 {
+                IntTuple::Int(c[0])
+            } else {
+                IntTuple::Tuple(c.iter().map(|&x| IntTuple::Int(x)).collect())
+            };
+            let mut o = lay.crd2idx(&crd).unwrap() + off;
+            if let Some(sw) = p.layout.swizzle {
+                o = sw.apply(o);
+            }
+            let o = o as usize;
+            elems.push(match t.dtype {
+                DType::E2m1 => vec![(bytes[o / 2] >> (4 * (o % 2))) & 0xF],
+                d => {
+                    let w = (d.bits() / 8) as usize;
+                    bytes[o * w..(o + 1) * w].to_vec()
+                }
+            });
+        }
+        out.insert(t.name.clone(), elems);
+    }
+    out
+}
+
+#[test]
+fn declared_layouts_are_the_layouts_written() {
+    let s0 = seed();
+    let mut rng = Rng(s0 | 1);
+    let (e, h, i) = (2i64, 128i64, 128i64);
+    let bind = vec![("E".into(), e), ("H".into(), h), ("I".into(), i)];
+    let mut inputs: Params = HashMap::new();
+    let mut gen = |n: i64| -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| ((rng.bf16().to_bits() >> 16) as u16).to_le_bytes())
+            .collect()
+    };
+    inputs.insert("w13".into(), gen(e * 2 * i * h));
+    inputs.insert("w2".into(), gen(e * h * i));
+    let mut accepted = 0;
+    let mut relaid = 0;
+    for r in moeforge::kernels::STANDARD {
+        let std_info = moeforge::dsl::check(r.source, Some(&bind)).unwrap();
+        let want = logical(&std_info, &pack(&std_info, &inputs, "host"));
+        for _case in 0..4 {
+            let src = with_layouts(&mut rng, r.source);
+            let info = match moeforge::dsl::check(&src, Some(&bind)) {
+                Ok(info) => info,
+                Err(d) => {
+                    // Only a swizzle whose period does not divide an expert (E0401/E0402), a split
+                    // of an extent not provably divisible (E0204) or a view slicing a split mode
+                    // off its inner extent (E0306) may be refused.
+                    let msg = format!("{d:?}");
+                    assert!(
+                        ["E0401", "E0402", "E0204", "slices a hierarchical mode"]
+                            .iter()
+                            .any(|c| msg.contains(c)),
+                        "seed {s0}: {}: a legal layout was refused: {msg}\n{src}",
+                        r.name
+                    );
+                    continue;
+                }
+            };
+            accepted += 1;
+            relaid += info
+                .params
+                .iter()
+                .zip(&std_info.params)
+                .filter(|(p, q)| p.layout != q.layout)
+                .count();
+            for backend in ["interp", "host", "host_x4"] {
+                let got = logical(&info, &pack(&info, &inputs, backend));
+                for (name, w) in &want {
+                    let g = &got[name];
+                    if let Some(k) = (0..w.len()).find(|&k| g[k] != w[k]) {
+                        panic!(
+                            "seed {s0}: {} on {backend}: `{name}` element {k} is {:?}, the standard pack has {:?}\n{src}",
+                            r.name, g[k], w[k]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        accepted >= 12,
+        "seed {s0}: only {accepted} layouts accepted"
+    );
+    assert!(relaid > 0);
+}
+
+/// The recipe with every declared layout removed (`@ ...` up to ` = `).
+fn without_layouts(src: &str) -> String {
+    src.lines()
+        .map(|l| match (l.find(" @ "), l.find(" = ")) {
+            (Some(a), Some(b)) if a < b && l.trim_start().starts_with("param ") => {
+                format!("{}{}\n", &l[..a], &l[b..])
+            }
+            _ => format!("{l}\n"),
+        })
+        .collect()
+}
+
+#[test]
+fn example_layout_recipes_pack_through_their_layouts() {
+    // examples/layouts: column-major FP8, 16x16-tiled bf16, S<3,4,3>-swizzled bf16, MXFP4 with
+    // swizzled E8M0 scales and column-tiled values; at shapes with partial 128-row scale tiles.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layouts");
+    let mut rng = Rng(seed() | 1);
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let src = std::fs::read_to_string(&path).unwrap();
+        for (e, h, i) in [(2i64, 256i64, 128i64), (3, 128, 64)] {
+            let bind = vec![("E".into(), e), ("H".into(), h), ("I".into(), i)];
+            let Ok(info) = moeforge::dsl::check(&src, Some(&bind)) else {
+                continue;
+            };
+            let plain = moeforge::dsl::check(&without_layouts(&src), Some(&bind)).unwrap();
+            let mut inputs: Params = HashMap::new();
+            for (name, len) in [("w13", e * 2 * i * h), ("w2", e * h * i)] {
+                let b: Vec<u8> = (0..len)
+                    .flat_map(|_| ((rng.bf16().to_bits() >> 16) as u16).to_le_bytes())
+                    .collect();
+                inputs.insert(name.into(), b);
+            }
+            let want = logical(&plain, &pack(&plain, &inputs, "host"));
+            for backend in ["interp", "host", "host_x4"] {
+                let got = logical(&info, &pack(&info, &inputs, backend));
+                assert_eq!(got.len(), want.len());
+                for (name, w) in &want {
+                    assert!(
+                        got[name] == *w,
+                        "{}: `{name}` on {backend} differs from the row-major pack",
+                        path.display()
+                    );
+                }
+                n += 1;
+            }
+        }
+    }
+    assert!(n >= 8, "only {n} example packs compared");
+}
