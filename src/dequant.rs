@@ -1,12 +1,21 @@
-//! Dequantization of packed params back to the input's row order, read off the recipe itself: which
-//! param holds the codes, which the scales (linear or 128x4-swizzled), which the global scale, and the
-//! row gather between them. Used to report the dequantization error of a pack.
+//! Dequantization of packed params back to the input's row order, read off the verified module: the
+//! params holding the codes, the scales and the decode scale (`ModuleInfo::quantization_of`, the
+//! query the planner uses too), the row gather between them, and each param's storage map (every
+//! element read through its layout). Used to report the dequantization error of a pack.
 
 use std::collections::HashMap;
 
+use crate::codegen::addr::StorageMap;
 use crate::codegen::reference as r;
-use crate::dsl::ir::{Fp8Granularity, IndexVec, Op, QuantField, QuantScheme, TensorKind, ValueId};
+use crate::dsl::ir::{Fp8Granularity, IndexVec, QuantScheme, TensorId};
 use crate::dsl::ModuleInfo;
+
+/// A param's name and storage map.
+fn param(info: &ModuleInfo, id: TensorId) -> Option<(String, StorageMap)> {
+    let p = info.params.iter().find(|p| p.id == id)?;
+    let map = StorageMap::of(&p.layout, info.binding()?).ok()?;
+    Some((info.module().tensor(id)?.name.clone(), map))
+}
 
 /// Dequantization error of one input tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -15,82 +24,6 @@ pub struct DequantError {
     pub max_abs: f32,
     /// Largest |x - x'| relative to the tensor's amax.
     pub max_rel_to_amax: f32,
-}
-
-struct Parts {
-    scheme: Option<QuantScheme>,
-    values: Option<String>,
-    scales: Option<(String, bool)>,
-    decode: Option<String>,
-    rows: Option<IndexVec>,
-}
-
-fn strip(info: &ModuleInfo, mut v: ValueId) -> (ValueId, bool, Option<IndexVec>) {
-    let m = info.module();
-    let mut sw = false;
-    let mut rows = None;
-    loop {
-        match m.value(v).map(|x| &x.op) {
-            Some(Op::Swizzle128x4 { base }) => {
-                sw = true;
-                v = *base;
-            }
-            Some(Op::Gather { base, index, .. }) => {
-                rows = Some(index.clone());
-                v = *base;
-            }
-            _ => return (v, sw, rows),
-        }
-    }
-}
-
-fn parts(info: &ModuleInfo, input: &str) -> Parts {
-    let m = info.module();
-    let mut p = Parts {
-        scheme: None,
-        values: None,
-        scales: None,
-        decode: None,
-        rows: None,
-    };
-    for t in &m.tensors {
-        if t.kind != TensorKind::Param {
-            continue;
-        }
-        let Some(v) = t.value else { continue };
-        let (v, sw, rows) = strip(info, v);
-        match m.value(v).map(|x| x.op.clone()) {
-            Some(Op::Field { quant, field }) => {
-                let Some(Op::Quant { scheme, input: qi }) = m.value(quant).map(|x| x.op.clone())
-                else {
-                    continue;
-                };
-                let (qi, _, rows_in) = strip(info, qi);
-                let Some(Op::Tensor(x)) = m.value(qi).map(|x| x.op.clone()) else {
-                    continue;
-                };
-                if m.tensor(x).map(|x| x.name.as_str()) != Some(input) {
-                    continue;
-                }
-                p.scheme = Some(scheme);
-                if rows.is_some() || rows_in.is_some() {
-                    p.rows = rows.or(rows_in);
-                }
-                match field {
-                    QuantField::Values => p.values = Some(t.name.clone()),
-                    QuantField::Scales => p.scales = Some((t.name.clone(), sw)),
-                    QuantField::DecodeScale => p.decode = Some(t.name.clone()),
-                    QuantField::GlobalScale => {}
-                }
-            }
-            Some(Op::Tensor(x)) if m.tensor(x).map(|x| x.name.as_str()) == Some(input) => {
-                p.values = Some(t.name.clone());
-                p.rows = rows;
-            }
-            _ => {}
-        }
-    }
-    p
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
@@ -108,27 +41,59 @@ pub fn error(
     shape: (usize, usize, usize),
     params: &HashMap<String, Vec<u8>>,
 ) -> Option<DequantError> {
-    let p = parts(info, name);
     let (ne, m, k) = shape;
-    let vals = params.get(p.values.as_ref()?)?;
+    let (scheme, values, scales, decode, rows): (
+        Option<QuantScheme>,
+        TensorId,
+        Option<TensorId>,
+        Option<TensorId>,
+        Option<IndexVec>,
+    ) = match info.quantization_of(name) {
+        Some(q) => {
+            let v = q.values?;
+            (
+                Some(q.scheme),
+                v.param,
+                q.scales.map(|o| o.param),
+                q.decode_scale.map(|o| o.param),
+                v.rows.or(q.rows_in),
+            )
+        }
+        None => {
+            let c = info.copy_of(name)?;
+            (None, c.param, None, None, c.rows)
+        }
+    };
+    let (vname, vmap) = param(info, values)?;
+    let vals = params.get(&vname)?;
     let atoms = info.binding()?.atoms().to_vec();
     let src_row = |r: usize| -> usize {
-        match &p.rows {
+        match &rows {
             Some(iv) => iv.map(r as i128, &atoms).map(|x| x as usize).unwrap_or(r),
             None => r,
         }
     };
-    let scales = p
-        .scales
-        .as_ref()
-        .and_then(|(n, sw)| params.get(n).map(|b| (b, *sw)));
-    let dec_v: Vec<f32> = p
-        .decode
-        .as_ref()
-        .and_then(|n| params.get(n))
-        .map(|b| f32s(b))
-        .unwrap_or_default();
-    let sf_v: Vec<f32> = scales.map(|(b, _)| f32s(b)).unwrap_or_default();
+    let scales = match scales {
+        Some(id) => {
+            let (n, map) = param(info, id)?;
+            Some((params.get(&n)?, map))
+        }
+        None => None,
+    };
+    let dec_v: Vec<f32> = match decode {
+        Some(id) => f32s(params.get(&param(info, id)?.0)?),
+        None => Vec::new(),
+    };
+    // A scale at its logical coordinate, read through its storage map.
+    let scale_at = |coord: &[i64]| -> Option<(u8, f32)> {
+        let (b, map) = scales.as_ref()?;
+        let o = usize::try_from(map.offset_of(coord)).ok()?;
+        let f = b
+            .get(4 * o..4 * o + 4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .unwrap_or(0.0);
+        Some((*b.get(o)?, f))
+    };
     let amax = x.iter().fold(0f32, |a, b| a.max(b.abs()));
     let mut worst = 0f32;
     for e in 0..ne {
@@ -136,52 +101,31 @@ pub fn error(
             let sr = src_row(r);
             for c in 0..k {
                 let xv = x[(e * m + sr) * k + c];
-                let o = (e * m + r) * k + c;
-                let deq = match p.scheme {
+                let (ei, ri, ci) = (e as i64, r as i64, c as i64);
+                let o = usize::try_from(vmap.offset_of(&[ei, ri, ci])).ok()?;
+                let nib = |o: usize| (vals[o / 2] >> (4 * (o % 2))) & 0xF;
+                let deq = match scheme {
                     None => f32::from_bits(
                         (u16::from_le_bytes([vals[2 * o], vals[2 * o + 1]]) as u32) << 16,
                     ),
                     Some(QuantScheme::Nvfp4 { .. }) => {
-                        let (sb, sw) = scales?;
-                        let kb = k / 16;
-                        let so = if sw {
-                            let (mp, kp) = (
-                                crate::dsl::spec::ru(m as i64, 128) as usize,
-                                crate::dsl::spec::ru(kb as i64, 4) as usize,
-                            );
-                            e * mp * kp
-                                + crate::dsl::spec::swizzle_128x4_offset(
-                                    0,
-                                    r as i64,
-                                    (c / 16) as i64,
-                                    m as i64,
-                                    kb as i64,
-                                ) as usize
-                        } else {
-                            (e * m + r) * kb + c / 16
-                        };
+                        let (sb, _) = scale_at(&[ei, ri, ci / 16])?;
                         let dec = *dec_v.get(e)?;
-                        let code = (vals[o / 2] >> (4 * (o % 2))) & 0xF;
-                        r::e2m1_to_f32(code) * r::e4m3_to_f32(sb[so]) * dec
+                        r::e2m1_to_f32(nib(o)) * r::e4m3_to_f32(sb) * dec
                     }
                     Some(QuantScheme::Mxfp4) => {
-                        let (sb, _) = scales?;
-                        let code = (vals[o / 2] >> (4 * (o % 2))) & 0xF;
-                        r::e2m1_to_f32(code) * 2f32.powi(sb[o / 32] as i32 - 127)
+                        let (sb, _) = scale_at(&[ei, ri, ci / 32])?;
+                        r::e2m1_to_f32(nib(o)) * 2f32.powi(sb as i32 - 127)
                     }
                     Some(QuantScheme::Fp8 { granularity, .. }) => {
-                        let s = &sf_v;
-                        let sc = match granularity {
-                            Fp8Granularity::Tensor => s[e],
-                            Fp8Granularity::Channel => s[e * m + r],
-                            Fp8Granularity::Block128 => {
-                                let (bm, bk) = (m.div_ceil(128), k.div_ceil(128));
-                                s[e * bm * bk + (r / 128) * bk + c / 128]
-                            }
+                        let (_, sc) = match granularity {
+                            Fp8Granularity::Tensor => scale_at(&[ei])?,
+                            Fp8Granularity::Channel => scale_at(&[ei, ri])?,
+                            Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
                         };
                         r::e4m3_to_f32(vals[o]) * sc
                     }
-                    Some(QuantScheme::Int8Row) => (vals[o] as i8) as f32 * sf_v[e * m + r],
+                    Some(QuantScheme::Int8Row) => (vals[o] as i8) as f32 * scale_at(&[ei, ri])?.1,
                 };
                 worst = worst.max((xv - deq).abs());
             }

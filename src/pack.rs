@@ -515,6 +515,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut layouts: HashMap<String, String> = HashMap::new();
     let mut reports = Vec::new();
     type Key = (usize, usize, usize, bool, Vec<String>);
     enum Backend {
@@ -595,11 +596,12 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             let BufRole::Param(pname) = &b.role else {
                 continue;
             };
-            let Some(t) = module
-                .tensors
-                .iter()
+            let Some((t_id, t)) = module
+                .tensors_with_ids()
+                .collect::<Vec<_>>()
+                .into_iter()
                 .rev()
-                .find(|t| &t.name == pname && t.kind == TensorKind::Param)
+                .find(|(_, t)| &t.name == pname && t.kind == TensorKind::Param)
             else {
                 continue;
             };
@@ -611,6 +613,17 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             if t.dtype == DType::E2m1 {
                 if let Some(last) = shape.last_mut() {
                     *last /= 2;
+                }
+            }
+            // A param stored through a layout other than row-major keeps its storage bytes under
+            // its logical shape; the layout goes into the metadata.
+            if let Some(pi) = info.params.iter().find(|p| p.id == t_id) {
+                let b = info
+                    .binding()
+                    .ok_or_else(|| Error::Usage("internal: unbound module".into()))?;
+                let map = crate::codegen::addr::StorageMap::of(&pi.layout, b)?;
+                if !map.is_row_major() {
+                    layouts.insert(format!("moeforge.layout.{pname}"), map.to_string());
                 }
             }
             out.push((
@@ -638,6 +651,12 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         env!("CARGO_PKG_VERSION").to_string(),
     );
     meta.insert("moeforge.binding".to_string(), binding);
+    // The recipe itself, so that later commands find the recipe of a packed file (custom ones too).
+    meta.insert(
+        "moeforge.recipe_source".to_string(),
+        opts.recipe_src.clone(),
+    );
+    meta.extend(layouts);
     let views: Vec<(String, TensorView<'_>)> = out
         .iter()
         .map(|(n, d, s, data)| {

@@ -362,3 +362,195 @@ fn example_layout_recipes_pack_through_their_layouts() {
     }
     assert!(n >= 8, "only {n} example packs compared");
 }
+
+/// What a view stands for: its logical shape and, per view element (row-major), the row-major index
+/// of the param's logical element it is, by evaluating the view's definition on the param's logical
+/// tensor (slices, indexing, permutes, reshapes, SPEC §2's MMA split). `None` for a view that
+/// reinterprets raw storage through an explicit layout.
+fn meaning(info: &ModuleInfo, v: moeforge::dsl::ir::ValueId) -> Option<(Vec<i64>, Vec<i64>)> {
+    use moeforge::dsl::ir::Op;
+    let m = info.module();
+    let ev = |p: &moeforge::dsl::poly::Poly| info.eval(p).unwrap() as i64;
+    let strides = |s: &[i64]| {
+        let mut st = vec![1i64; s.len()];
+        for k in (0..s.len().saturating_sub(1)).rev() {
+            st[k] = st[k + 1] * s[k + 1];
+        }
+        st
+    };
+    let coords = |i: i64, s: &[i64]| {
+        let mut c = vec![0i64; s.len()];
+        let mut r = i;
+        for k in (0..s.len()).rev() {
+            c[k] = r % s[k];
+            r /= s[k];
+        }
+        c
+    };
+    match &m.value(v)?.op {
+        Op::Tensor(t) => {
+            let s: Vec<i64> = m.tensor(*t)?.shape.iter().map(ev).collect();
+            let n = s.iter().product();
+            Some((s, (0..n).collect()))
+        }
+        Op::Slice {
+            base,
+            dim,
+            start,
+            end,
+        } => {
+            let (s, idx) = meaning(info, *base)?;
+            let (a, b) = (ev(start), ev(end));
+            let mut ns = s.clone();
+            ns[*dim] = b - a;
+            let st = strides(&s);
+            let n: i64 = ns.iter().product();
+            let out = (0..n)
+                .map(|i| {
+                    let mut c = coords(i, &ns);
+                    c[*dim] += a;
+                    idx[c.iter().zip(&st).map(|(x, y)| x * y).sum::<i64>() as usize]
+                })
+                .collect();
+            Some((ns, out))
+        }
+        Op::Select { base, dim, index } => {
+            let (s, idx) = meaning(info, *base)?;
+            let mut ns = s.clone();
+            ns.remove(*dim);
+            let st = strides(&s);
+            let n: i64 = ns.iter().product();
+            let out = (0..n)
+                .map(|i| {
+                    let mut c = coords(i, &ns);
+                    c.insert(*dim, ev(index));
+                    idx[c.iter().zip(&st).map(|(x, y)| x * y).sum::<i64>() as usize]
+                })
+                .collect();
+            Some((ns, out))
+        }
+        Op::Permute { base, perm } => {
+            let (s, idx) = meaning(info, *base)?;
+            let ns: Vec<i64> = perm.iter().map(|&p| s[p]).collect();
+            let st = strides(&s);
+            let n: i64 = ns.iter().product();
+            let out = (0..n)
+                .map(|i| {
+                    let c = coords(i, &ns);
+                    let mut src = vec![0i64; s.len()];
+                    for (k, &p) in perm.iter().enumerate() {
+                        src[p] = c[k];
+                    }
+                    idx[src.iter().zip(&st).map(|(x, y)| x * y).sum::<i64>() as usize]
+                })
+                .collect();
+            Some((ns, out))
+        }
+        Op::Reshape { base, shape } => {
+            let (_, idx) = meaning(info, *base)?;
+            Some((shape.iter().map(ev).collect(), idx))
+        }
+        Op::MmaSfView { base } => {
+            // (a, b, mt, c, kt, g) stands for S_g[mt*128 + b*32 + a, kt*4 + c].
+            let (s, idx) = meaning(info, *base)?;
+            let (mt_n, kt_n) = (s[1] / 128, s[2] / 4);
+            let ns = vec![32, 4, mt_n, 4, kt_n, s[0]];
+            let st = strides(&s);
+            let n: i64 = ns.iter().product();
+            let out = (0..n)
+                .map(|i| {
+                    let [a, b, mt, c, kt, g] = coords(i, &ns)[..] else {
+                        unreachable!()
+                    };
+                    let l = [g, mt * 128 + b * 32 + a, kt * 4 + c];
+                    idx[l.iter().zip(&st).map(|(x, y)| x * y).sum::<i64>() as usize]
+                })
+                .collect();
+            Some((ns, out))
+        }
+        _ => None,
+    }
+}
+
+/// Every view of a module stands for what its definition says: for each view element, the offset
+/// its verified layout gives equals the storage offset (through the param's layout) of the logical
+/// element it stands for. Returns the number of views checked.
+fn check_views(info: &ModuleInfo, what: &str) -> usize {
+    let b = info.binding().unwrap();
+    let m = info.module();
+    let offset = |l: &moeforge::dsl::ir::SymLayout, c: &[i64]| {
+        let (lay, off) = moeforge::dsl::verify::numeric(l, b).unwrap();
+        let crd = if c.len() == 1 {
+            IntTuple::Int(c[0])
+        } else {
+            IntTuple::Tuple(c.iter().map(|&x| IntTuple::Int(x)).collect())
+        };
+        let o = lay.crd2idx(&crd).unwrap() + off;
+        l.swizzle.map_or(o, |s| s.apply(o))
+    };
+    let coords = |i: i64, s: &[i64]| {
+        let mut c = vec![0i64; s.len()];
+        let mut r = i;
+        for k in (0..s.len()).rev() {
+            c[k] = r % s[k];
+            r /= s[k];
+        }
+        c
+    };
+    let mut n = 0;
+    for v in &info.views {
+        let t = m.tensor(v.id).unwrap();
+        let Some((shape, idx)) = meaning(info, t.value.unwrap()) else {
+            continue;
+        };
+        let p = info.params.iter().find(|p| p.id == v.source).unwrap();
+        let pshape: Vec<i64> = m
+            .tensor(v.source)
+            .unwrap()
+            .shape
+            .iter()
+            .map(|s| info.eval(s).unwrap() as i64)
+            .collect();
+        for (i, &li) in idx.iter().enumerate() {
+            let vc = coords(i as i64, &shape);
+            let got = offset(&v.layout, &vc);
+            let want = offset(&p.layout, &coords(li, &pshape));
+            assert_eq!(got, want, "{what}: view `{}` at {vc:?}", t.name);
+        }
+        n += 1;
+    }
+    n
+}
+
+#[test]
+fn views_stand_for_what_they_say() {
+    let mut n = 0;
+    for r in moeforge::kernels::STANDARD {
+        for (e, h, i) in [(2i64, 128i64, 128i64), (3, 256, 192)] {
+            let bind = vec![("E".into(), e), ("H".into(), h), ("I".into(), i)];
+            if let Ok(info) = moeforge::dsl::check(r.source, Some(&bind)) {
+                n += check_views(&info, r.name);
+            }
+        }
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layouts");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let src = std::fs::read_to_string(&path).unwrap();
+        let bind = vec![("E".into(), 2), ("H".into(), 256), ("I".into(), 128)];
+        let info = moeforge::dsl::check(&src, Some(&bind)).unwrap();
+        n += check_views(&info, &path.display().to_string());
+    }
+    // Random layouts: the gate/up slices of tiled, permuted and swizzled params.
+    let s0 = seed();
+    let mut rng = Rng(s0 | 1);
+    let bind = vec![("E".into(), 2), ("H".into(), 128), ("I".into(), 128)];
+    for _ in 0..5 {
+        for r in moeforge::kernels::STANDARD {
+            if let Ok(info) = moeforge::dsl::check(&with_layouts(&mut rng, r.source), Some(&bind)) {
+                n += check_views(&info, &format!("seed {s0}: {}", r.name));
+            }
+        }
+    }
+    assert!(n >= 30, "only {n} views checked");
+}

@@ -465,3 +465,54 @@ fn f16_widening_is_exact() {
         assert_eq!(f as f64, v, "{h:#06x}");
     }
 }
+
+#[test]
+fn declared_layouts_are_written_and_recorded() {
+    // The reproducer: a column-major FP8 recipe. `pack` must store each expert's bytes
+    // column-major (element (e, r, c) at e*2IH + r + c*2I), record the layout and the recipe source
+    // in the metadata, and agree with the row-major standard recipe element for element.
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Tensors(Vec::new());
+    hf_layer(&mut t, 0, false);
+    let ck = dir.path().join("in.safetensors");
+    t.write(&ck);
+    let pack = |recipe: &str, name: &str| {
+        let out = dir.path().join(name);
+        let (code, _, err) = run(&[
+            "pack",
+            recipe,
+            "--input",
+            ck.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        read(&out)
+    };
+    let (col, col_meta) = pack("examples/layouts/fp8_colmajor.recipe", "col.safetensors");
+    let (row, row_meta) = pack("fp8_per_tensor", "row.safetensors");
+    let key = "model.layers.0.mlp.experts.w13_weight";
+    let (c, r) = (&col[key], &row[key]);
+    assert_eq!(c.1, vec![E, 2 * I, H], "logical shape");
+    assert_ne!(c.2, r.2, "column-major bytes must differ from row-major");
+    for e in 0..E {
+        for m in 0..2 * I {
+            for k in 0..H {
+                let base = e * 2 * I * H;
+                assert_eq!(
+                    c.2[base + m + k * 2 * I],
+                    r.2[base + m * H + k],
+                    "({e},{m},{k})"
+                );
+            }
+        }
+    }
+    let lay = &col_meta["moeforge.layout.w13_weight"];
+    assert_eq!(
+        lay,
+        &format!("({E},{},{H}):({},1,{})", 2 * I, 2 * I * H, 2 * I)
+    );
+    assert!(!row_meta.contains_key("moeforge.layout.w13_weight"));
+    assert!(col_meta["moeforge.recipe_source"].contains("recipe fp8_colmajor"));
+    assert!(row_meta["moeforge.recipe_source"].contains("recipe fp8_per_tensor"));
+}

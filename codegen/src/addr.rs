@@ -215,6 +215,34 @@ impl StorageMap {
     }
 }
 
+impl std::fmt::Display for StorageMap {
+    /// CuTe notation: `S<B,M,S> o off + (s0,(s1a,s1b)):(d0,(d1a,d1b))`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let part = |sel: fn(&(i64, i64)) -> i64| -> String {
+            let m: Vec<String> = self
+                .modes
+                .iter()
+                .map(|d| {
+                    let v: Vec<String> = d.iter().map(|x| sel(x).to_string()).collect();
+                    if v.len() == 1 {
+                        v[0].clone()
+                    } else {
+                        format!("({})", v.join(","))
+                    }
+                })
+                .collect();
+            format!("({})", m.join(","))
+        };
+        if let Some(sw) = self.swizzle {
+            write!(f, "{sw} o ")?;
+        }
+        if self.offset != 0 {
+            write!(f, "{} + ", self.offset)?;
+        }
+        write!(f, "{}:{}", part(|x| x.0), part(|x| x.1))
+    }
+}
+
 /// CuTe's `Swizzle<B,M,S>` as IR: `o ^ ((o & yyy) >> S)` (or `<< -S`), `yyy` the `B` bits at
 /// `M + max(S, 0)`.
 fn swizzle_expr(sw: Swizzle, o: Expr) -> Expr {

@@ -16,6 +16,7 @@ use moeforge_dsl::ir::{
     AmaxGranularity, Arith, DType, Fp8Granularity, Group, IndexVec, Op, QuantField, QuantScheme,
     TensorId, TensorKind, ValueId,
 };
+use moeforge_dsl::roles::{self, Role};
 use moeforge_dsl::ModuleInfo;
 
 use crate::addr::StorageMap;
@@ -145,8 +146,8 @@ pub fn plan_with(
             p.inputs.insert(id, b);
         }
     }
-    // Quantization uses, grouped by quantization node.
-    let mut uses: Vec<(ValueId, QuantUse)> = Vec::new();
+    // What each param holds: one query on the verified module (`ModuleInfo::quantizations`).
+    let quants = info.quantizations();
     let mut order: Vec<(TensorId, Option<ValueId>)> = Vec::new();
     // Each param's value before padding (`swizzle_128x4` and `pad` only pad: the layout is the
     // param's storage map).
@@ -166,39 +167,60 @@ pub fn plan_with(
         let v = t
             .value
             .ok_or_else(|| unsupported(&t.name, "a param without a definition"))?;
-        let (v, padded) = match &p.op(v)? {
+        let (v, _) = match &p.op(v)? {
             Op::Swizzle128x4 { base } | Op::Pad { base, .. } => (*base, true),
             _ => (v, false),
         };
         unpadded.insert(id, v);
-        let (v, rows) = p.strip_gather(&t.name, v)?;
-        if let Op::Field { quant, field } = p.op(v)? {
-            let slot = match uses.iter_mut().find(|u| u.0 == quant) {
-                Some(u) => u,
-                None => {
-                    uses.push((quant, QuantUse::default()));
-                    let n = uses.len() - 1;
-                    &mut uses[n]
-                }
-            };
-            match field {
-                QuantField::Values => slot.1.values = Some((id, rows)),
-                QuantField::Scales => slot.1.scales = Some((id, rows)),
-                QuantField::GlobalScale if rows.is_none() && !padded => slot.1.global = Some(id),
-                QuantField::DecodeScale if rows.is_none() && !padded => slot.1.decode = Some(id),
-                _ => {
+        match info.role(id) {
+            Role::Quantized { node, field, .. } => {
+                let q = quants
+                    .iter()
+                    .find(|q| q.node == node)
+                    .ok_or(Error::Internal("quantization of a param"))?;
+                if !q.params().any(|x| x == id) {
                     return Err(unsupported(
                         &t.name,
+                        format!(
+                            "a second param holding `.{}` of one quantization",
+                            field.name()
+                        ),
+                    ));
+                }
+                order.push((id, Some(node)));
+            }
+            _ => order.push((id, None)),
+        }
+    }
+    let mut uses: HashMap<ValueId, QuantUse> = HashMap::new();
+    for q in &quants {
+        let kept = |o: &Option<roles::Output>| {
+            o.as_ref()
+                .filter(|o| order.iter().any(|x| x.0 == o.param))
+                .cloned()
+        };
+        let scalar = |o: Option<roles::Output>| -> Result<Option<TensorId>> {
+            match o {
+                Some(o) if o.rows.is_some() || o.padded => {
+                    let name = p.tensor(o.param)?.name.clone();
+                    Err(unsupported(
+                        &name,
                         "a row gather or padding of a per-expert global scale",
                     ))
                 }
+                o => Ok(o.map(|o| o.param)),
             }
-            order.push((id, Some(quant)));
-        } else {
-            order.push((id, None));
-        }
+        };
+        uses.insert(
+            q.node,
+            QuantUse {
+                values: kept(&q.values).map(|o| (o.param, o.rows)),
+                scales: kept(&q.scales).map(|o| (o.param, o.rows)),
+                global: scalar(kept(&q.global_scale))?,
+                decode: scalar(kept(&q.decode_scale))?,
+            },
+        );
     }
-    let uses: HashMap<ValueId, QuantUse> = uses.into_iter().collect();
     // NVFP4 block scales are stored one byte at a time: through any storage map, directly.
     let mut byte_direct: Vec<TensorId> = Vec::new();
     for (q, u) in &uses {

@@ -11,6 +11,7 @@ pub mod layout;
 pub mod lower;
 pub mod parse;
 pub mod poly;
+pub mod roles;
 pub mod spec;
 pub mod verify;
 
