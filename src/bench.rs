@@ -59,7 +59,8 @@ impl Layer {
             .collect()
     }
 
-    fn binding(&self) -> String {
+    /// The layer's binding, `E=..,H=..,I=..`.
+    pub fn binding(&self) -> String {
         let (e, h, i) = self.dims;
         format!("E={e},H={h},I={i}")
     }

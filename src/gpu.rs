@@ -24,7 +24,7 @@ pub fn open() -> std::result::Result<Device, String> {
     Device::open(0).map_err(|e| e.to_string())
 }
 
-fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {
+pub(crate) fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {
     let (e, _, _) = layer.dims;
     let mut m = HashMap::new();
     m.insert("w13".to_string(), layer.w13.clone());
@@ -117,55 +117,81 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
         "{:<16} {:>14} {:>8} {:>12}  result",
         "recipe", "E,H,I", "params", "bytes"
     );
+    let mut cases: Vec<(String, String, String, (usize, usize, usize))> = Vec::new();
     for r in STANDARD {
-        for &(e, h, i) in shapes {
-            let bind = format!("E={e},H={h},I={i}");
-            let Ok(info) = crate::check_source(r.source, r.path, Some(&bind)) else {
-                let _ = writeln!(out, "{:<16} {:>14} {:>8} {:>12}  skipped (the recipe's where-clause rejects this shape)", r.name, format!("{e},{h},{i}"), "-", "-");
-                continue;
-            };
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let layer = Layer::synthetic(e, h, i, seed);
-            let inp = inputs(&layer);
-            let want = host_pack(&info, &inp)?;
-            let (got, _) = gpu_pack(&dev, &cache, &info, &inp)?;
-            let mut verdict = "identical".to_string();
-            let mut bytes = 0usize;
-            for ((wn, wb), (gn, gb)) in want.iter().zip(&got) {
-                bytes += wb.len();
-                if wn != gn || wb.len() != gb.len() {
-                    verdict = format!("DIFFERENT params: {wn} vs {gn}");
-                    break;
-                }
-                if let Some(k) = wb.iter().zip(gb).position(|(a, b)| a != b) {
-                    verdict = format!(
-                        "DIFFERENT: {wn} byte {k}: host {:#04x}, gpu {:#04x}",
-                        wb[k], gb[k]
-                    );
-                    break;
-                }
-            }
-            if want.len() != got.len() {
-                verdict = format!(
-                    "DIFFERENT: {} params on host, {} on GPU",
-                    want.len(),
-                    got.len()
-                );
-            }
-            all &= verdict == "identical";
+        for &sh in shapes {
+            cases.push((r.name.into(), r.source.into(), r.path.into(), sh));
+        }
+    }
+    // Declared layouts: the layout examples, and random legal layouts on every standard recipe
+    // (relayout kernels through permuted, tiled and swizzled maps).
+    for r in crate::kernels::LAYOUTS {
+        for &sh in &shapes[..2] {
+            cases.push((r.name.into(), r.source.into(), r.path.into(), sh));
+        }
+    }
+    let mut rng = crate::layout_gen::Rng::new(seed);
+    for k in 0..if quick { 1 } else { 3 } {
+        for r in STANDARD {
+            let src = crate::layout_gen::with_layouts(&mut rng, r.source);
+            let name = format!("{}~{k}", r.name);
+            cases.push((name, src, r.path.into(), shapes[0]));
+        }
+    }
+    for (name, src, path, (e, h, i)) in cases {
+        let bind = format!("E={e},H={h},I={i}");
+        let Ok(info) = crate::check_source(&src, &path, Some(&bind)) else {
             let _ = writeln!(
                 out,
-                "{:<16} {:>14} {:>8} {:>12}  {verdict}",
-                r.name,
+                "{:<16} {:>14} {:>8} {:>12}  skipped (the recipe rejects this shape or layout)",
+                name,
                 format!("{e},{h},{i}"),
-                want.len(),
-                bytes
+                "-",
+                "-"
             );
-            if e == 4 {
-                all &= rearrange_check(&dev, &info, &inp, &got, e, &mut out)?;
+            continue;
+        };
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let layer = Layer::synthetic(e, h, i, seed);
+        let inp = inputs(&layer);
+        let want = host_pack(&info, &inp)?;
+        let (got, _) = gpu_pack(&dev, &cache, &info, &inp)?;
+        let mut verdict = "identical".to_string();
+        let mut bytes = 0usize;
+        for ((wn, wb), (gn, gb)) in want.iter().zip(&got) {
+            bytes += wb.len();
+            if wn != gn || wb.len() != gb.len() {
+                verdict = format!("DIFFERENT params: {wn} vs {gn}");
+                break;
             }
+            if let Some(k) = wb.iter().zip(gb).position(|(a, b)| a != b) {
+                verdict = format!(
+                    "DIFFERENT: {wn} byte {k}: host {:#04x}, gpu {:#04x}",
+                    wb[k], gb[k]
+                );
+                break;
+            }
+        }
+        if want.len() != got.len() {
+            verdict = format!(
+                "DIFFERENT: {} params on host, {} on GPU",
+                want.len(),
+                got.len()
+            );
+        }
+        all &= verdict == "identical";
+        let _ = writeln!(
+            out,
+            "{:<16} {:>14} {:>8} {:>12}  {verdict}",
+            name,
+            format!("{e},{h},{i}"),
+            want.len(),
+            bytes
+        );
+        if e == 4 {
+            all &= rearrange_check(&dev, &info, &inp, &got, e, &mut out)?;
         }
     }
     let _ = writeln!(

@@ -10,9 +10,11 @@ pub use moeforge_kernels as kernels;
 pub use moeforge_runtime as runtime;
 
 pub mod bench;
+pub mod bench_layouts;
 pub mod demo;
 pub mod dequant;
 pub mod gpu;
+pub mod layout_gen;
 pub mod pack;
 pub mod report;
 

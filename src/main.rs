@@ -94,6 +94,10 @@ enum Command {
         /// GPU: timed pack runs per recipe (the best is reported).
         #[arg(long, default_value_t = 5)]
         reps: usize,
+        /// Only the declared-layout benchmark: each layout example against its row-major twin
+        /// (with --host and/or --gpu).
+        #[arg(long)]
+        layouts: bool,
     },
     /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
     Selftest {
@@ -441,11 +445,21 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             pack_only,
             jit_only,
             reps,
+            layouts,
         } => {
             if !host && !gpu {
                 return Err(moeforge::Error::Usage(
                     "nothing to run: pass --host and/or --gpu".into(),
                 ));
+            }
+            if layouts {
+                if host {
+                    write!(out, "{}", moeforge::bench_layouts::host(threads, 3)?).map_err(io)?;
+                }
+                if gpu {
+                    write!(out, "{}", moeforge::bench_layouts::gpu(reps)?).map_err(io)?;
+                }
+                return Ok(());
             }
             if host {
                 write!(

@@ -15,25 +15,14 @@ use moeforge::dsl::ir::DType;
 use moeforge::dsl::layout::IntTuple;
 use moeforge::dsl::ModuleInfo;
 
-struct Rng(u64);
+use moeforge::layout_gen::{with_layouts, without_layouts, Rng};
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn bf16(&mut self) -> f32 {
-        let k = self.next();
-        let mant = ((k >> 8) & 0x7F) as u32;
-        let exp = 118 + ((k >> 16) % 16) as u32;
-        let sign = ((k >> 24) & 1) as u32;
-        f32::from_bits((sign << 31) | (exp << 23) | (mant << 16))
-    }
+fn bf16(rng: &mut Rng) -> f32 {
+    let k = rng.next_u64();
+    let mant = ((k >> 8) & 0x7F) as u32;
+    let exp = 118 + ((k >> 16) % 16) as u32;
+    let sign = ((k >> 24) & 1) as u32;
+    f32::from_bits((sign << 31) | (exp << 23) | (mant << 16))
 }
 
 fn seed() -> u64 {
@@ -46,131 +35,6 @@ fn seed() -> u64 {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(7)
         })
-}
-
-/// Split a comma list at the top level of brackets.
-fn split_top(s: &str) -> Vec<String> {
-    let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0);
-    for ch in s.chars() {
-        match ch {
-            '(' | '[' => depth += 1,
-            ')' | ']' => depth -= 1,
-            ',' if depth == 0 => {
-                out.push(cur.trim().to_string());
-                cur.clear();
-                continue;
-            }
-            _ => {}
-        }
-        cur.push(ch);
-    }
-    if !cur.trim().is_empty() {
-        out.push(cur.trim().to_string());
-    }
-    out
-}
-
-/// A random dense, expert-major layout literal over the dims `[E, d1, d2, ...]`.
-fn random_layout(rng: &mut Rng, dims: &[String], fp4: bool) -> String {
-    // Leaves per dim, fastest first: (dim, extent).
-    let mut leaves: Vec<Vec<String>> = Vec::new();
-    for d in &dims[1..] {
-        if rng.below(2) == 0 {
-            let t = [2, 4, 8][rng.below(3) as usize];
-            leaves.push(vec![t.to_string(), format!("{d}/{t}")]);
-        } else {
-            leaves.push(vec![d.clone()]);
-        }
-    }
-    // Storage order of the leaves, fastest first; a 4-bit type keeps the last dim's first leaf
-    // fastest (byte pairs).
-    let mut order: Vec<(usize, usize)> = leaves
-        .iter()
-        .enumerate()
-        .flat_map(|(k, l)| (0..l.len()).map(move |j| (k, j)))
-        .collect();
-    for i in (1..order.len()).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        order.swap(i, j);
-    }
-    if fp4 {
-        let last = (leaves.len() - 1, 0);
-        order.retain(|x| *x != last);
-        order.insert(0, last);
-    }
-    let mut strides: HashMap<(usize, usize), String> = HashMap::new();
-    let mut acc = "1".to_string();
-    for &(k, j) in &order {
-        strides.insert((k, j), acc.clone());
-        acc = format!("{acc}*{}", leaves[k][j]);
-    }
-    let shape_of = |k: usize| -> String {
-        if leaves[k].len() == 1 {
-            leaves[k][0].clone()
-        } else {
-            format!("({})", leaves[k].join(", "))
-        }
-    };
-    let stride_of = |k: usize| -> String {
-        let s: Vec<String> = (0..leaves[k].len())
-            .map(|j| strides[&(k, j)].clone())
-            .collect();
-        if s.len() == 1 {
-            s[0].clone()
-        } else {
-            format!("({})", s.join(", "))
-        }
-    };
-    let shape: Vec<String> = std::iter::once(dims[0].clone())
-        .chain((0..leaves.len()).map(shape_of))
-        .collect();
-    let stride: Vec<String> = std::iter::once(acc.clone())
-        .chain((0..leaves.len()).map(stride_of))
-        .collect();
-    let swz = if rng.below(3) == 0 {
-        let b = 1 + rng.below(2) as i64;
-        let m = if fp4 { 1 + rng.below(2) } else { rng.below(3) } as i64;
-        let s = b + rng.below(2) as i64;
-        format!("S<{b},{m},{s}> o ")
-    } else {
-        String::new()
-    };
-    format!("{swz}({}):({})", shape.join(", "), stride.join(", "))
-}
-
-/// The recipe with random layouts declared on (some of) its params of rank >= 2.
-fn with_layouts(rng: &mut Rng, src: &str) -> String {
-    let mut out = String::new();
-    for line in src.lines() {
-        let t = line.trim_start();
-        let mut done = false;
-        if let Some(rest) = t.strip_prefix("param ") {
-            if let (Some(colon), Some(eq)) = (rest.find(':'), rest.find(" = ")) {
-                let ty = rest[colon + 1..eq].trim();
-                if let (Some(lb), true) = (ty.find('['), ty.ends_with(']')) {
-                    let dims = split_top(&ty[lb + 1..ty.len() - 1]);
-                    let pname = rest[..colon].trim();
-                    // The MMA view pins its scales to the 128x4 tile layout (refused otherwise).
-                    let pinned = src.contains(&format!("mma_sf_view({pname})"));
-                    if dims.len() >= 2 && !ty.contains('@') && !pinned && rng.below(4) != 0 {
-                        let lay = random_layout(rng, &dims, ty.starts_with("e2m1"));
-                        let indent = &line[..line.len() - t.len()];
-                        out.push_str(&format!(
-                            "{indent}param {} : {ty} @ {lay} = {}\n",
-                            rest[..colon].trim(),
-                            rest[eq + 3..].trim()
-                        ));
-                        done = true;
-                    }
-                }
-            }
-        }
-        if !done {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    out
 }
 
 type Params = HashMap<String, Vec<u8>>;
@@ -247,13 +111,13 @@ fn logical(info: &ModuleInfo, params: &Params) -> HashMap<String, Vec<Vec<u8>>> 
 #[test]
 fn declared_layouts_are_the_layouts_written() {
     let s0 = seed();
-    let mut rng = Rng(s0 | 1);
+    let mut rng = Rng::new(s0);
     let (e, h, i) = (2i64, 128i64, 128i64);
     let bind = vec![("E".into(), e), ("H".into(), h), ("I".into(), i)];
     let mut inputs: Params = HashMap::new();
     let mut gen = |n: i64| -> Vec<u8> {
         (0..n)
-            .flat_map(|_| ((rng.bf16().to_bits() >> 16) as u16).to_le_bytes())
+            .flat_map(|_| ((bf16(&mut rng).to_bits() >> 16) as u16).to_le_bytes())
             .collect()
     };
     inputs.insert("w13".into(), gen(e * 2 * i * h));
@@ -310,24 +174,12 @@ fn declared_layouts_are_the_layouts_written() {
     assert!(relaid > 0);
 }
 
-/// The recipe with every declared layout removed (`@ ...` up to ` = `).
-fn without_layouts(src: &str) -> String {
-    src.lines()
-        .map(|l| match (l.find(" @ "), l.find(" = ")) {
-            (Some(a), Some(b)) if a < b && l.trim_start().starts_with("param ") => {
-                format!("{}{}\n", &l[..a], &l[b..])
-            }
-            _ => format!("{l}\n"),
-        })
-        .collect()
-}
-
 #[test]
 fn example_layout_recipes_pack_through_their_layouts() {
-    // examples/layouts: column-major FP8, 16x16-tiled bf16, S<3,4,3>-swizzled bf16, MXFP4 with
+    // kernels/layouts: column-major FP8, 16x16-tiled bf16, S<3,4,3>-swizzled bf16, MXFP4 with
     // swizzled E8M0 scales and column-tiled values; at shapes with partial 128-row scale tiles.
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layouts");
-    let mut rng = Rng(seed() | 1);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/layouts");
+    let mut rng = Rng::new(seed());
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
@@ -341,7 +193,7 @@ fn example_layout_recipes_pack_through_their_layouts() {
             let mut inputs: Params = HashMap::new();
             for (name, len) in [("w13", e * 2 * i * h), ("w2", e * h * i)] {
                 let b: Vec<u8> = (0..len)
-                    .flat_map(|_| ((rng.bf16().to_bits() >> 16) as u16).to_le_bytes())
+                    .flat_map(|_| ((bf16(&mut rng).to_bits() >> 16) as u16).to_le_bytes())
                     .collect();
                 inputs.insert(name.into(), b);
             }
@@ -533,7 +385,7 @@ fn views_stand_for_what_they_say() {
             }
         }
     }
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layouts");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/layouts");
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         let src = std::fs::read_to_string(&path).unwrap();
@@ -543,7 +395,7 @@ fn views_stand_for_what_they_say() {
     }
     // Random layouts: the gate/up slices of tiled, permuted and swizzled params.
     let s0 = seed();
-    let mut rng = Rng(s0 | 1);
+    let mut rng = Rng::new(s0);
     let bind = vec![("E".into(), 2), ("H".into(), 128), ("I".into(), 128)];
     for _ in 0..5 {
         for r in moeforge::kernels::STANDARD {

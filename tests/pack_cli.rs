@@ -489,7 +489,7 @@ fn declared_layouts_are_written_and_recorded() {
         assert_eq!(code, 0, "{err}");
         read(&out)
     };
-    let (col, col_meta) = pack("examples/layouts/fp8_colmajor.recipe", "col.safetensors");
+    let (col, col_meta) = pack("kernels/layouts/fp8_colmajor.recipe", "col.safetensors");
     let (row, row_meta) = pack("fp8_per_tensor", "row.safetensors");
     let key = "model.layers.0.mlp.experts.w13_weight";
     let (c, r) = (&col[key], &row[key]);

@@ -263,9 +263,9 @@ fn index_arithmetic_of_real_layers_is_proven_32_bit() {
 /// Assemble `ptx` for `t` with ptxas where it is at hand; panics with ptxas's messages on rejection.
 #[test]
 fn ptx_of_declared_layouts_assembles() {
-    // examples/layouts: relayout kernels through column-major, tiled and swizzled maps (the swizzle's
+    // kernels/layouts: relayout kernels through column-major, tiled and swizzled maps (the swizzle's
     // 64-bit XOR and shifts) and the padded MXFP4 scale tiles, in the 32- and 64-bit index forms.
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layouts");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/layouts");
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();

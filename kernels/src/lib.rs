@@ -33,9 +33,28 @@ pub const STANDARD: &[StandardRecipe] = &[
     recipe!("int8_per_row"),
 ];
 
-/// A standard recipe by name.
+macro_rules! layout_example {
+    ($name:literal) => {
+        StandardRecipe {
+            name: $name,
+            path: concat!("kernels/layouts/", $name, ".recipe"),
+            source: include_str!(concat!("../layouts/", $name, ".recipe")),
+        }
+    };
+}
+
+/// Recipes whose params declare storage layouts other than row-major (column-major, tiled,
+/// swizzled, padded scale tiles): what the layout tests, `selftest --gpu` and `bench --layouts` run.
+pub const LAYOUTS: &[StandardRecipe] = &[
+    layout_example!("fp8_colmajor"),
+    layout_example!("bf16_tiled"),
+    layout_example!("bf16_swizzled"),
+    layout_example!("mxfp4_swizzled"),
+];
+
+/// A standard recipe or a layout example by name.
 pub fn find(name: &str) -> Option<&'static StandardRecipe> {
-    STANDARD.iter().find(|r| r.name == name)
+    STANDARD.iter().chain(LAYOUTS).find(|r| r.name == name)
 }
 
 /// The default binding of `moeforge demo`: one Qwen3-30B-A3B MoE layer (128 experts, hidden 2048,
