@@ -117,7 +117,9 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
         "{:<16} {:>14} {:>8} {:>12}  result",
         "recipe", "E,H,I", "params", "bytes"
     );
-    let mut cases: Vec<(String, String, String, (usize, usize, usize))> = Vec::new();
+    // (name, source, path, shape)
+    type Case = (String, String, String, (usize, usize, usize));
+    let mut cases: Vec<Case> = Vec::new();
     for r in STANDARD {
         for &sh in shapes {
             cases.push((r.name.into(), r.source.into(), r.path.into(), sh));
