@@ -124,7 +124,20 @@ fn declared_layouts_are_the_layouts_written() {
     inputs.insert("w2".into(), gen(e * h * i));
     let mut accepted = 0;
     let mut relaid = 0;
-    for r in moeforge::kernels::STANDARD {
+    // Besides the standard recipes: copies through a row gather, relaid straight from the input.
+    let gathered = moeforge::kernels::StandardRecipe {
+        name: "bf16_gathered",
+        path: "tests/layouts.rs",
+        source: "recipe bf16_gathered(E: experts, H, I) where H % 16 == 0, I % 64 == 0 {
+  input w13 : bf16[E, 2*I, H]
+  input w2  : bf16[E, H, I]
+  let rows = interleave(swap_halves(2*I), group = 64)
+  param w13_weight : bf16[E, 2*I, H] = w13[:, rows, :]
+  param w2_weight  : bf16[E, H, I] = w2
+}
+",
+    };
+    for r in moeforge::kernels::STANDARD.iter().chain([&gathered]) {
         let std_info = moeforge::dsl::check(r.source, Some(&bind)).unwrap();
         let want = logical(&std_info, &pack(&std_info, &inputs, "host"));
         for _case in 0..4 {

@@ -148,29 +148,43 @@ impl StorageMap {
     /// index is a multiple of `n`, the `n` elements along the last dimension lie at consecutive
     /// offsets starting at a multiple of `n`: what a packed (vector) access needs.
     pub fn run(&self, max: i64) -> i64 {
-        let Some(last) = self.modes.last() else {
-            return 1;
-        };
-        let Some(&(s0, d0)) = last.first() else {
+        match self.modes.len() {
+            0 => 1,
+            n => self.run_along(n - 1, max),
+        }
+    }
+
+    /// [`StorageMap::run`] along dimension `dim`: its first sub-mode has stride 1, and `n` divides
+    /// that sub-mode's extent, every other stride and the base offset, and the swizzle leaves the
+    /// low `log2 n` bits alone.
+    pub fn run_along(&self, dim: usize, max: i64) -> i64 {
+        let Some(&(s0, d0)) = self.modes.get(dim).and_then(|d| d.first()) else {
             return 1;
         };
         if d0 != 1 {
             return 1;
         }
         let mut n = 1;
-        while n * 2 <= max && s0 % (n * 2) == 0 && self.aligned(n * 2) {
+        while n * 2 <= max && s0 % (n * 2) == 0 && self.aligned(dim, n * 2) {
             n *= 2;
         }
         n
     }
 
-    /// Every stride but the unit one, and the base offset, are multiples of `n`, and the swizzle
-    /// leaves the low `log2 n` bits alone.
-    fn aligned(&self, n: i64) -> bool {
+    /// The dimension whose first sub-mode has stride 1 (where storage is contiguous), if any.
+    pub fn unit_dim(&self) -> Option<usize> {
+        self.modes
+            .iter()
+            .position(|d| d.first().is_some_and(|&(s, t)| t == 1 && s > 1))
+    }
+
+    /// Every stride but `dim`'s unit one, and the base offset, are multiples of `n`, and the
+    /// swizzle leaves the low `log2 n` bits alone.
+    fn aligned(&self, dim: usize, n: i64) -> bool {
         let strides_ok = self.modes.iter().enumerate().all(|(k, d)| {
             d.iter()
                 .enumerate()
-                .all(|(j, &(s, t))| (k + 1 == self.modes.len() && j == 0) || s == 1 || t % n == 0)
+                .all(|(j, &(s, t))| (k == dim && j == 0) || s == 1 || t % n == 0)
         });
         let swz_ok = self
             .swizzle

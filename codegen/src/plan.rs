@@ -75,6 +75,8 @@ struct Relayout {
     out: BufId,
     /// The unpadded value's shape (the staging buffer, row-major).
     value_shape: Vec<i64>,
+    /// A row gather applied while reading (a copy relaid straight from its input).
+    rows: Option<IndexVec>,
 }
 
 fn unsupported(param: &str, what: impl Into<String>) -> Error {
@@ -234,6 +236,7 @@ pub fn plan_with(
     // one of its value (a declared layout, a swizzle, padding) is written row-major to a staging
     // buffer and then relaid through its map, unless its pass stores through the map itself.
     let mut relayouts: Vec<Relayout> = Vec::new();
+    let mut direct_copies: Vec<TensorId> = Vec::new();
     for (id, _) in &order {
         let t = p.tensor(*id)?.clone();
         let elem =
@@ -262,6 +265,29 @@ pub fn plan_with(
                     "a 4-bit layout that splits a byte's pair of elements (the last dimension's innermost stride must be 1 over an even extent)",
                 ));
             }
+            // A copy of an input that no other param reads is relaid straight from the input
+            // (through its row gather): no copy kernel, no staging buffer.
+            if let Role::Copy { input, output } = info.role(*id) {
+                let same = p.inputs.get(&input).copied().filter(|xb| {
+                    p.prog.buf(*xb).map(|b| b.elem) == Some(elem)
+                        && p.tensor(input).is_ok_and(|x| x.dtype == t.dtype)
+                });
+                let read_by_other = order
+                    .iter()
+                    .any(|(o, _)| o != id && m.tensors_read_all(*o).contains(id));
+                if let (Some(xb), false) = (same, read_by_other) {
+                    p.params.insert(*id, b);
+                    direct_copies.push(*id);
+                    relayouts.push(Relayout {
+                        param: *id,
+                        staging: xb,
+                        out: b,
+                        value_shape,
+                        rows: output.rows,
+                    });
+                    continue;
+                }
+            }
             let n: i64 = value_shape.iter().product();
             let staging = p.buf(
                 BufRole::Temp(format!("{name}_staged")),
@@ -275,6 +301,7 @@ pub fn plan_with(
                 staging,
                 out: b,
                 value_shape,
+                rows: None,
             });
         }
     }
@@ -287,6 +314,7 @@ pub fn plan_with(
                     p.quantize(q, &u)?;
                 }
             }
+            None if direct_copies.contains(&id) => {}
             None => p.other(id)?,
         }
     }
@@ -366,40 +394,84 @@ impl Planner<'_> {
             }
         }
         let rank = shape.len();
-        let (Some(&plast), Some(&vlast)) = (shape.last(), vshape.last()) else {
+        if rank == 0 {
             return Err(unsupported(&t.name, "a scalar param with a storage layout"));
+        }
+        // The run: `n` elements along the dimension where storage is contiguous, stored as one
+        // packed access. Along the last dimension they are loaded packed too; along another (a
+        // transposing layout) they are loaded one by one, neighbouring items taking neighbouring
+        // last-dimension indices, so that the loads of a warp are coalesced and every store is a
+        // whole run.
+        let fits = |d: usize, n: i64| shape[d] % n == 0 && vshape[d] % n == 0;
+        let max = (16 / elem.size()) as i64;
+        let (dim, mut run) = match map.unit_dim() {
+            Some(d) if map.run_along(d, max) > 1 => (d, map.run_along(d, max)),
+            _ => (rank - 1, 1),
         };
-        let mut run = map.run((16 / elem.size()) as i64);
-        while run > 1 && (vlast % run != 0 || plast % run != 0) {
+        while run > 1 && !fits(dim, run) {
             run /= 2;
         }
-        let items: i64 = shape[..rank - 1].iter().product::<i64>() * (plast / run);
+        let last = rank - 1;
+        // Item order: the last dimension fastest, except that the run dimension (in steps of `run`)
+        // is always present once.
+        let ext = |k: usize| if k == dim { shape[k] / run } else { shape[k] };
+        let items: i64 = (0..rank).map(ext).product();
         let padded = shape != vshape;
         let name = format!("{}_{}_relayout", self.prog.recipe, t.name);
         let (src, out) = (r.staging, r.out);
+        let rows = r.rows.clone();
+        let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
+        let vstride: Vec<i64> = (0..rank)
+            .map(|k| vshape[k + 1..].iter().product::<i64>())
+            .collect();
         self.kernel(name, items, |em, it| {
-            // Row-major coordinates over the param's shape, the last in steps of `run`.
             let mut coord = vec![e::i(0); rank];
             let mut rest = it;
             for k in (0..rank).rev() {
-                let ext = if k + 1 == rank { plast / run } else { shape[k] };
-                let c = em.set(Ty::I64, e::rem(rest.clone(), ext));
-                coord[k] = if k + 1 == rank {
+                let c = em.set(Ty::I64, e::rem(rest.clone(), ext(k)));
+                coord[k] = if k == dim && run > 1 {
                     em.set(Ty::I64, e::mul(c, e::i(run)))
                 } else {
                     c
                 };
-                rest = e::div(rest, ext);
+                rest = e::div(rest, ext(k));
             }
-            let mut src_at = e::i(0);
-            let mut acc = 1;
-            for k in (0..rank).rev() {
-                src_at = e::add(src_at, e::mul(coord[k].clone(), e::i(acc)));
-                acc *= vshape[k];
-            }
+            // The source row through the gather (dimension 1), where the param reads through one.
+            let src_of = |em: &mut Emit<'_>, j: i64| -> Expr {
+                let mut at = e::i(0);
+                for k in 0..rank {
+                    let mut c = coord[k].clone();
+                    if k == dim && j > 0 {
+                        c = e::add(c, e::i(j));
+                    }
+                    if let (Some(iv), 1) = (&rows, k) {
+                        c = em.set(Ty::I64, index_vec_expr(iv, c, &atoms));
+                    }
+                    at = e::add(at, e::mul(c, e::i(vstride[k])));
+                }
+                at
+            };
+            let src_at = src_of(em, 0);
             let dst = em.set(Ty::I64, map.index(&coord));
             let copy = em.block(|b| {
-                let xs = load_block(b, src, elem, src_at, run as usize);
+                let xs = if rows.is_some() && dim == 1 {
+                    (0..run)
+                        .map(|j| {
+                            let at = src_of(b, j);
+                            b.set(elem.ty(), e::load(src, at))
+                        })
+                        .collect()
+                } else if dim == last {
+                    load_block(b, src, elem, src_at, run as usize)
+                } else {
+                    let at = b.set(Ty::I64, src_at);
+                    (0..run)
+                        .map(|j| {
+                            let x = e::load(src, e::add(at.clone(), e::i(j * vstride[dim])));
+                            b.set(elem.ty(), x)
+                        })
+                        .collect()
+                };
                 store_block(b, out, elem, dst.clone(), xs);
             });
             if !padded {
