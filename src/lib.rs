@@ -68,7 +68,57 @@ pub fn check_source(src: &str, file: &str, bind: Option<&str>) -> Result<dsl::Mo
         Some(b) => Some(dsl::verify::parse_binding(b).map_err(|d| recipe_error(&[d], file, src))?),
         None => None,
     };
-    dsl::check(src, bind.as_deref()).map_err(|d| recipe_error(&d, file, src))
+    let info = dsl::check(src, bind.as_deref()).map_err(|d| recipe_error(&d, file, src))?;
+    servable(&info, src).map_err(|d| recipe_error(&[d], file, src))?;
+    Ok(info)
+}
+
+/// Serve or refuse at `check` time: the pack program is planned (every optional input present) at
+/// the module's binding, or at its smallest admissible one, so that what `compile` and `pack`
+/// would refuse is refused here, with the param's span.
+fn servable(info: &dsl::ModuleInfo, src: &str) -> std::result::Result<(), dsl::Diagnostic> {
+    let witness;
+    let at = if info.binding().is_some() {
+        info
+    } else {
+        let m = info.module();
+        let Some(b) = m.witness_binding() else {
+            return Ok(());
+        };
+        let dims: Vec<(String, i64)> = m
+            .dims
+            .iter()
+            .zip(b.atoms())
+            .map(|(d, _)| (d.name.clone(), d.min))
+            .collect();
+        witness = match dsl::check(src, Some(&dims)) {
+            Ok(w) => w,
+            Err(_) => return Ok(()),
+        };
+        &witness
+    };
+    match codegen::plan::plan(at, &|_: &str| true) {
+        Err(codegen::Error::Unsupported { param, what }) => {
+            let m = at.module();
+            let span = m
+                .tensors
+                .iter()
+                .rev()
+                .find(|t| t.name == param)
+                .map(|t| t.span);
+            let mut d = dsl::Diagnostic::error(
+                "E0601",
+                format!("param `{param}` cannot be generated: {what}"),
+            );
+            if let Some(sp) = span {
+                d = d.with_label(sp, "the code generator has no path for this definition");
+            }
+            Err(d.with_note(
+                "help: every param is packed by generated code; restate it with operations the generator serves (see the README's tensor operations)",
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Check a bound recipe and lower it to its pack program (params that need an optional input

@@ -235,6 +235,7 @@ fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
                 // The variants a binding needs: its pack program (every optional input present).
                 let prog = moeforge::pack_program(&src, &name, b, &|_| true)?;
                 let tgt = moeforge::codegen::ptx::Target::from_name(t)
+                    .filter(|t| t.is_gpu())
                     .ok_or_else(|| moeforge::Error::Usage(format!("unknown target `{t}`")))?;
                 let (units, hit) = moeforge::runtime::gpu_pack::unit_ptx(&cache, &prog, tgt)?;
                 let on_this_gpu = matches!(&dev, Ok(d) if d.target() == Some(tgt));
@@ -357,7 +358,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             let (name, src) = read_recipe(&file)?;
             // Every optional input present: compile every param.
             let prog = moeforge::pack_program(&src, &name, &bind, &|_| true)?;
-            let gpu = moeforge::codegen::ptx::Target::from_name(&target);
+            let gpu = moeforge::codegen::ptx::Target::from_name(&target).filter(|t| t.is_gpu());
             let emit = emit.unwrap_or_else(|| {
                 if gpu.is_some() {
                     "ptx".into()

@@ -6,6 +6,7 @@
 //! [`host`] (Cranelift JIT, multi-threaded) and [`ptx`] (PTX text for sm_90a and sm_100a).
 
 pub mod addr;
+pub mod bindings;
 pub mod host;
 pub mod interp;
 pub mod kir;
@@ -56,6 +57,10 @@ pub enum Error {
         /// Why.
         why: String,
     },
+    /// A kernel binding generated for a target its `on` list does not name, or PTX asked for a
+    /// target that is not a GPU.
+    #[error("{0}")]
+    Target(String),
     /// An invariant of the code generator was broken (a bug).
     #[error("internal error: {0}")]
     Internal(&'static str),

@@ -13,41 +13,16 @@ use std::fmt::{self, Write as _};
 use crate::kir::{BinOp, Elem, Expr, GroupRow, Kernel, Program, Stmt, Ty, UnOp, Var};
 use crate::{Error, Result};
 
-/// A GPU target.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Target {
-    /// Hopper.
-    Sm90a,
-    /// Blackwell.
-    Sm100a,
-}
+/// The one target enum (`sm_90a`, `sm_100a`, `host`), shared with the recipe language's `on` lists.
+pub use moeforge_dsl::ir::Target;
 
-impl Target {
-    /// The `.target` name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::Sm90a => "sm_90a",
-            Target::Sm100a => "sm_100a",
-        }
-    }
-
-    /// Whether the target converts to a narrow float format in one instruction: E4M3 everywhere
-    /// (`cvt.rn.satfinite.e4m3x2.f32`, sm_89 on), E2M1 only on sm_100a (`...e2m1x2.f32`).
-    pub fn native(self, op: UnOp) -> bool {
-        match op {
-            UnOp::E4m3 | UnOp::E4m3Decode => true,
-            UnOp::E2m1 => self == Target::Sm100a,
-            _ => true,
-        }
-    }
-
-    /// Parse `sm_90a` / `sm_100a`.
-    pub fn from_name(s: &str) -> Option<Target> {
-        match s {
-            "sm_90a" => Some(Target::Sm90a),
-            "sm_100a" => Some(Target::Sm100a),
-            _ => None,
-        }
+/// Whether the target converts to a narrow float format in one instruction: E4M3 everywhere
+/// (`cvt.rn.satfinite.e4m3x2.f32`, sm_89 on), E2M1 only on sm_100a (`...e2m1x2.f32`).
+pub fn native(target: Target, op: UnOp) -> bool {
+    match op {
+        UnOp::E4m3 | UnOp::E4m3Decode => target.is_gpu(),
+        UnOp::E2m1 => target == Target::Sm100a,
+        _ => true,
     }
 }
 
@@ -2090,6 +2065,12 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
 
 /// The PTX module of a whole program for a target.
 pub fn compile(prog: &Program, target: Target) -> Result<String> {
+    if !target.is_gpu() {
+        return Err(Error::Target(format!(
+            "PTX is generated for sm_90a and sm_100a, not `{}`",
+            target.name()
+        )));
+    }
     let elems: Vec<Elem> = prog.bufs.iter().map(|b| b.elem).collect();
     let mut s = String::new();
     let _ = writeln!(
@@ -2116,7 +2097,7 @@ pub fn compile(prog: &Program, target: Target) -> Result<String> {
         .map(|b| matches!(b.role, crate::kir::BufRole::Input(_)))
         .collect();
     // Conversions the target lacks become integer sequences first.
-    let prog = crate::quant::soften(prog, &|op| target.native(op));
+    let prog = crate::quant::soften(prog, &|op| native(target, op));
     for k in prog.kernels() {
         s.push_str(&kernel_ptx(k, &elems, &readonly)?);
         s.push('\n');

@@ -642,6 +642,11 @@ impl Target {
         }
     }
 
+    /// Whether the target is a GPU (PTX), not the host.
+    pub fn is_gpu(self) -> bool {
+        self != Target::Host
+    }
+
     /// Parse a target name.
     pub fn from_name(s: &str) -> Option<Target> {
         [Target::Sm90a, Target::Sm100a, Target::Host]

@@ -1,0 +1,55 @@
+//! Kernel bindings (`kernel NAME(OPERANDS) on TARGETS index W`): what a generated kernel may read
+//! and where it may run. The GEMM generator asks here before it generates a binding's kernel; the
+//! answer is fail-closed: a target the binding's `on` list does not name is refused, as is a name
+//! no binding has. (The pack program is not a binding: it runs on every target a recipe is compiled
+//! for.)
+
+use moeforge_dsl::ir::{KernelBinding, Target};
+use moeforge_dsl::ModuleInfo;
+
+use crate::{Error, Result};
+
+/// The binding `name` of a verified module, if it may be generated for `target`.
+pub fn for_target<'a>(
+    info: &'a ModuleInfo,
+    name: &str,
+    target: Target,
+) -> Result<&'a KernelBinding> {
+    let m = info.module();
+    let Some(k) = m.kernels.iter().find(|k| k.name == name) else {
+        return Err(Error::Target(format!(
+            "recipe `{}` has no kernel binding `{name}`",
+            m.name
+        )));
+    };
+    if !k.targets.contains(&target) {
+        let on: Vec<&str> = k.targets.iter().map(|t| t.name()).collect();
+        return Err(Error::Target(format!(
+            "kernel `{name}` is bound `on {}`, not `{}`: refusing to generate it there",
+            on.join(", "),
+            target.name()
+        )));
+    }
+    Ok(k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_outside_the_on_list_are_refused() {
+        let src = "recipe r(E: experts, H) where H % 16 == 0 {\n  input w : bf16[E, H]\n  param p : bf16[E, H] = w\n  kernel k(p) on sm_100a index i32\n}\n";
+        let Ok(info) = moeforge_dsl::check(src, None) else {
+            panic!("recipe checks")
+        };
+        assert!(for_target(&info, "k", Target::Sm100a).is_ok());
+        for t in [Target::Sm90a, Target::Host] {
+            let Err(e) = for_target(&info, "k", t) else {
+                panic!("{} accepted", t.name())
+            };
+            assert!(e.to_string().contains("bound `on sm_100a`"), "{e}");
+        }
+        assert!(for_target(&info, "nope", Target::Sm100a).is_err());
+    }
+}
