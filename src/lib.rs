@@ -16,6 +16,7 @@ pub mod dequant;
 pub mod gpu;
 pub mod layout_gen;
 pub mod pack;
+pub mod prequant;
 pub mod report;
 
 /// Errors of the `moeforge` command.

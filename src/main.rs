@@ -419,6 +419,9 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 gpu,
             };
             let r = moeforge::pack::pack(&opts)?;
+            for n in &r.notes {
+                writeln!(out, "note: {n}").map_err(io)?;
+            }
             let bytes: usize = r.layers.iter().map(|l| l.input_bytes).sum();
             let secs: f64 = r.layers.iter().map(|l| l.seconds).sum();
             writeln!(

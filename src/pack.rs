@@ -61,9 +61,11 @@ pub struct PackReport {
     pub output_bytes: usize,
     /// Wall-clock seconds of the whole pack.
     pub seconds: f64,
+    /// What was done to the checkpoint besides packing (requantized gate/up pairs).
+    pub notes: Vec<String>,
 }
 
-fn ckpt(msg: impl Into<String>) -> Error {
+pub(crate) fn ckpt(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
 }
 
@@ -85,8 +87,9 @@ pub fn parse_layers(s: &str) -> Result<(u32, u32)> {
     Ok((a, b))
 }
 
+/// How a layer's expert weights are named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Form {
+pub(crate) enum Form {
     /// gate_proj / up_proj / down_proj per expert.
     Hf,
     /// Mixtral's w1 (gate) / w3 (up) / w2 (down) per expert.
@@ -155,8 +158,8 @@ struct Files {
     data: Vec<(PathBuf, Vec<u8>)>,
 }
 
-struct Source<'a> {
-    tensors: HashMap<String, (usize, TensorView<'a>)>,
+pub(crate) struct Source<'a> {
+    pub(crate) tensors: HashMap<String, (usize, TensorView<'a>)>,
     files: Vec<&'a Path>,
 }
 
@@ -187,7 +190,7 @@ impl<'a> Source<'a> {
         })
     }
 
-    fn get(&self, name: &str) -> Result<&TensorView<'a>> {
+    pub(crate) fn get(&self, name: &str) -> Result<&TensorView<'a>> {
         self.tensors.get(name).map(|x| &x.1).ok_or_else(|| {
             ckpt(format!(
                 "missing tensor `{name}` (looked in {})",
@@ -273,7 +276,7 @@ fn out_dtype(d: DType) -> Dtype {
 }
 
 /// The gate, up and down projection names of a per-expert naming scheme, and the experts' prefix.
-fn per_expert_names(
+pub(crate) fn per_expert_names(
     form: Form,
     layer_prefix: &str,
 ) -> (&'static str, &'static str, &'static str, String) {
@@ -294,11 +297,11 @@ fn per_expert_names(
 }
 
 /// A layer's inputs, as byte buffers in the recipe's input names.
-struct LayerInputs {
-    dims: (usize, usize, usize),
-    bufs: HashMap<String, Vec<u8>>,
-    as_f32: bool,
-    input_bytes: usize,
+pub(crate) struct LayerInputs {
+    pub(crate) dims: (usize, usize, usize),
+    pub(crate) bufs: HashMap<String, Vec<u8>>,
+    pub(crate) as_f32: bool,
+    pub(crate) input_bytes: usize,
 }
 
 fn gather_layer(
@@ -493,13 +496,33 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             )));
         }
     }
-    for t in &module.tensors {
-        if let TensorKind::Input { optional: false } = t.kind {
-            if t.name != "w13" && t.name != "w2" {
-                return Err(Error::Usage(format!("recipe input `{}` has no checkpoint source (pack provides `w13`, `w2`, `w13_input_scale`, `w2_input_scale`)", t.name)));
-            }
+    let recipe_inputs: Vec<crate::prequant::RecipeInput> = module
+        .tensors
+        .iter()
+        .filter_map(|t| match t.kind {
+            TensorKind::Input { optional } => Some(crate::prequant::RecipeInput {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                rank: t.shape.len(),
+                optional,
+            }),
+            _ => None,
+        })
+        .collect();
+    // A recipe over bf16/f16/f32 weights reads `w13`/`w2` (and activation scales); a recipe over a
+    // pre-quantized checkpoint reads `w13_*`/`w2_*` under ModelOpt's names.
+    let prequantized = !recipe_inputs.iter().any(|x| x.name == "w13");
+    for x in &recipe_inputs {
+        let known = if prequantized {
+            x.name.starts_with("w13_") || x.name.starts_with("w2_")
+        } else {
+            ["w13", "w2", "w13_input_scale", "w2_input_scale"].contains(&x.name.as_str())
+        };
+        if !known && !x.optional {
+            return Err(Error::Usage(format!("recipe input `{}` has no checkpoint source (pack provides `w13`, `w2`, `w13_input_scale`, `w2_input_scale` from bf16/f16/f32 weights, or `w13_*` / `w2_*` from a pre-quantized checkpoint)", x.name)));
         }
     }
+    let mut notes: Vec<String> = Vec::new();
     let hash = blake3::hash(opts.recipe_src.as_bytes())
         .to_hex()
         .to_string();
@@ -532,7 +555,11 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     let mut binding = String::new();
     for (layer, form, experts) in &layers {
         bar.set_message(layer.to_string());
-        let li = gather_layer(&src, *layer, *form, experts)?;
+        let li = if prequantized {
+            crate::prequant::gather(&src, *layer, *form, experts, &recipe_inputs, &mut notes)?
+        } else {
+            gather_layer(&src, *layer, *form, experts)?
+        };
         let (e, h, i) = li.dims;
         binding = format!("E={e},H={h},I={i}");
         let mut present: Vec<String> = li.bufs.keys().cloned().collect();
@@ -672,6 +699,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         layers: reports,
         output_bytes: bytes.len(),
         seconds: t0.elapsed().as_secs_f64(),
+        notes,
     })
 }
 

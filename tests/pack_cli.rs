@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::process::Command;
 
@@ -515,4 +515,169 @@ fn declared_layouts_are_written_and_recorded() {
     assert!(!row_meta.contains_key("moeforge.layout.w13_weight"));
     assert!(col_meta["moeforge.recipe_source"].contains("recipe fp8_colmajor"));
     assert!(row_meta["moeforge.recipe_source"].contains("recipe fp8_per_tensor"));
+}
+
+/// A ModelOpt-style checkpoint of one layer quantized from the bf16 values of `hf_layer` by SPEC's
+/// formulas: per expert one NVFP4 global scale (or FP8 scale) over the whole w13 (gate and up
+/// together, as the standard recipes take it) and one over w2. `split` gives gate and up their own
+/// scales instead (a checkpoint the packer must requantize).
+fn modelopt_layer(fp4: bool, split: bool) -> (Tensors, Tensors) {
+    let mut bf = Tensors(Vec::new());
+    let (w13, w2) = hf_layer(&mut bf, 0, false);
+    let mut q = Tensors(Vec::new());
+    let scalar = |v: f32| v.to_le_bytes().to_vec();
+    for e in 0..E {
+        let x13 = &w13[e * 2 * I * H..(e + 1) * 2 * I * H];
+        let x2 = &w2[e * H * I..(e + 1) * H * I];
+        let p = format!("model.layers.0.mlp.experts.{e}");
+        let mut put = |proj: &str, x: &[f32], scale_of: &[f32], rows: usize, k: usize| {
+            if fp4 {
+                let (gs, dec) = r::nvfp4_global(scale_of);
+                let (codes, sc) = r::nvfp4_quantize(x, k, gs);
+                q.0.push((
+                    format!("{p}.{proj}.weight"),
+                    Dtype::U8,
+                    vec![rows, k / 2],
+                    codes,
+                ));
+                q.0.push((
+                    format!("{p}.{proj}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    vec![rows, k / 16],
+                    sc,
+                ));
+                q.0.push((
+                    format!("{p}.{proj}.weight_scale_2"),
+                    Dtype::F32,
+                    vec![],
+                    scalar(dec),
+                ));
+            } else {
+                let (_, s) = r::fp8_per_tensor(scale_of);
+                let codes = x
+                    .iter()
+                    .map(|v| r::e4m3_from_f32((v * (1.0 / s)).clamp(-448.0, 448.0)))
+                    .collect();
+                q.0.push((
+                    format!("{p}.{proj}.weight"),
+                    Dtype::F8_E4M3,
+                    vec![rows, k],
+                    codes,
+                ));
+                q.0.push((
+                    format!("{p}.{proj}.weight_scale"),
+                    Dtype::F32,
+                    vec![],
+                    scalar(s),
+                ));
+            }
+        };
+        let (gate, up) = x13.split_at(I * H);
+        // Split scales: up at a quarter of its magnitude (bf16-exact), so that its scale is smaller.
+        let up_q: Vec<f32> = up.iter().map(|v| v * 0.25).collect();
+        let up = if split { &up_q[..] } else { up };
+        put("gate_proj", gate, if split { gate } else { x13 }, I, H);
+        put("up_proj", up, if split { up } else { x13 }, I, H);
+        put("down_proj", x2, x2, H, I);
+    }
+    (bf, q)
+}
+
+#[test]
+fn prequantized_checkpoints_pack_to_the_standard_recipes_params() {
+    // ModelOpt NVFP4 -> nvfp4_modelopt_cutedsl == bf16 -> nvfp4_cutedsl, and ModelOpt FP8 ->
+    // fp8_modelopt == bf16 -> fp8_per_tensor, every param byte for byte.
+    let dir = tempfile::tempdir().unwrap();
+    for (fp4, pre, standard) in [
+        (true, "nvfp4_modelopt_cutedsl", "nvfp4_cutedsl"),
+        (false, "fp8_modelopt", "fp8_per_tensor"),
+    ] {
+        let (bf, q) = modelopt_layer(fp4, false);
+        let (bf_path, q_path) = (
+            dir.path().join("bf.safetensors"),
+            dir.path().join("q.safetensors"),
+        );
+        bf.write(&bf_path);
+        q.write(&q_path);
+        let pack = |recipe: &str, input: &Path, name: &str| {
+            let out = dir.path().join(name);
+            let (code, stdout, err) = run(&[
+                "pack",
+                recipe,
+                "--input",
+                input.to_str().unwrap(),
+                "--output",
+                out.to_str().unwrap(),
+            ]);
+            assert_eq!(code, 0, "{recipe}: {err}");
+            (read(&out).0, stdout)
+        };
+        let (want, _) = pack(standard, &bf_path, "std.safetensors");
+        let (got, stdout) = pack(pre, &q_path, "pre.safetensors");
+        assert!(!stdout.contains("requantized"), "{stdout}");
+        assert_eq!(
+            got.keys().collect::<BTreeSet<_>>(),
+            want.keys().collect::<BTreeSet<_>>(),
+            "{pre}: params"
+        );
+        for (k, w) in &want {
+            assert_eq!(got[k].0, w.0, "{pre}: `{k}` dtype");
+            assert_eq!(got[k].1, w.1, "{pre}: `{k}` shape");
+            assert!(got[k].2 == w.2, "{pre}: `{k}` differs from {standard}'s");
+        }
+    }
+}
+
+#[test]
+fn differing_gate_and_up_scales_are_requantized_to_their_max() {
+    let dir = tempfile::tempdir().unwrap();
+    for (fp4, pre, scale) in [
+        (true, "nvfp4_modelopt_cutedsl", "w13_weight_scale_2"),
+        (false, "fp8_modelopt", "w13_weight_scale"),
+    ] {
+        let (_, q) = modelopt_layer(fp4, true);
+        let q_path = dir.path().join("q.safetensors");
+        q.write(&q_path);
+        let out = dir.path().join("pre.safetensors");
+        let (code, stdout, err) = run(&[
+            "pack",
+            pre,
+            "--input",
+            q_path.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(stdout.contains("requantized both to"), "{stdout}");
+        let (t, _) = read(&out);
+        let s = f32s(&t[&format!("model.layers.0.mlp.experts.{scale}")].2);
+        // The stored scale is the max of gate's and up's.
+        for (e, got) in s.iter().enumerate() {
+            let find = |proj: &str| {
+                let n = format!(
+                    "model.layers.0.mlp.experts.{e}.{proj}.{}",
+                    scale.trim_start_matches("w13_")
+                );
+                let b = &q.0.iter().find(|x| x.0 == n).unwrap().3;
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            };
+            assert_eq!(*got, find("gate_proj").max(find("up_proj")), "expert {e}");
+            if !fp4 {
+                // The up half, requantized to the larger scale, still holds the checkpoint's
+                // values (to E4M3's rounding); the gate half is unchanged.
+                let w = &t["model.layers.0.mlp.experts.w13_weight"].2;
+                let n = format!("model.layers.0.mlp.experts.{e}.up_proj.weight");
+                let orig = &q.0.iter().find(|x| x.0 == n).unwrap().3;
+                let su = find("up_proj");
+                for (k, &c) in orig.iter().enumerate() {
+                    let before = r::e4m3_to_f32(c) * su;
+                    let after = r::e4m3_to_f32(w[(e * 2 * I + I) * H + k]) * got;
+                    assert!(
+                        (before - after).abs() <= before.abs() / 16.0 + got / 512.0,
+                        "expert {e} up[{k}]: {before} -> {after}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -143,7 +143,10 @@ pub fn plan_with(
             if t.dtype.is_wide_float() && as_f32(&t.name) {
                 elem = Elem::F32;
             }
-            let len = p.numel(&t.shape)?;
+            let mut len = p.numel(&t.shape)?;
+            if t.dtype == DType::E2m1 {
+                len /= 2; // two codes per byte, as the checkpoint stores them
+            }
             let b = p.buf(BufRole::Input(t.name.clone()), elem, len, false);
             p.inputs.insert(id, b);
         }
@@ -1720,7 +1723,13 @@ impl Planner<'_> {
                         "a copy that changes the dtype (it would round)",
                     ));
                 }
-                let shape = self.shape(base)?;
+                let mut shape = self.shape(base)?;
+                if t.dtype == DType::E2m1 {
+                    // 4-bit codes are copied as the bytes that hold them (pairs along the last dim).
+                    if let Some(l) = shape.last_mut() {
+                        *l /= 2;
+                    }
+                }
                 if shape.len() == 3 {
                     let [ne, nr, nc] = shape[..] else {
                         return Err(Error::Internal("rank"));

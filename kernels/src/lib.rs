@@ -52,9 +52,30 @@ pub const LAYOUTS: &[StandardRecipe] = &[
     layout_example!("mxfp4_swizzled"),
 ];
 
-/// A standard recipe or a layout example by name.
+macro_rules! prequant {
+    ($name:literal) => {
+        StandardRecipe {
+            name: $name,
+            path: concat!("kernels/prequant/", $name, ".recipe"),
+            source: include_str!(concat!("../prequant/", $name, ".recipe")),
+        }
+    };
+}
+
+/// Recipes over pre-quantized checkpoints (ModelOpt NVFP4 and FP8): they re-lay out codes and scales
+/// without rounding, producing the params of the matching standard recipe.
+pub const PREQUANT: &[StandardRecipe] = &[
+    prequant!("nvfp4_modelopt_cutedsl"),
+    prequant!("fp8_modelopt"),
+];
+
+/// A standard recipe, a layout example or a pre-quantized recipe by name.
 pub fn find(name: &str) -> Option<&'static StandardRecipe> {
-    STANDARD.iter().chain(LAYOUTS).find(|r| r.name == name)
+    STANDARD
+        .iter()
+        .chain(LAYOUTS)
+        .chain(PREQUANT)
+        .find(|r| r.name == name)
 }
 
 /// The default binding of `moeforge demo`: one Qwen3-30B-A3B MoE layer (128 experts, hidden 2048,
