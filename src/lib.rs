@@ -11,6 +11,7 @@ pub use moeforge_runtime as runtime;
 
 pub mod bench;
 pub mod bench_layouts;
+pub mod checkpoint;
 pub mod demo;
 pub mod dequant;
 pub mod gpu;
@@ -132,6 +133,27 @@ pub fn pack_program(
 ) -> Result<codegen::kir::Program> {
     let info = check_source(src, file, Some(bind))?;
     Ok(codegen::plan::plan(&info, &present)?)
+}
+
+/// Read a text file of at most `limit` bytes (recipes, manifests, JSON indexes): a larger file, or a
+/// device that never ends (`/dev/zero`), is refused with the limit named instead of read whole.
+pub fn read_capped(path: &std::path::Path, limit: u64) -> Result<String> {
+    use std::io::Read as _;
+    let io = |e: std::io::Error| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    };
+    let f = std::fs::File::open(path).map_err(io)?;
+    let mut buf = Vec::new();
+    f.take(limit + 1).read_to_end(&mut buf).map_err(io)?;
+    if buf.len() as u64 > limit {
+        return Err(Error::Usage(format!(
+            "{}: larger than the {} MiB read limit for this kind of file",
+            path.display(),
+            limit >> 20
+        )));
+    }
+    String::from_utf8(buf).map_err(|_| Error::Usage(format!("{}: not UTF-8 text", path.display())))
 }
 
 /// Write a file atomically: a temporary file in the same folder, renamed over the target only when

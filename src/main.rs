@@ -50,10 +50,11 @@ enum Command {
     Pack {
         /// The recipe file, or the name of a standard recipe.
         file: String,
-        /// Input safetensors files (repeat for sharded checkpoints).
+        /// Input safetensors files, `model.safetensors.index.json` files or checkpoint directories
+        /// (repeat for several).
         #[arg(long = "input", required = true)]
         inputs: Vec<std::path::PathBuf>,
-        /// Output safetensors file (written atomically).
+        /// Output safetensors file (written atomically); with --passthrough, a new directory.
         #[arg(long)]
         output: std::path::PathBuf,
         /// Inclusive layer range, e.g. `0-3`; every MoE layer when absent.
@@ -65,6 +66,10 @@ enum Command {
         /// `host` (Cranelift JIT) or `gpu` (generated PTX on GPU 0).
         #[arg(long, default_value = "host")]
         device: String,
+        /// Write a complete checkpoint directory at --output: every tensor the recipe does not
+        /// consume copied through, sharded like the input, with an index file.
+        #[arg(long)]
+        passthrough: bool,
     },
     /// List the tensors and metadata of a safetensors file.
     Inspect {
@@ -393,6 +398,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             layers,
             threads,
             device,
+            passthrough,
         } => {
             let gpu = match device.as_str() {
                 "host" => false,
@@ -417,6 +423,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 threads,
                 progress: true,
                 gpu,
+                passthrough,
             };
             let r = moeforge::pack::pack(&opts)?;
             for n in &r.notes {

@@ -37,6 +37,9 @@ pub struct PackOptions {
     pub progress: bool,
     /// Pack on GPU 0 instead of the host.
     pub gpu: bool,
+    /// Write a complete checkpoint directory at `output`: the tensors the recipe does not consume
+    /// copied through, sharded like the input, with an index (see [`crate::checkpoint`]).
+    pub passthrough: bool,
 }
 
 /// What [`pack`] did for one layer.
@@ -462,7 +465,15 @@ fn gather_layer(
 pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     let t0 = Instant::now();
     let mut files = Files { data: Vec::new() };
+    let mut shard_paths: Vec<PathBuf> = Vec::new();
     for p in &opts.inputs {
+        for f in crate::checkpoint::expand_input(p)? {
+            if !shard_paths.contains(&f) {
+                shard_paths.push(f);
+            }
+        }
+    }
+    for p in &shard_paths {
         let bytes = std::fs::read(p).map_err(|e| Error::Io {
             path: p.display().to_string(),
             source: e,
@@ -539,6 +550,8 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     );
     let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut layouts: HashMap<String, String> = HashMap::new();
+    // Per packed tensor: the input shard that held its layer's experts (for --passthrough).
+    let mut out_shard: Vec<usize> = Vec::new();
     let mut reports = Vec::new();
     type Key = (usize, usize, usize, bool, Vec<String>);
     enum Backend {
@@ -653,6 +666,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
                     layouts.insert(format!("moeforge.layout.{pname}"), map.to_string());
                 }
             }
+            out_shard.push(layer_shard(&src, *layer));
             out.push((
                 format!("model.layers.{layer}.mlp.experts.{pname}"),
                 out_dtype(t.dtype),
@@ -684,6 +698,32 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         opts.recipe_src.clone(),
     );
     meta.extend(layouts);
+    if opts.passthrough {
+        let packed_layers: BTreeSet<u32> = layers.iter().map(|l| l.0).collect();
+        let consumed =
+            |name: &str| -> bool { expert_layer(name).is_some_and(|l| packed_layers.contains(&l)) };
+        let shards: Vec<(PathBuf, &[u8])> = files
+            .data
+            .iter()
+            .map(|(p, b)| (p.clone(), b.as_slice()))
+            .collect();
+        let packed: Vec<(usize, crate::checkpoint::Tensor)> =
+            out_shard.into_iter().zip(out).collect();
+        let written = crate::checkpoint::write_passthrough(
+            &opts.output,
+            &shards,
+            &consumed,
+            packed,
+            &meta,
+            &crate::checkpoint::extra_files(&opts.inputs),
+        )?;
+        return Ok(PackReport {
+            layers: reports,
+            output_bytes: written,
+            seconds: t0.elapsed().as_secs_f64(),
+            notes,
+        });
+    }
     let views: Vec<(String, TensorView<'_>)> = out
         .iter()
         .map(|(n, d, s, data)| {
@@ -701,6 +741,28 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         seconds: t0.elapsed().as_secs_f64(),
         notes,
     })
+}
+
+/// The layer of an expert tensor (`model.layers.{L}.mlp.experts.*` or
+/// `model.layers.{L}.block_sparse_moe.experts.*`): what a pack consumes.
+fn expert_layer(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (l, rest) = rest.split_once('.')?;
+    (rest.starts_with("mlp.experts.") || rest.starts_with("block_sparse_moe.experts."))
+        .then(|| l.parse().ok())
+        .flatten()
+}
+
+/// The input shard holding a layer's expert tensors (the first one found, by name).
+fn layer_shard(src: &Source<'_>, layer: u32) -> usize {
+    let mut names: Vec<(&String, usize)> = src
+        .tensors
+        .iter()
+        .filter(|(n, _)| expert_layer(n) == Some(layer))
+        .map(|(n, (k, _))| (n, *k))
+        .collect();
+    names.sort();
+    names.first().map(|x| x.1).unwrap_or(0)
 }
 
 /// `moeforge inspect`: every tensor of a safetensors file with its dtype, shape and size, and the

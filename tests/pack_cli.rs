@@ -681,3 +681,121 @@ fn differing_gate_and_up_scales_are_requantized_to_their_max() {
         }
     }
 }
+
+#[test]
+fn sharded_checkpoints_and_passthrough() {
+    // Two shards behind an index, with tensors the recipe does not consume and a config file:
+    // packing through the index, the directory or the files gives the same params; --passthrough
+    // writes a complete checkpoint directory sharded like the input.
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ckpt");
+    std::fs::create_dir(&ck).unwrap();
+    let mut a = Tensors(Vec::new());
+    hf_layer(&mut a, 0, false);
+    a.0.push((
+        "model.embed_tokens.weight".into(),
+        Dtype::BF16,
+        vec![4, 8],
+        bf16(&[0.5; 32]),
+    ));
+    let mut b = Tensors(Vec::new());
+    hf_layer(&mut b, 1, false);
+    b.0.push((
+        "model.layers.1.self_attn.o_proj.weight".into(),
+        Dtype::F32,
+        vec![2, 2],
+        vec![7u8; 16],
+    ));
+    a.write(&ck.join("model-00001-of-00002.safetensors"));
+    b.write(&ck.join("model-00002-of-00002.safetensors"));
+    let mut map = serde_json::Map::new();
+    for (t, f) in [
+        (&a, "model-00001-of-00002.safetensors"),
+        (&b, "model-00002-of-00002.safetensors"),
+    ] {
+        for (n, _, _, _) in &t.0 {
+            map.insert(n.clone(), serde_json::Value::String(f.into()));
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    std::fs::write(ck.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(ck.join("config.json"), "{\"model_type\": \"test\"}").unwrap();
+    let pack = |input: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "pack",
+            "fp8_per_tensor",
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (code, _, err) = run(&args);
+        assert_eq!(code, 0, "{err}");
+    };
+    let via_index = dir.path().join("a.safetensors");
+    pack(&ck.join("model.safetensors.index.json"), &via_index, &[]);
+    let via_dir = dir.path().join("b.safetensors");
+    pack(&ck, &via_dir, &[]);
+    let (p1, _) = read(&via_index);
+    let (p2, _) = read(&via_dir);
+    assert_eq!(p1, p2);
+    assert!(p1.contains_key("model.layers.1.mlp.experts.w13_weight"));
+    assert!(
+        !p1.contains_key("model.embed_tokens.weight"),
+        "default output holds the params only"
+    );
+    // --passthrough
+    let out = dir.path().join("packed");
+    pack(&ck, &out, &["--passthrough"]);
+    let idx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let wm = idx["weight_map"].as_object().unwrap();
+    assert_eq!(
+        wm["model.embed_tokens.weight"],
+        "model-00001-of-00002.safetensors"
+    );
+    assert_eq!(
+        wm["model.layers.1.self_attn.o_proj.weight"],
+        "model-00002-of-00002.safetensors"
+    );
+    assert_eq!(
+        wm["model.layers.0.mlp.experts.w13_weight"],
+        "model-00001-of-00002.safetensors"
+    );
+    assert_eq!(
+        wm["model.layers.1.mlp.experts.w2_weight_scale"],
+        "model-00002-of-00002.safetensors"
+    );
+    assert!(
+        !wm.keys().any(|k| k.contains("gate_proj")),
+        "consumed expert tensors are not copied"
+    );
+    let (s1, m1) = read(&out.join("model-00001-of-00002.safetensors"));
+    let (s2, _) = read(&out.join("model-00002-of-00002.safetensors"));
+    assert_eq!(s1["model.embed_tokens.weight"].2, bf16(&[0.5; 32]));
+    assert_eq!(
+        s2["model.layers.1.self_attn.o_proj.weight"].2,
+        vec![7u8; 16]
+    );
+    assert_eq!(
+        s2["model.layers.1.mlp.experts.w13_weight"],
+        p1["model.layers.1.mlp.experts.w13_weight"]
+    );
+    assert_eq!(m1["moeforge.recipe"], "fp8_per_tensor");
+    assert!(out.join("config.json").is_file());
+    // An existing output directory is refused, and left as it was.
+    let (code, _, err) = run(&[
+        "pack",
+        "fp8_per_tensor",
+        "--input",
+        ck.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--passthrough",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("exists"), "{err}");
+}
