@@ -187,7 +187,7 @@ pub fn extra_files(inputs: &[PathBuf]) -> Vec<PathBuf> {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|f| {
                     f.is_file()
-                        && !f.extension().is_some_and(|x| x == "safetensors")
+                        && f.extension().is_none_or(|x| x != "safetensors")
                         && !f.to_string_lossy().ends_with(".index.json")
                 })
                 .collect();
