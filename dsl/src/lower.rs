@@ -176,17 +176,24 @@ impl<'s> Lower<'s> {
                     }
                     let _ = span;
                     match op {
-                        ast::CmpOp::Le => {
-                            maxs.insert(dim.name.clone(), *value);
+                        // Several bounds on one dimension all hold: keep the tightest.
+                        ast::CmpOp::Le | ast::CmpOp::Lt => {
+                            let v = if *op == ast::CmpOp::Le {
+                                *value
+                            } else {
+                                value - 1
+                            };
+                            let e = maxs.entry(dim.name.clone()).or_insert(v);
+                            *e = (*e).min(v);
                         }
-                        ast::CmpOp::Lt => {
-                            maxs.insert(dim.name.clone(), value - 1);
-                        }
-                        ast::CmpOp::Ge => {
-                            mins.insert(dim.name.clone(), *value);
-                        }
-                        ast::CmpOp::Gt => {
-                            mins.insert(dim.name.clone(), value + 1);
+                        ast::CmpOp::Ge | ast::CmpOp::Gt => {
+                            let v = if *op == ast::CmpOp::Ge {
+                                *value
+                            } else {
+                                value + 1
+                            };
+                            let e = mins.entry(dim.name.clone()).or_insert(v);
+                            *e = (*e).max(v);
                         }
                     }
                 }
@@ -197,7 +204,19 @@ impl<'s> Lower<'s> {
             let max = maxs.get(&d.name.name).copied();
             let raw_min = mins.get(&d.name.name).copied().unwrap_or(1).max(1);
             let min = (raw_min + unit - 1) / unit * unit;
-            let atom = self.m.atoms.dim(&d.name.name, unit, max);
+            if let Some(mx) = max.filter(|mx| *mx < min) {
+                self.err(
+                    Diagnostic::error(
+                        "E0108",
+                        format!("no value of `{}` satisfies the where-clause", d.name.name),
+                    )
+                    .with_label(d.name.span, format!("at least {min} but at most {mx}")),
+                );
+            }
+            let atom = self
+                .m
+                .atoms
+                .dim_bounded(&d.name.name, unit, (min / unit) as i128, max);
             let poly = Poly::atom(atom).scale(unit as i128);
             if d.experts {
                 self.experts = Some(poly.clone());
@@ -345,7 +364,73 @@ impl<'s> Lower<'s> {
         }
     }
 
+    /// `ceil(p / k)`, refused (with the constraint to add) where `p` is not provably at least 1 for
+    /// every admissible binding: a ceiling atom promises to be at least 1, and every symbolic proof
+    /// relies on it.
+    fn cdiv(&mut self, p: &Poly, k: i64, span: Span) -> Option<Poly> {
+        if let Some(q) = self.m.atoms.ceil_div(p, k) {
+            return Some(q);
+        }
+        let shown = self.m.show(p);
+        let mut d = Diagnostic::error(
+            "E0206",
+            format!("`{shown}` is not provably at least 1 for every admissible binding"),
+        )
+        .with_label(span, format!("`ceil_div` / `round_up` of `{shown}` by {k}"));
+        d = match self.lower_bound_hint(p) {
+            Some(h) => d.with_note(format!("help: add `where {h}`")),
+            None => {
+                d.with_note("help: add lower bounds (`where DIM >= N`) that make it at least 1")
+            }
+        };
+        self.err(d);
+        None
+    }
+
+    /// A `DIM >= N` making a one-dimension linear polynomial `c*DIM + d` at least 1.
+    fn lower_bound_hint(&self, p: &Poly) -> Option<String> {
+        let mut atom = None;
+        let mut slope = 0i128;
+        let mut konst = 0i128;
+        for (m, c) in p.terms() {
+            match m.as_slice() {
+                [] => konst = *c,
+                [(a, 1)] if atom.is_none() => {
+                    atom = Some(*a);
+                    slope = *c;
+                }
+                _ => return None,
+            }
+        }
+        let a = atom?;
+        if slope <= 0 {
+            return None;
+        }
+        let d = self
+            .m
+            .dims
+            .iter()
+            .find(|d| d.poly.terms().any(|(m, _)| m.as_slice() == [(a, 1)]))?;
+        // c*atom + konst >= 1 with DIM = unit*atom: atom >= ceil((1 - konst) / c).
+        let need = (1 - konst + slope - 1).div_euclid(slope).max(1);
+        Some(format!("{} >= {}", d.name, need * d.unit as i128))
+    }
+
     fn size(&mut self, e: &Expr) -> Option<Poly> {
+        let p = self.size_inner(e)?;
+        if p.overflowed() {
+            self.err(
+                Diagnostic::error("E0207", "size arithmetic overflows").with_label(
+                    e.span,
+                    "a coefficient of this size leaves the 128-bit range",
+                ),
+            );
+            return None;
+        }
+        Some(p)
+    }
+
+    fn size_inner(&mut self, e: &Expr) -> Option<Poly> {
         match &e.kind {
             ExprKind::Int(v) => Some(Poly::constant(*v as i128)),
             ExprKind::Name(n) => match self.lookup(n, e.span)? {
@@ -384,7 +469,7 @@ impl<'s> Lower<'s> {
                         let [a, b] = self.positional::<2>(func, args)?;
                         let p = self.size(&a.value)?;
                         let k = self.const_int(&b.value, "the divisor")?;
-                        let q = self.m.atoms.ceil_div(&p, k);
+                        let q = self.cdiv(&p, k, a.value.span)?;
                         if func.name.starts_with('r') {
                             Some(q.scale(k as i128))
                         } else {
@@ -1022,8 +1107,8 @@ impl<'s> Lower<'s> {
                     Fp8Granularity::Channel => shape[..last].to_vec(),
                     Fp8Granularity::Block128 => {
                         let mut s = shape[..last - 1].to_vec();
-                        let m = self.m.atoms.ceil_div(&shape[last - 1], 128);
-                        let k = self.m.atoms.ceil_div(&shape[last], 128);
+                        let m = self.m.atoms.ceil_div(&shape[last - 1], 128)?;
+                        let k = self.m.atoms.ceil_div(&shape[last], 128)?;
                         s.push(m);
                         s.push(k);
                         s
@@ -1089,9 +1174,10 @@ impl<'s> Lower<'s> {
                         Some(e) => self.size(e)?,
                         None => ext.clone(),
                     };
-                    let ok = a.provably_nonneg()
-                        && b.sub(&a).sub(&Poly::constant(1)).provably_nonneg()
-                        && ext.sub(&b).provably_nonneg();
+                    let at = &self.m.atoms;
+                    let ok = at.nonneg(&a)
+                        && at.nonneg(&b.sub(&a).sub(&Poly::constant(1)))
+                        && at.nonneg(&ext.sub(&b));
                     if !ok {
                         self.err(
                             Diagnostic::error("E0304", format!("slice `{}` is not provably inside dimension {dim} of extent `{}`", self.text(*sp), self.m.show(&ext)))
@@ -1134,9 +1220,8 @@ impl<'s> Lower<'s> {
                 }
                 SliceArg::Expr(e) => {
                     let i = self.size(e)?;
-                    if !(i.provably_nonneg()
-                        && ext.sub(&i).sub(&Poly::constant(1)).provably_nonneg())
-                    {
+                    let at = &self.m.atoms;
+                    if !(at.nonneg(&i) && at.nonneg(&ext.sub(&i).sub(&Poly::constant(1)))) {
                         self.err(
                             Diagnostic::error("E0304", format!("index `{}` is not provably inside dimension {dim} of extent `{}`", self.text(e.span), self.m.show(&ext)))
                                 .with_label(e.span, "out of bounds for some admissible binding"),
@@ -1194,8 +1279,8 @@ impl<'s> Lower<'s> {
                     }
                     let n = shape.len();
                     let mut out = shape.clone();
-                    out[n - 2] = self.m.atoms.ceil_div(&shape[n - 2], 128).scale(128);
-                    out[n - 1] = self.m.atoms.ceil_div(&shape[n - 1], 4).scale(4);
+                    out[n - 2] = self.cdiv(&shape[n - 2], 128, a.value.span)?.scale(128);
+                    out[n - 1] = self.cdiv(&shape[n - 1], 4, a.value.span)?.scale(4);
                     Some(self.push(Op::Swizzle128x4 { base: x }, dt, out, span))
                 } else {
                     if shape.len() != 3 {
@@ -1272,7 +1357,7 @@ impl<'s> Lower<'s> {
                                 return None;
                             };
                             mult.push(c as i64);
-                            out.push(self.m.atoms.ceil_div(&shape[k], c as i64).scale(c));
+                            out.push(self.cdiv(&shape[k], c as i64, a.span)?.scale(c));
                         }
                         Some(self.push(
                             Op::Pad {
@@ -1521,7 +1606,7 @@ impl<'s> Lower<'s> {
             return None;
         }
         for (k, s) in shape.iter().flatten().enumerate() {
-            if !s.sub(&Poly::constant(1)).provably_nonneg() {
+            if !self.m.atoms.nonneg(&s.sub(&Poly::constant(1))) {
                 self.err(
                     Diagnostic::error(
                         "E0201",
@@ -1580,7 +1665,7 @@ impl<'s> Lower<'s> {
         let mut shape = Vec::new();
         for d in &t.dims {
             let p = self.size(d)?;
-            if !p.sub(&Poly::constant(1)).provably_nonneg() {
+            if !self.m.atoms.nonneg(&p.sub(&Poly::constant(1))) {
                 self.err(
                     Diagnostic::error(
                         "E0201",

@@ -24,6 +24,8 @@ pub enum AtomKind {
         unit: i64,
         /// Upper bound on the dimension, if declared.
         max: Option<i64>,
+        /// Lower bound on the atom (in units), at least 1.
+        min: i128,
     },
     /// `ceil(num / den)` where `num` is not provably a multiple of `den`.
     CeilDiv {
@@ -44,14 +46,42 @@ pub struct Atoms {
 pub type AtomValues = Vec<i128>;
 
 impl Atoms {
-    /// Register a dimension atom.
+    /// Register a dimension atom (at least 1 unit).
     pub fn dim(&mut self, name: &str, unit: i64, max: Option<i64>) -> AtomId {
+        self.dim_bounded(name, unit, 1, max)
+    }
+
+    /// Register a dimension atom of at least `min` units (`min >= 1`).
+    pub fn dim_bounded(&mut self, name: &str, unit: i64, min: i128, max: Option<i64>) -> AtomId {
         self.kinds.push(AtomKind::Dim {
             name: name.to_string(),
             unit,
             max,
+            min: min.max(1),
         });
         AtomId(self.kinds.len() as u32 - 1)
+    }
+
+    /// The least value of every atom over the admissible bindings (each at least 1).
+    pub fn lower_bounds(&self) -> Vec<i128> {
+        let mut out: Vec<i128> = Vec::with_capacity(self.kinds.len());
+        for k in &self.kinds {
+            let v = match k {
+                AtomKind::Dim { min, .. } => *min,
+                AtomKind::CeilDiv { num, den } => num
+                    .lower_bound(&out)
+                    .map(|n| (n + *den as i128 - 1).div_euclid(*den as i128))
+                    .unwrap_or(1)
+                    .max(1),
+            };
+            out.push(v);
+        }
+        out
+    }
+
+    /// Proves `p >= 0` for every admissible binding, using each atom's lower bound.
+    pub fn nonneg(&self, p: &Poly) -> bool {
+        p.provably_nonneg_with(&self.lower_bounds())
     }
 
     /// The kind of an atom.
@@ -71,12 +101,21 @@ impl Atoms {
 
     /// `ceil(p / k)`, exact when every coefficient of `p` is a multiple of `k`, else a (deduplicated)
     /// ceiling atom.
-    pub fn ceil_div(&mut self, p: &Poly, k: i64) -> Poly {
+    ///
+    /// `None` where the numerator is not provably at least 1 for every admissible binding: the atom's
+    /// own promise (`>= 1`), on which every symbolic proof rests, would not hold.
+    pub fn ceil_div(&mut self, p: &Poly, k: i64) -> Option<Poly> {
+        if p.overflowed() || k <= 0 {
+            return None;
+        }
         if let Some(q) = p.div_exact(k) {
-            return q;
+            return Some(q);
         }
         if let Some(c) = p.as_const() {
-            return Poly::constant((c + k as i128 - 1).div_euclid(k as i128));
+            return Some(Poly::constant((c + k as i128 - 1).div_euclid(k as i128)));
+        }
+        if !self.nonneg(&p.sub(&Poly::constant(1))) {
+            return None;
         }
         let kind = AtomKind::CeilDiv {
             num: p.clone(),
@@ -89,7 +128,7 @@ impl Atoms {
                 AtomId(self.kinds.len() as u32 - 1)
             }
         };
-        Poly::atom(id)
+        Some(Poly::atom(id))
     }
 
     /// Values of every atom from the dimension values (`dims[name]`); dimension atoms must divide
@@ -143,6 +182,9 @@ pub type Monomial = Vec<(AtomId, u32)>;
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub struct Poly {
     terms: BTreeMap<Monomial, i128>,
+    /// Set when a coefficient left `i128` in the arithmetic that made this polynomial (it is then
+    /// meaningless; [`Poly::overflowed`] lets callers refuse it instead of using a wrapped value).
+    overflow: bool,
 }
 
 fn mono_mul(a: &Monomial, b: &Monomial) -> Monomial {
@@ -205,9 +247,13 @@ impl Poly {
     /// Sum.
     pub fn add(&self, o: &Poly) -> Poly {
         let mut p = self.clone();
+        p.overflow |= o.overflow;
         for (m, c) in &o.terms {
             let e = p.terms.entry(m.clone()).or_insert(0);
-            *e += c;
+            match e.checked_add(*c) {
+                Some(v) => *e = v,
+                None => p.overflow = true,
+            }
             if *e == 0 {
                 p.terms.remove(m);
             }
@@ -215,11 +261,28 @@ impl Poly {
         p
     }
 
+    /// Whether a coefficient overflowed `i128` while this polynomial was computed.
+    pub fn overflowed(&self) -> bool {
+        self.overflow
+    }
+
     /// Negation.
     pub fn neg(&self) -> Poly {
-        Poly {
-            terms: self.terms.iter().map(|(m, c)| (m.clone(), -c)).collect(),
-        }
+        let mut overflow = self.overflow;
+        let terms = self
+            .terms
+            .iter()
+            .map(|(m, c)| {
+                (
+                    m.clone(),
+                    c.checked_neg().unwrap_or_else(|| {
+                        overflow = true;
+                        i128::MAX
+                    }),
+                )
+            })
+            .collect();
+        Poly { terms, overflow }
     }
 
     /// Difference.
@@ -230,10 +293,16 @@ impl Poly {
     /// Product.
     pub fn mul(&self, o: &Poly) -> Poly {
         let mut p = Poly::zero();
+        p.overflow = self.overflow || o.overflow;
         for (ma, ca) in &self.terms {
             for (mb, cb) in &o.terms {
+                let (c, over) = match ca.checked_mul(*cb) {
+                    Some(c) => (c, false),
+                    None => (1, true),
+                };
                 p = p.add(&Poly {
-                    terms: [(mono_mul(ma, mb), ca * cb)].into_iter().collect(),
+                    terms: [(mono_mul(ma, mb), c)].into_iter().collect(),
+                    overflow: over,
                 });
             }
         }
@@ -253,6 +322,7 @@ impl Poly {
         }
         Some(Poly {
             terms: self.terms.iter().map(|(m, c)| (m.clone(), c / k)).collect(),
+            overflow: self.overflow,
         })
     }
 
@@ -281,6 +351,7 @@ impl Poly {
             }
             out = out.add(&Poly {
                 terms: [(rest.into_iter().collect(), c / dc)].into_iter().collect(),
+                overflow: self.overflow,
             });
         }
         Some(out)
@@ -332,7 +403,15 @@ impl Poly {
     /// Proves `self >= 0` for every binding with all atoms `>= 1` (sound, not complete): substitutes
     /// `a = 1 + a'` for each atom and checks that no coefficient is negative.
     pub fn provably_nonneg(&self) -> bool {
-        let one_plus = |a: AtomId| Poly::constant(1).add(&Poly::atom(a));
+        self.provably_nonneg_with(&[])
+    }
+
+    /// The shifted polynomial: `a = min_a + a'` for each atom (`min_a` from `mins`, else 1).
+    fn shifted(&self, mins: &[i128]) -> Poly {
+        let one_plus = |a: AtomId| {
+            let m = mins.get(a.0 as usize).copied().unwrap_or(1).max(1);
+            Poly::constant(m).add(&Poly::atom(a))
+        };
         let mut shifted = Poly::zero();
         for (m, c) in &self.terms {
             let mut t = Poly::constant(*c);
@@ -343,7 +422,25 @@ impl Poly {
             }
             shifted = shifted.add(&t);
         }
-        shifted.terms.values().all(|&c| c >= 0)
+        shifted
+    }
+
+    /// [`Poly::provably_nonneg`] with atom `a` at least `mins[a]`.
+    pub fn provably_nonneg_with(&self, mins: &[i128]) -> bool {
+        let s = self.shifted(mins);
+        !s.overflow && !self.overflow && s.terms.values().all(|&c| c >= 0)
+    }
+
+    /// A lower bound over the bindings with atom `a` at least `mins[a]`, where the shifted polynomial
+    /// has no negative coefficient (its constant term).
+    pub fn lower_bound(&self, mins: &[i128]) -> Option<i128> {
+        let s = self.shifted(mins);
+        (!s.overflow && s.terms.iter().all(|(m, c)| m.is_empty() || *c >= 0))
+            .then(|| s.as_const_term())
+    }
+
+    fn as_const_term(&self) -> i128 {
+        self.terms.get(&Vec::new()).copied().unwrap_or(0)
     }
 
     /// A printable form using the atom table.
@@ -424,15 +521,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ceil_div_needs_a_numerator_of_at_least_one() {
+        let mut atoms = Atoms::default();
+        let i = Poly::atom(atoms.dim("I", 1, None));
+        // I - 3 can be <= 0 at I = 1: no ceiling atom (it would promise >= 1).
+        assert!(atoms.ceil_div(&i.sub(&Poly::constant(3)), 2).is_none());
+        let mut bounded = Atoms::default();
+        let j = Poly::atom(bounded.dim_bounded("I", 1, 4, None));
+        let q = bounded.ceil_div(&j.sub(&Poly::constant(3)), 2);
+        assert!(q.is_some());
+        // The where-clause's lower bounds feed the proofs: I >= 4 proves I - 4 >= 0.
+        assert!(bounded.nonneg(&j.sub(&Poly::constant(4))));
+        assert!(!bounded.nonneg(&j.sub(&Poly::constant(5))));
+    }
+
+    #[test]
+    fn overflow_is_flagged_not_wrapped() {
+        let big = Poly::constant(1 << 62);
+        let p = big
+            .mul(&big)
+            .mul(&Poly::constant(16))
+            .add(&Poly::constant(5));
+        assert!(p.overflowed());
+        assert!(!Poly::constant(1 << 62).mul(&Poly::constant(4)).overflowed());
+    }
+
+    #[test]
     fn arithmetic_and_display() {
         let mut atoms = Atoms::default();
         let i = Poly::atom(atoms.dim("I", 64, None));
         let h = Poly::atom(atoms.dim("H", 1, None));
         let two_i = i.scale(128);
         assert_eq!(two_i.display(&atoms).to_string(), "2*I");
-        let cd = atoms.ceil_div(&two_i, 128);
+        let cd = atoms.ceil_div(&two_i, 128).unwrap_or_default();
         assert_eq!(cd.display(&atoms).to_string(), "I/64");
-        let kt = atoms.ceil_div(&h, 64);
+        let kt = atoms.ceil_div(&h, 64).unwrap_or_default();
         assert_eq!(kt.display(&atoms).to_string(), "ceil_div(H, 64)");
         let e = two_i.mul(&h).sub(&Poly::constant(1));
         assert_eq!(e.display(&atoms).to_string(), "2*I*H - 1");

@@ -188,13 +188,33 @@ impl Module {
         if !errs.is_empty() {
             return Err(errs);
         }
-        match self.atoms.evaluate(&|n| get(n)) {
-            Some(atoms) => Ok(Binding { dims, atoms }),
-            None => Err(vec![Diagnostic::error(
+        let Some(atoms) = self.atoms.evaluate(&|n| get(n)) else {
+            return Err(vec![Diagnostic::error(
                 "E0503",
                 "binding overflows 128-bit arithmetic",
-            )]),
+            )]);
+        };
+        // Every tensor's size in bits must be a number at this binding: a size past 128 bits is
+        // refused here, not silently skipped by the proofs that need it.
+        for t in &self.tensors {
+            let bits = t.numel().scale(t.dtype.bits() as i128);
+            if bits.eval(&atoms).is_none() || bits.overflowed() {
+                errs.push(
+                    Diagnostic::error(
+                        "E0503",
+                        format!("the size of `{}` overflows at {describe}", t.name),
+                    )
+                    .with_label(
+                        t.name_span,
+                        "its bits exceed 128-bit arithmetic at this binding",
+                    ),
+                );
+            }
         }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        Ok(Binding { dims, atoms })
     }
 
     /// Evaluate a constraint polynomial with raw dimension values, before units are known to divide.
@@ -422,19 +442,26 @@ fn leaves_nontrivial(l: &SymLayout) -> Vec<(Poly, Poly)> {
         .collect()
 }
 
-/// `l` maps into `[0, n)` for every admissible binding.
+/// `l` maps into `[0, n)` for every binding with all atoms at least 1.
 pub fn sym_in_bounds(l: &SymLayout, n: &Poly) -> bool {
-    if !l.offset.provably_nonneg() {
+    sym_in_bounds_with(l, n, &[])
+}
+
+/// [`sym_in_bounds`] for every admissible binding: atom `a` at least `mins[a]` (the where-clause's
+/// lower bounds, `Atoms::lower_bounds`).
+pub fn sym_in_bounds_with(l: &SymLayout, n: &Poly, mins: &[i128]) -> bool {
+    let nonneg = |p: &Poly| p.provably_nonneg_with(mins);
+    if !nonneg(&l.offset) {
         return false;
     }
     let mut max = l.offset.clone();
     for (s, d) in l.leaves() {
-        if !d.provably_nonneg() {
+        if !nonneg(&d) {
             return false;
         }
         max = max.add(&s.sub(&Poly::constant(1)).mul(&d));
     }
-    if !n.sub(&max).sub(&Poly::constant(1)).provably_nonneg() {
+    if !nonneg(&n.sub(&max).sub(&Poly::constant(1))) {
         return false;
     }
     match l.swizzle {
@@ -470,11 +497,17 @@ pub fn sym_bijective(l: &SymLayout, n: &Poly) -> bool {
 /// `l` is injective for every admissible binding: an order of the modes exists in which each stride
 /// provably exceeds the span of the ones before.
 pub fn sym_injective(l: &SymLayout) -> bool {
+    sym_injective_with(l, &[])
+}
+
+/// [`sym_injective`] with atom `a` at least `mins[a]`.
+pub fn sym_injective_with(l: &SymLayout, mins: &[i128]) -> bool {
+    let nonneg = |p: &Poly| p.provably_nonneg_with(mins);
     let mut rest = leaves_nontrivial(l);
     let mut span = Poly::constant(1);
     while !rest.is_empty() {
         let pick = rest.iter().position(|(_, d)| {
-            d.sub(&span).provably_nonneg() && rest.iter().all(|(_, o)| o.sub(d).provably_nonneg())
+            nonneg(&d.sub(&span)) && rest.iter().all(|(_, o)| nonneg(&o.sub(d)))
         });
         let Some(k) = pick else {
             return false;
@@ -668,6 +701,8 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         }
     };
     let experts = module.experts_dim().map(|d| d.poly.clone());
+    // The least value of every atom (the where-clause's lower bounds): symbolic proofs use them.
+    let mins = module.atoms.lower_bounds();
     let mut params = Vec::new();
     let mut move_set = Vec::new();
     for (id, t) in module.tensors_with_ids() {
@@ -789,7 +824,7 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         };
         let n = p.numel();
         // Promise 1a: in bounds.
-        let in_bounds = if sym_in_bounds(layout, &n) {
+        let in_bounds = if sym_in_bounds_with(layout, &n, &mins) {
             Proof::Symbolic
         } else {
             match at.map(|b| (b, num_in_bounds(layout, b.eval(&n).unwrap_or(0), b))) {
@@ -820,7 +855,7 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
         let (bij, bproof) = if sym_bijective(layout, &n) {
             (Some(true), Proof::Symbolic)
         } else if claim.is_none()
-            && sym_injective(layout)
+            && sym_injective_with(layout, &mins)
             && !layout.size().sub(&n).is_const(0)
             && n.sub(&layout.size())
                 .sub(&Poly::constant(1))
