@@ -1,20 +1,19 @@
-//! The PTX backend: every kernel of a [`Program`] as PTX for Hopper (`sm_90a`) or Blackwell
-//! (`sm_100a`), `.version 8.7`, built through a typed instruction builder (virtual registers by type,
-//! typed operands; ptxas allocates registers). Output is deterministic.
-//!
-//! Each kernel takes one `.u64` global pointer per program buffer, in program order, and runs its
-//! work items in a grid-stride loop (`item = ctaid.x * ntid.x + tid.x`, step `nctaid.x * ntid.x`).
-//! All float arithmetic is IEEE round-to-nearest without flush-to-zero (`add.rn`, `mul.rn`,
-//! `div.rn`), matching the host backend and the interpreter bit for bit. E2M1 rounding is the IR's
-//! own arithmetic, so Hopper (which lacks `cvt.rn.satfinite.e2m1x2.f32`) computes the same codes.
+//! Lowering the kernel IR to PTX: each [`Kernel`] of a [`Program`] becomes one `.entry` built
+//! through the typed layer ([`super::isa`]) and declared through its ABI description
+//! ([`super::entry`]); [`compile`] makes the whole module. Constant divisions become shifts or a
+//! multiply-high ([`magic_u31`]); conversions the target lacks ([`native`]) were softened into
+//! integer sequences before lowering.
 
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 
+use super::entry::{Entry, Param};
+use super::isa::{
+    BinOpcode, Builder, CmpOp, Inst, Operand, PtxTy, Reg, RegClass, Rnd, SpecialReg, UnOpcode,
+    PTX_VERSION,
+};
+use super::Target;
 use crate::kir::{BinOp, Elem, Expr, GroupRow, Kernel, Program, Stmt, Ty, UnOp, Var};
 use crate::{Error, Result};
-
-/// The one target enum (`sm_90a`, `sm_100a`, `host`), shared with the recipe language's `on` lists.
-pub use moeforge_dsl::ir::Target;
 
 /// Whether the target converts to a narrow float format in one instruction: E4M3 everywhere
 /// (`cvt.rn.satfinite.e4m3x2.f32`, sm_89 on), E2M1 only on sm_100a (`...e2m1x2.f32`).
@@ -34,471 +33,21 @@ pub fn magic_u31(c: i64) -> (i64, i64) {
     (m as i64, l - 1)
 }
 
-/// The PTX ISA version emitted (accepted by ptxas 13.0 for both targets).
-pub const PTX_VERSION: &str = "8.7";
-
-/// Register classes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RegClass {
-    /// Predicate.
-    Pred,
-    /// 32-bit integer / bits.
-    B32,
-    /// 64-bit integer.
-    B64,
-    /// f32.
-    F32,
-}
-
-impl RegClass {
-    fn prefix(self) -> &'static str {
-        match self {
-            RegClass::Pred => "p",
-            RegClass::B32 => "r",
-            RegClass::B64 => "rd",
-            RegClass::F32 => "f",
-        }
-    }
-
-    fn decl(self) -> &'static str {
-        match self {
-            RegClass::Pred => ".pred",
-            RegClass::B32 => ".b32",
-            RegClass::B64 => ".b64",
-            RegClass::F32 => ".f32",
-        }
-    }
-
-    fn of(t: Ty) -> RegClass {
-        match t {
-            Ty::I64 => RegClass::B64,
-            Ty::I32 => RegClass::B32,
-            Ty::F32 => RegClass::F32,
-            Ty::Bool => RegClass::Pred,
-            // Vector IR is host-only; `kernel_ptx` rejects it before registers are made.
-            Ty::F32x4 | Ty::I32x4 | Ty::Boolx4 => RegClass::B32,
-        }
+/// The register class of a scalar IR type (an `i64` may live in a 32-bit register instead: see
+/// `Gen::idx`).
+fn reg_class(t: Ty) -> RegClass {
+    match t {
+        Ty::I64 => RegClass::B64,
+        Ty::I32 => RegClass::B32,
+        Ty::F32 => RegClass::F32,
+        Ty::Bool => RegClass::Pred,
+        // Vector IR is host-only; `kernel_ptx` rejects it before registers are made.
+        Ty::F32x4 | Ty::I32x4 | Ty::Boolx4 => RegClass::B32,
     }
 }
 
-/// A virtual register.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Reg {
-    /// Class.
-    pub class: RegClass,
-    /// Number within the class.
-    pub n: u32,
-}
-
-impl fmt::Display for Reg {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "%{}{}", self.class.prefix(), self.n)
-    }
-}
-
-/// An operand: a register or an immediate.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Operand {
-    /// Register.
-    Reg(Reg),
-    /// Integer immediate.
-    Int(i64),
-    /// f32 immediate (printed as `0fXXXXXXXX`, exact).
-    F32(f32),
-}
-
-impl fmt::Display for Operand {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Operand::Reg(r) => write!(f, "{r}"),
-            Operand::Int(i) => write!(f, "{i}"),
-            Operand::F32(x) => write!(f, "0f{:08X}", x.to_bits()),
-        }
-    }
-}
-
-/// A PTX instruction type suffix.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PtxTy {
-    /// `.s64`
-    S64,
-    /// `.u64`
-    U64,
-    /// `.b64`
-    B64,
-    /// `.s32`
-    S32,
-    /// `.u32`
-    U32,
-    /// `.b32`
-    B32,
-    /// `.f32`
-    F32,
-    /// `.u16`
-    U16,
-    /// `.u8`
-    U8,
-    /// `.bf16x2`
-    Bf16x2,
-}
-
-impl fmt::Display for PtxTy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PtxTy::S64 => ".s64",
-            PtxTy::U64 => ".u64",
-            PtxTy::B64 => ".b64",
-            PtxTy::S32 => ".s32",
-            PtxTy::U32 => ".u32",
-            PtxTy::B32 => ".b32",
-            PtxTy::F32 => ".f32",
-            PtxTy::U16 => ".u16",
-            PtxTy::U8 => ".u8",
-            PtxTy::Bf16x2 => ".bf16x2",
-        })
-    }
-}
-
-/// Typed PTX instructions (the subset the kernel IR needs).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Inst {
-    /// `op.ty d, a, b` for arithmetic and logic (`add`, `sub`, `mul.lo`, `div`, `rem`, `and`, `or`,
-    /// `shl`, `shr`, `add.rn`, `mul.rn`, `div.rn`, `max`, `min`).
-    Bin {
-        /// Opcode with modifiers.
-        op: &'static str,
-        /// Type.
-        ty: PtxTy,
-        /// Destination.
-        d: Reg,
-        /// First operand.
-        a: Operand,
-        /// Second operand.
-        b: Operand,
-    },
-    /// `op.ty d, a` for `abs`, `mov` and typed conversions written as `cvt.xxx.yyy`.
-    Un {
-        /// Opcode with modifiers and types.
-        op: &'static str,
-        /// Destination.
-        d: Reg,
-        /// Operand.
-        a: Operand,
-    },
-    /// `setp.cmp.ty p, a, b`.
-    Setp {
-        /// Comparison (`lt`, `le`, `eq`, `ge`).
-        cmp: &'static str,
-        /// Type.
-        ty: PtxTy,
-        /// Destination predicate.
-        p: Reg,
-        /// First operand.
-        a: Operand,
-        /// Second operand.
-        b: Operand,
-    },
-    /// `selp.ty d, a, b, p`.
-    Selp {
-        /// Type.
-        ty: PtxTy,
-        /// Destination.
-        d: Reg,
-        /// Value when `p`.
-        a: Operand,
-        /// Value otherwise.
-        b: Operand,
-        /// Predicate.
-        p: Reg,
-    },
-    /// `ld.global.ty d, [addr]`.
-    Ld {
-        /// Type.
-        ty: PtxTy,
-        /// Destination.
-        d: Reg,
-        /// Address register (64-bit).
-        addr: Reg,
-    },
-    /// `st.global.ty [addr], v`.
-    St {
-        /// Type.
-        ty: PtxTy,
-        /// Address register.
-        addr: Reg,
-        /// Value register.
-        v: Reg,
-    },
-    /// `ld.global[.nc][.vN].b32 {words}, [addr]`: 4, 8 or 16 bytes at once.
-    LdV {
-        /// Through the read-only (non-coherent) path: the buffer is a checkpoint input, never
-        /// written while the program runs (which also lets ptxas move these loads past stores).
-        nc: bool,
-        /// Destination words (1, 2 or 4).
-        words: Vec<Reg>,
-        /// Address (aligned to the access).
-        addr: Reg,
-    },
-    /// `st.global[.vN].b32 [addr], {words}`.
-    StV {
-        /// Source words (1, 2 or 4).
-        words: Vec<Reg>,
-        /// Address (aligned to the access).
-        addr: Reg,
-    },
-    /// `d` = the E2M1 nibbles of `vals` (1 to 8; value k in bits 4k..4k+4): pairs of
-    /// `cvt.rn.satfinite.e2m1x2.f32` (0 for a missing value) and byte permutes, in a scoped block.
-    CvtE2m1Pack {
-        /// Destination (32-bit).
-        d: Reg,
-        /// Operands (f32).
-        vals: Vec<Reg>,
-    },
-    /// `d = e4m3(a)` or `d = e2m1(a)` (RNE, saturating, in the low bits of a 32-bit register): one
-    /// `cvt.rn.satfinite.{e4m3x2,e2m1x2}.f32` with 0 as the other element, in a scoped block.
-    CvtNarrow {
-        /// E2M1 (else E4M3).
-        e2m1: bool,
-        /// Destination (32-bit).
-        d: Reg,
-        /// Operand (f32).
-        a: Reg,
-    },
-    /// `prmt.b32 d, a, b, sel` (byte permute: bytes 0-3 of `a`, 4-7 of `b`).
-    Prmt {
-        /// Destination.
-        d: Reg,
-        /// Bytes 0-3.
-        a: Reg,
-        /// Bytes 4-7.
-        b: Reg,
-        /// Selector (one nibble per destination byte).
-        sel: i64,
-    },
-    /// `fma.rn.f32 d, a, b, c`.
-    Fma {
-        /// Destination.
-        d: Reg,
-        /// Multiplicand.
-        a: Reg,
-        /// Multiplier.
-        b: Reg,
-        /// Addend.
-        c: Reg,
-    },
-    /// `bar.sync 0` (the whole CTA).
-    BarSync,
-    /// `st.shared.f32 [addr], v`.
-    StShared {
-        /// Shared-memory address (32-bit).
-        addr: Reg,
-        /// Value (f32).
-        v: Reg,
-    },
-    /// `ld.shared.f32 d, [addr+off]`.
-    LdShared {
-        /// Destination (f32).
-        d: Reg,
-        /// Shared-memory address (32-bit).
-        addr: Reg,
-        /// Byte offset.
-        off: i64,
-    },
-    /// `mov.u32 d, symbol` (the address of a shared variable).
-    MovSym {
-        /// Destination.
-        d: Reg,
-        /// Symbol.
-        sym: String,
-    },
-    /// `shfl.sync.bfly.b32 d, a, lanemask, 0x1f, 0xffffffff` (the whole warp, converged).
-    ShflBfly {
-        /// Destination.
-        d: Reg,
-        /// Value.
-        a: Reg,
-        /// Lane mask (XOR distance).
-        mask: i64,
-    },
-    /// `d = f32(e4m3 byte in a)`: `cvt.rn.f16x2.e4m3x2`, then the low half to f32, in a scoped
-    /// block.
-    CvtFromE4m3 {
-        /// Destination (f32).
-        d: Reg,
-        /// The byte (low 8 bits of a 32-bit register, the rest zero).
-        a: Reg,
-    },
-    /// `red.global.max.u32 [addr], v`.
-    RedMaxU32 {
-        /// Address.
-        addr: Reg,
-        /// Value.
-        v: Reg,
-    },
-    /// `ld.param.u64 d, [name]`.
-    LdParam {
-        /// Destination.
-        d: Reg,
-        /// Parameter name.
-        name: String,
-    },
-    /// `cvta.to.global.u64 d, a`.
-    Cvta {
-        /// Destination.
-        d: Reg,
-        /// Generic address.
-        a: Reg,
-    },
-    /// `mov.u32 d, %special`.
-    Special {
-        /// Destination.
-        d: Reg,
-        /// `tid.x`, `ntid.x`, `ctaid.x`, `nctaid.x`.
-        name: &'static str,
-    },
-    /// `mul.wide.u32 d, a, b`.
-    MulWide {
-        /// Destination (64-bit).
-        d: Reg,
-        /// First.
-        a: Reg,
-        /// Second.
-        b: Reg,
-    },
-    /// `[@p] bra label` (`@!p` when `negate`).
-    Bra {
-        /// Label.
-        label: String,
-        /// Guard.
-        pred: Option<(Reg, bool)>,
-    },
-    /// `label:`.
-    Label(String),
-    /// `ret`.
-    Ret,
-}
-
-impl fmt::Display for Inst {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Inst::Bin { op, ty, d, a, b } => write!(f, "\t{op}{ty} \t{d}, {a}, {b};"),
-            Inst::Un { op, d, a } => write!(f, "\t{op} \t{d}, {a};"),
-            Inst::Setp { cmp, ty, p, a, b } => write!(f, "\tsetp.{cmp}{ty} \t{p}, {a}, {b};"),
-            Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
-            Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
-            Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
-            Inst::CvtNarrow { e2m1: false, d, a } => write!(
-                f,
-                "\t{{ .reg .b16 %cvt; cvt.rn.satfinite.e4m3x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u16 {d}, %cvt; }}"
-            ),
-            Inst::CvtNarrow { e2m1: true, d, a } => write!(
-                f,
-                "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
-            ),
-            Inst::CvtE2m1Pack { d, vals } => {
-                write!(f, "\t{{ .reg .b8 %c<4>; .reg .b32 %w<4>;")?;
-                let v = |k: usize| vals.get(k).map_or("0f00000000".to_string(), |r| r.to_string());
-                for k in 0..4 {
-                    write!(
-                        f,
-                        " cvt.rn.satfinite.e2m1x2.f32 %c{k}, {}, {}; cvt.u32.u8 %w{k}, %c{k};",
-                        v(2 * k + 1),
-                        v(2 * k)
-                    )?;
-                }
-                write!(
-                    f,
-                    " prmt.b32 %w0, %w0, %w1, 0x0040; prmt.b32 %w2, %w2, %w3, 0x0040; prmt.b32 {d}, %w0, %w2, 0x5410; }}"
-                )
-            }
-            Inst::BarSync => write!(f, "\tbar.sync \t0;"),
-            Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
-            Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
-            Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
-            Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
-            Inst::MovSym { d, sym } => write!(f, "\tmov.u32 \t{d}, {sym};"),
-            Inst::ShflBfly { d, a, mask } => {
-                write!(f, "\tshfl.sync.bfly.b32 \t{d}, {a}, {mask}, 31, -1;")
-            }
-            Inst::CvtFromE4m3 { d, a } => write!(
-                f,
-                "\t{{ .reg .b16 %dlo, %dhi; .reg .b32 %dpair; cvt.u16.u32 %dhi, {a}; cvt.rn.f16x2.e4m3x2 %dpair, %dhi; mov.b32 {{%dlo, %dhi}}, %dpair; cvt.f32.f16 {d}, %dlo; }}"
-            ),
-            Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
-            Inst::LdV { nc, words, addr } => {
-                let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
-                let nc = if *nc { ".nc" } else { "" };
-                match words.len() {
-                    1 => write!(f, "\tld.global{nc}.b32 \t{}, [{addr}];", w[0]),
-                    n => write!(f, "\tld.global{nc}.v{n}.b32 \t{{{}}}, [{addr}];", w.join(", ")),
-                }
-            }
-            Inst::StV { words, addr } => {
-                let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
-                match words.len() {
-                    1 => write!(f, "\tst.global.b32 \t[{addr}], {};", w[0]),
-                    n => write!(f, "\tst.global.v{n}.b32 \t[{addr}], {{{}}};", w.join(", ")),
-                }
-            }
-            Inst::LdParam { d, name } => write!(f, "\tld.param.u64 \t{d}, [{name}];"),
-            Inst::Cvta { d, a } => write!(f, "\tcvta.to.global.u64 \t{d}, {a};"),
-            Inst::Special { d, name } => write!(f, "\tmov.u32 \t{d}, %{name};"),
-            Inst::MulWide { d, a, b } => write!(f, "\tmul.wide.u32 \t{d}, {a}, {b};"),
-            Inst::Bra { label, pred } => match pred {
-                None => write!(f, "\tbra.uni \t{label};"),
-                Some((p, false)) => write!(f, "\t@{p} bra \t{label};"),
-                Some((p, true)) => write!(f, "\t@!{p} bra \t{label};"),
-            },
-            Inst::Label(l) => write!(f, "{l}:"),
-            Inst::Ret => write!(f, "\tret;"),
-        }
-    }
-}
-
-/// Builds one kernel's instruction list with virtual registers.
-#[derive(Debug, Default)]
-pub struct Builder {
-    counts: [u32; 4],
-    /// Instructions so far.
-    pub insts: Vec<Inst>,
-    labels: u32,
-}
-
-impl Builder {
-    /// A fresh register of a class.
-    pub fn reg(&mut self, class: RegClass) -> Reg {
-        let k = class as usize;
-        self.counts[k] += 1;
-        Reg {
-            class,
-            n: self.counts[k],
-        }
-    }
-
-    /// Append an instruction.
-    pub fn push(&mut self, i: Inst) {
-        self.insts.push(i);
-    }
-
-    /// A fresh label.
-    pub fn label(&mut self, stem: &str) -> String {
-        self.labels += 1;
-        format!("$L_{stem}_{}", self.labels)
-    }
-
-    /// Register declarations.
-    pub fn decls(&self) -> String {
-        let mut s = String::new();
-        for c in [RegClass::Pred, RegClass::B32, RegClass::B64, RegClass::F32] {
-            let n = self.counts[c as usize];
-            if n > 0 {
-                let _ = writeln!(s, "\t.reg {} \t%{}<{}>;", c.decl(), c.prefix(), n + 1);
-            }
-        }
-        s
-    }
-}
-
+/// The state of lowering one kernel: its builder, the registers of its variables and buffers, and
+/// what it knows of its index widths and thread groups.
 struct Gen<'a> {
     b: Builder,
     /// f32 registers holding a bf16 loaded as half of a 32-bit word: the word and the half (0 low,
@@ -560,7 +109,7 @@ impl Gen<'_> {
         if c & (c - 1) == 0 {
             let k = c.trailing_zeros() as i64;
             self.b.push(Inst::Bin {
-                op: if div { "shr" } else { "and" },
+                op: if div { BinOpcode::Shr } else { BinOpcode::And },
                 ty: PtxTy::B32,
                 d: q,
                 a: Operand::Reg(a32),
@@ -570,7 +119,7 @@ impl Gen<'_> {
         }
         if !self.magic_div {
             self.b.push(Inst::Bin {
-                op: if div { "div" } else { "rem" },
+                op: if div { BinOpcode::Div } else { BinOpcode::Rem },
                 ty: PtxTy::U32,
                 d: q,
                 a: Operand::Reg(a32),
@@ -581,7 +130,7 @@ impl Gen<'_> {
         let (m, shift) = magic_u31(c);
         let hi = self.b.reg(RegClass::B32);
         self.b.push(Inst::Bin {
-            op: "mul.hi",
+            op: BinOpcode::MulHi,
             ty: PtxTy::U32,
             d: hi,
             a: Operand::Reg(a32),
@@ -589,7 +138,7 @@ impl Gen<'_> {
         });
         let quo = if div { q } else { self.b.reg(RegClass::B32) };
         self.b.push(Inst::Bin {
-            op: "shr",
+            op: BinOpcode::Shr,
             ty: PtxTy::B32,
             d: quo,
             a: Operand::Reg(hi),
@@ -598,14 +147,14 @@ impl Gen<'_> {
         if !div {
             let t = self.b.reg(RegClass::B32);
             self.b.push(Inst::Bin {
-                op: "mul.lo",
+                op: BinOpcode::MulLo,
                 ty: PtxTy::U32,
                 d: t,
                 a: Operand::Reg(quo),
                 b: Operand::Int(c),
             });
             self.b.push(Inst::Bin {
-                op: "sub",
+                op: BinOpcode::Sub,
                 ty: PtxTy::U32,
                 d: q,
                 a: Operand::Reg(a32),
@@ -621,9 +170,9 @@ impl Gen<'_> {
             imm => {
                 let d = self.b.reg(class);
                 let op = match class {
-                    RegClass::B64 => "mov.u64",
-                    RegClass::F32 => "mov.f32",
-                    _ => "mov.u32",
+                    RegClass::B64 => UnOpcode::Mov(PtxTy::U64),
+                    RegClass::F32 => UnOpcode::Mov(PtxTy::F32),
+                    _ => UnOpcode::Mov(PtxTy::U32),
                 };
                 self.b.push(Inst::Un { op, d, a: imm });
                 d
@@ -642,7 +191,7 @@ impl Gen<'_> {
             Expr::I64(_) => self.idx,
             Expr::I32(_) => RegClass::B32,
             Expr::F32(_) => RegClass::F32,
-            Expr::Load { buf, .. } => RegClass::of(
+            Expr::Load { buf, .. } => reg_class(
                 self.elems
                     .get(buf.0 as usize)
                     .ok_or(Error::Internal("buffer"))?
@@ -656,7 +205,7 @@ impl Gen<'_> {
             }
             Expr::Un(op, _) => match op.result_ty() {
                 Ty::I64 => self.idx,
-                t => RegClass::of(t),
+                t => reg_class(t),
             },
             Expr::Bin(op, a, _) => match op {
                 BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => RegClass::Pred,
@@ -675,9 +224,9 @@ impl Gen<'_> {
         let off = if self.idx == RegClass::B32 || elem.size() != 1 {
             let t = self.b.reg(RegClass::B64);
             let (op, ty) = if self.idx == RegClass::B32 {
-                ("mul.wide", PtxTy::U32)
+                (BinOpcode::MulWide, PtxTy::U32)
             } else {
-                ("mul.lo", PtxTy::S64)
+                (BinOpcode::MulLo, PtxTy::S64)
             };
             self.b.push(Inst::Bin {
                 op,
@@ -691,7 +240,7 @@ impl Gen<'_> {
             i
         };
         self.b.push(Inst::Bin {
-            op: "add",
+            op: BinOpcode::Add,
             ty: PtxTy::S64,
             d,
             a: Operand::Reg(base),
@@ -737,7 +286,7 @@ impl Gen<'_> {
                         });
                         let s = self.b.reg(RegClass::B32);
                         self.b.push(Inst::Bin {
-                            op: "shl",
+                            op: BinOpcode::Shl,
                             ty: PtxTy::B32,
                             d: s,
                             a: Operand::Reg(h),
@@ -745,7 +294,7 @@ impl Gen<'_> {
                         });
                         let d = self.b.reg(RegClass::F32);
                         self.b.push(Inst::Un {
-                            op: "mov.b32",
+                            op: UnOpcode::Mov(PtxTy::B32),
                             d,
                             a: Operand::Reg(s),
                         });
@@ -775,7 +324,7 @@ impl Gen<'_> {
                 let a = self.in_reg(v, RegClass::B32);
                 let t = self.b.reg(RegClass::B32);
                 self.b.push(Inst::Bin {
-                    op: "shr",
+                    op: BinOpcode::Shr,
                     ty: PtxTy::U32,
                     d: t,
                     a: Operand::Reg(a),
@@ -783,7 +332,7 @@ impl Gen<'_> {
                 });
                 let d = self.b.reg(RegClass::B32);
                 self.b.push(Inst::Bin {
-                    op: "and",
+                    op: BinOpcode::And,
                     ty: PtxTy::B32,
                     d,
                     a: Operand::Reg(t),
@@ -832,22 +381,31 @@ impl Gen<'_> {
                 let ac = self.class_of(a)?;
                 let a = self.expr(a)?;
                 let a = Operand::Reg(self.in_reg(a, ac));
-                let (opc, class): (&'static str, RegClass) = match op {
-                    UnOp::FAbs => ("abs.f32", RegClass::F32),
-                    UnOp::FRoundEven => ("cvt.rni.f32.f32", RegClass::F32),
-                    UnOp::F2I => ("cvt.rzi.s32.f32", RegClass::B32),
-                    UnOp::I2F => ("cvt.rn.f32.s32", RegClass::F32),
+                let (opc, class): (UnOpcode, RegClass) = match op {
+                    UnOp::FAbs => (UnOpcode::Abs(PtxTy::F32), RegClass::F32),
+                    UnOp::FRoundEven => (
+                        UnOpcode::cvt_rnd(Rnd::Rni, PtxTy::F32, PtxTy::F32),
+                        RegClass::F32,
+                    ),
+                    UnOp::F2I => (
+                        UnOpcode::cvt_rnd(Rnd::Rzi, PtxTy::S32, PtxTy::F32),
+                        RegClass::B32,
+                    ),
+                    UnOp::I2F => (
+                        UnOpcode::cvt_rnd(Rnd::Rn, PtxTy::F32, PtxTy::S32),
+                        RegClass::F32,
+                    ),
                     UnOp::BitsOf | UnOp::FromBits => {
                         let class = if *op == UnOp::BitsOf {
                             RegClass::B32
                         } else {
                             RegClass::F32
                         };
-                        ("mov.b32", class)
+                        (UnOpcode::Mov(PtxTy::B32), class)
                     }
                     UnOp::Byte(_) => return Err(Error::Internal("byte extraction")),
-                    UnOp::Widen => ("cvt.s64.s32", RegClass::B64),
-                    UnOp::Narrow => ("cvt.u32.u64", RegClass::B32),
+                    UnOp::Widen => (UnOpcode::cvt(PtxTy::S64, PtxTy::S32), RegClass::B64),
+                    UnOp::Narrow => (UnOpcode::cvt(PtxTy::U32, PtxTy::U64), RegClass::B32),
                     UnOp::E4m3Decode => {
                         let Operand::Reg(a) = a else {
                             return Err(Error::Internal("conversion operand"));
@@ -911,14 +469,14 @@ impl Gen<'_> {
                 let a = self.in_reg(a, RegClass::B64);
                 let a32 = self.b.reg(RegClass::B32);
                 self.b.push(Inst::Un {
-                    op: "cvt.u32.u64",
+                    op: UnOpcode::cvt(PtxTy::U32, PtxTy::U64),
                     d: a32,
                     a: Operand::Reg(a),
                 });
                 let q = self.div32(*op == BinOp::IDiv, a32, c);
                 let d = self.b.reg(RegClass::B64);
                 self.b.push(Inst::Un {
-                    op: "cvt.u64.u32",
+                    op: UnOpcode::cvt(PtxTy::U64, PtxTy::U32),
                     d,
                     a: Operand::Reg(q),
                 });
@@ -931,11 +489,11 @@ impl Gen<'_> {
                 let b = self.expr(b)?;
                 let ity = int_ty(ac);
                 let (opc, ty, class) = match op {
-                    BinOp::IAdd => ("add", ity, ac),
-                    BinOp::ISub => ("sub", ity, ac),
-                    BinOp::IMul => ("mul.lo", ity, ac),
+                    BinOp::IAdd => (BinOpcode::Add, ity, ac),
+                    BinOp::ISub => (BinOpcode::Sub, ity, ac),
+                    BinOp::IMul => (BinOpcode::MulLo, ity, ac),
                     BinOp::IDiv => (
-                        "div",
+                        BinOpcode::Div,
                         if ac == RegClass::B64 {
                             PtxTy::U64
                         } else {
@@ -944,7 +502,7 @@ impl Gen<'_> {
                         ac,
                     ),
                     BinOp::IRem => (
-                        "rem",
+                        BinOpcode::Rem,
                         if ac == RegClass::B64 {
                             PtxTy::U64
                         } else {
@@ -952,12 +510,12 @@ impl Gen<'_> {
                         },
                         ac,
                     ),
-                    BinOp::And => ("and", bits_ty(ac), ac),
-                    BinOp::Or => ("or", bits_ty(ac), ac),
-                    BinOp::Xor => ("xor", bits_ty(ac), ac),
-                    BinOp::Shl => ("shl", bits_ty(ac), ac),
+                    BinOp::And => (BinOpcode::And, bits_ty(ac), ac),
+                    BinOp::Or => (BinOpcode::Or, bits_ty(ac), ac),
+                    BinOp::Xor => (BinOpcode::Xor, bits_ty(ac), ac),
+                    BinOp::Shl => (BinOpcode::Shl, bits_ty(ac), ac),
                     BinOp::Shr => (
-                        "shr",
+                        BinOpcode::Shr,
                         if ac == RegClass::B64 {
                             PtxTy::U64
                         } else {
@@ -965,7 +523,7 @@ impl Gen<'_> {
                         },
                         ac,
                     ),
-                    BinOp::MulHi => ("mul.hi", PtxTy::U32, ac),
+                    BinOp::MulHi => (BinOpcode::MulHi, PtxTy::U32, ac),
                     BinOp::Prmt(sel) => {
                         let b = self.in_reg(b, RegClass::B32);
                         let Operand::Reg(a) = a else {
@@ -980,18 +538,18 @@ impl Gen<'_> {
                         });
                         return Ok(Operand::Reg(d));
                     }
-                    BinOp::FAdd => ("add.rn", PtxTy::F32, RegClass::F32),
-                    BinOp::FMul => ("mul.rn", PtxTy::F32, RegClass::F32),
-                    BinOp::FDiv => ("div.rn", PtxTy::F32, RegClass::F32),
-                    BinOp::FMax => ("max", PtxTy::F32, RegClass::F32),
-                    BinOp::FMin => ("min", PtxTy::F32, RegClass::F32),
+                    BinOp::FAdd => (BinOpcode::AddRn, PtxTy::F32, RegClass::F32),
+                    BinOp::FMul => (BinOpcode::MulRn, PtxTy::F32, RegClass::F32),
+                    BinOp::FDiv => (BinOpcode::DivRn, PtxTy::F32, RegClass::F32),
+                    BinOp::FMax => (BinOpcode::Max, PtxTy::F32, RegClass::F32),
+                    BinOp::FMin => (BinOpcode::Min, PtxTy::F32, RegClass::F32),
                     BinOp::ILt | BinOp::IEq | BinOp::FLt | BinOp::FLe | BinOp::FEq => {
                         let (cmp, ty) = match op {
-                            BinOp::ILt => ("lt", ity),
-                            BinOp::IEq => ("eq", ity),
-                            BinOp::FLt => ("lt", PtxTy::F32),
-                            BinOp::FLe => ("le", PtxTy::F32),
-                            _ => ("eq", PtxTy::F32),
+                            BinOp::ILt => (CmpOp::Lt, ity),
+                            BinOp::IEq => (CmpOp::Eq, ity),
+                            BinOp::FLt => (CmpOp::Lt, PtxTy::F32),
+                            BinOp::FLe => (CmpOp::Le, PtxTy::F32),
+                            _ => (CmpOp::Eq, PtxTy::F32),
                         };
                         let p = self.b.reg(RegClass::Pred);
                         self.b.push(Inst::Setp { cmp, ty, p, a, b });
@@ -1040,7 +598,12 @@ impl Gen<'_> {
         }
         packed &= seen.values().all(|&m| m == 3);
         let mut level: Vec<Reg> = if packed {
-            let w = self.tree(words, RegClass::B32, "max.xorsign.abs", PtxTy::Bf16x2)?;
+            let w = self.tree(
+                words,
+                RegClass::B32,
+                BinOpcode::MaxXorsignAbs,
+                PtxTy::Bf16x2,
+            )?;
             (0..2)
                 .map(|half| {
                     let f = self.b.reg(RegClass::F32);
@@ -1054,13 +617,13 @@ impl Gen<'_> {
         for r in level.iter_mut() {
             let d = self.b.reg(RegClass::F32);
             self.b.push(Inst::Un {
-                op: "abs.f32",
+                op: UnOpcode::Abs(PtxTy::F32),
                 d,
                 a: Operand::Reg(*r),
             });
             *r = d;
         }
-        self.tree(level, RegClass::F32, "max", PtxTy::F32)
+        self.tree(level, RegClass::F32, BinOpcode::Max, PtxTy::F32)
     }
 
     /// A balanced tree of the binary `op` over `regs` (short dependency chains).
@@ -1068,7 +631,7 @@ impl Gen<'_> {
         &mut self,
         mut regs: Vec<Reg>,
         class: RegClass,
-        op: &'static str,
+        op: BinOpcode,
         ty: PtxTy,
     ) -> Result<Reg> {
         while regs.len() > 1 {
@@ -1097,9 +660,9 @@ impl Gen<'_> {
     fn bf16_half(&mut self, d: Reg, w: Reg, half: usize) {
         let t = self.b.reg(RegClass::B32);
         let (op, k) = if half == 0 {
-            ("shl", 16)
+            (BinOpcode::Shl, 16)
         } else {
-            ("and", 0xFFFF_0000)
+            (BinOpcode::And, 0xFFFF_0000)
         };
         self.b.push(Inst::Bin {
             op,
@@ -1109,7 +672,7 @@ impl Gen<'_> {
             b: Operand::Int(k),
         });
         self.b.push(Inst::Un {
-            op: "mov.b32",
+            op: UnOpcode::Mov(PtxTy::B32),
             d,
             a: Operand::Reg(t),
         });
@@ -1119,10 +682,10 @@ impl Gen<'_> {
         let v = self.expr(x)?;
         self.halves.remove(&dst);
         let op = match dst.class {
-            RegClass::B64 => "mov.u64",
-            RegClass::F32 => "mov.f32",
-            RegClass::B32 => "mov.u32",
-            RegClass::Pred => "mov.pred",
+            RegClass::B64 => UnOpcode::Mov(PtxTy::U64),
+            RegClass::F32 => UnOpcode::Mov(PtxTy::F32),
+            RegClass::B32 => UnOpcode::Mov(PtxTy::U32),
+            RegClass::Pred => UnOpcode::Mov(PtxTy::Pred),
         };
         self.b.push(Inst::Un { op, d: dst, a: v });
         Ok(())
@@ -1177,7 +740,7 @@ impl Gen<'_> {
                 let mut r = Ok(());
                 for t in 0..trips {
                     self.b.push(Inst::Bin {
-                        op: "add",
+                        op: BinOpcode::Add,
                         ty: int_ty(self.idx),
                         d: var,
                         a: Operand::Reg(lane),
@@ -1196,9 +759,9 @@ impl Gen<'_> {
         let end = Operand::Reg(self.in_reg(end, self.idx));
         self.b.push(Inst::Un {
             op: if self.idx == RegClass::B32 {
-                "mov.u32"
+                UnOpcode::Mov(PtxTy::U32)
             } else {
-                "mov.u64"
+                UnOpcode::Mov(PtxTy::U64)
             },
             d: var,
             a: Operand::Reg(lane),
@@ -1226,7 +789,7 @@ impl Gen<'_> {
         self.b.push(Inst::Label(head.clone()));
         let p = self.b.reg(RegClass::Pred);
         self.b.push(Inst::Setp {
-            cmp: "ge",
+            cmp: CmpOp::Ge,
             ty: int_ty(var.class),
             p,
             a: Operand::Reg(var),
@@ -1238,7 +801,7 @@ impl Gen<'_> {
         });
         body(self)?;
         self.b.push(Inst::Bin {
-            op: "add",
+            op: BinOpcode::Add,
             ty: int_ty(var.class),
             d: var,
             a: Operand::Reg(var),
@@ -1261,7 +824,7 @@ impl Gen<'_> {
             let t = self.b.reg(RegClass::F32);
             self.b.push(Inst::ShflBfly { d: t, a: acc, mask });
             self.b.push(Inst::Bin {
-                op: "max",
+                op: BinOpcode::Max,
                 ty: PtxTy::F32,
                 d: acc,
                 a: Operand::Reg(acc),
@@ -1288,7 +851,7 @@ impl Gen<'_> {
                 off: 4 * w,
             });
             self.b.push(Inst::Bin {
-                op: "max",
+                op: BinOpcode::Max,
                 ty: PtxTy::F32,
                 d: acc,
                 a: Operand::Reg(acc),
@@ -1332,7 +895,7 @@ impl Gen<'_> {
         defined(load, &mut defs);
         let saved: Vec<Reg> = defs.iter().map(|v| reg(self, *v)).collect::<Result<_>>()?;
         self.b.push(Inst::Un {
-            op: "mov.f32",
+            op: UnOpcode::Mov(PtxTy::F32),
             d: acc,
             a: Operand::F32(0.0),
         });
@@ -1344,7 +907,7 @@ impl Gen<'_> {
                 self.vars[v.0 as usize] = *r;
             }
             self.b.push(Inst::Bin {
-                op: "add",
+                op: BinOpcode::Add,
                 ty: int_ty(self.idx),
                 d: regs[0],
                 a: Operand::Reg(lane),
@@ -1354,7 +917,7 @@ impl Gen<'_> {
                 let v = self.expr(value)?;
                 let v = self.in_reg(v, RegClass::F32);
                 self.b.push(Inst::Bin {
-                    op: "max",
+                    op: BinOpcode::Max,
                     ty: PtxTy::F32,
                     d: acc,
                     a: Operand::Reg(acc),
@@ -1478,13 +1041,13 @@ impl Gen<'_> {
                         let v = self.in_reg(v, RegClass::F32);
                         let bits = self.b.reg(RegClass::B32);
                         self.b.push(Inst::Un {
-                            op: "mov.b32",
+                            op: UnOpcode::Mov(PtxTy::B32),
                             d: bits,
                             a: Operand::Reg(v),
                         });
                         let hi = self.b.reg(RegClass::B32);
                         self.b.push(Inst::Bin {
-                            op: "shr",
+                            op: BinOpcode::Shr,
                             ty: PtxTy::U32,
                             d: hi,
                             a: Operand::Reg(bits),
@@ -1547,7 +1110,7 @@ impl Gen<'_> {
                     }
                     match elem {
                         Elem::F32 => self.b.push(Inst::Un {
-                            op: "mov.b32",
+                            op: UnOpcode::Mov(PtxTy::B32),
                             d,
                             a: Operand::Reg(words[k]),
                         }),
@@ -1556,14 +1119,14 @@ impl Gen<'_> {
                             let t = self.b.reg(RegClass::B32);
                             let w = Operand::Reg(words[k / 4]);
                             self.b.push(Inst::Bin {
-                                op: "shr",
+                                op: BinOpcode::Shr,
                                 ty: PtxTy::U32,
                                 d: t,
                                 a: w,
                                 b: Operand::Int(8 * (k % 4) as i64),
                             });
                             self.b.push(Inst::Bin {
-                                op: "and",
+                                op: BinOpcode::And,
                                 ty: PtxTy::B32,
                                 d,
                                 a: Operand::Reg(t),
@@ -1651,7 +1214,7 @@ impl Gen<'_> {
                             let v = self.in_reg(v, RegClass::B32);
                             let t = self.b.reg(RegClass::B32);
                             self.b.push(Inst::Bin {
-                                op: "and",
+                                op: BinOpcode::And,
                                 ty: PtxTy::B32,
                                 d: t,
                                 a: Operand::Reg(v),
@@ -1663,14 +1226,14 @@ impl Gen<'_> {
                             let v = self.in_reg(v, RegClass::F32);
                             let t = self.b.reg(RegClass::B32);
                             self.b.push(Inst::Un {
-                                op: "mov.b32",
+                                op: UnOpcode::Mov(PtxTy::B32),
                                 d: t,
                                 a: Operand::Reg(v),
                             });
                             if elem == Elem::Bf16 {
                                 let h = self.b.reg(RegClass::B32);
                                 self.b.push(Inst::Bin {
-                                    op: "shr",
+                                    op: BinOpcode::Shr,
                                     ty: PtxTy::U32,
                                     d: h,
                                     a: Operand::Reg(t),
@@ -1691,7 +1254,7 @@ impl Gen<'_> {
                         let sh = self.b.reg(RegClass::B32);
                         let bits = (8 * elem.size() * j) as i64;
                         self.b.push(Inst::Bin {
-                            op: "shl",
+                            op: BinOpcode::Shl,
                             ty: PtxTy::B32,
                             d: sh,
                             a: Operand::Reg(parts[w * per + j]),
@@ -1699,7 +1262,7 @@ impl Gen<'_> {
                         });
                         let o = self.b.reg(RegClass::B32);
                         self.b.push(Inst::Bin {
-                            op: "or",
+                            op: BinOpcode::Or,
                             ty: PtxTy::B32,
                             d: o,
                             a: Operand::Reg(acc),
@@ -1732,7 +1295,7 @@ impl Gen<'_> {
                     r.ok_or(Error::Internal("variable"))?,
                 );
                 self.b.push(Inst::Un {
-                    op: "mov.f32",
+                    op: UnOpcode::Mov(PtxTy::F32),
                     d: acc,
                     a: Operand::F32(0.0),
                 });
@@ -1741,7 +1304,7 @@ impl Gen<'_> {
                     let v = g.expr(value)?;
                     let v = g.in_reg(v, RegClass::F32);
                     g.b.push(Inst::Bin {
-                        op: "max",
+                        op: BinOpcode::Max,
                         ty: PtxTy::F32,
                         d: acc,
                         a: Operand::Reg(acc),
@@ -1758,7 +1321,7 @@ impl Gen<'_> {
                 let v = self.in_reg(v, RegClass::F32);
                 let bits = self.b.reg(RegClass::B32);
                 self.b.push(Inst::Un {
-                    op: "mov.b32",
+                    op: UnOpcode::Mov(PtxTy::B32),
                     d: bits,
                     a: Operand::Reg(v),
                 });
@@ -1840,21 +1403,21 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         ));
     }
     for t in &k.var_types {
-        let r = g.b.reg(if *t == Ty::I64 {
-            g.idx
-        } else {
-            RegClass::of(*t)
-        });
+        let r = g.b.reg(if *t == Ty::I64 { g.idx } else { reg_class(*t) });
         g.vars.push(r);
     }
-    let params: Vec<String> = (0..elems.len())
-        .map(|i| format!("{}_param_{i}", k.name))
+    // One 16-byte aligned global pointer per program buffer, in program order.
+    let mut entry = Entry::new(k.name.clone());
+    entry.params = (0..elems.len())
+        .map(|i| Param::global_ptr(format!("{}_param_{i}", k.name), 16))
         .collect();
-    for p in &params {
+    entry.maxnreg = k.maxnreg;
+    for p in &entry.params {
         let gen = g.b.reg(RegClass::B64);
         g.b.push(Inst::LdParam {
+            ty: PtxTy::U64,
             d: gen,
-            name: p.clone(),
+            name: p.name.clone(),
         });
         let glob = g.b.reg(RegClass::B64);
         g.b.push(Inst::Cvta { d: glob, a: gen });
@@ -1868,10 +1431,10 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         g.b.reg(RegClass::B32),
     ];
     for (d, name) in [
-        (ctaid, "ctaid.x"),
-        (ntid, "ntid.x"),
-        (tid, "tid.x"),
-        (nctaid, "nctaid.x"),
+        (ctaid, SpecialReg::CtaidX),
+        (ntid, SpecialReg::NtidX),
+        (tid, SpecialReg::TidX),
+        (nctaid, SpecialReg::NctaidX),
     ] {
         g.b.push(Inst::Special { d, name });
     }
@@ -1894,12 +1457,12 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
     });
     let tid64 = g.b.reg(RegClass::B64);
     g.b.push(Inst::Un {
-        op: "cvt.u64.u32",
+        op: UnOpcode::cvt(PtxTy::U64, PtxTy::U32),
         d: tid64,
         a: Operand::Reg(tid),
     });
     g.b.push(Inst::Bin {
-        op: "add",
+        op: BinOpcode::Add,
         ty: PtxTy::S64,
         d: item,
         a: Operand::Reg(base),
@@ -1917,7 +1480,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         // sees the same items, so the item loop is uniform across the warp and its shuffles.
         for r in [item, stride] {
             g.b.push(Inst::Bin {
-                op: "shr",
+                op: BinOpcode::Shr,
                 ty: PtxTy::U64,
                 d: r,
                 a: Operand::Reg(r),
@@ -1926,7 +1489,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         }
         let lane = g.b.reg(RegClass::B64);
         g.b.push(Inst::Bin {
-            op: "and",
+            op: BinOpcode::And,
             ty: PtxTy::B64,
             d: lane,
             a: Operand::Reg(tid64),
@@ -1934,7 +1497,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         let not0 = g.b.reg(RegClass::Pred);
         g.b.push(Inst::Setp {
-            cmp: "ne",
+            cmp: CmpOp::Ne,
             ty: PtxTy::S64,
             p: not0,
             a: Operand::Reg(lane),
@@ -1946,18 +1509,18 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         // index in the CTA is its lane in the group loops (the item loop is uniform across the CTA,
         // so its barriers are reached by every thread).
         g.b.push(Inst::Un {
-            op: "cvt.u64.u32",
+            op: UnOpcode::cvt(PtxTy::U64, PtxTy::U32),
             d: item,
             a: Operand::Reg(ctaid),
         });
         g.b.push(Inst::Un {
-            op: "cvt.u64.u32",
+            op: UnOpcode::cvt(PtxTy::U64, PtxTy::U32),
             d: stride,
             a: Operand::Reg(nctaid),
         });
         let not0 = g.b.reg(RegClass::Pred);
         g.b.push(Inst::Setp {
-            cmp: "ne",
+            cmp: CmpOp::Ne,
             ty: PtxTy::S64,
             p: not0,
             a: Operand::Reg(tid64),
@@ -1971,7 +1534,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         let w = g.b.reg(RegClass::B32);
         g.b.push(Inst::Bin {
-            op: "shr",
+            op: BinOpcode::Shr,
             ty: PtxTy::B32,
             d: w,
             a: Operand::Reg(tid),
@@ -1979,14 +1542,14 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         let slot = g.b.reg(RegClass::B32);
         g.b.push(Inst::Bin {
-            op: "shl",
+            op: BinOpcode::Shl,
             ty: PtxTy::B32,
             d: slot,
             a: Operand::Reg(w),
             b: Operand::Int(2),
         });
         g.b.push(Inst::Bin {
-            op: "add",
+            op: BinOpcode::Add,
             ty: PtxTy::U32,
             d: slot,
             a: Operand::Reg(slot),
@@ -1994,7 +1557,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         let wl = g.b.reg(RegClass::B32);
         g.b.push(Inst::Bin {
-            op: "and",
+            op: BinOpcode::And,
             ty: PtxTy::B32,
             d: wl,
             a: Operand::Reg(tid),
@@ -2002,7 +1565,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
         });
         let wnot0 = g.b.reg(RegClass::Pred);
         g.b.push(Inst::Setp {
-            cmp: "ne",
+            cmp: CmpOp::Ne,
             ty: PtxTy::S32,
             p: wnot0,
             a: Operand::Reg(wl),
@@ -2013,7 +1576,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
     let stride = if g.idx == RegClass::B32 {
         let narrow = |g: &mut Gen<'_>, d: Reg, a: Reg| {
             g.b.push(Inst::Un {
-                op: "cvt.u32.u64",
+                op: UnOpcode::cvt(PtxTy::U32, PtxTy::U64),
                 d,
                 a: Operand::Reg(a),
             })
@@ -2041,16 +1604,7 @@ pub fn kernel_ptx(k: &Kernel, elems: &[Elem], readonly: &[bool]) -> Result<Strin
 
     let mut s = String::new();
     let _ = writeln!(s, "// {} work items", k.items);
-    let _ = writeln!(s, ".visible .entry {}(", k.name);
-    for (i, p) in params.iter().enumerate() {
-        let sep = if i + 1 == params.len() { "" } else { "," };
-        let _ = writeln!(s, "\t.param .u64 .ptr .global .align 16 {p}{sep}");
-    }
-    let _ = writeln!(s, ")");
-    if let Some(n) = k.maxnreg {
-        let _ = writeln!(s, ".maxnreg {n}");
-    }
-    let _ = writeln!(s, "{{");
+    s.push_str(&entry.header()?);
     s.push_str(&g.b.decls());
     if k.group > 32 {
         let _ = writeln!(s, "\t.shared .align 4 .f32 \t{red_sym}[{}];", k.group / 32);

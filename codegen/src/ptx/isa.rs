@@ -1,0 +1,802 @@
+//! The typed PTX layer: virtual registers by class ([`RegClass`], [`Reg`]), operands, type suffixes
+//! ([`PtxTy`]), typed opcodes and modifiers ([`BinOpcode`], [`UnOpcode`], [`CmpOp`], [`Rnd`],
+//! [`SpecialReg`]), the instruction enum [`Inst`] whose `Display` is one line of PTX, and the
+//! [`Builder`] that numbers registers and labels. Nothing here knows the kernel IR: lowering it is
+//! `lower`'s business, and kernel entries' parameters are `entry`'s.
+
+use std::fmt::{self, Write as _};
+
+/// The PTX ISA version emitted (accepted by ptxas 13.0 for both targets).
+pub const PTX_VERSION: &str = "8.7";
+
+/// Register classes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegClass {
+    /// Predicate.
+    Pred,
+    /// 32-bit integer / bits.
+    B32,
+    /// 64-bit integer.
+    B64,
+    /// f32.
+    F32,
+}
+
+impl RegClass {
+    fn prefix(self) -> &'static str {
+        match self {
+            RegClass::Pred => "p",
+            RegClass::B32 => "r",
+            RegClass::B64 => "rd",
+            RegClass::F32 => "f",
+        }
+    }
+
+    fn decl(self) -> &'static str {
+        match self {
+            RegClass::Pred => ".pred",
+            RegClass::B32 => ".b32",
+            RegClass::B64 => ".b64",
+            RegClass::F32 => ".f32",
+        }
+    }
+}
+
+/// A virtual register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Reg {
+    /// Class.
+    pub class: RegClass,
+    /// Number within the class.
+    pub n: u32,
+}
+
+impl fmt::Display for Reg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}{}", self.class.prefix(), self.n)
+    }
+}
+
+/// An operand: a register or an immediate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Operand {
+    /// Register.
+    Reg(Reg),
+    /// Integer immediate.
+    Int(i64),
+    /// f32 immediate (printed as `0fXXXXXXXX`, exact).
+    F32(f32),
+}
+
+impl fmt::Display for Operand {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Operand::Reg(r) => write!(f, "{r}"),
+            Operand::Int(i) => write!(f, "{i}"),
+            Operand::F32(x) => write!(f, "0f{:08X}", x.to_bits()),
+        }
+    }
+}
+
+/// A PTX instruction type suffix (printed with its leading dot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PtxTy {
+    /// `.pred`
+    Pred,
+    /// `.s64`
+    S64,
+    /// `.u64`
+    U64,
+    /// `.b64`
+    B64,
+    /// `.s32`
+    S32,
+    /// `.u32`
+    U32,
+    /// `.b32`
+    B32,
+    /// `.f32`
+    F32,
+    /// `.u16`
+    U16,
+    /// `.u8`
+    U8,
+    /// `.bf16x2`
+    Bf16x2,
+}
+
+impl fmt::Display for PtxTy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PtxTy::Pred => ".pred",
+            PtxTy::S64 => ".s64",
+            PtxTy::U64 => ".u64",
+            PtxTy::B64 => ".b64",
+            PtxTy::S32 => ".s32",
+            PtxTy::U32 => ".u32",
+            PtxTy::B32 => ".b32",
+            PtxTy::F32 => ".f32",
+            PtxTy::U16 => ".u16",
+            PtxTy::U8 => ".u8",
+            PtxTy::Bf16x2 => ".bf16x2",
+        })
+    }
+}
+
+/// A rounding modifier (printed with its leading dot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rnd {
+    /// `.rn`: to nearest, ties to even (a float result).
+    Rn,
+    /// `.rni`: to the nearest integer, ties to even (an integral float or integer result).
+    Rni,
+    /// `.rzi`: to the integer towards zero.
+    Rzi,
+}
+
+impl fmt::Display for Rnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Rnd::Rn => ".rn",
+            Rnd::Rni => ".rni",
+            Rnd::Rzi => ".rzi",
+        })
+    }
+}
+
+/// The opcode of a two-operand instruction ([`Inst::Bin`]), with its modifiers and without its type
+/// suffix, which [`Inst::Bin`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BinOpcode {
+    /// `add` (integer, wrapping).
+    Add,
+    /// `sub` (integer, wrapping).
+    Sub,
+    /// `mul.lo`: the low half of the product.
+    MulLo,
+    /// `mul.hi`: the high half of the product.
+    MulHi,
+    /// `mul.wide`: the whole product, twice the operands' width.
+    MulWide,
+    /// `div` (integer).
+    Div,
+    /// `rem` (integer).
+    Rem,
+    /// `and`.
+    And,
+    /// `or`.
+    Or,
+    /// `xor`.
+    Xor,
+    /// `shl`.
+    Shl,
+    /// `shr` (logical for unsigned and bits types, arithmetic for signed ones).
+    Shr,
+    /// `min`.
+    Min,
+    /// `max`.
+    Max,
+    /// `max.xorsign.abs`: the larger magnitude, with the XOR of the operands' signs.
+    MaxXorsignAbs,
+    /// `add.rn` (float, correctly rounded).
+    AddRn,
+    /// `mul.rn` (float, correctly rounded).
+    MulRn,
+    /// `div.rn` (float, correctly rounded).
+    DivRn,
+}
+
+impl fmt::Display for BinOpcode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BinOpcode::Add => "add",
+            BinOpcode::Sub => "sub",
+            BinOpcode::MulLo => "mul.lo",
+            BinOpcode::MulHi => "mul.hi",
+            BinOpcode::MulWide => "mul.wide",
+            BinOpcode::Div => "div",
+            BinOpcode::Rem => "rem",
+            BinOpcode::And => "and",
+            BinOpcode::Or => "or",
+            BinOpcode::Xor => "xor",
+            BinOpcode::Shl => "shl",
+            BinOpcode::Shr => "shr",
+            BinOpcode::Min => "min",
+            BinOpcode::Max => "max",
+            BinOpcode::MaxXorsignAbs => "max.xorsign.abs",
+            BinOpcode::AddRn => "add.rn",
+            BinOpcode::MulRn => "mul.rn",
+            BinOpcode::DivRn => "div.rn",
+        })
+    }
+}
+
+/// The opcode of a one-operand instruction ([`Inst::Un`]), with its modifiers and types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnOpcode {
+    /// `mov.ty`.
+    Mov(PtxTy),
+    /// `abs.ty`.
+    Abs(PtxTy),
+    /// `cvt[.rnd].to.from`.
+    Cvt {
+        /// Rounding (none for conversions between integers that round nothing).
+        rnd: Option<Rnd>,
+        /// Destination type.
+        to: PtxTy,
+        /// Source type.
+        from: PtxTy,
+    },
+}
+
+impl UnOpcode {
+    /// `cvt.to.from`: a conversion that rounds nothing (between integers, or a float widened).
+    pub const fn cvt(to: PtxTy, from: PtxTy) -> UnOpcode {
+        UnOpcode::Cvt {
+            rnd: None,
+            to,
+            from,
+        }
+    }
+
+    /// `cvt.rnd.to.from`: a rounding conversion.
+    pub const fn cvt_rnd(rnd: Rnd, to: PtxTy, from: PtxTy) -> UnOpcode {
+        UnOpcode::Cvt {
+            rnd: Some(rnd),
+            to,
+            from,
+        }
+    }
+}
+
+impl fmt::Display for UnOpcode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UnOpcode::Mov(ty) => write!(f, "mov{ty}"),
+            UnOpcode::Abs(ty) => write!(f, "abs{ty}"),
+            UnOpcode::Cvt {
+                rnd: None,
+                to,
+                from,
+            } => write!(f, "cvt{to}{from}"),
+            UnOpcode::Cvt {
+                rnd: Some(rnd),
+                to,
+                from,
+            } => write!(f, "cvt{rnd}{to}{from}"),
+        }
+    }
+}
+
+/// A comparison of `setp` (printed with its leading dot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmpOp {
+    /// `.lt`
+    Lt,
+    /// `.le`
+    Le,
+    /// `.eq`
+    Eq,
+    /// `.ne`
+    Ne,
+    /// `.ge`
+    Ge,
+}
+
+impl fmt::Display for CmpOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CmpOp::Lt => ".lt",
+            CmpOp::Le => ".le",
+            CmpOp::Eq => ".eq",
+            CmpOp::Ne => ".ne",
+            CmpOp::Ge => ".ge",
+        })
+    }
+}
+
+/// A special register read by [`Inst::Special`] (printed with its `%`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecialReg {
+    /// `%tid.x`: the thread's index in its CTA.
+    TidX,
+    /// `%ntid.x`: threads per CTA.
+    NtidX,
+    /// `%ctaid.x`: the CTA's index in the grid.
+    CtaidX,
+    /// `%nctaid.x`: CTAs in the grid.
+    NctaidX,
+}
+
+impl fmt::Display for SpecialReg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SpecialReg::TidX => "%tid.x",
+            SpecialReg::NtidX => "%ntid.x",
+            SpecialReg::CtaidX => "%ctaid.x",
+            SpecialReg::NctaidX => "%nctaid.x",
+        })
+    }
+}
+
+/// Typed PTX instructions (the subset the kernel IR needs).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inst {
+    /// `op.ty d, a, b` for integer and float arithmetic and logic.
+    Bin {
+        /// Opcode with modifiers.
+        op: BinOpcode,
+        /// Type.
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// First operand.
+        a: Operand,
+        /// Second operand.
+        b: Operand,
+    },
+    /// `op d, a` for `mov`, `abs` and conversions (the opcode carries its types).
+    Un {
+        /// Opcode with modifiers and types.
+        op: UnOpcode,
+        /// Destination.
+        d: Reg,
+        /// Operand.
+        a: Operand,
+    },
+    /// `setp.cmp.ty p, a, b`.
+    Setp {
+        /// Comparison.
+        cmp: CmpOp,
+        /// Type.
+        ty: PtxTy,
+        /// Destination predicate.
+        p: Reg,
+        /// First operand.
+        a: Operand,
+        /// Second operand.
+        b: Operand,
+    },
+    /// `selp.ty d, a, b, p`.
+    Selp {
+        /// Type.
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// Value when `p`.
+        a: Operand,
+        /// Value otherwise.
+        b: Operand,
+        /// Predicate.
+        p: Reg,
+    },
+    /// `ld.global.ty d, [addr]`.
+    Ld {
+        /// Type.
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// Address register (64-bit).
+        addr: Reg,
+    },
+    /// `st.global.ty [addr], v`.
+    St {
+        /// Type.
+        ty: PtxTy,
+        /// Address register.
+        addr: Reg,
+        /// Value register.
+        v: Reg,
+    },
+    /// `ld.global[.nc][.vN].b32 {words}, [addr]`: 4, 8 or 16 bytes at once.
+    LdV {
+        /// Through the read-only (non-coherent) path: the buffer is a checkpoint input, never
+        /// written while the program runs (which also lets ptxas move these loads past stores).
+        nc: bool,
+        /// Destination words (1, 2 or 4).
+        words: Vec<Reg>,
+        /// Address (aligned to the access).
+        addr: Reg,
+    },
+    /// `st.global[.vN].b32 [addr], {words}`.
+    StV {
+        /// Source words (1, 2 or 4).
+        words: Vec<Reg>,
+        /// Address (aligned to the access).
+        addr: Reg,
+    },
+    /// `d` = the E2M1 nibbles of `vals` (1 to 8; value k in bits 4k..4k+4): pairs of
+    /// `cvt.rn.satfinite.e2m1x2.f32` (0 for a missing value) and byte permutes, in a scoped block.
+    CvtE2m1Pack {
+        /// Destination (32-bit).
+        d: Reg,
+        /// Operands (f32).
+        vals: Vec<Reg>,
+    },
+    /// `d = e4m3(a)` or `d = e2m1(a)` (RNE, saturating, in the low bits of a 32-bit register): one
+    /// `cvt.rn.satfinite.{e4m3x2,e2m1x2}.f32` with 0 as the other element, in a scoped block.
+    CvtNarrow {
+        /// E2M1 (else E4M3).
+        e2m1: bool,
+        /// Destination (32-bit).
+        d: Reg,
+        /// Operand (f32).
+        a: Reg,
+    },
+    /// `prmt.b32 d, a, b, sel` (byte permute: bytes 0-3 of `a`, 4-7 of `b`).
+    Prmt {
+        /// Destination.
+        d: Reg,
+        /// Bytes 0-3.
+        a: Reg,
+        /// Bytes 4-7.
+        b: Reg,
+        /// Selector (one nibble per destination byte).
+        sel: i64,
+    },
+    /// `fma.rn.f32 d, a, b, c`.
+    Fma {
+        /// Destination.
+        d: Reg,
+        /// Multiplicand.
+        a: Reg,
+        /// Multiplier.
+        b: Reg,
+        /// Addend.
+        c: Reg,
+    },
+    /// `bar.sync 0` (the whole CTA).
+    BarSync,
+    /// `st.shared.f32 [addr], v`.
+    StShared {
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Value (f32).
+        v: Reg,
+    },
+    /// `ld.shared.f32 d, [addr+off]`.
+    LdShared {
+        /// Destination (f32).
+        d: Reg,
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
+    /// `mov.u32 d, symbol` (the address of a shared variable).
+    MovSym {
+        /// Destination.
+        d: Reg,
+        /// Symbol.
+        sym: String,
+    },
+    /// `shfl.sync.bfly.b32 d, a, lanemask, 0x1f, 0xffffffff` (the whole warp, converged).
+    ShflBfly {
+        /// Destination.
+        d: Reg,
+        /// Value.
+        a: Reg,
+        /// Lane mask (XOR distance).
+        mask: i64,
+    },
+    /// `d = f32(e4m3 byte in a)`: `cvt.rn.f16x2.e4m3x2`, then the low half to f32, in a scoped
+    /// block.
+    CvtFromE4m3 {
+        /// Destination (f32).
+        d: Reg,
+        /// The byte (low 8 bits of a 32-bit register, the rest zero).
+        a: Reg,
+    },
+    /// `red.global.max.u32 [addr], v`.
+    RedMaxU32 {
+        /// Address.
+        addr: Reg,
+        /// Value.
+        v: Reg,
+    },
+    /// `ld.param.ty d, [name]` (a kernel parameter's value).
+    LdParam {
+        /// Type (`.u64` for a pointer).
+        ty: PtxTy,
+        /// Destination.
+        d: Reg,
+        /// Parameter name.
+        name: String,
+    },
+    /// `cvta.to.global.u64 d, a`.
+    Cvta {
+        /// Destination.
+        d: Reg,
+        /// Generic address.
+        a: Reg,
+    },
+    /// `mov.u32 d, %special`.
+    Special {
+        /// Destination.
+        d: Reg,
+        /// The special register.
+        name: SpecialReg,
+    },
+    /// `mul.wide.u32 d, a, b`.
+    MulWide {
+        /// Destination (64-bit).
+        d: Reg,
+        /// First.
+        a: Reg,
+        /// Second.
+        b: Reg,
+    },
+    /// `[@p] bra label` (`@!p` when `negate`).
+    Bra {
+        /// Label.
+        label: String,
+        /// Guard.
+        pred: Option<(Reg, bool)>,
+    },
+    /// `label:`.
+    Label(String),
+    /// `ret`.
+    Ret,
+}
+
+impl fmt::Display for Inst {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Inst::Bin { op, ty, d, a, b } => write!(f, "\t{op}{ty} \t{d}, {a}, {b};"),
+            Inst::Un { op, d, a } => write!(f, "\t{op} \t{d}, {a};"),
+            Inst::Setp { cmp, ty, p, a, b } => write!(f, "\tsetp{cmp}{ty} \t{p}, {a}, {b};"),
+            Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
+            Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
+            Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
+            Inst::CvtNarrow { e2m1: false, d, a } => write!(
+                f,
+                "\t{{ .reg .b16 %cvt; cvt.rn.satfinite.e4m3x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u16 {d}, %cvt; }}"
+            ),
+            Inst::CvtNarrow { e2m1: true, d, a } => write!(
+                f,
+                "\t{{ .reg .b8 %cvt; cvt.rn.satfinite.e2m1x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u8 {d}, %cvt; }}"
+            ),
+            Inst::CvtE2m1Pack { d, vals } => {
+                write!(f, "\t{{ .reg .b8 %c<4>; .reg .b32 %w<4>;")?;
+                let v = |k: usize| vals.get(k).map_or("0f00000000".to_string(), |r| r.to_string());
+                for k in 0..4 {
+                    write!(
+                        f,
+                        " cvt.rn.satfinite.e2m1x2.f32 %c{k}, {}, {}; cvt.u32.u8 %w{k}, %c{k};",
+                        v(2 * k + 1),
+                        v(2 * k)
+                    )?;
+                }
+                write!(
+                    f,
+                    " prmt.b32 %w0, %w0, %w1, 0x0040; prmt.b32 %w2, %w2, %w3, 0x0040; prmt.b32 {d}, %w0, %w2, 0x5410; }}"
+                )
+            }
+            Inst::BarSync => write!(f, "\tbar.sync \t0;"),
+            Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
+            Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
+            Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
+            Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
+            Inst::MovSym { d, sym } => write!(f, "\tmov.u32 \t{d}, {sym};"),
+            Inst::ShflBfly { d, a, mask } => {
+                write!(f, "\tshfl.sync.bfly.b32 \t{d}, {a}, {mask}, 31, -1;")
+            }
+            Inst::CvtFromE4m3 { d, a } => write!(
+                f,
+                "\t{{ .reg .b16 %dlo, %dhi; .reg .b32 %dpair; cvt.u16.u32 %dhi, {a}; cvt.rn.f16x2.e4m3x2 %dpair, %dhi; mov.b32 {{%dlo, %dhi}}, %dpair; cvt.f32.f16 {d}, %dlo; }}"
+            ),
+            Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
+            Inst::LdV { nc, words, addr } => {
+                let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
+                let nc = if *nc { ".nc" } else { "" };
+                match words.len() {
+                    1 => write!(f, "\tld.global{nc}.b32 \t{}, [{addr}];", w[0]),
+                    n => write!(f, "\tld.global{nc}.v{n}.b32 \t{{{}}}, [{addr}];", w.join(", ")),
+                }
+            }
+            Inst::StV { words, addr } => {
+                let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
+                match words.len() {
+                    1 => write!(f, "\tst.global.b32 \t[{addr}], {};", w[0]),
+                    n => write!(f, "\tst.global.v{n}.b32 \t[{addr}], {{{}}};", w.join(", ")),
+                }
+            }
+            Inst::LdParam { ty, d, name } => write!(f, "\tld.param{ty} \t{d}, [{name}];"),
+            Inst::Cvta { d, a } => write!(f, "\tcvta.to.global.u64 \t{d}, {a};"),
+            Inst::Special { d, name } => write!(f, "\tmov.u32 \t{d}, {name};"),
+            Inst::MulWide { d, a, b } => write!(f, "\tmul.wide.u32 \t{d}, {a}, {b};"),
+            Inst::Bra { label, pred } => match pred {
+                None => write!(f, "\tbra.uni \t{label};"),
+                Some((p, false)) => write!(f, "\t@{p} bra \t{label};"),
+                Some((p, true)) => write!(f, "\t@!{p} bra \t{label};"),
+            },
+            Inst::Label(l) => write!(f, "{l}:"),
+            Inst::Ret => write!(f, "\tret;"),
+        }
+    }
+}
+
+/// Builds one kernel's instruction list with virtual registers.
+#[derive(Debug, Default)]
+pub struct Builder {
+    counts: [u32; 4],
+    /// Instructions so far.
+    pub insts: Vec<Inst>,
+    labels: u32,
+}
+
+impl Builder {
+    /// A fresh register of a class.
+    pub fn reg(&mut self, class: RegClass) -> Reg {
+        let k = class as usize;
+        self.counts[k] += 1;
+        Reg {
+            class,
+            n: self.counts[k],
+        }
+    }
+
+    /// Append an instruction.
+    pub fn push(&mut self, i: Inst) {
+        self.insts.push(i);
+    }
+
+    /// A fresh label.
+    pub fn label(&mut self, stem: &str) -> String {
+        self.labels += 1;
+        format!("$L_{stem}_{}", self.labels)
+    }
+
+    /// Register declarations.
+    pub fn decls(&self) -> String {
+        let mut s = String::new();
+        for c in [RegClass::Pred, RegClass::B32, RegClass::B64, RegClass::F32] {
+            let n = self.counts[c as usize];
+            if n > 0 {
+                let _ = writeln!(s, "\t.reg {} \t%{}<{}>;", c.decl(), c.prefix(), n + 1);
+            }
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each typed opcode prints the text the free-form opcode strings printed before.
+    #[test]
+    fn opcodes_print_their_ptx_text() {
+        use BinOpcode as B;
+        let bin = [
+            (B::Add, "add"),
+            (B::Sub, "sub"),
+            (B::MulLo, "mul.lo"),
+            (B::MulHi, "mul.hi"),
+            (B::MulWide, "mul.wide"),
+            (B::Div, "div"),
+            (B::Rem, "rem"),
+            (B::And, "and"),
+            (B::Or, "or"),
+            (B::Xor, "xor"),
+            (B::Shl, "shl"),
+            (B::Shr, "shr"),
+            (B::Min, "min"),
+            (B::Max, "max"),
+            (B::MaxXorsignAbs, "max.xorsign.abs"),
+            (B::AddRn, "add.rn"),
+            (B::MulRn, "mul.rn"),
+            (B::DivRn, "div.rn"),
+        ];
+        for (op, text) in bin {
+            assert_eq!(op.to_string(), text);
+        }
+        let un = [
+            (UnOpcode::Mov(PtxTy::U64), "mov.u64"),
+            (UnOpcode::Mov(PtxTy::U32), "mov.u32"),
+            (UnOpcode::Mov(PtxTy::F32), "mov.f32"),
+            (UnOpcode::Mov(PtxTy::B32), "mov.b32"),
+            (UnOpcode::Mov(PtxTy::Pred), "mov.pred"),
+            (UnOpcode::Abs(PtxTy::F32), "abs.f32"),
+            (
+                UnOpcode::cvt_rnd(Rnd::Rni, PtxTy::F32, PtxTy::F32),
+                "cvt.rni.f32.f32",
+            ),
+            (
+                UnOpcode::cvt_rnd(Rnd::Rzi, PtxTy::S32, PtxTy::F32),
+                "cvt.rzi.s32.f32",
+            ),
+            (
+                UnOpcode::cvt_rnd(Rnd::Rn, PtxTy::F32, PtxTy::S32),
+                "cvt.rn.f32.s32",
+            ),
+            (UnOpcode::cvt(PtxTy::S64, PtxTy::S32), "cvt.s64.s32"),
+            (UnOpcode::cvt(PtxTy::U32, PtxTy::U64), "cvt.u32.u64"),
+            (UnOpcode::cvt(PtxTy::U64, PtxTy::U32), "cvt.u64.u32"),
+        ];
+        for (op, text) in un {
+            assert_eq!(op.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn instructions_print_one_line_of_ptx() {
+        let mut b = Builder::default();
+        let (p, r, rd, f) = (
+            b.reg(RegClass::Pred),
+            b.reg(RegClass::B32),
+            b.reg(RegClass::B64),
+            b.reg(RegClass::F32),
+        );
+        let cases = [
+            (
+                Inst::Bin {
+                    op: BinOpcode::MulWide,
+                    ty: PtxTy::U32,
+                    d: rd,
+                    a: Operand::Reg(r),
+                    b: Operand::Int(4),
+                },
+                "\tmul.wide.u32 \t%rd1, %r1, 4;",
+            ),
+            (
+                Inst::Bin {
+                    op: BinOpcode::MaxXorsignAbs,
+                    ty: PtxTy::Bf16x2,
+                    d: r,
+                    a: Operand::Reg(r),
+                    b: Operand::Reg(r),
+                },
+                "\tmax.xorsign.abs.bf16x2 \t%r1, %r1, %r1;",
+            ),
+            (
+                Inst::Un {
+                    op: UnOpcode::cvt_rnd(Rnd::Rzi, PtxTy::S32, PtxTy::F32),
+                    d: r,
+                    a: Operand::Reg(f),
+                },
+                "\tcvt.rzi.s32.f32 \t%r1, %f1;",
+            ),
+            (
+                Inst::Un {
+                    op: UnOpcode::Mov(PtxTy::F32),
+                    d: f,
+                    a: Operand::F32(1.0),
+                },
+                "\tmov.f32 \t%f1, 0f3F800000;",
+            ),
+            (
+                Inst::Setp {
+                    cmp: CmpOp::Ge,
+                    ty: PtxTy::S64,
+                    p,
+                    a: Operand::Reg(rd),
+                    b: Operand::Int(7),
+                },
+                "\tsetp.ge.s64 \t%p1, %rd1, 7;",
+            ),
+            (
+                Inst::Special {
+                    d: r,
+                    name: SpecialReg::NctaidX,
+                },
+                "\tmov.u32 \t%r1, %nctaid.x;",
+            ),
+            (
+                Inst::LdParam {
+                    ty: PtxTy::U64,
+                    d: rd,
+                    name: "k_param_0".into(),
+                },
+                "\tld.param.u64 \t%rd1, [k_param_0];",
+            ),
+        ];
+        for (inst, text) in cases {
+            assert_eq!(inst.to_string(), text);
+        }
+        assert_eq!(
+            b.decls(),
+            "\t.reg .pred \t%p<2>;\n\t.reg .b32 \t%r<2>;\n\t.reg .b64 \t%rd<2>;\n\t.reg .f32 \t%f<2>;\n"
+        );
+    }
+}
