@@ -81,13 +81,15 @@ pub struct Row {
     pub max_abs_err: Option<f32>,
 }
 
-/// Pack `layer` with every standard recipe on the host, `reps` times each (best time kept).
+/// Pack `layer` with every standard recipe on the host (compiled with `opts`), `reps` times each
+/// (best time kept).
 pub fn pack_all(
     layer: &Layer,
     threads: usize,
     reps: usize,
     errors: bool,
     only: Option<&str>,
+    opts: &crate::codegen::host::Options,
 ) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let bind = layer.binding();
@@ -102,7 +104,7 @@ pub fn pack_all(
             &|_| false,
             true,
         )?;
-        let compiled = crate::codegen::host::compile(&prog)?;
+        let compiled = crate::codegen::host::compile_with(&prog, opts)?;
         let mut best = f64::INFINITY;
         // Buffers are allocated and touched once, then reused: what is timed is the backend, not the
         // operating system's first-touch page faults (which this VM makes expensive).
@@ -168,8 +170,12 @@ pub fn memcpy_gbps(bytes: usize, reps: usize) -> f64 {
     bytes as f64 / best / 1e9
 }
 
-/// `moeforge bench --host`.
-pub fn host_report(threads: usize, only: Option<&str>) -> Result<String> {
+/// `moeforge bench --host`, the host backend compiling with `opts`.
+pub fn host_report(
+    threads: usize,
+    only: Option<&str>,
+    opts: &crate::codegen::host::Options,
+) -> Result<String> {
     let mut out = String::new();
     let (e, h, i) = (128, 2048, 768);
     let cores = std::thread::available_parallelism()
@@ -184,7 +190,7 @@ pub fn host_report(threads: usize, only: Option<&str>) -> Result<String> {
         "input: {:.1} MB of bf16; memcpy of the same bytes: {mc:.2} GB/s (1 thread)\n",
         layer.bytes() as f64 / 1e6
     );
-    let rows = pack_all(&layer, threads, 3, false, only)?;
+    let rows = pack_all(&layer, threads, 3, false, only, opts)?;
     // Speed-up over the interpreter, measured on a 1-expert slice of the same layer.
     let small = Layer::synthetic(1, h, i, 7);
     let _ = writeln!(
@@ -205,7 +211,7 @@ pub fn host_report(threads: usize, only: Option<&str>) -> Result<String> {
         let t = Instant::now();
         crate::codegen::interp::run(&prog, &mut bufs, &crate::codegen::SingleProcess)?;
         let ti = t.elapsed().as_secs_f64();
-        let compiled = crate::codegen::host::compile(&prog)?;
+        let compiled = crate::codegen::host::compile_with(&prog, opts)?;
         let mut bufs =
             crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
         let t = Instant::now();

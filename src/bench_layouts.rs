@@ -15,7 +15,14 @@ use crate::layout_gen::without_layouts;
 use crate::Result;
 
 /// Best host pack time of a recipe source at a layer, in seconds.
-fn host_time(src: &str, path: &str, layer: &Layer, threads: usize, reps: usize) -> Result<f64> {
+fn host_time(
+    src: &str,
+    path: &str,
+    layer: &Layer,
+    threads: usize,
+    reps: usize,
+    opts: &crate::codegen::host::Options,
+) -> Result<f64> {
     let info = crate::check_source(src, path, Some(&layer.binding()))?;
     let inputs: HashMap<&str, &Vec<u8>> = [("w13", &layer.w13), ("w2", &layer.w2)]
         .into_iter()
@@ -26,7 +33,7 @@ fn host_time(src: &str, path: &str, layer: &Layer, threads: usize, reps: usize) 
         &|_| false,
         true,
     )?;
-    let compiled = crate::codegen::host::compile(&prog)?;
+    let compiled = crate::codegen::host::compile_with(&prog, opts)?;
     let mut bufs =
         crate::codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).map(|b| (*b).clone()))?;
     for (d, b) in bufs.iter_mut().zip(&prog.bufs) {
@@ -69,21 +76,30 @@ fn row(out: &mut String, name: &str, t_row: f64, t_lay: f64, layer: &Layer) {
     );
 }
 
-/// The host part: every layout example and its twin, `reps` runs each (best kept).
-pub fn host(threads: usize, reps: usize) -> Result<String> {
+/// The host part: every layout example and its twin, `reps` runs each (best kept), compiled with
+/// `opts`.
+pub fn host(threads: usize, reps: usize, opts: &crate::codegen::host::Options) -> Result<String> {
     let layer = Layer::synthetic(16, 2048, 768, 3);
     let mut out = String::new();
     header(&mut out, "host", &layer);
     for r in LAYOUTS {
-        let t_lay = host_time(r.source, r.path, &layer, threads, reps)?;
-        let t_row = host_time(&without_layouts(r.source), r.path, &layer, threads, reps)?;
+        let t_lay = host_time(r.source, r.path, &layer, threads, reps, opts)?;
+        let t_row = host_time(
+            &without_layouts(r.source),
+            r.path,
+            &layer,
+            threads,
+            reps,
+            opts,
+        )?;
         row(&mut out, r.name, t_row, t_lay, &layer);
     }
     Ok(out)
 }
 
-/// The GPU part, at a DeepSeek-V3 EP8 layer, with the per-kernel split of the layout's pack.
-pub fn gpu(reps: usize) -> Result<String> {
+/// The GPU part, at a DeepSeek-V3 EP8 layer, with the per-kernel split of the layout's pack;
+/// programs are loaded with `settings` (the kernel cache is in memory whatever they say).
+pub fn gpu(reps: usize, settings: &crate::runtime::Settings) -> Result<String> {
     use crate::runtime::cache::Cache;
     use crate::runtime::gpu_pack::GpuProgram;
     let rt = |e: crate::runtime::Error| crate::Error::from(e);
@@ -108,7 +124,7 @@ pub fn gpu(reps: usize) -> Result<String> {
         for src in [r.source.to_string(), without_layouts(r.source)] {
             let info = crate::check_source(&src, r.path, Some(&layer.binding()))?;
             let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
-            let gp = GpuProgram::load(&dev, &cache, &prog).map_err(rt)?;
+            let gp = GpuProgram::load(&dev, &cache, &prog, settings).map_err(rt)?;
             let mut bufs = gp.alloc(&dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
             gp.run(&dev, &mut bufs).map_err(rt)?;
             dev.sync().map_err(rt)?;

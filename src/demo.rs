@@ -10,8 +10,8 @@ use std::time::Instant;
 use crate::kernels::{QWEN3_30B_A3B, STANDARD};
 use crate::report;
 
-/// Run the demo and return its report.
-pub fn run(pack_experts: usize) -> crate::Result<String> {
+/// Run the demo with `settings` and return its report.
+pub fn run(pack_experts: usize, settings: &crate::Settings) -> crate::Result<String> {
     let bind: Vec<(String, i64)> = QWEN3_30B_A3B
         .iter()
         .map(|(k, v)| (k.to_string(), *v))
@@ -83,7 +83,7 @@ pub fn run(pack_experts: usize) -> crate::Result<String> {
         "\npacking a synthetic layer (E={e}, H={h}, I={i}: {:.0} MB of bf16 weights) on the host:",
         layer.bytes() as f64 / 1e6
     );
-    let rows = crate::bench::pack_all(&layer, 0, 1, true, None)?;
+    let rows = crate::bench::pack_all(&layer, 0, 1, true, None, &settings.host)?;
     let _ = writeln!(
         out,
         "{:<16} {:>9} {:>8} {:>22} {:>14}",
@@ -109,7 +109,7 @@ pub fn run(pack_experts: usize) -> crate::Result<String> {
                 "\nGPU: {} - packing the same layer on the device, verified against the host:",
                 dev.name
             );
-            let cache = crate::runtime::Cache::new(crate::runtime::Cache::default_dir());
+            let cache = crate::runtime::Cache::new(settings.runtime.cache_dir.clone());
             let inputs: std::collections::HashMap<String, Vec<u8>> = [
                 ("w13".to_string(), layer.w13.clone()),
                 ("w2".to_string(), layer.w2.clone()),
@@ -124,9 +124,14 @@ pub fn run(pack_experts: usize) -> crate::Result<String> {
             );
             for r in STANDARD {
                 let info = crate::check_source(r.source, r.path, Some(&binding))?;
-                let host = crate::gpu::host_pack(&info, &inputs)?;
+                let host = crate::gpu::host_pack(&info, &inputs, &settings.host)?;
                 let prog = crate::codegen::plan::plan(&info, &|n: &str| inputs.contains_key(n))?;
-                let gp = crate::runtime::gpu_pack::GpuProgram::load(&dev, &cache, &prog)?;
+                let gp = crate::runtime::gpu_pack::GpuProgram::load(
+                    &dev,
+                    &cache,
+                    &prog,
+                    &settings.runtime,
+                )?;
                 let mut bufs = gp.alloc(&dev, &mut |n| inputs.get(n).cloned())?;
                 gp.run(&dev, &mut bufs)?;
                 dev.sync()?;

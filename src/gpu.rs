@@ -12,7 +12,7 @@ use crate::kernels::{StandardRecipe, STANDARD};
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gpu_pack::{unit_ptx, GpuProgram};
 use crate::runtime::Device;
-use crate::{Error, Result};
+use crate::{Error, Result, Settings};
 use cudarc::driver as cudarc_err;
 
 fn rt(e: crate::runtime::Error) -> Error {
@@ -43,11 +43,16 @@ pub(crate) fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {
 /// Packed params: `(name, bytes)` in program order.
 pub type Params = Vec<(String, Vec<u8>)>;
 
-/// Pack on the host (4-lane Cranelift form): `(param, bytes)` in program order.
-pub fn host_pack(info: &crate::dsl::ModuleInfo, inp: &HashMap<String, Vec<u8>>) -> Result<Params> {
+/// Pack on the host (4-lane Cranelift form, compiled with `opts`): `(param, bytes)` in program
+/// order.
+pub fn host_pack(
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+    opts: &crate::codegen::host::Options,
+) -> Result<Params> {
     let prog =
         crate::codegen::plan::plan_with(info, &|n: &str| inp.contains_key(n), &|_| false, true)?;
-    let compiled = crate::codegen::host::compile(&prog)?;
+    let compiled = crate::codegen::host::compile_with(&prog, opts)?;
     let mut bufs = crate::codegen::alloc_buffers(&prog, &mut |n| inp.get(n).cloned())?;
     compiled.run(&mut bufs, &crate::codegen::SingleProcess, 0)?;
     Ok(prog
@@ -61,15 +66,16 @@ pub fn host_pack(info: &crate::dsl::ModuleInfo, inp: &HashMap<String, Vec<u8>>) 
         .collect())
 }
 
-/// Pack on the GPU: returns the params and the GPU program.
+/// Pack on the GPU, loading the program with `settings`: returns the params and the GPU program.
 pub fn gpu_pack(
     dev: &Device,
     cache: &Cache,
     info: &crate::dsl::ModuleInfo,
     inp: &HashMap<String, Vec<u8>>,
+    settings: &crate::runtime::Settings,
 ) -> Result<(Params, GpuProgram)> {
     let prog = crate::codegen::plan::plan(info, &|n: &str| inp.contains_key(n))?;
-    let gp = GpuProgram::load(dev, cache, &prog).map_err(rt)?;
+    let gp = GpuProgram::load(dev, cache, &prog, settings).map_err(rt)?;
     let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
     gp.run(dev, &mut bufs).map_err(rt)?;
     let out = gp.download(dev, &bufs).map_err(rt)?;
@@ -88,9 +94,10 @@ pub const SHAPES: &[(usize, usize, usize)] = &[
     (1, 4160, 2112),
 ];
 
-/// `moeforge selftest --gpu`: GPU == host byte for byte. Returns the report and whether all passed
-/// (`None` when there is no GPU).
-pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
+/// `moeforge selftest --gpu`: GPU == host byte for byte, each backend with its `settings` (the
+/// kernel cache is in memory whatever they say). Returns the report and whether all passed (`None`
+/// when there is no GPU).
+pub fn selftest(quick: bool, settings: &Settings) -> Result<(String, Option<bool>)> {
     let mut out = String::new();
     let dev = match open() {
         Ok(d) => d,
@@ -158,8 +165,8 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
             .wrapping_add(1442695040888963407);
         let layer = Layer::synthetic(e, h, i, seed);
         let inp = inputs(&layer);
-        let want = host_pack(&info, &inp)?;
-        let (got, _) = gpu_pack(&dev, &cache, &info, &inp)?;
+        let want = host_pack(&info, &inp, &settings.host)?;
+        let (got, _) = gpu_pack(&dev, &cache, &info, &inp, &settings.runtime)?;
         let mut verdict = "identical".to_string();
         let mut bytes = 0usize;
         for ((wn, wb), (gn, gb)) in want.iter().zip(&got) {
@@ -193,7 +200,7 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
             bytes
         );
         if e == 4 {
-            all &= rearrange_check(&dev, &info, &inp, &got, e, &mut out)?;
+            all &= rearrange_check(&dev, &info, &inp, &got, e, &settings.host, &mut out)?;
         }
     }
     let _ = writeln!(
@@ -215,6 +222,7 @@ fn rearrange_check(
     inp: &HashMap<String, Vec<u8>>,
     got: &Params,
     e: usize,
+    host: &crate::codegen::host::Options,
     out: &mut String,
 ) -> Result<bool> {
     let perm: Vec<usize> = (0..e).map(|k| (k * 3 + 2) % e).collect();
@@ -252,7 +260,7 @@ fn rearrange_check(
         })
         .collect();
     let mut ok = true;
-    for (n, want) in host_pack(info, &permuted)? {
+    for (n, want) in host_pack(info, &permuted, host)? {
         let Some(s) = store.param(&n) else {
             ok = false;
             continue;
@@ -298,7 +306,8 @@ fn traffic_bytes(prog: &crate::codegen::kir::Program) -> f64 {
 
 /// Run `moeforge cache warmup NAME` at the JIT benchmark's binding in a new process over a filled
 /// cache folder: its own request-to-loaded milliseconds (`None` unless both PTX and cubins came from
-/// disk) and the process's wall-clock seconds.
+/// disk) and the process's wall-clock seconds. The new process reads its other settings from this
+/// process's environment, as the command does.
 fn new_process_hit(name: &str, dir: &std::path::Path) -> Result<(Option<f64>, f64)> {
     let exe = std::env::current_exe().map_err(|e| Error::Io {
         path: "current executable".into(),
@@ -325,8 +334,15 @@ fn new_process_hit(name: &str, dir: &std::path::Path) -> Result<(Option<f64>, f6
 
 /// `moeforge bench --gpu [--recipe NAME]`: JIT latency and on-GPU pack time of a DeepSeek-V3 EP8
 /// layer, for every standard recipe or only the one named; `pack_only` leaves out the JIT part,
-/// `jit_only` the pack part, and the pack time is the best of `reps` runs.
-pub fn bench(only: Option<&str>, pack_only: bool, jit_only: bool, reps: usize) -> Result<String> {
+/// `jit_only` the pack part, and the pack time is the best of `reps` runs. Programs are loaded with
+/// `settings` (the kernel caches are temporary whatever they say).
+pub fn bench(
+    only: Option<&str>,
+    pack_only: bool,
+    jit_only: bool,
+    reps: usize,
+    settings: &Settings,
+) -> Result<String> {
     if let Some(name) = only {
         if !STANDARD.iter().any(|r| r.name == name) {
             return Err(Error::Usage(format!("no standard recipe `{name}`")));
@@ -351,20 +367,26 @@ pub fn bench(only: Option<&str>, pack_only: bool, jit_only: bool, reps: usize) -
         dev.capability.0,
         dev.capability.1,
         dev.driver_version,
-        std::env::var("CUDA_CACHE_DISABLE").unwrap_or_default()
+        settings.cuda_cache_disable
     );
+    let rs = &settings.runtime;
     if !pack_only {
-        jit_latency(&dev, &mut out, &chosen)?;
+        jit_latency(&dev, &mut out, &chosen, rs)?;
     }
     if !jit_only {
-        pack_bench(&dev, &mut out, &chosen, reps.max(1))?;
+        pack_bench(&dev, &mut out, &chosen, reps.max(1), rs)?;
     }
     Ok(out)
 }
 
 /// JIT latency per recipe at the Qwen3-30B-A3B binding.
-fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Result<()> {
-    let compiler = crate::runtime::jit::Compiler::from_env().map_err(rt)?;
+fn jit_latency(
+    dev: &Device,
+    out: &mut String,
+    chosen: &[&StandardRecipe],
+    settings: &crate::runtime::Settings,
+) -> Result<()> {
+    let compiler = crate::runtime::jit::Compiler::resolve(&settings.jit).map_err(rt)?;
     let _ = writeln!(
         out,
         "\nJIT latency (Qwen3-30B-A3B binding, sm_90a; PTX -> cubin by {}):",
@@ -398,10 +420,10 @@ fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Re
         std::hint::black_box(&ptx_units);
         let cache = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();
-        let gp = GpuProgram::load(dev, &cache, &prog).map_err(rt)?;
+        let gp = GpuProgram::load(dev, &cache, &prog, settings).map_err(rt)?;
         let t_cold = t.elapsed().as_secs_f64() - gp.ptx_seconds;
         // Warm in-memory hit: the same request again, answered by the process's loaded programs.
-        let loaded = crate::runtime::gpu_pack::Loaded::default();
+        let loaded = crate::runtime::gpu_pack::Loaded::new(settings.clone());
         let key = |src: &str| {
             crate::runtime::gpu_pack::Loaded::key(
                 src,
@@ -433,7 +455,7 @@ fn jit_latency(dev: &Device, out: &mut String, chosen: &[&StandardRecipe]) -> Re
         // Warm disk hit: a fresh cache object over the same folder, then module load.
         let cache2 = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();
-        let gp2 = GpuProgram::load(dev, &cache2, &prog).map_err(rt)?;
+        let gp2 = GpuProgram::load(dev, &cache2, &prog, settings).map_err(rt)?;
         let t_disk = t.elapsed().as_secs_f64();
         // Warm disk hit in a new process: `moeforge cache warmup` over the same folder reports its
         // request-to-loaded time (after opening the device); the process's whole wall time, CUDA
@@ -466,6 +488,7 @@ fn pack_bench(
     out: &mut String,
     chosen: &[&StandardRecipe],
     reps: usize,
+    settings: &crate::runtime::Settings,
 ) -> Result<()> {
     let (e, h, i) = (32, 7168, 2048);
     let layer = Layer::synthetic(e, h, i, 5);
@@ -480,7 +503,7 @@ fn pack_bench(
     for r in chosen {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
         let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
-        let gp = GpuProgram::load(dev, &cache, &prog).map_err(rt)?;
+        let gp = GpuProgram::load(dev, &cache, &prog, settings).map_err(rt)?;
         let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
         gp.run(dev, &mut bufs).map_err(rt)?;
         dev.sync().map_err(rt)?;

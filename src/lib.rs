@@ -2,7 +2,8 @@
 //!
 //! This facade ties the crates together for the `moeforge` command: the recipe language and verifier
 //! ([`dsl`]), the backends ([`codegen`]), the GPU runtime ([`runtime`]) and the standard recipes
-//! ([`kernels`]).
+//! ([`kernels`]). [`Settings`] are what the environment sets, read once by the command and passed
+//! down: no library reads the environment.
 
 pub use moeforge_codegen as codegen;
 pub use moeforge_dsl as dsl;
@@ -19,6 +20,9 @@ pub mod layout_gen;
 pub mod pack;
 pub mod prequant;
 pub mod report;
+pub mod settings;
+
+pub use settings::Settings;
 
 /// Errors of the `moeforge` command.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +46,9 @@ pub enum Error {
     /// A command-line usage error.
     #[error("{0}")]
     Usage(String),
+    /// An environment variable has a value that means nothing (see [`settings`]).
+    #[error("environment: {0}")]
+    Setting(String),
     /// A checkpoint is missing a tensor, has a wrong shape or dtype, or is not a safetensors file.
     #[error("checkpoint: {0}")]
     Checkpoint(String),

@@ -1,4 +1,5 @@
-//! The `moeforge` command.
+//! The `moeforge` command. It reads the environment once, into [`moeforge::Settings`], for the
+//! commands that compile or run kernels, and passes the settings down.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -164,12 +165,17 @@ fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
     }
 }
 
-fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
+fn cache_cmd(
+    action: CacheAction,
+    settings: &moeforge::Settings,
+    out: &mut dyn Write,
+) -> moeforge::Result<()> {
     let io = |e: std::io::Error| moeforge::Error::Io {
         path: "<stdout>".into(),
         source: e,
     };
-    let cache = moeforge::runtime::Cache::new(moeforge::runtime::Cache::default_dir());
+    let rs = &settings.runtime;
+    let cache = moeforge::runtime::Cache::new(rs.cache_dir.clone());
     match action {
         CacheAction::Ls => {
             let entries = cache.entries()?;
@@ -231,14 +237,16 @@ fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
                 ));
             }
             let dev = moeforge::runtime::Device::open(0);
-            let compiler = moeforge::runtime::jit::Compiler::from_env()?;
+            let compiler = moeforge::runtime::jit::Compiler::resolve(&rs.jit)?;
             for (f, b, t) in &jobs {
                 // Request to loaded modules (parse, plan, keys, cache, JIT or disk, module load):
                 // what a serving process pays at start-up after opening the device.
                 let t0 = std::time::Instant::now();
                 let (name, src) = read_recipe(f)?;
-                // The variants a binding needs: its pack program (every optional input present).
+                // The variants a binding needs: its pack program (every optional input present),
+                // tuned as loading it tunes it.
                 let prog = moeforge::pack_program(&src, &name, b, &|_| true)?;
+                let prog = rs.launch.apply(&prog);
                 let tgt = moeforge::codegen::ptx::Target::from_name(t)
                     .filter(|t| t.is_gpu())
                     .ok_or_else(|| moeforge::Error::Usage(format!("unknown target `{t}`")))?;
@@ -267,7 +275,8 @@ fn cache_cmd(action: CacheAction, out: &mut dyn Write) -> moeforge::Result<()> {
                 }
                 match &dev {
                     Ok(d) if d.target() == Some(tgt) => {
-                        let gp = moeforge::runtime::gpu_pack::GpuProgram::load(d, &cache, &prog)?;
+                        let gp =
+                            moeforge::runtime::gpu_pack::GpuProgram::load(d, &cache, &prog, rs)?;
                         writeln!(
                             out,
                             "{f} {b} {t}: ptx {hit:?}, cubin {:?}, loaded in {:.2} ms",
@@ -304,6 +313,14 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
     let io = |e: std::io::Error| moeforge::Error::Io {
         path: "<stdout>".into(),
         source: e,
+    };
+    // The one read of the environment, for the commands that compile or run kernels (`check`,
+    // `compile` and `inspect` take nothing from it).
+    let settings = match cli.command {
+        Command::Check { .. } | Command::Compile { .. } | Command::Inspect { .. } => {
+            moeforge::Settings::default()
+        }
+        _ => moeforge::Settings::from_env()?,
     };
     match cli.command {
         Command::Check {
@@ -424,6 +441,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 progress: true,
                 gpu,
                 passthrough,
+                settings,
             };
             let r = moeforge::pack::pack(&opts)?;
             for n in &r.notes {
@@ -465,43 +483,40 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             }
             if layouts {
                 if host {
-                    write!(out, "{}", moeforge::bench_layouts::host(threads, 3)?).map_err(io)?;
+                    let report = moeforge::bench_layouts::host(threads, 3, &settings.host)?;
+                    write!(out, "{report}").map_err(io)?;
                 }
                 if gpu {
-                    write!(out, "{}", moeforge::bench_layouts::gpu(reps)?).map_err(io)?;
+                    let report = moeforge::bench_layouts::gpu(reps, &settings.runtime)?;
+                    write!(out, "{report}").map_err(io)?;
                 }
                 return Ok(());
             }
             if host {
-                write!(
-                    out,
-                    "{}",
-                    moeforge::bench::host_report(threads, recipe.as_deref())?
-                )
-                .map_err(io)?;
+                let report =
+                    moeforge::bench::host_report(threads, recipe.as_deref(), &settings.host)?;
+                write!(out, "{report}").map_err(io)?;
             }
             if gpu {
-                write!(
-                    out,
-                    "{}",
-                    moeforge::gpu::bench(recipe.as_deref(), pack_only, jit_only, reps)?
-                )
-                .map_err(io)?;
+                let report =
+                    moeforge::gpu::bench(recipe.as_deref(), pack_only, jit_only, reps, &settings)?;
+                write!(out, "{report}").map_err(io)?;
             }
         }
         Command::Selftest { gpu, quick } => {
             if !gpu {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
-            let (report, ok) = moeforge::gpu::selftest(quick)?;
+            let (report, ok) = moeforge::gpu::selftest(quick, &settings)?;
             write!(out, "{report}").map_err(io)?;
             if ok == Some(false) {
                 return Err(moeforge::Error::Usage("GPU self-test failed".into()));
             }
         }
-        Command::Cache { action } => cache_cmd(action, out)?,
+        Command::Cache { action } => cache_cmd(action, &settings, out)?,
         Command::Demo { experts } => {
-            write!(out, "{}", moeforge::demo::run(experts)?).map_err(io)?;
+            let report = moeforge::demo::run(experts, &settings)?;
+            write!(out, "{report}").map_err(io)?;
         }
     }
     Ok(())

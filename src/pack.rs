@@ -40,6 +40,8 @@ pub struct PackOptions {
     /// Write a complete checkpoint directory at `output`: the tensors the recipe does not consume
     /// copied through, sharded like the input, with an index (see [`crate::checkpoint`]).
     pub passthrough: bool,
+    /// The backends' settings (host compile options; GPU tuning, JIT and kernel cache folder).
+    pub settings: crate::Settings,
 }
 
 /// What [`pack`] did for one layer.
@@ -563,7 +565,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     } else {
         None
     };
-    let kcache = crate::runtime::Cache::new(crate::runtime::Cache::default_dir());
+    let kcache = crate::runtime::Cache::new(opts.settings.runtime.cache_dir.clone());
     let mut cache: Option<(Key, crate::dsl::ModuleInfo, Backend)> = None;
     let mut binding = String::new();
     for (layer, form, experts) in &layers {
@@ -591,9 +593,15 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             )?;
             let backend = match &dev {
                 Some(d) => Backend::Gpu(crate::runtime::gpu_pack::GpuProgram::load(
-                    d, &kcache, &prog,
+                    d,
+                    &kcache,
+                    &prog,
+                    &opts.settings.runtime,
                 )?),
-                None => Backend::Host(Box::new(crate::codegen::host::compile(&prog)?)),
+                None => Backend::Host(Box::new(crate::codegen::host::compile_with(
+                    &prog,
+                    &opts.settings.host,
+                )?)),
             };
             cache = Some((key, info, backend));
         }

@@ -799,3 +799,56 @@ fn sharded_checkpoints_and_passthrough() {
     assert_ne!(code, 0);
     assert!(err.contains("exists"), "{err}");
 }
+
+#[test]
+fn host_settings_come_from_the_environment_of_the_command() {
+    // MOEFORGE_DISASM=DIR writes each JIT-compiled kernel's machine code there; MOEFORGE_CL_OPT picks
+    // Cranelift's optimization level (the packed bytes do not depend on it); a level that does not
+    // exist is an error naming the variable.
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ckpt.safetensors");
+    let mut t = Tensors(Vec::new());
+    hf_layer(&mut t, 0, false);
+    t.write(&ck);
+    let asm = dir.path().join("asm");
+    std::fs::create_dir(&asm).unwrap();
+    let pack = |out: &str, env: &[(&str, &Path)]| {
+        let out = dir.path().join(out);
+        let mut c = Command::new(env!("CARGO_BIN_EXE_moeforge"));
+        c.args(["pack", "fp8_per_tensor", "--input"])
+            .arg(&ck)
+            .arg("--output")
+            .arg(&out)
+            .env_remove("MOEFORGE_DISASM")
+            .env_remove("MOEFORGE_CL_OPT");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        (o.status.code(), out, err)
+    };
+    let (code, plain, err) = pack("plain.safetensors", &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(std::fs::read_dir(&asm).unwrap().count(), 0);
+    let (code, dumped, err) = pack(
+        "dumped.safetensors",
+        &[
+            ("MOEFORGE_DISASM", &asm),
+            ("MOEFORGE_CL_OPT", Path::new("none")),
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let files: Vec<String> = std::fs::read_dir(&asm)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !files.is_empty() && files.iter().all(|f| f.ends_with(".s")),
+        "{files:?}"
+    );
+    assert_eq!(read(&plain).0, read(&dumped).0);
+    let (code, _, err) = pack("bad.safetensors", &[("MOEFORGE_CL_OPT", Path::new("fast"))]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("MOEFORGE_CL_OPT=`fast`"), "{err}");
+}

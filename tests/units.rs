@@ -44,3 +44,53 @@ fn programs_split_into_cached_single_kernel_units() {
         assert_eq!(disk, Hit::Disk, "{}", r.name);
     }
 }
+
+#[test]
+fn launch_options_reach_the_cache_keys_through_the_kernel_ir() {
+    use moeforge::runtime::LaunchOptions;
+    use std::borrow::Cow;
+    let cache = Cache::new(None);
+    let keys = |p: &moeforge::codegen::kir::Program| -> Vec<String> {
+        let (units, _) = unit_ptx(&cache, p, Target::Sm90a).unwrap();
+        units.into_iter().map(|(k, _)| k).collect()
+    };
+    for r in moeforge::kernels::STANDARD {
+        let prog = moeforge::pack_program(r.source, r.path, "E=2,H=128,I=128", &|_| true).unwrap();
+        // The defaults, and a grid cap (launch shape only), leave the program as it is.
+        for o in [
+            LaunchOptions::default(),
+            LaunchOptions {
+                max_blocks: Some(8),
+                ..LaunchOptions::default()
+            },
+        ] {
+            assert!(matches!(o.apply(&prog), Cow::Borrowed(_)), "{}", r.name);
+        }
+        let base = keys(&prog);
+        let wide = LaunchOptions {
+            wide_index: true,
+            ..LaunchOptions::default()
+        }
+        .apply(&prog);
+        assert!(wide.kernels().all(|k| k.wide_index), "{}", r.name);
+        let capped = LaunchOptions {
+            maxnreg: Some(40),
+            ..LaunchOptions::default()
+        }
+        .apply(&prog);
+        for (k, c) in prog.kernels().zip(capped.kernels()) {
+            let want = if k.group == 1 { Some(40) } else { k.maxnreg };
+            assert_eq!(c.maxnreg, want, "{}: {}", r.name, k.name);
+        }
+        // A kernel the options change has a key of its own; one they leave keeps its key.
+        for (opts, tuned) in [("wide_index", &wide), ("maxnreg", &capped)] {
+            for ((k, t), (kb, kt)) in prog
+                .kernels()
+                .zip(tuned.kernels())
+                .zip(base.iter().zip(keys(tuned)))
+            {
+                assert_eq!(k == t, *kb == kt, "{} {opts}: {}", r.name, k.name);
+            }
+        }
+    }
+}

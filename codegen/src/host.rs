@@ -2,6 +2,8 @@
 //! for the machine it runs on. A kernel becomes `fn(bufs: *const *mut u8, lo: i64, hi: i64)` running
 //! work items `lo..hi`: index maps, reductions and the quantization arithmetic are all inline code,
 //! with no calls out of the loop. [`Compiled::run`] splits each kernel's items across threads.
+//! [`Options`] are the backend's settings (Cranelift's optimization level, a machine-code dump);
+//! [`compile`] takes the defaults, [`compile_with`] the ones given.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{
@@ -16,6 +18,47 @@ use crate::kir::{BinOp, Elem, Expr, Kernel, Program, Step, Stmt, Ty, UnOp};
 use crate::{Collective, Error, Result};
 
 type KernelFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
+
+/// Cranelift's optimization level (its `opt_level` setting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OptLevel {
+    /// No optimization (`none`).
+    None,
+    /// Optimize for speed (`speed`, the default).
+    #[default]
+    Speed,
+    /// Optimize for speed and code size (`speed_and_size`).
+    SpeedAndSize,
+}
+
+impl OptLevel {
+    /// Every level, in order of increasing optimization.
+    pub const ALL: [OptLevel; 3] = [OptLevel::None, OptLevel::Speed, OptLevel::SpeedAndSize];
+
+    /// Cranelift's name of the level.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptLevel::None => "none",
+            OptLevel::Speed => "speed",
+            OptLevel::SpeedAndSize => "speed_and_size",
+        }
+    }
+
+    /// The level Cranelift names `name`.
+    pub fn from_name(name: &str) -> Option<OptLevel> {
+        OptLevel::ALL.into_iter().find(|l| l.name() == name)
+    }
+}
+
+/// Options of the host backend.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Options {
+    /// Cranelift's optimization level.
+    pub opt_level: OptLevel,
+    /// Write each kernel's machine code to `{dir}/{kernel}.s` (for performance work); `None`: not
+    /// written.
+    pub disasm_dir: Option<std::path::PathBuf>,
+}
 
 /// A JIT-compiled program.
 pub struct Compiled {
@@ -50,7 +93,7 @@ pub fn clif_text(prog: &Program) -> Result<String> {
     let soft = crate::quant::soften(&prog.sequential(), &|_| false);
     let prog = &soft;
     let mut out = String::new();
-    let isa = native_isa()?;
+    let isa = native_isa(&Options::default())?;
     let ptr = isa.pointer_type();
     let cfg = isa.frontend_config();
     let elems: Vec<Elem> = prog.bufs.iter().map(|b| b.elem).collect();
@@ -72,10 +115,9 @@ pub fn clif_text(prog: &Program) -> Result<String> {
     Ok(out)
 }
 
-fn native_isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
+fn native_isa(opts: &Options) -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
     let mut flags = settings::builder();
-    let opt = std::env::var("MOEFORGE_CL_OPT").unwrap_or_else(|_| "speed".into());
-    flags.set("opt_level", &opt).map_err(cl)?;
+    flags.set("opt_level", opts.opt_level.name()).map_err(cl)?;
     flags.set("use_colocated_libcalls", "false").map_err(cl)?;
     flags.set("is_pic", "false").map_err(cl)?;
     cranelift_native::builder()
@@ -84,12 +126,17 @@ fn native_isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa> {
         .map_err(cl)
 }
 
-/// Compile every kernel of a program for this machine.
+/// Compile every kernel of a program for this machine, with the default [`Options`].
 pub fn compile(prog: &Program) -> Result<Compiled> {
+    compile_with(prog, &Options::default())
+}
+
+/// Compile every kernel of a program for this machine, with `opts`.
+pub fn compile_with(prog: &Program, opts: &Options) -> Result<Compiled> {
     // The host has no narrow-float conversion instructions: their integer sequences instead.
     let soft = crate::quant::soften(&prog.sequential(), &|_| false);
     let prog = &soft;
-    let isa = native_isa()?;
+    let isa = native_isa(opts)?;
     let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
     let ptr = module.target_config().pointer_type();
     let mut ctx = module.make_context();
@@ -111,17 +158,14 @@ pub fn compile(prog: &Program) -> Result<Compiled> {
             b.seal_all_blocks();
             b.finalize(fcfg);
         }
-        // MOEFORGE_DISASM=DIR writes each kernel's machine code there (for performance work).
-        let dump = std::env::var_os("MOEFORGE_DISASM");
+        let dump = opts.disasm_dir.as_deref();
         ctx.set_disasm(dump.is_some());
         module
             .define_function(id, &mut ctx)
             .map_err(|e| Error::Cranelift(format!("{e:?}")))?;
         if let (Some(dir), Some(code)) = (dump, ctx.compiled_code().and_then(|c| c.vcode.clone())) {
-            let _ = std::fs::write(
-                std::path::Path::new(&dir).join(format!("{}.s", k.name)),
-                code,
-            );
+            // Best effort: a dump that cannot be written does not fail the compilation.
+            let _ = std::fs::write(dir.join(format!("{}.s", k.name)), code);
         }
         module.clear_context(&mut ctx);
         ids.push(id);

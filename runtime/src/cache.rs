@@ -3,9 +3,10 @@
 //! A PTX entry's key hashes (BLAKE3) the normalized kernel IR of the program, the target, the options,
 //! the moeforge version and a fingerprint of the code generator's sources
 //! ([`moeforge_codegen::FINGERPRINT`]); a cubin entry's key adds the compiler: the driver version for
-//! the driver's JIT linker, the release of ptxas where that compiles (`MOEFORGE_JIT`). Never paths or
-//! mtimes. Disk entries live under `$MOEFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/moeforge`, else
-//! `~/.cache/moeforge`, in `kernels/`. Each file is a header line, the BLAKE3 checksum of the payload
+//! the driver's JIT linker, the release of ptxas where that compiles ([`crate::JitOptions`]). Never
+//! paths or mtimes. Disk entries live in `kernels/` under the folder the cache is given
+//! ([`crate::Settings::cache_dir`]; the `moeforge` command's: `$MOEFORGE_CACHE_DIR`, else
+//! `$XDG_CACHE_HOME/moeforge`, else `~/.cache/moeforge`). Each file is a header line, the BLAKE3 checksum of the payload
 //! and the payload; it is written to a temporary file and renamed into place, so readers never see half
 //! an entry and two processes compiling the same key both succeed (the last rename wins, with identical
 //! bytes). A corrupt or truncated entry fails its checksum, is recompiled and replaced, never trusted.
@@ -52,18 +53,7 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// The default on-disk location (see the module docs), if one can be determined.
-    pub fn default_dir() -> Option<PathBuf> {
-        if let Some(d) = std::env::var_os("MOEFORGE_CACHE_DIR") {
-            return Some(PathBuf::from(d));
-        }
-        if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-            return Some(PathBuf::from(d).join("moeforge"));
-        }
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moeforge"))
-    }
-
-    /// A cache over a folder (`None`: in memory only).
+    /// A cache over a folder, its entries in `{dir}/kernels` (`None`: in memory only).
     pub fn new(dir: Option<PathBuf>) -> Cache {
         Cache {
             dir: dir.map(|d| d.join("kernels")),

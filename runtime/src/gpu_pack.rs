@@ -1,6 +1,7 @@
 //! Pack programs on the GPU: the same kernel IR as the host backend, compiled to PTX, JIT-linked to a
 //! cubin (both cached), loaded, and launched in program order on device buffers.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -10,7 +11,43 @@ use moeforge_codegen::ptx;
 
 use crate::cache::{Cache, Hit};
 use crate::jit::Compiler;
-use crate::{drv, Device, Error, Result};
+use crate::{drv, Device, Error, Result, Settings};
+
+/// How kernels are compiled for launch and launched: tuning and testing knobs. `maxnreg` and
+/// `wide_index` are written into the kernel IR ([`LaunchOptions::apply`]), so they are part of the
+/// cache keys.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct LaunchOptions {
+    /// A cap on registers per thread in every one-thread-per-item kernel (the CLI's
+    /// `MOEFORGE_MAXNREG`).
+    pub maxnreg: Option<u32>,
+    /// Keep every kernel's index arithmetic 64-bit: the path of layers over 2^31 elements, for
+    /// testing it at small shapes (the CLI's `MOEFORGE_INDEX64=1`).
+    pub wide_index: bool,
+    /// A cap on the blocks of one launch, the grid-stride loop taking over past it; `None`: 32 per
+    /// SM (the CLI's `MOEFORGE_GPU_MAX_BLOCKS`).
+    pub max_blocks: Option<u64>,
+}
+
+impl LaunchOptions {
+    /// `prog` with these options written into its kernels (`maxnreg` on one-thread-per-item
+    /// kernels, `wide_index` on all); `prog` itself when they change nothing.
+    pub fn apply<'a>(&self, prog: &'a Program) -> Cow<'a, Program> {
+        if self.maxnreg.is_none() && !self.wide_index {
+            return Cow::Borrowed(prog);
+        }
+        let mut p = prog.clone();
+        for st in p.steps.iter_mut() {
+            if let Step::Kernel(k) = st {
+                if k.group == 1 && self.maxnreg.is_some() {
+                    k.maxnreg = self.maxnreg;
+                }
+                k.wide_index |= self.wide_index;
+            }
+        }
+        Cow::Owned(p)
+    }
+}
 
 /// A pack program loaded on a device: one module per kernel.
 pub struct GpuProgram {
@@ -140,8 +177,7 @@ pub fn unit_cubins(
                         match (compiler, dev) {
                             (Compiler::Driver, Some(dev)) => crate::jit::link_ptx(dev, name, &text),
                             (Compiler::Driver, None) => Err(Error::NoDriver(
-                                "the driver's JIT needs a device (MOEFORGE_JIT=ptxas does not)"
-                                    .into(),
+                                "the driver's JIT needs a device (ptxas does not)".into(),
                             )),
                             (Compiler::Ptxas { path, .. }, _) => {
                                 crate::jit::ptxas_compile(path, target.name(), name, &text)
@@ -168,51 +204,33 @@ pub fn unit_cubins(
 }
 
 impl GpuProgram {
-    /// Generate (or fetch) the PTX of every kernel, JIT them in parallel, one thread per kernel (or
-    /// fetch the cubins), and load the modules.
-    pub fn load(dev: &Device, cache: &Cache, prog: &Program) -> Result<GpuProgram> {
+    /// Generate (or fetch) the PTX of every kernel of `prog` as `settings.launch` tunes it, JIT them
+    /// with the compiler `settings.jit` asks for, in parallel, one thread per kernel (or fetch the
+    /// cubins), and load the modules.
+    pub fn load(
+        dev: &Device,
+        cache: &Cache,
+        prog: &Program,
+        settings: &Settings,
+    ) -> Result<GpuProgram> {
         let target = dev.target().ok_or_else(|| {
             Error::NoDriver(format!(
                 "no PTX target for compute capability {:?}",
                 dev.capability
             ))
         })?;
-        // MOEFORGE_MAXNREG=N caps registers in every one-thread-per-item kernel (for tuning runs);
-        // MOEFORGE_INDEX64=1 keeps every kernel's index arithmetic 64-bit (the path of layers over
-        // 2^31 elements, for testing it at small shapes). Both are part of the kernel IR, so of its
-        // cache keys.
-        let maxnreg = std::env::var("MOEFORGE_MAXNREG")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok());
-        let wide = std::env::var("MOEFORGE_INDEX64").is_ok_and(|v| v == "1");
-        let tuned;
-        let prog = if maxnreg.is_some() || wide {
-            let mut p = prog.clone();
-            for st in p.steps.iter_mut() {
-                if let Step::Kernel(k) = st {
-                    if k.group == 1 && maxnreg.is_some() {
-                        k.maxnreg = maxnreg;
-                    }
-                    k.wide_index |= wide;
-                }
-            }
-            tuned = p;
-            &tuned
-        } else {
-            prog
-        };
-        let compiler = &Compiler::from_env()?;
+        let launch = &settings.launch;
+        let tuned = launch.apply(prog);
+        let prog = tuned.as_ref();
+        let compiler = &Compiler::resolve(&settings.jit)?;
         let t0 = Instant::now();
         let (ptx_units, ptx_hit) = unit_ptx(cache, prog, target)?;
         let ptx_seconds = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let names: Vec<&str> = prog.kernels().map(|k| k.name.as_str()).collect();
         let cubins = unit_cubins(cache, &ptx_units, &names, target, compiler, Some(dev));
-        // At most 32 blocks per SM (MOEFORGE_GPU_MAX_BLOCKS overrides it, for tuning runs).
-        let max_blocks: u64 = std::env::var("MOEFORGE_GPU_MAX_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(dev.sms as u64 * 32);
+        // At most 32 blocks per SM unless the options say otherwise.
+        let max_blocks = launch.max_blocks.unwrap_or(dev.sms as u64 * 32);
         let mut cubin_hit = Hit::Memory;
         let mut modules = Vec::with_capacity(names.len());
         let mut funcs = Vec::with_capacity(names.len());
@@ -382,22 +400,31 @@ impl GpuProgram {
     }
 }
 
-/// Loaded programs of one process, indexed by what a caller asks for (recipe source, binding, present
-/// inputs, target), in front of the content-addressed [`Cache`]: a repeated request costs one hash of
-/// the recipe text and a map lookup, with no planning, IR printing or module load.
+/// Loaded programs of one process under one set of [`Settings`], indexed by what a caller asks for
+/// (recipe source, binding, present inputs, target), in front of the content-addressed [`Cache`]: a
+/// repeated request costs one hash of the recipe text and a map lookup, with no planning, IR
+/// printing or module load.
 pub struct Loaded {
+    settings: Settings,
     map: std::sync::Mutex<std::collections::HashMap<String, Arc<GpuProgram>>>,
 }
 
 impl Default for Loaded {
+    /// Programs loaded with the default settings.
     fn default() -> Self {
-        Loaded {
-            map: std::sync::Mutex::new(std::collections::HashMap::new()),
-        }
+        Loaded::new(Settings::default())
     }
 }
 
 impl Loaded {
+    /// Programs loaded with `settings`.
+    pub fn new(settings: Settings) -> Loaded {
+        Loaded {
+            settings,
+            map: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
     /// The request key: BLAKE3 of the recipe text, the binding, the inputs present, the target and
     /// the moeforge version.
     pub fn key(recipe_src: &str, binding: &str, present: &[&str], target: &str) -> String {
@@ -426,7 +453,7 @@ impl Loaded {
             return Ok((p, true));
         }
         let prog = make()?;
-        let gp = Arc::new(GpuProgram::load(dev, cache, &prog)?);
+        let gp = Arc::new(GpuProgram::load(dev, cache, &prog, &self.settings)?);
         if let Ok(mut m) = self.map.lock() {
             m.insert(key.to_string(), gp.clone());
         }

@@ -1,8 +1,8 @@
 //! PTX -> cubin through the driver's JIT linker (`cuLinkCreate` / `cuLinkAddData` / `cuLinkComplete`),
-//! keeping the info and error logs so that a failure says why; or, where asked for
-//! (`MOEFORGE_JIT=ptxas|auto`), through a `ptxas` found on the machine.
+//! keeping the info and error logs so that a failure says why; or, where [`JitOptions`] ask for it
+//! (the CLI's `MOEFORGE_JIT=ptxas|auto`), through a `ptxas` found on the machine.
 
-use std::ffi::{c_void, CString};
+use std::ffi::{c_void, CString, OsStr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -106,6 +106,78 @@ pub fn link_ptx(dev: &Device, name: &str, ptx: &str) -> Result<(Vec<u8>, String)
     result
 }
 
+/// Which compiler turns PTX into cubins, as asked for (the CLI's `MOEFORGE_JIT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CompilerChoice {
+    /// The driver's JIT linker, never ptxas (`driver`, the default).
+    #[default]
+    Driver,
+    /// A ptxas on this machine; an error when none is found or it does not run (`ptxas`).
+    Ptxas,
+    /// A ptxas when one is found and it assembles a probe kernel of moeforge's PTX version, the
+    /// driver's JIT linker otherwise (`auto`).
+    Auto,
+}
+
+impl CompilerChoice {
+    /// The choice named `driver`, `ptxas` or `auto`; the empty name is the default (`driver`).
+    pub fn from_name(name: &str) -> Option<CompilerChoice> {
+        match name {
+            "" | "driver" => Some(CompilerChoice::Driver),
+            "ptxas" => Some(CompilerChoice::Ptxas),
+            "auto" => Some(CompilerChoice::Auto),
+            _ => None,
+        }
+    }
+
+    /// The choice's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CompilerChoice::Driver => "driver",
+            CompilerChoice::Ptxas => "ptxas",
+            CompilerChoice::Auto => "auto",
+        }
+    }
+}
+
+/// Options of the JIT: which compiler, and where a ptxas is looked for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct JitOptions {
+    /// The compiler asked for.
+    pub compiler: CompilerChoice,
+    /// The ptxas to use, when given (the CLI's `MOEFORGE_PTXAS`); the folders are not searched then.
+    pub ptxas: Option<PathBuf>,
+    /// Folders searched in order for a `ptxas` when none is given ([`JitOptions::standard_dirs`]
+    /// makes the usual list).
+    pub search_dirs: Vec<PathBuf>,
+}
+
+impl Default for JitOptions {
+    /// The driver's JIT; a ptxas, if asked for, looked for in `/usr/local/cuda/bin` only.
+    fn default() -> Self {
+        JitOptions {
+            compiler: CompilerChoice::Driver,
+            ptxas: None,
+            search_dirs: JitOptions::standard_dirs(None, None),
+        }
+    }
+}
+
+impl JitOptions {
+    /// Where ptxas is looked for: the entries of a `PATH`-style list, then `{cuda_home}/bin`, then
+    /// `/usr/local/cuda/bin`.
+    pub fn standard_dirs(path: Option<&OsStr>, cuda_home: Option<&Path>) -> Vec<PathBuf> {
+        let mut dirs: Vec<PathBuf> = path
+            .map(|p| std::env::split_paths(p).collect())
+            .unwrap_or_default();
+        if let Some(h) = cuda_home {
+            dirs.push(h.join("bin"));
+        }
+        dirs.push(PathBuf::from("/usr/local/cuda/bin"));
+        dirs
+    }
+}
+
 /// What turns PTX into cubins.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Compiler {
@@ -122,41 +194,58 @@ pub enum Compiler {
 }
 
 impl Compiler {
-    /// The compiler `MOEFORGE_JIT` asks for: `driver` (the default), `ptxas` (an error when none is
-    /// found or it does not run) or `auto` (ptxas when one is found, else the driver).
-    pub fn from_env() -> Result<Compiler> {
-        // Asked once per process (finding ptxas runs it for its version).
-        static CHOSEN: std::sync::OnceLock<Result<Compiler, String>> = std::sync::OnceLock::new();
-        CHOSEN
-            .get_or_init(|| {
-                Compiler::choose().map_err(|e| match e {
-                    Error::Compiler(m) => m,
-                    other => other.to_string(),
-                })
-            })
-            .clone()
-            .map_err(Error::Compiler)
+    /// The compiler `opts` ask for: the driver's JIT, a ptxas found as `opts` say (an error when
+    /// none is found or it does not run), or, for `auto`, ptxas when one is found and takes
+    /// moeforge's PTX, else the driver. Resolved once per process for each distinct `opts`
+    /// (finding ptxas runs it).
+    pub fn resolve(opts: &JitOptions) -> Result<Compiler> {
+        type Resolved = std::collections::HashMap<JitOptions, Result<Compiler, String>>;
+        static RESOLVED: std::sync::OnceLock<std::sync::Mutex<Resolved>> =
+            std::sync::OnceLock::new();
+        let memo = RESOLVED.get_or_init(Default::default);
+        if let Some(r) = memo.lock().ok().and_then(|m| m.get(opts).cloned()) {
+            return r.map_err(Error::Compiler);
+        }
+        let r = Compiler::choose(opts).map_err(|e| match e {
+            Error::Compiler(m) => m,
+            other => other.to_string(),
+        });
+        if let Ok(mut m) = memo.lock() {
+            m.insert(opts.clone(), r.clone());
+        }
+        r.map_err(Error::Compiler)
     }
 
-    fn choose() -> Result<Compiler> {
-        let want = std::env::var("MOEFORGE_JIT").unwrap_or_default();
-        Compiler::choose_from(&want, find_ptxas())
+    fn choose(opts: &JitOptions) -> Result<Compiler> {
+        let found = match opts.compiler {
+            CompilerChoice::Driver => None,
+            CompilerChoice::Ptxas | CompilerChoice::Auto => find_ptxas(opts),
+        };
+        Compiler::choose_from(opts.compiler, found).map_err(|e| match (e, opts.compiler) {
+            (Error::Compiler(m), CompilerChoice::Ptxas) if opts.ptxas.is_none() => {
+                let dirs: Vec<String> = opts
+                    .search_dirs
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect();
+                Error::Compiler(format!("{m} (looked in {})", dirs.join(", ")))
+            }
+            (e, _) => e,
+        })
     }
 
-    /// The compiler for a `MOEFORGE_JIT` value, given the ptxas found (if any).
-    pub fn choose_from(want: &str, found: Option<PathBuf>) -> Result<Compiler> {
+    /// The compiler for a choice, given the ptxas found (if any).
+    pub fn choose_from(want: CompilerChoice, found: Option<PathBuf>) -> Result<Compiler> {
         match want {
-            "" | "driver" => Ok(Compiler::Driver),
-            "ptxas" => match found {
+            CompilerChoice::Driver => Ok(Compiler::Driver),
+            CompilerChoice::Ptxas => match found {
                 Some(p) => Compiler::ptxas(&p),
                 None => Err(Error::Compiler(
-                    "MOEFORGE_JIT=ptxas, but no ptxas was found (looked at MOEFORGE_PTXAS, PATH, \
-                     $CUDA_HOME/bin, /usr/local/cuda/bin)"
-                        .into(),
+                    "ptxas was asked for as the PTX compiler, but none was found".into(),
                 )),
             },
             // A ptxas too old for the PTX moeforge writes (or broken) leaves the driver's JIT.
-            "auto" => Ok(found
+            CompilerChoice::Auto => Ok(found
                 .and_then(|p| Compiler::ptxas(&p).ok())
                 .filter(|c| match c {
                     Compiler::Ptxas { path, .. } => {
@@ -165,9 +254,6 @@ impl Compiler {
                     Compiler::Driver => true,
                 })
                 .unwrap_or(Compiler::Driver)),
-            other => Err(Error::Compiler(format!(
-                "MOEFORGE_JIT=`{other}`: expected driver, ptxas or auto"
-            ))),
         }
     }
 
@@ -224,20 +310,13 @@ fn probe() -> String {
 /// How long one ptxas run may take before it is stopped and reported.
 const PTXAS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// A `ptxas` on this machine: `MOEFORGE_PTXAS`, else the first on `PATH`, else `$CUDA_HOME/bin` or
-/// `/usr/local/cuda/bin`.
-pub fn find_ptxas() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("MOEFORGE_PTXAS") {
-        return Some(PathBuf::from(p));
+/// The `ptxas` `opts` give, else the first `ptxas` file in their search folders.
+pub fn find_ptxas(opts: &JitOptions) -> Option<PathBuf> {
+    if let Some(p) = &opts.ptxas {
+        return Some(p.clone());
     }
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    if let Some(h) = std::env::var_os("CUDA_HOME") {
-        dirs.push(PathBuf::from(h).join("bin"));
-    }
-    dirs.push(PathBuf::from("/usr/local/cuda/bin"));
-    dirs.into_iter()
+    opts.search_dirs
+        .iter()
         .map(|d| d.join("ptxas"))
         .find(|p| p.is_file())
 }
@@ -300,72 +379,59 @@ pub fn ptxas_compile(ptxas: &Path, arch: &str, name: &str, ptx: &str) -> Result<
 mod tests {
     use super::*;
 
-    const PTX: &str = ".version 8.6\n.target sm_90a\n.address_size 64\n\
-        .visible .entry k(.param .u64 p)\n{\n.reg .b64 %rd<2>;\n.reg .b32 %r<2>;\n\
-        ld.param.u64 %rd1, [p];\nmov.u32 %r1, 7;\nst.global.u32 [%rd1], %r1;\nret;\n}\n";
-
-    /// ptxas from `MOEFORGE_PTXAS` (scripts/test installs one); `None` skips, saying so, unless
-    /// `MOEFORGE_REQUIRE_PTXAS` is set.
-    fn ptxas() -> Option<Compiler> {
-        let found = std::env::var_os("MOEFORGE_PTXAS").map(PathBuf::from);
-        match found.map(|p| Compiler::ptxas(&p)) {
-            Some(Ok(c)) => Some(c),
-            other => {
-                assert!(
-                    std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
-                    "MOEFORGE_REQUIRE_PTXAS is set but ptxas is unusable: {other:?}"
-                );
-                eprintln!("skipped: no ptxas (set MOEFORGE_PTXAS; scripts/test does)");
-                None
-            }
-        }
-    }
+    // ptxas itself (compiling, reporting errors, `auto` taking it) is tested in tests/jit.rs, where
+    // the test harness says which ptxas to use.
 
     #[test]
-    fn ptxas_compiles_ptx_to_a_cubin_and_reports_errors_with_its_log() {
-        let Some(c) = ptxas() else { return };
-        let Compiler::Ptxas { path, version } = &c else {
-            unreachable!()
-        };
-        assert!(version.contains("release"), "{version}");
-        assert!(c.key_part(13000).starts_with("ptxas "));
-        let (cubin, _) = ptxas_compile(path, "sm_90a", "k", PTX).unwrap();
-        assert_eq!(&cubin[..4], b"\x7fELF");
-        let bad = PTX.replace("mov.u32", "mov.u32.bogus");
-        match ptxas_compile(path, "sm_90a", "k", &bad) {
-            Err(Error::Jit { code, log, .. }) => {
-                assert!(code.starts_with("ptxas exit"), "{code}");
-                assert!(log.contains("bogus") || log.contains("error"), "{log}");
-            }
-            other => panic!("expected a ptxas error, got {other:?}"),
-        }
-    }
-
-    #[test]
-    fn the_choice_follows_moeforge_jit() {
-        assert_eq!(Compiler::choose_from("", None).unwrap(), Compiler::Driver);
+    fn the_choice_follows_the_options() {
+        use CompilerChoice::*;
         assert_eq!(
-            Compiler::choose_from("driver", None).unwrap(),
+            Compiler::choose_from(Driver, None).unwrap(),
             Compiler::Driver
         );
         // auto: no ptxas, or one that does not run or rejects the probe, is the driver.
-        assert_eq!(
-            Compiler::choose_from("auto", None).unwrap(),
-            Compiler::Driver
-        );
+        assert_eq!(Compiler::choose_from(Auto, None).unwrap(), Compiler::Driver);
         let not_ptxas = Some(PathBuf::from("/bin/true"));
         assert_eq!(
-            Compiler::choose_from("auto", not_ptxas).unwrap(),
+            Compiler::choose_from(Auto, not_ptxas).unwrap(),
             Compiler::Driver
         );
-        assert!(Compiler::choose_from("ptxas", None).is_err());
-        let err = Compiler::choose_from("nvcc", None).unwrap_err().to_string();
-        assert!(err.contains("MOEFORGE_JIT=`nvcc`"), "{err}");
-        if let Some(Compiler::Ptxas { path, .. }) = ptxas() {
-            let c = Compiler::choose_from("auto", Some(path.clone())).unwrap();
-            assert!(matches!(c, Compiler::Ptxas { .. }), "{c:?}");
-            assert_eq!(Compiler::choose_from("ptxas", Some(path)).unwrap(), c);
+        assert!(Compiler::choose_from(Ptxas, None).is_err());
+        for c in [Driver, Ptxas, Auto] {
+            assert_eq!(CompilerChoice::from_name(c.name()), Some(c));
         }
+        assert_eq!(CompilerChoice::from_name(""), Some(Driver));
+        assert_eq!(CompilerChoice::from_name("nvcc"), None);
+    }
+
+    #[test]
+    fn ptxas_is_the_one_given_else_the_first_in_the_search_folders() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        std::fs::write(b.path().join("ptxas"), b"").unwrap();
+        let mut opts = JitOptions {
+            compiler: CompilerChoice::Ptxas,
+            ptxas: None,
+            search_dirs: vec![a.path().to_path_buf(), b.path().to_path_buf()],
+        };
+        assert_eq!(find_ptxas(&opts), Some(b.path().join("ptxas")));
+        opts.ptxas = Some(PathBuf::from("/given/ptxas"));
+        assert_eq!(find_ptxas(&opts), Some(PathBuf::from("/given/ptxas")));
+        // Nothing found: the error names the folders searched.
+        opts.ptxas = None;
+        opts.search_dirs = vec![a.path().to_path_buf()];
+        let err = Compiler::resolve(&opts).unwrap_err().to_string();
+        assert!(err.contains(&a.path().display().to_string()), "{err}");
+        // The usual folders: PATH's entries, then CUDA_HOME's bin, then /usr/local/cuda/bin.
+        let path = std::env::join_paths(["/x/bin", "/y/bin"]).unwrap();
+        assert_eq!(
+            JitOptions::standard_dirs(Some(&path), Some(Path::new("/cuda"))),
+            ["/x/bin", "/y/bin", "/cuda/bin", "/usr/local/cuda/bin"].map(PathBuf::from)
+        );
+        assert_eq!(
+            JitOptions::default().search_dirs,
+            [PathBuf::from("/usr/local/cuda/bin")]
+        );
     }
 
     #[test]

@@ -3,6 +3,9 @@
 //!
 //! Every entry point returns [`Error::NoDriver`] on a machine without a loadable CUDA driver: cudarc
 //! panics when libcuda is missing, so its presence is checked before any driver call.
+//!
+//! The runtime reads no environment: its [`Settings`] are built by the caller (the `moeforge`
+//! command from its environment) and passed in.
 
 pub mod cache;
 pub mod device;
@@ -12,6 +15,20 @@ pub mod store;
 
 pub use cache::Cache;
 pub use device::Device;
+pub use gpu_pack::LaunchOptions;
+pub use jit::JitOptions;
+
+/// The runtime's settings: how kernels are tuned and launched, how PTX becomes cubins, and where
+/// the kernel cache keeps its files. The default: no tuning, the driver's JIT, a cache in memory only.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Settings {
+    /// Kernel tuning and launch shape.
+    pub launch: LaunchOptions,
+    /// The PTX -> cubin compiler.
+    pub jit: JitOptions,
+    /// The kernel cache's folder (`None`: in memory only); see [`Cache::new`].
+    pub cache_dir: Option<std::path::PathBuf>,
+}
 
 /// Errors of the runtime.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +54,7 @@ pub enum Error {
         /// The linker's error and info log.
         log: String,
     },
-    /// The PTX compiler asked for (`MOEFORGE_JIT`) is not usable.
+    /// The PTX compiler asked for ([`JitOptions`]) is not usable.
     #[error("kernel compiler: {0}")]
     Compiler(String),
     /// Reading or writing the cache failed.
