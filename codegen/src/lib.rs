@@ -15,6 +15,7 @@ pub mod ptx;
 pub mod quant;
 pub mod range;
 pub mod reference;
+pub mod visit;
 
 pub use moeforge_dsl::ModuleInfo;
 

@@ -2,7 +2,7 @@
 //! spelled out in integer and correctly rounded f32 operations, so every backend computes the same
 //! bits (Hopper included, which has no hardware E2M1 conversion).
 
-use crate::kir::{e, BinOp, Expr, GroupRow, Program, Step, Stmt, Ty, UnOp, Var, VarAlloc};
+use crate::kir::{e, BinOp, Expr, Program, Step, Stmt, Ty, UnOp, Var, VarAlloc};
 
 /// Emits statements into a block, allocating variables.
 pub struct Emit<'a> {
@@ -353,94 +353,28 @@ pub fn soften(prog: &Program, native: &dyn Fn(UnOp) -> bool) -> Program {
 }
 
 fn soften_block(body: Vec<Stmt>, va: &mut VarAlloc, native: &dyn Fn(UnOp) -> bool) -> Vec<Stmt> {
+    let take = |x: &mut Expr| std::mem::replace(x, Expr::I64(0));
     let mut out = Vec::with_capacity(body.len());
-    for st in body {
+    for mut st in body {
         let mut em = Emit::new(va);
-        let st = match st {
-            Stmt::Set(v, x) => Stmt::Set(v, soften_expr(x, &mut em, native)),
-            Stmt::For {
-                var,
-                start,
-                end,
-                body,
-            } => {
-                let start = soften_expr(start, &mut em, native);
-                let end = soften_expr(end, &mut em, native);
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    body: soften_block(body, em.vars, native),
+        // The statement's own expressions: their conversions go right before it; a block's value
+        // (a group's per-sub-item value): at the end of that block (see `soften_with_value`).
+        let parts = st.parts_mut();
+        for x in parts.exprs {
+            let y = soften_expr(take(x), &mut em, native);
+            *x = y;
+        }
+        for (block, value) in parts.blocks {
+            let b = std::mem::take(block);
+            match value {
+                Some(v) => {
+                    let (nb, nv) = soften_with_value(b, take(v), em.vars, native);
+                    *block = nb;
+                    *v = nv;
                 }
+                None => *block = soften_block(b, em.vars, native),
             }
-            Stmt::If { cond, then } => {
-                let cond = soften_expr(cond, &mut em, native);
-                Stmt::If {
-                    cond,
-                    then: soften_block(then, em.vars, native),
-                }
-            }
-            Stmt::Store { buf, index, value } => Stmt::Store {
-                buf,
-                index: soften_expr(index, &mut em, native),
-                value: soften_expr(value, &mut em, native),
-            },
-            Stmt::LoadPacked { buf, index, dst } => Stmt::LoadPacked {
-                buf,
-                index: soften_expr(index, &mut em, native),
-                dst,
-            },
-            Stmt::StorePacked { buf, index, values } => Stmt::StorePacked {
-                buf,
-                index: soften_expr(index, &mut em, native),
-                values: values
-                    .into_iter()
-                    .map(|x| soften_expr(x, &mut em, native))
-                    .collect(),
-            },
-            Stmt::AtomicMaxF32 { buf, index, value } => Stmt::AtomicMaxF32 {
-                buf,
-                index: soften_expr(index, &mut em, native),
-                value: soften_expr(value, &mut em, native),
-            },
-            Stmt::GroupMax {
-                var,
-                sub,
-                count,
-                body,
-                value,
-            } => {
-                let count = soften_expr(count, &mut em, native);
-                let (body, value) = soften_with_value(body, value, em.vars, native);
-                Stmt::GroupMax {
-                    var,
-                    sub,
-                    count,
-                    body,
-                    value,
-                }
-            }
-            Stmt::GroupRow(g) => {
-                let count = soften_expr(g.count, &mut em, native);
-                let (load, value) = soften_with_value(g.load, g.value, em.vars, native);
-                Stmt::GroupRow(GroupRow {
-                    count,
-                    load,
-                    value,
-                    mid: soften_block(g.mid, em.vars, native),
-                    body: soften_block(g.body, em.vars, native),
-                    ..g
-                })
-            }
-            Stmt::GroupFor { var, count, body } => {
-                let count = soften_expr(count, &mut em, native);
-                Stmt::GroupFor {
-                    var,
-                    count,
-                    body: soften_block(body, em.vars, native),
-                }
-            }
-        };
+        }
         out.append(&mut em.out);
         out.push(st);
     }

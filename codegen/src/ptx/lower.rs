@@ -1335,38 +1335,9 @@ impl Gen<'_> {
 
 /// Every variable a block assigns (sets, packed-load destinations, loop variables), in order.
 fn defined(body: &[Stmt], out: &mut Vec<Var>) {
-    for st in body {
-        match st {
-            Stmt::Set(v, _) => {
-                if !out.contains(v) {
-                    out.push(*v)
-                }
-            }
-            Stmt::LoadPacked { dst, .. } => {
-                for v in dst {
-                    if !out.contains(v) {
-                        out.push(*v)
-                    }
-                }
-            }
-            Stmt::For { var, body, .. } | Stmt::GroupFor { var, body, .. } => {
-                if !out.contains(var) {
-                    out.push(*var)
-                }
-                defined(body, out);
-            }
-            Stmt::If { then, .. } => defined(then, out),
-            Stmt::GroupMax { var, sub, body, .. } => {
-                out.extend([*var, *sub]);
-                defined(body, out);
-            }
-            Stmt::GroupRow(g) => {
-                out.extend([g.var, g.sub]);
-                defined(&g.load, out);
-                defined(&g.mid, out);
-                defined(&g.body, out);
-            }
-            Stmt::Store { .. } | Stmt::StorePacked { .. } | Stmt::AtomicMaxF32 { .. } => {}
+    for v in crate::visit::defined_vars(body) {
+        if !out.contains(&v) {
+            out.push(v);
         }
     }
 }
