@@ -142,7 +142,13 @@ pub fn selftest(quick: bool, settings: &Settings) -> Result<(String, Option<bool
     let mut rng = crate::layout_gen::Rng::new(seed);
     for k in 0..if quick { 1 } else { 3 } {
         for r in STANDARD {
-            let src = crate::layout_gen::with_layouts(&mut rng, r.source);
+            let (e, h, i) = shapes[0];
+            let bind = format!("E={e},H={h},I={i}");
+            let Some(src) =
+                crate::layout_gen::random_accepted(&mut rng, r.source, r.path, &bind, 32)
+            else {
+                continue;
+            };
             let name = format!("{}~{k}", r.name);
             cases.push((name, src, r.path.into(), shapes[0]));
         }

@@ -419,3 +419,24 @@ fn views_stand_for_what_they_say() {
     }
     assert!(n >= 30, "only {n} views checked");
 }
+
+#[test]
+fn every_standard_recipe_gets_accepted_random_layouts() {
+    // What `selftest --gpu` runs: an accepted random-layout variant of each standard recipe, whose
+    // params really differ from row-major somewhere.
+    let s0 = seed();
+    let mut rng = Rng::new(s0);
+    for r in moeforge::kernels::STANDARD {
+        let src = moeforge::layout_gen::random_accepted(
+            &mut rng,
+            r.source,
+            r.path,
+            "E=2,H=128,I=128",
+            64,
+        )
+        .unwrap_or_else(|| panic!("seed {s0}: no accepted layout for {}", r.name));
+        let bind = vec![("E".into(), 2), ("H".into(), 128), ("I".into(), 128)];
+        assert!(src.contains(" @ "), "{src}");
+        assert!(moeforge::dsl::check(&src, Some(&bind)).is_ok());
+    }
+}
