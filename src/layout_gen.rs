@@ -165,8 +165,8 @@ pub fn without_layouts(src: &str) -> String {
         .collect()
 }
 
-/// A random-layout variant of a recipe (at least one layout declared) that `check` accepts at a binding (`E=..,H=..,I=..`): draws
-/// until one is accepted (a split of an extent the where-clause does not make divisible, or a swizzle
+/// A random-layout variant of a recipe (at least one layout declared) that `check` accepts at a
+/// binding (`E=..,H=..,I=..`): draws until one is accepted (a split of an extent the where-clause does not make divisible, or a swizzle
 /// whose period does not divide an expert, is refused), at most `tries` times.
 pub fn random_accepted(
     rng: &mut Rng,
@@ -177,8 +177,6 @@ pub fn random_accepted(
 ) -> Option<String> {
     (0..tries).find_map(|_| {
         let s = with_layouts(rng, src);
-        crate::check_source(&s, path, Some(bind))
-            .is_ok()
-            .then_some(s)
+        (s.contains(" @ ") && crate::check_source(&s, path, Some(bind)).is_ok()).then_some(s)
     })
 }

@@ -3,8 +3,7 @@
 use moeforge_dsl::ir::{DType, Op, TensorId};
 
 use super::*;
-use crate::kir::{e, Elem, Step, Stmt, Ty, VarAlloc};
-use crate::quant::Emit;
+use crate::kir::{e, Elem, Stmt, Ty};
 use crate::{Error, Result};
 
 impl Planner<'_> {
@@ -124,31 +123,7 @@ impl Planner<'_> {
         if t.dtype != DType::F32 || t.shape.len() != 1 {
             return self.generic(id, out);
         }
-        let ne = self.int(&t.shape[0])?;
-        self.prepare_reduces(&t.name, v)?;
         let name = format!("{}_{}", self.prog.recipe, t.name);
-        let this = &*self;
-        let mut err = None;
-        let mut va = VarAlloc::default();
-        let item = va.new_var(Ty::I64);
-        let body = {
-            let mut em = Emit::new(&mut va);
-            match this.scalar_expr(&t.name, v, e::v(item)) {
-                Ok(x) => em.out.push(Stmt::Store {
-                    buf: out,
-                    index: e::v(item),
-                    value: x,
-                }),
-                Err(er) => err = Some(er),
-            }
-            em.out
-        };
-        if let Some(er) = err {
-            return Err(er);
-        }
-        self.prog
-            .steps
-            .push(Step::Kernel(va.kernel(name, item, ne, body)));
-        Ok(())
+        self.elem_kernel(&t.name, name, v, out)
     }
 }

@@ -55,10 +55,15 @@ impl Planner<'_> {
         let item = va.new_var(Ty::I64);
         let body = {
             let mut em = Emit::new(&mut va);
+            // Row-major coordinates of the item (a rank-1 value's is the item itself).
             let mut coord = vec![e::i(0); shape.len()];
             let mut rest = e::v(item);
             for k in (0..shape.len()).rev() {
-                coord[k] = em.set(Ty::I64, e::rem(rest.clone(), shape[k]));
+                coord[k] = if k == 0 {
+                    rest.clone()
+                } else {
+                    em.set(Ty::I64, e::rem(rest.clone(), shape[k]))
+                };
                 rest = e::div(rest, shape[k]);
             }
             match this.elem_expr(&mut em, name, v, &coord) {
@@ -377,77 +382,5 @@ impl Planner<'_> {
             }
         }
         Ok(v)
-    }
-
-    pub(super) fn scalar_expr(&self, name: &str, v: ValueId, ex: Expr) -> Result<Expr> {
-        let v = self.through_lets(v)?;
-        let val = self
-            .info
-            .module()
-            .value(v)
-            .ok_or(Error::Internal("value"))?;
-        let per_expert = !val.shape.is_empty();
-        let idx = if per_expert { ex.clone() } else { e::i(0) };
-        Ok(match &val.op {
-            Op::Const(c) => e::f(*c as f32),
-            Op::Tensor(t) => {
-                let b = self
-                    .params
-                    .get(t)
-                    .or(self.inputs.get(t))
-                    .copied()
-                    .ok_or_else(|| {
-                        unsupported(
-                            name,
-                            "reading a tensor that is neither an input nor an earlier param",
-                        )
-                    })?;
-                if val.shape.len() > 1 || self.tensor(*t)?.dtype != DType::F32 {
-                    return Err(unsupported(
-                        name,
-                        "arithmetic on a tensor that is not f32[E] or a scalar",
-                    ));
-                }
-                e::load(b, idx)
-            }
-            Op::Arith { op, lhs, rhs } => {
-                let a = self.scalar_expr(name, *lhs, ex.clone())?;
-                let b = self.scalar_expr(name, *rhs, ex)?;
-                match op {
-                    Arith::Mul => fmul(a, b),
-                    Arith::Div => fdiv(a, b),
-                }
-            }
-            Op::Broadcast { base } => self.scalar_expr(name, *base, ex)?,
-            Op::ReduceMax { .. } => {
-                let b = self
-                    .reduces
-                    .get(&v)
-                    .copied()
-                    .ok_or(Error::Internal("reduction not prepared"))?;
-                e::load(b, e::i(0))
-            }
-            Op::Field { quant, field } => {
-                let qt = self.quants.get(quant).ok_or_else(|| {
-                    unsupported(name, "a quantization output used before any param holds it")
-                })?;
-                let b = match field {
-                    QuantField::GlobalScale => qt.gs,
-                    QuantField::DecodeScale => qt.decode,
-                    QuantField::Scales => qt.fp8_scale,
-                    QuantField::Values => None,
-                };
-                e::load(
-                    b.ok_or_else(|| unsupported(name, "this quantization output in arithmetic"))?,
-                    idx,
-                )
-            }
-            other => {
-                return Err(unsupported(
-                    name,
-                    format!("{} in per-expert arithmetic", other.describe()),
-                ))
-            }
-        })
     }
 }
