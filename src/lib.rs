@@ -142,6 +142,13 @@ pub fn pack_program(
     Ok(codegen::plan::plan(&info, &present)?)
 }
 
+/// The largest recipe file read (bytes).
+pub const RECIPE_LIMIT: u64 = 1 << 20;
+/// The largest cache manifest read (bytes).
+pub const MANIFEST_LIMIT: u64 = 16 << 20;
+/// The largest `--index-map` printed (elements).
+pub const INDEX_MAP_LIMIT: u64 = 1 << 28;
+
 /// Read a text file of at most `limit` bytes (recipes, manifests, JSON indexes): a larger file, or a
 /// device that never ends (`/dev/zero`), is refused with the limit named instead of read whole.
 pub fn read_capped(path: &std::path::Path, limit: u64) -> Result<String> {
@@ -155,29 +162,93 @@ pub fn read_capped(path: &std::path::Path, limit: u64) -> Result<String> {
     f.take(limit + 1).read_to_end(&mut buf).map_err(io)?;
     if buf.len() as u64 > limit {
         return Err(Error::Usage(format!(
-            "{}: larger than the {} MiB read limit for this kind of file",
+            "{}: larger than the {} KiB read limit for this kind of file",
             path.display(),
-            limit >> 20
+            limit >> 10
         )));
     }
     String::from_utf8(buf).map_err(|_| Error::Usage(format!("{}: not UTF-8 text", path.display())))
 }
 
-/// Write a file atomically: a temporary file in the same folder, renamed over the target only when
-/// everything was written.
+/// Refuse to write to `out`: when it exists and is not a regular file (a device such as `/dev/full`,
+/// a directory), or when it is one of `inputs` (by path or by inode: a link to an input counts).
+pub fn check_output(out: &std::path::Path, inputs: &[std::path::PathBuf]) -> Result<()> {
+    let Ok(meta) = std::fs::metadata(out) else {
+        return Ok(());
+    };
+    if !meta.is_file() {
+        return Err(Error::Usage(format!(
+            "{}: exists and is not a regular file; refusing to replace it",
+            out.display()
+        )));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        for i in inputs {
+            if let Ok(m) = std::fs::metadata(i) {
+                if m.dev() == meta.dev() && m.ino() == meta.ino() {
+                    return Err(Error::Usage(format!(
+                        "{}: is the input {} itself; write the output elsewhere",
+                        out.display(),
+                        i.display()
+                    )));
+                }
+            }
+        }
+    }
+    let canon = std::fs::canonicalize(out).ok();
+    for i in inputs {
+        if canon.is_some() && std::fs::canonicalize(i).ok() == canon {
+            return Err(Error::Usage(format!(
+                "{}: is the input {} itself; write the output elsewhere",
+                out.display(),
+                i.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Write a file atomically: a temporary file in the same folder (created with the process's umask
+/// applied, as any new file), renamed over the target only when everything was written. A target
+/// that exists and is not a regular file is refused.
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write as _;
     let io = |e: std::io::Error| Error::Io {
         path: path.display().to_string(),
         source: e,
     };
+    check_output(path, &[])?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => std::path::Path::new("."),
     };
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_else(|| "out".into());
+    // A fresh name beside the target; `create_new` never follows or reuses an existing file.
+    let mut k = 0u32;
+    let (tmp, mut f) = loop {
+        let t = dir.join(format!(".{name}.moeforge-{}-{k}.tmp", std::process::id()));
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&t)
+        {
+            Ok(f) => break (t, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && k < 1000 => k += 1,
+            Err(e) => return Err(io(e)),
+        }
+    };
+    let res = f
+        .write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     Ok(())
 }

@@ -71,6 +71,9 @@ enum Command {
         /// consume copied through, sharded like the input, with an index file.
         #[arg(long)]
         passthrough: bool,
+        /// Pack weights that hold NaN or infinities (refused by default).
+        #[arg(long)]
+        allow_nonfinite: bool,
     },
     /// List the tensors and metadata of a safetensors file.
     Inspect {
@@ -153,16 +156,14 @@ enum CacheAction {
 }
 
 fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
-    match std::fs::read_to_string(file) {
-        Ok(s) => Ok((file.to_string(), s)),
-        Err(e) => match moeforge::kernels::find(file) {
-            Some(r) => Ok((r.path.to_string(), r.source.to_string())),
-            None => Err(moeforge::Error::Io {
-                path: file.to_string(),
-                source: e,
-            }),
-        },
+    let path = std::path::Path::new(file);
+    if !path.exists() {
+        if let Some(r) = moeforge::kernels::find(file) {
+            return Ok((r.path.to_string(), r.source.to_string()));
+        }
     }
+    let src = moeforge::read_capped(path, moeforge::RECIPE_LIMIT)?;
+    Ok((file.to_string(), src))
 }
 
 fn cache_cmd(
@@ -211,10 +212,7 @@ fn cache_cmd(
         } => {
             let mut jobs: Vec<(String, String, String)> = Vec::new();
             if let Some(m) = replay {
-                let text = std::fs::read_to_string(&m).map_err(|e| moeforge::Error::Io {
-                    path: m.display().to_string(),
-                    source: e,
-                })?;
+                let text = moeforge::read_capped(&m, moeforge::MANIFEST_LIMIT)?;
                 for line in text
                     .lines()
                     .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
@@ -346,18 +344,44 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                         }
                     )));
                 };
-                let Some(map) = info.index_map(v) else {
+                let Some(b) = info.binding() else {
                     return Err(moeforge::Error::Usage(
                         "--index-map needs --bind with every dimension".into(),
                     ));
                 };
+                // Streamed: the map is written as it is computed, never held whole, and refused
+                // above a stated size (its element count is checked arithmetic).
+                let n = moeforge::dsl::verify::index_map_len(&v.layout, b).ok_or_else(|| {
+                    moeforge::Error::Usage(format!(
+                        "--index-map: view `{view}` has more elements than 64-bit arithmetic holds"
+                    ))
+                })?;
+                if n > moeforge::INDEX_MAP_LIMIT {
+                    return Err(moeforge::Error::Usage(format!(
+                        "--index-map: view `{view}` has {n} elements at this binding, over the limit of {} (bind smaller sizes)",
+                        moeforge::INDEX_MAP_LIMIT
+                    )));
+                }
                 let mut w = std::io::BufWriter::new(out);
                 w.write_all(b"[").map_err(io)?;
-                for (k, o) in map.iter().enumerate() {
-                    if k > 0 {
-                        w.write_all(b",").map_err(io)?;
+                let mut first = true;
+                let mut err = None;
+                moeforge::dsl::verify::index_map_each(&v.layout, b, &mut |o| {
+                    if err.is_some() {
+                        return;
                     }
-                    write!(w, "{o}").map_err(io)?;
+                    let r = if first {
+                        write!(w, "{o}")
+                    } else {
+                        write!(w, ",{o}")
+                    };
+                    first = false;
+                    if let Err(e) = r {
+                        err = Some(e);
+                    }
+                });
+                if let Some(e) = err {
+                    return Err(io(e));
                 }
                 w.write_all(b"]\n").map_err(io)?;
                 w.flush().map_err(io)?;
@@ -416,6 +440,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             threads,
             device,
             passthrough,
+            allow_nonfinite,
         } => {
             let gpu = match device.as_str() {
                 "host" => false,
@@ -441,6 +466,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 progress: true,
                 gpu,
                 passthrough,
+                allow_nonfinite,
                 settings,
             };
             let r = moeforge::pack::pack(&opts)?;

@@ -40,6 +40,9 @@ pub struct PackOptions {
     /// Write a complete checkpoint directory at `output`: the tensors the recipe does not consume
     /// copied through, sharded like the input, with an index (see [`crate::checkpoint`]).
     pub passthrough: bool,
+    /// Pack weights holding NaN or infinities (refused by default, naming the tensor, expert and
+    /// index): they are then quantized as the formulas make them (NaN left out of the amax).
+    pub allow_nonfinite: bool,
     /// The backends' settings (host compile options; GPU tuning, JIT and kernel cache folder).
     pub settings: crate::Settings,
 }
@@ -227,6 +230,53 @@ impl<'a> Source<'a> {
     }
 }
 
+/// The first element of a float tensor that is NaN or infinite.
+fn first_nonfinite(t: &TensorView<'_>) -> Option<usize> {
+    let d = t.data();
+    match t.dtype() {
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .position(|c| (u16::from_le_bytes([c[0], c[1]]) & 0x7F80) == 0x7F80),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .position(|c| (u16::from_le_bytes([c[0], c[1]]) & 0x7C00) == 0x7C00),
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+        _ => None,
+    }
+}
+
+/// Refuse a tensor with a NaN or an infinity: its amax would skip or swallow it and the codes would
+/// silently mean something else. `expert` names the expert when the tensor holds one (else the
+/// expert is the index's leading part of `[E, ..]`, `per` elements each).
+fn check_finite(name: &str, t: &TensorView<'_>, expert: Option<usize>, per: usize) -> Result<()> {
+    let Some(k) = first_nonfinite(t) else {
+        return Ok(());
+    };
+    let (e, at) = match expert {
+        Some(e) => (e, k),
+        None => (k / per.max(1), k % per.max(1)),
+    };
+    let shape: Vec<usize> = match expert {
+        Some(_) => t.shape().to_vec(),
+        None => t
+            .shape()
+            .get(1..)
+            .map(<[usize]>::to_vec)
+            .unwrap_or_default(),
+    };
+    let mut idx = vec![0usize; shape.len()];
+    let mut r = at;
+    for (j, &n) in shape.iter().enumerate().rev() {
+        idx[j] = r % n.max(1);
+        r /= n.max(1);
+    }
+    Err(ckpt(format!(
+        "tensor `{name}`: expert {e} holds a non-finite value (NaN or infinity) at index {idx:?}; pass --allow-nonfinite to pack it anyway"
+    )))
+}
+
 /// Append a tensor's data as bf16 (when `bf16` and the tensor is bf16) or as exact f32.
 fn append(out: &mut Vec<u8>, t: &TensorView<'_>, bf16: bool) {
     let d = t.data();
@@ -314,6 +364,7 @@ fn gather_layer(
     layer: u32,
     form: Form,
     experts: &BTreeSet<u32>,
+    allow_nonfinite: bool,
 ) -> Result<LayerInputs> {
     let p = format!("model.layers.{layer}");
     let (e, h, i, mut input_bytes);
@@ -329,6 +380,10 @@ fn gather_layer(
             (e, h, i) = (ne, hh, two_i / 2);
             let a = src.float(&format!("{p}.mlp.experts.w13_weight"), &[e, 2 * i, h])?;
             let b = src.float(&format!("{p}.mlp.experts.w2_weight"), &[e, h, i])?;
+            if !allow_nonfinite {
+                check_finite(&format!("{p}.mlp.experts.w13_weight"), a, None, 2 * i * h)?;
+                check_finite(&format!("{p}.mlp.experts.w2_weight"), b, None, h * i)?;
+            }
             as_f32 = a.dtype() != Dtype::BF16 || b.dtype() != Dtype::BF16;
             append(&mut w13, a, !as_f32);
             append(&mut w2, b, !as_f32);
@@ -362,6 +417,11 @@ fn gather_layer(
                 let gv = src.float(&format!("{base}.{k}.{g}.weight"), &[i, h])?;
                 let uv = src.float(&format!("{base}.{k}.{u}.weight"), &[i, h])?;
                 let dv = src.float(&format!("{base}.{k}.{d}.weight"), &[h, i])?;
+                if !allow_nonfinite {
+                    for (w, t) in [(g, gv), (u, uv), (d, dv)] {
+                        check_finite(&format!("{base}.{k}.{w}.weight"), t, Some(k), 0)?;
+                    }
+                }
                 views.push((gv, uv, dv));
             }
             as_f32 = views
@@ -475,6 +535,10 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             }
         }
     }
+    // The output is never an input (by path or inode) and never a device or directory.
+    if !opts.passthrough {
+        crate::check_output(&opts.output, &shard_paths)?;
+    }
     for p in &shard_paths {
         let bytes = std::fs::read(p).map_err(|e| Error::Io {
             path: p.display().to_string(),
@@ -573,7 +637,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         let li = if prequantized {
             crate::prequant::gather(&src, *layer, *form, experts, &recipe_inputs, &mut notes)?
         } else {
-            gather_layer(&src, *layer, *form, experts)?
+            gather_layer(&src, *layer, *form, experts, opts.allow_nonfinite)?
         };
         let (e, h, i) = li.dims;
         binding = format!("E={e},H={h},I={i}");

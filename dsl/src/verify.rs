@@ -88,7 +88,14 @@ pub fn parse_binding(s: &str) -> Result<Vec<(String, i64)>, Diagnostic> {
             Diagnostic::error("E0503", format!("bad value in binding `{part}`"))
                 .with_note("each dimension is bound to a positive integer")
         })?;
-        out.push((k.trim().to_string(), v));
+        let k = k.trim().to_string();
+        if out.iter().any(|(x, _): &(String, i64)| *x == k) {
+            return Err(
+                Diagnostic::error("E0503", format!("`{k}` is bound twice in `{s}`"))
+                    .with_note("bind each dimension once"),
+            );
+        }
+        out.push((k, v));
     }
     Ok(out)
 }
@@ -393,6 +400,64 @@ pub fn numeric(l: &SymLayout, b: &Binding) -> Option<(Layout, i64)> {
     };
     let lay = Layout::new(shape, stride).ok()?;
     Some((lay, i64::try_from(b.eval(&l.offset)?).ok()?))
+}
+
+/// The number of elements of a symbolic layout at a binding (checked: `None` past `u64`).
+pub fn index_map_len(l: &SymLayout, b: &Binding) -> Option<u64> {
+    let mut n: u64 = 1;
+    for (s, _) in l.leaves() {
+        n = n.checked_mul(u64::try_from(b.eval(&s)?).ok()?)?;
+    }
+    Some(n)
+}
+
+/// Every offset of a symbolic layout at a binding, row-major over its flattened shape, handed to
+/// `f` one at a time (nothing is held whole). Does nothing where the layout does not evaluate.
+pub fn index_map_each(l: &SymLayout, b: &Binding, f: &mut dyn FnMut(i64)) {
+    let Some(leaves) = l
+        .leaves()
+        .iter()
+        .map(|(s, d)| {
+            Some((
+                i64::try_from(b.eval(s)?).ok()?,
+                i64::try_from(b.eval(d)?).ok()?,
+            ))
+        })
+        .collect::<Option<Vec<(i64, i64)>>>()
+    else {
+        return;
+    };
+    let Some(base) = b.eval(&l.offset).and_then(|x| i64::try_from(x).ok()) else {
+        return;
+    };
+    if leaves.iter().any(|x| x.0 <= 0) {
+        return;
+    }
+    let mut coord = vec![0i64; leaves.len()];
+    loop {
+        let off = base
+            + coord
+                .iter()
+                .zip(&leaves)
+                .map(|(c, (_, d))| c * d)
+                .sum::<i64>();
+        f(match l.swizzle {
+            Some(s) => s.apply(off),
+            None => off,
+        });
+        let mut k = leaves.len();
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            coord[k] += 1;
+            if coord[k] < leaves[k].0 {
+                break;
+            }
+            coord[k] = 0;
+        }
+    }
 }
 
 /// Offsets of a symbolic layout at a binding, row-major over its flattened shape.
