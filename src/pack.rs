@@ -356,6 +356,8 @@ pub(crate) struct LayerInputs {
     pub(crate) dims: (usize, usize, usize),
     pub(crate) bufs: HashMap<String, Vec<u8>>,
     pub(crate) as_f32: bool,
+    /// The first weight tensor that is not bf16 (what made `as_f32`), with its dtype.
+    pub(crate) wide_from: Option<String>,
     pub(crate) input_bytes: usize,
 }
 
@@ -368,6 +370,7 @@ fn gather_layer(
 ) -> Result<LayerInputs> {
     let p = format!("model.layers.{layer}");
     let (e, h, i, mut input_bytes);
+    let wide_from: Option<String>;
     let mut w13 = Vec::new();
     let mut w2 = Vec::new();
     let as_f32;
@@ -385,6 +388,10 @@ fn gather_layer(
                 check_finite(&format!("{p}.mlp.experts.w2_weight"), b, None, h * i)?;
             }
             as_f32 = a.dtype() != Dtype::BF16 || b.dtype() != Dtype::BF16;
+            wide_from = [("w13_weight", a), ("w2_weight", b)]
+                .iter()
+                .find(|(_, t)| t.dtype() != Dtype::BF16)
+                .map(|(n, t)| format!("`{p}.mlp.experts.{n}` ({:?})", t.dtype()));
             append(&mut w13, a, !as_f32);
             append(&mut w2, b, !as_f32);
             input_bytes = a.data().len() + b.data().len();
@@ -427,6 +434,12 @@ fn gather_layer(
             as_f32 = views
                 .iter()
                 .any(|(a, b, c)| [a, b, c].iter().any(|t| t.dtype() != Dtype::BF16));
+            wide_from = views.iter().enumerate().find_map(|(k, (a, b, c))| {
+                [(g, a), (u, b), (d, c)]
+                    .into_iter()
+                    .find(|(_, t)| t.dtype() != Dtype::BF16)
+                    .map(|(w, t)| format!("`{base}.{k}.{w}.weight` ({:?})", t.dtype()))
+            });
             input_bytes = 0;
             for (gv, uv, dv) in &views {
                 append(&mut w13, gv, !as_f32);
@@ -519,6 +532,7 @@ fn gather_layer(
         dims: (e, h, i),
         bufs,
         as_f32,
+        wide_from,
         input_bytes,
     })
 }
@@ -654,7 +668,18 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
                 &has,
                 &|n: &str| as_f32 && (n == "w13" || n == "w2"),
                 dev.is_none(),
-            )?;
+            )
+            .map_err(|err| match (&err, &li.wide_from) {
+                (crate::codegen::Error::Unsupported { param, what }, Some(t))
+                    if what.contains("changes the dtype") =>
+                {
+                    ckpt(format!(
+                        "tensor {t} is not bf16, so layer {layer}'s weights are read as f32, but param `{param}` of recipe `{}` copies bf16 weights bit for bit; convert the checkpoint to one dtype or use a quantizing recipe",
+                        module.name
+                    ))
+                }
+                _ => err.into(),
+            })?;
             let backend = match &dev {
                 Some(d) => Backend::Gpu(crate::runtime::gpu_pack::GpuProgram::load(
                     d,

@@ -181,6 +181,7 @@ pub(crate) fn gather(
         dims: (e, h, i),
         bufs,
         as_f32: false,
+        wide_from: None,
         input_bytes,
     })
 }

@@ -49,10 +49,11 @@ fn bytes_text(info: &ModuleInfo, e: &moeforge_dsl::verify::MoveEntry) -> String 
 }
 
 fn map_kind(v: &ViewInfo) -> &'static str {
-    match v.bijective {
-        Some(true) => "bijective",
-        Some(false) => "injective",
-        None => "unknown",
+    match (v.bijective, v.injective) {
+        (Some(true), _) => "bijective",
+        (_, Some(true)) => "injective",
+        (_, Some(false)) => "aliasing",
+        (_, None) => "unknown",
     }
 }
 
@@ -306,6 +307,7 @@ pub fn json(info: &ModuleInfo) -> Value {
                 "layout": layout_text(info, &v.layout),
                 "layout_symbolic": v.layout.display(&m.atoms).to_string(),
                 "bijective": v.bijective,
+                "injective": v.injective,
                 "claimed_bijective": v.claimed,
                 "in_bounds_proof": v.in_bounds.name(),
                 "bijective_proof": v.bijective_proof.name(),

@@ -218,3 +218,85 @@ fn non_finite_weights_are_refused_with_the_place_named() {
     let (code, _, err) = run(&allow);
     assert_eq!(code, 0, "{err}");
 }
+
+#[test]
+fn a_non_bf16_expert_under_a_copying_recipe_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("mixed.safetensors");
+    let (h, i) = (32usize, 16usize);
+    let bf: Vec<u8> = (0..i * h)
+        .flat_map(|k| (0x3C00u16 + (k % 50) as u16).to_le_bytes())
+        .collect();
+    let down: Vec<u8> = (0..h * i)
+        .flat_map(|k| (0x3C00u16 + (k % 70) as u16).to_le_bytes())
+        .collect();
+    let mut views = Vec::new();
+    for e in 0..2 {
+        for (w, shape, data) in [
+            ("gate_proj", vec![i, h], &bf),
+            ("up_proj", vec![i, h], &bf),
+            ("down_proj", vec![h, i], &down),
+        ] {
+            let dt = if e == 1 && w == "up_proj" {
+                Dtype::F16
+            } else {
+                Dtype::BF16
+            };
+            views.push((
+                format!("model.layers.0.mlp.experts.{e}.{w}.weight"),
+                TensorView::new(dt, shape, data).unwrap(),
+            ));
+        }
+    }
+    safetensors::serialize_to_file(views, None, &ck).unwrap();
+    let out = dir.path().join("out.safetensors");
+    let (code, _, err) = run(&[
+        "pack",
+        "bf16",
+        "--input",
+        ck.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("model.layers.0.mlp.experts.1.up_proj.weight") && err.contains("F16"),
+        "{err}"
+    );
+}
+
+#[test]
+fn index_width_at_exactly_2_31_elements_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = dir.path().join("w.recipe");
+    std::fs::write(&r, "recipe w(E: experts, H) {\n  input x : u8[E, H]\n  param p : u8[E, H] = x\n  kernel k(p) on sm_90a index i32\n}\n").unwrap();
+    let (code, _, err) = run(&["check", r.to_str().unwrap(), "--bind", "E=1,H=2147483648"]);
+    assert_eq!(code, 0, "the largest offset 2^31 - 1 fits i32: {err}");
+    let (code, _, err) = run(&["check", r.to_str().unwrap(), "--bind", "E=1,H=2147483649"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("largest offset 2147483648 exceeds 2147483647"),
+        "{err}"
+    );
+}
+
+#[test]
+fn broadcast_views_are_not_called_injective() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = dir.path().join("b.recipe");
+    std::fs::write(&r, "recipe b(E: experts, H) {\n  input w : f32[E, H]\n  param p : f32[E, H] = w\n  view v = p @ (E,H,2):(H,1,0)\n}\n").unwrap();
+    for bind in [None, Some("E=2,H=4")] {
+        let mut args = vec!["check", r.to_str().unwrap(), "--json"];
+        if let Some(b) = bind {
+            args.extend(["--bind", b]);
+        }
+        let (code, out, err) = run(&args);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            v["views"][0]["injective"],
+            serde_json::json!(false),
+            "{out}"
+        );
+    }
+}

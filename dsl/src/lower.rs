@@ -2100,10 +2100,12 @@ impl<'s> Lower<'s> {
         }
         if let Some((t, sp)) = others.first() {
             let tn = self.m.tensor(*t)?.name.clone();
-            let kind = if matches!(self.m.tensor(*t)?.kind, TensorKind::Let) {
-                "a `let` value"
-            } else {
-                "an input"
+            let kind = match self.m.tensor(*t)?.kind {
+                TensorKind::Let => "a `let` value",
+                TensorKind::View { .. } => {
+                    "a view (a view of a view aliases the view's param: write it over the param)"
+                }
+                _ => "an input",
             };
             self.err(
                 Diagnostic::error(

@@ -295,6 +295,9 @@ pub struct ViewInfo {
     pub bijective_proof: Proof,
     /// Whether the recipe claims a bijection.
     pub claimed: bool,
+    /// Whether no two coordinates share an offset (`Some(false)`: a broadcast (stride 0) or an
+    /// overlap; `None`: not decided).
+    pub injective: Option<bool>,
 }
 
 /// What the verifier established about a kernel binding.
@@ -952,11 +955,19 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                 None => (None, Proof::NeedsBinding),
             }
         };
+        let injective = if bij == Some(true) || sym_injective_with(layout, &mins) {
+            Some(true)
+        } else {
+            at.and_then(|b| numeric(layout, b))
+                .filter(|(l, _)| layout.swizzle.is_none() || l.size() > 0)
+                .map(|(l, _)| l.is_injective())
+        };
         views.push(ViewInfo {
             id,
             source: *src,
             layout: layout.clone(),
             in_bounds,
+            injective,
             bijective: bij,
             bijective_proof: bproof,
             claimed: claim.is_some(),
@@ -981,7 +992,7 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                 if pi
                     .per_expert_elems
                     .upper_bound(&bounds)
-                    .is_some_and(|m| m <= limit)
+                    .is_some_and(|m| m - 1 <= limit)
                 {
                     continue;
                 }
@@ -989,7 +1000,7 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                     .as_ref()
                     .and_then(|b| b.eval(&pi.per_expert_elems).map(|v| (b, v)))
                 {
-                    Some((b, v)) if v > limit => {
+                    Some((b, v)) if v - 1 > limit => {
                         let pname = module
                             .tensor(src)
                             .map(|x| x.name.clone())

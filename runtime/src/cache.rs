@@ -117,6 +117,11 @@ impl Cache {
             .map_err(io)?;
         tmp.write_all(b"\n").map_err(io)?;
         tmp.write_all(payload).map_err(io)?;
+        // Something that is not a file at the entry's path (a directory left by anything) is not
+        // an entry: it is removed, then the entry takes its place.
+        if path.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+            std::fs::remove_dir_all(path).map_err(io)?;
+        }
         tmp.persist(path).map_err(|e| io(e.error))?;
         Ok(())
     }
@@ -211,7 +216,12 @@ impl Cache {
         let mut n = 0;
         for e in self.entries()? {
             if let Some(p) = self.path(&e.kind, &e.key) {
-                std::fs::remove_file(&p).map_err(|err| Error::Cache {
+                let removed = if p.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+                    std::fs::remove_dir_all(&p)
+                } else {
+                    std::fs::remove_file(&p)
+                };
+                removed.map_err(|err| Error::Cache {
                     path: p.display().to_string(),
                     source: err,
                 })?;
@@ -271,6 +281,23 @@ mod tests {
         assert_eq!(hit, Hit::Recompiled);
         assert_eq!(c4.clear().unwrap(), 1);
         assert!(c4.entries().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_directory_at_an_entry_path_is_replaced_or_removed() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let cache = Cache::new(Some(dir.path().to_path_buf()));
+        let Some(p) = cache.path("ptx", "k") else {
+            panic!("cache path")
+        };
+        std::fs::create_dir_all(p.join("junk")).unwrap_or_else(|e| panic!("{e}"));
+        let got = cache.get_or_insert("ptx", "k", || Ok(b"x".to_vec()));
+        assert_eq!(got.ok().map(|x| x.0.to_vec()), Some(b"x".to_vec()));
+        assert!(p.is_file());
+        std::fs::remove_file(&p).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(p.join("junk")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cache.clear().is_ok());
+        assert!(!p.exists());
     }
 
     #[test]
