@@ -388,7 +388,7 @@ fn bad_checkpoints_name_the_tensor_and_write_nothing() {
         x.1 = Dtype::F32;
         x.3 = v.iter().flat_map(|f| f.to_le_bytes()).collect();
     }
-    expect_failure(dir.path(), t, "bf16", "would round");
+    expect_failure(dir.path(), t, "bf16", "copies bf16 weights bit for bit");
 }
 
 #[test]
