@@ -63,6 +63,7 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
             l.stmt(s);
         }
         l.check_unregistered_lets();
+        l.check_values_have_scales();
     }
     if l.errors.is_empty() {
         Ok(l.m)
@@ -965,6 +966,28 @@ impl<'s> Lower<'s> {
                         format!("`{}` blocks are {w} elements", scheme.name),
                     )
                     .with_label(sp, format!("found {b}")),
+                );
+                return None;
+            }
+        }
+        // An argument that would have no effect is an error, not silently ignored.
+        if let (Some(a), "fp8") = (named.get("amax"), scheme.name.as_str()) {
+            let per_tensor_scales = named
+                .get("granularity")
+                .is_some_and(|g| matches!(&g.value.kind, ExprKind::Name(n) if n == "tensor"));
+            if !per_tensor_scales {
+                self.err(
+                    Diagnostic::error("E0105", "`amax` has no effect for this `quant fp8`")
+                        .with_label(a.span, "channel and block128 scales take each row's or block's own amax")
+                        .with_note("help: remove `amax = ...`"),
+                );
+                return None;
+            }
+            if amax == AmaxGranularity::PerTensor {
+                self.err(
+                    Diagnostic::error("E0105", "`quant fp8(granularity = tensor)` scales are per expert")
+                        .with_label(a.span, "`per_tensor` would be ignored")
+                        .with_note("help: write `amax = per_expert` (with `reduce moe_tp` where one expert is split over ranks)"),
                 );
                 return None;
             }
@@ -2378,6 +2401,96 @@ impl<'s> Lower<'s> {
         })
     }
 
+    /// A quantization's codes mean nothing without their scales: a recipe that registers `.values`
+    /// must register `.scales` (and NVFP4's `.decode_scale` or `.global_scale`) of that quantization.
+    fn check_values_have_scales(&mut self) {
+        // quantization node -> (values param span and name, fields held)
+        let mut held: Vec<(ValueId, Option<(Span, String)>, Vec<QuantField>)> = Vec::new();
+        for (_, t) in self.m.tensors_with_ids() {
+            if t.kind != TensorKind::Param {
+                continue;
+            }
+            let Some(mut v) = t.value else { continue };
+            // Through padding and a row gather.
+            for _ in 0..2 {
+                match self.m.value(v).map(|x| &x.op) {
+                    Some(Op::Swizzle128x4 { base } | Op::Pad { base, .. })
+                    | Some(Op::Gather { base, .. }) => v = *base,
+                    _ => {}
+                }
+            }
+            let Some(Op::Field { quant, field }) = self.m.value(v).map(|x| x.op.clone()) else {
+                continue;
+            };
+            let k = match held.iter().position(|h| h.0 == quant) {
+                Some(k) => k,
+                None => {
+                    held.push((quant, None, Vec::new()));
+                    held.len() - 1
+                }
+            };
+            if field == QuantField::Values {
+                held[k].1 = Some((t.name_span, t.name.clone()));
+            }
+            held[k].2.push(field);
+        }
+        for (q, values, fields) in held {
+            let Some((span, name)) = values else { continue };
+            let nvfp4 = matches!(
+                self.m.value(q).map(|x| &x.op),
+                Some(Op::Quant {
+                    scheme: QuantScheme::Nvfp4 { .. },
+                    ..
+                })
+            );
+            let mut missing = Vec::new();
+            if !fields.contains(&QuantField::Scales) {
+                missing.push("`.scales`");
+            }
+            if nvfp4
+                && !fields.contains(&QuantField::DecodeScale)
+                && !fields.contains(&QuantField::GlobalScale)
+            {
+                missing.push("`.decode_scale` (or `.global_scale`)");
+            }
+            if !missing.is_empty() {
+                self.err(
+                    Diagnostic::error(
+                        "E0405",
+                        format!("param `{name}` holds quantized codes whose scales are not registered"),
+                    )
+                    .with_label(span, format!("no param holds {} of this quantization", missing.join(" or ")))
+                    .with_note("the codes mean nothing without their scales, and EPLB moves only params")
+                    .with_note("help: add a `param` for each missing output"),
+                );
+            }
+        }
+    }
+
+    /// Whether a value reads a param's elements other than through `reduce_max` (through lets).
+    fn reads_params_unreduced(&self, v: ValueId, depth: usize) -> bool {
+        let Some(val) = self.m.value(v) else {
+            return false;
+        };
+        if depth > 10_000 {
+            return true;
+        }
+        match &val.op {
+            Op::ReduceMax { .. } => false,
+            Op::Tensor(t) => match self.m.tensor(*t) {
+                Some(x) if x.kind == TensorKind::Param => true,
+                Some(x) if x.kind == TensorKind::Let => x
+                    .value
+                    .is_some_and(|d| self.reads_params_unreduced(d, depth + 1)),
+                _ => false,
+            },
+            op => op
+                .operands()
+                .into_iter()
+                .any(|o| self.reads_params_unreduced(o, depth + 1)),
+        }
+    }
+
     fn check_unregistered_lets(&mut self) {
         let experts = self.experts.clone();
         let lets: Vec<(TensorId, Tensor)> = self
@@ -2396,7 +2509,9 @@ impl<'s> Lower<'s> {
                 .filter(|x| x.kind == TensorKind::Param)
                 .map(|x| format!("`{}`", x.name))
                 .collect();
-            let per_expert = t.shape.first() == experts.as_ref();
+            // Per-expert data survives any re-indexing (permute, reshape, slices, cat, pad,
+            // indexing an expert, arithmetic): only a reduction over every expert leaves it.
+            let per_expert = self.reads_params_unreduced(v, 0);
             if !from_params.is_empty() && per_expert && !self.consumed_by_param.contains(&id) {
                 self.err(
                     Diagnostic::error(
@@ -2414,12 +2529,19 @@ impl<'s> Lower<'s> {
                         "EPLB moves params only, so `{}` would go stale after a rearrangement",
                         t.name
                     ))
-                    .with_note(format!(
-                        "help: declare it as `param {} : {}{} = ...`",
-                        t.name,
-                        t.dtype,
-                        self.m.show_shape(&t.shape)
-                    )),
+                    .with_note(if t.shape.first() == experts.as_ref() {
+                        format!(
+                            "help: declare it as `param {} : {}{} = ...`",
+                            t.name,
+                            t.dtype,
+                            self.m.show_shape(&t.shape)
+                        )
+                    } else {
+                        format!(
+                            "help: register it as a `param` with the experts dimension first, or, where it only re-indexes one param, make it a `view` (its shape is {})",
+                            self.m.show_shape(&t.shape)
+                        )
+                    }),
                 );
             }
         }
