@@ -2405,7 +2405,8 @@ impl<'s> Lower<'s> {
     /// must register `.scales` (and NVFP4's `.decode_scale` or `.global_scale`) of that quantization.
     fn check_values_have_scales(&mut self) {
         // quantization node -> (values param span and name, fields held)
-        let mut held: Vec<(ValueId, Option<(Span, String)>, Vec<QuantField>)> = Vec::new();
+        type Held = (ValueId, Option<(Span, String)>, Vec<QuantField>);
+        let mut held: Vec<Held> = Vec::new();
         for (_, t) in self.m.tensors_with_ids() {
             if t.kind != TensorKind::Param {
                 continue;
