@@ -48,6 +48,64 @@ fn bytes_text(info: &ModuleInfo, e: &moeforge_dsl::verify::MoveEntry) -> String 
     }
 }
 
+/// The logical tensor a view stands for, written from its definition.
+pub fn stands_for(info: &ModuleInfo, view: crate::dsl::ir::TensorId) -> String {
+    let m = info.module();
+    let Some(v) = m.tensor(view).and_then(|t| t.value) else {
+        return "?".into();
+    };
+    definition(info, v, 0)
+}
+
+fn definition(info: &ModuleInfo, v: crate::dsl::ir::ValueId, depth: usize) -> String {
+    use crate::dsl::ir::Op;
+    let m = info.module();
+    let Some(val) = m.value(v) else {
+        return "?".into();
+    };
+    if depth > 64 {
+        return "...".into();
+    }
+    let sub = |x| definition(info, x, depth + 1);
+    let rank = |x: crate::dsl::ir::ValueId| m.value(x).map(|y| y.shape.len()).unwrap_or(0);
+    let index = |base: crate::dsl::ir::ValueId, dim: usize, what: String| {
+        let parts: Vec<String> = (0..rank(base))
+            .map(|k| if k == dim { what.clone() } else { ":".into() })
+            .collect();
+        format!("{}[{}]", sub(base), parts.join(", "))
+    };
+    match &val.op {
+        Op::Tensor(t) => m.tensor(*t).map(|x| x.name.clone()).unwrap_or_default(),
+        Op::Slice {
+            base,
+            dim,
+            start,
+            end,
+        } => index(*base, *dim, format!("{}:{}", m.show(start), m.show(end))),
+        Op::Select { base, dim, index: i } => index(*base, *dim, m.show(i)),
+        Op::Permute { base, perm } => format!(
+            "permute({}, {})",
+            sub(*base),
+            perm.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        ),
+        Op::Reshape { base, shape } => format!(
+            "reshape({}, {})",
+            sub(*base),
+            shape.iter().map(|p| m.show(p)).collect::<Vec<_>>().join(", ")
+        ),
+        Op::MmaSfView { base } => format!(
+            "S_g[r, c] = {}[g, r, c] at (r%32, (r%128)/32, r/128, c%4, c/4, g)",
+            sub(*base)
+        ),
+        Op::Apply { base, layout } => format!(
+            "the raw storage of {} through {}",
+            sub(*base),
+            layout.display(&m.atoms)
+        ),
+        other => other.describe().into(),
+    }
+}
+
 fn map_kind(v: &ViewInfo) -> &'static str {
     match (v.bijective, v.injective) {
         (Some(true), _) => "bijective",
@@ -163,6 +221,13 @@ pub fn human(info: &ModuleInfo) -> String {
             ]);
         }
         out.push_str(&table(&rows));
+        // What each view stands for: its definition over the param's logical elements (the layout
+        // above is that definition composed with the param's storage layout).
+        for v in &info.views {
+            if let Some(t) = m.tensor(v.id) {
+                let _ = writeln!(out, "  {} stands for {}", t.name, stands_for(info, v.id));
+            }
+        }
     }
     if !m.kernels.is_empty() {
         out.push_str("\nkernels\n");
@@ -308,6 +373,7 @@ pub fn json(info: &ModuleInfo) -> Value {
                 "layout_symbolic": v.layout.display(&m.atoms).to_string(),
                 "bijective": v.bijective,
                 "injective": v.injective,
+                "stands_for": stands_for(info, v.id),
                 "claimed_bijective": v.claimed,
                 "in_bounds_proof": v.in_bounds.name(),
                 "bijective_proof": v.bijective_proof.name(),
