@@ -152,16 +152,18 @@ enum CacheAction {
     },
 }
 
+/// Files larger than this are refused unread; up to it, the parser reports a recipe over its own
+/// limit (`dsl::limits::MAX_SOURCE_BYTES`) with a spanned diagnostic.
+const RECIPE_READ_LIMIT: u64 = 16 << 20;
+
 fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
-    match std::fs::read_to_string(file) {
+    match moeforge::read_capped(std::path::Path::new(file), RECIPE_READ_LIMIT) {
         Ok(s) => Ok((file.to_string(), s)),
-        Err(e) => match moeforge::kernels::find(file) {
+        Err(e @ moeforge::Error::Io { .. }) => match moeforge::kernels::find(file) {
             Some(r) => Ok((r.path.to_string(), r.source.to_string())),
-            None => Err(moeforge::Error::Io {
-                path: file.to_string(),
-                source: e,
-            }),
+            None => Err(e),
         },
+        Err(e) => Err(e),
     }
 }
 
