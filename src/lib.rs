@@ -142,8 +142,6 @@ pub fn pack_program(
     Ok(codegen::plan::plan(&info, &present)?)
 }
 
-/// The largest recipe file read (bytes).
-pub const RECIPE_LIMIT: u64 = 1 << 20;
 /// The largest cache manifest read (bytes).
 pub const MANIFEST_LIMIT: u64 = 16 << 20;
 /// The largest `--index-map` printed (elements).

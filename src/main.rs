@@ -155,6 +155,10 @@ enum CacheAction {
     },
 }
 
+/// Files larger than this are refused unread; up to it, the parser reports a recipe over its own
+/// limit (`dsl::limits::MAX_SOURCE_BYTES`) with a spanned diagnostic.
+const RECIPE_READ_LIMIT: u64 = 16 << 20;
+
 fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
     let path = std::path::Path::new(file);
     if !path.exists() {
@@ -162,7 +166,7 @@ fn read_recipe(file: &str) -> moeforge::Result<(String, String)> {
             return Ok((r.path.to_string(), r.source.to_string()));
         }
     }
-    let src = moeforge::read_capped(path, moeforge::RECIPE_LIMIT)?;
+    let src = moeforge::read_capped(path, RECIPE_READ_LIMIT)?;
     Ok((file.to_string(), src))
 }
 

@@ -82,16 +82,27 @@ fn definition(info: &ModuleInfo, v: crate::dsl::ir::ValueId, depth: usize) -> St
             start,
             end,
         } => index(*base, *dim, format!("{}:{}", m.show(start), m.show(end))),
-        Op::Select { base, dim, index: i } => index(*base, *dim, m.show(i)),
+        Op::Select {
+            base,
+            dim,
+            index: i,
+        } => index(*base, *dim, m.show(i)),
         Op::Permute { base, perm } => format!(
             "permute({}, {})",
             sub(*base),
-            perm.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+            perm.iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
         Op::Reshape { base, shape } => format!(
             "reshape({}, {})",
             sub(*base),
-            shape.iter().map(|p| m.show(p)).collect::<Vec<_>>().join(", ")
+            shape
+                .iter()
+                .map(|p| m.show(p))
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
         Op::MmaSfView { base } => format!(
             "S_g[r, c] = {}[g, r, c] at (r%32, (r%128)/32, r/128, c%4, c/4, g)",

@@ -245,14 +245,14 @@ pub enum ExprKind {
     Int(i64),
     /// A name.
     Name(String),
-    /// `a OP b`.
-    Binary {
-        /// Operator.
-        op: BinOp,
-        /// Left operand.
-        lhs: Box<Expr>,
-        /// Right operand.
-        rhs: Box<Expr>,
+    /// `a OP b OP c ...`: operands joined by operators of one precedence level (`+ -`, or
+    /// `* / %`), left-associative. Flat, so that a long sum is not a deep tree; never fewer than
+    /// one link (a lone operand is the operand itself).
+    Chain {
+        /// The first operand.
+        first: Box<Expr>,
+        /// Each further operator with its right operand, left to right.
+        rest: Vec<(BinOp, Expr)>,
     },
     /// `-a`.
     Neg(Box<Expr>),
@@ -270,27 +270,34 @@ pub enum ExprKind {
         /// Arguments.
         args: Vec<Arg>,
     },
-    /// `base.field`.
-    Field {
-        /// The value.
+    /// `base` followed by suffixes: `.field`, `[slices]`, `@ LAYOUT`, applied left to right. Flat,
+    /// so that a long run of suffixes is not a deep tree; never without a suffix.
+    Postfix {
+        /// The value the first suffix applies to.
         base: Box<Expr>,
-        /// The field.
-        field: Ident,
+        /// The suffixes, left to right.
+        ops: Vec<Suffix>,
     },
-    /// `base[slices]`.
-    Index {
-        /// The value.
-        base: Box<Expr>,
-        /// One entry per dimension.
-        slices: Vec<SliceArg>,
-    },
-    /// `base @ LAYOUT`: reinterpret the storage of `base` through an explicit layout.
-    Apply {
-        /// The value.
-        base: Box<Expr>,
-        /// The layout.
-        layout: Box<LayoutLit>,
-    },
+}
+
+/// One suffix of [`ExprKind::Postfix`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Suffix {
+    /// What it does.
+    pub kind: SuffixKind,
+    /// The expression up to and including this suffix (from the start of the base).
+    pub span: Span,
+}
+
+/// Suffix forms.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SuffixKind {
+    /// `.field`.
+    Field(Ident),
+    /// `[slices]`: one entry per dimension.
+    Index(Vec<SliceArg>),
+    /// `@ LAYOUT`: reinterpret the storage through an explicit layout.
+    Apply(Box<LayoutLit>),
 }
 
 /// A call argument: positional `EXPR` or named `NAME = EXPR [reduce GROUP]`.

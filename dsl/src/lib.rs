@@ -8,6 +8,7 @@ pub mod ast;
 pub mod diag;
 pub mod ir;
 pub mod layout;
+pub mod limits;
 pub mod lower;
 pub mod parse;
 pub mod poly;

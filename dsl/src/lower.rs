@@ -2,13 +2,14 @@
 //! it goes. Errors are collected (one per statement at most; a failed definition poisons its name so
 //! that later uses do not cascade).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use crate::ast::{self, Arg, BinOp, Expr, ExprKind, SliceArg, Span, Stmt, TupleLit};
+use crate::ast::{self, Arg, BinOp, Expr, ExprKind, SliceArg, Span, Stmt, SuffixKind, TupleLit};
 use crate::diag::Diagnostic;
 use crate::ir::*;
 use crate::layout::Swizzle;
-use crate::poly::{Atoms, Poly};
+use crate::limits::{MAX_DEPTH, MAX_ERRORS, MAX_EXPANDED, MAX_WRITTEN};
+use crate::poly::{Atoms, Poly, MAX_DEGREE, MAX_TERMS};
 
 #[derive(Debug, Clone)]
 enum Binding {
@@ -27,8 +28,13 @@ struct Lower<'s> {
     m: Module,
     env: HashMap<String, Binding>,
     errors: Vec<Diagnostic>,
-    consumed_by_param: Vec<TensorId>,
+    consumed_by_param: HashSet<TensorId>,
     experts: Option<Poly>,
+    /// Per value (parallel to `m.values`): its depth (a tensor or constant is 0, an operation one
+    /// more than its deepest operand, a `let` one more than its definition) and how many operations
+    /// it stands for once `let`s are substituted. Both bounded: see [`crate::limits`].
+    measure: Vec<(usize, u64)>,
+    kernel_names: HashSet<String>,
 }
 
 /// Lower a parsed recipe to the IR, or return every error found.
@@ -47,8 +53,10 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
         },
         env: HashMap::new(),
         errors: Vec::new(),
-        consumed_by_param: Vec::new(),
+        consumed_by_param: HashSet::new(),
         experts: None,
+        measure: Vec::new(),
+        kernel_names: HashSet::new(),
     };
     l.dims(recipe);
     if l.experts.is_none() {
@@ -60,6 +68,14 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
     }
     if l.errors.is_empty() {
         for s in &recipe.stmts {
+            if l.errors.len() >= MAX_ERRORS {
+                if let Some(last) = l.errors.pop() {
+                    l.errors.push(last.with_note(format!(
+                        "checking stopped after {MAX_ERRORS} errors; later statements were not checked"
+                    )));
+                }
+                break;
+            }
             l.stmt(s);
         }
         l.check_unregistered_lets();
@@ -131,13 +147,15 @@ impl<'s> Lower<'s> {
                     }
                     let (coef, name) = match &expr.kind {
                         ExprKind::Name(n) => (1, n.clone()),
-                        ExprKind::Binary {
-                            op: BinOp::Mul,
-                            lhs,
-                            rhs,
-                        } => match (&lhs.kind, &rhs.kind) {
-                            (ExprKind::Int(c), ExprKind::Name(n))
-                            | (ExprKind::Name(n), ExprKind::Int(c)) => (*c, n.clone()),
+                        ExprKind::Chain { first, rest } => match (&first.kind, rest.as_slice()) {
+                            (ExprKind::Int(c), [(BinOp::Mul, rhs)]) => match &rhs.kind {
+                                ExprKind::Name(n) => (*c, n.clone()),
+                                _ => (0, String::new()),
+                            },
+                            (ExprKind::Name(n), [(BinOp::Mul, rhs)]) => match &rhs.kind {
+                                ExprKind::Int(c) => (*c, n.clone()),
+                                _ => (0, String::new()),
+                            },
                             _ => (0, String::new()),
                         },
                         _ => (0, String::new()),
@@ -340,7 +358,9 @@ impl<'s> Lower<'s> {
                 self.env.get(n),
                 Some(Binding::Dim(_)) | Some(Binding::Size(_))
             ),
-            ExprKind::Binary { lhs, rhs, .. } => self.is_size_expr(lhs) && self.is_size_expr(rhs),
+            ExprKind::Chain { first, rest } => {
+                self.is_size_expr(first) && rest.iter().all(|(_, x)| self.is_size_expr(x))
+            }
             ExprKind::Neg(x) => self.is_size_expr(x),
             ExprKind::Call { func, .. } => {
                 matches!(func.name.as_str(), "ceil_div" | "round_up" | "cd" | "ru")
@@ -369,6 +389,30 @@ impl<'s> Lower<'s> {
     /// every admissible binding: a ceiling atom promises to be at least 1, and every symbolic proof
     /// relies on it.
     fn cdiv(&mut self, p: &Poly, k: i64, span: Span) -> Option<Poly> {
+        // A new ceiling atom nests the atoms of `p` and is written with them.
+        if k > 0 && p.div_exact(k).is_none() && p.as_const().is_none() {
+            let (depth, written) = self.m.atoms.nesting(p);
+            if depth >= MAX_DEPTH {
+                self.err(
+                    Diagnostic::error(
+                        "E0002",
+                        format!("nesting too deep: more than {MAX_DEPTH} levels"),
+                    )
+                    .with_label(span, format!("`ceil_div` of {depth} nested `ceil_div`s")),
+                );
+                return None;
+            }
+            if written >= MAX_WRITTEN {
+                self.err(
+                    Diagnostic::error(
+                        "E0003",
+                        format!("expression too long: a size written with more than {MAX_WRITTEN} terms"),
+                    )
+                    .with_label(span, "this `ceil_div` would be written out with its numerator's `ceil_div`s"),
+                );
+                return None;
+            }
+        }
         if let Some(q) = self.m.atoms.ceil_div(p, k) {
             return Some(q);
         }
@@ -420,15 +464,20 @@ impl<'s> Lower<'s> {
     fn size(&mut self, e: &Expr) -> Option<Poly> {
         let p = self.size_inner(e)?;
         if p.overflowed() {
-            self.err(
-                Diagnostic::error("E0207", "size arithmetic overflows").with_label(
-                    e.span,
-                    "a coefficient of this size leaves the 128-bit range",
-                ),
-            );
+            self.overflow(e.span);
             return None;
         }
         Some(p)
+    }
+
+    fn overflow(&mut self, span: Span) {
+        self.err(
+            Diagnostic::error("E0207", "size arithmetic overflows")
+                .with_label(span, "this size leaves the range of symbolic sizes")
+                .with_note(format!(
+                    "sizes are polynomials with 128-bit coefficients, at most {MAX_TERMS} terms and degree at most {MAX_DEGREE}"
+                )),
+        );
     }
 
     fn size_inner(&mut self, e: &Expr) -> Option<Poly> {
@@ -445,24 +494,38 @@ impl<'s> Lower<'s> {
                 }
             },
             ExprKind::Neg(x) => Some(self.size(x)?.neg()),
-            ExprKind::Binary { op, lhs, rhs } => {
-                let a = self.size(lhs)?;
-                match op {
-                    BinOp::Add => Some(a.add(&self.size(rhs)?)),
-                    BinOp::Sub => Some(a.sub(&self.size(rhs)?)),
-                    BinOp::Mul => Some(a.mul(&self.size(rhs)?)),
-                    BinOp::Div => {
-                        let k = self.const_int(rhs, "a size divisor")?;
-                        self.div_exact(&a, k, lhs.span, e.span)
+            ExprKind::Chain { first, rest } => {
+                // Left to right; `acc` is the value of the chain up to `lhs` (its span).
+                let mut acc = self.size(first)?;
+                let mut lhs = first.span;
+                for (op, rhs) in rest {
+                    let span = Span::new(first.span.start, rhs.span.end);
+                    acc = match op {
+                        BinOp::Add => acc.add(&self.size(rhs)?),
+                        BinOp::Sub => acc.sub(&self.size(rhs)?),
+                        BinOp::Mul => acc.mul(&self.size(rhs)?),
+                        BinOp::Div => {
+                            let k = self.const_int(rhs, "a size divisor")?;
+                            self.div_exact(&acc, k, lhs, span)?
+                        }
+                        BinOp::Rem => {
+                            self.err(
+                                Diagnostic::error(
+                                    "E0106",
+                                    "`%` is only allowed in the where-clause",
+                                )
+                                .with_label(span, "remainder in a size"),
+                            );
+                            return None;
+                        }
+                    };
+                    if acc.overflowed() {
+                        self.overflow(span);
+                        return None;
                     }
-                    BinOp::Rem => {
-                        self.err(
-                            Diagnostic::error("E0106", "`%` is only allowed in the where-clause")
-                                .with_label(e.span, "remainder in a size"),
-                        );
-                        None
-                    }
+                    lhs = span;
                 }
+                Some(acc)
             }
             ExprKind::Call { func, args } => {
                 match func.name.as_str() {
@@ -602,6 +665,25 @@ impl<'s> Lower<'s> {
                     } else {
                         IndexVec::Identity(self.size(&base.value)?)
                     };
+                    let mut depth = 1;
+                    let mut inner = &b;
+                    while let IndexVec::Interleave { base, .. } = inner {
+                        depth += 1;
+                        inner = base;
+                    }
+                    if depth > MAX_DEPTH {
+                        self.err(
+                            Diagnostic::error(
+                                "E0002",
+                                format!("nesting too deep: more than {MAX_DEPTH} levels"),
+                            )
+                            .with_label(
+                                e.span,
+                                format!("`interleave` of {} nested `interleave`s", depth - 1),
+                            ),
+                        );
+                        return None;
+                    }
                     self.div_exact(&b.len().clone(), 2 * g, base.value.span, base.value.span)?;
                     Some(IndexVec::Interleave {
                         base: Box::new(b),
@@ -627,14 +709,64 @@ impl<'s> Lower<'s> {
 
     // ---- values -------------------------------------------------------------------------------
 
-    fn push(&mut self, op: Op, dtype: DType, shape: Vec<Poly>, span: Span) -> ValueId {
+    /// Add a value, refused (E0002, E0003) where it would nest deeper than [`MAX_DEPTH`] or stand
+    /// for more than [`MAX_EXPANDED`] operations, counting through the `let`s it reads: later
+    /// passes (the code generator substitutes `let`s) recurse over it.
+    fn push(&mut self, op: Op, dtype: DType, shape: Vec<Poly>, span: Span) -> Option<ValueId> {
+        let measure = |v: ValueId| self.measure.get(v.0 as usize).copied().unwrap_or((0, 1));
+        let (depth, expanded) = match &op {
+            Op::Const(_) => (0, 1),
+            Op::Tensor(t) => match self.m.tensor(*t) {
+                Some(t) if t.kind == TensorKind::Let => match t.value {
+                    Some(v) => {
+                        let (d, n) = measure(v);
+                        (d + 1, n)
+                    }
+                    None => (0, 1),
+                },
+                _ => (0, 1),
+            },
+            _ => op
+                .operands()
+                .into_iter()
+                .map(measure)
+                .fold((1, 1u64), |(d, n), (od, on)| {
+                    (d.max(od + 1), n.saturating_add(on))
+                }),
+        };
+        if depth > MAX_DEPTH {
+            self.err(
+                Diagnostic::error(
+                    "E0002",
+                    format!("nesting too deep: more than {MAX_DEPTH} levels"),
+                )
+                .with_label(
+                    span,
+                    format!("this is level {depth}, counting the operations inside the `let`s it reads"),
+                )
+                .with_note("help: a `let` names a tensor expression; it does not end the nesting (the code generator substitutes it where it is read)"),
+            );
+            return None;
+        }
+        if expanded > MAX_EXPANDED {
+            self.err(
+                Diagnostic::error(
+                    "E0003",
+                    format!("expression too long: more than {MAX_EXPANDED} operations once `let`s are substituted"),
+                )
+                .with_label(span, "this expression stands for too many operations")
+                .with_note("the code generator substitutes a `let` wherever it is read, so each use of a `let` counts its whole definition"),
+            );
+            return None;
+        }
         self.m.values.push(Value {
             op,
             dtype,
             shape,
             span,
         });
-        ValueId(self.m.values.len() as u32 - 1)
+        self.measure.push((depth, expanded));
+        Some(ValueId(self.m.values.len() as u32 - 1))
     }
 
     fn val(&self, v: ValueId) -> Option<&Value> {
@@ -651,14 +783,14 @@ impl<'s> Lower<'s> {
 
     fn value(&mut self, e: &Expr) -> Option<ValueId> {
         match &e.kind {
-            ExprKind::Int(v) => Some(self.push(Op::Const(*v), DType::F32, Vec::new(), e.span)),
+            ExprKind::Int(v) => self.push(Op::Const(*v), DType::F32, Vec::new(), e.span),
             ExprKind::Name(n) => match self.lookup(n, e.span)? {
                 Binding::Tensor(t) => {
                     let (dtype, shape) = {
                         let t = self.m.tensor(t)?;
                         (t.dtype, t.shape.clone())
                     };
-                    Some(self.push(Op::Tensor(t), dtype, shape, e.span))
+                    self.push(Op::Tensor(t), dtype, shape, e.span)
                 }
                 Binding::Quant(_) => {
                     self.err(
@@ -708,43 +840,56 @@ impl<'s> Lower<'s> {
                 );
                 None
             }
-            ExprKind::Binary { op, lhs, rhs } => self.arith(*op, lhs, rhs, e.span),
-            ExprKind::Field { base, field } => self.field(base, field, e.span),
-            ExprKind::Index { base, slices } => self.index(base, slices, e.span),
-            ExprKind::Apply { base, layout } => {
-                let b = self.value(base)?;
-                let lay = self.layout_lit(layout)?;
-                let shape = lay.shape();
-                let dtype = self.dtype_of(b);
-                Some(self.push(
-                    Op::Apply {
-                        base: b,
-                        layout: lay,
-                    },
-                    dtype,
-                    shape,
-                    e.span,
-                ))
-            }
+            ExprKind::Chain { first, rest } => self.arith(first, rest),
+            ExprKind::Postfix { base, ops } => self.postfix(base, ops),
             ExprKind::Call { func, args } => self.call(func, args, e.span),
         }
     }
 
-    fn arith(&mut self, op: BinOp, lhs: &Expr, rhs: &Expr, span: Span) -> Option<ValueId> {
-        let aop = match op {
-            BinOp::Mul => Arith::Mul,
-            BinOp::Div => Arith::Div,
-            _ => {
-                self.err(
-                    Diagnostic::error("E0106", format!("`{op}` is not defined on tensors"))
-                        .with_label(span, "tensors support `*` and `/` (f32, scalars broadcast)"),
-                );
-                return None;
-            }
-        };
-        let a = self.value(lhs);
-        let b = self.value(rhs);
-        let (a, b) = (a?, b?);
+    /// A chain of tensor arithmetic, left to right: `((a * b) / c) * d`.
+    fn arith(&mut self, first: &Expr, rest: &[(BinOp, Expr)]) -> Option<ValueId> {
+        // The outermost (last) operator tensors do not support is the one reported.
+        if let Some((k, (op, _))) = rest
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, (op, _))| !matches!(op, BinOp::Mul | BinOp::Div))
+        {
+            let span = Span::new(first.span.start, rest[k].1.span.end);
+            self.err(
+                Diagnostic::error("E0106", format!("`{op}` is not defined on tensors"))
+                    .with_label(span, "tensors support `*` and `/` (f32, scalars broadcast)"),
+            );
+            return None;
+        }
+        let mut acc = self.value(first);
+        let mut lhs_span = first.span;
+        for (op, rhs) in rest {
+            let span = Span::new(first.span.start, rhs.span.end);
+            let aop = if *op == BinOp::Mul {
+                Arith::Mul
+            } else {
+                Arith::Div
+            };
+            let b = self.value(rhs);
+            acc = match (acc, b) {
+                (Some(a), Some(b)) => self.arith1(*op, aop, (a, lhs_span), (b, rhs.span), span),
+                _ => None,
+            };
+            lhs_span = span;
+        }
+        acc
+    }
+
+    /// One tensor operation `a OP b` of a chain.
+    fn arith1(
+        &mut self,
+        op: BinOp,
+        aop: Arith,
+        (a, lhs): (ValueId, Span),
+        (b, rhs): (ValueId, Span),
+        span: Span,
+    ) -> Option<ValueId> {
         for (v, ex) in [(a, lhs), (b, rhs)] {
             let dt = self.dtype_of(v);
             if dt != DType::F32 {
@@ -753,7 +898,7 @@ impl<'s> Lower<'s> {
                         "E0202",
                         format!("dtype mismatch: `{op}` needs f32 operands, found {dt}"),
                     )
-                    .with_label(ex.span, format!("this is {dt}")),
+                    .with_label(ex, format!("this is {dt}")),
                 );
                 return None;
             }
@@ -779,7 +924,7 @@ impl<'s> Lower<'s> {
             self.err(d);
             return None;
         };
-        Some(self.push(
+        self.push(
             Op::Arith {
                 op: aop,
                 lhs: a,
@@ -788,7 +933,50 @@ impl<'s> Lower<'s> {
             DType::F32,
             shape,
             span,
-        ))
+        )
+    }
+
+    /// A run of suffixes, left to right: `q.scales[:, rows, :] @ L`.
+    fn postfix(&mut self, base: &Expr, ops: &[ast::Suffix]) -> Option<ValueId> {
+        // A field of anything but a quantization: the last one is reported, nothing is lowered.
+        if let Some(k) = (1..ops.len())
+            .rev()
+            .find(|&k| matches!(ops[k].kind, SuffixKind::Field(_)))
+        {
+            if let SuffixKind::Field(field) = &ops[k].kind {
+                self.err(
+                    Diagnostic::error("E0106", format!("no field `{}` here", field.name))
+                        .with_label(ops[k - 1].span, "only quantizations have fields"),
+                );
+            }
+            return None;
+        }
+        let mut v = match ops.first().map(|o| &o.kind) {
+            // A field reads an output of the quantization its base names.
+            Some(SuffixKind::Field(field)) => self.field(base, field, ops[0].span)?,
+            _ => self.value(base)?,
+        };
+        for op in ops {
+            match &op.kind {
+                SuffixKind::Field(_) => {}
+                SuffixKind::Index(slices) => v = self.index(v, slices, op.span)?,
+                SuffixKind::Apply(layout) => {
+                    let lay = self.layout_lit(layout)?;
+                    let shape = lay.shape();
+                    let dtype = self.dtype_of(v);
+                    v = self.push(
+                        Op::Apply {
+                            base: v,
+                            layout: lay,
+                        },
+                        dtype,
+                        shape,
+                        op.span,
+                    )?;
+                }
+            }
+        }
+        Some(v)
     }
 
     fn quant(&mut self, scheme: &ast::Ident, args: &[Arg], span: Span) -> Option<ValueId> {
@@ -978,7 +1166,10 @@ impl<'s> Lower<'s> {
             if !per_tensor_scales {
                 self.err(
                     Diagnostic::error("E0105", "`amax` has no effect for this `quant fp8`")
-                        .with_label(a.span, "channel and block128 scales take each row's or block's own amax")
+                        .with_label(
+                            a.span,
+                            "channel and block128 scales take each row's or block's own amax",
+                        )
                         .with_note("help: remove `amax = ...`"),
                 );
                 return None;
@@ -1056,7 +1247,7 @@ impl<'s> Lower<'s> {
                 return None;
             }
         }
-        Some(self.push(
+        self.push(
             Op::Quant {
                 scheme: q,
                 input: x,
@@ -1064,7 +1255,7 @@ impl<'s> Lower<'s> {
             values,
             shape,
             span,
-        ))
+        )
     }
 
     fn field(&mut self, base: &Expr, field: &ast::Ident, span: Span) -> Option<ValueId> {
@@ -1130,8 +1321,8 @@ impl<'s> Lower<'s> {
                     Fp8Granularity::Channel => shape[..last].to_vec(),
                     Fp8Granularity::Block128 => {
                         let mut s = shape[..last - 1].to_vec();
-                        let m = self.m.atoms.ceil_div(&shape[last - 1], 128)?;
-                        let k = self.m.atoms.ceil_div(&shape[last], 128)?;
+                        let m = self.cdiv(&shape[last - 1], 128, base.span)?;
+                        let k = self.cdiv(&shape[last], 128, base.span)?;
                         s.push(m);
                         s.push(k);
                         s
@@ -1154,11 +1345,11 @@ impl<'s> Lower<'s> {
             );
             return None;
         };
-        Some(self.push(Op::Field { quant: q, field: f }, dtype, shape, span))
+        self.push(Op::Field { quant: q, field: f }, dtype, shape, span)
     }
 
-    fn index(&mut self, base: &Expr, slices: &[SliceArg], span: Span) -> Option<ValueId> {
-        let mut v = self.value(base)?;
+    fn index(&mut self, base: ValueId, slices: &[SliceArg], span: Span) -> Option<ValueId> {
+        let mut v = base;
         let shape = self.shape_of(v);
         if slices.len() != shape.len() {
             self.err(
@@ -1219,7 +1410,7 @@ impl<'s> Lower<'s> {
                         dtype,
                         cur,
                         *sp,
-                    );
+                    )?;
                 }
                 SliceArg::Expr(e) if self.is_index_expr(e) => {
                     let iv = self.index_vec(e)?;
@@ -1239,7 +1430,7 @@ impl<'s> Lower<'s> {
                         dtype,
                         cur,
                         e.span,
-                    );
+                    )?;
                 }
                 SliceArg::Expr(e) => {
                     let i = self.size(e)?;
@@ -1261,7 +1452,7 @@ impl<'s> Lower<'s> {
                         dtype,
                         cur,
                         e.span,
-                    );
+                    )?;
                 }
             }
         }
@@ -1304,7 +1495,7 @@ impl<'s> Lower<'s> {
                     let mut out = shape.clone();
                     out[n - 2] = self.cdiv(&shape[n - 2], 128, a.value.span)?.scale(128);
                     out[n - 1] = self.cdiv(&shape[n - 1], 4, a.value.span)?.scale(4);
-                    Some(self.push(Op::Swizzle128x4 { base: x }, dt, out, span))
+                    self.push(Op::Swizzle128x4 { base: x }, dt, out, span)
                 } else {
                     if shape.len() != 3 {
                         self.err(
@@ -1329,7 +1520,7 @@ impl<'s> Lower<'s> {
                         kt,
                         shape[0].clone(),
                     ];
-                    Some(self.push(Op::MmaSfView { base: x }, dt, out, span))
+                    self.push(Op::MmaSfView { base: x }, dt, out, span)
                 }
             }
             "pad" | "reshape" | "permute" | "broadcast" => {
@@ -1382,7 +1573,7 @@ impl<'s> Lower<'s> {
                             mult.push(c as i64);
                             out.push(self.cdiv(&shape[k], c as i64, a.span)?.scale(c));
                         }
-                        Some(self.push(
+                        self.push(
                             Op::Pad {
                                 base: x,
                                 multiples: mult,
@@ -1390,7 +1581,7 @@ impl<'s> Lower<'s> {
                             dt,
                             out,
                             span,
-                        ))
+                        )
                     }
                     "reshape" => {
                         let a = rest.iter().fold(Poly::constant(1), |a, s| a.mul(s));
@@ -1409,7 +1600,7 @@ impl<'s> Lower<'s> {
                             );
                             return None;
                         }
-                        Some(self.push(
+                        self.push(
                             Op::Reshape {
                                 base: x,
                                 shape: rest.clone(),
@@ -1417,7 +1608,7 @@ impl<'s> Lower<'s> {
                             dt,
                             rest,
                             span,
-                        ))
+                        )
                     }
                     "permute" => {
                         let mut perm = Vec::new();
@@ -1438,7 +1629,7 @@ impl<'s> Lower<'s> {
                         }
                         let perm: Vec<usize> = perm.iter().map(|&p| p as usize).collect();
                         let out = perm.iter().map(|&p| shape[p].clone()).collect();
-                        Some(self.push(Op::Permute { base: x, perm }, dt, out, span))
+                        self.push(Op::Permute { base: x, perm }, dt, out, span)
                     }
                     _ => {
                         if !shape.is_empty() {
@@ -1454,7 +1645,7 @@ impl<'s> Lower<'s> {
                             );
                             return None;
                         }
-                        Some(self.push(Op::Broadcast { base: x }, dt, rest, span))
+                        self.push(Op::Broadcast { base: x }, dt, rest, span)
                     }
                 }
             }
@@ -1506,7 +1697,7 @@ impl<'s> Lower<'s> {
                     }
                     shape[dim] = shape[dim].add(&s[dim]);
                 }
-                Some(self.push(Op::Cat { parts, dim }, dt, shape, span))
+                self.push(Op::Cat { parts, dim }, dt, shape, span)
             }
             "reduce_max" => {
                 let base = args.iter().find(|a| a.name.is_none());
@@ -1548,12 +1739,12 @@ impl<'s> Lower<'s> {
                     );
                     return None;
                 }
-                Some(self.push(
+                self.push(
                     Op::ReduceMax { base: x, group: g },
                     DType::F32,
                     Vec::new(),
                     span,
-                ))
+                )
             }
             "arange" | "swap_halves" | "interleave" => {
                 self.err(
@@ -1809,7 +2000,7 @@ impl<'s> Lower<'s> {
                     },
                 };
                 for t in self.m.tensors_read(v) {
-                    self.consumed_by_param.push(t);
+                    self.consumed_by_param.insert(t);
                 }
                 let optional = self.is_optional(v);
                 let id = self.add_tensor(Tensor {
@@ -1915,7 +2106,7 @@ impl<'s> Lower<'s> {
                 index,
                 span,
             } => {
-                if self.m.kernels.iter().any(|k| k.name == name.name) {
+                if !self.kernel_names.insert(name.name.clone()) {
                     self.err(
                         Diagnostic::error(
                             "E0102",
@@ -2155,7 +2346,34 @@ impl<'s> Lower<'s> {
         l.swizzle.is_none() && l.offset.is_const(0) && *l == SymLayout::row_major(&shape)
     }
 
+    /// The layout of a view's value over its param's storage: down the chain of bases to the
+    /// tensor, then each layout operation applied from the tensor up (a loop: the chain may be long).
     fn view_layout(&mut self, name: &str, v: ValueId) -> Option<SymLayout> {
+        let mut chain = Vec::new();
+        let mut x = v;
+        let mut l = loop {
+            match &self.val(x)?.op {
+                Op::Tensor(t) => break self.m.tensor(*t)?.storage_layout(),
+                Op::Slice { base, .. }
+                | Op::Select { base, .. }
+                | Op::Permute { base, .. }
+                | Op::Reshape { base, .. }
+                | Op::MmaSfView { base }
+                | Op::Apply { base, .. } => {
+                    chain.push(x);
+                    x = *base;
+                }
+                _ => return None,
+            }
+        };
+        for &x in chain.iter().rev() {
+            l = self.view_step(name, x, l)?;
+        }
+        Some(l)
+    }
+
+    /// One layout operation `v` applied to the layout `l` of its base.
+    fn view_step(&mut self, name: &str, v: ValueId, l: SymLayout) -> Option<SymLayout> {
         let val = self.val(v)?.clone();
         let span = val.span;
         let need_single =
@@ -2178,14 +2396,10 @@ impl<'s> Lower<'s> {
                 }
             };
         match &val.op {
-            Op::Tensor(t) => Some(self.m.tensor(*t)?.storage_layout()),
             Op::Slice {
-                base,
-                dim,
-                start,
-                end,
+                dim, start, end, ..
             } => {
-                let mut l = self.view_layout(name, *base)?;
+                let mut l = l;
                 // A hierarchical mode slices along its last (slowest) sub-mode, where the bounds are
                 // multiples of the inner sub-modes' extent: (s0,..,sk):(d0,..,dk)[a:b] is
                 // (s0,..,(b-a)/P):(d0,..,dk) at offset (a/P)*dk, P = s0*..*s(k-1).
@@ -2207,22 +2421,18 @@ impl<'s> Lower<'s> {
                 l.dims[*dim] = vec![(end.sub(start), d)];
                 Some(l)
             }
-            Op::Select { base, dim, index } => {
-                let mut l = self.view_layout(name, *base)?;
+            Op::Select { dim, index, .. } => {
+                let mut l = l;
                 let (_, d) = need_single(self, &l, *dim)?;
                 l.offset = l.offset.add(&index.mul(&d));
                 l.dims.remove(*dim);
                 Some(l)
             }
-            Op::Permute { base, perm } => {
-                let l = self.view_layout(name, *base)?;
-                Some(SymLayout {
-                    dims: perm.iter().map(|&p| l.dims[p].clone()).collect(),
-                    ..l
-                })
-            }
-            Op::Reshape { base, shape } => {
-                let l = self.view_layout(name, *base)?;
+            Op::Permute { perm, .. } => Some(SymLayout {
+                dims: perm.iter().map(|&p| l.dims[p].clone()).collect(),
+                ..l
+            }),
+            Op::Reshape { shape, .. } => {
                 if l.swizzle.is_none()
                     && SymLayout::row_major(&l.shape())
                         == (SymLayout {
@@ -2238,10 +2448,9 @@ impl<'s> Lower<'s> {
                 }
                 self.reshape(name, &l, shape, span)
             }
-            Op::MmaSfView { base } => {
+            Op::MmaSfView { .. } => {
                 // SPEC §2: view coordinate (r%32, (r%128)/32, r/128, c%4, c/4, g) stands for the
                 // logical scale S_g[r, c]: the logical modes split, composed with the storage layout.
-                let l = self.view_layout(name, *base)?;
                 let s = l.shape();
                 let (mt, kt) = (s[1].div_exact(128)?, s[2].div_exact(4)?);
                 let c = |x: i128| Poly::constant(x);
@@ -2308,8 +2517,7 @@ impl<'s> Lower<'s> {
                     }
                 }
             }
-            Op::Apply { base, layout } => {
-                let l = self.view_layout(name, *base)?;
+            Op::Apply { layout, .. } => {
                 if !self.contiguous(&l) {
                     self.err(
                         Diagnostic::error(
@@ -2458,10 +2666,20 @@ impl<'s> Lower<'s> {
                 self.err(
                     Diagnostic::error(
                         "E0405",
-                        format!("param `{name}` holds quantized codes whose scales are not registered"),
+                        format!(
+                            "param `{name}` holds quantized codes whose scales are not registered"
+                        ),
                     )
-                    .with_label(span, format!("no param holds {} of this quantization", missing.join(" or ")))
-                    .with_note("the codes mean nothing without their scales, and EPLB moves only params")
+                    .with_label(
+                        span,
+                        format!(
+                            "no param holds {} of this quantization",
+                            missing.join(" or ")
+                        ),
+                    )
+                    .with_note(
+                        "the codes mean nothing without their scales, and EPLB moves only params",
+                    )
                     .with_note("help: add a `param` for each missing output"),
                 );
             }
@@ -2550,7 +2768,7 @@ impl<'s> Lower<'s> {
 }
 
 fn similar(a: &str, b: &str) -> bool {
-    if a == b {
+    if a == b || a.len().abs_diff(b.len()) > 2.max(b.len() / 4) {
         return false;
     }
     let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());

@@ -3,6 +3,12 @@
 //! Every node records its byte span. Once a statement's keyword is seen the parser is committed
 //! (nom's `Failure`), so an error points at the first token that does not fit, saying what was
 //! expected and what was found.
+//!
+//! Chains (`a + b - c`, `x * y / z`, `q.scales[:, rows, :] @ L`) are parsed in loops into flat
+//! nodes ([`ExprKind::Chain`], [`ExprKind::Postfix`]), and every construct that nests (parentheses,
+//! calls, `quant`, unary `-`, `[...]`, layout tuples) counts one level of a depth limit, so that
+//! recursion in the parser and in every pass over the syntax tree is bounded: see
+//! [`crate::limits`] for the limits and their error codes (E0002, E0003, E0004).
 
 use nom::bytes::complete::{tag, take_while, take_while1};
 use nom::character::complete::digit1;
@@ -12,14 +18,34 @@ use nom_locate::LocatedSpan;
 
 use crate::ast::*;
 use crate::diag::Diagnostic;
+use crate::limits::{MAX_CHAIN, MAX_DEPTH, MAX_SOURCE_BYTES};
 
 type In<'a> = LocatedSpan<&'a str>;
 
-/// A parse error: the byte offset where parsing stopped and what was expected there.
+/// A parse error: the byte offset where parsing stopped and what was expected there, or the limit
+/// crossed there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PErr {
     offset: usize,
     expected: String,
+    limit: Option<Limit>,
+}
+
+/// A limit of [`crate::limits`] crossed at a parse error's offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Limit {
+    /// More than [`MAX_DEPTH`] nested levels.
+    Depth,
+    /// More than [`MAX_CHAIN`] operands or suffixes in one chain.
+    Chain(ChainKind),
+}
+
+/// What a chain is made of, for the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChainKind {
+    Sum,
+    Product,
+    Suffixes,
 }
 
 impl<'a> ParseError<In<'a>> for PErr {
@@ -27,6 +53,7 @@ impl<'a> ParseError<In<'a>> for PErr {
         PErr {
             offset: input.location_offset(),
             expected: kind.description().to_lowercase(),
+            limit: None,
         }
     }
 
@@ -73,7 +100,33 @@ fn fail<T>(i: &In<'_>, expected: impl Into<String>) -> R<'static, T> {
     Err(nom::Err::Error(PErr {
         offset: off(i),
         expected: expected.into(),
+        limit: None,
     }))
+}
+
+/// A committed error: `limit` crossed at the token that starts at `i` (after whitespace).
+fn crossed(i: In<'_>, limit: Limit) -> nom::Err<PErr> {
+    nom::Err::Failure(PErr {
+        offset: off(&ws(i)),
+        expected: String::new(),
+        limit: Some(limit),
+    })
+}
+
+/// The depth one level inside `d`, for the construct whose opening token starts at `i`.
+fn nest(i: In<'_>, d: usize) -> Result<usize, nom::Err<PErr>> {
+    if d >= MAX_DEPTH {
+        return Err(crossed(i, Limit::Depth));
+    }
+    Ok(d + 1)
+}
+
+/// Refuse a chain that already has [`MAX_CHAIN`] members before adding the one at `i`.
+fn grow(i: In<'_>, len: usize, kind: ChainKind) -> Result<(), nom::Err<PErr>> {
+    if len >= MAX_CHAIN {
+        return Err(crossed(i, Limit::Chain(kind)));
+    }
+    Ok(())
 }
 
 /// Turn a recoverable error into a committed one.
@@ -148,34 +201,34 @@ fn int(i: In<'_>) -> R<'_, (i64, Span)> {
 }
 
 // ---- expressions ------------------------------------------------------------------------------
+//
+// Every function takes the nesting depth `d` of the point it parses at; a construct that nests
+// parses its contents at `nest(..)`, one level deeper.
 
-fn expr(i: In<'_>) -> R<'_, Expr> {
-    let (mut i, mut lhs) = mul_expr(i)?;
+/// `a (+|-) b (+|-) c ...`, one flat chain.
+fn expr(i: In<'_>, d: usize) -> R<'_, Expr> {
+    let (mut i, first) = mul_expr(i, d)?;
+    let mut rest = Vec::new();
     loop {
         let op = if peek_punct(i, "+") {
             BinOp::Add
         } else if peek_punct(i, "-") {
             BinOp::Sub
         } else {
-            return Ok((i, lhs));
+            return Ok((i, chain(first, rest)));
         };
+        grow(i, rest.len() + 1, ChainKind::Sum)?;
         let (r, _) = punct(i, if op == BinOp::Add { "+" } else { "-" })?;
-        let (r, rhs) = commit(mul_expr(r))?;
-        let span = lhs.span.to(rhs.span);
-        lhs = Expr {
-            kind: ExprKind::Binary {
-                op,
-                lhs: Box::new(lhs),
-                rhs: Box::new(rhs),
-            },
-            span,
-        };
+        let (r, rhs) = commit(mul_expr(r, d))?;
+        rest.push((op, rhs));
         i = r;
     }
 }
 
-fn mul_expr(i: In<'_>) -> R<'_, Expr> {
-    let (mut i, mut lhs) = unary(i)?;
+/// `a (*|/|%) b ...`, one flat chain.
+fn mul_expr(i: In<'_>, d: usize) -> R<'_, Expr> {
+    let (mut i, first) = unary(i, d)?;
+    let mut rest = Vec::new();
     loop {
         let (op, p) = if peek_punct(i, "*") {
             (BinOp::Mul, "*")
@@ -184,86 +237,106 @@ fn mul_expr(i: In<'_>) -> R<'_, Expr> {
         } else if peek_punct(i, "%") {
             (BinOp::Rem, "%")
         } else {
-            return Ok((i, lhs));
+            return Ok((i, chain(first, rest)));
         };
+        grow(i, rest.len() + 1, ChainKind::Product)?;
         let (r, _) = punct(i, p)?;
-        let (r, rhs) = commit(unary(r))?;
-        let span = lhs.span.to(rhs.span);
-        lhs = Expr {
-            kind: ExprKind::Binary {
-                op,
-                lhs: Box::new(lhs),
-                rhs: Box::new(rhs),
-            },
-            span,
-        };
+        let (r, rhs) = commit(unary(r, d))?;
+        rest.push((op, rhs));
         i = r;
     }
 }
 
-fn unary(i: In<'_>) -> R<'_, Expr> {
-    if peek_punct(i, "-") {
-        let (r, s) = punct(i, "-")?;
-        let (r, e) = commit(unary(r))?;
-        let span = s.to(e.span);
-        return Ok((
-            r,
-            Expr {
-                kind: ExprKind::Neg(Box::new(e)),
-                span,
+/// A chain node, or its only operand.
+fn chain(first: Expr, rest: Vec<(BinOp, Expr)>) -> Expr {
+    match rest.last() {
+        None => first,
+        Some((_, last)) => Expr {
+            span: first.span.to(last.span),
+            kind: ExprKind::Chain {
+                first: Box::new(first),
+                rest,
             },
-        ));
+        },
     }
-    postfix(i)
 }
 
-fn postfix(i: In<'_>) -> R<'_, Expr> {
-    let (mut i, mut e) = primary(i)?;
+/// `- - x`: the signs are counted in a loop (each one a level), then applied inside out.
+fn unary(i: In<'_>, d: usize) -> R<'_, Expr> {
+    let mut signs = Vec::new();
+    let (mut i, mut d) = (i, d);
+    while peek_punct(i, "-") {
+        d = nest(i, d)?;
+        let (r, s) = punct(i, "-")?;
+        signs.push(s);
+        i = r;
+    }
+    let (r, mut e) = if signs.is_empty() {
+        postfix(i, d)?
+    } else {
+        commit(postfix(i, d))?
+    };
+    while let Some(s) = signs.pop() {
+        e = Expr {
+            span: s.to(e.span),
+            kind: ExprKind::Neg(Box::new(e)),
+        };
+    }
+    Ok((r, e))
+}
+
+/// A primary followed by suffixes (`.field`, `[slices]`, `@ LAYOUT`), one flat node.
+fn postfix(i: In<'_>, d: usize) -> R<'_, Expr> {
+    let (mut i, base) = primary(i, d)?;
+    let start = base.span.start;
+    let mut ops: Vec<Suffix> = Vec::new();
     loop {
-        if peek_punct(i, ".") {
+        let (r, kind, end) = if peek_punct(i, ".") {
+            grow(i, ops.len(), ChainKind::Suffixes)?;
             let (r, _) = punct(i, ".")?;
             let (r, field) = commit(ident(r))?;
-            let span = e.span.to(field.span);
-            e = Expr {
-                kind: ExprKind::Field {
-                    base: Box::new(e),
-                    field,
-                },
-                span,
-            };
-            i = r;
+            let end = field.span.end;
+            (r, SuffixKind::Field(field), end)
         } else if peek_punct(i, "[") {
+            grow(i, ops.len(), ChainKind::Suffixes)?;
+            let inner = nest(i, d)?;
             let (r, _) = punct(i, "[")?;
-            let (r, slices) = commit(slice_list(r))?;
+            let (r, slices) = commit(slice_list(r, inner))?;
             let (r, close) = commit(punct(r, "]"))?;
-            let span = e.span.to(close);
-            e = Expr {
-                kind: ExprKind::Index {
-                    base: Box::new(e),
-                    slices,
-                },
-                span,
-            };
-            i = r;
+            (r, SuffixKind::Index(slices), close.end)
         } else if peek_punct(i, "@") {
+            grow(i, ops.len(), ChainKind::Suffixes)?;
+            let inner = nest(i, d)?;
             let (r, _) = punct(i, "@")?;
-            let (r, layout) = commit(layout_lit(r))?;
-            let span = e.span.to(layout.span);
-            e = Expr {
-                kind: ExprKind::Apply {
-                    base: Box::new(e),
-                    layout: Box::new(layout),
-                },
-                span,
-            };
-            i = r;
+            let (r, layout) = commit(layout_lit(r, inner))?;
+            let end = layout.span.end;
+            (r, SuffixKind::Apply(Box::new(layout)), end)
         } else {
-            return Ok((i, e));
-        }
+            break;
+        };
+        ops.push(Suffix {
+            kind,
+            span: Span::new(start, end),
+        });
+        i = r;
     }
+    let Some(last) = ops.last() else {
+        return Ok((i, base));
+    };
+    let span = Span::new(start, last.span.end);
+    Ok((
+        i,
+        Expr {
+            kind: ExprKind::Postfix {
+                base: Box::new(base),
+                ops,
+            },
+            span,
+        },
+    ))
 }
 
-fn primary(i: In<'_>) -> R<'_, Expr> {
+fn primary(i: In<'_>, d: usize) -> R<'_, Expr> {
     let i = ws(i);
     if i.fragment().starts_with(|c: char| c.is_ascii_digit()) {
         let (r, (v, span)) = int(i)?;
@@ -276,16 +349,18 @@ fn primary(i: In<'_>) -> R<'_, Expr> {
         ));
     }
     if peek_punct(i, "(") {
+        let inner = nest(i, d)?;
         let (r, _) = punct(i, "(")?;
-        let (r, e) = commit(expr(r))?;
+        let (r, e) = commit(expr(r, inner))?;
         let (r, _) = commit(punct(r, ")"))?;
         return Ok((r, e));
     }
     if peek_keyword(i, "quant") {
         let (r, kw) = keyword(i, "quant")?;
         let (r, scheme) = commit(ident(r))?;
+        let inner = nest(r, d)?;
         let (r, _) = commit(punct(r, "("))?;
-        let (r, args) = commit(arg_list(r))?;
+        let (r, args) = commit(arg_list(r, inner))?;
         let (r, close) = commit(punct(r, ")"))?;
         return Ok((
             r,
@@ -300,8 +375,9 @@ fn primary(i: In<'_>) -> R<'_, Expr> {
         Err(_) => return fail(&i, "an expression"),
     };
     if peek_punct(r, "(") {
+        let inner = nest(r, d)?;
         let (r, _) = punct(r, "(")?;
-        let (r, args) = commit(arg_list(r))?;
+        let (r, args) = commit(arg_list(r, inner))?;
         let (r, close) = commit(punct(r, ")"))?;
         let span = name.span.to(close);
         return Ok((
@@ -321,14 +397,14 @@ fn primary(i: In<'_>) -> R<'_, Expr> {
     ))
 }
 
-fn arg_list(i: In<'_>) -> R<'_, Vec<Arg>> {
+fn arg_list(i: In<'_>, d: usize) -> R<'_, Vec<Arg>> {
     let mut out = Vec::new();
     if peek_punct(i, ")") {
         return Ok((i, out));
     }
     let mut i = i;
     loop {
-        let (r, a) = arg(i)?;
+        let (r, a) = arg(i, d)?;
         out.push(a);
         if peek_punct(r, ",") {
             let (r, _) = punct(r, ",")?;
@@ -339,12 +415,12 @@ fn arg_list(i: In<'_>) -> R<'_, Vec<Arg>> {
     }
 }
 
-fn arg(i: In<'_>) -> R<'_, Arg> {
+fn arg(i: In<'_>, d: usize) -> R<'_, Arg> {
     // `NAME = VALUE [reduce GROUP]` or a positional expression.
     if let Ok((r, name)) = ident(i) {
         if peek_punct(r, "=") && !peek_punct(r, "==") {
             let (r, _) = punct(r, "=")?;
-            let (r, value) = commit(expr(r))?;
+            let (r, value) = commit(expr(r, d))?;
             let (r, reduce) = if peek_keyword(r, "reduce") {
                 let (r, _) = keyword(r, "reduce")?;
                 let (r, g) = commit(ident(r))?;
@@ -364,7 +440,7 @@ fn arg(i: In<'_>) -> R<'_, Arg> {
             ));
         }
     }
-    let (r, value) = expr(i)?;
+    let (r, value) = expr(i, d)?;
     Ok((
         r,
         Arg {
@@ -376,11 +452,11 @@ fn arg(i: In<'_>) -> R<'_, Arg> {
     ))
 }
 
-fn slice_list(i: In<'_>) -> R<'_, Vec<SliceArg>> {
+fn slice_list(i: In<'_>, d: usize) -> R<'_, Vec<SliceArg>> {
     let mut out = Vec::new();
     let mut i = i;
     loop {
-        let (r, s) = slice(i)?;
+        let (r, s) = slice(i, d)?;
         out.push(s);
         if peek_punct(r, ",") {
             let (r, _) = punct(r, ",")?;
@@ -391,13 +467,13 @@ fn slice_list(i: In<'_>) -> R<'_, Vec<SliceArg>> {
     }
 }
 
-fn slice(i: In<'_>) -> R<'_, SliceArg> {
+fn slice(i: In<'_>, d: usize) -> R<'_, SliceArg> {
     if peek_punct(i, ":") {
         let (r, colon) = punct(i, ":")?;
         if peek_punct(r, ",") || peek_punct(r, "]") {
             return Ok((r, SliceArg::Full(colon)));
         }
-        let (r, end) = expr(r)?;
+        let (r, end) = expr(r, d)?;
         let span = colon.to(end.span);
         return Ok((
             r,
@@ -408,7 +484,7 @@ fn slice(i: In<'_>) -> R<'_, SliceArg> {
             },
         ));
     }
-    let (r, e) = expr(i)?;
+    let (r, e) = expr(i, d)?;
     if peek_punct(r, ":") {
         let (r, colon) = punct(r, ":")?;
         if peek_punct(r, ",") || peek_punct(r, "]") {
@@ -422,7 +498,7 @@ fn slice(i: In<'_>) -> R<'_, SliceArg> {
                 },
             ));
         }
-        let (r, end) = expr(r)?;
+        let (r, end) = expr(r, d)?;
         let span = e.span.to(end.span);
         return Ok((
             r,
@@ -436,12 +512,13 @@ fn slice(i: In<'_>) -> R<'_, SliceArg> {
     Ok((r, SliceArg::Expr(e)))
 }
 
-fn tuple_lit(i: In<'_>) -> R<'_, TupleLit> {
+fn tuple_lit(i: In<'_>, d: usize) -> R<'_, TupleLit> {
     if peek_punct(i, "(") {
+        let inner = nest(i, d)?;
         let (mut r, open) = punct(i, "(")?;
         let mut elems = Vec::new();
         loop {
-            let (r2, e) = tuple_lit(r)?;
+            let (r2, e) = tuple_lit(r, inner)?;
             elems.push(e);
             if peek_punct(r2, ",") {
                 let (r3, _) = punct(r2, ",")?;
@@ -460,11 +537,11 @@ fn tuple_lit(i: In<'_>) -> R<'_, TupleLit> {
             }
         }
     }
-    let (r, e) = expr(i)?;
+    let (r, e) = expr(i, d)?;
     Ok((r, TupleLit::Leaf(e)))
 }
 
-fn layout_lit(i: In<'_>) -> R<'_, LayoutLit> {
+fn layout_lit(i: In<'_>, d: usize) -> R<'_, LayoutLit> {
     let i = ws(i);
     let start = off(&i);
     let (i, swizzle) = if i.fragment().starts_with("S<") {
@@ -486,9 +563,9 @@ fn layout_lit(i: In<'_>) -> R<'_, LayoutLit> {
     } else {
         (i, None)
     };
-    let (r, shape) = tuple_lit(i)?;
+    let (r, shape) = tuple_lit(i, d)?;
     let (r, _) = punct(r, ":")?;
-    let (r, stride) = tuple_lit(r)?;
+    let (r, stride) = tuple_lit(r, d)?;
     let span = Span::new(start, stride.span().end);
     Ok((
         r,
@@ -510,7 +587,7 @@ fn type_expr(i: In<'_>) -> R<'_, TypeExpr> {
     let mut r = r;
     if !peek_punct(r, "]") {
         loop {
-            let (r2, d) = expr(r)?;
+            let (r2, d) = expr(r, 0)?;
             dims.push(d);
             if peek_punct(r2, ",") {
                 r = punct(r2, ",")?.0;
@@ -523,7 +600,7 @@ fn type_expr(i: In<'_>) -> R<'_, TypeExpr> {
     let (r, close) = punct(r, "]")?;
     let (r, layout) = if peek_punct(r, "@") {
         let (r, _) = punct(r, "@")?;
-        let (r, l) = layout_lit(r)?;
+        let (r, l) = layout_lit(r, 0)?;
         (r, Some(l))
     } else {
         (r, None)
@@ -578,7 +655,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
             let (r, _) = commit(punct(r, ":"))?;
             let (r, ty) = commit(type_expr(r))?;
             let (r, _) = commit(punct(r, "="))?;
-            let (r, value) = commit(expr(r))?;
+            let (r, value) = commit(expr(r, 0))?;
             Ok((
                 r,
                 Stmt::Param {
@@ -599,7 +676,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
                 (r, None)
             };
             let (r, _) = commit(punct(r, "="))?;
-            let (r, value) = commit(expr(r))?;
+            let (r, value) = commit(expr(r, 0))?;
             let (r, bijective) = if peek_keyword(r, "bijective") {
                 let (r, s) = keyword(r, "bijective")?;
                 (r, Some(s))
@@ -620,7 +697,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
         "let" => {
             let (r, name) = commit(ident(r))?;
             let (r, _) = commit(punct(r, "="))?;
-            let (r, value) = commit(expr(r))?;
+            let (r, value) = commit(expr(r, 0))?;
             Ok((
                 r,
                 Stmt::Let {
@@ -681,30 +758,30 @@ fn ident_list(i: In<'_>) -> R<'_, Vec<Ident>> {
 }
 
 fn constraint(i: In<'_>) -> R<'_, Constraint> {
-    let (r, e) = expr(i)?;
+    let (r, e) = expr(i, 0)?;
     if peek_punct(r, "==") {
         let (r, _) = punct(r, "==")?;
         let (r, (z, zspan)) = commit(int(r))?;
-        if let ExprKind::Binary {
-            op: BinOp::Rem,
-            lhs,
-            rhs,
-        } = &e.kind
-        {
-            if let (ExprKind::Int(k), 0) = (&rhs.kind, z) {
-                return Ok((
-                    r,
-                    Constraint::Divisible {
-                        expr: (**lhs).clone(),
-                        by: *k,
-                        span: e.span.to(zspan),
-                    },
-                ));
+        if let ExprKind::Chain { first, rest } = &e.kind {
+            if let (Some(((BinOp::Rem, rhs), init)), 0) = (rest.split_last(), z) {
+                if let ExprKind::Int(k) = rhs.kind {
+                    // `EXPR % K`: EXPR is the chain without its last link.
+                    let expr = chain((**first).clone(), init.to_vec());
+                    return Ok((
+                        r,
+                        Constraint::Divisible {
+                            expr,
+                            by: k,
+                            span: e.span.to(zspan),
+                        },
+                    ));
+                }
             }
         }
         return Err(nom::Err::Failure(PErr {
             offset: e.span.start,
             expected: "a constraint of the form `EXPR % K == 0` or `DIM <= N`".into(),
+            limit: None,
         }));
     }
     for (p, op) in [
@@ -720,6 +797,7 @@ fn constraint(i: In<'_>) -> R<'_, Constraint> {
                 return Err(nom::Err::Failure(PErr {
                     offset: e.span.start,
                     expected: "a dimension name on the left of a bound".into(),
+                    limit: None,
                 }));
             };
             return Ok((
@@ -800,6 +878,7 @@ fn recipe(i: In<'_>) -> R<'_, Recipe> {
         return Err(nom::Err::Failure(PErr {
             offset: off(&rest),
             expected: "the end of the file after the recipe's `}`".into(),
+            limit: None,
         }));
     }
     let (r, _) = take_while(|_| false).parse(rest)?;
@@ -833,7 +912,14 @@ fn found_at(src: &str, offset: usize) -> String {
 }
 
 /// Parse a recipe source into its syntax tree.
+///
+/// A source larger than [`MAX_SOURCE_BYTES`] is refused (E0004) before it is read; nesting deeper
+/// than [`MAX_DEPTH`] levels (E0002) and chains longer than [`MAX_CHAIN`] (E0003) are refused where
+/// the limit is crossed.
 pub fn parse(src: &str) -> Result<Recipe, Diagnostic> {
+    if src.len() > MAX_SOURCE_BYTES {
+        return Err(too_large(src));
+    }
     match recipe(LocatedSpan::new(src)) {
         Ok((_, r)) => Ok(r),
         Err(nom::Err::Error(e)) | Err(nom::Err::Failure(e)) => {
@@ -850,17 +936,74 @@ pub fn parse(src: &str) -> Result<Recipe, Diagnostic> {
                 0
             };
             let end = (at + len).min(src.len());
-            Err(Diagnostic::error(
-                "E0001",
-                format!("syntax error: expected {}, found {found}", e.expected),
-            )
-            .with_label(Span::new(at, end), format!("expected {}", e.expected)))
+            let span = Span::new(at, end);
+            Err(match e.limit {
+                Some(limit) => limit_diagnostic(limit, span),
+                None => Diagnostic::error(
+                    "E0001",
+                    format!("syntax error: expected {}, found {found}", e.expected),
+                )
+                .with_label(span, format!("expected {}", e.expected)),
+            })
         }
         Err(nom::Err::Incomplete(_)) => Err(Diagnostic::error(
             "E0001",
             "syntax error: unexpected end of input",
         )
         .with_label(Span::new(src.len(), src.len()), "input ends here")),
+    }
+}
+
+/// E0004: the source is larger than [`MAX_SOURCE_BYTES`]; the label marks the first character past
+/// the limit.
+fn too_large(src: &str) -> Diagnostic {
+    let mut at = MAX_SOURCE_BYTES;
+    while !src.is_char_boundary(at) {
+        at += 1;
+    }
+    let end = src
+        .get(at..)
+        .and_then(|s| s.chars().next())
+        .map_or(at, |c| at + c.len_utf8());
+    Diagnostic::error(
+        "E0004",
+        format!(
+            "recipe too large: more than {MAX_SOURCE_BYTES} bytes ({} MiB)",
+            MAX_SOURCE_BYTES >> 20
+        ),
+    )
+    .with_label(Span::new(at, end), "the limit is crossed here")
+    .with_note(format!("the recipe has {} bytes", src.len()))
+}
+
+/// E0002 or E0003 for a limit crossed at `span`.
+fn limit_diagnostic(limit: Limit, span: Span) -> Diagnostic {
+    match limit {
+        Limit::Depth => Diagnostic::error(
+            "E0002",
+            format!("nesting too deep: more than {MAX_DEPTH} levels"),
+        )
+        .with_label(span, format!("level {} starts here", MAX_DEPTH + 1))
+        .with_note(format!(
+            "parentheses, calls, `quant`, unary `-`, `[...]`, `@` layouts and layout tuples nest at most {MAX_DEPTH} levels deep"
+        )),
+        Limit::Chain(kind) => {
+            let (what, one, each) = match kind {
+                ChainKind::Sum => ("terms", "sum", "term"),
+                ChainKind::Product => ("factors", "product", "factor"),
+                ChainKind::Suffixes => (
+                    "suffixes (`.f`, `[...]`, `@ L`)",
+                    "run after one operand",
+                    "suffix",
+                ),
+            };
+            Diagnostic::error(
+                "E0003",
+                format!("expression too long: more than {MAX_CHAIN} {what} in one {one}"),
+            )
+            .with_label(span, format!("{each} {} starts here", MAX_CHAIN + 1))
+            .with_note("help: name parts of it with `let`")
+        }
     }
 }
 

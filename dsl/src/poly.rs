@@ -5,6 +5,10 @@
 //! or a ceiling division `ceil(p / k)` that does not divide exactly. Every atom is at least 1 for every
 //! admissible binding, which is what the verifier's symbolic proofs rely on: `p >= 0` is proven when
 //! substituting `a = 1 + a'` for every atom leaves only non-negative coefficients.
+//!
+//! Arithmetic is bounded: a coefficient outside `i128`, more than [`MAX_TERMS`] terms or a monomial
+//! of degree above [`MAX_DEGREE`] marks the result as overflowed ([`Poly::overflowed`]) instead of
+//! wrapping, panicking or growing without end (`let b = a * a` repeated squares the degree).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -36,10 +40,22 @@ pub enum AtomKind {
     },
 }
 
+/// Most terms a polynomial may have; more marks it overflowed.
+pub const MAX_TERMS: usize = 256;
+
+/// Highest total degree of a monomial; more marks the polynomial overflowed.
+pub const MAX_DEGREE: u32 = 1024;
+
 /// The atoms of one recipe.
 #[derive(Debug, Clone, Default)]
 pub struct Atoms {
     kinds: Vec<AtomKind>,
+    /// Per atom: its least value over the admissible bindings (kept as atoms are added).
+    mins: Vec<i128>,
+    /// Per atom: how many `ceil_div`s it nests and how many atom occurrences it is written with.
+    nest: Vec<(usize, u64)>,
+    /// The ceiling atoms by `(numerator, denominator)`, for deduplication.
+    ceil_ids: BTreeMap<(Poly, i64), AtomId>,
 }
 
 /// A binding of atoms to values (indexed by [`AtomId`]).
@@ -53,35 +69,57 @@ impl Atoms {
 
     /// Register a dimension atom of at least `min` units (`min >= 1`).
     pub fn dim_bounded(&mut self, name: &str, unit: i64, min: i128, max: Option<i64>) -> AtomId {
-        self.kinds.push(AtomKind::Dim {
+        self.push(AtomKind::Dim {
             name: name.to_string(),
             unit,
             max,
             min: min.max(1),
-        });
+        })
+    }
+
+    fn push(&mut self, kind: AtomKind) -> AtomId {
+        let (min, nest) = match &kind {
+            AtomKind::Dim { min, .. } => (*min, (0, 1)),
+            AtomKind::CeilDiv { num, den } => {
+                let min = num
+                    .lower_bound(&self.mins)
+                    .map(|n| (n + *den as i128 - 1).div_euclid(*den as i128))
+                    .unwrap_or(1)
+                    .max(1);
+                let (depth, written) = self.nesting(num);
+                (min, (depth + 1, written.saturating_add(1)))
+            }
+        };
+        self.kinds.push(kind);
+        self.mins.push(min);
+        self.nest.push(nest);
         AtomId(self.kinds.len() as u32 - 1)
     }
 
     /// The least value of every atom over the admissible bindings (each at least 1).
     pub fn lower_bounds(&self) -> Vec<i128> {
-        let mut out: Vec<i128> = Vec::with_capacity(self.kinds.len());
-        for k in &self.kinds {
-            let v = match k {
-                AtomKind::Dim { min, .. } => *min,
-                AtomKind::CeilDiv { num, den } => num
-                    .lower_bound(&out)
-                    .map(|n| (n + *den as i128 - 1).div_euclid(*den as i128))
-                    .unwrap_or(1)
-                    .max(1),
-            };
-            out.push(v);
+        self.mins.clone()
+    }
+
+    /// How deeply the atoms of `p` nest `ceil_div`s, and how many atom occurrences `p` is written
+    /// with (each `ceil_div` atom counting its numerator's).
+    pub fn nesting(&self, p: &Poly) -> (usize, u64) {
+        let mut depth = 0;
+        let mut written = 0u64;
+        for (m, _) in p.terms() {
+            written = written.saturating_add(1);
+            for &(a, e) in m {
+                let (d, w) = self.nest.get(a.0 as usize).copied().unwrap_or((0, 1));
+                depth = depth.max(d);
+                written = written.saturating_add(w.saturating_mul(u64::from(e)));
+            }
         }
-        out
+        (depth, written)
     }
 
     /// Proves `p >= 0` for every admissible binding, using each atom's lower bound.
     pub fn nonneg(&self, p: &Poly) -> bool {
-        p.provably_nonneg_with(&self.lower_bounds())
+        p.provably_nonneg_with(&self.mins)
     }
 
     /// The kind of an atom.
@@ -117,15 +155,16 @@ impl Atoms {
         if !self.nonneg(&p.sub(&Poly::constant(1))) {
             return None;
         }
-        let kind = AtomKind::CeilDiv {
-            num: p.clone(),
-            den: k,
-        };
-        let id = match self.kinds.iter().position(|x| *x == kind) {
-            Some(i) => AtomId(i as u32),
+        let key = (p.clone(), k);
+        let id = match self.ceil_ids.get(&key) {
+            Some(&id) => id,
             None => {
-                self.kinds.push(kind);
-                AtomId(self.kinds.len() as u32 - 1)
+                let id = self.push(AtomKind::CeilDiv {
+                    num: p.clone(),
+                    den: k,
+                });
+                self.ceil_ids.insert(key, id);
+                id
             }
         };
         Some(Poly::atom(id))
@@ -187,12 +226,16 @@ pub struct Poly {
     overflow: bool,
 }
 
-fn mono_mul(a: &Monomial, b: &Monomial) -> Monomial {
+/// The product of two monomials; `None` above [`MAX_DEGREE`].
+fn mono_mul(a: &Monomial, b: &Monomial) -> Option<Monomial> {
     let mut m: BTreeMap<AtomId, u32> = BTreeMap::new();
+    let mut degree: u32 = 0;
     for &(x, e) in a.iter().chain(b) {
-        *m.entry(x).or_insert(0) += e;
+        let slot = m.entry(x).or_insert(0);
+        *slot = slot.checked_add(e)?;
+        degree = degree.checked_add(e)?;
     }
-    m.into_iter().collect()
+    (degree <= MAX_DEGREE).then(|| m.into_iter().collect())
 }
 
 fn gcd(a: i128, b: i128) -> i128 {
@@ -230,8 +273,11 @@ impl Poly {
         self.terms.iter()
     }
 
-    /// The constant value, if the polynomial is constant.
+    /// The constant value, if the polynomial is constant (never for an overflowed one).
     pub fn as_const(&self) -> Option<i128> {
+        if self.overflow {
+            return None;
+        }
         match self.terms.len() {
             0 => Some(0),
             1 => self.terms.get(&Vec::new()).copied(),
@@ -257,6 +303,9 @@ impl Poly {
             if *e == 0 {
                 p.terms.remove(m);
             }
+        }
+        if p.terms.len() > MAX_TERMS {
+            p.overflow = true;
         }
         p
     }
@@ -292,21 +341,30 @@ impl Poly {
 
     /// Product.
     pub fn mul(&self, o: &Poly) -> Poly {
-        let mut p = Poly::zero();
-        p.overflow = self.overflow || o.overflow;
+        let mut overflow = self.overflow || o.overflow;
+        let mut terms: BTreeMap<Monomial, i128> = BTreeMap::new();
         for (ma, ca) in &self.terms {
             for (mb, cb) in &o.terms {
-                let (c, over) = match ca.checked_mul(*cb) {
-                    Some(c) => (c, false),
-                    None => (1, true),
+                let Some(m) = mono_mul(ma, mb) else {
+                    overflow = true;
+                    continue;
                 };
-                p = p.add(&Poly {
-                    terms: [(mono_mul(ma, mb), c)].into_iter().collect(),
-                    overflow: over,
+                let c = ca.checked_mul(*cb).unwrap_or_else(|| {
+                    overflow = true;
+                    1
                 });
+                let e = terms.entry(m).or_insert(0);
+                match e.checked_add(c) {
+                    Some(v) => *e = v,
+                    None => overflow = true,
+                }
             }
         }
-        p
+        terms.retain(|_, c| *c != 0);
+        if terms.len() > MAX_TERMS {
+            overflow = true;
+        }
+        Poly { terms, overflow }
     }
 
     /// Product with a constant.
@@ -362,8 +420,11 @@ impl Poly {
         self.terms.values().fold(0, |g, &c| gcd(g, c))
     }
 
-    /// Value for a binding of the atoms.
+    /// Value for a binding of the atoms (none for an overflowed polynomial).
     pub fn eval(&self, vals: &[i128]) -> Option<i128> {
+        if self.overflow {
+            return None;
+        }
         let mut s: i128 = 0;
         for (m, c) in &self.terms {
             let mut t = *c;
@@ -381,6 +442,9 @@ impl Poly {
     /// An upper bound for every binding with atoms in `[1, bound]`, when all atoms with a positive
     /// coefficient are bounded.
     pub fn upper_bound(&self, bounds: &[Option<i128>]) -> Option<i128> {
+        if self.overflow {
+            return None;
+        }
         let mut s: i128 = 0;
         for (m, c) in &self.terms {
             if *c < 0 {
@@ -418,9 +482,15 @@ impl Poly {
             for &(a, e) in m {
                 for _ in 0..e {
                     t = t.mul(&one_plus(a));
+                    if t.overflow {
+                        return t;
+                    }
                 }
             }
             shifted = shifted.add(&t);
+            if shifted.overflow {
+                return shifted;
+            }
         }
         shifted
     }
@@ -435,7 +505,7 @@ impl Poly {
     /// has no negative coefficient (its constant term).
     pub fn lower_bound(&self, mins: &[i128]) -> Option<i128> {
         let s = self.shifted(mins);
-        (!s.overflow && s.terms.iter().all(|(m, c)| m.is_empty() || *c >= 0))
+        (!s.overflow && !self.overflow && s.terms.iter().all(|(m, c)| m.is_empty() || *c >= 0))
             .then(|| s.as_const_term())
     }
 

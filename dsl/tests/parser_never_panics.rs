@@ -31,8 +31,47 @@ fn run(src: &str) {
     }
 }
 
+/// [`run`] on a 1 MiB stack: deep input must not need more (`dsl/tests/hostile_input.rs`).
+fn run_small_stack(src: String) {
+    std::thread::Builder::new()
+        .stack_size(1 << 20)
+        .spawn(move || run(&src))
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+/// Openers and closers of every nesting construct, and chain links, for deep and long input.
+const NESTS: &[(&str, &str)] = &[
+    ("(", ")"),
+    ("-", ""),
+    ("permute(", ", 1, 0)"),
+    ("ceil_div(", ", 2)"),
+    ("cat(", ", w)"),
+    ("w[", ", :]"),
+    ("quant nvfp4(", ")"),
+    ("(", ""),
+    ("", " + H"),
+    ("", " * w"),
+    ("", "[:, :]"),
+    ("", ".values"),
+    ("", " @ (E, H):(H, 1)"),
+];
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn deep_and_long_input(k in 0usize..NESTS.len(), n in 0usize..600, core in prop::sample::select(vec!["H", "w", "p", "E * 2"]), at in 0usize..3) {
+        let (open, close) = NESTS[k];
+        let e = format!("{}{core}{}", open.repeat(n), close.repeat(n));
+        let body = match at {
+            0 => format!("  input w : bf16[E, {e}]"),
+            1 => format!("  input w : f32[E, H]\n  param p : f32[E, H] = {e}"),
+            _ => format!("  input w : f32[E, H]\n  param p : f32[E, H] = w\n  view v = {e}"),
+        };
+        run_small_stack(format!("recipe r(E: experts, H, I) where H % 64 == 0 {{\n{body}\n}}\n"));
+    }
 
     #[test]
     fn arbitrary_text(s in "\\PC{0,200}") {
