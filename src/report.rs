@@ -48,10 +48,15 @@ fn bytes_text(info: &ModuleInfo, e: &moeforge_dsl::verify::MoveEntry) -> String 
     }
 }
 
-fn map_kind(v: &ViewInfo) -> &'static str {
+/// What the view's map is: a bijection, else injective only where that is proven (a view that is
+/// not a bijection may map two coordinates to one offset, e.g. a stride-0 broadcast).
+fn map_kind(info: &ModuleInfo, v: &ViewInfo) -> &'static str {
+    let injective =
+        || moeforge_dsl::verify::sym_injective_with(&v.layout, &info.module().atoms.lower_bounds());
     match v.bijective {
         Some(true) => "bijective",
-        Some(false) => "injective",
+        Some(false) if injective() => "injective",
+        Some(false) => "not bijective",
         None => "unknown",
     }
 }
@@ -156,7 +161,7 @@ pub fn human(info: &ModuleInfo) -> String {
                 s.name.clone(),
                 dims_text(info, &t.shape),
                 layout_text(info, &v.layout),
-                map_kind(v).into(),
+                map_kind(info, v).into(),
                 v.in_bounds.to_string(),
                 format!("{}{claim}", v.bijective_proof),
             ]);
