@@ -35,6 +35,8 @@ struct Lower<'s> {
     /// it stands for once `let`s are substituted. Both bounded: see [`crate::limits`].
     measure: Vec<(usize, u64)>,
     kernel_names: HashSet<String>,
+    /// Statements that failed without a diagnostic of their own.
+    dropped: Vec<(String, Span)>,
 }
 
 /// Lower a parsed recipe to the IR, or return every error found.
@@ -57,6 +59,7 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
         experts: None,
         measure: Vec::new(),
         kernel_names: HashSet::new(),
+        dropped: Vec::new(),
     };
     l.dims(recipe);
     if l.experts.is_none() {
@@ -80,6 +83,15 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
         }
         l.check_unregistered_lets();
         l.check_values_have_scales();
+        // Fail closed: an accepted recipe has every statement it declares.
+        if l.errors.is_empty() {
+            for (name, span) in std::mem::take(&mut l.dropped) {
+                l.errors.push(
+                    Diagnostic::error("E0106", format!("`{name}` cannot be lowered"))
+                        .with_label(span, "this statement has no valid meaning here"),
+                );
+            }
+        }
     }
     if l.errors.is_empty() {
         Ok(l.m)
@@ -96,8 +108,8 @@ fn gcd(a: i64, b: i64) -> i64 {
     }
 }
 
-fn lcm(a: i64, b: i64) -> i64 {
-    a / gcd(a, b) * b
+fn lcm(a: i64, b: i64) -> Option<i64> {
+    (a / gcd(a, b)).checked_mul(b)
 }
 
 impl<'s> Lower<'s> {
@@ -113,8 +125,9 @@ impl<'s> Lower<'s> {
 
     fn dims(&mut self, r: &ast::Recipe) {
         let mut units: HashMap<String, i64> = HashMap::new();
-        let mut mins: HashMap<String, i64> = HashMap::new();
-        let mut maxs: HashMap<String, i64> = HashMap::new();
+        // Bounds in i128: `H > 9223372036854775807` is a bound no binding meets, not an overflow.
+        let mut mins: HashMap<String, i128> = HashMap::new();
+        let mut maxs: HashMap<String, i128> = HashMap::new();
         let names: Vec<&str> = r.dims.iter().map(|d| d.name.name.as_str()).collect();
         for (k, d) in r.dims.iter().enumerate() {
             if names[..k].contains(&d.name.name.as_str()) {
@@ -169,8 +182,22 @@ impl<'s> Lower<'s> {
                         continue;
                     }
                     let need = by / gcd(coef, *by);
-                    let u = units.entry(name).or_insert(1);
-                    *u = lcm(*u, need);
+                    let u = units.entry(name.clone()).or_insert(1);
+                    match lcm(*u, need) {
+                        Some(l) => *u = l,
+                        None => self.err(
+                            Diagnostic::error(
+                                "E0108",
+                                format!(
+                                    "the divisors of `{name}` have no common multiple below 2^63"
+                                ),
+                            )
+                            .with_label(
+                                *span,
+                                "no binding can meet this constraint with the others",
+                            ),
+                        ),
+                    }
                 }
                 ast::Constraint::Bound {
                     dim,
@@ -198,18 +225,18 @@ impl<'s> Lower<'s> {
                         // Several bounds on one dimension all hold: keep the tightest.
                         ast::CmpOp::Le | ast::CmpOp::Lt => {
                             let v = if *op == ast::CmpOp::Le {
-                                *value
+                                *value as i128
                             } else {
-                                value - 1
+                                *value as i128 - 1
                             };
                             let e = maxs.entry(dim.name.clone()).or_insert(v);
                             *e = (*e).min(v);
                         }
                         ast::CmpOp::Ge | ast::CmpOp::Gt => {
                             let v = if *op == ast::CmpOp::Ge {
-                                *value
+                                *value as i128
                             } else {
-                                value + 1
+                                *value as i128 + 1
                             };
                             let e = mins.entry(dim.name.clone()).or_insert(v);
                             *e = (*e).max(v);
@@ -220,18 +247,32 @@ impl<'s> Lower<'s> {
         }
         for d in &r.dims {
             let unit = units.get(&d.name.name).copied().unwrap_or(1);
-            let max = maxs.get(&d.name.name).copied();
+            // Bindings are positive i64 values: the admissible ones are the multiples of `unit` in
+            // `[min, max]` with `1 <= min` and `max <= i64::MAX`.
+            let max = maxs
+                .get(&d.name.name)
+                .copied()
+                .unwrap_or(i64::MAX as i128)
+                .min(i64::MAX as i128);
             let raw_min = mins.get(&d.name.name).copied().unwrap_or(1).max(1);
-            let min = (raw_min + unit - 1) / unit * unit;
-            if let Some(mx) = max.filter(|mx| *mx < min) {
+            let min = (raw_min + unit as i128 - 1) / unit as i128 * unit as i128;
+            if max < min {
+                let why = if min > i64::MAX as i128 {
+                    format!("at least {min}, past the largest binding {}", i64::MAX)
+                } else {
+                    format!("at least {min} but at most {max}")
+                };
                 self.err(
                     Diagnostic::error(
                         "E0108",
                         format!("no value of `{}` satisfies the where-clause", d.name.name),
                     )
-                    .with_label(d.name.span, format!("at least {min} but at most {mx}")),
+                    .with_label(d.name.span, why),
                 );
             }
+            // Clamped so that lowering can go on to report other errors; the recipe is rejected.
+            let min = min.min(i64::MAX as i128 / unit as i128 * unit as i128) as i64;
+            let max = maxs.contains_key(&d.name.name).then_some(max as i64);
             let atom = self
                 .m
                 .atoms
@@ -1584,6 +1625,7 @@ impl<'s> Lower<'s> {
                         )
                     }
                     "reshape" => {
+                        self.positive_extents(name, &rest, &args[1..])?;
                         let a = rest.iter().fold(Poly::constant(1), |a, s| a.mul(s));
                         let b = shape.iter().fold(Poly::constant(1), |a, s| a.mul(s));
                         if a != b {
@@ -1645,6 +1687,7 @@ impl<'s> Lower<'s> {
                             );
                             return None;
                         }
+                        self.positive_extents(name, &rest, &args[1..])?;
                         self.push(Op::Broadcast { base: x }, dt, rest, span)
                     }
                 }
@@ -1894,7 +1937,44 @@ impl<'s> Lower<'s> {
             }
             shape.push(p);
         }
+        let bits = shape
+            .iter()
+            .fold(Poly::constant(1), |a, s| a.mul(s))
+            .scale(dt.bits() as i128);
+        if bits.overflowed() {
+            self.err(
+                Diagnostic::error("E0207", "size arithmetic overflows").with_label(
+                    t.span,
+                    "the size of this tensor in bits leaves the 128-bit range",
+                ),
+            );
+            return None;
+        }
         Some((dt, shape))
+    }
+
+    /// Extents computed by an operation (`reshape`, `broadcast`) must be provably at least 1, as
+    /// declared ones are.
+    fn positive_extents(&mut self, name: &str, extents: &[Poly], args: &[Arg]) -> Option<()> {
+        for (p, a) in extents.iter().zip(args) {
+            if !self.m.atoms.nonneg(&p.sub(&Poly::constant(1))) {
+                self.err(
+                    Diagnostic::error(
+                        "E0201",
+                        format!(
+                            "`{name}` extent `{}` is not provably positive",
+                            self.text(a.value.span)
+                        ),
+                    )
+                    .with_label(
+                        a.value.span,
+                        "extents must be at least 1 for every admissible binding",
+                    ),
+                );
+                return None;
+            }
+        }
+        Some(())
     }
 
     fn add_tensor(&mut self, t: Tensor) -> TensorId {
@@ -1921,6 +2001,11 @@ impl<'s> Lower<'s> {
             | Stmt::Kernel { name, .. } => name.clone(),
         };
         let ok = self.stmt_inner(s).is_some();
+        if !ok && self.errors.len() == before {
+            // Nothing said why: a use of a name poisoned by an earlier error, or a gap. Remembered,
+            // so that a recipe never verifies without one of its statements.
+            self.dropped.push((name.name.clone(), name.span));
+        }
         if !ok && !matches!(s, Stmt::Kernel { .. }) && self.errors.len() > before {
             self.define(&name, Binding::Poisoned);
         }

@@ -16,7 +16,7 @@ use std::fmt;
 
 use crate::diag::Diagnostic;
 use crate::ir::*;
-use crate::layout::{IntTuple, Layout};
+use crate::layout::{IntTuple, Layout, Swizzle};
 use crate::poly::{AtomValues, Poly};
 
 /// How a promise was established.
@@ -201,11 +201,18 @@ impl Module {
                 "binding overflows 128-bit arithmetic",
             )]);
         };
-        // Every tensor's size in bits must be a number at this binding: a size past 128 bits is
-        // refused here, not silently skipped by the proofs that need it.
+        // Every tensor must be addressable with 64-bit offsets at this binding: at most
+        // `i64::MAX` elements and bytes. A larger size is refused here, not silently skipped (or
+        // wrapped) by the proofs and the index arithmetic that need it; `index i64` rests on it.
         for t in &self.tensors {
-            let bits = t.numel().scale(t.dtype.bits() as i128);
-            if bits.eval(&atoms).is_none() || bits.overflowed() {
+            let numel = t.numel();
+            let bits = numel.scale(t.dtype.bits() as i128);
+            let limit = i64::MAX as i128;
+            let fits = match (numel.eval(&atoms), bits.eval(&atoms)) {
+                (Some(n), Some(b)) if !bits.overflowed() => n <= limit && b / 8 < limit,
+                _ => false,
+            };
+            if !fits {
                 errs.push(
                     Diagnostic::error(
                         "E0503",
@@ -213,7 +220,7 @@ impl Module {
                     )
                     .with_label(
                         t.name_span,
-                        "its bits exceed 128-bit arithmetic at this binding",
+                        "its elements or bytes pass 64-bit offsets at this binding",
                     ),
                 );
             }
@@ -402,7 +409,23 @@ pub fn numeric(l: &SymLayout, b: &Binding) -> Option<(Layout, i64)> {
         (IntTuple::Tuple(shape), IntTuple::Tuple(stride))
     };
     let lay = Layout::new(shape, stride).ok()?;
-    Some((lay, i64::try_from(b.eval(&l.offset)?).ok()?))
+    let off = i64::try_from(b.eval(&l.offset)?).ok()?;
+    // Every number the layout algebra computes on it (size, cosize, smallest offset, and any
+    // offset plus the base) must fit 64 bits: `None` rather than an overflow there.
+    let (mut size, mut lo, mut hi) = (1i128, off as i128, off as i128);
+    for (s, d) in lay.flat_modes() {
+        size = size.checked_mul(s as i128)?;
+        let reach = (s as i128 - 1) * d as i128;
+        if reach < 0 {
+            lo += reach;
+        } else {
+            hi += reach;
+        }
+        if size > i64::MAX as i128 || lo < i64::MIN as i128 || hi >= i64::MAX as i128 {
+            return None;
+        }
+    }
+    Some((lay, off))
 }
 
 /// The number of elements of a symbolic layout at a binding (checked: `None` past `u64`).
@@ -476,8 +499,14 @@ pub fn index_map(l: &SymLayout, b: &Binding) -> Option<Vec<i64>> {
         })
         .collect::<Option<_>>()?;
     let base = i64::try_from(b.eval(&l.offset)?).ok()?;
-    let n: i64 = leaves.iter().map(|x| x.0).product();
-    let mut out = Vec::with_capacity(usize::try_from(n).ok()?);
+    // `None` where an offset or the number of coordinates passes 64 bits, or the map does not fit
+    // in memory (no overflow, no allocation failure).
+    numeric(l, b)?;
+    let n = leaves
+        .iter()
+        .try_fold(1usize, |a, x| a.checked_mul(usize::try_from(x.0).ok()?))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).ok()?;
     let mut coord = vec![0i64; leaves.len()];
     for _ in 0..n {
         let off = base
@@ -622,19 +651,27 @@ fn num_in_bounds(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
     }
 }
 
-/// Whether the layout is a bijection onto `[0, n)` at the binding, with a reason when not.
-fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
-    let (lay, off) = numeric(l, b).ok_or("the layout overflows 64-bit offsets")?;
+/// A decision at a binding, with the reason when it is not "yes".
+enum Decision {
+    /// A bijection onto `[0, n)`.
+    Yes,
+    /// Not one.
+    No(String),
+    /// Too large to decide (a swizzled layout past the enumeration limit).
+    Unknown(String),
+}
+
+/// Whether the layout is a bijection onto `[0, n)` at the binding.
+fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Decision {
+    let Some((lay, off)) = numeric(l, b) else {
+        return Decision::Unknown("the layout overflows 64-bit offsets".into());
+    };
     let size = lay.size() as i128;
     if size != n {
-        return Err(format!("it has {size} elements but the storage has {n}"));
-    }
-    if off != 0 {
-        return Err(format!(
-            "it starts at offset {off}, so offset 0 is never reached"
-        ));
+        return Decision::No(format!("it has {size} elements but the storage has {n}"));
     }
     let mut modes: Vec<(i64, i64)> = lay.flat_modes().into_iter().filter(|m| m.0 > 1).collect();
+    let nonneg = modes.iter().all(|m| m.1 >= 0);
     modes.sort_by_key(|m| (m.1, m.0));
     let mut span = 1i64;
     let mut chain = true;
@@ -645,38 +682,43 @@ fn num_bijective(l: &SymLayout, n: i128, b: &Binding) -> Result<(), String> {
         }
         span *= s;
     }
-    if chain {
-        if let Some(sw) = l.swizzle {
-            if n % sw.period() as i128 != 0 {
-                return Err(format!(
-                    "the swizzle's period {} does not divide {n}",
-                    sw.period()
-                ));
-            }
+    match l.swizzle {
+        // Non-negative strides: a bijection onto [0, n) is exactly a chain from offset 0.
+        None if nonneg && off != 0 => {
+            return Decision::No(format!(
+                "it starts at offset {off}, so offset 0 is never reached"
+            ))
         }
-        return Ok(());
+        None if nonneg && chain => return Decision::Yes,
+        Some(sw) if nonneg && chain && off == 0 && n % sw.period() as i128 == 0 => {
+            return Decision::Yes
+        }
+        _ => {}
     }
-    // Not a chain: find a collision or a gap to show.
+    // Otherwise enumerate (the swizzle applied to the full offset, base included).
     if size <= 1 << 24 {
         let mut seen: Vec<Option<i64>> = vec![None; size as usize];
         for i in 0..size as i64 {
-            let o = match l.swizzle {
-                Some(sw) => sw.apply(lay.call(i)),
-                None => lay.call(i),
-            };
+            let o = off + lay.call(i);
+            let o = l.swizzle.map_or(o, |sw| sw.apply(o));
             if o < 0 || o as i128 >= n {
-                return Err(format!(
+                return Decision::No(format!(
                     "coordinate {i} lands at offset {o}, outside the storage"
                 ));
             }
             if let Some(j) = seen[o as usize] {
-                return Err(format!("coordinates {j} and {i} both land at offset {o}"));
+                return Decision::No(format!("coordinates {j} and {i} both land at offset {o}"));
             }
             seen[o as usize] = Some(i);
         }
-        return Ok(());
+        return Decision::Yes;
     }
-    Err("its strides do not tile the storage (sorted by stride, each stride must be the product of the smaller extents)".into())
+    if l.swizzle.is_none() && nonneg {
+        return Decision::No("its strides do not tile the storage (sorted by stride, each stride must be the product of the smaller extents)".into());
+    }
+    Decision::Unknown(format!(
+        "too large ({size} coordinates) to decide exhaustively"
+    ))
 }
 
 /// Promise 2 for a declared param layout: the experts mode is outermost (its stride exceeds every
@@ -732,7 +774,10 @@ fn check_param_layout(
             None => proof = Proof::NeedsBinding,
         }
     }
-    // Dense: stride = elements per expert, and the rest tiles them exactly.
+    // Dense: stride = elements per expert, and the rest tiles them exactly. A swizzle applies to
+    // the whole offset, experts included: symbolically it must permute inside period blocks that
+    // one expert's size is a multiple of (`sym_bijective` asks that of `per`); at a binding the
+    // unswizzled rest must tile one expert and the swizzle must keep every expert's range.
     if stride != *per || !sym_bijective(&rest, per) {
         let Some(b) = at else {
             return Ok(Proof::NeedsBinding);
@@ -744,10 +789,59 @@ fn check_param_layout(
                 format!("the experts stride is {st} but one expert has {n} elements"),
             ));
         }
-        num_bijective(&rest, n, b).map_err(|why| ("E0402", why))?;
+        let unswizzled = SymLayout {
+            swizzle: None,
+            ..rest.clone()
+        };
+        match num_bijective(&unswizzled, n, b) {
+            Decision::Yes => {}
+            Decision::No(why) | Decision::Unknown(why) => return Err(("E0402", why)),
+        }
+        if let Some(sw) = layout.swizzle {
+            let experts = b.eval(&e_mode.0).unwrap_or(0);
+            swizzle_keeps_experts(sw, n, experts).map_err(|why| ("E0402", why))?;
+        }
         proof = Proof::NeedsBinding;
     }
     Ok(proof)
+}
+
+/// Whether a swizzle applied to offsets `[0, experts*per)` keeps each `[e*per, (e+1)*per)` in
+/// place. Only period blocks that straddle an expert boundary can move an offset across one; they
+/// are checked one by one (up to 2^24 offsets, else refused as undecided).
+fn swizzle_keeps_experts(sw: Swizzle, per: i128, experts: i128) -> Result<(), String> {
+    let p = sw.period() as i128;
+    if sw.bits == 0 || per % p == 0 {
+        return Ok(());
+    }
+    let total = per.saturating_mul(experts);
+    if total > i64::MAX as i128 {
+        return Err("the swizzled offsets pass 64 bits".into());
+    }
+    let mut checked: i128 = 0;
+    for k in 1..=experts {
+        let boundary = k * per;
+        if boundary % p == 0 {
+            continue;
+        }
+        let block = boundary / p * p;
+        for o in block..(block + p).min(total) {
+            checked += 1;
+            if checked > 1 << 24 {
+                return Err(format!(
+                    "too many offsets to check that the swizzle {sw} keeps experts apart (an expert's {per} elements are not a multiple of its period {p})"
+                ));
+            }
+            let to = sw.apply(o as i64) as i128;
+            if to < 0 || to >= total || to / per != o / per {
+                return Err(format!(
+                    "the swizzle {sw} moves offset {o} of expert {} to offset {to} (an expert's {per} elements are not a multiple of its period {p})",
+                    o / per
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 // ---- the verifier -------------------------------------------------------------------------------
@@ -755,10 +849,26 @@ fn check_param_layout(
 /// Verify a lowered module, optionally at a binding. Returns the verified module or every violation.
 pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Vec<Diagnostic>> {
     let mut errs = Vec::new();
-    let witness = if binding.is_none() {
-        module.witness_binding()
-    } else {
-        None
+    // Without a binding, failed symbolic proofs are decided at the smallest admissible binding; a
+    // recipe whose sizes overflow even there is refused (no binding of it could be checked).
+    let witness = match &binding {
+        Some(_) => None,
+        None => {
+            let dims: Vec<(String, i64)> = module
+                .dims
+                .iter()
+                .map(|d| (d.name.clone(), d.min))
+                .collect();
+            match module.bind(&dims) {
+                Ok(w) => Some(w),
+                Err(ds) => {
+                    errs.extend(ds.into_iter().map(|d| {
+                        d.with_note("the smallest admissible binding: a recipe must fit it")
+                    }));
+                    None
+                }
+            }
+        }
     };
     let at = binding.as_ref().or(witness.as_ref());
     let at_note = |b: &Binding| {
@@ -927,15 +1037,37 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
             && !layout.size().sub(&n).is_const(0)
             && n.sub(&layout.size())
                 .sub(&Poly::constant(1))
-                .provably_nonneg()
+                .provably_nonneg_with(&mins)
         {
             // Injective and strictly smaller than its storage: never onto.
             (Some(false), Proof::Symbolic)
         } else {
             match at.map(|b| (b, num_bijective(layout, b.eval(&n).unwrap_or(0), b))) {
-                Some((_, Ok(()))) if binding.is_some() => (Some(true), Proof::Exhaustive),
-                Some((_, Ok(()))) => (None, Proof::NeedsBinding),
-                Some((b, Err(why))) => {
+                Some((_, Decision::Yes)) if binding.is_some() => (Some(true), Proof::Exhaustive),
+                Some((_, Decision::Yes)) => (None, Proof::NeedsBinding),
+                // Undecided: a claim fails closed, otherwise nothing is said.
+                Some((b, Decision::Unknown(why))) => {
+                    if let Some(cs) = claim {
+                        errs.push(
+                            Diagnostic::error(
+                                "E0305",
+                                format!(
+                                    "view `{}` is claimed to be a bijection but is not proven one",
+                                    t.name
+                                ),
+                            )
+                            .with_label(*cs, why)
+                            .with_label(
+                                t.name_span,
+                                format!("layout {}", layout.display(&module.atoms)),
+                            )
+                            .with_note(at_note(b)),
+                        );
+                        continue;
+                    }
+                    (None, Proof::NeedsBinding)
+                }
+                Some((b, Decision::No(why))) => {
                     if let Some(cs) = claim {
                         errs.push(
                             Diagnostic::error("E0305", format!("view `{}` is claimed to be a bijection but is not one", t.name))
@@ -1007,7 +1139,12 @@ pub fn verify(module: Module, binding: Option<Binding>) -> Result<ModuleInfo, Ve
                             .unwrap_or_default();
                         let mut d = Diagnostic::error("E0502", format!("kernel `{}` declares 32-bit offsets but `{}` needs more", kb.name, tt.name))
                             .with_label(kb.index.1.unwrap_or(kb.span), "offsets within one expert must fit in i32")
-                            .with_label(*sp, format!("one expert of `{pname}` has {v} elements; the largest offset {} exceeds {limit}", v - 1));
+                            .with_label(*sp, if v - 1 > limit {
+                                format!("one expert of `{pname}` has {v} elements; the largest offset {} exceeds {limit}", v - 1)
+                            } else {
+                                // Offsets fit, but not the element count: 32-bit kernels count too.
+                                format!("one expert of `{pname}` has {v} elements; the element count exceeds {limit}")
+                            });
                         d = d.with_note(format!("at the bound shape {}", b.describe()))
                             .with_note("help: declare `index i64`, or bound the dimensions in the where-clause");
                         errs.push(d);
