@@ -8,19 +8,21 @@ use crate::Result;
 impl Planner<'_> {
     /// FP8 with one scale per 128x128 block.
     pub(super) fn quant_fp8_block(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
-        let q = ctx.q;
-        let tag = ctx.tag.clone();
-        let xb = ctx.xb;
-        let ne = ctx.ne;
-        let rows = ctx.rows;
-        let cols = ctx.cols;
+        let QuantCtx {
+            q,
+            tag,
+            xb,
+            ne,
+            rows,
+            cols,
+            vals,
+            scl,
+            src_row,
+            ..
+        } = ctx.clone();
         let rc = ctx.rows * ctx.cols;
-        let vals = ctx.vals;
-        let scl = ctx.scl.clone();
         let xb_l = ctx.xb;
         let _load = move |row_base: Expr, c: Expr| e::load(xb_l, e::add(row_base, c));
-        let src_row = ctx.src_row;
-        let _m = self.info.module();
         self.quants.insert(
             q,
             QuantTemps {

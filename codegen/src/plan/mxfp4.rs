@@ -8,16 +8,18 @@ use crate::Result;
 impl Planner<'_> {
     /// MXFP4: an E8M0 scale per 32 values from the block's exponent, packed E2M1 codes.
     pub(super) fn quant_mxfp4(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
-        let q = ctx.q;
-        let tag = ctx.tag.clone();
-        let xb = ctx.xb;
-        let ne = ctx.ne;
-        let rows = ctx.rows;
-        let cols = ctx.cols;
-        let vals = ctx.vals;
-        let scl = ctx.scl.clone();
-        let src_row = ctx.src_row;
-        let _m = self.info.module();
+        let QuantCtx {
+            q,
+            tag,
+            xb,
+            ne,
+            rows,
+            cols,
+            vals,
+            scl,
+            src_row,
+            ..
+        } = ctx.clone();
         self.quants.insert(
             q,
             QuantTemps {

@@ -120,6 +120,7 @@ impl Planner<'_> {
 
 /// What every pass of one quantization needs: its node and scheme, the input buffer and shape, the
 /// params it writes, and the source row of an output row (the row gather).
+#[derive(Clone)]
 pub(super) struct QuantCtx<'r> {
     pub(super) q: ValueId,
     pub(super) scheme: QuantScheme,

@@ -11,19 +11,22 @@ use crate::Result;
 impl Planner<'_> {
     /// INT8 and FP8 per channel: one scale per row, the row quantized with it.
     pub(super) fn quant_rows(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
-        let q = ctx.q;
-        let tag = ctx.tag.clone();
-        let xb = ctx.xb;
-        let ne = ctx.ne;
-        let rows = ctx.rows;
-        let cols = ctx.cols;
+        let QuantCtx {
+            q,
+            tag,
+            xb,
+            ne,
+            rows,
+            cols,
+            vals,
+            scl,
+            src_row,
+            scheme,
+            ..
+        } = ctx.clone();
         let rc = ctx.rows * ctx.cols;
-        let vals = ctx.vals;
-        let scl = ctx.scl.clone();
         let xb_l = ctx.xb;
         let load = move |row_base: Expr, c: Expr| e::load(xb_l, e::add(row_base, c));
-        let src_row = ctx.src_row;
-        let scheme = ctx.scheme;
         let int8 = matches!(scheme, QuantScheme::Int8Row);
         self.quants.insert(
             q,

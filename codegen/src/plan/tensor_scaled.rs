@@ -12,22 +12,24 @@ impl Planner<'_> {
     /// NVFP4 and FP8 per-tensor: a per-expert (or per-tensor) amax, its collective, the scales, then
     /// the quantize pass ([`Self::nvfp4_pass`], or FP8's codes here).
     pub(super) fn quant_tensor_scaled(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
-        let q = ctx.q;
-        let tag = ctx.tag.clone();
-        let xb = ctx.xb;
-        let ne = ctx.ne;
-        let rows = ctx.rows;
-        let cols = ctx.cols;
+        let QuantCtx {
+            q,
+            tag,
+            xb,
+            ne,
+            rows,
+            cols,
+            vals,
+            scl,
+            glob,
+            dec,
+            src_row,
+            scheme,
+            ..
+        } = ctx.clone();
         let rc = ctx.rows * ctx.cols;
-        let vals = ctx.vals;
-        let scl = ctx.scl.clone();
-        let glob = ctx.glob;
-        let dec = ctx.dec;
         let xb_l = ctx.xb;
         let load = move |row_base: Expr, c: Expr| e::load(xb_l, e::add(row_base, c));
-        let src_row = ctx.src_row;
-        let _m = self.info.module();
-        let scheme = ctx.scheme;
         let (per_tensor, group) = match scheme {
             QuantScheme::Nvfp4 { amax, group } => (amax == AmaxGranularity::PerTensor, group),
             QuantScheme::Fp8 { group, .. } => (false, group),
