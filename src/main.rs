@@ -122,11 +122,41 @@ enum Command {
         #[command(subcommand)]
         action: CacheAction,
     },
+    /// Expert-parallel load balancing: `plan` computes DeepSeek's placement from observed loads.
+    Eplb {
+        #[command(subcommand)]
+        action: EplbAction,
+    },
     /// Run the main job on an embedded default MoE layer (Qwen3-30B-A3B shaped).
     Demo {
         /// Experts in the synthetic layer that is packed (the verification uses the full 128).
         #[arg(long, default_value_t = 128)]
         experts: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum EplbAction {
+    /// A placement of logical experts on R physical slots from per-layer loads (docs/FORMATS.md §6).
+    Plan {
+        /// JSON: a list of per-layer lists of logical expert loads.
+        #[arg(long)]
+        loads: std::path::PathBuf,
+        /// Physical expert slots R (a multiple of --gpus).
+        #[arg(long)]
+        replicas: usize,
+        /// Expert groups G (hierarchical when G divides by --nodes).
+        #[arg(long, default_value_t = 1)]
+        groups: usize,
+        /// Nodes N.
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
+        /// GPUs P (a multiple of --nodes).
+        #[arg(long)]
+        gpus: usize,
+        /// Print `{"phy2log", "log2phy", "logcnt"}` as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -319,9 +349,10 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
     // The one read of the environment, for the commands that compile or run kernels (`check`,
     // `compile` and `inspect` take nothing from it).
     let settings = match cli.command {
-        Command::Check { .. } | Command::Compile { .. } | Command::Inspect { .. } => {
-            moeforge::Settings::default()
-        }
+        Command::Check { .. }
+        | Command::Compile { .. }
+        | Command::Inspect { .. }
+        | Command::Eplb { .. } => moeforge::Settings::default(),
         _ => moeforge::Settings::from_env()?,
     };
     match cli.command {
@@ -544,6 +575,67 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             }
         }
         Command::Cache { action } => cache_cmd(action, &settings, out)?,
+        Command::Eplb {
+            action:
+                EplbAction::Plan {
+                    loads,
+                    replicas,
+                    groups,
+                    nodes,
+                    gpus,
+                    json,
+                },
+        } => {
+            let text = moeforge::read_capped(&loads, moeforge::MANIFEST_LIMIT)?;
+            let w: Vec<Vec<f32>> = serde_json::from_str(&text).map_err(|e| {
+                moeforge::Error::Usage(format!(
+                    "{}: expected a list of per-layer lists of loads ({e})",
+                    loads.display()
+                ))
+            })?;
+            let p = moeforge::runtime::eplb::rebalance_experts(&w, replicas, groups, nodes, gpus)
+                .map_err(|e| moeforge::Error::Usage(format!("eplb plan: {e}")))?;
+            if json {
+                let v = serde_json::json!({
+                    "phy2log": p.phy2log,
+                    "log2phy": p.log2phy,
+                    "logcnt": p.logcnt,
+                });
+                writeln!(out, "{v}").map_err(io)?;
+            } else {
+                let e = w.first().map(Vec::len).unwrap_or(0);
+                writeln!(
+                    out,
+                    "{} layer(s), {e} experts on {replicas} slots, {gpus} GPUs; balancedness = mean / max GPU load",
+                    w.len()
+                )
+                .map_err(io)?;
+                for (l, row) in w.iter().enumerate() {
+                    // Before: each expert once, E/P consecutive experts per GPU (where P divides E).
+                    let before = if e.is_multiple_of(gpus) {
+                        let ident: Vec<usize> = (0..e).collect();
+                        format!(
+                            "{:.3}",
+                            moeforge::runtime::eplb::balancedness(row, &ident, &vec![1; e], gpus)
+                        )
+                    } else {
+                        "-".into()
+                    };
+                    let after = moeforge::runtime::eplb::balancedness(
+                        row,
+                        &p.phy2log[l],
+                        &p.logcnt[l],
+                        gpus,
+                    );
+                    writeln!(
+                        out,
+                        "layer {l}: balancedness {before} -> {after:.3}; phy2log {:?}",
+                        p.phy2log[l]
+                    )
+                    .map_err(io)?;
+                }
+            }
+        }
         Command::Demo { experts } => {
             let report = moeforge::demo::run(experts, &settings)?;
             write!(out, "{report}").map_err(io)?;

@@ -9,6 +9,7 @@
 
 pub mod cache;
 pub mod device;
+pub mod eplb;
 pub mod gpu_pack;
 pub mod jit;
 pub mod store;
