@@ -80,3 +80,31 @@ fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
         assert!(store.rearrange(&[0, 0, 1, 2]).is_err(), "not a permutation");
     }
 }
+
+#[test]
+fn a_partial_move_set_is_refused() {
+    // The review's reproducer: nvfp4_cutedsl's store built from one of its params. Rearranging it
+    // would leave the other params (`g1_alphas` among them) on the old placement: refused.
+    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let info = moeforge::check_source(r.source, r.path, Some("E=2,H=128,I=128")).unwrap();
+    let layer = Layer::synthetic(2, 128, 128, 3);
+    let inp: HashMap<String, Vec<u8>> = [
+        ("w13".to_string(), layer.w13.clone()),
+        ("w2".to_string(), layer.w2.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let params = pack(&info, &inp);
+    assert!(ParamStore::new(&info, params.clone()).is_ok());
+    let one: Vec<(String, Vec<u8>)> = params.into_iter().take(1).collect();
+    match ParamStore::new(&info, one) {
+        Err(moeforge::runtime::Error::IncompleteMoveSet { missing }) => {
+            assert!(
+                missing.iter().any(|m| m.contains("w2_weight_scale")),
+                "{missing:?}"
+            );
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a partial move set was accepted"),
+    }
+}

@@ -37,6 +37,13 @@ pub enum Error {
     /// No CUDA driver library could be loaded, or no device is present.
     #[error("no CUDA device: {0}")]
     NoDriver(String),
+    /// A parameter store was given part of a recipe's move set: rearranging it would leave the
+    /// missing params (and any value derived from them) on the old placement.
+    #[error("a parameter store needs the recipe's whole move set; missing: {}", .missing.join(", "))]
+    IncompleteMoveSet {
+        /// The registered params not given.
+        missing: Vec<String>,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver error in {call}: {detail}")]
     Driver {

@@ -176,6 +176,24 @@ impl<S: ExpertStorage> ParamStore<S> {
                 bytes_per_expert: bytes,
             });
         }
+        // The whole move set, or nothing: every registered param that is not optional must be
+        // given (optional ones exist only where the checkpoint had their inputs; an optional param
+        // is required too when another param of the same optional inputs is given).
+        let given = |n: &str| entries.iter().any(|x: &Entry<S>| x.name == n);
+        let any_optional_given = info.move_set.iter().any(|e| {
+            m.tensor(e.param)
+                .is_some_and(|t| t.optional && given(&t.name))
+        });
+        let missing: Vec<String> = info
+            .move_set
+            .iter()
+            .filter_map(|e| m.tensor(e.param))
+            .filter(|t| (!t.optional || any_optional_given) && !given(&t.name))
+            .map(|t| format!("`{}`", t.name))
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::IncompleteMoveSet { missing });
+        }
         let views = info
             .views
             .iter()
