@@ -98,10 +98,9 @@ pub fn write_passthrough(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let tmp = tempfile::Builder::new()
-        .prefix(".moeforge-pack")
-        .tempdir_in(parent)
-        .map_err(io(parent))?;
+    // Created with `create_dir`, so the process's umask applies (the finished directory keeps it);
+    // removed with everything in it unless the rename below succeeds.
+    let tmp = Staging::new(parent)?;
     let mut by_shard: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
     for (k, t) in packed {
         by_shard.entry(k).or_default().push(t);
@@ -163,12 +162,45 @@ pub fn write_passthrough(
             std::fs::copy(f, &dst).map_err(io(f))?;
         }
     }
-    let kept = tmp.keep();
-    std::fs::rename(&kept, out).map_err(|e| {
-        let _ = std::fs::remove_dir_all(&kept);
-        io(out)(e)
-    })?;
+    std::fs::rename(tmp.path(), out).map_err(io(out))?;
+    tmp.disarm();
     Ok(written)
+}
+
+/// A directory being assembled beside its final path, removed on drop unless disarmed.
+struct Staging(Option<PathBuf>);
+
+impl Staging {
+    fn new(parent: &Path) -> Result<Staging> {
+        for k in 0..1000u32 {
+            let p = parent.join(format!(".moeforge-pack-{}-{k}", std::process::id()));
+            match std::fs::create_dir(&p) {
+                Ok(()) => return Ok(Staging(Some(p))),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io(parent)(e)),
+            }
+        }
+        Err(bad(format!(
+            "{}: no free name for a staging directory",
+            parent.display()
+        )))
+    }
+
+    fn path(&self) -> &Path {
+        self.0.as_deref().unwrap_or(Path::new("."))
+    }
+
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
 }
 
 /// The files of an input directory that are neither shards nor the index (config, tokenizer...).

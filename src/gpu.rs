@@ -415,8 +415,7 @@ fn jit_latency(
             source: e,
         })?;
         let t = Instant::now();
-        let info = crate::check_source(r.source, r.path, Some("E=128,H=2048,I=768"))?;
-        let prog = crate::codegen::plan::plan(&info, &|_: &str| true)?;
+        let prog = crate::pack_program(r.source, r.path, "E=128,H=2048,I=768", &|_| true)?;
         let target = dev
             .target()
             .ok_or_else(|| Error::Usage("unsupported GPU".into()))?;

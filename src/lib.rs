@@ -71,75 +71,90 @@ pub fn recipe_error(diags: &[dsl::Diagnostic], file: &str, src: &str) -> Error {
     }
 }
 
-/// Check a recipe source: parse, lower, bind and verify.
-pub fn check_source(src: &str, file: &str, bind: Option<&str>) -> Result<dsl::ModuleInfo> {
+/// Parse, lower, bind and verify a recipe source (no code is planned).
+pub fn verify_source(src: &str, file: &str, bind: Option<&str>) -> Result<dsl::ModuleInfo> {
     let bind = match bind {
         Some(b) => Some(dsl::verify::parse_binding(b).map_err(|d| recipe_error(&[d], file, src))?),
         None => None,
     };
-    let info = dsl::check(src, bind.as_deref()).map_err(|d| recipe_error(&d, file, src))?;
-    servable(&info, src).map_err(|d| recipe_error(&[d], file, src))?;
+    dsl::check(src, bind.as_deref()).map_err(|d| recipe_error(&d, file, src))
+}
+
+/// Check a recipe source: parse, lower, bind and verify, then serve or refuse: the pack program is
+/// planned (every optional input present) at the binding, or at the smallest admissible one, so that
+/// what `compile` and `pack` would refuse is refused here, with the param's span (E0601).
+pub fn check_source(src: &str, file: &str, bind: Option<&str>) -> Result<dsl::ModuleInfo> {
+    let info = verify_source(src, file, bind)?;
+    let witness;
+    let at = if info.binding().is_some() {
+        &info
+    } else {
+        let dims: Vec<(String, i64)> = info
+            .module()
+            .dims
+            .iter()
+            .map(|d| (d.name.clone(), d.min))
+            .collect();
+        match dsl::check(src, Some(&dims)) {
+            Ok(w) => {
+                witness = w;
+                &witness
+            }
+            // No admissible binding verifies: nothing to plan (verification said why, or will).
+            Err(_) => return Ok(info),
+        }
+    };
+    plan_or_refuse(at, &|_: &str| true, file, src)?;
     Ok(info)
 }
 
-/// Serve or refuse at `check` time: the pack program is planned (every optional input present) at
-/// the module's binding, or at its smallest admissible one, so that what `compile` and `pack`
-/// would refuse is refused here, with the param's span.
-fn servable(info: &dsl::ModuleInfo, src: &str) -> std::result::Result<(), dsl::Diagnostic> {
-    let witness;
-    let at = if info.binding().is_some() {
-        info
-    } else {
-        let m = info.module();
-        let Some(b) = m.witness_binding() else {
-            return Ok(());
-        };
-        let dims: Vec<(String, i64)> = m
-            .dims
-            .iter()
-            .zip(b.atoms())
-            .map(|(d, _)| (d.name.clone(), d.min))
-            .collect();
-        witness = match dsl::check(src, Some(&dims)) {
-            Ok(w) => w,
-            Err(_) => return Ok(()),
-        };
-        &witness
-    };
-    match codegen::plan::plan(at, &|_: &str| true) {
-        Err(codegen::Error::Unsupported { param, what }) => {
-            let m = at.module();
-            let span = m
-                .tensors
-                .iter()
-                .rev()
-                .find(|t| t.name == param)
-                .map(|t| t.span);
-            let mut d = dsl::Diagnostic::error(
-                "E0601",
-                format!("param `{param}` cannot be generated: {what}"),
-            );
-            if let Some(sp) = span {
-                d = d.with_label(sp, "the code generator has no path for this definition");
-            }
-            Err(d.with_note(
-                "help: every param is packed by generated code; restate it with operations the generator serves (see the README's tensor operations)",
-            ))
-        }
-        _ => Ok(()),
-    }
+/// Plan a verified module's pack program; a param the planner cannot generate becomes E0601 on that
+/// param's statement, rendered against the source.
+pub fn plan_or_refuse(
+    info: &dsl::ModuleInfo,
+    present: &dyn codegen::plan::Presence,
+    file: &str,
+    src: &str,
+) -> Result<codegen::kir::Program> {
+    codegen::plan::plan(info, present).map_err(|e| refusal(info, e, file, src))
 }
 
-/// Check a bound recipe and lower it to its pack program (params that need an optional input
-/// `present` says is missing are left out).
+/// A planner error as the user sees it: E0601 with the param's span where a param's definition has
+/// no generated form, the error itself otherwise.
+pub fn refusal(info: &dsl::ModuleInfo, e: codegen::Error, file: &str, src: &str) -> Error {
+    let codegen::Error::Unsupported { param, what } = e else {
+        return e.into();
+    };
+    let span = info
+        .module()
+        .tensors
+        .iter()
+        .rev()
+        .find(|t| t.name == param)
+        .map(|t| t.span);
+    let mut d = dsl::Diagnostic::error(
+        "E0601",
+        format!("param `{param}` cannot be generated: {what}"),
+    );
+    if let Some(sp) = span {
+        d = d.with_label(sp, "the code generator has no path for this definition");
+    }
+    let d = d.with_note(
+        "help: every param is packed by generated code; restate it with operations the generator serves (see the README's tensor operations)",
+    );
+    recipe_error(&[d], file, src)
+}
+
+/// Verify a bound recipe and lower it to its pack program (params that need an optional input
+/// `present` says is missing are left out), planning it once.
 pub fn pack_program(
     src: &str,
     file: &str,
     bind: &str,
     present: &dyn Fn(&str) -> bool,
 ) -> Result<codegen::kir::Program> {
-    let info = check_source(src, file, Some(bind))?;
-    Ok(codegen::plan::plan(&info, &present)?)
+    let info = verify_source(src, file, Some(bind))?;
+    plan_or_refuse(&info, &present, file, src)
 }
 
 /// The largest cache manifest read (bytes).

@@ -659,7 +659,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         present.sort();
         let key = (e, h, i, li.as_f32, present.clone());
         if cache.as_ref().is_none_or(|c| c.0 != key) {
-            let info = crate::check_source(&opts.recipe_src, &opts.recipe_path, Some(&binding))?;
+            let info = crate::verify_source(&opts.recipe_src, &opts.recipe_path, Some(&binding))?;
             let has = |n: &str| li.bufs.contains_key(n);
             let as_f32 = li.as_f32;
             // The host takes the 4-lane form of the program, the GPU the scalar one.
@@ -678,7 +678,7 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
                         module.name
                     ))
                 }
-                _ => err.into(),
+                _ => crate::refusal(&info, err, &opts.recipe_path, &opts.recipe_src),
             })?;
             let backend = match &dev {
                 Some(d) => Backend::Gpu(crate::runtime::gpu_pack::GpuProgram::load(

@@ -6,23 +6,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+use common::run;
+
 use std::path::Path;
 use std::process::Command;
 
 use safetensors::tensor::{Dtype, TensorView};
-
-fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_moeforge"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
 
 /// A one-layer fused bf16 checkpoint (E=2, H=32, I=16); `poison` puts a NaN at w13[1, 3, 5].
 fn checkpoint(path: &Path, poison: bool) {
@@ -135,6 +125,24 @@ fn outputs_honour_the_umask() {
     assert!(status.success());
     let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o644, "mode {mode:o}");
+    // A --passthrough checkpoint directory, and the files in it, too.
+    let dir_out = dir.path().join("packed");
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "umask 022 && '{bin}' pack bf16 --passthrough --input '{}' --output '{}'",
+            ck.display(),
+            dir_out.display()
+        ))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mode = std::fs::metadata(&dir_out).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o755, "directory mode {mode:o}");
+    let shard = dir_out.join("ck.safetensors");
+    let mode = std::fs::metadata(&shard).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644, "shard mode {mode:o}");
 }
 
 #[test]

@@ -8,6 +8,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+use common::seed;
+
 use std::collections::HashMap;
 
 use moeforge::codegen::{self, kir::BufRole, SingleProcess};
@@ -23,18 +26,6 @@ fn bf16(rng: &mut Rng) -> f32 {
     let exp = 118 + ((k >> 16) % 16) as u32;
     let sign = ((k >> 24) & 1) as u32;
     f32::from_bits((sign << 31) | (exp << 23) | (mant << 16))
-}
-
-fn seed() -> u64 {
-    std::env::var("MOEFORGE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(7)
-        })
 }
 
 type Params = HashMap<String, Vec<u8>>;
@@ -439,4 +430,48 @@ fn every_standard_recipe_gets_accepted_random_layouts() {
         assert!(src.contains(" @ "), "{src}");
         assert!(moeforge::dsl::check(&src, Some(&bind)).is_ok());
     }
+}
+
+#[test]
+fn what_check_accepts_compiles_at_every_admissible_binding() {
+    // `check` plans at one binding (the bound or the smallest admissible one); the planner must then
+    // serve the recipe at every binding that verifies: standard, layout-example and pre-quantized
+    // recipes and random declared-layout variants, at shapes with partial tiles and at real sizes.
+    let s0 = seed();
+    let mut rng = Rng::new(s0);
+    let binds = [
+        "E=2,H=128,I=128",
+        "E=3,H=192,I=64",
+        "E=1,H=4160,I=2112",
+        "E=8,H=2048,I=768",
+    ];
+    let mut sources: Vec<(String, String)> = moeforge::kernels::STANDARD
+        .iter()
+        .chain(moeforge::kernels::LAYOUTS)
+        .chain(moeforge::kernels::PREQUANT)
+        .map(|r| (r.name.to_string(), r.source.to_string()))
+        .collect();
+    for r in moeforge::kernels::STANDARD {
+        if let Some(s) =
+            moeforge::layout_gen::random_accepted(&mut rng, r.source, r.path, binds[0], 64)
+        {
+            sources.push((format!("{}~random", r.name), s));
+        }
+    }
+    let mut planned = 0;
+    for (name, src) in &sources {
+        if moeforge::check_source(src, name, None).is_err() {
+            continue;
+        }
+        for b in binds {
+            if moeforge::verify_source(src, name, Some(b)).is_err() {
+                continue; // the where-clause or a layout's divisibility rejects this shape
+            }
+            if let Err(e) = moeforge::pack_program(src, name, b, &|_| true) {
+                panic!("seed {s0}: {name} verifies at {b} but does not compile: {e}\n{src}");
+            }
+            planned += 1;
+        }
+    }
+    assert!(planned >= 40, "only {planned} programs planned");
 }

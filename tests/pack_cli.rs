@@ -5,6 +5,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+use common::run;
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::process::Command;
@@ -90,19 +93,6 @@ fn hf_layer(t: &mut Tensors, layer: usize, scales: bool) -> (Vec<f32>, Vec<f32>)
         w2.extend(d);
     }
     (w13, w2)
-}
-
-fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_moeforge"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 type Packed = (

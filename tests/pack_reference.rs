@@ -4,6 +4,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+use common::seed;
+
 use std::collections::HashMap;
 
 use moeforge::codegen::{self, kir::BufRole, reference as r, SingleProcess};
@@ -36,18 +39,6 @@ impl Rng {
             }
         }
     }
-}
-
-fn seed() -> u64 {
-    std::env::var("MOEFORGE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(7)
-        })
 }
 
 fn bf16_bytes(x: &[f32]) -> Vec<u8> {

@@ -2704,15 +2704,8 @@ impl<'s> Lower<'s> {
             if t.kind != TensorKind::Param {
                 continue;
             }
-            let Some(mut v) = t.value else { continue };
-            // Through padding and a row gather.
-            for _ in 0..2 {
-                match self.m.value(v).map(|x| &x.op) {
-                    Some(Op::Swizzle128x4 { base } | Op::Pad { base, .. })
-                    | Some(Op::Gather { base, .. }) => v = *base,
-                    _ => {}
-                }
-            }
+            let Some(v) = t.value else { continue };
+            let (v, _, _) = crate::roles::peel(&self.m, v);
             let Some(Op::Field { quant, field }) = self.m.value(v).map(|x| x.op.clone()) else {
                 continue;
             };

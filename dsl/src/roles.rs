@@ -89,12 +89,18 @@ pub enum Role {
     Computed,
 }
 
-/// Strip padding (`swizzle_128x4`, `pad`) and then one row gather off a value.
-fn strip(m: &Module, v: ValueId) -> (ValueId, bool, Option<IndexVec>) {
-    let (v, padded) = match m.value(v).map(|x| &x.op) {
+/// A value without its padding (`swizzle_128x4`, `pad`), and whether it had any: what a param's
+/// passes write before its storage map places and pads it.
+pub fn unpadded(m: &Module, v: ValueId) -> (ValueId, bool) {
+    match m.value(v).map(|x| &x.op) {
         Some(Op::Swizzle128x4 { base } | Op::Pad { base, .. }) => (*base, true),
         _ => (v, false),
-    };
+    }
+}
+
+/// Strip padding and then one row gather off a value: the value, whether it was padded, the gather.
+pub fn peel(m: &Module, v: ValueId) -> (ValueId, bool, Option<IndexVec>) {
+    let (v, padded) = unpadded(m, v);
     match m.value(v).map(|x| &x.op) {
         Some(Op::Gather {
             base,
@@ -112,7 +118,7 @@ impl ModuleInfo {
         let Some(v) = m.tensor(param).and_then(|t| t.value) else {
             return Role::Computed;
         };
-        let (v, padded, rows) = strip(m, v);
+        let (v, padded, rows) = peel(m, v);
         let output = Output {
             param,
             rows,
@@ -156,7 +162,7 @@ impl ModuleInfo {
                     let Some(Op::Quant { scheme, input }) = m.value(node).map(|x| &x.op) else {
                         continue;
                     };
-                    let (input, _, rows_in) = strip(m, *input);
+                    let (input, _, rows_in) = peel(m, *input);
                     let input_tensor = match m.value(input).map(|x| &x.op) {
                         Some(Op::Tensor(t)) => Some(*t),
                         _ => None,

@@ -440,6 +440,10 @@ pub fn index_map_len(l: &SymLayout, b: &Binding) -> Option<u64> {
 /// Every offset of a symbolic layout at a binding, row-major over its flattened shape, handed to
 /// `f` one at a time (nothing is held whole). Does nothing where the layout does not evaluate.
 pub fn index_map_each(l: &SymLayout, b: &Binding, f: &mut dyn FnMut(i64)) {
+    // Every offset fits i64 (else nothing is produced).
+    if numeric(l, b).is_none() {
+        return;
+    }
     let Some(leaves) = l
         .leaves()
         .iter()
@@ -488,46 +492,14 @@ pub fn index_map_each(l: &SymLayout, b: &Binding, f: &mut dyn FnMut(i64)) {
 
 /// Offsets of a symbolic layout at a binding, row-major over its flattened shape.
 pub fn index_map(l: &SymLayout, b: &Binding) -> Option<Vec<i64>> {
-    let leaves: Vec<(i64, i64)> = l
-        .leaves()
-        .iter()
-        .map(|(s, d)| {
-            Some((
-                i64::try_from(b.eval(s)?).ok()?,
-                i64::try_from(b.eval(d)?).ok()?,
-            ))
-        })
-        .collect::<Option<_>>()?;
-    let base = i64::try_from(b.eval(&l.offset)?).ok()?;
     // `None` where an offset or the number of coordinates passes 64 bits, or the map does not fit
     // in memory (no overflow, no allocation failure).
     numeric(l, b)?;
-    let n = leaves
-        .iter()
-        .try_fold(1usize, |a, x| a.checked_mul(usize::try_from(x.0).ok()?))?;
+    let n = usize::try_from(index_map_len(l, b)?).ok()?;
     let mut out = Vec::new();
     out.try_reserve_exact(n).ok()?;
-    let mut coord = vec![0i64; leaves.len()];
-    for _ in 0..n {
-        let off = base
-            + coord
-                .iter()
-                .zip(&leaves)
-                .map(|(c, (_, d))| c * d)
-                .sum::<i64>();
-        out.push(match l.swizzle {
-            Some(s) => s.apply(off),
-            None => off,
-        });
-        for k in (0..leaves.len()).rev() {
-            coord[k] += 1;
-            if coord[k] < leaves[k].0 {
-                break;
-            }
-            coord[k] = 0;
-        }
-    }
-    Some(out)
+    index_map_each(l, b, &mut |o| out.push(o));
+    (out.len() == n).then_some(out)
 }
 
 // ---- symbolic proofs ----------------------------------------------------------------------------

@@ -17,10 +17,7 @@ impl Planner<'_> {
     pub(super) fn generic(&mut self, id: TensorId, out: BufId) -> Result<()> {
         let t = self.tensor(id)?.clone();
         let v = t.value.ok_or(Error::Internal("param value"))?;
-        let v = match self.op(v)? {
-            Op::Swizzle128x4 { base } | Op::Pad { base, .. } => base,
-            _ => v,
-        };
+        let (v, _) = moeforge_dsl::roles::unpadded(self.info.module(), v);
         if t.dtype == DType::E2m1 {
             return Err(unsupported(
                 &t.name,

@@ -230,10 +230,7 @@ pub fn plan_scheduled(
         let v = t
             .value
             .ok_or_else(|| unsupported(&t.name, "a param without a definition"))?;
-        let (v, _) = match &p.op(v)? {
-            Op::Swizzle128x4 { base } | Op::Pad { base, .. } => (*base, true),
-            _ => (v, false),
-        };
+        let (v, _) = roles::unpadded(m, v);
         unpadded.insert(id, v);
         match info.role(id) {
             Role::Quantized { node, field, .. } => {
