@@ -756,7 +756,7 @@ impl Compiled {
                     });
                 }
                 Step::AllReduceMax { buf, group } => {
-                    crate::all_reduce_bytes(coll, group, bufs, *buf)?
+                    crate::all_reduce_bytes(coll, *group, bufs, *buf)?
                 }
             }
         }

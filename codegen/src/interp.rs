@@ -378,7 +378,7 @@ pub fn run(prog: &Program, bufs: &mut [Vec<u8>], coll: &dyn Collective) -> Resul
     for s in &prog.steps {
         match s {
             Step::Kernel(k) => run_kernel(k, &elems, bufs)?,
-            Step::AllReduceMax { buf, group } => crate::all_reduce_bytes(coll, group, bufs, *buf)?,
+            Step::AllReduceMax { buf, group } => crate::all_reduce_bytes(coll, *group, bufs, *buf)?,
         }
     }
     Ok(())

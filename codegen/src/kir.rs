@@ -552,8 +552,8 @@ pub enum Step {
     AllReduceMax {
         /// Buffer.
         buf: BufId,
-        /// The group, by name (`tp`, `moe_tp`, `ep`).
-        group: String,
+        /// The group (`tp`, `moe_tp`, `ep`; never `none`, which needs no step).
+        group: moeforge_dsl::ir::Group,
     },
 }
 
@@ -874,7 +874,7 @@ impl fmt::Display for Program {
             match s {
                 Step::Kernel(k) => write!(f, "{k}")?,
                 Step::AllReduceMax { buf, group } => {
-                    writeln!(f, "all_reduce_max b{} over {group}", buf.0)?
+                    writeln!(f, "all_reduce_max b{} over {}", buf.0, group.name())?
                 }
             }
         }

@@ -17,6 +17,7 @@ pub mod range;
 pub mod reference;
 pub mod visit;
 
+pub use moeforge_dsl::ir::Group;
 pub use moeforge_dsl::ModuleInfo;
 
 /// A fingerprint of this crate's sources (see `build.rs`): the kernel cache keys include it, so a
@@ -70,18 +71,21 @@ pub enum Error {
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The collective hook: MAX all-reduce of f32 values over a named process group.
+/// The collective hook a pack program calls: MAX all-reduce of f32 values over a process group.
+/// `moeforge_runtime::collective` implements it for one process, for threads in one process and
+/// for NCCL ranks.
 pub trait Collective: Sync {
     /// Replace each value by its maximum over the group's ranks.
-    fn all_reduce_max(&self, group: &str, data: &mut [f32]) -> Result<()>;
+    fn all_reduce_max(&self, group: Group, data: &mut [f32]) -> Result<()>;
 }
 
-/// One process: every all-reduce is the identity.
+/// One process that is the whole world: every group has one rank, so every all-reduce is the
+/// identity (the right answer, not a skipped step).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SingleProcess;
 
 impl Collective for SingleProcess {
-    fn all_reduce_max(&self, _group: &str, _data: &mut [f32]) -> Result<()> {
+    fn all_reduce_max(&self, _group: Group, _data: &mut [f32]) -> Result<()> {
         Ok(())
     }
 }
@@ -89,7 +93,7 @@ impl Collective for SingleProcess {
 /// All-reduce an f32 buffer stored as little-endian bytes.
 pub(crate) fn all_reduce_bytes(
     coll: &dyn Collective,
-    group: &str,
+    group: Group,
     bufs: &mut [Vec<u8>],
     buf: kir::BufId,
 ) -> Result<()> {

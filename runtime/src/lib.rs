@@ -8,6 +8,7 @@
 //! command from its environment) and passed in.
 
 pub mod cache;
+pub mod collective;
 pub mod device;
 pub mod eplb;
 pub mod gpu_pack;
@@ -44,6 +45,30 @@ pub enum Error {
         /// The registered params not given.
         missing: Vec<String>,
     },
+    /// A collective over a process group failed (a rank missing, mismatched messages, NCCL).
+    #[error("collective over `{group}` failed: {why}")]
+    Collective {
+        /// The group.
+        group: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// A program needs a collective over a group this process has no implementation for (a
+    /// multi-rank pack on a target without it): an error, never a skipped step.
+    #[error("this program reduces over `{group}`, which has {size} ranks, but no collective for it was given")]
+    MissingCollective {
+        /// The group.
+        group: &'static str,
+        /// Its ranks.
+        size: usize,
+    },
+    /// A placement (EPLB `phy2log`) or a move plan is not valid for the layer; nothing was changed.
+    #[error("bad placement: {0}")]
+    Placement(String),
+    /// A rearrangement failed part-way: the layer's params hold a mix of placements and it must not
+    /// serve until it is restored (re-placed from the checkpoint).
+    #[error("layer unusable: {0}")]
+    Unusable(String),
     /// A CUDA driver call failed.
     #[error("CUDA driver error in {call}: {detail}")]
     Driver {

@@ -359,10 +359,7 @@ impl Planner<'_> {
                 },
             )?;
             if group != Group::None {
-                self.prog.steps.push(Step::AllReduceMax {
-                    buf: tb,
-                    group: group.name().to_string(),
-                });
+                self.prog.steps.push(Step::AllReduceMax { buf: tb, group });
             }
             self.reduces.insert(v, tb);
         }

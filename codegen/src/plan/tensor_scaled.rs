@@ -133,10 +133,9 @@ impl Planner<'_> {
             })?;
         }
         if group != Group::None {
-            self.prog.steps.push(Step::AllReduceMax {
-                buf: amax_b,
-                group: group.name().to_string(),
-            });
+            self.prog
+                .steps
+                .push(Step::AllReduceMax { buf: amax_b, group });
         }
         let is_nv = matches!(scheme, QuantScheme::Nvfp4 { .. });
         let s1 = self.buf(
