@@ -245,14 +245,19 @@ fn rearrange_check(
         let buf = dev.stream.clone_htod(b).map_err(drv("cuMemcpyHtoD"))?;
         params.push((
             n.clone(),
-            crate::runtime::store::DeviceStorage {
-                buf,
-                stream: dev.stream.clone(),
-            },
+            crate::runtime::store::DeviceStorage::owned(buf, dev.stream.clone()),
         ));
     }
     let mut store = crate::runtime::store::ParamStore::new(info, params).map_err(rt)?;
-    store.rearrange(&perm).map_err(rt)?;
+    let plan = crate::runtime::moves::MovePlan::new(
+        &crate::runtime::moves::SlotMap::identity(e),
+        &crate::runtime::moves::SlotMap::new(perm.clone(), e).map_err(rt)?,
+        1,
+    )
+    .map_err(rt)?;
+    store
+        .rearrange(&plan, &crate::runtime::store::NoDeviceTransport)
+        .map_err(rt)?;
     let permuted: HashMap<String, Vec<u8>> = inp
         .iter()
         .map(|(k, v)| {
@@ -271,7 +276,7 @@ fn rearrange_check(
             ok = false;
             continue;
         };
-        let have = dev.stream.clone_dtoh(&s.buf).map_err(drv("cuMemcpyDtoH"))?;
+        let have = s.download().map_err(rt)?;
         ok &= have.get(..want.len()) == Some(&want[..]);
     }
     let verdict = if ok {

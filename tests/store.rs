@@ -7,7 +7,11 @@
 use std::collections::HashMap;
 
 use moeforge::bench::Layer;
+use moeforge::runtime::collective::{InProcess, SingleRank, Topology};
+use moeforge::runtime::moves::{MovePlan, SlotMap};
 use moeforge::runtime::store::ParamStore;
+
+mod common;
 
 fn pack(
     info: &moeforge::dsl::ModuleInfo,
@@ -37,11 +41,19 @@ fn permute(bytes: &[u8], experts: usize, perm: &[usize]) -> Vec<u8> {
         .collect()
 }
 
-#[test]
-fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
-    let (e, h, i) = (4, 128, 128);
-    let perm = [2usize, 0, 3, 1];
-    let layer = Layer::synthetic(e, h, i, 11);
+/// A checkpoint placed as `phy2log`: slot `p` holds the bytes of logical expert `phy2log[p]`.
+fn place(
+    inp: &HashMap<String, Vec<u8>>,
+    experts: usize,
+    phy2log: &[usize],
+) -> HashMap<String, Vec<u8>> {
+    inp.iter()
+        .map(|(k, v)| (k.clone(), permute(v, experts, phy2log)))
+        .collect()
+}
+
+fn checkpoint(e: usize, h: usize, i: usize, seed: u64) -> HashMap<String, Vec<u8>> {
+    let layer = Layer::synthetic(e, h, i, seed);
     let scales: Vec<u8> = (0..e)
         .flat_map(|k| (0.5f32 + k as f32).to_le_bytes())
         .collect();
@@ -49,36 +61,224 @@ fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
     inp.insert("w13".to_string(), layer.w13.clone());
     inp.insert("w2".to_string(), layer.w2.clone());
     inp.insert("w13_input_scale".to_string(), scales.clone());
-    inp.insert("w2_input_scale".to_string(), scales.clone());
-    let mut permuted = HashMap::new();
-    for (k, v) in &inp {
-        permuted.insert(k.clone(), permute(v, e, &perm));
+    inp.insert("w2_input_scale".to_string(), scales);
+    inp
+}
+
+/// A random placement of `e` experts on `r` slots: each once, the rest random replicas, shuffled.
+fn random_placement(rng: &mut u64, e: usize, r: usize) -> Vec<usize> {
+    let mut next = || {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        *rng
+    };
+    let mut v: Vec<usize> = (0..e).collect();
+    for _ in e..r {
+        v.push((next() % e as u64) as usize);
     }
-    for r in moeforge::kernels::STANDARD {
+    for k in (1..v.len()).rev() {
+        let j = (next() % (k as u64 + 1)) as usize;
+        v.swap(k, j);
+    }
+    v
+}
+
+#[test]
+fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
+    // The contract, on one rank: pack a checkpoint placed as a random `old` (replicas included),
+    // rearrange in place to a random `new`: every param equals packing the checkpoint placed as
+    // `new`, views alias the same storage, and the store reports the slots it wrote.
+    let seed = common::seed();
+    let mut rng = seed | 1;
+    let (e, r, h, i) = (4, 6, 128, 128);
+    let inp = checkpoint(e, h, i, 11);
+    for rec in moeforge::kernels::STANDARD {
+        let old = random_placement(&mut rng, e, r);
+        let new = random_placement(&mut rng, e, r);
         let info =
-            moeforge::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}"))).unwrap();
-        let mut store = ParamStore::new(&info, pack(&info, &inp)).unwrap();
-        // Views read the store through the verifier's index maps.
+            moeforge::check_source(rec.source, rec.path, Some(&format!("E={r},H={h},I={i}")))
+                .unwrap();
+        let old_map = SlotMap::new(old.clone(), e).unwrap();
+        let mut store = ParamStore::placed(
+            &info,
+            pack(&info, &place(&inp, e, &old)),
+            old_map.clone(),
+            0,
+            1,
+        )
+        .unwrap();
+        let before: Vec<u64> = info
+            .views
+            .iter()
+            .map(|v| {
+                store
+                    .view(&info.module().tensor(v.id).unwrap().name)
+                    .unwrap()
+                    .address()
+            })
+            .collect();
         for v in &info.views {
             let name = &info.module().tensor(v.id).unwrap().name;
             let view = store.view(name).unwrap();
             assert!(
                 view.index_map() == info.index_map(v).unwrap(),
                 "{} {name}: index maps differ",
-                r.name
+                rec.name
             );
             assert_eq!(view.param(), info.module().tensor(v.source).unwrap().name);
         }
-        store.rearrange(&perm).unwrap();
-        for (name, want) in pack(&info, &permuted) {
+        let plan = MovePlan::new(&old_map, &SlotMap::new(new.clone(), e).unwrap(), 1).unwrap();
+        let report = store.rearrange(&plan, &SingleRank).unwrap();
+        assert_eq!(report.slots_written, plan.changed_slots(), "seed {seed}");
+        for (name, want) in pack(&info, &place(&inp, e, &new)) {
             assert!(
                 store.param(&name).unwrap() == &want,
-                "{}.{name} differs after rearrangement",
-                r.name
+                "{}.{name} differs after rearrangement {old:?} -> {new:?} (seed {seed})",
+                rec.name
             );
         }
-        assert!(store.rearrange(&[0, 0, 1, 2]).is_err(), "not a permutation");
+        let after: Vec<u64> = info
+            .views
+            .iter()
+            .map(|v| {
+                store
+                    .view(&info.module().tensor(v.id).unwrap().name)
+                    .unwrap()
+                    .address()
+            })
+            .collect();
+        assert_eq!(before, after, "views still alias the params' storage");
+        assert_eq!(store.placement().phy2log(), &new[..]);
     }
+}
+
+#[test]
+fn ranks_exchange_experts_through_the_in_process_transport() {
+    // 2 to 4 ranks (threads), each holding its slots: after the rearrangement every rank's params
+    // equal its slice of packing the checkpoint placed as `new`.
+    let seed = common::seed();
+    let mut rng = seed | 1;
+    let (e, h, i) = (4, 128, 128);
+    let inp = checkpoint(e, h, i, 5);
+    for rec in moeforge::kernels::STANDARD {
+        for ranks in [2usize, 4] {
+            let local = 2;
+            let r = ranks * local;
+            let old = random_placement(&mut rng, e, r);
+            let new = random_placement(&mut rng, e, r);
+            let full =
+                moeforge::check_source(rec.source, rec.path, Some(&format!("E={r},H={h},I={i}")))
+                    .unwrap();
+            let info = moeforge::check_source(
+                rec.source,
+                rec.path,
+                Some(&format!("E={local},H={h},I={i}")),
+            )
+            .unwrap();
+            let old_packed = pack(&full, &place(&inp, e, &old));
+            let want = pack(&full, &place(&inp, e, &new));
+            let old_map = SlotMap::new(old.clone(), e).unwrap();
+            let plan =
+                MovePlan::new(&old_map, &SlotMap::new(new.clone(), e).unwrap(), ranks).unwrap();
+            let world = InProcess::world(Topology {
+                ep: ranks,
+                moe_tp: 1,
+            });
+            let results: Vec<Vec<(String, Vec<u8>)>> = std::thread::scope(|s| {
+                let hs: Vec<_> = world
+                    .iter()
+                    .enumerate()
+                    .map(|(k, c)| {
+                        let (info, plan, old_map) = (&info, &plan, &old_map);
+                        let params: Vec<(String, Vec<u8>)> = old_packed
+                            .iter()
+                            .map(|(n, b)| {
+                                let per = b.len() / r;
+                                (
+                                    n.clone(),
+                                    b[k * local * per..(k + 1) * local * per].to_vec(),
+                                )
+                            })
+                            .collect();
+                        s.spawn(move || {
+                            let mut st =
+                                ParamStore::placed(info, params, old_map.clone(), k, ranks)
+                                    .unwrap();
+                            st.rearrange(plan, c).unwrap();
+                            st.param_names()
+                                .iter()
+                                .map(|n| (n.to_string(), st.param(n).unwrap().clone()))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (name, w) in &want {
+                let per = w.len() / r;
+                for (k, got) in results.iter().enumerate() {
+                    let g = &got.iter().find(|x| &x.0 == name).unwrap().1;
+                    assert!(
+                        g[..] == w[k * local * per..(k + 1) * local * per],
+                        "{}.{name} rank {k}/{ranks}: {old:?} -> {new:?} (seed {seed})",
+                        rec.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failed_move_marks_the_layer_unusable_and_bad_plans_change_nothing() {
+    let rec = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let (e, h, i) = (4, 128, 128);
+    let inp = checkpoint(e, h, i, 9);
+    let info =
+        moeforge::check_source(rec.source, rec.path, Some(&format!("E={e},H={h},I={i}"))).unwrap();
+    let packed = pack(&info, &inp);
+    let id = SlotMap::identity(e);
+    // Bad placements are refused by name, before anything moves.
+    assert!(
+        matches!(SlotMap::new(vec![0, 1, 2], e), Err(moeforge::runtime::Error::Placement(m)) if m.contains("3 slots"))
+    );
+    assert!(
+        matches!(SlotMap::new(vec![0, 1, 2, 7], e), Err(moeforge::runtime::Error::Placement(m)) if m.contains("slot 3 holds expert 7"))
+    );
+    assert!(
+        matches!(SlotMap::new(vec![0, 1, 2, 2], e), Err(moeforge::runtime::Error::Placement(m)) if m.contains("expert 3 has no replica"))
+    );
+    assert!(
+        matches!(MovePlan::new(&id, &id, 3), Err(moeforge::runtime::Error::Placement(m)) if m.contains("do not divide"))
+    );
+    let mut store = ParamStore::new(&info, packed.clone()).unwrap();
+    let other = SlotMap::new(vec![1, 0, 2, 3], e).unwrap();
+    let wrong_start = MovePlan::new(&other, &id, 1).unwrap();
+    assert!(matches!(
+        store.rearrange(&wrong_start, &SingleRank),
+        Err(moeforge::runtime::Error::Placement(_))
+    ));
+    let two_ranks = MovePlan::new(&id, &other, 2).unwrap();
+    assert!(store.rearrange(&two_ranks, &SingleRank).is_err());
+    for (n, b) in &packed {
+        assert!(store.param(n).unwrap() == b, "a refused plan changed {n}");
+    }
+    assert!(store.is_usable());
+    // A transfer failing part-way: an error, the layer unusable, views refused, no silent mix.
+    let plan = MovePlan::new(&id, &SlotMap::new(vec![3, 2, 1, 0], e).unwrap(), 1).unwrap();
+    store.inject_fault(Some(5));
+    match store.rearrange(&plan, &SingleRank) {
+        Err(moeforge::runtime::Error::Unusable(m)) => assert!(m.contains("injected"), "{m}"),
+        other => panic!("expected Unusable, got {:?}", other.map(|_| ())),
+    }
+    assert!(!store.is_usable());
+    assert!(matches!(
+        store.view("w13_scale_mma"),
+        Err(moeforge::runtime::Error::Unusable(_))
+    ));
+    assert!(store.rearrange(&plan, &SingleRank).is_err());
+    assert_eq!(store.placement(), &id, "the map did not switch");
 }
 
 #[test]

@@ -163,6 +163,9 @@ fn copy_message(g: Group, m: &[u8], buf: &mut [u8]) -> Result<()> {
 /// Reductions waiting for their group: `(group, first member, sequence)` -> values so far.
 type Pending = HashMap<(Group, usize, u64), Reduction>;
 
+/// Messages in flight: `(from, to)` world ranks -> queue.
+type Mail = HashMap<(usize, usize), VecDeque<Vec<u8>>>;
+
 struct Reduction {
     acc: Vec<f32>,
     arrived: usize,
@@ -173,8 +176,7 @@ struct Reduction {
 struct Shared {
     pending: Mutex<Pending>,
     reduced: Condvar,
-    /// `(from, to)` world ranks -> messages in flight.
-    mail: Mutex<HashMap<(usize, usize), VecDeque<Vec<u8>>>>,
+    mail: Mutex<Mail>,
     delivered: Condvar,
 }
 

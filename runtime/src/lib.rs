@@ -13,6 +13,7 @@ pub mod device;
 pub mod eplb;
 pub mod gpu_pack;
 pub mod jit;
+pub mod moves;
 pub mod store;
 
 pub use cache::Cache;

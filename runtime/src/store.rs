@@ -1,98 +1,314 @@
-//! The parameter store: the packed params of one layer in device (or host) buffers, with views that
-//! borrow it.
+//! The parameter store: the packed params of one layer (on one rank) in device or host buffers,
+//! with views that borrow it, placed on physical expert slots by EPLB.
 //!
 //! A [`View`] is not `Clone` and holds `&ParamStore`, so it cannot outlive its params, and it cannot
-//! coexist with a rearrangement, which takes `&mut ParamStore`: the borrow checker enforces that what a
-//! kernel reads through a view is always the params' current storage. (Lifetimes do not stop anyone
-//! copying bytes out; that no derived per-expert value lives outside a param is the verifier's promise 3.)
-//! Rearrangement permutes whole experts of every param, using the move set the verifier derived.
+//! coexist with a rearrangement, which takes `&mut ParamStore`: the borrow checker enforces that what
+//! a kernel reads through a view is always the params' current storage. (Lifetimes do not stop anyone
+//! copying bytes out; that no derived per-expert value lives outside a param is the verifier's
+//! promise 3.)
+//!
+//! A store holds the recipe's whole move set or is refused ([`Error::IncompleteMoveSet`]).
+//! Rearrangement runs a [`MovePlan`] over every param: the plan is checked against the store first
+//! (a bad plan changes nothing), then received experts land in a per-param staging buffer (the
+//! transfer buffer plus one expert of scratch, never a copy of the whole param), then the local
+//! copies run, and only then does the store's placement switch. A failure after the first byte
+//! moved leaves the store unusable: it refuses views until it is rebuilt.
+
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moeforge_dsl::ir::SymLayout;
 use moeforge_dsl::ModuleInfo;
 
+use crate::collective::{Collective, Group};
+use crate::moves::{Loc, MovePlan, SlotMap};
 use crate::{drv, Error, Result};
 
-/// Storage the store can hold: host bytes or a device allocation.
+/// Where a staged copy reads or writes: the param's own bytes, or its staging buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// Byte offset into the param.
+    Main(usize),
+    /// Byte offset into the staging buffer.
+    Staging(usize),
+}
+
+/// Storage the store can hold: host bytes or a device allocation, owned or borrowed.
 pub trait ExpertStorage {
+    /// A staging buffer of the same kind (received experts and the scratch).
+    type Staging;
+    /// How ranks exchange bytes of this kind.
+    type Transport: ?Sized;
     /// Bytes.
     fn len(&self) -> usize;
     /// Whether empty.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Put expert `perm[k]`'s `bytes`-long range at slot `k`, for every slot.
-    fn permute_experts(&mut self, bytes: usize, perm: &[usize]) -> Result<()>;
     /// The address a kernel argument is built from (device pointer, or host address).
     fn address(&self) -> u64;
+    /// A staging buffer of `bytes`.
+    fn staging(&self, bytes: usize) -> Result<Self::Staging>;
+    /// Copy `len` bytes (the two ranges never overlap).
+    fn copy(&mut self, st: &mut Self::Staging, from: Place, to: Place, len: usize) -> Result<()>;
+    /// One grouped exchange over `t`'s EP group: `len` bytes from `Main(offset)` to each `(peer,
+    /// offset)` of `sends`, and from each peer of `recvs` into `Staging(offset)`.
+    fn exchange(
+        &self,
+        st: &mut Self::Staging,
+        t: &Self::Transport,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        len: usize,
+    ) -> Result<()>;
+}
+
+fn range(what: &str, off: usize, len: usize, size: usize) -> Result<std::ops::Range<usize>> {
+    match off.checked_add(len) {
+        Some(end) if end <= size => Ok(off..end),
+        _ => Err(Error::Placement(format!(
+            "{what} bytes {off}..{} are outside its {size} bytes",
+            off.saturating_add(len)
+        ))),
+    }
 }
 
 impl ExpertStorage for Vec<u8> {
+    type Staging = Vec<u8>;
+    type Transport = dyn Collective;
+
     fn len(&self) -> usize {
         Vec::len(self)
-    }
-
-    fn permute_experts(&mut self, bytes: usize, perm: &[usize]) -> Result<()> {
-        let old = self.clone();
-        for (k, &src) in perm.iter().enumerate() {
-            let from = old
-                .get(src * bytes..(src + 1) * bytes)
-                .ok_or(out_of_range(src))?;
-            self.get_mut(k * bytes..(k + 1) * bytes)
-                .ok_or(out_of_range(k))?
-                .copy_from_slice(from);
-        }
-        Ok(())
     }
 
     fn address(&self) -> u64 {
         self.as_ptr() as u64
     }
-}
 
-fn out_of_range(e: usize) -> Error {
-    Error::Driver {
-        call: "permute_experts",
-        detail: format!("expert {e} is out of range"),
-    }
-}
-
-/// A device allocation and the stream its copies are queued on.
-pub struct DeviceStorage {
-    /// The bytes.
-    pub buf: CudaSlice<u8>,
-    /// The stream.
-    pub stream: std::sync::Arc<CudaStream>,
-}
-
-impl ExpertStorage for DeviceStorage {
-    fn len(&self) -> usize {
-        self.buf.len()
+    fn staging(&self, bytes: usize) -> Result<Vec<u8>> {
+        Ok(vec![0; bytes])
     }
 
-    fn permute_experts(&mut self, bytes: usize, perm: &[usize]) -> Result<()> {
-        // Copy the moved experts' ranges out, then into their new slots (stream-ordered after every
-        // launch already queued, so kernels in flight read the old layout).
-        let old = self
-            .stream
-            .clone_dtod(&self.buf)
-            .map_err(drv("cuMemcpyDtoD"))?;
-        for (k, &src) in perm.iter().enumerate() {
-            if k == src {
-                continue;
+    fn copy(&mut self, st: &mut Vec<u8>, from: Place, to: Place, len: usize) -> Result<()> {
+        let (n, s) = (Vec::len(self), Vec::len(st));
+        match (from, to) {
+            (Place::Main(a), Place::Main(b)) => {
+                let src = range("the param", a, len, n)?;
+                range("the param", b, len, n)?;
+                self.copy_within(src, b);
             }
-            let from = old.slice(src * bytes..(src + 1) * bytes);
-            let mut to = self.buf.slice_mut(k * bytes..(k + 1) * bytes);
-            self.stream
-                .memcpy_dtod(&from, &mut to)
-                .map_err(drv("cuMemcpyDtoD"))?;
+            (Place::Main(a), Place::Staging(b)) => {
+                st[range("the staging buffer", b, len, s)?]
+                    .copy_from_slice(&self[range("the param", a, len, n)?]);
+            }
+            (Place::Staging(a), Place::Main(b)) => {
+                self[range("the param", b, len, n)?]
+                    .copy_from_slice(&st[range("the staging buffer", a, len, s)?]);
+            }
+            (Place::Staging(a), Place::Staging(b)) => {
+                let src = range("the staging buffer", a, len, s)?;
+                range("the staging buffer", b, len, s)?;
+                st.copy_within(src, b);
+            }
         }
         Ok(())
     }
 
+    fn exchange(
+        &self,
+        st: &mut Vec<u8>,
+        t: &dyn Collective,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        len: usize,
+    ) -> Result<()> {
+        let mut out = Vec::with_capacity(sends.len());
+        for &(peer, off) in sends {
+            out.push((peer, &self[range("the param", off, len, Vec::len(self))?]));
+        }
+        // Split the staging buffer into the receive ranges (ascending, disjoint by construction).
+        let mut order: Vec<usize> = (0..recvs.len()).collect();
+        order.sort_by_key(|&i| recvs[i].1);
+        let mut parts: Vec<Option<(usize, &mut [u8])>> = (0..recvs.len()).map(|_| None).collect();
+        let mut rest: &mut [u8] = st.as_mut_slice();
+        let mut at = 0;
+        for i in order {
+            let (peer, off) = recvs[i];
+            let skip = off.checked_sub(at).ok_or_else(|| {
+                Error::Placement("receive ranges overlap in the staging buffer".into())
+            })?;
+            if rest.len() < skip + len {
+                return Err(Error::Placement(
+                    "a receive range is outside the staging buffer".into(),
+                ));
+            }
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+            let (mine, tail) = tail.split_at_mut(len);
+            parts[i] = Some((peer, mine));
+            rest = tail;
+            at = off + len;
+        }
+        let mut recv: Vec<(usize, &mut [u8])> = parts.into_iter().flatten().collect();
+        t.exchange(Group::Ep, &out, &mut recv)
+    }
+}
+
+/// A device allocation and the stream its copies are queued on: owned (freed on drop) or borrowed
+/// from the caller (a serving process's tensor; never freed here).
+pub struct DeviceStorage {
+    buf: Option<CudaSlice<u8>>,
+    borrowed: bool,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceStorage {
+    /// Own `buf`; copies go on `stream`.
+    pub fn owned(buf: CudaSlice<u8>, stream: Arc<CudaStream>) -> DeviceStorage {
+        DeviceStorage {
+            buf: Some(buf),
+            borrowed: false,
+            stream,
+        }
+    }
+
+    /// Adopt `len` bytes at device address `ptr` without copying them, for as long as the store
+    /// lives; they are not freed on drop.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be one live device allocation (or a part of one) of `stream`'s context
+    /// that outlives the returned storage, and nothing else may write it while the store is used
+    /// except through work ordered on `stream`.
+    pub unsafe fn borrowed(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> DeviceStorage {
+        // SAFETY: the caller guarantees the allocation (see above); the slice is leaked on drop
+        // (`Drop for DeviceStorage`), so it never frees memory it does not own.
+        let buf = unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) };
+        DeviceStorage {
+            buf: Some(buf),
+            borrowed: true,
+            stream: stream.clone(),
+        }
+    }
+
+    /// The stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The bytes, if still held.
+    pub fn slice(&self) -> Option<&CudaSlice<u8>> {
+        self.buf.as_ref()
+    }
+
+    /// Copy the bytes to the host (waits for the stream).
+    pub fn download(&self) -> Result<Vec<u8>> {
+        let b = self
+            .buf
+            .as_ref()
+            .ok_or(Error::Placement("storage released".into()))?;
+        self.stream.clone_dtoh(b).map_err(drv("cuMemcpyDtoH"))
+    }
+
+    fn ptr(&self) -> Result<u64> {
+        let b = self
+            .buf
+            .as_ref()
+            .ok_or(Error::Placement("storage released".into()))?;
+        let (p, _sync) = b.device_ptr(&self.stream);
+        Ok(p)
+    }
+
+    fn dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: both ranges were checked to lie inside live allocations of this context (the
+        // param and its staging buffer; `range`), they do not overlap (distinct slots, or a slot and
+        // the staging buffer), and the copy is ordered on the stream after every earlier use.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) }
+            .map_err(drv("cuMemcpyDtoDAsync"))
+    }
+}
+
+impl Drop for DeviceStorage {
+    fn drop(&mut self) {
+        if self.borrowed {
+            if let Some(b) = self.buf.take() {
+                // Borrowed memory belongs to the caller: forget it instead of freeing it.
+                let _ = b.leak();
+            }
+        }
+    }
+}
+
+/// A device staging buffer.
+pub struct DeviceStaging {
+    buf: Option<CudaSlice<u8>>,
+    len: usize,
+}
+
+impl DeviceStaging {
+    fn ptr(&self, stream: &CudaStream) -> u64 {
+        match &self.buf {
+            Some(b) => b.device_ptr(stream).0,
+            None => 0,
+        }
+    }
+}
+
+/// What carries device bytes between ranks: none here yet beyond one rank (a plan with sends or
+/// receives is refused with [`Error::MissingCollective`]).
+pub struct NoDeviceTransport;
+
+impl ExpertStorage for DeviceStorage {
+    type Staging = DeviceStaging;
+    type Transport = NoDeviceTransport;
+
+    fn len(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+
     fn address(&self) -> u64 {
-        let (p, _sync) = self.buf.device_ptr(&self.stream);
-        p
+        self.ptr().unwrap_or(0)
+    }
+
+    fn staging(&self, bytes: usize) -> Result<DeviceStaging> {
+        if bytes == 0 {
+            return Ok(DeviceStaging { buf: None, len: 0 });
+        }
+        // SAFETY: the staging buffer is written (by a receive or a copy) before any byte of it is
+        // read: the plan only reads transfer slots it received and the scratch after staging it.
+        let buf = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(drv("cuMemAlloc"))?;
+        Ok(DeviceStaging {
+            buf: Some(buf),
+            len: bytes,
+        })
+    }
+
+    fn copy(&mut self, st: &mut DeviceStaging, from: Place, to: Place, len: usize) -> Result<()> {
+        let (n, s) = (ExpertStorage::len(self), st.len);
+        let main = self.ptr()?;
+        let stp = st.ptr(&self.stream);
+        let at = |p: Place| -> Result<u64> {
+            Ok(match p {
+                Place::Main(o) => main + range("the param", o, len, n)?.start as u64,
+                Place::Staging(o) => stp + range("the staging buffer", o, len, s)?.start as u64,
+            })
+        };
+        self.dtod(at(to)?, at(from)?, len)
+    }
+
+    fn exchange(
+        &self,
+        _st: &mut DeviceStaging,
+        _t: &NoDeviceTransport,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        _len: usize,
+    ) -> Result<()> {
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
+        Err(Error::MissingCollective {
+            group: Group::Ep.name(),
+            size: 2,
+        })
     }
 }
 
@@ -103,12 +319,40 @@ struct Entry<S> {
     bytes_per_expert: usize,
 }
 
-/// The params of one layer.
+/// What one rearrangement moved, for the report.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MoveReport {
+    /// Local slots written.
+    pub slots_written: usize,
+    /// Bytes read plus written by local copies, per param (name, bytes).
+    pub local_bytes: Vec<(String, u64)>,
+    /// Bytes sent to each peer (EP rank).
+    pub sent: Vec<u64>,
+    /// Bytes received from each peer.
+    pub received: Vec<u64>,
+}
+
+impl MoveReport {
+    /// Read + written bytes of every local copy plus everything sent and received.
+    pub fn total_bytes(&self) -> u64 {
+        self.local_bytes.iter().map(|x| x.1).sum::<u64>()
+            + self.sent.iter().sum::<u64>()
+            + self.received.iter().sum::<u64>()
+    }
+}
+
+/// The params of one layer on one rank, placed on physical slots.
 pub struct ParamStore<S: ExpertStorage> {
     entries: Vec<Entry<S>>,
     views: Vec<(String, usize, SymLayout)>,
-    experts: usize,
+    /// Local slots (the binding's expert count).
+    slots: usize,
     binding: moeforge_dsl::Binding,
+    placement: SlotMap,
+    rank: usize,
+    ranks: usize,
+    usable: bool,
+    fault_after: Option<usize>,
 }
 
 /// A borrowed alias of one param: its storage and the layout from view coordinates to element offsets.
@@ -138,37 +382,49 @@ impl<S: ExpertStorage> View<'_, S> {
 }
 
 impl<S: ExpertStorage> ParamStore<S> {
-    /// A store over packed params (`(name, storage)`), checked against the verified module's move set.
+    /// A store over packed params (`(name, storage)`) with slot `p` holding expert `p` (one rank).
     pub fn new(info: &ModuleInfo, params: Vec<(String, S)>) -> Result<ParamStore<S>> {
+        let slots = bound_experts(info)?;
+        ParamStore::placed(info, params, SlotMap::identity(slots), 0, 1)
+    }
+
+    /// A store over rank `rank`'s slots of `placement` (over `ranks` ranks): the module is bound at
+    /// `E` = the local slot count, and every param holds that many expert slots.
+    pub fn placed(
+        info: &ModuleInfo,
+        params: Vec<(String, S)>,
+        placement: SlotMap,
+        rank: usize,
+        ranks: usize,
+    ) -> Result<ParamStore<S>> {
         let m = info.module();
-        let binding = info.binding().cloned().ok_or_else(|| Error::Driver {
-            call: "ParamStore::new",
-            detail: "the module is not bound".into(),
-        })?;
-        let atoms = binding.atoms().to_vec();
-        let experts = m
-            .experts_dim()
-            .and_then(|d| d.poly.eval(&atoms))
-            .unwrap_or(0) as usize;
+        let binding = info
+            .binding()
+            .cloned()
+            .ok_or_else(|| Error::Placement("the module is not bound".into()))?;
+        let slots = bound_experts(info)?;
+        if ranks == 0 || rank >= ranks || placement.slots() != slots * ranks {
+            return Err(Error::Placement(format!(
+                "rank {rank} of {ranks} with {slots} local slots cannot hold a placement of {} slots",
+                placement.slots()
+            )));
+        }
         let mut entries = Vec::new();
         for (name, storage) in params {
             let mv = info
                 .move_set
                 .iter()
                 .find(|e| m.tensor(e.param).is_some_and(|t| t.name == name))
-                .ok_or_else(|| Error::Driver {
-                    call: "ParamStore::new",
-                    detail: format!("`{name}` is not a registered param"),
-                })?;
+                .ok_or_else(|| Error::Placement(format!("`{name}` is not a registered param")))?;
             let bytes = info.bytes_per_expert(mv).unwrap_or(0) as usize;
-            if storage.len() < bytes * experts {
-                return Err(Error::Driver {
-                    call: "ParamStore::new",
-                    detail: format!(
-                        "`{name}` holds {} bytes, fewer than {experts} experts of {bytes}",
-                        storage.len()
-                    ),
-                });
+            if storage.len() < bytes * slots {
+                return Err(Error::Placement(format!(
+                    "`{name}` holds {} bytes, fewer than {slots} expert slots of {bytes}",
+                    storage.len()
+                )));
+            }
+            if entries.iter().any(|e: &Entry<S>| e.name == name) {
+                return Err(Error::Placement(format!("`{name}` is given twice")));
             }
             entries.push(Entry {
                 name,
@@ -207,15 +463,25 @@ impl<S: ExpertStorage> ParamStore<S> {
         Ok(ParamStore {
             entries,
             views,
-            experts,
+            slots,
             binding,
+            placement,
+            rank,
+            ranks,
+            usable: true,
+            fault_after: None,
         })
     }
 
-    /// A view by name, borrowing the store.
-    pub fn view(&self, name: &str) -> Option<View<'_, S>> {
-        let (_, param, layout) = self.views.iter().find(|v| v.0 == name)?;
-        Some(View {
+    /// A view by name, borrowing the store; refused while the store is unusable.
+    pub fn view(&self, name: &str) -> Result<View<'_, S>> {
+        self.check_usable()?;
+        let (_, param, layout) = self
+            .views
+            .iter()
+            .find(|v| v.0 == name)
+            .ok_or_else(|| Error::Placement(format!("no view `{name}`")))?;
+        Ok(View {
             store: self,
             param: *param,
             layout,
@@ -230,28 +496,159 @@ impl<S: ExpertStorage> ParamStore<S> {
             .map(|e| &e.storage)
     }
 
-    /// Number of experts.
-    pub fn experts(&self) -> usize {
-        self.experts
+    /// The params' names, in the order given.
+    pub fn param_names(&self) -> Vec<&str> {
+        self.entries.iter().map(|e| e.name.as_str()).collect()
     }
 
-    /// Move experts in place: slot `k` takes the expert that was at `perm[k]`, in every param (the
-    /// whole move set). `perm` must be a permutation of the experts.
-    pub fn rearrange(&mut self, perm: &[usize]) -> Result<()> {
-        let mut seen = vec![false; self.experts];
-        if perm.len() != self.experts
-            || perm
-                .iter()
-                .any(|&p| p >= self.experts || std::mem::replace(&mut seen[p], true))
-        {
-            return Err(Error::Driver {
-                call: "ParamStore::rearrange",
-                detail: format!("not a permutation of {} experts: {perm:?}", self.experts),
-            });
-        }
-        for e in &mut self.entries {
-            e.storage.permute_experts(e.bytes_per_expert, perm)?;
-        }
-        Ok(())
+    /// Local expert slots.
+    pub fn experts(&self) -> usize {
+        self.slots
     }
+
+    /// The current placement (all ranks' slots).
+    pub fn placement(&self) -> &SlotMap {
+        &self.placement
+    }
+
+    /// Whether the store may serve (false after a failed rearrangement).
+    pub fn is_usable(&self) -> bool {
+        self.usable
+    }
+
+    /// Bytes of one expert slot summed over every param.
+    pub fn bytes_per_slot(&self) -> usize {
+        self.entries.iter().map(|e| e.bytes_per_expert).sum()
+    }
+
+    /// Testing hook: make the next rearrangement fail after `ops` exchanges and copies (counted
+    /// over all params), as a transfer failing part-way would.
+    pub fn inject_fault(&mut self, ops: Option<usize>) {
+        self.fault_after = ops;
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if self.usable {
+            Ok(())
+        } else {
+            Err(Error::Unusable(
+                "a rearrangement failed part-way; the params mix two placements".into(),
+            ))
+        }
+    }
+
+    /// Move experts in place from the current placement to `plan`'s, over every param (the whole
+    /// move set): all or nothing. A plan that does not start from this store's placement, or is for
+    /// another rank count, changes nothing; a failure while bytes move leaves the store unusable.
+    pub fn rearrange(&mut self, plan: &MovePlan, transport: &S::Transport) -> Result<MoveReport> {
+        self.check_usable()?;
+        if plan.old() != &self.placement {
+            return Err(Error::Placement(
+                "the plan starts from another placement than the layer's".into(),
+            ));
+        }
+        if plan.ranks() != self.ranks || plan.local_slots() != self.slots {
+            return Err(Error::Placement(format!(
+                "the plan is for {} ranks of {} slots, the layer has {} of {}",
+                plan.ranks(),
+                plan.local_slots(),
+                self.ranks,
+                self.slots
+            )));
+        }
+        let rm = plan
+            .rank(self.rank)
+            .ok_or_else(|| Error::Placement(format!("the plan has no rank {}", self.rank)))?
+            .clone();
+        let mut report = MoveReport {
+            slots_written: rm
+                .copies
+                .iter()
+                .filter(|c| matches!(c.to, Loc::Slot(_)))
+                .count(),
+            local_bytes: Vec::new(),
+            sent: vec![0; self.ranks],
+            received: vec![0; self.ranks],
+        };
+        // Staging for every param before any byte moves (an allocation failure changes nothing).
+        let transfer = rm.transfer_experts();
+        let scratch = usize::from(rm.uses_scratch());
+        let mut staging = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            staging.push(
+                e.storage
+                    .staging((transfer + scratch) * e.bytes_per_expert)?,
+            );
+        }
+        let mut budget = self.fault_after.take();
+        let mut tick = || -> Result<()> {
+            match &mut budget {
+                Some(0) => Err(Error::Collective {
+                    group: Group::Ep.name(),
+                    why: "injected transfer failure".into(),
+                }),
+                Some(n) => {
+                    *n -= 1;
+                    Ok(())
+                }
+                None => Ok(()),
+            }
+        };
+        let result = (|| -> Result<()> {
+            for (e, st) in self.entries.iter().zip(staging.iter_mut()) {
+                let b = e.bytes_per_expert;
+                let sends: Vec<(usize, usize)> =
+                    rm.sends.iter().map(|t| (t.peer, t.at * b)).collect();
+                let recvs: Vec<(usize, usize)> =
+                    rm.recvs.iter().map(|t| (t.peer, t.at * b)).collect();
+                tick()?;
+                e.storage.exchange(st, transport, &sends, &recvs, b)?;
+            }
+            for (e, st) in self.entries.iter_mut().zip(staging.iter_mut()) {
+                let b = e.bytes_per_expert;
+                let place = |l: Loc| match l {
+                    Loc::Slot(p) => Place::Main(p * b),
+                    Loc::Transfer(k) => Place::Staging(k * b),
+                    Loc::Scratch => Place::Staging(transfer * b),
+                };
+                for c in &rm.copies {
+                    tick()?;
+                    e.storage.copy(st, place(c.from), place(c.to), b)?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(err) = result {
+            self.usable = false;
+            return Err(Error::Unusable(format!(
+                "rearrangement failed part-way ({err}); the layer must be re-placed before it serves"
+            )));
+        }
+        for e in &self.entries {
+            let b = e.bytes_per_expert as u64;
+            report
+                .local_bytes
+                .push((e.name.clone(), 2 * b * rm.copies.len() as u64));
+            for t in &rm.sends {
+                report.sent[t.peer] += b;
+            }
+            for t in &rm.recvs {
+                report.received[t.peer] += b;
+            }
+        }
+        self.placement = plan.new_map().clone();
+        Ok(report)
+    }
+}
+
+fn bound_experts(info: &ModuleInfo) -> Result<usize> {
+    let m = info.module();
+    let binding = info
+        .binding()
+        .ok_or_else(|| Error::Placement("the module is not bound".into()))?;
+    let atoms = binding.atoms().to_vec();
+    m.experts_dim()
+        .and_then(|d| d.poly.eval(&atoms))
+        .and_then(|e| usize::try_from(e).ok())
+        .ok_or_else(|| Error::Placement("the module has no bound expert dimension".into()))
 }
