@@ -107,6 +107,10 @@ enum Command {
         /// (with --host and/or --gpu).
         #[arg(long)]
         layouts: bool,
+        /// Only the EPLB benchmark (with --gpu): in-place rearrangement of a DeepSeek-V3 EP8
+        /// layer for every recipe, against the copy ceiling.
+        #[arg(long, conflicts_with = "layouts")]
+        eplb: bool,
     },
     /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
     Selftest {
@@ -536,11 +540,21 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             jit_only,
             reps,
             layouts,
+            eplb,
         } => {
             if !host && !gpu {
                 return Err(moeforge::Error::Usage(
                     "nothing to run: pass --host and/or --gpu".into(),
                 ));
+            }
+            if eplb {
+                if !gpu {
+                    return Err(moeforge::Error::Usage(
+                        "the EPLB benchmark runs on the GPU: pass --gpu".into(),
+                    ));
+                }
+                write!(out, "{}", moeforge::bench_eplb::run(reps)?).map_err(io)?;
+                return Ok(());
             }
             if layouts {
                 if host {

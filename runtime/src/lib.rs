@@ -11,6 +11,7 @@ pub mod cache;
 pub mod collective;
 pub mod device;
 pub mod eplb;
+pub mod eplb_state;
 pub mod gpu_pack;
 pub mod jit;
 pub mod moves;
