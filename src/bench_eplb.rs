@@ -114,5 +114,123 @@ pub fn run(reps: usize) -> Result<String> {
         out,
         "(host wall time around each rearrangement including its synchronisation; torch's `param.copy_(param[perm])` is the anchor `eplb_rearrange_torch` in the same gpu-check call)"
     );
+    async_overhead(&dev, &mut out, e, h, i, &mut seed)?;
     Ok(out)
+}
+
+/// Async mode: a stream of stand-in forwards (each a 1 GiB device copy, about what a decode step's
+/// weight streaming costs) with a rearrangement of the bf16 layer staged on a side stream and swapped
+/// in between two forwards, against the same forwards alone and against a synchronous
+/// rearrangement between them.
+fn async_overhead(
+    dev: &crate::runtime::Device,
+    out: &mut String,
+    e: usize,
+    h: usize,
+    i: usize,
+    seed: &mut u64,
+) -> Result<()> {
+    let d = |call: &'static str| {
+        move |x: cudarc::driver::DriverError| {
+            rt(crate::runtime::Error::Driver {
+                call,
+                detail: format!("{x:?}"),
+            })
+        }
+    };
+    let r = crate::kernels::find("bf16").ok_or_else(|| Error::Usage("no bf16 recipe".into()))?;
+    let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))
+        .map_err(|x| Error::Usage(format!("bf16: {x:?}")))?;
+    let m = info.module();
+    let mut params = Vec::new();
+    for mv in &info.move_set {
+        let Some(t) = m.tensor(mv.param) else {
+            continue;
+        };
+        let bytes = info.bytes_per_expert(mv).unwrap_or(0) as usize * e;
+        let buf = dev
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(d("cuMemAlloc"))?;
+        params.push((
+            t.name.clone(),
+            DeviceStorage::owned(buf, dev.stream.clone()),
+        ));
+    }
+    let mut store = ParamStore::new(&info, params).map_err(rt)?;
+    let src = dev
+        .stream
+        .alloc_zeros::<u8>(1 << 29)
+        .map_err(d("cuMemAlloc"))?;
+    let mut dst = dev
+        .stream
+        .alloc_zeros::<u8>(1 << 29)
+        .map_err(d("cuMemAlloc"))?;
+    let side = dev.ctx.new_stream().map_err(d("cuStreamCreate"))?;
+    let steps = 60usize;
+    let forward = |dst: &mut cudarc::driver::CudaSlice<u8>| {
+        dev.stream.memcpy_dtod(&src, dst).map_err(d("cuMemcpyDtoD"))
+    };
+    // Forwards alone.
+    forward(&mut dst)?;
+    dev.sync().map_err(rt)?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        forward(&mut dst)?;
+    }
+    dev.sync().map_err(rt)?;
+    let alone = t0.elapsed().as_secs_f64();
+    // Forwards with a synchronous rearrangement between step 10 and 11.
+    let mut map = SlotMap::identity(e);
+    let next = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
+    let t0 = std::time::Instant::now();
+    for k in 0..steps {
+        forward(&mut dst)?;
+        if k == 10 {
+            let plan = MovePlan::new(&map, &next, 1).map_err(rt)?;
+            store.rearrange(&plan, &NoDeviceTransport).map_err(rt)?;
+            dev.sync().map_err(rt)?;
+            map = next.clone();
+        }
+    }
+    dev.sync().map_err(rt)?;
+    let sync = t0.elapsed().as_secs_f64();
+    // Forwards with the rearrangement staged on the side stream from step 10, swapped in at the
+    // first step boundary after it is ready.
+    let next = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
+    let plan = MovePlan::new(&map, &next, 1).map_err(rt)?;
+    let mut staged = None;
+    let mut swapped_at = None;
+    let t0 = std::time::Instant::now();
+    for k in 0..steps {
+        forward(&mut dst)?;
+        if k == 10 {
+            staged = Some(store.stage(&plan, &side).map_err(rt)?);
+        } else if staged.as_ref().is_some_and(|s| s.is_ready()) {
+            if let Some(s) = staged.take() {
+                store.commit(s).map_err(rt)?;
+                swapped_at = Some(k);
+            }
+        }
+    }
+    if let Some(s) = staged.take() {
+        store.commit(s).map_err(rt)?;
+        swapped_at = Some(steps);
+    }
+    dev.sync().map_err(rt)?;
+    let asynch = t0.elapsed().as_secs_f64();
+    let per = alone / steps as f64 * 1e3;
+    let _ = writeln!(
+        out,
+        "\nasync mode (bf16 layer, {} changed slots, {:.2} GB staged): {steps} stand-in forwards of {per:.3} ms each: alone {:.2} ms; with a synchronous rearrangement {:.2} ms (+{:.2} ms stall); staged on a side stream and swapped in after step {} {:.2} ms (+{:.2} ms)",
+        plan.changed_slots(),
+        (plan.changed_slots() * store.bytes_per_slot()) as f64 / 1e9,
+        alone * 1e3,
+        sync * 1e3,
+        (sync - alone) * 1e3,
+        swapped_at.map_or("never".to_string(), |k| k.to_string()),
+        asynch * 1e3,
+        (asynch - alone) * 1e3
+    );
+    Ok(())
 }

@@ -309,7 +309,27 @@ fn rearrange_check(
         let have = s.download().map_err(rt)?;
         ok &= have.get(..want.len()) == Some(&want[..]);
     }
-    let perm = format!("{old:?}->{new:?}");
+    // Then asynchronously (staged on a side stream, swapped in) to a third placement.
+    let third = random(e);
+    let side = dev.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+    let plan = MovePlan::new(
+        &SlotMap::new(new.clone(), logical).map_err(rt)?,
+        &SlotMap::new(third.clone(), logical).map_err(rt)?,
+        1,
+    )
+    .map_err(rt)?;
+    let staged = store.stage(&plan, &side).map_err(rt)?;
+    store.commit(staged).map_err(rt)?;
+    ok &= addr(&store) == before;
+    for (n, want) in host_pack(info, &place(&third), host)? {
+        let Some(s) = store.param(&n) else {
+            ok = false;
+            continue;
+        };
+        let have = s.download().map_err(rt)?;
+        ok &= have.get(..want.len()) == Some(&want[..]);
+    }
+    let perm = format!("{old:?}->{new:?}->{third:?} (async)");
     let verdict = if ok {
         "in place == packing the placed checkpoint; views alias"
     } else {

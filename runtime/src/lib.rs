@@ -15,6 +15,7 @@ pub mod eplb_state;
 pub mod gpu_pack;
 pub mod jit;
 pub mod moves;
+pub mod staged;
 pub mod store;
 
 pub use cache::Cache;

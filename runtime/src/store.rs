@@ -313,10 +313,10 @@ impl ExpertStorage for DeviceStorage {
 }
 
 /// One registered param in the store.
-struct Entry<S> {
-    name: String,
-    storage: S,
-    bytes_per_expert: usize,
+pub(crate) struct Entry<S> {
+    pub(crate) name: String,
+    pub(crate) storage: S,
+    pub(crate) bytes_per_expert: usize,
 }
 
 /// What one rearrangement moved, for the report.
@@ -527,20 +527,20 @@ impl<S: ExpertStorage> ParamStore<S> {
         self.fault_after = ops;
     }
 
-    fn check_usable(&self) -> Result<()> {
-        if self.usable {
-            Ok(())
-        } else {
-            Err(Error::Unusable(
-                "a rearrangement failed part-way; the params mix two placements".into(),
-            ))
-        }
+    pub(crate) fn entries(&self) -> &[Entry<S>] {
+        &self.entries
     }
 
-    /// Move experts in place from the current placement to `plan`'s, over every param (the whole
-    /// move set): all or nothing. A plan that does not start from this store's placement, or is for
-    /// another rank count, changes nothing; a failure while bytes move leaves the store unusable.
-    pub fn rearrange(&mut self, plan: &MovePlan, transport: &S::Transport) -> Result<MoveReport> {
+    pub(crate) fn mark_unusable(&mut self) {
+        self.usable = false;
+    }
+
+    pub(crate) fn set_placement(&mut self, map: SlotMap) {
+        self.placement = map;
+    }
+
+    /// Refuse a plan that does not start from this store's placement or is for another shape.
+    pub(crate) fn check_plan(&self, plan: &MovePlan) -> Result<()> {
         self.check_usable()?;
         if plan.old() != &self.placement {
             return Err(Error::Placement(
@@ -556,6 +556,24 @@ impl<S: ExpertStorage> ParamStore<S> {
                 self.slots
             )));
         }
+        Ok(())
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if self.usable {
+            Ok(())
+        } else {
+            Err(Error::Unusable(
+                "a rearrangement failed part-way; the params mix two placements".into(),
+            ))
+        }
+    }
+
+    /// Move experts in place from the current placement to `plan`'s, over every param (the whole
+    /// move set): all or nothing. A plan that does not start from this store's placement, or is for
+    /// another rank count, changes nothing; a failure while bytes move leaves the store unusable.
+    pub fn rearrange(&mut self, plan: &MovePlan, transport: &S::Transport) -> Result<MoveReport> {
+        self.check_plan(plan)?;
         let rm = plan
             .rank(self.rank)
             .ok_or_else(|| Error::Placement(format!("the plan has no rank {}", self.rank)))?
