@@ -15,6 +15,7 @@ pub mod bench_eplb;
 pub mod bench_layouts;
 pub mod checkpoint;
 pub mod demo;
+pub mod demo_eplb;
 pub mod dequant;
 pub mod gpu;
 pub mod layout_gen;
