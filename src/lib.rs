@@ -17,6 +17,7 @@ pub mod checkpoint;
 pub mod demo;
 pub mod demo_eplb;
 pub mod dequant;
+pub mod eplb_apply;
 pub mod gpu;
 pub mod layout_gen;
 pub mod pack;
@@ -60,6 +61,9 @@ pub enum Error {
     /// Code generation failed.
     #[error(transparent)]
     Codegen(#[from] codegen::Error),
+    /// An EPLB placement cannot be applied to a packed checkpoint (`moeforge eplb apply`).
+    #[error(transparent)]
+    Placement(#[from] eplb_apply::ApplyError),
 }
 
 /// `Result` with [`Error`].

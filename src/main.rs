@@ -126,7 +126,8 @@ enum Command {
         #[command(subcommand)]
         action: CacheAction,
     },
-    /// Expert-parallel load balancing: `plan` computes DeepSeek's placement from observed loads.
+    /// Expert-parallel load balancing: `plan` computes DeepSeek's placement from observed loads,
+    /// `apply` lays a packed checkpoint out along one.
     Eplb {
         #[command(subcommand)]
         action: EplbAction,
@@ -161,6 +162,27 @@ enum EplbAction {
         /// Print `{"phy2log", "log2phy", "logcnt"}` as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Write a packed checkpoint's params in a placement's slot order (replicas copied), every
+    /// registered param of every MoE layer; optionally only one rank's slots.
+    Apply {
+        /// The packed safetensors file (`moeforge pack` output).
+        packed: std::path::PathBuf,
+        /// The placement: `eplb plan --json` output (only `phy2log` is read: one row per MoE layer).
+        #[arg(long)]
+        placement: std::path::PathBuf,
+        /// Output safetensors file (written atomically).
+        #[arg(long)]
+        output: std::path::PathBuf,
+        /// Keep only this rank's contiguous R/P slots (with --ranks).
+        #[arg(long, requires = "ranks")]
+        rank: Option<usize>,
+        /// The number of ranks P the slots are split among (with --rank).
+        #[arg(long, requires = "rank")]
+        ranks: Option<usize>,
+        /// The recipe (file or standard name), instead of the file's `moeforge.recipe_source`.
+        #[arg(long)]
+        recipe: Option<String>,
     },
 }
 
@@ -589,6 +611,47 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             }
         }
         Command::Cache { action } => cache_cmd(action, &settings, out)?,
+        Command::Eplb {
+            action:
+                EplbAction::Apply {
+                    packed,
+                    placement,
+                    output,
+                    rank,
+                    ranks,
+                    recipe,
+                },
+        } => {
+            let recipe = match recipe {
+                Some(f) => Some(read_recipe(&f)?),
+                None => None,
+            };
+            let opts = moeforge::eplb_apply::ApplyOptions {
+                input: packed,
+                placement,
+                output: output.clone(),
+                rank: rank.zip(ranks),
+                recipe,
+            };
+            let r = moeforge::eplb_apply::apply(&opts)?;
+            writeln!(
+                out,
+                "placed {} layer(s) of recipe `{}`: {} logical experts on {} slots{}, {} param(s) written, {} other tensor(s) passed through; wrote {} ({:.1} MB)",
+                r.layers.len(),
+                r.recipe,
+                r.experts,
+                r.slots,
+                match opts.rank {
+                    Some((k, p)) => format!(" (rank {k} of {p}: {} slots)", r.written_slots),
+                    None => String::new(),
+                },
+                r.params,
+                r.passed,
+                output.display(),
+                r.output_bytes as f64 / 1e6
+            )
+            .map_err(io)?;
+        }
         Command::Eplb {
             action:
                 EplbAction::Plan {

@@ -316,7 +316,7 @@ pub fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
-fn out_dtype(d: DType) -> Dtype {
+pub(crate) fn out_dtype(d: DType) -> Dtype {
     match d {
         DType::E2m1 | DType::U8 => Dtype::U8,
         DType::E4m3 => Dtype::F8_E4M3,
