@@ -7,8 +7,9 @@
 use std::fmt::Write as _;
 
 use crate::kernels::STANDARD;
+use crate::runtime::collective::SingleDevice;
 use crate::runtime::moves::{MovePlan, SlotMap};
-use crate::runtime::store::{DeviceStorage, NoDeviceTransport, ParamStore};
+use crate::runtime::store::{DeviceStorage, ParamStore};
 use crate::{Error, Result};
 
 /// The copy ceiling of the H200 (bytes read + written per second), ../shared/ANCHORS.md, re-measured
@@ -32,7 +33,7 @@ fn shuffle(n: usize, seed: &mut u64) -> Vec<usize> {
 }
 
 /// Run the benchmark: `reps` timed rearrangements per recipe.
-pub fn run(reps: usize) -> Result<String> {
+pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
     let mut out = String::new();
     let dev = match crate::gpu::open() {
         Ok(d) => d,
@@ -84,13 +85,13 @@ pub fn run(reps: usize) -> Result<String> {
         }
         // Warm-up: the first move (allocations, first-touch).
         let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(rt)?;
-        store.rearrange(&plan, &NoDeviceTransport).map_err(rt)?;
+        store.rearrange(&plan, &SingleDevice).map_err(rt)?;
         dev.sync().map_err(rt)?;
         let (mut secs, mut bytes, mut changed) = (0f64, 0f64, 0usize);
         for k in 1..maps.len() - 1 {
             let plan = MovePlan::new(&maps[k], &maps[k + 1], 1).map_err(rt)?;
             let t0 = std::time::Instant::now();
-            store.rearrange(&plan, &NoDeviceTransport).map_err(rt)?;
+            store.rearrange(&plan, &SingleDevice).map_err(rt)?;
             dev.sync().map_err(rt)?;
             secs += t0.elapsed().as_secs_f64();
             bytes += 2.0 * (plan.changed_slots() * per_slot) as f64;
@@ -115,6 +116,12 @@ pub fn run(reps: usize) -> Result<String> {
         "(host wall time around each rearrangement including its synchronisation; torch's `param.copy_(param[perm])` is the anchor `eplb_rearrange_torch` in the same gpu-check call)"
     );
     async_overhead(&dev, &mut out, e, h, i, &mut seed)?;
+    if crate::runtime::device::count().unwrap_or(0) >= 2 {
+        let nccl = crate::runtime::nccl::Nccl::load(nccl_path).map_err(rt)?;
+        crate::eplb_nccl::bandwidth(nccl, reps, &mut out)?;
+    } else {
+        let _ = writeln!(out, "\n(one GPU: the two-GPU EPLB bandwidth needs 2)");
+    }
     Ok(out)
 }
 
@@ -189,7 +196,7 @@ fn async_overhead(
         dev.sync().map_err(rt)?;
         if k == 10 {
             let plan = MovePlan::new(&map, &next, 1).map_err(rt)?;
-            store.rearrange(&plan, &NoDeviceTransport).map_err(rt)?;
+            store.rearrange(&plan, &SingleDevice).map_err(rt)?;
             dev.sync().map_err(rt)?;
             map = next.clone();
         }

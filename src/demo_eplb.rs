@@ -213,7 +213,7 @@ fn gpu_round(
     dev.sync().map_err(rt)?;
     let t0 = Instant::now();
     store
-        .rearrange(&plan, &crate::runtime::store::NoDeviceTransport)
+        .rearrange(&plan, &crate::runtime::collective::SingleDevice)
         .map_err(rt)?;
     dev.sync().map_err(rt)?;
     let secs = t0.elapsed().as_secs_f64();

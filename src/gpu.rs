@@ -1,7 +1,7 @@
 //! GPU self-tests and benchmarks (`moeforge selftest --gpu`, `moeforge bench --gpu`): on-GPU packing
 //! byte-identical to the host backend for every standard recipe at several shapes, JIT latency through
-//! the cache, and on-GPU pack time against each recipe's traffic bound. Without a GPU they say so and
-//! skip.
+//! the cache, and on-GPU pack time against each recipe's traffic bound; and the two-GPU NCCL smoke
+//! test (`moeforge selftest --gpu --nccl`). Without a GPU (or a second one) they say so and skip.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -10,7 +10,9 @@ use std::time::Instant;
 use crate::bench::Layer;
 use crate::kernels::{StandardRecipe, STANDARD};
 use crate::runtime::cache::{Cache, Hit};
+use crate::runtime::collective::{DeviceCollective, Group, SingleDevice, Topology};
 use crate::runtime::gpu_pack::{unit_ptx, GpuProgram};
+use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
 use crate::runtime::Device;
 use crate::{Error, Result, Settings};
 use cudarc::driver as cudarc_err;
@@ -50,11 +52,21 @@ pub fn host_pack(
     inp: &HashMap<String, Vec<u8>>,
     opts: &crate::codegen::host::Options,
 ) -> Result<Params> {
+    host_pack_with(info, inp, opts, &crate::codegen::SingleProcess)
+}
+
+/// [`host_pack`] as one rank of the world `coll` describes (its all-reduces through `coll`).
+pub fn host_pack_with(
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+    opts: &crate::codegen::host::Options,
+    coll: &dyn crate::codegen::Collective,
+) -> Result<Params> {
     let prog =
         crate::codegen::plan::plan_with(info, &|n: &str| inp.contains_key(n), &|_| false, true)?;
     let compiled = crate::codegen::host::compile_with(&prog, opts)?;
     let mut bufs = crate::codegen::alloc_buffers(&prog, &mut |n| inp.get(n).cloned())?;
-    compiled.run(&mut bufs, &crate::codegen::SingleProcess, 0)?;
+    compiled.run(&mut bufs, coll, 0)?;
     Ok(prog
         .bufs
         .iter()
@@ -74,10 +86,23 @@ pub fn gpu_pack(
     inp: &HashMap<String, Vec<u8>>,
     settings: &crate::runtime::Settings,
 ) -> Result<(Params, GpuProgram)> {
+    gpu_pack_with(dev, cache, info, inp, settings, &SingleDevice)
+}
+
+/// [`gpu_pack`] as one rank of the world `coll` describes (its all-reduces through `coll`, on the
+/// device's stream).
+pub fn gpu_pack_with(
+    dev: &Device,
+    cache: &Cache,
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+    settings: &crate::runtime::Settings,
+    coll: &dyn DeviceCollective,
+) -> Result<(Params, GpuProgram)> {
     let prog = crate::codegen::plan::plan(info, &|n: &str| inp.contains_key(n))?;
     let gp = GpuProgram::load(dev, cache, &prog, settings).map_err(rt)?;
     let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
-    gp.run(dev, &mut bufs).map_err(rt)?;
+    gp.run_with(dev, &mut bufs, coll).map_err(rt)?;
     let out = gp.download(dev, &bufs).map_err(rt)?;
     Ok((out, gp))
 }
@@ -298,7 +323,7 @@ fn rearrange_check(
     )
     .map_err(rt)?;
     store
-        .rearrange(&plan, &crate::runtime::store::NoDeviceTransport)
+        .rearrange(&plan, &crate::runtime::collective::SingleDevice)
         .map_err(rt)?;
     let mut ok = addr(&store) == before;
     for (n, want) in host_pack(info, &place(&new), host)? {
@@ -344,6 +369,386 @@ fn rearrange_check(
         ""
     );
     Ok(ok)
+}
+
+/// The NCCL smoke test's MAX all-reduce input on rank `rank`: values that differ between the ranks
+/// everywhere (no ties, no signed zeros), with an infinity of each sign.
+pub fn nccl_reduce_input(rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| match (i, rank) {
+            (7, 0) => f32::INFINITY,
+            (9, 1) => f32::NEG_INFINITY,
+            _ => {
+                let x = i as f32 + 1.0 + rank as f32 * 0.25;
+                match (i + rank) % 4 {
+                    0 => x * 0.5,
+                    1 => -x,
+                    2 => 1e30 / x,
+                    _ => -1e-20 * x,
+                }
+            }
+        })
+        .collect()
+}
+
+/// The NCCL smoke test's messages from rank `from` to rank `to`, in order (three to the other rank,
+/// from 1 byte to just over 1 MiB, one to itself).
+pub fn nccl_messages(from: usize, to: usize) -> Vec<Vec<u8>> {
+    let lens: &[usize] = if from == to {
+        &[333]
+    } else {
+        &[1, 4099, (1 << 20) + 3]
+    };
+    lens.iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            (0..n)
+                .map(|j| (from * 101 + to * 53 + k * 37 + j * 13 + (j >> 8)) as u8)
+                .collect()
+        })
+        .collect()
+}
+
+/// `(peer, message index)` per message, in the order given to NCCL.
+pub type Order = Vec<(usize, usize)>;
+
+/// The order rank `me` (of two) sends in and receives in: `(peer, message index)`, peers interleaved
+/// differently on the two sides so that only the per-pair order can match them.
+pub fn nccl_exchange_order(me: usize) -> (Order, Order) {
+    let other = 1 - me;
+    (
+        vec![(other, 0), (me, 0), (other, 1), (other, 2)],
+        vec![(other, 0), (other, 1), (me, 0), (other, 2)],
+    )
+}
+
+/// The NCCL smoke test's pack: `fp8_per_tensor` at `E,H,I` = [`NCCL_PACK_SHAPE`], a different
+/// synthetic layer per rank, and the host's packs of them.
+pub struct NcclPackCase {
+    /// The bound recipe.
+    pub info: crate::dsl::ModuleInfo,
+    /// Each rank's inputs.
+    pub inps: Vec<HashMap<String, Vec<u8>>>,
+    /// Each rank's params from the host's pack as a world of `moe_tp = 2` (threads).
+    pub want: Vec<Params>,
+    /// Each rank's params packed alone (no reduction): what a skipped all-reduce would give.
+    pub alone: Vec<Params>,
+}
+
+/// `(E, H, I)` of the NCCL smoke test's pack.
+pub const NCCL_PACK_SHAPE: (usize, usize, usize) = (2, 128, 128);
+
+/// The NCCL smoke test's pack case for a world of shape `topo` (two ranks), packed on the host with
+/// `host`.
+pub fn nccl_pack_case(
+    topo: Topology,
+    host: &crate::codegen::host::Options,
+) -> Result<NcclPackCase> {
+    let recipe = STANDARD
+        .iter()
+        .find(|r| r.name == "fp8_per_tensor")
+        .ok_or_else(|| Error::Usage("no standard recipe `fp8_per_tensor`".into()))?;
+    let (e, h, i) = NCCL_PACK_SHAPE;
+    let info = crate::check_source(
+        recipe.source,
+        recipe.path,
+        Some(&format!("E={e},H={h},I={i}")),
+    )?;
+    let inps: Vec<HashMap<String, Vec<u8>>> = (0..topo.world() as u64)
+        .map(|r| inputs(&Layer::synthetic(e, h, i, 17 + 977 * r)))
+        .collect();
+    let host_world = crate::runtime::collective::InProcess::world(topo);
+    let (info_ref, inps_ref) = (&info, &inps);
+    let want: Vec<Result<Params>> = std::thread::scope(|s| {
+        let hs: Vec<_> = host_world
+            .iter()
+            .zip(inps_ref)
+            .map(|(c, inp)| {
+                s.spawn(move || {
+                    host_pack_with(info_ref, inp, host, &crate::runtime::collective::Hook(c))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Usage("a host rank panicked".into())))
+            })
+            .collect()
+    });
+    let want: Vec<Params> = want.into_iter().collect::<Result<_>>()?;
+    let alone: Vec<Params> = inps
+        .iter()
+        .map(|inp| host_pack(&info, inp, host))
+        .collect::<Result<_>>()?;
+    Ok(NcclPackCase {
+        info,
+        inps,
+        want,
+        alone,
+    })
+}
+
+/// What one rank of the NCCL smoke test saw.
+struct NcclRank {
+    reduced: Vec<u8>,
+    /// Each receive with one guard byte either side, in receive order.
+    received: Vec<Vec<u8>>,
+    packed: Params,
+}
+
+/// Guard bytes around each receive buffer (they must survive the exchange).
+const GUARD: u8 = 0xa5;
+
+/// One rank of the NCCL smoke test, on its own thread: its device, its communicators, then the
+/// reduction, the exchange and the pack, each collective on both ranks in the same order.
+fn nccl_rank(
+    rank: usize,
+    ids: &WorldIds,
+    info: &crate::dsl::ModuleInfo,
+    inp: &HashMap<String, Vec<u8>>,
+    settings: &crate::runtime::Settings,
+    n_reduce: usize,
+) -> Result<NcclRank> {
+    let drv = |call: &'static str| {
+        move |err: cudarc_err::DriverError| {
+            rt(crate::runtime::Error::Driver {
+                call,
+                detail: format!("{err:?}"),
+            })
+        }
+    };
+    let dev = Device::open(rank).map_err(rt)?;
+    let world = NcclWorld::init(&dev, ids, rank).map_err(rt)?;
+    // MAX all-reduce in place.
+    let bytes: Vec<u8> = nccl_reduce_input(rank, n_reduce)
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let mut buf = dev.stream.clone_htod(&bytes).map_err(drv("cuMemcpyHtoD"))?;
+    world
+        .all_reduce_max(Group::MoeTp, &mut buf, &dev)
+        .map_err(rt)?;
+    let reduced = dev.stream.clone_dtoh(&buf).map_err(drv("cuMemcpyDtoH"))?;
+    // Grouped exchange: sends are views at odd offsets of one buffer, receives views inside guards.
+    let (send_order, recv_order) = nccl_exchange_order(rank);
+    let mut packed_sends = vec![GUARD];
+    let mut offsets = Vec::new();
+    for &(peer, k) in &send_order {
+        let m = nccl_messages(rank, peer).swap_remove(k);
+        offsets.push((packed_sends.len(), m.len()));
+        packed_sends.extend_from_slice(&m);
+        packed_sends.extend_from_slice(&[GUARD; 5]);
+    }
+    let sbuf = dev
+        .stream
+        .clone_htod(&packed_sends)
+        .map_err(drv("cuMemcpyHtoD"))?;
+    let mut rbufs = Vec::new();
+    for &(peer, k) in &recv_order {
+        let n = nccl_messages(peer, rank)[k].len();
+        rbufs.push(
+            dev.stream
+                .clone_htod(&vec![GUARD; n + 2])
+                .map_err(drv("cuMemcpyHtoD"))?,
+        );
+    }
+    {
+        let sends: Vec<_> = send_order
+            .iter()
+            .zip(&offsets)
+            .map(|(&(peer, _), &(o, n))| (peer, sbuf.slice(o..o + n)))
+            .collect();
+        let mut recvs: Vec<_> = recv_order
+            .iter()
+            .zip(rbufs.iter_mut())
+            .map(|(&(peer, _), b)| {
+                let n = b.len() - 2;
+                (peer, b.slice_mut(1..1 + n))
+            })
+            .collect();
+        world
+            .exchange(Group::MoeTp, &sends, &mut recvs, &dev)
+            .map_err(rt)?;
+    }
+    let mut received = Vec::new();
+    for b in &rbufs {
+        received.push(dev.stream.clone_dtoh(b).map_err(drv("cuMemcpyDtoH"))?);
+    }
+    // A pack whose amax steps reduce over moe_tp through NCCL.
+    let cache = Cache::new(None);
+    let (packed, _) = gpu_pack_with(&dev, &cache, info, inp, settings, &world)?;
+    dev.sync().map_err(rt)?;
+    world.close().map_err(rt)?;
+    Ok(NcclRank {
+        reduced,
+        received,
+        packed,
+    })
+}
+
+/// `moeforge selftest --gpu --nccl`: on GPUs 0 and 1, one thread each (each opens its device and
+/// joins the communicator itself; the unique id is made once and copied), as a world of
+/// `moe_tp = 2`: a MAX all-reduce of known f32 values, a grouped exchange of byte buffers both ways
+/// (and one message to itself), and a pack of `fp8_per_tensor` whose per-expert amax is reduced
+/// through NCCL, against the host's two-rank pack (threads, [`crate::runtime::collective::InProcess`]).
+/// One line per check. `None`: skipped (fewer than 2 GPUs). NCCL is loaded from
+/// `settings.runtime.nccl_path`, else `libnccl.so.2`, else `libnccl.so`. A rank that fails may leave
+/// the other waiting in NCCL: run it under a timeout.
+pub fn nccl_selftest(settings: &Settings) -> Result<(String, Option<bool>)> {
+    let mut out = String::new();
+    let gpus = match crate::runtime::device::count() {
+        Ok(n) => n,
+        Err(why) => {
+            let _ = writeln!(out, "SKIPPED: the NCCL self-test needs 2 CUDA GPUs ({why})");
+            return Ok((out, None));
+        }
+    };
+    if gpus < 2 {
+        let _ = writeln!(
+            out,
+            "SKIPPED: the NCCL self-test needs 2 CUDA GPUs; this machine has {gpus}"
+        );
+        return Ok((out, None));
+    }
+    let nccl = Nccl::load(settings.runtime.nccl_path.as_deref()).map_err(rt)?;
+    let _ = writeln!(
+        out,
+        "NCCL: {} ({gpus} GPUs; ranks on GPUs 0 and 1, moe_tp = 2)",
+        nccl.path().display()
+    );
+    let topo = Topology { ep: 1, moe_tp: 2 };
+    let ids = WorldIds::new(nccl, topo, &[Group::MoeTp]).map_err(rt)?;
+    // The pack check: different inputs per rank, and the host's two-rank pack as the reference.
+    let case = nccl_pack_case(topo, &settings.host)?;
+    let (info, inps) = (&case.info, &case.inps);
+    let (want, alone) = (&case.want, &case.alone);
+    let n_reduce = 1027;
+    let ids = &ids;
+    let rs = &settings.runtime;
+    let got: Vec<Result<NcclRank>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .zip(inps)
+            .map(|(rank, inp)| s.spawn(move || nccl_rank(rank, ids, info, inp, rs, n_reduce)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Usage("a GPU rank panicked".into())))
+            })
+            .collect()
+    });
+    let mut all = true;
+    let mut ranks = Vec::new();
+    for (r, g) in got.into_iter().enumerate() {
+        match g {
+            Ok(g) => ranks.push(g),
+            Err(why) => {
+                all = false;
+                let _ = writeln!(out, "rank {r}: FAILED: {why}");
+            }
+        }
+    }
+    if ranks.len() != 2 {
+        let _ = writeln!(out, "NCCL self-test: FAILED");
+        return Ok((out, Some(false)));
+    }
+    // 1. The all-reduce.
+    let a = nccl_reduce_input(0, n_reduce);
+    let b = nccl_reduce_input(1, n_reduce);
+    let max: Vec<u8> = a
+        .iter()
+        .zip(&b)
+        .flat_map(|(x, y)| if x >= y { *x } else { *y }.to_le_bytes())
+        .collect();
+    let mut verdict = "identical on both ranks".to_string();
+    for (r, g) in ranks.iter().enumerate() {
+        if let Some(k) =
+            (0..n_reduce).find(|&k| g.reduced.get(4 * k..4 * k + 4) != max.get(4 * k..4 * k + 4))
+        {
+            let v = |bs: &[u8]| {
+                bs.get(4 * k..4 * k + 4)
+                    .and_then(|c| c.try_into().ok())
+                    .map(f32::from_le_bytes)
+            };
+            verdict = format!(
+                "DIFFERENT: rank {r} value {k}: got {:?}, want {:?}",
+                v(&g.reduced),
+                v(&max)
+            );
+            break;
+        }
+    }
+    all &= verdict.starts_with("identical");
+    let _ = writeln!(
+        out,
+        "all_reduce_max over moe_tp, {n_reduce} f32 in place: {verdict}"
+    );
+    // 2. The exchange.
+    let mut verdict = "identical on both ranks, guards intact".to_string();
+    'ranks: for (r, g) in ranks.iter().enumerate() {
+        let (_, recv_order) = nccl_exchange_order(r);
+        for ((peer, k), have) in recv_order.iter().zip(&g.received) {
+            let mut want = vec![GUARD];
+            want.extend_from_slice(&nccl_messages(*peer, r)[*k]);
+            want.push(GUARD);
+            if *have != want {
+                let at = have.iter().zip(&want).position(|(x, y)| x != y);
+                verdict = format!(
+                    "DIFFERENT: rank {r}, message {k} from rank {peer}: {} bytes (want {}), first difference at {at:?}",
+                    have.len(),
+                    want.len()
+                );
+                break 'ranks;
+            }
+        }
+    }
+    all &= verdict.starts_with("identical");
+    let _ = writeln!(
+        out,
+        "grouped exchange over moe_tp, 4 messages each way (1 B to 1 MiB + 3 B, one to itself, odd offsets): {verdict}"
+    );
+    // 3. The pack.
+    let mut verdict = "identical to the host's two-rank pack on both ranks".to_string();
+    let mut changed = 0;
+    for (r, g) in ranks.iter().enumerate() {
+        changed += want[r]
+            .iter()
+            .zip(&alone[r])
+            .filter(|(x, y)| x.1 != y.1)
+            .count();
+        if g.packed != want[r] {
+            let which = g
+                .packed
+                .iter()
+                .zip(&want[r])
+                .find(|(x, y)| x != y)
+                .map_or("the param list".to_string(), |(x, _)| x.0.clone());
+            verdict = format!("DIFFERENT: rank {r}: {which}");
+            break;
+        }
+    }
+    if changed == 0 {
+        verdict =
+            format!("{verdict}; but the reduction changed nothing, so this proves nothing: FAILED");
+    }
+    all &= verdict.starts_with("identical") && changed > 0;
+    let _ = writeln!(
+        out,
+        "fp8_per_tensor E,H,I={NCCL_PACK_SHAPE:?}, amax reduced over moe_tp by NCCL: {verdict} ({changed} params differ from a one-rank pack)"
+    );
+    // 4. EPLB: experts moved between the two GPUs, for every recipe.
+    all &= crate::eplb_nccl::contract(nccl, &settings.host, &mut out)?;
+    let _ = writeln!(
+        out,
+        "{}",
+        if all {
+            "NCCL self-test: all passed"
+        } else {
+            "NCCL self-test: FAILED"
+        }
+    );
+    Ok((out, Some(all)))
 }
 
 /// Fewest bytes a recipe's pack must move: each param written once, each input read once, or twice
@@ -596,4 +1001,68 @@ fn pack_bench(
         let _ = writeln!(out, "    kernels (ms): {}", parts.join(", "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nccl_reduction_input_has_one_answer_per_value() {
+        let (a, b) = (nccl_reduce_input(0, 1027), nccl_reduce_input(1, 1027));
+        assert_eq!((a.len(), b.len()), (1027, 1027));
+        // No ties and no zeros: the maximum is one of the two values, whatever NCCL's max does with
+        // equal or signed-zero operands.
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(x, y)| x != y && *x != 0.0 && *y != 0.0));
+        assert!(a.iter().chain(&b).all(|x| !x.is_nan()));
+        assert!(a.contains(&f32::INFINITY) && b.contains(&f32::NEG_INFINITY));
+        // Each rank holds the maximum somewhere.
+        assert!(a.iter().zip(&b).any(|(x, y)| x > y) && a.iter().zip(&b).any(|(x, y)| y > x));
+    }
+
+    #[test]
+    fn the_nccl_exchange_matches_per_pair_in_order() {
+        // For every pair (from, to), the messages `from` sends to `to` are, in order, the messages
+        // `to` receives from `from`: what NCCL's point-to-point matching needs.
+        for from in 0..2 {
+            for to in 0..2 {
+                let sent: Vec<usize> = nccl_exchange_order(from)
+                    .0
+                    .iter()
+                    .filter(|(p, _)| *p == to)
+                    .map(|(_, k)| *k)
+                    .collect();
+                let received: Vec<usize> = nccl_exchange_order(to)
+                    .1
+                    .iter()
+                    .filter(|(p, _)| *p == from)
+                    .map(|(_, k)| *k)
+                    .collect();
+                assert_eq!(sent, received, "{from} -> {to}");
+                assert_eq!(sent.len(), nccl_messages(from, to).len());
+            }
+        }
+        // Messages differ between directions and between positions.
+        assert_ne!(nccl_messages(0, 1)[2], nccl_messages(1, 0)[2]);
+        assert_ne!(nccl_messages(0, 1)[1][..], nccl_messages(0, 1)[2][..4099]);
+        assert_eq!(nccl_messages(1, 1)[0].len(), 333);
+    }
+
+    #[test]
+    fn the_nccl_pack_reference_depends_on_the_reduction() {
+        // The host side of `selftest --gpu --nccl`'s pack check: with the amax reduced over
+        // moe_tp = 2, both ranks get the same per-expert scales, which packing alone does not give;
+        // so a skipped all-reduce on the GPU cannot pass the check.
+        let topo = Topology { ep: 1, moe_tp: 2 };
+        let case = nccl_pack_case(topo, &Default::default()).unwrap();
+        let param = |p: &Params, n: &str| p.iter().find(|(k, _)| k == n).unwrap().1.clone();
+        for n in ["w13_weight_scale", "w2_weight_scale", "g1_alphas"] {
+            assert_eq!(param(&case.want[0], n), param(&case.want[1], n), "{n}");
+            assert_ne!(param(&case.alone[0], n), param(&case.alone[1], n), "{n}");
+        }
+        assert!(case.want[0] != case.alone[0] && case.want[1] != case.alone[1]);
+    }
 }

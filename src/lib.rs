@@ -18,6 +18,7 @@ pub mod demo;
 pub mod demo_eplb;
 pub mod dequant;
 pub mod eplb_apply;
+pub mod eplb_nccl;
 pub mod gpu;
 pub mod layout_gen;
 pub mod pack;

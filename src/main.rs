@@ -120,6 +120,11 @@ enum Command {
         /// Only the two smallest shapes.
         #[arg(long)]
         quick: bool,
+        /// Instead: the two-GPU NCCL smoke test (a MAX all-reduce, a grouped exchange both ways, and
+        /// a pack whose amax is reduced over moe_tp = 2), one thread per GPU; it says that it skipped
+        /// with fewer than 2 GPUs. Sets NCCL_NVLS_ENABLE=0 when it is unset.
+        #[arg(long, requires = "gpu")]
+        nccl: bool,
     },
     /// The kernel cache: list, clear, or warm up the variants a binding needs.
     Cache {
@@ -575,7 +580,12 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                         "the EPLB benchmark runs on the GPU: pass --gpu".into(),
                     ));
                 }
-                write!(out, "{}", moeforge::bench_eplb::run(reps)?).map_err(io)?;
+                write!(
+                    out,
+                    "{}",
+                    moeforge::bench_eplb::run(reps, settings.runtime.nccl_path.as_deref())?
+                )
+                .map_err(io)?;
                 return Ok(());
             }
             if layouts {
@@ -600,11 +610,29 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 write!(out, "{report}").map_err(io)?;
             }
         }
-        Command::Selftest { gpu, quick } => {
+        Command::Selftest { gpu, quick, nccl } => {
             if !gpu {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
-            let (report, ok) = moeforge::gpu::selftest(quick, &settings)?;
+            let (report, ok) = if nccl {
+                // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
+                // when a communicator is made, so it is set here, in the CLI only, before any NCCL
+                // call and while this process has no other thread.
+                let nvls = match std::env::var_os("NCCL_NVLS_ENABLE") {
+                    Some(v) => format!(
+                        "NCCL_NVLS_ENABLE={} (from the environment)",
+                        v.to_string_lossy()
+                    ),
+                    None => {
+                        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+                        "NCCL_NVLS_ENABLE=0 (set by moeforge: it was unset)".to_string()
+                    }
+                };
+                writeln!(out, "{nvls}").map_err(io)?;
+                moeforge::gpu::nccl_selftest(&settings)?
+            } else {
+                moeforge::gpu::selftest(quick, &settings)?
+            };
             write!(out, "{report}").map_err(io)?;
             if ok == Some(false) {
                 return Err(moeforge::Error::Usage("GPU self-test failed".into()));

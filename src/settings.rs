@@ -12,6 +12,7 @@
 //! | `MOEFORGE_JIT` | PTX -> cubin compiler: `driver` (default), `ptxas`, `auto` |
 //! | `MOEFORGE_PTXAS` | the ptxas to use; else one is looked for in `PATH`, `$CUDA_HOME/bin`, `/usr/local/cuda/bin` |
 //! | `MOEFORGE_CACHE_DIR` | kernel cache folder; else `$XDG_CACHE_HOME/moeforge`, else `$HOME/.cache/moeforge` |
+//! | `MOEFORGE_NCCL_SO_PATH` | the NCCL library to try first, before `libnccl.so.2` and `libnccl.so` |
 //! | `CUDA_CACHE_DISABLE` | read by the CUDA driver itself; reported by `bench --gpu` |
 
 use std::ffi::OsString;
@@ -88,6 +89,7 @@ impl Settings {
                     ),
                 },
                 cache_dir,
+                nccl_path: var("MOEFORGE_NCCL_SO_PATH").map(PathBuf::from),
             },
             cuda_cache_disable: text("CUDA_CACHE_DISABLE").unwrap_or_default(),
         })
@@ -125,6 +127,7 @@ mod tests {
             ("XDG_CACHE_HOME", "/xdg"),
             ("HOME", "/home/u"),
             ("CUDA_CACHE_DISABLE", "1"),
+            ("MOEFORGE_NCCL_SO_PATH", "/opt/nccl/libnccl.so.2"),
             ("UNRELATED", "x"),
         ])
         .unwrap();
@@ -147,6 +150,7 @@ mod tests {
                         .to_vec(),
                 },
                 cache_dir: Some("/c".into()),
+                nccl_path: Some("/opt/nccl/libnccl.so.2".into()),
             },
             cuda_cache_disable: "1".into(),
         };

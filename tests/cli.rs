@@ -205,6 +205,45 @@ fn demo_checks_every_standard_recipe() {
 }
 
 #[test]
+fn the_nccl_selftest_without_two_gpus_skips_and_keeps_nvls_off() {
+    if moeforge::runtime::device::driver_present() {
+        return; // run by the lead on a two-GPU machine: `moeforge selftest --gpu --nccl`
+    }
+    let run = |nvls: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_moeforge"));
+        c.args(["selftest", "--gpu", "--nccl"]);
+        match nvls {
+            Some(v) => c.env("NCCL_NVLS_ENABLE", v),
+            None => c.env_remove("NCCL_NVLS_ENABLE"),
+        };
+        let o = c.output().unwrap();
+        (o.status.code(), String::from_utf8(o.stdout).unwrap())
+    };
+    let (code, out) = run(None);
+    assert_eq!(code, Some(0), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0], "NCCL_NVLS_ENABLE=0 (set by moeforge: it was unset)",
+        "{out}"
+    );
+    assert!(
+        lines[1].starts_with("SKIPPED: the NCCL self-test needs 2 CUDA GPUs"),
+        "{out}"
+    );
+    // A value the caller set is left alone.
+    let (code, out) = run(Some("0"));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.starts_with("NCCL_NVLS_ENABLE=0 (from the environment)"),
+        "{out}"
+    );
+    // --nccl is a kind of GPU self-test.
+    let (code, _, err) = moeforge(&["selftest", "--nccl"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--gpu"), "{err}");
+}
+
+#[test]
 fn gpu_commands_without_a_gpu_say_so() {
     if moeforge::runtime::device::driver_present() {
         return; // covered by `moeforge selftest --gpu` on the GPU machine

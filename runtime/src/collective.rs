@@ -6,14 +6,19 @@
 //! threads of one process, for tests and for `pack --moe-tp`), and NCCL on the GPU
 //! ([`crate::nccl`]). A program step over a group whose implementation is missing is an error
 //! ([`Error::MissingCollective`]), never a skipped step.
+//!
+//! [`Collective`] works on host memory; [`DeviceCollective`] is its GPU twin, on device buffers and
+//! queued on a [`Device`]'s stream between the kernels: [`SingleDevice`] (a world of one GPU) and
+//! [`crate::nccl::NcclWorld`] implement it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use moeforge_dsl::ir::Group;
 
-use crate::{Error, Result};
+use crate::{drv, Device, Error, Result};
 
 /// How a world of `ep * moe_tp` ranks splits into groups: rank `r` is EP rank `r / moe_tp` and
 /// MoE-TP rank `r % moe_tp`; `tp` spans the whole world; `none` is the rank alone.
@@ -163,7 +168,7 @@ fn copy_message(g: Group, m: &[u8], buf: &mut [u8]) -> Result<()> {
 /// Reductions waiting for their group: `(group, first member, sequence)` -> values so far.
 type Pending = HashMap<(Group, usize, u64), Reduction>;
 
-/// Messages in flight: `(from, to)` world ranks -> queue.
+/// Messages in flight: `(from, to)` world ranks -> messages, oldest first.
 type Mail = HashMap<(usize, usize), VecDeque<Vec<u8>>>;
 
 struct Reduction {
@@ -340,6 +345,152 @@ impl Collective for InProcess {
     }
 }
 
+/// A process's collectives on device buffers, by typed group: the GPU twin of [`Collective`]. Work
+/// is queued on the [`Device`]'s stream (stream-ordered after the kernels queued before it and before
+/// those queued after); nothing here waits for the GPU. Ranks passed to
+/// [`DeviceCollective::exchange`] are group ranks (positions in [`Topology::members`]).
+///
+/// Not `Send` or `Sync` by requirement: an NCCL communicator belongs to the thread that made it.
+pub trait DeviceCollective {
+    /// The world's shape.
+    fn topology(&self) -> Topology;
+    /// This process's world rank.
+    fn world_rank(&self) -> usize;
+    /// This process's rank within group `g`.
+    fn rank(&self, g: Group) -> usize {
+        let r = self.world_rank();
+        self.topology()
+            .members(g, r)
+            .iter()
+            .position(|&m| m == r)
+            .unwrap_or(0)
+    }
+    /// The size of group `g`.
+    fn size(&self, g: Group) -> usize {
+        self.topology().members(g, self.world_rank()).len()
+    }
+    /// Whether this collective can reduce and exchange over `g` (a group of one always can; a larger
+    /// one needs a communicator for it).
+    fn supports(&self, g: Group) -> bool;
+    /// Replace each f32 of `data` (little-endian bytes, a whole number of values; every rank passes
+    /// the same length) by its maximum over `g`'s ranks, in place.
+    fn all_reduce_max(&self, g: Group, data: &mut CudaSlice<u8>, dev: &Device) -> Result<()>;
+    /// One grouped exchange within `g` (for NCCL: one `ncclGroupStart`/`ncclGroupEnd`): each
+    /// `(peer, bytes)` of `sends` goes to group rank `peer`, each `(peer, buffer)` of `recvs` is
+    /// filled from `peer`, whose message must have the buffer's length. Messages between one pair
+    /// arrive in the order they were given (both sides list them in the same order).
+    fn exchange(
+        &self,
+        g: Group,
+        sends: &[(usize, CudaView<'_, u8>)],
+        recvs: &mut [(usize, CudaViewMut<'_, u8>)],
+        dev: &Device,
+    ) -> Result<()>;
+}
+
+/// One GPU that is the whole world: every group has one rank, reductions are the identity (the right
+/// answer, not a skipped step) and an exchange is a stream-ordered copy from each send to the receive
+/// in the same position.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleDevice;
+
+impl DeviceCollective for SingleDevice {
+    fn topology(&self) -> Topology {
+        Topology::SINGLE
+    }
+    fn world_rank(&self) -> usize {
+        0
+    }
+    fn supports(&self, _g: Group) -> bool {
+        true
+    }
+    fn all_reduce_max(&self, g: Group, data: &mut CudaSlice<u8>, _dev: &Device) -> Result<()> {
+        f32_count(g, data.len()).map(|_| ())
+    }
+    fn exchange(
+        &self,
+        g: Group,
+        sends: &[(usize, CudaView<'_, u8>)],
+        recvs: &mut [(usize, CudaViewMut<'_, u8>)],
+        dev: &Device,
+    ) -> Result<()> {
+        self_exchange(g, sends, recvs, dev)
+    }
+}
+
+/// The number of f32 values in `bytes` bytes, or an error when it is not a whole number.
+pub(crate) fn f32_count(g: Group, bytes: usize) -> Result<usize> {
+    if !bytes.is_multiple_of(4) {
+        return Err(Error::Collective {
+            group: g.name(),
+            why: format!(
+                "a MAX all-reduce of f32 over {bytes} bytes (not a whole number of values)"
+            ),
+        });
+    }
+    Ok(bytes / 4)
+}
+
+/// Which receive each send of an exchange with oneself fills: `(send, recv)` index pairs, in order
+/// (the n-th message goes to the n-th receive). `sends` and `recvs` are `(peer, bytes)`; every peer
+/// must be 0, the counts and each pair's lengths equal.
+pub fn self_exchange_pairs(
+    g: Group,
+    sends: &[(usize, usize)],
+    recvs: &[(usize, usize)],
+) -> Result<Vec<(usize, usize)>> {
+    for (peer, _) in sends.iter().chain(recvs) {
+        check_peer(g, *peer, 1)?;
+    }
+    if sends.len() != recvs.len() {
+        return Err(Error::Collective {
+            group: g.name(),
+            why: format!(
+                "{} messages sent to oneself but {} receives",
+                sends.len(),
+                recvs.len()
+            ),
+        });
+    }
+    let mut out = Vec::with_capacity(sends.len());
+    for (k, (s, r)) in sends.iter().zip(recvs).enumerate() {
+        if s.1 != r.1 {
+            return Err(Error::Collective {
+                group: g.name(),
+                why: format!(
+                    "a message of {} bytes arrived for a {}-byte buffer",
+                    s.1, r.1
+                ),
+            });
+        }
+        out.push((k, k));
+    }
+    Ok(out)
+}
+
+/// An exchange within a group of one: each message copied, stream-ordered, into its receive.
+pub(crate) fn self_exchange(
+    g: Group,
+    sends: &[(usize, CudaView<'_, u8>)],
+    recvs: &mut [(usize, CudaViewMut<'_, u8>)],
+    dev: &Device,
+) -> Result<()> {
+    let s: Vec<(usize, usize)> = sends.iter().map(|(p, v)| (*p, v.len())).collect();
+    let r: Vec<(usize, usize)> = recvs.iter().map(|(p, v)| (*p, v.len())).collect();
+    for (si, ri) in self_exchange_pairs(g, &s, &r)? {
+        let (Some((_, from)), Some((_, to))) = (sends.get(si), recvs.get_mut(ri)) else {
+            continue;
+        };
+        if from.is_empty() {
+            continue;
+        }
+        dev.stream
+            .memcpy_dtod(from, to)
+            .map_err(drv("cuMemcpyDtoDAsync"))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,5 +549,52 @@ mod tests {
         world[0].timeout = Duration::from_millis(50);
         let e = world[0].all_reduce_max(Group::MoeTp, &mut [1.0]);
         assert!(matches!(e, Err(Error::Collective { .. })), "{e:?}");
+    }
+
+    #[test]
+    fn a_single_device_is_a_world_of_one() {
+        let c = SingleDevice;
+        for g in [Group::None, Group::Tp, Group::MoeTp, Group::Ep] {
+            assert_eq!(c.size(g), 1);
+            assert_eq!(c.rank(g), 0);
+            assert!(c.supports(g));
+        }
+        assert_eq!(f32_count(Group::Tp, 12).ok(), Some(3));
+        assert!(matches!(
+            f32_count(Group::Tp, 6),
+            Err(Error::Collective { group: "tp", .. })
+        ));
+    }
+
+    #[test]
+    fn an_exchange_with_oneself_pairs_messages_in_order() {
+        let g = Group::Ep;
+        assert_eq!(
+            self_exchange_pairs(g, &[(0, 4), (0, 9)], &[(0, 4), (0, 9)]).ok(),
+            Some(vec![(0, 0), (1, 1)])
+        );
+        assert_eq!(self_exchange_pairs(g, &[], &[]).ok(), Some(vec![]));
+        for (sends, recvs, says) in [
+            (
+                vec![(1, 4)],
+                vec![(0, 4)],
+                "peer 1 is not a rank of a group of 1",
+            ),
+            (
+                vec![(0, 4)],
+                vec![(0, 4), (0, 4)],
+                "1 messages sent to oneself but 2",
+            ),
+            (
+                vec![(0, 4)],
+                vec![(0, 5)],
+                "a message of 4 bytes arrived for a 5-byte",
+            ),
+        ] {
+            match self_exchange_pairs(g, &sends, &recvs) {
+                Err(Error::Collective { group: "ep", why }) => assert!(why.contains(says), "{why}"),
+                other => panic!("expected an error saying `{says}`, got {other:?}"),
+            }
+        }
     }
 }

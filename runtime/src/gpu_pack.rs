@@ -1,15 +1,17 @@
 //! Pack programs on the GPU: the same kernel IR as the host backend, compiled to PTX, JIT-linked to a
-//! cubin (both cached), loaded, and launched in program order on device buffers.
+//! cubin (both cached), loaded, and launched in program order on device buffers, with the programs'
+//! MAX all-reduce steps queued between the kernels through a [`DeviceCollective`].
 
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaEvent, CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
-use moeforge_codegen::kir::{BufRole, Program, Step};
+use moeforge_codegen::kir::{BufRole, Elem, Program, Step};
 use moeforge_codegen::ptx;
 
 use crate::cache::{Cache, Hit};
+use crate::collective::{DeviceCollective, Group, SingleDevice};
 use crate::jit::Compiler;
 use crate::{drv, Device, Error, Result, Settings};
 
@@ -109,6 +111,75 @@ pub fn units(prog: &Program) -> Vec<Program> {
             steps: vec![Step::Kernel(k.clone())],
         })
         .collect()
+}
+
+/// What [`GpuProgram::run_with`] does at one step of a program, decided for the whole program
+/// before anything is launched ([`step_actions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepAction {
+    /// Launch the program's `n`-th kernel.
+    Launch(usize),
+    /// MAX all-reduce buffer `buf` (f32) over `group`, of more than one rank, through the collective.
+    Reduce {
+        /// The buffer's index.
+        buf: usize,
+        /// The group.
+        group: Group,
+    },
+    /// A MAX all-reduce over a group of one rank: the identity, so nothing is queued.
+    Identity {
+        /// The buffer's index.
+        buf: usize,
+        /// The group.
+        group: Group,
+    },
+}
+
+/// The actions of `prog`'s steps under a collective where group `g` has `size(g)` ranks and
+/// `supports(g)` says whether the collective can reduce over it. A reduction over more than one rank
+/// that the collective cannot do is [`Error::MissingCollective`] (the whole program is refused, not
+/// run part-way); a reduced buffer must be an f32 buffer of the program.
+pub fn step_actions(
+    prog: &Program,
+    size: &dyn Fn(Group) -> usize,
+    supports: &dyn Fn(Group) -> bool,
+) -> Result<Vec<StepAction>> {
+    let mut kernels = 0;
+    let mut out = Vec::with_capacity(prog.steps.len());
+    for step in &prog.steps {
+        out.push(match step {
+            Step::Kernel(_) => {
+                kernels += 1;
+                StepAction::Launch(kernels - 1)
+            }
+            Step::AllReduceMax { buf, group } => {
+                let b = buf.0 as usize;
+                if prog.bufs.get(b).map(|d| d.elem) != Some(Elem::F32) {
+                    return Err(Error::Codegen(moeforge_codegen::Error::Internal(
+                        "an all-reduce of a buffer that is not an f32 buffer of the program",
+                    )));
+                }
+                let n = size(*group);
+                if n <= 1 {
+                    StepAction::Identity {
+                        buf: b,
+                        group: *group,
+                    }
+                } else if supports(*group) {
+                    StepAction::Reduce {
+                        buf: b,
+                        group: *group,
+                    }
+                } else {
+                    return Err(Error::MissingCollective {
+                        group: group.name(),
+                        size: n,
+                    });
+                }
+            }
+        });
+    }
+    Ok(out)
 }
 
 /// A unit's cache key and PTX text.
@@ -302,10 +373,25 @@ impl GpuProgram {
         Ok(out)
     }
 
-    /// Launch every step in order on the device's stream (asynchronous; collective steps over one
-    /// process are the identity).
+    /// Run the program as the whole world (one GPU, one rank: [`SingleDevice`]), where every
+    /// all-reduce is over one rank and so the identity: [`GpuProgram::run_with`] with
+    /// [`SingleDevice`]. Asynchronous.
     pub fn run(&self, dev: &Device, bufs: &mut [CudaSlice<u8>]) -> Result<()> {
-        self.launch_all(dev, bufs, None)
+        self.run_with(dev, bufs, &SingleDevice)
+    }
+
+    /// Queue every step in order on the device's stream (asynchronous): each kernel, and each MAX
+    /// all-reduce through `coll` over its group, stream-ordered between the kernels (for NCCL: its
+    /// kernel on the same stream). Over a group of one rank a reduction is the identity; over a larger
+    /// group that `coll` does not support the program is refused with [`Error::MissingCollective`]
+    /// before anything is queued ([`step_actions`]).
+    pub fn run_with(
+        &self,
+        dev: &Device,
+        bufs: &mut [CudaSlice<u8>],
+        coll: &dyn DeviceCollective,
+    ) -> Result<()> {
+        self.launch_all(dev, bufs, coll, None)
     }
 
     /// [`GpuProgram::run`] with a timing event around every kernel: `(kernel name, milliseconds)` in
@@ -316,7 +402,7 @@ impl GpuProgram {
         bufs: &mut [CudaSlice<u8>],
     ) -> Result<Vec<(String, f64)>> {
         let mut ev = Vec::new();
-        self.launch_all(dev, bufs, Some(&mut ev))?;
+        self.launch_all(dev, bufs, &SingleDevice, Some(&mut ev))?;
         let mut out = Vec::new();
         for (name, a, b) in ev {
             let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?;
@@ -329,6 +415,7 @@ impl GpuProgram {
         &self,
         dev: &Device,
         bufs: &mut [CudaSlice<u8>],
+        coll: &dyn DeviceCollective,
         mut events: Option<&mut Vec<(String, CudaEvent, CudaEvent)>>,
     ) -> Result<()> {
         if bufs.len() != self.prog.bufs.len() {
@@ -336,22 +423,31 @@ impl GpuProgram {
                 "buffer count",
             )));
         }
+        let actions = step_actions(&self.prog, &|g| coll.size(g), &|g| coll.supports(g))?;
+        for a in &actions {
+            if let StepAction::Reduce { buf, .. } = *a {
+                let want = self.prog.bufs.get(buf).map(|b| b.len * b.elem.size());
+                if want != bufs.get(buf).map(|d| d.len()) {
+                    return Err(Error::Codegen(moeforge_codegen::Error::Internal(
+                        "a reduced buffer's size differs from the program's",
+                    )));
+                }
+            }
+        }
         for (b, d) in self.prog.bufs.iter().zip(bufs.iter_mut()) {
             if b.zeroed {
                 dev.stream.memset_zeros(d).map_err(drv("cuMemsetD8"))?;
             }
         }
-        let mut funcs = self.funcs.iter();
-        for step in &self.prog.steps {
-            match step {
-                Step::Kernel(k) => {
-                    let f =
-                        funcs
-                            .next()
-                            .ok_or(Error::Codegen(moeforge_codegen::Error::Internal(
-                                "kernel count",
-                            )))?;
-                    let (f, cfg) = f;
+        let kernels: Vec<&moeforge_codegen::kir::Kernel> = self.prog.kernels().collect();
+        for action in actions {
+            match action {
+                StepAction::Launch(n) => {
+                    let (Some((f, cfg)), Some(k)) = (self.funcs.get(n), kernels.get(n)) else {
+                        return Err(Error::Codegen(moeforge_codegen::Error::Internal(
+                            "kernel count",
+                        )));
+                    };
                     let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
                     let start = match events {
                         Some(_) => Some(
@@ -378,9 +474,13 @@ impl GpuProgram {
                         ev.push((k.name.clone(), start, end));
                     }
                 }
-                Step::AllReduceMax { .. } => {
-                    // One process: the identity. (Across ranks this becomes an NCCL all-reduce.)
+                StepAction::Reduce { buf, group } => {
+                    let d = bufs
+                        .get_mut(buf)
+                        .ok_or(Error::Codegen(moeforge_codegen::Error::Internal("buffer")))?;
+                    coll.all_reduce_max(group, d, dev)?;
                 }
+                StepAction::Identity { .. } => {}
             }
         }
         Ok(())
@@ -458,5 +558,139 @@ impl Loaded {
             m.insert(key.to_string(), gp.clone());
         }
         Ok((gp, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::Topology;
+    use moeforge_codegen::kir::{Buf, BufId, Kernel, Var};
+
+    fn kernel(name: &str) -> Step {
+        Step::Kernel(Kernel {
+            name: name.into(),
+            item: Var(0),
+            items: 1,
+            body: vec![],
+            vars: 1,
+            var_types: vec![moeforge_codegen::kir::Ty::I64],
+            group: 1,
+            maxnreg: None,
+            wide_index: false,
+        })
+    }
+
+    /// amax (f32, 2 values) reduced over moe_tp, then over ep, between three kernels.
+    fn program() -> Program {
+        let buf = |role, elem| Buf {
+            role,
+            elem,
+            len: 2,
+            zeroed: true,
+        };
+        Program {
+            recipe: "r".into(),
+            bufs: vec![
+                buf(BufRole::Input("w".into()), Elem::Bf16),
+                buf(BufRole::Temp("amax".into()), Elem::F32),
+            ],
+            steps: vec![
+                kernel("amax"),
+                Step::AllReduceMax {
+                    buf: BufId(1),
+                    group: Group::MoeTp,
+                },
+                kernel("scale"),
+                Step::AllReduceMax {
+                    buf: BufId(1),
+                    group: Group::Ep,
+                },
+                kernel("quant"),
+            ],
+        }
+    }
+
+    fn actions(topo: Topology, rank: usize, supported: &[Group]) -> Result<Vec<StepAction>> {
+        step_actions(&program(), &|g| topo.members(g, rank).len(), &|g| {
+            supported.contains(&g)
+        })
+    }
+
+    #[test]
+    fn one_gpu_runs_every_reduction_as_the_identity() {
+        use StepAction::*;
+        let want = vec![
+            Launch(0),
+            Identity {
+                buf: 1,
+                group: Group::MoeTp,
+            },
+            Launch(1),
+            Identity {
+                buf: 1,
+                group: Group::Ep,
+            },
+            Launch(2),
+        ];
+        // What `run` does: SingleDevice, a world of one, supports every group.
+        let one = SingleDevice;
+        let got = step_actions(&program(), &|g| one.size(g), &|g| one.supports(g));
+        assert_eq!(got.ok(), Some(want.clone()));
+        // Even a collective that supports nothing: groups of one need none.
+        assert_eq!(actions(Topology::SINGLE, 0, &[]).ok(), Some(want));
+    }
+
+    #[test]
+    fn a_group_of_several_is_reduced_through_the_collective_or_refused() {
+        use StepAction::*;
+        // moe_tp = 2, ep = 1: the moe_tp step goes to the collective, the ep step is the identity.
+        let t = Topology { ep: 1, moe_tp: 2 };
+        assert_eq!(
+            actions(t, 1, &[Group::MoeTp]).ok(),
+            Some(vec![
+                Launch(0),
+                Reduce {
+                    buf: 1,
+                    group: Group::MoeTp
+                },
+                Launch(1),
+                Identity {
+                    buf: 1,
+                    group: Group::Ep
+                },
+                Launch(2),
+            ])
+        );
+        // The review's hole: a multi-rank reduction without a collective for it is an error for the
+        // whole program (nothing launched), never a skipped step.
+        match actions(t, 0, &[Group::Ep]) {
+            Err(Error::MissingCollective { group, size }) => {
+                assert_eq!((group, size), ("moe_tp", 2))
+            }
+            other => panic!("expected MissingCollective, got {other:?}"),
+        }
+        // 2 x 2 with only moe_tp's communicator: the ep step is refused.
+        let t = Topology { ep: 2, moe_tp: 2 };
+        match actions(t, 3, &[Group::MoeTp]) {
+            Err(Error::MissingCollective { group, size }) => assert_eq!((group, size), ("ep", 2)),
+            other => panic!("expected MissingCollective, got {other:?}"),
+        }
+        assert!(actions(t, 3, &[Group::MoeTp, Group::Ep]).is_ok());
+    }
+
+    #[test]
+    fn only_f32_buffers_of_the_program_are_reduced() {
+        let mut p = program();
+        p.steps[1] = Step::AllReduceMax {
+            buf: BufId(0),
+            group: Group::MoeTp,
+        };
+        assert!(step_actions(&p, &|_| 1, &|_| true).is_err());
+        p.steps[1] = Step::AllReduceMax {
+            buf: BufId(7),
+            group: Group::MoeTp,
+        };
+        assert!(step_actions(&p, &|_| 1, &|_| true).is_err());
     }
 }

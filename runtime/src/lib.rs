@@ -1,8 +1,10 @@
 //! moeforge's GPU runtime: the CUDA device (cudarc, loaded dynamically), the JIT from PTX to cubin
-//! through the driver's linker, a content-addressed kernel cache, and GPU execution of pack programs.
+//! through the driver's linker, a content-addressed kernel cache, GPU execution of pack programs, and
+//! collectives (NCCL, loaded by [`nccl`] itself).
 //!
 //! Every entry point returns [`Error::NoDriver`] on a machine without a loadable CUDA driver: cudarc
-//! panics when libcuda is missing, so its presence is checked before any driver call.
+//! panics when libcuda is missing, so its presence is checked before any driver call. Likewise
+//! [`Error::NoNccl`] where no NCCL library loads.
 //!
 //! The runtime reads no environment: its [`Settings`] are built by the caller (the `moeforge`
 //! command from its environment) and passed in.
@@ -15,6 +17,7 @@ pub mod eplb_state;
 pub mod gpu_pack;
 pub mod jit;
 pub mod moves;
+pub mod nccl;
 pub mod staged;
 pub mod store;
 
@@ -33,6 +36,8 @@ pub struct Settings {
     pub jit: JitOptions,
     /// The kernel cache's folder (`None`: in memory only); see [`Cache::new`].
     pub cache_dir: Option<std::path::PathBuf>,
+    /// The NCCL library to try first (`None`: only NCCL's sonames); see [`nccl::Nccl::candidates`].
+    pub nccl_path: Option<std::path::PathBuf>,
 }
 
 /// Errors of the runtime.
@@ -72,6 +77,21 @@ pub enum Error {
     /// serve until it is restored (re-placed from the checkpoint).
     #[error("layer unusable: {0}")]
     Unusable(String),
+    /// No NCCL library could be loaded: each candidate tried, in order, with why it failed (not
+    /// found, or a needed entry point missing).
+    #[error("no usable NCCL library: {}", .tried.join("; "))]
+    NoNccl {
+        /// `path (why)` per candidate.
+        tried: Vec<String>,
+    },
+    /// An NCCL call failed (its result's name and NCCL's message), or was refused before the call.
+    #[error("NCCL {call} failed: {detail}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// The result code's name and NCCL's message.
+        detail: String,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver error in {call}: {detail}")]
     Driver {

@@ -20,7 +20,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moeforge_dsl::ir::SymLayout;
 use moeforge_dsl::ModuleInfo;
 
-use crate::collective::{Collective, Group};
+use crate::collective::{Collective, DeviceCollective, Group};
+use crate::device::Device;
 use crate::moves::{Loc, MovePlan, SlotMap};
 use crate::{drv, Error, Result};
 
@@ -47,8 +48,8 @@ pub trait ExpertStorage {
     }
     /// The address a kernel argument is built from (device pointer, or host address).
     fn address(&self) -> u64;
-    /// A staging buffer of `bytes`.
-    fn staging(&self, bytes: usize) -> Result<Self::Staging>;
+    /// A staging buffer of `experts` experts of `bytes_per_expert` each.
+    fn staging(&self, experts: usize, bytes_per_expert: usize) -> Result<Self::Staging>;
     /// Copy `len` bytes (the two ranges never overlap).
     fn copy(&mut self, st: &mut Self::Staging, from: Place, to: Place, len: usize) -> Result<()>;
     /// One grouped exchange over `t`'s EP group: `len` bytes from `Main(offset)` to each `(peer,
@@ -85,8 +86,8 @@ impl ExpertStorage for Vec<u8> {
         self.as_ptr() as u64
     }
 
-    fn staging(&self, bytes: usize) -> Result<Vec<u8>> {
-        Ok(vec![0; bytes])
+    fn staging(&self, experts: usize, bytes_per_expert: usize) -> Result<Vec<u8>> {
+        Ok(vec![0; experts * bytes_per_expert])
     }
 
     fn copy(&mut self, st: &mut Vec<u8>, from: Place, to: Place, len: usize) -> Result<()> {
@@ -237,28 +238,32 @@ impl Drop for DeviceStorage {
     }
 }
 
-/// A device staging buffer.
+/// A device staging buffer: one allocation per expert (received experts, then the scratch), so
+/// that each receive gets its own buffer.
 pub struct DeviceStaging {
-    buf: Option<CudaSlice<u8>>,
-    len: usize,
+    parts: Vec<CudaSlice<u8>>,
+    unit: usize,
 }
 
 impl DeviceStaging {
-    fn ptr(&self, stream: &CudaStream) -> u64 {
-        match &self.buf {
-            Some(b) => b.device_ptr(stream).0,
-            None => 0,
+    /// The part holding staging offset `off` (a whole number of experts) and its pointer.
+    fn at(&self, off: usize, len: usize, stream: &CudaStream) -> Result<u64> {
+        let k = off.checked_div(self.unit).unwrap_or(0);
+        match self.parts.get(k) {
+            Some(b) if off.is_multiple_of(self.unit.max(1)) && len <= b.len() => {
+                Ok(b.device_ptr(stream).0)
+            }
+            _ => Err(Error::Placement(format!(
+                "staging bytes {off}..{} are not one staged expert",
+                off + len
+            ))),
         }
     }
 }
 
-/// What carries device bytes between ranks: none here yet beyond one rank (a plan with sends or
-/// receives is refused with [`Error::MissingCollective`]).
-pub struct NoDeviceTransport;
-
 impl ExpertStorage for DeviceStorage {
     type Staging = DeviceStaging;
-    type Transport = NoDeviceTransport;
+    type Transport = dyn DeviceCollective;
 
     fn len(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())
@@ -268,27 +273,28 @@ impl ExpertStorage for DeviceStorage {
         self.ptr().unwrap_or(0)
     }
 
-    fn staging(&self, bytes: usize) -> Result<DeviceStaging> {
-        if bytes == 0 {
-            return Ok(DeviceStaging { buf: None, len: 0 });
+    fn staging(&self, experts: usize, bytes_per_expert: usize) -> Result<DeviceStaging> {
+        let mut parts = Vec::with_capacity(experts);
+        for _ in 0..experts {
+            // SAFETY: a staged expert is written (by a receive or a copy) before any byte of it is
+            // read: the plan only reads transfer slots it received and the scratch after staging it.
+            let b = unsafe { self.stream.alloc::<u8>(bytes_per_expert.max(1)) }
+                .map_err(drv("cuMemAlloc"))?;
+            parts.push(b);
         }
-        // SAFETY: the staging buffer is written (by a receive or a copy) before any byte of it is
-        // read: the plan only reads transfer slots it received and the scratch after staging it.
-        let buf = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(drv("cuMemAlloc"))?;
         Ok(DeviceStaging {
-            buf: Some(buf),
-            len: bytes,
+            parts,
+            unit: bytes_per_expert,
         })
     }
 
     fn copy(&mut self, st: &mut DeviceStaging, from: Place, to: Place, len: usize) -> Result<()> {
-        let (n, s) = (ExpertStorage::len(self), st.len);
+        let n = ExpertStorage::len(self);
         let main = self.ptr()?;
-        let stp = st.ptr(&self.stream);
         let at = |p: Place| -> Result<u64> {
             Ok(match p {
                 Place::Main(o) => main + range("the param", o, len, n)?.start as u64,
-                Place::Staging(o) => stp + range("the staging buffer", o, len, s)?.start as u64,
+                Place::Staging(o) => st.at(o, len, &self.stream)?,
             })
         };
         self.dtod(at(to)?, at(from)?, len)
@@ -296,19 +302,47 @@ impl ExpertStorage for DeviceStorage {
 
     fn exchange(
         &self,
-        _st: &mut DeviceStaging,
-        _t: &NoDeviceTransport,
+        st: &mut DeviceStaging,
+        t: &dyn DeviceCollective,
         sends: &[(usize, usize)],
         recvs: &[(usize, usize)],
-        _len: usize,
+        len: usize,
     ) -> Result<()> {
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
-        Err(Error::MissingCollective {
-            group: Group::Ep.name(),
-            size: 2,
-        })
+        let main = self
+            .buf
+            .as_ref()
+            .ok_or(Error::Placement("storage released".into()))?;
+        let mut out = Vec::with_capacity(sends.len());
+        for &(peer, off) in sends {
+            let r = range("the param", off, len, main.len())?;
+            out.push((peer, main.slice(r)));
+        }
+        // Each receive fills its own staged expert (offset / len), in the order given.
+        let mut want: Vec<Option<usize>> = vec![None; st.parts.len()];
+        for (i, &(_, off)) in recvs.iter().enumerate() {
+            let k = off / len.max(1);
+            match want.get_mut(k) {
+                Some(w @ None) if off.is_multiple_of(len.max(1)) => *w = Some(i),
+                _ => {
+                    return Err(Error::Placement(
+                        "receives must fill distinct staged experts".into(),
+                    ))
+                }
+            }
+        }
+        let mut parts: Vec<Option<(usize, cudarc::driver::CudaViewMut<'_, u8>)>> =
+            (0..recvs.len()).map(|_| None).collect();
+        for (k, b) in st.parts.iter_mut().enumerate() {
+            if let Some(i) = want[k] {
+                parts[i] = Some((recvs[i].0, b.slice_mut(0..len)));
+            }
+        }
+        let mut recv: Vec<(usize, cudarc::driver::CudaViewMut<'_, u8>)> =
+            parts.into_iter().flatten().collect();
+        t.exchange(Group::Ep, &out, &mut recv, &Device::on_stream(&self.stream))
     }
 }
 
@@ -593,10 +627,7 @@ impl<S: ExpertStorage> ParamStore<S> {
         let scratch = usize::from(rm.uses_scratch());
         let mut staging = Vec::with_capacity(self.entries.len());
         for e in &self.entries {
-            staging.push(
-                e.storage
-                    .staging((transfer + scratch) * e.bytes_per_expert)?,
-            );
+            staging.push(e.storage.staging(transfer + scratch, e.bytes_per_expert)?);
         }
         let mut budget = self.fault_after.take();
         let mut tick = || -> Result<()> {

@@ -1,0 +1,238 @@
+//! EPLB across two GPUs: experts move between EP ranks through NCCL (`ncclSend`/`ncclRecv` in one
+//! group per param, staged through the transfer buffer), each rank on its own thread with its own
+//! device and communicator. The contract check (`selftest --gpu --nccl`) and the bandwidth
+//! measurement (`bench --gpu --eplb`) share the rank runner.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use crate::gpu::Params;
+use crate::kernels::STANDARD;
+use crate::runtime::collective::{Group, Topology};
+use crate::runtime::device::Device;
+use crate::runtime::moves::{MovePlan, SlotMap};
+use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
+use crate::runtime::store::{DeviceStorage, ParamStore};
+use crate::{Error, Result};
+
+fn rt(e: crate::runtime::Error) -> Error {
+    Error::Runtime(e)
+}
+
+/// What one rank did: its params after the move, and the seconds the timed moves took.
+struct RankResult {
+    params: Params,
+    secs: f64,
+}
+
+/// Rank `rank` of an EP world of 2: upload its slots of `old_packed`, rearrange along `plans` in
+/// order (the first untimed when `warm`), download.
+fn rank_run(
+    rank: usize,
+    ids: &WorldIds,
+    info: &crate::dsl::ModuleInfo,
+    old_packed: &[(String, Vec<u8>)],
+    old: &SlotMap,
+    plans: &[MovePlan],
+    warm: bool,
+) -> Result<RankResult> {
+    let ranks = 2;
+    let dev = Device::open(rank).map_err(rt)?;
+    let world = NcclWorld::init(&dev, ids, rank).map_err(rt)?;
+    let r = old.slots();
+    let local = r / ranks;
+    let mut params = Vec::new();
+    for (n, b) in old_packed {
+        let per = b.len() / r;
+        let mine = &b[rank * local * per..(rank + 1) * local * per];
+        let buf = dev.stream.clone_htod(mine).map_err(|x| {
+            rt(crate::runtime::Error::Driver {
+                call: "cuMemcpyHtoD",
+                detail: format!("{x:?}"),
+            })
+        })?;
+        params.push((n.clone(), DeviceStorage::owned(buf, dev.stream.clone())));
+    }
+    let mut store = ParamStore::placed(info, params, old.clone(), rank, ranks).map_err(rt)?;
+    let mut secs = 0.0;
+    for (k, plan) in plans.iter().enumerate() {
+        dev.sync().map_err(rt)?;
+        let t0 = std::time::Instant::now();
+        store.rearrange(plan, &world).map_err(rt)?;
+        dev.sync().map_err(rt)?;
+        if !(warm && k == 0) {
+            secs += t0.elapsed().as_secs_f64();
+        }
+    }
+    let mut out = Vec::new();
+    for n in store.param_names() {
+        let s = store
+            .param(n)
+            .ok_or_else(|| Error::Usage(format!("no param {n}")))?;
+        out.push((n.to_string(), s.download().map_err(rt)?));
+    }
+    world.close().map_err(rt)?;
+    Ok(RankResult { params: out, secs })
+}
+
+fn both_ranks(
+    nccl: &'static Nccl,
+    info: &crate::dsl::ModuleInfo,
+    old_packed: &[(String, Vec<u8>)],
+    old: &SlotMap,
+    plans: &[MovePlan],
+    warm: bool,
+) -> Result<Vec<RankResult>> {
+    let ids = WorldIds::new(nccl, Topology { ep: 2, moe_tp: 1 }, &[Group::Ep]).map_err(rt)?;
+    let ids = &ids;
+    let got: Vec<Result<RankResult>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|k| s.spawn(move || rank_run(k, ids, info, old_packed, old, plans, warm)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Usage("a GPU rank panicked".into())))
+            })
+            .collect()
+    });
+    got.into_iter().collect()
+}
+
+fn placed(
+    inp: &HashMap<String, Vec<u8>>,
+    experts: usize,
+    phy2log: &[usize],
+) -> HashMap<String, Vec<u8>> {
+    inp.iter()
+        .map(|(k, v)| {
+            let n = v.len() / experts;
+            let b = phy2log
+                .iter()
+                .flat_map(|&p| v[p * n..(p + 1) * n].iter().copied())
+                .collect();
+            (k.clone(), b)
+        })
+        .collect()
+}
+
+/// The contract across two GPUs, for every standard recipe: 3 logical experts on 4 slots (2 per
+/// rank), from a placement to another that moves experts both ways and adds a replica on the other
+/// rank; each rank's params must equal its slots of packing the checkpoint placed as the new
+/// placement. One line per recipe; `Ok(false)` when any differs.
+pub fn contract(
+    nccl: &'static Nccl,
+    host: &crate::codegen::host::Options,
+    out: &mut String,
+) -> Result<bool> {
+    let (e, r, h, i) = (3usize, 4usize, 128usize, 128usize);
+    let old = vec![0, 1, 2, 0];
+    let new = vec![2, 0, 1, 1];
+    let layer = crate::bench::Layer::synthetic(e, h, i, 23);
+    let scales: Vec<u8> = (0..e)
+        .flat_map(|k| (0.75f32 + k as f32).to_le_bytes())
+        .collect();
+    let inp: HashMap<String, Vec<u8>> = [
+        ("w13".to_string(), layer.w13),
+        ("w2".to_string(), layer.w2),
+        ("w13_input_scale".to_string(), scales.clone()),
+        ("w2_input_scale".to_string(), scales),
+    ]
+    .into_iter()
+    .collect();
+    let old_map = SlotMap::new(old.clone(), e).map_err(rt)?;
+    let plan =
+        MovePlan::new(&old_map, &SlotMap::new(new.clone(), e).map_err(rt)?, 2).map_err(rt)?;
+    let mut all = true;
+    for rec in STANDARD {
+        let full = crate::check_source(rec.source, rec.path, Some(&format!("E={r},H={h},I={i}")))
+            .map_err(|d| Error::Usage(format!("{d:?}")))?;
+        let part = crate::check_source(
+            rec.source,
+            rec.path,
+            Some(&format!("E={},H={h},I={i}", r / 2)),
+        )
+        .map_err(|d| Error::Usage(format!("{d:?}")))?;
+        let old_packed = crate::gpu::host_pack(&full, &placed(&inp, e, &old), host)?;
+        let want = crate::gpu::host_pack(&full, &placed(&inp, e, &new), host)?;
+        let got = both_ranks(
+            nccl,
+            &part,
+            &old_packed,
+            &old_map,
+            std::slice::from_ref(&plan),
+            false,
+        )?;
+        let mut ok = true;
+        for (k, g) in got.iter().enumerate() {
+            for (n, w) in &want {
+                let per = w.len() / r;
+                let have = g.params.iter().find(|x| &x.0 == n).map(|x| &x.1[..]);
+                ok &= have == Some(&w[k * 2 * per..(k + 1) * 2 * per]);
+            }
+        }
+        all &= ok;
+        let _ = writeln!(
+            out,
+            "EPLB over NCCL {:<16} {old:?} -> {new:?} on 2 GPUs: {}",
+            rec.name,
+            if ok {
+                "both ranks == packing the placed checkpoint"
+            } else {
+                "DIFFERENT: FAILED"
+            }
+        );
+    }
+    Ok(all)
+}
+
+/// Bandwidth between two GPUs: a bf16 DeepSeek-V3 EP8-shaped layer (H=7168, I=2048) of 8 slots per
+/// rank whose halves swap ranks (every slot's expert crosses), timed over `reps` moves after a warm-up.
+pub fn bandwidth(nccl: &'static Nccl, reps: usize, out: &mut String) -> Result<()> {
+    let (local, h, i) = (8usize, 7168usize, 2048usize);
+    let r = 2 * local;
+    let rec = crate::kernels::find("bf16").ok_or_else(|| Error::Usage("no bf16 recipe".into()))?;
+    let part = crate::check_source(
+        rec.source,
+        rec.path,
+        Some(&format!("E={local},H={h},I={i}")),
+    )
+    .map_err(|d| Error::Usage(format!("{d:?}")))?;
+    let m = part.module();
+    let mut old_packed = Vec::new();
+    let mut per_slot = 0usize;
+    for mv in &part.move_set {
+        let Some(t) = m.tensor(mv.param) else {
+            continue;
+        };
+        let b = part.bytes_per_expert(mv).unwrap_or(0) as usize;
+        per_slot += b;
+        old_packed.push((
+            t.name.clone(),
+            (0..b * r).map(|k| (k % 253) as u8).collect::<Vec<u8>>(),
+        ));
+    }
+    let a: Vec<usize> = (0..r).collect();
+    let b: Vec<usize> = (local..r).chain(0..local).collect();
+    let ma = SlotMap::new(a.clone(), r).map_err(rt)?;
+    let mb = SlotMap::new(b, r).map_err(rt)?;
+    let mut plans = Vec::new();
+    let mut cur = ma.clone();
+    for k in 0..=reps.max(1) {
+        let next = if k % 2 == 0 { mb.clone() } else { ma.clone() };
+        plans.push(MovePlan::new(&cur, &next, 2).map_err(rt)?);
+        cur = next;
+    }
+    let got = both_ranks(nccl, &part, &old_packed, &ma, &plans, true)?;
+    let secs = got.iter().map(|g| g.secs).fold(0.0, f64::max) / reps.max(1) as f64;
+    let one_way = (local * per_slot) as f64;
+    let _ = writeln!(
+        out,
+        "\nEPLB between 2 GPUs over NCCL (bf16 layer, H={h}, I={i}, {local} slots per rank swap ranks): {:.2} GB each way in {:.3} ms: {:.1} GB/s one way, {:.1} GB/s both ways (NVLink anchors: 395 one way, 767 both; ../shared/ANCHORS.md, re-measured by scripts/eplb_anchor.py in the same call)",
+        one_way / 1e9,
+        secs * 1e3,
+        one_way / secs / 1e9,
+        2.0 * one_way / secs / 1e9
+    );
+    Ok(())
+}
