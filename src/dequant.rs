@@ -1,7 +1,9 @@
 //! Dequantization of packed params back to the input's row order, read off the verified module: the
 //! params holding the codes, the scales and the decode scale (`ModuleInfo::quantization_of`, the
 //! query the planner uses too), the row gather between them, and each param's storage map (every
-//! element read through its layout). Used to report the dequantization error of a pack.
+//! element read through its layout). Used to report the dequantization error of a pack, and to
+//! compare packs in the input's coordinates ([`logical`]: the shards of a `--moe-tp`/`--ep` pack
+//! against the unsplit one).
 
 use std::collections::HashMap;
 
@@ -32,16 +34,69 @@ fn f32s(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// Dequantize the params packed from input `name` (`[E, M, K]`, given as f32 values) and compare.
-/// `params` maps param names to their bytes. `None` when the recipe's form is not one this reads.
-pub fn error(
+/// The params packed from one input, read back in the input's coordinates: for every element
+/// `(e, row, col)` of the input `[E, M, K]` (rows in the input's order, before any row gather), the
+/// code stored for it and the bits of the scale applied to it, and per expert the decode scale.
+/// Two packs of one input are the same quantization exactly when their `Logical`s are equal,
+/// whatever row order, swizzle or storage layout each recipe chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logical {
+    /// The scheme; `None` for a copy.
+    pub scheme: Option<QuantScheme>,
+    /// The input's shape `(E, M, K)`.
+    pub shape: (usize, usize, usize),
+    /// Per element, row-major over `shape`: the code (an E2M1 nibble, an E4M3 or INT8 byte) or,
+    /// for a copy, the element's bits.
+    pub codes: Vec<u32>,
+    /// Per element: the bits of its scale (an E4M3 or E8M0 byte, or an f32's bits); 0 where the
+    /// scheme has no scale.
+    pub scales: Vec<u32>,
+    /// Per expert (one value for a per-tensor amax): the bits of the f32 decode scale (NVFP4);
+    /// empty where there is none.
+    pub decode: Vec<u32>,
+}
+
+/// Bytes per element of a param's dtype (0 for E2M1, two per byte).
+fn elem_bytes(info: &ModuleInfo, id: TensorId) -> Option<usize> {
+    use crate::dsl::ir::DType as D;
+    Some(match info.module().tensor(id)?.dtype {
+        D::E2m1 => 0,
+        D::E4m3 | D::E5m2 | D::E8m0 | D::I8 | D::U8 => 1,
+        D::Bf16 | D::F16 => 2,
+        D::F32 | D::I32 => 4,
+    })
+}
+
+/// Element `o` of a param's bytes, `size` bytes per element (0: a nibble), little-endian.
+fn elem_bits(b: &[u8], o: usize, size: usize) -> Option<u32> {
+    if size == 0 {
+        return Some(((*b.get(o / 2)? >> (4 * (o % 2))) & 0xF) as u32);
+    }
+    let c = b.get(size * o..size * o + size)?;
+    Some(c.iter().rev().fold(0u32, |a, &x| (a << 8) | x as u32))
+}
+
+/// Read the params packed from input `name` back in the input's coordinates ([`Logical`]); `params`
+/// maps param names to their bytes. `None` when the recipe's form is not one this reads or a param
+/// is missing.
+pub fn logical(
     info: &ModuleInfo,
     name: &str,
-    x: &[f32],
-    shape: (usize, usize, usize),
     params: &HashMap<String, Vec<u8>>,
-) -> Option<DequantError> {
-    let (ne, m, k) = shape;
+) -> Option<Logical> {
+    let m = info.module();
+    let input = m
+        .tensors
+        .iter()
+        .find(|t| t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. }))?;
+    let dims: Vec<usize> = input
+        .shape
+        .iter()
+        .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
+        .collect::<Option<_>>()?;
+    let [ne, mr, k] = dims[..] else {
+        return None;
+    };
     let (scheme, values, scales, decode, rows): (
         Option<QuantScheme>,
         TensorId,
@@ -66,70 +121,99 @@ pub fn error(
     };
     let (vname, vmap) = param(info, values)?;
     let vals = params.get(&vname)?;
+    let vsize = elem_bytes(info, values)?;
     let atoms = info.binding()?.atoms().to_vec();
-    let src_row = |r: usize| -> usize {
+    let src_row = |r: usize| -> Option<usize> {
         match &rows {
-            Some(iv) => iv.map(r as i128, &atoms).map(|x| x as usize).unwrap_or(r),
-            None => r,
+            Some(iv) => iv
+                .map(r as i128, &atoms)
+                .and_then(|x| usize::try_from(x).ok()),
+            None => Some(r),
         }
     };
     let scales = match scales {
         Some(id) => {
             let (n, map) = param(info, id)?;
-            Some((params.get(&n)?, map))
+            Some((params.get(&n)?, map, elem_bytes(info, id)?))
         }
         None => None,
     };
-    let dec_v: Vec<f32> = match decode {
-        Some(id) => f32s(params.get(&param(info, id)?.0)?),
+    let decode: Vec<u32> = match decode {
+        Some(id) => f32s(params.get(&param(info, id)?.0)?)
+            .into_iter()
+            .map(f32::to_bits)
+            .collect(),
         None => Vec::new(),
     };
     // A scale at its logical coordinate, read through its storage map.
-    let scale_at = |coord: &[i64]| -> Option<(u8, f32)> {
-        let (b, map) = scales.as_ref()?;
-        let o = usize::try_from(map.offset_of(coord)).ok()?;
-        let f = b
-            .get(4 * o..4 * o + 4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .unwrap_or(0.0);
-        Some((*b.get(o)?, f))
+    let scale_at = |coord: &[i64]| -> Option<u32> {
+        let (b, map, size) = scales.as_ref()?;
+        elem_bits(b, usize::try_from(map.offset_of(coord)).ok()?, *size)
     };
-    let amax = x.iter().fold(0f32, |a, b| a.max(b.abs()));
-    let mut worst = 0f32;
+    let n = ne * mr * k;
+    let mut codes = vec![0u32; n];
+    let mut scl = vec![0u32; n];
     for e in 0..ne {
-        for r in 0..m {
-            let sr = src_row(r);
+        for r in 0..mr {
+            let sr = src_row(r).filter(|&x| x < mr)?;
             for c in 0..k {
-                let xv = x[(e * m + sr) * k + c];
                 let (ei, ri, ci) = (e as i64, r as i64, c as i64);
                 let o = usize::try_from(vmap.offset_of(&[ei, ri, ci])).ok()?;
-                let nib = |o: usize| (vals[o / 2] >> (4 * (o % 2))) & 0xF;
-                let deq = match scheme {
-                    None => f32::from_bits(
-                        (u16::from_le_bytes([vals[2 * o], vals[2 * o + 1]]) as u32) << 16,
-                    ),
-                    Some(QuantScheme::Nvfp4 { .. }) => {
-                        let (sb, _) = scale_at(&[ei, ri, ci / 16])?;
-                        let dec = *dec_v.get(e)?;
-                        r::e2m1_to_f32(nib(o)) * r::e4m3_to_f32(sb) * dec
-                    }
-                    Some(QuantScheme::Mxfp4) => {
-                        let (sb, _) = scale_at(&[ei, ri, ci / 32])?;
-                        r::e2m1_to_f32(nib(o)) * 2f32.powi(sb as i32 - 127)
-                    }
-                    Some(QuantScheme::Fp8 { granularity, .. }) => {
-                        let (_, sc) = match granularity {
-                            Fp8Granularity::Tensor => scale_at(&[ei])?,
-                            Fp8Granularity::Channel => scale_at(&[ei, ri])?,
-                            Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
-                        };
-                        r::e4m3_to_f32(vals[o]) * sc
-                    }
-                    Some(QuantScheme::Int8Row) => (vals[o] as i8) as f32 * scale_at(&[ei, ri])?.1,
+                let at = (e * mr + sr) * k + c;
+                codes[at] = elem_bits(vals, o, vsize)?;
+                scl[at] = match scheme {
+                    None => 0,
+                    Some(QuantScheme::Nvfp4 { .. }) => scale_at(&[ei, ri, ci / 16])?,
+                    Some(QuantScheme::Mxfp4) => scale_at(&[ei, ri, ci / 32])?,
+                    Some(QuantScheme::Fp8 { granularity, .. }) => match granularity {
+                        Fp8Granularity::Tensor => scale_at(&[ei])?,
+                        Fp8Granularity::Channel => scale_at(&[ei, ri])?,
+                        Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
+                    },
+                    Some(QuantScheme::Int8Row) => scale_at(&[ei, ri])?,
                 };
-                worst = worst.max((xv - deq).abs());
             }
         }
+    }
+    Some(Logical {
+        scheme,
+        shape: (ne, mr, k),
+        codes,
+        scales: scl,
+        decode,
+    })
+}
+
+/// Dequantize the params packed from input `name` (`[E, M, K]`, given as f32 values) and compare.
+/// `params` maps param names to their bytes. `None` when the recipe's form is not one this reads.
+pub fn error(
+    info: &ModuleInfo,
+    name: &str,
+    x: &[f32],
+    shape: (usize, usize, usize),
+    params: &HashMap<String, Vec<u8>>,
+) -> Option<DequantError> {
+    let l = logical(info, name, params)?;
+    if l.shape != shape || x.len() != l.codes.len() {
+        return None;
+    }
+    let (_, m, k) = shape;
+    let amax = x.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let mut worst = 0f32;
+    for (at, &xv) in x.iter().enumerate() {
+        let (code, sb) = (l.codes[at], l.scales[at]);
+        let e = at / (m * k);
+        let deq = match l.scheme {
+            None => f32::from_bits(code << 16),
+            Some(QuantScheme::Nvfp4 { .. }) => {
+                let dec = f32::from_bits(*l.decode.get(e).or(l.decode.first())?);
+                r::e2m1_to_f32(code as u8) * r::e4m3_to_f32(sb as u8) * dec
+            }
+            Some(QuantScheme::Mxfp4) => r::e2m1_to_f32(code as u8) * 2f32.powi(sb as i32 - 127),
+            Some(QuantScheme::Fp8 { .. }) => r::e4m3_to_f32(code as u8) * f32::from_bits(sb),
+            Some(QuantScheme::Int8Row) => (code as u8 as i8) as f32 * f32::from_bits(sb),
+        };
+        worst = worst.max((xv - deq).abs());
     }
     Some(DequantError {
         max_abs: worst,

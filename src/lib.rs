@@ -65,6 +65,10 @@ pub enum Error {
     /// An EPLB placement cannot be applied to a packed checkpoint (`moeforge eplb apply`).
     #[error(transparent)]
     Placement(#[from] eplb_apply::ApplyError),
+    /// A checkpoint cannot be split over the ranks asked for (`pack --moe-tp`, `--ep`): a size
+    /// the rank count does not divide, a rank shape the recipe does not admit.
+    #[error("topology: {0}")]
+    Topology(String),
 }
 
 /// `Result` with [`Error`].
@@ -234,12 +238,63 @@ pub fn check_output(out: &std::path::Path, inputs: &[std::path::PathBuf]) -> Res
 /// applied, as any new file), renamed over the target only when everything was written. A target
 /// that exists and is not a regular file is refused.
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    check_output(path, &[])?;
+    let tmp = stage(path, bytes)?;
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        });
+    }
+    Ok(())
+}
+
+/// Write several files all or none: each is staged as [`write_atomic`] stages one, and they are
+/// renamed into place only when every one was written; on any error, every staged file and every
+/// target already renamed is removed, so no output file remains. Targets are checked as
+/// [`write_atomic`] checks one before anything is written.
+pub fn write_all_atomic(files: &[(std::path::PathBuf, Vec<u8>)]) -> Result<()> {
+    for (p, _) in files {
+        check_output(p, &[])?;
+    }
+    let mut staged: Vec<std::path::PathBuf> = Vec::new();
+    for (p, b) in files {
+        match stage(p, b) {
+            Ok(t) => staged.push(t),
+            Err(e) => {
+                for t in &staged {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err(e);
+            }
+        }
+    }
+    for (k, (tmp, (p, _))) in staged.iter().zip(files).enumerate() {
+        if let Err(e) = std::fs::rename(tmp, p) {
+            for (q, _) in &files[..k] {
+                let _ = std::fs::remove_file(q);
+            }
+            for t in &staged[k..] {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(Error::Io {
+                path: p.display().to_string(),
+                source: e,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Write `bytes` to a fresh temporary file beside `path` and flush it to disk; returns its path
+/// (removed again on failure).
+fn stage(path: &std::path::Path, bytes: &[u8]) -> Result<std::path::PathBuf> {
     use std::io::Write as _;
     let io = |e: std::io::Error| Error::Io {
         path: path.display().to_string(),
         source: e,
     };
-    check_output(path, &[])?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => std::path::Path::new("."),
@@ -262,13 +317,9 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
             Err(e) => return Err(io(e)),
         }
     };
-    let res = f
-        .write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .and_then(|_| std::fs::rename(&tmp, path));
-    if let Err(e) = res {
+    if let Err(e) = f.write_all(bytes).and_then(|_| f.sync_all()) {
         let _ = std::fs::remove_file(&tmp);
         return Err(io(e));
     }
-    Ok(())
+    Ok(tmp)
 }

@@ -74,6 +74,14 @@ enum Command {
         /// Pack weights that hold NaN or infinities (refused by default).
         #[arg(long)]
         allow_nonfinite: bool,
+        /// Split every expert over T ranks (w13's gate and up rows, w2's columns): one file per
+        /// rank, OUT.rank{r}.safetensors, with the scales of the unsplit pack.
+        #[arg(long, value_name = "T", default_value_t = 1)]
+        moe_tp: usize,
+        /// Divide the experts over N ranks: one file per rank, OUT.rank{r}.safetensors; the
+        /// activation scales are reduced over them.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        ep: usize,
     },
     /// List the tensors and metadata of a safetensors file.
     Inspect {
@@ -507,6 +515,8 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             device,
             passthrough,
             allow_nonfinite,
+            moe_tp,
+            ep,
         } => {
             let gpu = match device.as_str() {
                 "host" => false,
@@ -534,11 +544,22 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 passthrough,
                 allow_nonfinite,
                 settings,
+                topology: moeforge::runtime::collective::Topology { ep, moe_tp },
             };
             let r = moeforge::pack::pack(&opts)?;
             for n in &r.notes {
                 writeln!(out, "note: {n}").map_err(io)?;
             }
+            let ranks = ep * moe_tp;
+            let wrote = if ranks > 1 {
+                format!(
+                    "{} .. {} ({ranks} ranks: ep {ep} x moe_tp {moe_tp})",
+                    moeforge::pack::rank_path(&output, 0).display(),
+                    moeforge::pack::rank_path(&output, ranks - 1).display()
+                )
+            } else {
+                output.display().to_string()
+            };
             let bytes: usize = r.layers.iter().map(|l| l.input_bytes).sum();
             let secs: f64 = r.layers.iter().map(|l| l.seconds).sum();
             writeln!(
@@ -549,7 +570,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 bytes as f64 / 1e6,
                 secs,
                 bytes as f64 / secs.max(1e-9) / 1e9,
-                output.display(),
+                wrote,
                 r.output_bytes as f64 / 1e6,
                 r.seconds
             )

@@ -5,7 +5,10 @@
 //! `model.layers.{L}.mlp.experts.w13_weight` / `w2_weight`), stacked as `w13 = [gate; up]` per expert,
 //! the recipe is bound from their shapes and the packed params are written as
 //! `model.layers.{L}.mlp.experts.{param}`. The output is written to a temporary file and renamed
-//! only when everything succeeded.
+//! only when everything succeeded. With `--moe-tp`/`--ep` every layer is split over ranks
+//! ([`rank_slice`]), each rank packed on its own thread with the in-process collective
+//! ([`RankPacker`]: the sharded plan's all-reduces make every scale the unsplit one), and one file
+//! per rank is written, all or none.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -15,7 +18,9 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
 use crate::codegen::kir::{BufRole, Program};
+use crate::codegen::plan::Sharding;
 use crate::dsl::ir::{DType, TensorKind};
+use crate::runtime::collective::{Hook, InProcess, Topology};
 use crate::{Error, Result};
 
 /// Options of [`pack`].
@@ -27,7 +32,8 @@ pub struct PackOptions {
     pub recipe_path: String,
     /// Input checkpoint files.
     pub inputs: Vec<PathBuf>,
-    /// Output file.
+    /// Output file (with a [`Self::topology`] of several ranks, the name the rank files are derived
+    /// from: [`rank_path`]).
     pub output: PathBuf,
     /// Inclusive layer range; every MoE layer found when `None`.
     pub layers: Option<(u32, u32)>,
@@ -45,6 +51,11 @@ pub struct PackOptions {
     pub allow_nonfinite: bool,
     /// The backends' settings (host compile options; GPU tuning, JIT and kernel cache folder).
     pub settings: crate::Settings,
+    /// The ranks to pack for. [`Topology::SINGLE`]: one file at `output`, the whole checkpoint.
+    /// Otherwise one file per rank, [`rank_path`]`(output, r)`: `moe_tp` ranks split every expert
+    /// (w13's gate and up rows, w2's columns), `ep` ranks divide the experts; the ranks run as host
+    /// threads whose in-process collective makes every scale the unsplit pack's.
+    pub topology: Topology,
 }
 
 /// What [`pack`] did for one layer.
@@ -549,8 +560,16 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             }
         }
     }
+    let ranked = opts.topology != Topology::SINGLE;
+    if ranked {
+        check_topology(opts)?;
+    }
     // The output is never an input (by path or inode) and never a device or directory.
-    if !opts.passthrough {
+    if ranked {
+        for r in 0..opts.topology.world() {
+            crate::check_output(&rank_path(&opts.output, r), &shard_paths)?;
+        }
+    } else if !opts.passthrough {
         crate::check_output(&opts.output, &shard_paths)?;
     }
     for p in &shard_paths {
@@ -617,6 +636,15 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
     let hash = blake3::hash(opts.recipe_src.as_bytes())
         .to_hex()
         .to_string();
+    if ranked {
+        if prequantized {
+            return Err(Error::Usage(format!(
+                "--moe-tp/--ep split bf16/f16/f32 expert weights; recipe `{}` reads a pre-quantized checkpoint (pack it whole)",
+                module.name
+            )));
+        }
+        return pack_ranks(opts, &src, &layers, &module.name, hash, t0);
+    }
     let bar = if opts.progress {
         indicatif::ProgressBar::new(layers.len() as u64)
     } else {
@@ -729,47 +757,9 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
             }
         };
         let seconds = t1.elapsed().as_secs_f64();
-        for (b, data) in prog.bufs.iter().zip(bufs) {
-            let BufRole::Param(pname) = &b.role else {
-                continue;
-            };
-            let Some((t_id, t)) = module
-                .tensors_with_ids()
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .find(|(_, t)| &t.name == pname && t.kind == TensorKind::Param)
-            else {
-                continue;
-            };
-            let mut shape: Vec<usize> = t
-                .shape
-                .iter()
-                .map(|p| info.eval(p).unwrap_or(0) as usize)
-                .collect();
-            if t.dtype == DType::E2m1 {
-                if let Some(last) = shape.last_mut() {
-                    *last /= 2;
-                }
-            }
-            // A param stored through a layout other than row-major keeps its storage bytes under
-            // its logical shape; the layout goes into the metadata.
-            if let Some(pi) = info.params.iter().find(|p| p.id == t_id) {
-                let b = info
-                    .binding()
-                    .ok_or_else(|| Error::Usage("internal: unbound module".into()))?;
-                let map = crate::codegen::addr::StorageMap::of(&pi.layout, b)?;
-                if !map.is_row_major() {
-                    layouts.insert(format!("moeforge.layout.{pname}"), map.to_string());
-                }
-            }
+        for t in layer_tensors(info, prog, bufs, *layer, &mut layouts)? {
             out_shard.push(layer_shard(&src, *layer));
-            out.push((
-                format!("model.layers.{layer}.mlp.experts.{pname}"),
-                out_dtype(t.dtype),
-                shape,
-                data,
-            ));
+            out.push(t);
         }
         reports.push(LayerReport {
             layer: *layer,
@@ -838,6 +828,501 @@ pub fn pack(opts: &PackOptions) -> Result<PackReport> {
         seconds: t0.elapsed().as_secs_f64(),
         notes,
     })
+}
+
+/// Where rank `rank`'s file of a `--moe-tp`/`--ep` pack goes: `.rank{r}` inserted before the
+/// output's extension (`out.safetensors` -> `out.rank0.safetensors`; `out` -> `out.rank0`).
+pub fn rank_path(output: &Path, rank: usize) -> PathBuf {
+    let name = match (output.file_stem(), output.extension()) {
+        (Some(stem), Some(ext)) => format!(
+            "{}.rank{rank}.{}",
+            stem.to_string_lossy(),
+            ext.to_string_lossy()
+        ),
+        _ => format!(
+            "{}.rank{rank}",
+            output
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_else(|| "out".into())
+        ),
+    };
+    output.with_file_name(name)
+}
+
+/// What a `--moe-tp`/`--ep` pack refuses before reading anything.
+fn check_topology(opts: &PackOptions) -> Result<()> {
+    let t = opts.topology;
+    if t.ep == 0 || t.moe_tp == 0 {
+        return Err(Error::Usage(format!(
+            "--ep {} --moe-tp {}: each is a number of ranks, at least 1",
+            t.ep, t.moe_tp
+        )));
+    }
+    if opts.gpu {
+        return Err(Error::Usage(
+            "--moe-tp/--ep pack every rank on the host (one thread per rank, an in-process collective); leave out --device gpu".into(),
+        ));
+    }
+    if opts.passthrough {
+        return Err(Error::Usage(
+            "--passthrough writes one checkpoint directory; it does not combine with --moe-tp/--ep (one file per rank)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// How rank slices of a layer are cut under `topo`, for the planner: w13 by rows over `moe_tp`
+/// (two runs: the rank's gate rows, then the same up rows), w2 by columns; every expert-major
+/// input by experts over `ep`. A group of one rank cuts nothing.
+pub fn rank_sharding(topo: Topology) -> Sharding {
+    let mut s = Sharding::unsplit();
+    if topo.moe_tp > 1 {
+        s = s.with_moe_tp("w13", 1, 2).with_moe_tp("w2", 2, 1);
+    }
+    if topo.ep > 1 {
+        for n in ["w13", "w2", "w13_input_scale", "w2_input_scale"] {
+            s = s.with_ep(n);
+        }
+    }
+    s
+}
+
+/// Rank `rank`'s slice of a layer's whole inputs (`w13 [E, 2I, H]`, `w2 [E, H, I]` with `elem`
+/// bytes per element, the activation scales `f32 [E]`) under `topo`: the experts
+/// `[p*E/ep, (p+1)*E/ep)` of its EP rank `p = rank / moe_tp`, and for each, with `t = rank % moe_tp`
+/// and `J = I/moe_tp`, the gate rows `[t*J, (t+1)*J)` followed by the same up rows, and w2's
+/// columns `[t*J, (t+1)*J)`. `E` and `I` must divide by the group sizes ([`Error::Topology`]).
+pub fn rank_slice(
+    bufs: &HashMap<String, Vec<u8>>,
+    (e, h, i): (usize, usize, usize),
+    elem: usize,
+    topo: Topology,
+    rank: usize,
+) -> Result<HashMap<String, Vec<u8>>> {
+    let (ep, tp) = (topo.ep, topo.moe_tp);
+    if ep == 0 || tp == 0 || rank >= topo.world() {
+        return Err(Error::Topology(format!(
+            "rank {rank} is not a rank of ep {ep} x moe_tp {tp}"
+        )));
+    }
+    if e % ep != 0 {
+        return Err(Error::Topology(format!(
+            "--ep {ep} does not divide the {e} experts"
+        )));
+    }
+    if i % tp != 0 {
+        return Err(Error::Topology(format!(
+            "--moe-tp {tp} does not divide the intermediate size I = {i}"
+        )));
+    }
+    let (el, j) = (e / ep, i / tp);
+    let (p, t) = (rank / tp, rank % tp);
+    let experts = p * el..(p + 1) * el;
+    let mut out = HashMap::new();
+    for (name, b) in bufs {
+        let want = match name.as_str() {
+            "w13" => e * 2 * i * h * elem,
+            "w2" => e * h * i * elem,
+            "w13_input_scale" | "w2_input_scale" => e * 4,
+            other => {
+                return Err(Error::Topology(format!(
+                    "input `{other}` has no rule for splitting it over ranks"
+                )))
+            }
+        };
+        if b.len() != want {
+            return Err(Error::Usage(format!(
+                "internal: input `{name}` holds {} bytes, expected {want}",
+                b.len()
+            )));
+        }
+        let mut v = Vec::new();
+        match name.as_str() {
+            "w13" => {
+                let row = h * elem;
+                for x in experts.clone() {
+                    let base = x * 2 * i * row;
+                    for half in [0, i] {
+                        let lo = base + (half + t * j) * row;
+                        v.extend_from_slice(&b[lo..lo + j * row]);
+                    }
+                }
+            }
+            "w2" => {
+                for x in experts.clone() {
+                    for r in 0..h {
+                        let lo = ((x * h + r) * i + t * j) * elem;
+                        v.extend_from_slice(&b[lo..lo + j * elem]);
+                    }
+                }
+            }
+            _ => v.extend_from_slice(&b[experts.start * 4..experts.end * 4]),
+        }
+        out.insert(name.clone(), v);
+    }
+    Ok(out)
+}
+
+/// Packs layers for every rank of a topology: each rank a thread with its handle of one
+/// [`InProcess`] world (so the all-reduce steps of the rank program run across the threads), its
+/// compiled program kept for the next layer of the same shape.
+pub struct RankPacker {
+    recipe_src: String,
+    recipe_path: String,
+    topo: Topology,
+    world: Vec<InProcess>,
+    /// Threads per rank's kernels.
+    threads: usize,
+    host: crate::codegen::host::Options,
+    /// The last rank shape planned: `(E, H, I, as_f32, inputs present)`, its module and program.
+    planned: Option<(RankKey, crate::dsl::ModuleInfo, Program)>,
+    /// Per rank: the program compiled last, with the program it was compiled from.
+    compiled: Vec<Option<(Program, crate::codegen::host::Compiled)>>,
+}
+
+type RankKey = (usize, usize, usize, bool, Vec<String>);
+
+/// One layer packed for every rank.
+pub struct RankLayer<'a> {
+    /// The recipe verified at the rank shape.
+    pub info: &'a crate::dsl::ModuleInfo,
+    /// The rank program (every rank runs this one).
+    pub program: &'a Program,
+    /// Per rank (world order), the program's buffers after it ran.
+    pub bufs: Vec<Vec<Vec<u8>>>,
+}
+
+impl RankPacker {
+    /// A packer for `topo`'s ranks with a recipe (`threads` host threads in all, 0: all cores).
+    pub fn new(
+        recipe_src: &str,
+        recipe_path: &str,
+        topo: Topology,
+        threads: usize,
+        host: &crate::codegen::host::Options,
+    ) -> Result<RankPacker> {
+        if topo.ep == 0 || topo.moe_tp == 0 {
+            return Err(Error::Usage(format!(
+                "ep {} x moe_tp {}: each is a number of ranks, at least 1",
+                topo.ep, topo.moe_tp
+            )));
+        }
+        let all = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
+        Ok(RankPacker {
+            recipe_src: recipe_src.to_string(),
+            recipe_path: recipe_path.to_string(),
+            topo,
+            world: InProcess::world(topo),
+            threads: (all / topo.world()).max(1),
+            host: host.clone(),
+            planned: None,
+            compiled: (0..topo.world()).map(|_| None).collect(),
+        })
+    }
+
+    /// The rank shape of a layer of whole shape `(E, H, I)`, as a binding.
+    fn rank_binding(&self, (e, h, i): (usize, usize, usize)) -> Result<String> {
+        let (ep, tp) = (self.topo.ep, self.topo.moe_tp);
+        if e % ep != 0 {
+            return Err(Error::Topology(format!(
+                "--ep {ep} does not divide the {e} experts"
+            )));
+        }
+        if i % tp != 0 {
+            return Err(Error::Topology(format!(
+                "--moe-tp {tp} does not divide the intermediate size I = {i}"
+            )));
+        }
+        Ok(format!("E={},H={h},I={}", e / ep, i / tp))
+    }
+
+    /// Plan (or reuse) the rank program for a layer: verified at the rank shape, planned with
+    /// [`rank_sharding`]. Everything a split can be refused for is refused here, before any rank
+    /// runs: a size the rank count does not divide, a rank shape the recipe's `where` clauses do
+    /// not admit, a cut through a quantization block ([`crate::codegen::Error::CutBlock`]).
+    pub fn plan(
+        &mut self,
+        dims: (usize, usize, usize),
+        as_f32: bool,
+        present: &[String],
+    ) -> Result<(&crate::dsl::ModuleInfo, &Program)> {
+        let key: RankKey = (dims.0, dims.1, dims.2, as_f32, present.to_vec());
+        if self.planned.as_ref().is_none_or(|p| p.0 != key) {
+            let bind = self.rank_binding(dims)?;
+            let (e, h, i) = dims;
+            let info = crate::verify_source(&self.recipe_src, &self.recipe_path, Some(&bind))
+                .map_err(|err| {
+                    Error::Topology(format!(
+                        "the rank shape {bind} (E={e},H={h},I={i} over ep {} x moe_tp {}) is not one the recipe admits:\n{err}",
+                        self.topo.ep, self.topo.moe_tp
+                    ))
+                })?;
+            let has = |n: &str| present.iter().any(|p| p == n);
+            let prog = crate::codegen::plan::plan_sharded(
+                &info,
+                &has,
+                &|n: &str| as_f32 && (n == "w13" || n == "w2"),
+                true,
+                crate::codegen::plan::PackSchedule::default(),
+                &rank_sharding(self.topo),
+            )
+            .map_err(|err| crate::refusal(&info, err, &self.recipe_path, &self.recipe_src))?;
+            self.planned = Some((key, info, prog));
+        }
+        let Some((_, info, prog)) = &self.planned else {
+            return Err(Error::Usage("internal: no rank program".into()));
+        };
+        Ok((info, prog))
+    }
+
+    /// Pack one layer: split its whole inputs ([`rank_slice`]), plan ([`Self::plan`]), then run
+    /// every rank's program on its own thread, together.
+    pub fn pack_layer(
+        &mut self,
+        bufs: &HashMap<String, Vec<u8>>,
+        dims: (usize, usize, usize),
+        as_f32: bool,
+    ) -> Result<RankLayer<'_>> {
+        let mut present: Vec<String> = bufs.keys().cloned().collect();
+        present.sort();
+        self.plan(dims, as_f32, &present)?;
+        let elem = if as_f32 { 4 } else { 2 };
+        let slices: Vec<HashMap<String, Vec<u8>>> = (0..self.topo.world())
+            .map(|r| rank_slice(bufs, dims, elem, self.topo, r))
+            .collect::<Result<_>>()?;
+        let Some((_, info, prog)) = &self.planned else {
+            return Err(Error::Usage("internal: no rank program".into()));
+        };
+        let (threads, host) = (self.threads, &self.host);
+        let results: Vec<Result<Vec<Vec<u8>>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .world
+                .iter()
+                .zip(self.compiled.iter_mut())
+                .zip(slices)
+                .map(|((coll, slot), inputs)| {
+                    s.spawn(move || -> Result<Vec<Vec<u8>>> {
+                        if slot.as_ref().is_none_or(|c| &c.0 != prog) {
+                            let c = crate::codegen::host::compile_with(prog, host)?;
+                            *slot = Some((prog.clone(), c));
+                        }
+                        let Some((_, c)) = slot.as_ref() else {
+                            return Err(Error::Usage("internal: no compiled program".into()));
+                        };
+                        let mut b =
+                            crate::codegen::alloc_buffers(prog, &mut |n| inputs.get(n).cloned())?;
+                        c.run(&mut b, &Hook(coll), threads)?;
+                        Ok(b)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(r, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Usage(format!(
+                            "internal: rank {r}'s thread panicked"
+                        )))
+                    })
+                })
+                .collect()
+        });
+        let bufs = results.into_iter().collect::<Result<Vec<_>>>()?;
+        Ok(RankLayer {
+            info,
+            program: prog,
+            bufs,
+        })
+    }
+}
+
+/// `pack --moe-tp T --ep N`: every layer packed for each of the `N*T` ranks, one file per rank,
+/// all written or none.
+fn pack_ranks(
+    opts: &PackOptions,
+    src: &Source<'_>,
+    layers: &[(u32, Form, BTreeSet<u32>)],
+    recipe: &str,
+    hash: String,
+    t0: Instant,
+) -> Result<PackReport> {
+    let topo = opts.topology;
+    let world = topo.world();
+    let mut packer = RankPacker::new(
+        &opts.recipe_src,
+        &opts.recipe_path,
+        topo,
+        opts.threads,
+        &opts.settings.host,
+    )?;
+    let bar = if opts.progress {
+        indicatif::ProgressBar::new(layers.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} packing layer {msg} for every rank [{bar:30}] {pos}/{len} {elapsed}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut out: Vec<Vec<OutTensor>> = (0..world).map(|_| Vec::new()).collect();
+    let mut layouts: HashMap<String, String> = HashMap::new();
+    let mut reports = Vec::new();
+    let mut dims = (0, 0, 0);
+    for (layer, form, experts) in layers {
+        bar.set_message(layer.to_string());
+        let li = gather_layer(src, *layer, *form, experts, opts.allow_nonfinite)?;
+        dims = li.dims;
+        let t1 = Instant::now();
+        let packed = packer.pack_layer(&li.bufs, li.dims, li.as_f32)?;
+        let seconds = t1.elapsed().as_secs_f64();
+        let RankLayer {
+            info,
+            program,
+            bufs,
+        } = packed;
+        for (r, b) in bufs.into_iter().enumerate() {
+            out[r].extend(layer_tensors(info, program, b, *layer, &mut layouts)?);
+        }
+        reports.push(LayerReport {
+            layer: *layer,
+            dims: li.dims,
+            input_bytes: li.input_bytes,
+            seconds,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let (e, h, i) = dims;
+    let (el, j) = (e / topo.ep, i / topo.moe_tp);
+    let mut files: Vec<(PathBuf, Vec<u8>)> = Vec::new();
+    for (r, tensors) in out.iter().enumerate() {
+        let (p, t) = (r / topo.moe_tp, r % topo.moe_tp);
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        meta.insert("moeforge.recipe".to_string(), recipe.to_string());
+        meta.insert("moeforge.recipe_blake3".to_string(), hash.clone());
+        meta.insert(
+            "moeforge.version".to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        );
+        meta.insert(
+            "moeforge.binding".to_string(),
+            format!("E={el},H={h},I={j}"),
+        );
+        meta.insert(
+            "moeforge.unsharded_binding".to_string(),
+            format!("E={e},H={h},I={i}"),
+        );
+        meta.insert(
+            "moeforge.recipe_source".to_string(),
+            opts.recipe_src.clone(),
+        );
+        for (k, v) in [
+            ("rank", r),
+            ("ranks", world),
+            ("moe_tp", topo.moe_tp),
+            ("ep", topo.ep),
+            ("moe_tp_rank", t),
+            ("ep_rank", p),
+        ] {
+            meta.insert(format!("moeforge.{k}"), v.to_string());
+        }
+        meta.insert(
+            "moeforge.experts".to_string(),
+            format!("{}..{}", p * el, (p + 1) * el),
+        );
+        meta.insert(
+            "moeforge.intermediate".to_string(),
+            format!("{}..{}", t * j, (t + 1) * j),
+        );
+        meta.extend(layouts.clone());
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, s, data)| {
+                TensorView::new(*d, s.clone(), data)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| ckpt(format!("tensor `{n}`: {e}")))
+            })
+            .collect::<Result<_>>()?;
+        let bytes = safetensors::serialize(views, Some(meta))
+            .map_err(|e| ckpt(format!("serializing: {e}")))?;
+        files.push((rank_path(&opts.output, r), bytes));
+    }
+    crate::write_all_atomic(&files)?;
+    Ok(PackReport {
+        layers: reports,
+        output_bytes: files.iter().map(|f| f.1.len()).sum(),
+        seconds: t0.elapsed().as_secs_f64(),
+        notes: Vec::new(),
+    })
+}
+
+/// One output tensor: name, dtype, shape, bytes.
+type OutTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// The params a program packed for one layer (`bufs` as the program's buffers), as output tensors
+/// named `model.layers.{L}.mlp.experts.{param}`, in program order. A param stored through a layout
+/// other than row-major keeps its storage bytes under its logical shape, and its layout goes into
+/// `layouts` (the metadata).
+fn layer_tensors(
+    info: &crate::dsl::ModuleInfo,
+    prog: &Program,
+    bufs: Vec<Vec<u8>>,
+    layer: u32,
+    layouts: &mut HashMap<String, String>,
+) -> Result<Vec<OutTensor>> {
+    let module = info.module();
+    let mut out = Vec::new();
+    for (b, data) in prog.bufs.iter().zip(bufs) {
+        let BufRole::Param(pname) = &b.role else {
+            continue;
+        };
+        let Some((t_id, t)) = module
+            .tensors_with_ids()
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .find(|(_, t)| &t.name == pname && t.kind == TensorKind::Param)
+        else {
+            continue;
+        };
+        let mut shape: Vec<usize> = t
+            .shape
+            .iter()
+            .map(|p| info.eval(p).unwrap_or(0) as usize)
+            .collect();
+        if t.dtype == DType::E2m1 {
+            if let Some(last) = shape.last_mut() {
+                *last /= 2;
+            }
+        }
+        if let Some(pi) = info.params.iter().find(|p| p.id == t_id) {
+            let b = info
+                .binding()
+                .ok_or_else(|| Error::Usage("internal: unbound module".into()))?;
+            let map = crate::codegen::addr::StorageMap::of(&pi.layout, b)?;
+            if !map.is_row_major() {
+                layouts.insert(format!("moeforge.layout.{pname}"), map.to_string());
+            }
+        }
+        out.push((
+            format!("model.layers.{layer}.mlp.experts.{pname}"),
+            out_dtype(t.dtype),
+            shape,
+            data,
+        ));
+    }
+    Ok(out)
 }
 
 /// The layer of an expert tensor (`model.layers.{L}.mlp.experts.*` or

@@ -59,6 +59,27 @@ pub enum Error {
         /// Why.
         why: String,
     },
+    /// A shard's cut would split a quantization block between ranks, so its scale could not be
+    /// the unsharded one (see [`plan::Sharding`]).
+    #[error("input `{input}` cannot be split so: each rank's run of {run} along dimension {dim} is not a multiple of the {block}-element quantization block, so a block would be cut between ranks (choose a split whose slice is a multiple of {block})")]
+    CutBlock {
+        /// The input.
+        input: String,
+        /// The dimension cut.
+        dim: usize,
+        /// The length of one contiguous run of a rank's slice along it.
+        run: i64,
+        /// The block's extent along it.
+        block: i64,
+    },
+    /// A sharding the planner cannot make topology-invariant (see [`plan::Sharding`]).
+    #[error("input `{input}` cannot be split so: {why}")]
+    Sharding {
+        /// The input.
+        input: String,
+        /// Why.
+        why: String,
+    },
     /// A kernel binding generated for a target its `on` list does not name, or PTX asked for a
     /// target that is not a GPU.
     #[error("{0}")]

@@ -20,6 +20,7 @@ impl Planner<'_> {
             src_row,
             ..
         } = ctx.clone();
+        ctx.check_cut((128, 128))?;
         let rc = ctx.rows * ctx.cols;
         let xb_l = ctx.xb;
         let _load = move |row_base: Expr, c: Expr| e::load(xb_l, e::add(row_base, c));

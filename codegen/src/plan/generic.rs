@@ -361,6 +361,22 @@ impl Planner<'_> {
             if group != Group::None {
                 self.prog.steps.push(Step::AllReduceMax { buf: tb, group });
             }
+            // A MAX over a tensor this rank holds a slice of (an input cut, or a param computed
+            // from one) also runs over the groups that cut it; over values already equal on
+            // those ranks it changes nothing.
+            let mut cut: Vec<Group> = Vec::new();
+            for (_, s) in self.cut_inputs_read(base)? {
+                for g in s.whole_max_groups() {
+                    if g != group && !cut.contains(&g) {
+                        cut.push(g);
+                    }
+                }
+            }
+            for g in cut {
+                self.prog
+                    .steps
+                    .push(Step::AllReduceMax { buf: tb, group: g });
+            }
             self.reduces.insert(v, tb);
         }
         Ok(())

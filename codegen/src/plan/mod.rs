@@ -31,11 +31,13 @@ mod nvfp4;
 mod quantize;
 mod relayout;
 mod rows;
+mod sharding;
 mod tensor_scaled;
 
 pub use blocks::index_vec_expr;
 use blocks::*;
 use quantize::QuantCtx;
+pub use sharding::{Shard, Sharding, Split};
 
 /// The GPU form's tuning constants, in one place (the measured choices are in BENCHMARKS.md). The
 /// host form ignores them where it loops instead.
@@ -110,6 +112,8 @@ struct Planner<'a> {
     scale_maps: HashMap<TensorId, StorageMap>,
     x4: bool,
     sched: PackSchedule,
+    /// How this rank's inputs are cut (where amaxes are all-reduced, which cuts are refused).
+    sharding: &'a Sharding,
 }
 
 /// A param the passes write row-major into a staging buffer, then copied into its storage layout
@@ -171,6 +175,24 @@ pub fn plan_scheduled(
     x4: bool,
     sched: PackSchedule,
 ) -> Result<Program> {
+    plan_sharded(info, present, as_f32, x4, sched, &Sharding::unsplit())
+}
+
+/// [`plan_scheduled`] for one rank of a sharded checkpoint: `info` is bound at the rank's shape
+/// and `sharding` says how its inputs were cut from the whole ones. Each amax whose region a cut
+/// splits is MAX-reduced over the cutting group before its scales are derived (per-expert amaxes
+/// over `moe_tp` where the expert is split, a row's amax over `moe_tp` where its columns are, an
+/// amax spanning experts over `ep` where they are divided), so that every rank's params equal the
+/// unsharded pack's; a cut through a quantization block is refused ([`Error::CutBlock`]). With
+/// [`Sharding::unsplit`] the program is the one [`plan_scheduled`] gives.
+pub fn plan_sharded(
+    info: &ModuleInfo,
+    present: &dyn Presence,
+    as_f32: &dyn Fn(&str) -> bool,
+    x4: bool,
+    sched: PackSchedule,
+    sharding: &Sharding,
+) -> Result<Program> {
     if info.binding().is_none() {
         return Err(Error::Unbound);
     }
@@ -189,6 +211,7 @@ pub fn plan_scheduled(
         scale_maps: HashMap::new(),
         x4,
         sched,
+        sharding,
     };
     // Inputs first, in declaration order.
     for (id, t) in m.tensors_with_ids() {

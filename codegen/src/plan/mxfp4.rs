@@ -20,6 +20,7 @@ impl Planner<'_> {
             src_row,
             ..
         } = ctx.clone();
+        ctx.check_cut((1, 32))?;
         self.quants.insert(
             q,
             QuantTemps {

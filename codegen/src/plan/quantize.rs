@@ -34,9 +34,26 @@ impl Planner<'_> {
                 .map(|b| (*b, self.tensor(xt).map(|t| t.name.clone()))),
             _ => None,
         };
-        let (xb, xname) = match direct {
-            Some((b, n)) => (b, n?),
-            None => (self.materialize(&pname, xv)?, format!("q{}", q.0)),
+        let (xb, xname, shard) = match direct {
+            Some((b, n)) => {
+                let n = n?;
+                let shard = self.sharding.of(&n);
+                (b, n, shard)
+            }
+            None => {
+                // An expression is materialized whole on this rank: refused where it reads a cut
+                // input (its amax would be rank-local, or its blocks cut).
+                if let Some((name, _)) = self.cut_inputs_read(xv)?.into_iter().next() {
+                    return Err(Error::Sharding {
+                        input: name,
+                        why: format!(
+                            "param `{pname}` quantizes an expression of it, and the planner makes only a quantization of the input itself (optionally row-gathered) independent of how it is sharded"
+                        ),
+                    });
+                }
+                let b = self.materialize(&pname, xv)?;
+                (b, format!("q{}", q.0), Shard::default())
+            }
         };
         let shape = self.shape(xv)?;
         let [ne, rows, cols] = shape[..] else {
@@ -61,6 +78,7 @@ impl Planner<'_> {
                 "a row gather both before and after the quantization",
             ));
         }
+        let gathered_in = rows_in.is_some();
         let rowmap = rows_in.or(rows_out);
         let atoms = self.info.binding().ok_or(Error::Unbound)?.atoms().to_vec();
         let src_row = move |em: &mut Emit<'_>, r: Expr| -> Expr {
@@ -97,6 +115,9 @@ impl Planner<'_> {
             glob,
             dec,
             src_row: &src_row,
+            input: xname.clone(),
+            shard,
+            gathered_in,
         };
         match scheme {
             QuantScheme::Nvfp4 { .. }
@@ -134,4 +155,85 @@ pub(super) struct QuantCtx<'r> {
     pub(super) glob: Option<BufId>,
     pub(super) dec: Option<BufId>,
     pub(super) src_row: &'r dyn Fn(&mut Emit<'_>, Expr) -> Expr,
+    /// The quantized input's name (a temporary's, when an expression is materialized).
+    pub(super) input: String,
+    /// How this rank's slice of the input is cut ([`Sharding::of`]).
+    pub(super) shard: Shard,
+    /// Whether rows are gathered before the quantization (`quant ...(x[:, rows, :])`).
+    pub(super) gathered_in: bool,
+}
+
+impl QuantCtx<'_> {
+    /// Refuse a cut through this quantization's blocks of `block` (rows, columns) elements: every
+    /// block must lie within one rank's run, or its scale would differ from the unsharded one.
+    pub(super) fn check_cut(&self, block: (i64, i64)) -> Result<()> {
+        let Some(s) = self.shard.moe_tp else {
+            return Ok(());
+        };
+        let why = |why: String| Error::Sharding {
+            input: self.input.clone(),
+            why,
+        };
+        let (extent, blk) = match s.dim {
+            1 => (self.rows, block.0),
+            2 => (self.cols, block.1),
+            d => {
+                return Err(why(format!(
+                    "a cut over `moe_tp` along dimension {d}; only the rows (1) and columns (2) of an [E, M, K] expert tensor are split over it (experts are divided over `ep`)"
+                )))
+            }
+        };
+        if s.runs < 1 || extent % s.runs != 0 {
+            return Err(why(format!(
+                "this rank's extent {extent} along dimension {} is not {} equal runs",
+                s.dim, s.runs
+            )));
+        }
+        let run = extent / s.runs;
+        if run % blk != 0 {
+            return Err(Error::CutBlock {
+                input: self.input.clone(),
+                dim: s.dim,
+                run,
+                block: blk,
+            });
+        }
+        if blk > 1 && s.dim == 1 && self.gathered_in {
+            return Err(why(
+                "its rows are gathered before a block quantization, so a block's rows would not be the unsharded block's".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a row's amax runs over a cut: the columns are split over `moe_tp`.
+    pub(super) fn row_cut(&self) -> bool {
+        self.shard.moe_tp.is_some_and(|s| s.dim == 2)
+    }
+}
+
+impl Planner<'_> {
+    /// The cut inputs a value reads (transitively through lets and params), with their cuts.
+    pub(super) fn cut_inputs_read(&self, v: ValueId) -> Result<Vec<(String, Shard)>> {
+        let m = self.info.module();
+        let mut ts = m.tensors_read(v);
+        for t in ts.clone() {
+            for x in m.tensors_read_all(t) {
+                if !ts.contains(&x) {
+                    ts.push(x);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for t in ts {
+            let tt = self.tensor(t)?;
+            if matches!(tt.kind, TensorKind::Input { .. }) {
+                let s = self.sharding.of(&tt.name);
+                if !s.is_whole() {
+                    out.push((tt.name.clone(), s));
+                }
+            }
+        }
+        Ok(out)
+    }
 }

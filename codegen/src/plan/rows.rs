@@ -1,16 +1,49 @@
 //! INT8 and FP8 per channel: one group per row reading DRAM once (max, then quantize what was
 //! loaded), or a row loop in the host form.
 
-use moeforge_dsl::ir::QuantScheme;
+use moeforge_dsl::ir::{Group, QuantScheme};
 
 use super::*;
-use crate::kir::{e, BinOp, Elem, Expr, GroupRow, Stmt, Ty};
+use crate::kir::{e, BinOp, BufId, BufRole, Elem, Expr, GroupRow, Step, Stmt, Ty};
 use crate::quant::{self, clamp, fabs, fdiv, fmax, fmul, is_zero, Emit};
-use crate::Result;
+use crate::{Error, Result};
+
+/// Where a row pass takes each row's amax from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowAmax {
+    /// The row's own values (the row is whole on this rank): max, scale and codes in one pass.
+    Own,
+    /// Only the row's amax, stored to this `[E * rows]` buffer (no scales, no codes).
+    Store(BufId),
+    /// The amax in this buffer (all-reduced over the ranks that split the row); scales and codes.
+    Load(BufId),
+}
 
 impl Planner<'_> {
-    /// INT8 and FP8 per channel: one scale per row, the row quantized with it.
+    /// INT8 and FP8 per channel: one scale per row, the row quantized with it. Where the columns
+    /// are split over `moe_tp`, a row's amax runs over every rank's slice: a pass of row maxima,
+    /// their MAX all-reduce over `moe_tp`, then the quantize pass scaling by the reduced amax.
     pub(super) fn quant_rows(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
+        ctx.check_cut((1, 1))?;
+        if !ctx.row_cut() {
+            return self.rows_pass(ctx, RowAmax::Own);
+        }
+        let amax_b = self.buf(
+            BufRole::Temp(format!("{}_row_amax", ctx.tag)),
+            Elem::F32,
+            usize::try_from(ctx.ne * ctx.rows).map_err(|_| Error::Internal("size"))?,
+            false,
+        );
+        self.rows_pass(ctx, RowAmax::Store(amax_b))?;
+        self.prog.steps.push(Step::AllReduceMax {
+            buf: amax_b,
+            group: Group::MoeTp,
+        });
+        self.rows_pass(ctx, RowAmax::Load(amax_b))
+    }
+
+    /// One pass over the rows (see [`RowAmax`]).
+    fn rows_pass(&mut self, ctx: &QuantCtx<'_>, from: RowAmax) -> Result<()> {
         let QuantCtx {
             q,
             tag,
@@ -36,7 +69,14 @@ impl Planner<'_> {
                 fp8_scale: None,
             },
         );
-        let sb = scl.as_ref().map(|x| x.0);
+        let (sb, vals) = match from {
+            RowAmax::Store(_) => (None, None),
+            _ => (scl.as_ref().map(|x| x.0), vals),
+        };
+        let name = match from {
+            RowAmax::Store(_) => format!("{tag}_row_amax"),
+            _ => format!("{tag}_quant"),
+        };
         let packed = !self.x4 && cols % 8 == 0;
         let x4r = self.x4 && cols % 4 == 0;
         let xelem = self.prog.buf(xb).map(|b| b.elem).unwrap_or(Elem::F32);
@@ -64,7 +104,7 @@ impl Planner<'_> {
             // quantize the row, reading it again from L1/L2 while it is still there, so DRAM
             // sees the input once.
             return self.group_kernel(
-                format!("{tag}_quant"),
+                name,
                 ne * rows,
                 row_group(cols / 8, &self.sched),
                 |em, row| {
@@ -95,7 +135,19 @@ impl Planner<'_> {
                     let mut y = e::f(0.0);
                     let mut safe = e::i32(0);
                     let mid = em.block(|b| {
-                        scale = scale_of(b, e::v(mx));
+                        let amax = match from {
+                            RowAmax::Own => e::v(mx),
+                            RowAmax::Load(ab) => b.set(Ty::F32, e::load(ab, row.clone())),
+                            RowAmax::Store(ab) => {
+                                b.out.push(Stmt::Store {
+                                    buf: ab,
+                                    index: row.clone(),
+                                    value: e::v(mx),
+                                });
+                                return;
+                            }
+                        };
+                        scale = scale_of(b, amax);
                         if let Some(sb) = sb {
                             b.out.push(Stmt::Store {
                                 buf: sb,
@@ -177,7 +229,7 @@ impl Planner<'_> {
                 },
             );
         }
-        self.kernel(format!("{tag}_quant"), ne * rows, |em, it| {
+        self.kernel(name, ne * rows, |em, it| {
             let ex = em.set(Ty::I64, e::div(it.clone(), rows));
             let r = em.set(Ty::I64, e::rem(it.clone(), rows));
             let sr = src_row(em, r);
@@ -203,8 +255,20 @@ impl Planner<'_> {
                         .push(Stmt::Set(mx, fmax(e::v(mx), fabs(load(base.clone(), c)))));
                 });
             }
+            let amax = match from {
+                RowAmax::Own => e::v(mx),
+                RowAmax::Load(ab) => em.set(Ty::F32, e::load(ab, it.clone())),
+                RowAmax::Store(ab) => {
+                    em.out.push(Stmt::Store {
+                        buf: ab,
+                        index: it,
+                        value: e::v(mx),
+                    });
+                    return Ok(());
+                }
+            };
             // int8: amax / 127; fp8 per channel: max(amax / 448, 1 / (448*512)); 1 for a zero row.
-            let scale = scale_of(em, e::v(mx));
+            let scale = scale_of(em, amax);
             if let Some(sb) = sb {
                 em.out.push(Stmt::Store {
                     buf: sb,

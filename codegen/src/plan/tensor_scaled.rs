@@ -35,6 +35,9 @@ impl Planner<'_> {
             QuantScheme::Fp8 { group, .. } => (false, group),
             _ => (false, Group::None),
         };
+        // NVFP4's 16-element blocks along the columns must lie within one rank.
+        let is_nvfp4 = matches!(scheme, QuantScheme::Nvfp4 { .. });
+        ctx.check_cut(if is_nvfp4 { (1, 16) } else { (1, 1) })?;
         let n_amax = if per_tensor { 1 } else { ne as usize };
         let amax_b = self.buf(
             BufRole::Temp(format!("{tag}_amax")),
@@ -136,6 +139,24 @@ impl Planner<'_> {
             self.prog
                 .steps
                 .push(Step::AllReduceMax { buf: amax_b, group });
+        }
+        // Where this rank holds a slice of the amax's region, the MAX over the groups that cut it
+        // (the recipe's own group is `moe_tp` for expert weights, the default where it names none;
+        // a per-tensor amax also spans the experts `ep` divides).
+        let mut cut = Vec::new();
+        if ctx.shard.moe_tp.is_some() {
+            cut.push(Group::MoeTp);
+        }
+        if per_tensor && ctx.shard.ep {
+            cut.push(Group::Ep);
+        }
+        for g in cut {
+            if g != group {
+                self.prog.steps.push(Step::AllReduceMax {
+                    buf: amax_b,
+                    group: g,
+                });
+            }
         }
         let is_nv = matches!(scheme, QuantScheme::Nvfp4 { .. });
         let s1 = self.buf(
