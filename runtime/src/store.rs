@@ -387,6 +387,9 @@ pub struct ParamStore<S: ExpertStorage> {
     ranks: usize,
     usable: bool,
     fault_after: Option<usize>,
+    /// Staging kept between rearrangements, per param: `(experts it holds, buffer)`; it grows to
+    /// the largest move seen and is reused, so the steady state allocates nothing.
+    staging: Vec<Option<(usize, S::Staging)>>,
 }
 
 /// A borrowed alias of one param: its storage and the layout from view coordinates to element offsets.
@@ -504,6 +507,7 @@ impl<S: ExpertStorage> ParamStore<S> {
             ranks,
             usable: true,
             fault_after: None,
+            staging: Vec::new(),
         })
     }
 
@@ -625,9 +629,14 @@ impl<S: ExpertStorage> ParamStore<S> {
         // Staging for every param before any byte moves (an allocation failure changes nothing).
         let transfer = rm.transfer_experts();
         let scratch = usize::from(rm.uses_scratch());
-        let mut staging = Vec::with_capacity(self.entries.len());
-        for e in &self.entries {
-            staging.push(e.storage.staging(transfer + scratch, e.bytes_per_expert)?);
+        let need = transfer + scratch;
+        let mut staging = std::mem::take(&mut self.staging);
+        staging.resize_with(self.entries.len(), || None);
+        for (e, st) in self.entries.iter().zip(staging.iter_mut()) {
+            if st.as_ref().is_none_or(|(n, _)| *n < need) {
+                *st = None;
+                *st = Some((need, e.storage.staging(need, e.bytes_per_expert)?));
+            }
         }
         let mut budget = self.fault_after.take();
         let mut tick = || -> Result<()> {
@@ -644,7 +653,8 @@ impl<S: ExpertStorage> ParamStore<S> {
             }
         };
         let result = (|| -> Result<()> {
-            for (e, st) in self.entries.iter().zip(staging.iter_mut()) {
+            for (e, st) in self.entries.iter().zip(staging.iter_mut().flatten()) {
+                let st = &mut st.1;
                 let b = e.bytes_per_expert;
                 let sends: Vec<(usize, usize)> =
                     rm.sends.iter().map(|t| (t.peer, t.at * b)).collect();
@@ -653,7 +663,8 @@ impl<S: ExpertStorage> ParamStore<S> {
                 tick()?;
                 e.storage.exchange(st, transport, &sends, &recvs, b)?;
             }
-            for (e, st) in self.entries.iter_mut().zip(staging.iter_mut()) {
+            for (e, st) in self.entries.iter_mut().zip(staging.iter_mut().flatten()) {
+                let st = &mut st.1;
                 let b = e.bytes_per_expert;
                 let place = |l: Loc| match l {
                     Loc::Slot(p) => Place::Main(p * b),
@@ -667,6 +678,7 @@ impl<S: ExpertStorage> ParamStore<S> {
             }
             Ok(())
         })();
+        self.staging = staging;
         if let Err(err) = result {
             self.usable = false;
             return Err(Error::Unusable(format!(
