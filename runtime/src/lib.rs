@@ -11,6 +11,7 @@
 
 pub mod cache;
 pub mod collective;
+pub mod copy_kernel;
 pub mod device;
 pub mod eplb;
 pub mod eplb_state;

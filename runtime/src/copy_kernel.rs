@@ -1,0 +1,950 @@
+//! One-launch execution of a rank's local copy list ([`moves::Copy`]) over one param on the GPU,
+//! "rotated in chunks".
+//!
+//! The param's expert bytes are split into *units* of `width` bytes (16, 4 or 1: the widest that
+//! divides `bytes_per_expert` and both base addresses) and the units into *columns* of
+//! `4 x threads` units. Each CTA takes columns (grid-stride) and runs the **whole** copy list, in
+//! order, on its column: thread `t` of column `c` owns units `c*4T + j*T + t` (`j` in `0..4`, so a
+//! warp's accesses are contiguous) of every expert, loads them from the copy's source and stores
+//! them to its destination. Every thread reads and writes the same byte offsets for every copy, so
+//! a copy that reads what an earlier copy wrote reads the same thread's own store (program order):
+//! no barrier, no cross-thread hazard. The scratch expert of a cycle lives in **registers** (one
+//! column's units per thread) and never touches memory, so breaking a cycle costs no traffic.
+//!
+//! The copy list travels as a device array of `u32` pairs `(src, dst)`, one per copy, each a
+//! *code* ([`encode`]):
+//!
+//! | code                     | location                                             |
+//! |--------------------------|------------------------------------------------------|
+//! | `0x0000_0000 \| p`       | [`Loc::Slot`]`(p)`: `base + p * bytes_per_expert`     |
+//! | `0x4000_0000 \| k`       | [`Loc::Transfer`]`(k)`: `transfer + k * bytes_per_expert` |
+//! | `0x8000_0000`            | [`Loc::Scratch`]: the registers                      |
+//!
+//! (bits 31..30 the kind, bits 29..0 the index, below 2^30.) The list is checked on the host
+//! against the region's slot and transfer counts before it is uploaded: no code the kernel sees
+//! reaches outside them, and the scratch is never read before it is written.
+//!
+//! Three entry points share one PTX generator ([`ptx`]): `moeforge_copy_list_w16` (16-byte
+//! `ld/st.global.v4.u32`), `_w4` (`u32`) and `_w1` (`u8`). Because the width divides the expert
+//! size, there is no tail: a 4-byte alpha runs one 32-thread CTA of the `w4` kernel, an expert of
+//! `4096 + 3` bytes the `w1` kernel, a 16-byte-aligned one the `w16` kernel at full bandwidth.
+//! [`simulate`] is the same index arithmetic on host bytes, the reference the tests hold the
+//! kernel's logic to; [`gpu_check`] compares the device against [`moves::apply_local`].
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::driver::{DevicePtrMut, PushKernelArg};
+
+use crate::moves::{self, Copy, Loc};
+use crate::{drv, Device, Error, Result};
+
+/// Kind bits of a code (bits 31..30): a slot.
+pub const KIND_SLOT: u32 = 0;
+/// Kind bits of a code: an expert of the transfer buffer.
+pub const KIND_TRANSFER: u32 = 1;
+/// Kind bits of a code: the scratch (registers).
+pub const KIND_SCRATCH: u32 = 2;
+/// The index bits of a code (bits 29..0).
+pub const INDEX_MASK: u32 = (1 << 30) - 1;
+/// Units each thread moves per column (and registers of scratch it holds: `4 x width` bytes).
+pub const UNITS_PER_THREAD: u64 = 4;
+/// Threads of a CTA for an expert of at least one full column (`256 x 4 x 16 B = 16 KiB` per
+/// column at width 16).
+pub const MAX_THREADS: u32 = 256;
+/// CTAs per SM the grid is capped at (the grid-stride loop takes the remaining columns).
+pub const CTAS_PER_SM: u64 = 8;
+
+/// The code of one location (see the module docs).
+pub fn encode_loc(l: Loc) -> Result<u32> {
+    let idx = |i: usize| {
+        u32::try_from(i)
+            .ok()
+            .filter(|&i| i <= INDEX_MASK)
+            .ok_or_else(|| Error::Placement(format!("copy index {i} does not fit a code")))
+    };
+    Ok(match l {
+        Loc::Slot(p) => (KIND_SLOT << 30) | idx(p)?,
+        Loc::Transfer(k) => (KIND_TRANSFER << 30) | idx(k)?,
+        Loc::Scratch => KIND_SCRATCH << 30,
+    })
+}
+
+/// The codes of a copy list, `[src0, dst0, src1, dst1, ..]`, checked against a region of `slots`
+/// slots and `transfers` transfer experts: every index in range, no copy into the transfer buffer,
+/// the scratch read only after it was written (the same rules as [`moves::apply_local`]).
+pub fn encode(copies: &[Copy], slots: usize, transfers: usize) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(2 * copies.len());
+    let mut scratch = false;
+    for c in copies {
+        match c.from {
+            Loc::Slot(p) if p >= slots => {
+                return Err(Error::Placement(format!(
+                    "copy from slot {p}, but the param has {slots} slots"
+                )))
+            }
+            Loc::Transfer(k) if k >= transfers => {
+                return Err(Error::Placement(format!(
+                    "copy from transfer expert {k}, but the buffer holds {transfers}"
+                )))
+            }
+            Loc::Scratch if !scratch => {
+                return Err(Error::Placement(
+                    "copy from the scratch before anything was staged in it".into(),
+                ))
+            }
+            _ => {}
+        }
+        match c.to {
+            Loc::Slot(p) if p >= slots => {
+                return Err(Error::Placement(format!(
+                    "copy to slot {p}, but the param has {slots} slots"
+                )))
+            }
+            Loc::Transfer(_) => {
+                return Err(Error::Placement("a copy into the transfer buffer".into()))
+            }
+            Loc::Scratch => scratch = true,
+            _ => {}
+        }
+        out.push(encode_loc(c.from)?);
+        out.push(encode_loc(c.to)?);
+    }
+    Ok(out)
+}
+
+/// How one launch covers a param: unit width, threads, columns, grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Bytes per unit (16, 4 or 1): the widest dividing the expert size and both bases.
+    pub width: u64,
+    /// Units per expert (`bytes_per_expert / width`, exact).
+    pub units: u64,
+    /// Threads per CTA (a multiple of 32, at most [`MAX_THREADS`]).
+    pub threads: u32,
+    /// Columns per expert (`ceil(units / (4 x threads))`).
+    pub columns: u64,
+    /// CTAs launched (at most `columns`, at most [`CTAS_PER_SM`] per SM).
+    pub grid: u32,
+}
+
+impl Geometry {
+    /// The geometry for an expert of `bytes_per_expert` (at least 1) at `base` and `transfer` on a
+    /// device of `sms` SMs.
+    pub fn new(base: u64, transfer: u64, bytes_per_expert: usize, sms: u32) -> Geometry {
+        let b = bytes_per_expert.max(1) as u64;
+        let width = [16u64, 4, 1]
+            .into_iter()
+            .find(|&w| base.is_multiple_of(w) && transfer.is_multiple_of(w) && b.is_multiple_of(w))
+            .unwrap_or(1);
+        let units = b / width;
+        let full = UNITS_PER_THREAD * u64::from(MAX_THREADS);
+        let threads = if units >= full {
+            MAX_THREADS
+        } else {
+            // Just enough warps for one column.
+            (units.div_ceil(UNITS_PER_THREAD).div_ceil(32) * 32).max(32) as u32
+        };
+        let columns = units.div_ceil(UNITS_PER_THREAD * u64::from(threads));
+        let cap = (u64::from(sms.max(1)) * CTAS_PER_SM).min(u64::from(u32::MAX));
+        let grid = columns.clamp(1, cap) as u32;
+        Geometry {
+            width,
+            units,
+            threads,
+            columns,
+            grid,
+        }
+    }
+
+    /// The entry point for this width.
+    pub fn entry(&self) -> &'static str {
+        match self.width {
+            16 => "moeforge_copy_list_w16",
+            4 => "moeforge_copy_list_w4",
+            _ => "moeforge_copy_list_w1",
+        }
+    }
+}
+
+/// The PTX module (all three entry points) for `target` (`sm_90a`, `sm_100a`; anything `ptxas`
+/// takes as `-arch`).
+pub fn ptx(target: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// moeforge copy-list kernel: one launch runs a rank's copy list over one param.\n\
+         .version 8.7\n.target {target}\n.address_size 64\n"
+    );
+    for w in [16u32, 4, 1] {
+        entry(&mut s, w);
+    }
+    s
+}
+
+fn entry(s: &mut String, w: u32) {
+    // Value registers per unit: 4 for a v4 access, 1 otherwise.
+    let per = if w == 16 { 4 } else { 1 };
+    let nv = 4 * per;
+    let shift = w.trailing_zeros();
+    let vals = |j: u32, pre: &str| -> String {
+        if per == 4 {
+            format!(
+                "{{%{pre}{}, %{pre}{}, %{pre}{}, %{pre}{}}}",
+                4 * j,
+                4 * j + 1,
+                4 * j + 2,
+                4 * j + 3
+            )
+        } else {
+            format!("%{pre}{j}")
+        }
+    };
+    let ty = match w {
+        16 => "v4.u32",
+        4 => "u32",
+        _ => "u8",
+    };
+    let mut k = String::new();
+    let _ = writeln!(
+        k,
+        ".visible .entry moeforge_copy_list_w{w}(\n\
+         \t.param .u64 p_base,\n\t.param .u64 p_transfer,\n\t.param .u64 p_list,\n\
+         \t.param .u32 p_n,\n\t.param .u64 p_units,\n\t.param .u64 p_stride\n)\n\
+         .maxntid {MAX_THREADS}, 1, 1\n{{\n\
+         \t.reg .pred %p<8>;\n\t.reg .b32 %r<12>;\n\t.reg .b64 %rd<32>;\n\
+         \t.reg .b32 %v<{nv}>;\n\t.reg .b32 %s<{nv}>;\n"
+    );
+    // Parameters: %rd0 base, %rd1 transfer, %rd2 list, %r0 n, %rd3 units, %rd4 stride (bytes).
+    k.push_str(
+        "\tld.param.u64 %rd20, [p_base];\n\tcvta.to.global.u64 %rd0, %rd20;\n\
+         \tld.param.u64 %rd21, [p_transfer];\n\tcvta.to.global.u64 %rd1, %rd21;\n\
+         \tld.param.u64 %rd22, [p_list];\n\tcvta.to.global.u64 %rd2, %rd22;\n\
+         \tld.param.u32 %r0, [p_n];\n\tld.param.u64 %rd3, [p_units];\n\
+         \tld.param.u64 %rd4, [p_stride];\n",
+    );
+    for i in 0..nv {
+        let _ = writeln!(k, "\tmov.b32 %v{i}, 0;\n\tmov.b32 %s{i}, 0;");
+    }
+    // %rd5 column, %rd6 grid, %rd7 tid, %rd8 threads, %rd9 column units, %rd10 columns.
+    let _ = writeln!(
+        k,
+        "\tmov.u32 %r1, %ctaid.x;\n\tcvt.u64.u32 %rd5, %r1;\n\
+         \tmov.u32 %r1, %nctaid.x;\n\tcvt.u64.u32 %rd6, %r1;\n\
+         \tmov.u32 %r1, %tid.x;\n\tcvt.u64.u32 %rd7, %r1;\n\
+         \tmov.u32 %r1, %ntid.x;\n\tcvt.u64.u32 %rd8, %r1;\n\
+         \tshl.b64 %rd9, %rd8, 2;\n\
+         \tadd.u64 %rd10, %rd3, %rd9;\n\tsub.u64 %rd10, %rd10, 1;\n\
+         \tdiv.u64 %rd10, %rd10, %rd9;\n\
+         COL:\n\
+         \tsetp.ge.u64 %p0, %rd5, %rd10;\n\t@%p0 bra.uni DONE;"
+    );
+    // Units u_j = col*4T + j*T + tid -> byte offsets %rd11+j, predicates %p1+j.
+    k.push_str("\tmad.lo.u64 %rd15, %rd5, %rd9, %rd7;\n");
+    for j in 0..4 {
+        if j > 0 {
+            let _ = writeln!(k, "\tadd.u64 %rd15, %rd15, %rd8;");
+        }
+        let _ = writeln!(
+            k,
+            "\tsetp.lt.u64 %p{}, %rd15, %rd3;\n\tshl.b64 %rd{}, %rd15, {shift};",
+            j + 1,
+            11 + j
+        );
+    }
+    // Copy loop: %r2 i, %rd16 list pointer; %r3 src code, %r4 dst code.
+    k.push_str(
+        "\tmov.u32 %r2, 0;\n\tmov.u64 %rd16, %rd2;\n\
+         COPY:\n\tsetp.ge.u32 %p5, %r2, %r0;\n\t@%p5 bra.uni NEXT;\n\
+         \tld.global.nc.v2.u32 {%r3, %r4}, [%rd16];\n",
+    );
+    // Address of a code in %r{c}: %rd17 = (kind == slot ? base : transfer) + idx * stride, then
+    // %rd24+j = %rd17 + offset j.
+    let addr = |k: &mut String, c: u32| {
+        let _ = writeln!(
+            k,
+            "\tshr.u32 %r5, %r{c}, 30;\n\tand.b32 %r6, %r{c}, {INDEX_MASK};\n\
+             \tsetp.eq.u32 %p6, %r5, {KIND_SLOT};\n\tselp.b64 %rd17, %rd0, %rd1, %p6;\n\
+             \tcvt.u64.u32 %rd18, %r6;\n\tmad.lo.u64 %rd17, %rd18, %rd4, %rd17;"
+        );
+        for j in 0..4 {
+            let _ = writeln!(k, "\tadd.u64 %rd{}, %rd17, %rd{};", 24 + j, 11 + j);
+        }
+    };
+    // Source.
+    let _ = writeln!(
+        k,
+        "\tshr.u32 %r5, %r3, 30;\n\tsetp.eq.u32 %p7, %r5, {KIND_SCRATCH};\n\t@%p7 bra.uni SRCS;"
+    );
+    addr(&mut k, 3);
+    for j in 0..4u32 {
+        let _ = writeln!(
+            k,
+            "\t@%p{} ld.global.{ty} {}, [%rd{}];",
+            j + 1,
+            vals(j, "v"),
+            24 + j
+        );
+    }
+    k.push_str("\tbra.uni DST;\nSRCS:\n");
+    for i in 0..nv {
+        let _ = writeln!(k, "\tmov.b32 %v{i}, %s{i};");
+    }
+    // Destination.
+    let _ = writeln!(
+        k,
+        "DST:\n\tshr.u32 %r5, %r4, 30;\n\tsetp.eq.u32 %p7, %r5, {KIND_SCRATCH};\n\t@%p7 bra.uni DSTS;"
+    );
+    addr(&mut k, 4);
+    for j in 0..4u32 {
+        let _ = writeln!(
+            k,
+            "\t@%p{} st.global.{ty} [%rd{}], {};",
+            j + 1,
+            24 + j,
+            vals(j, "v")
+        );
+    }
+    k.push_str("\tbra.uni STEP;\nDSTS:\n");
+    for i in 0..nv {
+        let _ = writeln!(k, "\tmov.b32 %s{i}, %v{i};");
+    }
+    k.push_str(
+        "STEP:\n\tadd.u32 %r2, %r2, 1;\n\tadd.u64 %rd16, %rd16, 8;\n\tbra.uni COPY;\n\
+         NEXT:\n\tadd.u64 %rd5, %rd5, %rd6;\n\tbra.uni COL;\nDONE:\n\tret;\n}\n\n",
+    );
+    s.push_str(&k);
+}
+
+/// The kernel's index arithmetic on host bytes: `slots` is the param (`bytes_per_expert` per
+/// slot), `transfer` the transfer buffer, `codes` from [`encode`]. Each (CTA, thread) runs the
+/// whole list over its columns with its own value and scratch registers (zero at start), exactly
+/// as the PTX does; threads touch disjoint bytes, so running them one after another is one valid
+/// interleaving of the device's. An access outside the buffers is an error (on the device: a
+/// fault).
+pub fn simulate(
+    g: &Geometry,
+    codes: &[u32],
+    slots: &mut [u8],
+    transfer: &[u8],
+    bytes_per_expert: usize,
+) -> Result<()> {
+    let w = g.width as usize;
+    let t = u64::from(g.threads);
+    let col_units = UNITS_PER_THREAD * t;
+    let stride = bytes_per_expert;
+    let oob = |what: &str, at: usize| Error::Placement(format!("{what} byte {at} out of range"));
+    for cta in 0..u64::from(g.grid) {
+        for tid in 0..t {
+            let mut v = [[0u8; 16]; 4];
+            let mut sc = [[0u8; 16]; 4];
+            let mut col = cta;
+            while col < g.columns {
+                let mut off = [0usize; 4];
+                let mut pred = [false; 4];
+                for j in 0..4u64 {
+                    let u = col * col_units + j * t + tid;
+                    pred[j as usize] = u < g.units;
+                    off[j as usize] = (u as usize) * w;
+                }
+                for pair in codes.chunks_exact(2) {
+                    let (src, dst) = (pair[0], pair[1]);
+                    if src >> 30 == KIND_SCRATCH {
+                        v = sc;
+                    } else {
+                        let idx = (src & INDEX_MASK) as usize;
+                        let from: &[u8] = if src >> 30 == KIND_SLOT {
+                            slots
+                        } else {
+                            transfer
+                        };
+                        for j in 0..4 {
+                            if pred[j] {
+                                let a = idx * stride + off[j];
+                                let b = from.get(a..a + w).ok_or_else(|| oob("load", a))?;
+                                v[j][..w].copy_from_slice(b);
+                            }
+                        }
+                    }
+                    if dst >> 30 == KIND_SCRATCH {
+                        sc = v;
+                    } else {
+                        let idx = (dst & INDEX_MASK) as usize;
+                        if dst >> 30 != KIND_SLOT {
+                            return Err(Error::Placement("a store to the transfer buffer".into()));
+                        }
+                        for j in 0..4 {
+                            if pred[j] {
+                                let a = idx * stride + off[j];
+                                let b = slots.get_mut(a..a + w).ok_or_else(|| oob("store", a))?;
+                                b.copy_from_slice(&v[j][..w]);
+                            }
+                        }
+                    }
+                }
+                col += u64::from(g.grid);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where one param's copies run: its slots and its transfer buffer, by device address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Address of slot 0 (slot `p` at `base + p * bytes_per_expert`).
+    pub base: u64,
+    /// Slots of the param.
+    pub slots: usize,
+    /// Address of transfer expert 0 (0 when there is none).
+    pub transfer: u64,
+    /// Experts the transfer buffer holds.
+    pub transfers: usize,
+    /// Bytes of one expert (at least 1).
+    pub bytes_per_expert: usize,
+}
+
+/// A copy list uploaded once, for running over every param of a layer.
+pub struct CopyList {
+    codes: Option<CudaSlice<u32>>,
+    copies: usize,
+    slots: usize,
+    transfers: usize,
+}
+
+impl CopyList {
+    /// Copies in the list.
+    pub fn len(&self) -> usize {
+        self.copies
+    }
+
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.copies == 0
+    }
+}
+
+/// The copy-list kernel, loaded once per context.
+pub struct CopyKernel {
+    _module: Arc<CudaModule>,
+    w16: CudaFunction,
+    w4: CudaFunction,
+    w1: CudaFunction,
+    sms: u32,
+}
+
+impl CopyKernel {
+    /// JIT the PTX for `dev`'s target through the driver's linker and load it.
+    pub fn load(dev: &Device) -> Result<CopyKernel> {
+        let target = dev.target().ok_or_else(|| {
+            Error::NoDriver(format!(
+                "no PTX target for compute capability {:?}",
+                dev.capability
+            ))
+        })?;
+        let (cubin, _log) = crate::jit::link_ptx(dev, "moeforge_copy_list", &ptx(target.name()))?;
+        let module = dev
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(drv("cuModuleLoadData"))?;
+        let f = |n: &str| module.load_function(n).map_err(drv("cuModuleGetFunction"));
+        Ok(CopyKernel {
+            w16: f("moeforge_copy_list_w16")?,
+            w4: f("moeforge_copy_list_w4")?,
+            w1: f("moeforge_copy_list_w1")?,
+            _module: module,
+            sms: dev.sms,
+        })
+    }
+
+    /// The geometry a launch over `r` uses.
+    pub fn geometry(&self, r: &Region) -> Geometry {
+        Geometry::new(r.base, r.transfer, r.bytes_per_expert, self.sms)
+    }
+
+    /// Check `copies` against `slots` slots and `transfers` transfer experts ([`encode`]) and upload
+    /// them (one small host-to-device copy on `stream`).
+    pub fn upload(
+        &self,
+        stream: &Arc<CudaStream>,
+        copies: &[Copy],
+        slots: usize,
+        transfers: usize,
+    ) -> Result<CopyList> {
+        let codes = encode(copies, slots, transfers)?;
+        let dev = if codes.is_empty() {
+            None
+        } else {
+            Some(
+                stream
+                    .clone_htod(&codes)
+                    .map_err(drv("cuMemcpyHtoDAsync"))?,
+            )
+        };
+        Ok(CopyList {
+            codes: dev,
+            copies: copies.len(),
+            slots,
+            transfers,
+        })
+    }
+
+    /// Run an uploaded list over one param in one launch on `stream`.
+    ///
+    /// # Safety
+    /// `r.base .. r.base + r.slots * r.bytes_per_expert` and `r.transfer .. r.transfer +
+    /// r.transfers * r.bytes_per_expert` must be live device memory of `stream`'s context, not
+    /// overlapping, written by nothing else while the launch runs except work ordered on `stream`.
+    pub unsafe fn run_list(
+        &self,
+        stream: &Arc<CudaStream>,
+        list: &CopyList,
+        r: &Region,
+    ) -> Result<()> {
+        if r.slots < list.slots || r.transfers < list.transfers {
+            return Err(Error::Placement(format!(
+                "a copy list for {} slots and {} transfer experts run over {} and {}",
+                list.slots, list.transfers, r.slots, r.transfers
+            )));
+        }
+        let Some(codes) = &list.codes else {
+            return Ok(());
+        };
+        if r.bytes_per_expert == 0 {
+            return Ok(());
+        }
+        let g = self.geometry(r);
+        let f = match g.width {
+            16 => &self.w16,
+            4 => &self.w4,
+            _ => &self.w1,
+        };
+        let (list_ptr, _sync) = codes.device_ptr(stream);
+        let n = list.copies as u32;
+        let stride = r.bytes_per_expert as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (g.grid, 1, 1),
+            block_dim: (g.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = stream.launch_builder(f);
+        l.arg(&r.base)
+            .arg(&r.transfer)
+            .arg(&list_ptr)
+            .arg(&n)
+            .arg(&g.units)
+            .arg(&stride);
+        // SAFETY: the arguments match the entry's parameters (u64 base, u64 transfer, u64 list, u32
+        // n, u64 units, u64 stride). The list holds `n` pairs of codes checked by `encode` against
+        // `list.slots <= r.slots` and `list.transfers <= r.transfers`, and `Geometry` keeps every
+        // unit inside one expert (`units * width == bytes_per_expert`), so every access lies inside
+        // the two regions the caller vouches for; the list buffer lives until the launch is done
+        // (freed in stream order).
+        unsafe { l.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Upload `copies` and run them over one param ([`CopyKernel::upload`] then
+    /// [`CopyKernel::run_list`]); for several params of one layer, upload once instead.
+    ///
+    /// # Safety
+    /// As [`CopyKernel::run_list`].
+    pub unsafe fn run(&self, stream: &Arc<CudaStream>, r: &Region, copies: &[Copy]) -> Result<()> {
+        let list = self.upload(stream, copies, r.slots, r.transfers)?;
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.run_list(stream, &list, r) }
+    }
+}
+
+/// A small deterministic generator for the self-check.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let x = self.next().to_le_bytes();
+            c.copy_from_slice(&x[..c.len()]);
+        }
+    }
+
+    /// A random placement of `e` experts on `r` slots (every expert once, the rest replicas).
+    fn placement(&mut self, e: usize, r: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..e).chain((e..r).map(|_| self.below(e))).collect();
+        for i in (1..v.len()).rev() {
+            let j = self.below(i + 1);
+            v.swap(i, j);
+        }
+        v
+    }
+}
+
+/// One self-check case: rank 0's copies of a random plan, run at `offset` bytes into the param's
+/// allocation; `Ok(None)` when it matches, `Ok(Some(why))` when not.
+fn check_case(
+    dev: &Device,
+    k: &CopyKernel,
+    plan: &moves::MovePlan,
+    bpe: usize,
+    offset: usize,
+    rng: &mut XorShift,
+) -> Result<(Option<String>, Geometry, f64)> {
+    let rm = plan.rank(0).cloned().unwrap_or_default();
+    let local = plan.local_slots();
+    let transfers = rm.transfer_experts();
+    let mut host = vec![0u8; offset + local * bpe];
+    rng.fill(&mut host);
+    let mut recv = vec![0u8; transfers * bpe];
+    rng.fill(&mut recv);
+    let s = &dev.stream;
+    let mut d_main = s.clone_htod(&host).map_err(drv("cuMemcpyHtoD"))?;
+    let d_tr = if recv.is_empty() {
+        None
+    } else {
+        Some(s.clone_htod(&recv).map_err(drv("cuMemcpyHtoD"))?)
+    };
+    let base = d_main.device_ptr_mut(s).0 + offset as u64;
+    let transfer = d_tr.as_ref().map_or(0, |b| b.device_ptr(s).0);
+    let r = Region {
+        base,
+        slots: local,
+        transfer,
+        transfers,
+        bytes_per_expert: bpe,
+    };
+    let g = k.geometry(&r);
+    let list = k.upload(s, &rm.copies, local, transfers)?;
+    // SAFETY: `d_main` holds `offset + local * bpe` bytes and `d_tr` `transfers * bpe`, both live
+    // until after the synchronisations below; nothing else uses them.
+    unsafe { k.run_list(s, &list, &r) }?;
+    let got = s.clone_dtoh(&d_main).map_err(drv("cuMemcpyDtoH"))?;
+    // The host reference.
+    let mut slots: Vec<Vec<u8>> = host[offset..].chunks(bpe).map(|c| c.to_vec()).collect();
+    let received: Vec<Vec<u8>> = recv.chunks(bpe).map(|c| c.to_vec()).collect();
+    moves::apply_local(&mut slots, &received, &rm.copies)?;
+    let mut why = None;
+    if got[..offset] != host[..offset] {
+        why = Some("bytes before the base changed".to_string());
+    }
+    for (p, want) in slots.iter().enumerate() {
+        let have = &got[offset + p * bpe..offset + (p + 1) * bpe];
+        if why.is_none() && have != want.as_slice() {
+            let b = have.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            why = Some(format!("slot {p} differs from byte {b}"));
+        }
+    }
+    // Time a few more launches of the same list (same traffic; the bytes no longer matter).
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let reps = 5;
+    let t0 = s.record_event(timing).map_err(drv("cuEventRecord"))?;
+    for _ in 0..reps {
+        // SAFETY: as above.
+        unsafe { k.run_list(s, &list, &r) }?;
+    }
+    let t1 = s.record_event(timing).map_err(drv("cuEventRecord"))?;
+    s.synchronize().map_err(drv("cuStreamSynchronize"))?;
+    let ms = f64::from(t0.elapsed_ms(&t1).map_err(drv("cuEventElapsedTime"))?) / reps as f64;
+    let written = rm
+        .copies
+        .iter()
+        .filter(|c| matches!(c.to, Loc::Slot(_)))
+        .count();
+    let gbs = if ms > 0.0 {
+        2.0 * (written * bpe) as f64 / (ms * 1e-3) / 1e9
+    } else {
+        0.0
+    };
+    Ok((why, g, gbs))
+}
+
+/// Run the kernel on `dev` over random plans and compare with [`moves::apply_local`] on host
+/// copies: expert sizes 4, 100, 4099 and 16 MiB (and 16 MiB at a 4-byte-aligned base, the `w4`
+/// path), each with a one-rank plan of 32 slots (cycles through the scratch, replicas) and rank 0
+/// of an 8-rank plan of 32 local slots (transfer-buffer sources). One line per size: `ok` or
+/// `MISMATCH`, the geometry, and the bandwidth of the larger plan (2 x bytes of slots written /
+/// time).
+pub fn gpu_check(dev: &Device) -> Result<String> {
+    let k = CopyKernel::load(dev)?;
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut out = Vec::new();
+    let mut all_ok = true;
+    for (bpe, offset) in [
+        (4usize, 0usize),
+        (100, 0),
+        (4099, 0),
+        (16 << 20, 0),
+        (16 << 20, 4),
+    ] {
+        let mut line = format!("copy_kernel {bpe} B/expert (base+{offset}):");
+        let mut ok = true;
+        let mut notes = Vec::new();
+        for (ranks, e) in [(1usize, 28usize), (1, 32), (8, 256)] {
+            let r = 32 * ranks;
+            let old = moves::SlotMap::new(rng.placement(e, r), e)?;
+            let new = moves::SlotMap::new(rng.placement(e, r), e)?;
+            let plan = moves::MovePlan::new(&old, &new, ranks)?;
+            let rm = plan.rank(0).cloned().unwrap_or_default();
+            let (why, g, gbs) = check_case(dev, &k, &plan, bpe, offset, &mut rng)?;
+            if let Some(w) = why {
+                ok = false;
+                notes.push(format!("MISMATCH ({ranks} ranks: {w})"));
+            } else {
+                notes.push(format!(
+                    "{ranks}r {} copies{} {:.0} GB/s",
+                    rm.copies.len(),
+                    if rm.uses_scratch() { " +scratch" } else { "" },
+                    gbs
+                ));
+            }
+            if notes.len() == 1 {
+                let _ = write!(
+                    line,
+                    " w{} {}x{} grid {}",
+                    g.width, g.threads, g.columns, g.grid
+                );
+            }
+        }
+        all_ok &= ok;
+        let _ = write!(
+            line,
+            " {}: {}",
+            if ok { "ok" } else { "FAIL" },
+            notes.join(", ")
+        );
+        out.push(line);
+    }
+    out.push(format!(
+        "copy_kernel verdict: {}",
+        if all_ok { "PASS" } else { "FAIL" }
+    ));
+    Ok(out.join("\n"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::moves::{MovePlan, SlotMap};
+    use proptest::prelude::*;
+
+    fn ptxas() -> Option<std::path::PathBuf> {
+        if let Some(p) = std::env::var_os("MOEFORGE_PTXAS") {
+            return Some(p.into());
+        }
+        let cache = std::env::var_os("MOEFORGE_TOOLS_DIR")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("XDG_CACHE_HOME")
+                    .map(|x| std::path::PathBuf::from(x).join("moeforge/tools"))
+            })
+            .or_else(|| {
+                std::env::var_os("HOME")
+                    .map(|h| std::path::PathBuf::from(h).join(".cache/moeforge/tools"))
+            })?;
+        let p = cache.join("cuda-nvcc-13.0.88/ptxas");
+        p.exists().then_some(p)
+    }
+
+    #[test]
+    fn ptxas_assembles_the_kernel() {
+        let Some(ptxas) = ptxas() else {
+            assert!(
+                std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
+                "MOEFORGE_REQUIRE_PTXAS is set but no ptxas was found (run scripts/ptxas)"
+            );
+            eprintln!("SKIPPED: ptxas not found; the copy kernel's PTX was not assembled");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        for t in ["sm_90a", "sm_100a"] {
+            let src = dir.path().join(format!("copy.{t}.ptx"));
+            let cubin = dir.path().join(format!("copy.{t}.cubin"));
+            std::fs::write(&src, ptx(t)).unwrap();
+            let res = std::process::Command::new(&ptxas)
+                .args([format!("-arch={t}"), "-O3".into(), "-v".into()])
+                .arg(&src)
+                .arg("-o")
+                .arg(&cubin)
+                .output()
+                .unwrap();
+            let log = String::from_utf8_lossy(&res.stderr);
+            assert!(res.status.success(), "ptxas rejected it for {t}:\n{log}");
+            for l in log.lines().filter(|l| l.contains("spill stores")) {
+                assert!(
+                    l.contains(", 0 bytes spill stores, 0 bytes spill loads"),
+                    "{t}: {log}"
+                );
+            }
+            assert!(std::fs::metadata(&cubin).unwrap().len() > 0);
+            eprintln!("{t}:\n{log}");
+        }
+    }
+
+    #[test]
+    fn ptx_is_deterministic_and_names_its_entries() {
+        let p = ptx("sm_90a");
+        assert_eq!(p, ptx("sm_90a"));
+        for w in [16, 4, 1] {
+            assert!(p.contains(&format!(".entry moeforge_copy_list_w{w}(")));
+        }
+        assert!(p.contains("ld.global.v4.u32") && p.contains("st.global.v4.u32"));
+    }
+
+    #[test]
+    fn geometry_fits_the_sizes_asked_for() {
+        // An 88 MB bf16 slot: 16-byte units, full CTAs, 8 per SM over 132 SMs.
+        let g = Geometry::new(1 << 20, 1 << 21, 88 << 20, 132);
+        assert_eq!((g.width, g.threads, g.grid), (16, 256, 1056));
+        assert_eq!(g.columns, (88u64 << 20).div_ceil(16 * 1024));
+        // A 4-byte alpha: one unit, one warp, one CTA.
+        let g = Geometry::new(256, 0, 4, 132);
+        assert_eq!((g.width, g.units, g.threads, g.grid), (4, 1, 32, 1));
+        assert_eq!(Geometry::new(256, 512, 4099, 132).width, 1);
+        assert_eq!(Geometry::new(260, 512, 4096, 132).width, 4);
+        assert_eq!(Geometry::new(256, 512, 100, 132).width, 4);
+    }
+
+    #[test]
+    fn codes_round_trip_and_bad_lists_are_refused() {
+        assert_eq!(encode_loc(Loc::Slot(5)).unwrap(), 5);
+        assert_eq!(encode_loc(Loc::Transfer(7)).unwrap(), 0x4000_0007);
+        assert_eq!(encode_loc(Loc::Scratch).unwrap(), 0x8000_0000);
+        assert!(encode_loc(Loc::Slot(1 << 30)).is_err());
+        let c = |from, to| Copy { from, to };
+        assert!(encode(&[c(Loc::Slot(0), Loc::Slot(4))], 4, 0).is_err());
+        assert!(encode(&[c(Loc::Transfer(1), Loc::Slot(0))], 4, 1).is_err());
+        assert!(encode(&[c(Loc::Scratch, Loc::Slot(0))], 4, 0).is_err());
+        assert!(encode(&[c(Loc::Slot(0), Loc::Transfer(0))], 4, 1).is_err());
+        assert!(encode(
+            &[c(Loc::Slot(0), Loc::Scratch), c(Loc::Scratch, Loc::Slot(1))],
+            2,
+            0
+        )
+        .is_ok());
+    }
+
+    /// Every byte of an expert is owned by exactly one (column, thread, j): the no-hazard claim.
+    #[test]
+    fn units_partition_the_expert() {
+        for bpe in [1usize, 4, 100, 4099, 16 * 1024, 16 * 1024 + 16, 200_000] {
+            for (base, sms) in [(0u64, 1u32), (4, 2), (1, 132)] {
+                let g = Geometry::new(base, 0, bpe, sms);
+                let mut seen = vec![0u8; bpe];
+                let t = u64::from(g.threads);
+                for cta in 0..u64::from(g.grid) {
+                    let mut col = cta;
+                    while col < g.columns {
+                        for tid in 0..t {
+                            for j in 0..4 {
+                                let u = col * 4 * t + j * t + tid;
+                                if u < g.units {
+                                    for b in 0..g.width {
+                                        seen[(u * g.width + b) as usize] += 1;
+                                    }
+                                }
+                            }
+                        }
+                        col += u64::from(g.grid);
+                    }
+                }
+                assert!(seen.iter().all(|&s| s == 1), "bpe {bpe} base {base}");
+            }
+        }
+    }
+
+    fn perm(keys: &[u32], v: Vec<usize>) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by_key(|&i| (keys[i], i));
+        idx.into_iter().map(|i| v[i]).collect()
+    }
+
+    fn case() -> impl Strategy<Value = (usize, usize, Vec<usize>, Vec<usize>, usize, u64, u64)> {
+        (1usize..=4, 1usize..=12, 0usize..=3).prop_flat_map(|(ranks, per, extra)| {
+            let r = ranks * per;
+            let e = (r - extra.min(r - 1)).max(1);
+            let pl = move || {
+                (
+                    proptest::collection::vec(0..e, r - e),
+                    proptest::collection::vec(any::<u32>(), r),
+                )
+                    .prop_map(move |(x, k)| perm(&k, (0..e).chain(x).collect()))
+            };
+            (
+                Just(ranks),
+                Just(e),
+                pl(),
+                pl(),
+                prop_oneof![
+                    1usize..=40,
+                    Just(4usize),
+                    Just(16),
+                    Just(100),
+                    Just(4099),
+                    (1usize..=40).prop_map(|x| 16 * 1024 * x / 8 + 16),
+                    Just(3 * 16 * 1024 + 5),
+                ],
+                prop_oneof![Just(0u64), Just(4), Just(1)],
+                1u64..=3,
+            )
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Random plans (cycles, replicas, transfers) and sizes: the kernel's arithmetic gives what
+        /// `apply_local` gives, on every rank, for every width.
+        #[test]
+        fn simulation_matches_apply_local((ranks, e, a, b, bpe, base, sms) in case()) {
+            let old = SlotMap::new(a, e).unwrap();
+            let new = SlotMap::new(b, e).unwrap();
+            let plan = MovePlan::new(&old, &new, ranks).unwrap();
+            let local = plan.local_slots();
+            for k in 0..ranks {
+                let rm = plan.rank(k).cloned().unwrap_or_default();
+                let t = rm.transfer_experts();
+                let mut seed = XorShift(0x1234_5678 ^ ((k as u64) << 32 | bpe as u64));
+                let mut mem = vec![0u8; local * bpe];
+                seed.fill(&mut mem);
+                let mut recv = vec![0u8; t * bpe];
+                seed.fill(&mut recv);
+                let mut want: Vec<Vec<u8>> = mem.chunks(bpe).map(|c| c.to_vec()).collect();
+                let received: Vec<Vec<u8>> = recv.chunks(bpe).map(|c| c.to_vec()).collect();
+                moves::apply_local(&mut want, &received, &rm.copies).unwrap();
+                let codes = encode(&rm.copies, local, t).unwrap();
+                let g = Geometry::new(256 + base, 512, bpe, sms as u32);
+                simulate(&g, &codes, &mut mem, &recv, bpe).unwrap();
+                prop_assert_eq!(mem, want.concat(), "rank {} bpe {} geometry {:?}", k, bpe, g);
+            }
+        }
+    }
+
+    #[test]
+    fn a_cycle_never_uses_memory_for_the_scratch() {
+        // 0 -> 1 -> 2 -> 0 on one rank: the scratch is registers, the transfer buffer is empty.
+        let old = SlotMap::new(vec![0, 1, 2], 3).unwrap();
+        let new = SlotMap::new(vec![1, 2, 0], 3).unwrap();
+        let plan = MovePlan::new(&old, &new, 1).unwrap();
+        let rm = plan.rank(0).cloned().unwrap();
+        assert!(rm.uses_scratch());
+        for bpe in [4usize, 16 * 1024 * 3 + 16, 77] {
+            let mut mem: Vec<u8> = (0..3 * bpe).map(|i| (i / bpe) as u8 + 1).collect();
+            let codes = encode(&rm.copies, 3, 0).unwrap();
+            simulate(&Geometry::new(0, 0, bpe, 4), &codes, &mut mem, &[], bpe).unwrap();
+            let want: Vec<u8> = [2u8, 3, 1].iter().flat_map(|&x| vec![x; bpe]).collect();
+            assert_eq!(mem, want);
+        }
+    }
+}
