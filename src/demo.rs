@@ -77,13 +77,19 @@ pub fn run(pack_experts: usize, settings: &crate::Settings) -> crate::Result<Str
     }
     // Pack one synthetic layer of that shape with every recipe.
     let (e, h, i) = (pack_experts.max(1), bind[1].1 as usize, bind[2].1 as usize);
+    // Progress on stderr (a terminal only): generating the layer, then each recipe's pack and check.
+    let bar = crate::bench::progress_bar(STANDARD.len() as u64 + 1);
+    bar.set_message("generating the synthetic layer");
     let layer = crate::bench::Layer::synthetic(e, h, i, 1);
+    bar.inc(1);
     let _ = writeln!(
         out,
         "\npacking a synthetic layer (E={e}, H={h}, I={i}: {:.0} MB of bf16 weights) on the host:",
         layer.bytes() as f64 / 1e6
     );
-    let rows = crate::bench::pack_all(&layer, 0, 1, true, None, &settings.host)?;
+    let rows = crate::bench::pack_all(&layer, 0, 1, true, None, &settings.host, &bar);
+    bar.finish_and_clear();
+    let rows = rows?;
     let _ = writeln!(
         out,
         "{:<16} {:>9} {:>8} {:>22} {:>14}",

@@ -4,12 +4,19 @@
 //! element read through its layout). Used to report the dequantization error of a pack, and to
 //! compare packs in the input's coordinates ([`logical`]: the shards of a `--moe-tp`/`--ep` pack
 //! against the unsplit one).
+//!
+//! [`error`] is the plain form (every element through [`StorageMap::offset_of`], one thread), kept as
+//! the oracle; [`error_bf16`] reads the bf16 input as it is, tabulates each storage map per
+//! dimension, decodes through lookup tables and splits the rows over threads. The tests hold the two
+//! equal, bit for bit.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use crate::codegen::addr::StorageMap;
 use crate::codegen::reference as r;
 use crate::dsl::ir::{Fp8Granularity, IndexVec, QuantScheme, TensorId};
+use crate::dsl::layout::Swizzle;
 use crate::dsl::ModuleInfo;
 
 /// A param's name and storage map.
@@ -186,6 +193,8 @@ pub fn logical(
 
 /// Dequantize the params packed from input `name` (`[E, M, K]`, given as f32 values) and compare.
 /// `params` maps param names to their bytes. `None` when the recipe's form is not one this reads.
+/// The plain form, built on [`logical`]: the oracle [`error_bf16`] is tested against (that one is
+/// what `demo` uses).
 pub fn error(
     info: &ModuleInfo,
     name: &str,
@@ -219,4 +228,591 @@ pub fn error(
         max_abs: worst,
         max_rel_to_amax: if amax > 0.0 { worst / amax } else { 0.0 },
     })
+}
+
+/// What dequantizing input `name` reads: the scheme (`None`: a plain copy), the params holding the
+/// codes, the scales and the decode scale, and the row gather between input and params.
+struct Parts {
+    scheme: Option<QuantScheme>,
+    values: TensorId,
+    scales: Option<TensorId>,
+    decode: Option<TensorId>,
+    rows: Option<IndexVec>,
+}
+
+impl Parts {
+    fn of(info: &ModuleInfo, name: &str) -> Option<Parts> {
+        let (scheme, values, scales, decode, rows) = match info.quantization_of(name) {
+            Some(q) => {
+                let v = q.values?;
+                (
+                    Some(q.scheme),
+                    v.param,
+                    q.scales.map(|o| o.param),
+                    q.decode_scale.map(|o| o.param),
+                    v.rows.or(q.rows_in),
+                )
+            }
+            None => {
+                let c = info.copy_of(name)?;
+                (None, c.param, None, None, c.rows)
+            }
+        };
+        Some(Parts {
+            scheme,
+            values,
+            scales,
+            decode,
+            rows,
+        })
+    }
+}
+
+/// How many threads `threads` means (0: one per core).
+fn workers(threads: usize) -> usize {
+    if threads == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    } else {
+        threads
+    }
+}
+
+/// `f` over `0..n` cut into contiguous ranges, one per thread (`threads`, 0: one per core), the
+/// results in order; `None` if a thread failed.
+fn per_range<T: Send>(
+    n: usize,
+    threads: usize,
+    f: impl Fn(Range<usize>) -> T + Sync,
+) -> Option<Vec<T>> {
+    let t = workers(threads).clamp(1, n.max(1));
+    if t == 1 {
+        return Some(vec![f(0..n)]);
+    }
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..t)
+            .map(|j| s.spawn(move || f(j * n / t..(j + 1) * n / t)))
+            .collect();
+        handles.into_iter().map(|h| h.join().ok()).collect()
+    })
+}
+
+/// The f32 value of a bf16 (little-endian bytes).
+#[inline(always)]
+fn bf16(b: &[u8]) -> f32 {
+    f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
+}
+
+/// The running amax `m` (bits of |x|) after one more bf16 `p`: with the sign cleared, non-NaN values
+/// order as their bit patterns do, and a NaN (above 0x7F80) is skipped as `f32::max` skips it.
+#[inline(always)]
+fn amax_step(m: u16, p: &[u8]) -> u16 {
+    let a = u16::from_le_bytes([p[0], p[1]]) & 0x7FFF;
+    if a <= 0x7F80 {
+        m.max(a)
+    } else {
+        m
+    }
+}
+
+/// An input tensor `[E, M, K]` as the checkpoint holds it (bf16, little-endian bytes) with its
+/// amax: what [`error_bf16`] compares a pack against.
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16Input<'a> {
+    bytes: &'a [u8],
+    shape: (usize, usize, usize),
+    amax: f32,
+}
+
+impl<'a> Bf16Input<'a> {
+    /// `bytes` read as `shape`; its amax (the largest |x|, NaN skipped, as [`error`] finds it) is
+    /// found on `threads` threads (0: one per core). `None` when `bytes` is not `2*E*M*K` long.
+    pub fn new(bytes: &'a [u8], shape: (usize, usize, usize), threads: usize) -> Option<Self> {
+        let n = shape.0.checked_mul(shape.1)?.checked_mul(shape.2)?;
+        if bytes.len() != n.checked_mul(2)? {
+            return None;
+        }
+        let parts = per_range(n, threads, |r| {
+            let b = bytes.get(2 * r.start..2 * r.end).unwrap_or(&[]);
+            // Sixteen running maxima, so that the loop vectorizes.
+            let mut acc = [0u16; 16];
+            let (head, rest) = b.split_at(b.len() / 32 * 32);
+            for c in head.chunks_exact(32) {
+                for (a, p) in acc.iter_mut().zip(c.chunks_exact(2)) {
+                    *a = amax_step(*a, p);
+                }
+            }
+            let tail = rest.chunks_exact(2).fold(0, amax_step);
+            acc.into_iter().fold(tail, u16::max)
+        })?;
+        let top = parts.into_iter().max().unwrap_or(0);
+        Some(Bf16Input {
+            bytes,
+            shape,
+            amax: f32::from_bits(u32::from(top) << 16),
+        })
+    }
+
+    /// The largest |x|.
+    pub fn amax(&self) -> f32 {
+        self.amax
+    }
+
+    /// `(E, M, K)`.
+    pub fn shape(&self) -> (usize, usize, usize) {
+        self.shape
+    }
+}
+
+/// A storage map tabulated per dimension over the coordinates read: `offset_of(c)` is
+/// `swizzle(base + sum over d of dims[d][c[d]])`, since each dimension's sub-modes add their part
+/// independently of the others.
+struct Tabulated {
+    base: i64,
+    dims: Vec<Vec<i64>>,
+    swizzle: Option<Swizzle>,
+}
+
+impl Tabulated {
+    /// `map` at coordinates below `extents` (one extent per coordinate given; a coordinate past the
+    /// map's dimensions adds nothing, as in `offset_of`).
+    fn new(map: &StorageMap, extents: &[usize]) -> Tabulated {
+        let dims = extents
+            .iter()
+            .enumerate()
+            .map(|(d, &n)| match map.modes.get(d) {
+                Some(subs) => {
+                    let one = StorageMap {
+                        modes: vec![subs.clone()],
+                        offset: 0,
+                        swizzle: None,
+                    };
+                    (0..n).map(|c| one.offset_of(&[c as i64])).collect()
+                }
+                None => vec![0; n],
+            })
+            .collect();
+        Tabulated {
+            base: map.offset,
+            dims,
+            swizzle: map.swizzle,
+        }
+    }
+
+    /// The offset of a sum of dimension parts (the swizzle applied).
+    #[inline(always)]
+    fn at(&self, sum: i64) -> i64 {
+        match self.swizzle {
+            None => sum,
+            Some(sw) => sw.apply(sum),
+        }
+    }
+
+    /// The base offset plus the parts of the leading coordinates (the swizzle not yet applied).
+    fn partial(&self, coord: &[usize]) -> Option<i64> {
+        let mut t = self.base;
+        for (d, &c) in coord.iter().enumerate() {
+            t = t.wrapping_add(*self.dims.get(d)?.get(c)?);
+        }
+        Some(t)
+    }
+
+    /// The offset of a full coordinate, as a buffer index.
+    fn offset(&self, coord: &[usize]) -> Option<usize> {
+        usize::try_from(self.at(self.partial(coord)?)).ok()
+    }
+}
+
+/// How the codes decode: bf16 as they are, or through a table (4-bit codes two to a byte, low
+/// nibble first, or one code a byte).
+enum Codes<'t> {
+    Bf16,
+    Nibble(&'t [f32; 16]),
+    Byte(&'t [f32; 256]),
+}
+
+/// Which scale an element uses: per expert, per row, per block of a row, or per 128x128 tile.
+#[derive(Clone, Copy)]
+enum Granule {
+    Tensor,
+    Row,
+    Block,
+    Tile128,
+}
+
+/// How a scale's storage decodes.
+#[derive(Clone, Copy)]
+enum ScaleCode {
+    E4m3,
+    E8m0,
+    F32,
+}
+
+/// The scales of one quantization, tabulated.
+struct Scales<'p> {
+    bytes: &'p [u8],
+    map: Tabulated,
+    granule: Granule,
+    code: ScaleCode,
+}
+
+impl Scales<'_> {
+    /// Row `r` of expert `e`'s `n` scales (one per block along K) into `out`, decoded.
+    fn row(&self, e: usize, r: usize, n: usize, luts: &Luts, out: &mut Vec<f32>) -> Option<()> {
+        out.clear();
+        for j in 0..n {
+            let o = match self.granule {
+                Granule::Tensor => self.map.offset(&[e]),
+                Granule::Row => self.map.offset(&[e, r]),
+                Granule::Block => self.map.offset(&[e, r, j]),
+                Granule::Tile128 => self.map.offset(&[e, r / 128, j]),
+            }?;
+            let b = *self.bytes.get(o)?;
+            out.push(match self.code {
+                ScaleCode::E4m3 => luts.e4m3[usize::from(b)],
+                ScaleCode::E8m0 => luts.e8m0[usize::from(b)],
+                ScaleCode::F32 => self
+                    .bytes
+                    .get(4 * o..4 * o + 4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .unwrap_or(0.0),
+            });
+        }
+        Some(())
+    }
+}
+
+/// Decoding tables, each entry the reference conversion of its code.
+struct Luts {
+    e2m1: [f32; 16],
+    e4m3: [f32; 256],
+    e8m0: [f32; 256],
+    i8: [f32; 256],
+}
+
+impl Luts {
+    fn new() -> Luts {
+        Luts {
+            e2m1: std::array::from_fn(|n| r::e2m1_to_f32(n as u8)),
+            e4m3: std::array::from_fn(|b| r::e4m3_to_f32(b as u8)),
+            e8m0: std::array::from_fn(|b| 2f32.powi(b as i32 - 127)),
+            i8: std::array::from_fn(|b| f32::from(b as u8 as i8)),
+        }
+    }
+}
+
+/// One row's codes decoded into `q` (its length is K): `sum` is the row's part of the values'
+/// offsets, `t` the last dimension's table, `contiguous` whether that table is the identity and
+/// there is no swizzle.
+fn decode_row(
+    codes: &Codes,
+    vals: &[u8],
+    map: &Tabulated,
+    t: &[i64],
+    sum: i64,
+    contiguous: bool,
+    q: &mut [f32],
+) -> Option<()> {
+    let k = q.len();
+    let start = usize::try_from(sum).ok();
+    match (codes, start) {
+        (Codes::Bf16, Some(s)) if contiguous => {
+            let v = vals.get(2 * s..2 * (s + k))?;
+            for (d, c) in q.iter_mut().zip(v.chunks_exact(2)) {
+                *d = bf16(c);
+            }
+        }
+        (Codes::Byte(lut), Some(s)) if contiguous => {
+            let v = vals.get(s..s + k)?;
+            for (d, &b) in q.iter_mut().zip(v) {
+                *d = lut[usize::from(b)];
+            }
+        }
+        (Codes::Nibble(lut), Some(s)) if contiguous && s % 2 == 0 => {
+            let v = vals.get(s / 2..(s + k).div_ceil(2))?;
+            for (d, &b) in q.chunks_mut(2).zip(v) {
+                d[0] = lut[usize::from(b & 0xF)];
+                if let Some(hi) = d.get_mut(1) {
+                    *hi = lut[usize::from(b >> 4)];
+                }
+            }
+        }
+        _ => {
+            for (d, &tc) in q.iter_mut().zip(t) {
+                let o = usize::try_from(map.at(sum.wrapping_add(tc))).ok()?;
+                *d = match codes {
+                    Codes::Bf16 => bf16(vals.get(2 * o..2 * o + 2)?),
+                    Codes::Byte(lut) => lut[usize::from(*vals.get(o)?)],
+                    Codes::Nibble(lut) => {
+                        lut[usize::from((*vals.get(o / 2)? >> (4 * (o % 2))) & 0xF)]
+                    }
+                };
+            }
+        }
+    }
+    Some(())
+}
+
+/// The largest of `worst` and `|x - q|` over a row (`x` as bf16 bytes, `q` dequantized).
+#[inline(always)]
+fn row_worst(x: &[u8], q: &[f32], worst: f32) -> f32 {
+    // Eight running maxima, so that the loop vectorizes; the order does not change a maximum (every
+    // term is >= +0 or a NaN, which `f32::max` skips wherever it falls).
+    let mut acc = [worst; 8];
+    let (xh, xt) = x.split_at(x.len() / 16 * 16);
+    let (qh, qt) = q.split_at((xh.len() / 2).min(q.len()));
+    for (xc, qc) in xh.chunks_exact(16).zip(qh.chunks_exact(8)) {
+        for ((a, xb), &qv) in acc.iter_mut().zip(xc.chunks_exact(2)).zip(qc) {
+            *a = a.max((bf16(xb) - qv).abs());
+        }
+    }
+    for (xc, &qv) in xt.chunks_exact(2).zip(qt) {
+        acc[0] = acc[0].max((bf16(xc) - qv).abs());
+    }
+    acc.iter().fold(worst, |a, &b| a.max(b))
+}
+
+/// [`error`] on the bf16 input as it is, fast: the params' storage maps tabulated per dimension,
+/// codes and scales decoded through tables, each row's scales read once, and the rows split over
+/// `threads` threads (0: one per core). The same result as [`error`] on the input's f32 values, bit
+/// for bit.
+pub fn error_bf16(
+    info: &ModuleInfo,
+    name: &str,
+    x: &Bf16Input<'_>,
+    params: &HashMap<String, Vec<u8>>,
+    threads: usize,
+) -> Option<DequantError> {
+    let (ne, m, k) = x.shape;
+    let Parts {
+        scheme,
+        values,
+        scales,
+        decode,
+        rows,
+    } = Parts::of(info, name)?;
+    let (vname, vmap) = param(info, values)?;
+    let vals = params.get(&vname)?.as_slice();
+    let atoms = info.binding()?.atoms().to_vec();
+    let src: Vec<usize> = (0..m)
+        .map(|r| match &rows {
+            Some(iv) => iv.map(r as i128, &atoms).map(|x| x as usize).unwrap_or(r),
+            None => r,
+        })
+        .collect();
+    let scales = match scales {
+        Some(id) => {
+            let (n, map) = param(info, id)?;
+            Some((params.get(&n)?.as_slice(), map))
+        }
+        None => None,
+    };
+    let dec_v: Vec<f32> = match decode {
+        Some(id) => f32s(params.get(&param(info, id)?.0)?),
+        None => Vec::new(),
+    };
+    if ne == 0 || m == 0 || k == 0 {
+        return Some(DequantError {
+            max_abs: 0.0,
+            max_rel_to_amax: 0.0,
+        });
+    }
+    let luts = Luts::new();
+    // Elements along K one scale covers, the scales' coordinates and their decoding.
+    let (codes, block, granule, code) = match scheme {
+        None => (Codes::Bf16, k, None, None),
+        Some(QuantScheme::Nvfp4 { .. }) => (
+            Codes::Nibble(&luts.e2m1),
+            16,
+            Some(Granule::Block),
+            Some(ScaleCode::E4m3),
+        ),
+        Some(QuantScheme::Mxfp4) => (
+            Codes::Nibble(&luts.e2m1),
+            32,
+            Some(Granule::Block),
+            Some(ScaleCode::E8m0),
+        ),
+        Some(QuantScheme::Fp8 { granularity, .. }) => {
+            let (block, g) = match granularity {
+                Fp8Granularity::Tensor => (k, Granule::Tensor),
+                Fp8Granularity::Channel => (k, Granule::Row),
+                Fp8Granularity::Block128 => (128, Granule::Tile128),
+            };
+            (
+                Codes::Byte(&luts.e4m3),
+                block,
+                Some(g),
+                Some(ScaleCode::F32),
+            )
+        }
+        Some(QuantScheme::Int8Row) => (
+            Codes::Byte(&luts.i8),
+            k,
+            Some(Granule::Row),
+            Some(ScaleCode::F32),
+        ),
+    };
+    let nblk = k.div_ceil(block);
+    let scales = match (granule, code) {
+        (Some(granule), Some(code)) => {
+            let (bytes, map) = scales?;
+            let extents: Vec<usize> = match granule {
+                Granule::Tensor => vec![ne],
+                Granule::Row => vec![ne, m],
+                Granule::Block => vec![ne, m, nblk],
+                Granule::Tile128 => vec![ne, m.div_ceil(128), nblk],
+            };
+            Some(Scales {
+                bytes,
+                map: Tabulated::new(&map, &extents),
+                granule,
+                code,
+            })
+        }
+        _ => None,
+    };
+    let vt = Tabulated::new(&vmap, &[ne, m, k]);
+    let t = vt.dims.get(2)?.as_slice();
+    let contiguous = vt.swizzle.is_none() && t.iter().enumerate().all(|(c, &o)| o == c as i64);
+    let nvfp4 = matches!(scheme, Some(QuantScheme::Nvfp4 { .. }));
+    let parts = per_range(ne * m, threads, |range| -> Option<f32> {
+        let mut q = vec![0f32; k];
+        let mut blk = Vec::with_capacity(nblk);
+        let mut worst = 0f32;
+        for row in range {
+            let (e, r) = (row / m, row % m);
+            match &scales {
+                Some(s) => s.row(e, r, nblk, &luts, &mut blk)?,
+                None => {
+                    blk.clear();
+                    blk.resize(nblk, 1.0);
+                }
+            }
+            let d = if nvfp4 { *dec_v.get(e)? } else { 1.0 };
+            let sum = vt.partial(&[e, r])?;
+            decode_row(&codes, vals, &vt, t, sum, contiguous, &mut q)?;
+            let first = (e * m + *src.get(r)?).checked_mul(k)?;
+            let xrow = x.bytes.get(2 * first..2 * (first + k))?;
+            // x' = (code * scale) * decode scale, the reference's order of rounding.
+            for (qb, &s) in q.chunks_mut(block).zip(&blk) {
+                for v in qb {
+                    *v = (*v * s) * d;
+                }
+            }
+            worst = row_worst(xrow, &q, worst);
+        }
+        Some(worst)
+    })?;
+    let worst = parts
+        .into_iter()
+        .try_fold(0f32, |a, w| w.map(|w| a.max(w)))?;
+    let amax = x.amax;
+    Some(DequantError {
+        max_abs: worst,
+        max_rel_to_amax: if amax > 0.0 { worst / amax } else { 0.0 },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::Layer;
+
+    fn f32s_of_bf16(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(2).map(bf16).collect()
+    }
+
+    /// Every standard and layout recipe packs a small layer (rows not a multiple of 128, swizzled
+    /// and column-major storage among them); the fast error equals the plain one bit for bit, on
+    /// one thread and on several, before and after corrupting the params.
+    #[test]
+    fn fast_error_equals_the_plain_one() {
+        let (e, h, i) = (3, 256, 192);
+        let mut layer = Layer::synthetic(e, h, i, 9);
+        // A NaN in the input, which both forms skip. (No outliers: the largest error would be that
+        // of the small values zeroed beside one, the same whatever the scales, and hide a
+        // difference in how the scales are read.)
+        layer.w13[2..4].copy_from_slice(&0x7FC1u16.to_le_bytes());
+        let inputs: HashMap<String, Vec<u8>> = [
+            ("w13".to_string(), layer.w13.clone()),
+            ("w2".to_string(), layer.w2.clone()),
+        ]
+        .into_iter()
+        .collect();
+        let opts = crate::codegen::host::Options::default();
+        let mut compared = 0;
+        for r in crate::kernels::STANDARD
+            .iter()
+            .chain(crate::kernels::LAYOUTS)
+        {
+            let info = crate::check_source(r.source, r.path, Some(&layer.binding()))
+                .unwrap_or_else(|err| panic!("{}: {err}", r.name));
+            let mut params: HashMap<String, Vec<u8>> = crate::gpu::host_pack(&info, &inputs, &opts)
+                .unwrap_or_else(|err| panic!("{}: {err}", r.name))
+                .into_iter()
+                .collect();
+            for corrupt in [false, true] {
+                if corrupt {
+                    // Every 97th byte of every param flipped: codes, scales and decode scales.
+                    for p in params.values_mut() {
+                        for b in p.iter_mut().step_by(97) {
+                            *b ^= 0x5A;
+                        }
+                    }
+                }
+                for (name, bytes, shape) in [
+                    ("w13", &layer.w13, (e, 2 * i, h)),
+                    ("w2", &layer.w2, (e, h, i)),
+                ] {
+                    let plain = error(&info, name, &f32s_of_bf16(bytes), shape, &params);
+                    let declared = r.source.contains(&format!("input {name} "));
+                    assert_eq!(plain.is_some(), declared, "{} {name}", r.name);
+                    for threads in [1, 2, 5] {
+                        let x = Bf16Input::new(bytes, shape, threads).unwrap();
+                        let fast = error_bf16(&info, name, &x, &params, threads);
+                        let bits = |d: Option<DequantError>| {
+                            d.map(|d| (d.max_abs.to_bits(), d.max_rel_to_amax.to_bits()))
+                        };
+                        assert_eq!(
+                            bits(fast),
+                            bits(plain),
+                            "{} {name} corrupt={corrupt} threads={threads}",
+                            r.name
+                        );
+                    }
+                    compared += usize::from(declared);
+                }
+            }
+        }
+        // Two inputs, clean and corrupt, in every recipe but `mxfp4_swizzled` (w13 only).
+        assert_eq!(
+            compared,
+            4 * (crate::kernels::STANDARD.len() + crate::kernels::LAYOUTS.len()) - 2
+        );
+    }
+
+    /// The amax on the bits is the amax of the values (a NaN skipped, an infinity kept).
+    #[test]
+    fn amax_on_bits_equals_amax_of_values() {
+        let layer = Layer::synthetic(1, 64, 64, 4);
+        let mut b = layer.w13.clone();
+        let shape = (1, 128, 64);
+        let plain = |b: &[u8]| f32s_of_bf16(b).iter().fold(0f32, |a, v| a.max(v.abs()));
+        for threads in [1, 3] {
+            let x = Bf16Input::new(&b, shape, threads).unwrap();
+            assert_eq!(x.amax().to_bits(), plain(&b).to_bits());
+        }
+        b[100..102].copy_from_slice(&0xFFC0u16.to_le_bytes()); // NaN
+        b[200..202].copy_from_slice(&0xBF80u16.to_le_bytes()); // -1.0
+        let x = Bf16Input::new(&b, shape, 2).unwrap();
+        assert_eq!(x.amax(), 1.0);
+        assert_eq!(x.amax().to_bits(), plain(&b).to_bits());
+        b[300..302].copy_from_slice(&0xFF80u16.to_le_bytes()); // -inf
+        let x = Bf16Input::new(&b, shape, 2).unwrap();
+        assert_eq!(x.amax(), f32::INFINITY);
+        assert!(Bf16Input::new(&b[2..], shape, 1).is_none());
+    }
 }
