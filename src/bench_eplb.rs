@@ -50,65 +50,88 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
     );
     let _ = writeln!(
         out,
-        "{:<16} {:>10} {:>8} {:>10} {:>9} {:>10} {:>8}",
-        "recipe", "MB/slot", "changed", "moved GB", "ms", "TB/s", "% ceil"
+        "{:<16} {:>8} {:>8} {:>9} | {:>9} {:>8} {:>7} | {:>9} {:>8} {:>7}",
+        "recipe",
+        "MB/slot",
+        "changed",
+        "moved GB",
+        "memcpy ms",
+        "TB/s",
+        "% ceil",
+        "kernel ms",
+        "TB/s",
+        "% ceil"
     );
+    let kernel =
+        std::sync::Arc::new(crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(rt)?);
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     for r in STANDARD {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))
             .map_err(|d| Error::Usage(format!("{}: {d:?}", r.name)))?;
-        let m = info.module();
-        let mut params = Vec::new();
-        for mv in &info.move_set {
-            let Some(t) = m.tensor(mv.param) else {
-                continue;
-            };
-            let bytes = info.bytes_per_expert(mv).unwrap_or(0) as usize * e;
-            // Contents do not matter for the timing; a pattern makes the bytes non-trivial.
-            let host: Vec<u8> = (0..bytes).map(|k| (k * 31 % 251) as u8).collect();
-            let buf = dev.stream.clone_htod(&host).map_err(|x| {
-                rt(crate::runtime::Error::Driver {
-                    call: "cuMemcpyHtoD",
-                    detail: format!("{x:?}"),
-                })
-            })?;
-            params.push((
-                t.name.clone(),
-                DeviceStorage::owned(buf, dev.stream.clone()),
-            ));
-        }
-        let mut store = ParamStore::new(&info, params).map_err(rt)?;
-        let per_slot = store.bytes_per_slot();
         let mut maps = vec![SlotMap::identity(e)];
         for _ in 0..reps.max(1) + 1 {
             maps.push(SlotMap::new(shuffle(e, &mut seed), e).map_err(rt)?);
         }
-        // Warm-up: the first move (allocations, first-touch).
-        let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(rt)?;
-        store.rearrange(&plan, &SingleDevice).map_err(rt)?;
-        dev.sync().map_err(rt)?;
-        let (mut secs, mut bytes, mut changed) = (0f64, 0f64, 0usize);
-        for k in 1..maps.len() - 1 {
-            let plan = MovePlan::new(&maps[k], &maps[k + 1], 1).map_err(rt)?;
-            let t0 = std::time::Instant::now();
+        let mut cols = Vec::new();
+        let (mut per_slot, mut changed_avg, mut moved_avg) = (0usize, 0f64, 0f64);
+        for with_kernel in [false, true] {
+            let m = info.module();
+            let mut params = Vec::new();
+            for mv in &info.move_set {
+                let Some(t) = m.tensor(mv.param) else {
+                    continue;
+                };
+                let bytes = info.bytes_per_expert(mv).unwrap_or(0) as usize * e;
+                // Contents do not matter for the timing; a pattern makes the bytes non-trivial.
+                let host: Vec<u8> = (0..bytes).map(|k| (k * 31 % 251) as u8).collect();
+                let buf = dev.stream.clone_htod(&host).map_err(|x| {
+                    rt(crate::runtime::Error::Driver {
+                        call: "cuMemcpyHtoD",
+                        detail: format!("{x:?}"),
+                    })
+                })?;
+                let mut st = DeviceStorage::owned(buf, dev.stream.clone());
+                if with_kernel {
+                    st = st.with_copy_kernel(kernel.clone());
+                }
+                params.push((t.name.clone(), st));
+            }
+            let mut store = ParamStore::new(&info, params).map_err(rt)?;
+            per_slot = store.bytes_per_slot();
+            // Warm-up: the first move (allocations, first-touch).
+            let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(rt)?;
             store.rearrange(&plan, &SingleDevice).map_err(rt)?;
             dev.sync().map_err(rt)?;
-            secs += t0.elapsed().as_secs_f64();
-            bytes += 2.0 * (plan.changed_slots() * per_slot) as f64;
-            changed += plan.changed_slots();
+            let (mut secs, mut bytes, mut changed) = (0f64, 0f64, 0usize);
+            for k in 1..maps.len() - 1 {
+                let plan = MovePlan::new(&maps[k], &maps[k + 1], 1).map_err(rt)?;
+                let t0 = std::time::Instant::now();
+                store.rearrange(&plan, &SingleDevice).map_err(rt)?;
+                dev.sync().map_err(rt)?;
+                secs += t0.elapsed().as_secs_f64();
+                bytes += 2.0 * (plan.changed_slots() * per_slot) as f64;
+                changed += plan.changed_slots();
+            }
+            let n = (maps.len() - 2) as f64;
+            changed_avg = changed as f64 / n;
+            moved_avg = bytes / n / 1e9;
+            let tbps = bytes / secs / 1e12;
+            cols.push(format!(
+                "{:>9.3} {:>8.3} {:>6.1}%",
+                secs / n * 1e3,
+                tbps,
+                100.0 * tbps / COPY_CEILING_TBPS
+            ));
         }
-        let n = (maps.len() - 2) as f64;
-        let tbps = bytes / secs / 1e12;
         let _ = writeln!(
             out,
-            "{:<16} {:>10.2} {:>8.1} {:>10.3} {:>9.3} {:>10.3} {:>7.1}%",
+            "{:<16} {:>8.2} {:>8.1} {:>9.3} | {} | {}",
             r.name,
             per_slot as f64 / 1e6,
-            changed as f64 / n,
-            bytes / n / 1e9,
-            secs / n * 1e3,
-            tbps,
-            100.0 * tbps / COPY_CEILING_TBPS
+            changed_avg,
+            moved_avg,
+            cols[0],
+            cols[1]
         );
     }
     let _ = writeln!(

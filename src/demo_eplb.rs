@@ -200,12 +200,15 @@ fn gpu_round(
             })
         }
     };
+    let kernel =
+        std::sync::Arc::new(crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(rt)?);
     let mut params = Vec::new();
     for (n, b) in old_packed {
         let buf = dev.stream.clone_htod(b).map_err(d("cuMemcpyHtoD"))?;
         params.push((
             n.clone(),
-            crate::runtime::store::DeviceStorage::owned(buf, dev.stream.clone()),
+            crate::runtime::store::DeviceStorage::owned(buf, dev.stream.clone())
+                .with_copy_kernel(kernel.clone()),
         ));
     }
     let mut store = ParamStore::placed(info, params, start.clone(), 0, 1).map_err(rt)?;

@@ -41,6 +41,8 @@ fn rank_run(
     let world = NcclWorld::init(&dev, ids, rank).map_err(rt)?;
     let r = old.slots();
     let local = r / ranks;
+    let kernel =
+        std::sync::Arc::new(crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(rt)?);
     let mut params = Vec::new();
     for (n, b) in old_packed {
         let per = b.len() / r;
@@ -51,7 +53,10 @@ fn rank_run(
                 detail: format!("{x:?}"),
             })
         })?;
-        params.push((n.clone(), DeviceStorage::owned(buf, dev.stream.clone())));
+        params.push((
+            n.clone(),
+            DeviceStorage::owned(buf, dev.stream.clone()).with_copy_kernel(kernel.clone()),
+        ));
     }
     let mut store = ParamStore::placed(info, params, old.clone(), rank, ranks).map_err(rt)?;
     let mut secs = 0.0;

@@ -293,13 +293,22 @@ fn rearrange_check(
             })
         }
     };
+    // At 4 experts the local copies run as the chunked copy-list kernel, at 3 as one memcpy each.
+    let kernel = if e == 4 {
+        Some(std::sync::Arc::new(
+            crate::runtime::copy_kernel::CopyKernel::load(dev).map_err(rt)?,
+        ))
+    } else {
+        None
+    };
     let mut params = Vec::new();
     for (n, b) in host_pack(info, &place(&old), host)? {
         let buf = dev.stream.clone_htod(&b).map_err(drv("cuMemcpyHtoD"))?;
-        params.push((
-            n.clone(),
-            crate::runtime::store::DeviceStorage::owned(buf, dev.stream.clone()),
-        ));
+        let mut st = crate::runtime::store::DeviceStorage::owned(buf, dev.stream.clone());
+        if let Some(k) = &kernel {
+            st = st.with_copy_kernel(k.clone());
+        }
+        params.push((n.clone(), st));
     }
     let old_map = SlotMap::new(old.clone(), logical).map_err(rt)?;
     let mut store = crate::runtime::store::ParamStore::placed(info, params, old_map.clone(), 0, 1)
@@ -354,7 +363,14 @@ fn rearrange_check(
         let have = s.download().map_err(rt)?;
         ok &= have.get(..want.len()) == Some(&want[..]);
     }
-    let perm = format!("{old:?}->{new:?}->{third:?} (async)");
+    let perm = format!(
+        "{old:?}->{new:?}->{third:?} ({}, then async)",
+        if kernel.is_some() {
+            "copy kernel"
+        } else {
+            "memcpy"
+        }
+    );
     let verdict = if ok {
         "in place == packing the placed checkpoint; views alias"
     } else {

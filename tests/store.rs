@@ -267,7 +267,8 @@ fn a_failed_move_marks_the_layer_unusable_and_bad_plans_change_nothing() {
     assert!(store.is_usable());
     // A transfer failing part-way: an error, the layer unusable, views refused, no silent mix.
     let plan = MovePlan::new(&id, &SlotMap::new(vec![3, 2, 1, 0], e).unwrap(), 1).unwrap();
-    store.inject_fault(Some(5));
+    // 8 params' exchanges, then two copies of the first param: the failure lands mid-copy.
+    store.inject_fault(Some(10));
     match store.rearrange(&plan, &SingleRank) {
         Err(moeforge::runtime::Error::Unusable(m)) => assert!(m.contains("injected"), "{m}"),
         other => panic!("expected Unusable, got {:?}", other.map(|_| ())),

@@ -13,6 +13,7 @@ pub mod cache;
 pub mod collective;
 pub mod copy_kernel;
 pub mod device;
+pub mod device_storage;
 pub mod eplb;
 pub mod eplb_state;
 pub mod gpu_pack;

@@ -14,16 +14,13 @@
 //! copies run, and only then does the store's placement switch. A failure after the first byte
 //! moved leaves the store unusable: it refuses views until it is rebuilt.
 
-use std::sync::Arc;
-
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moeforge_dsl::ir::SymLayout;
 use moeforge_dsl::ModuleInfo;
 
-use crate::collective::{Collective, DeviceCollective, Group};
-use crate::device::Device;
-use crate::moves::{Loc, MovePlan, SlotMap};
-use crate::{drv, Error, Result};
+use crate::collective::{Collective, Group};
+pub use crate::device_storage::{DeviceStaging, DeviceStorage};
+use crate::moves::{Copy, Loc, MovePlan, SlotMap};
+use crate::{Error, Result};
 
 /// Where a staged copy reads or writes: the param's own bytes, or its staging buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +49,33 @@ pub trait ExpertStorage {
     fn staging(&self, experts: usize, bytes_per_expert: usize) -> Result<Self::Staging>;
     /// Copy `len` bytes (the two ranges never overlap).
     fn copy(&mut self, st: &mut Self::Staging, from: Place, to: Place, len: usize) -> Result<()>;
+    /// Whether the local copies need the one-expert scratch in staging (false where a cycle's
+    /// scratch lives on chip).
+    fn needs_scratch(&self) -> bool {
+        true
+    }
+    /// Run one rank's local copies in order over `len`-byte experts, `transfers` received experts
+    /// at the start of the staging buffer and the scratch after them. `tick` is called before each
+    /// unit of work (the fault hook). The default issues one [`ExpertStorage::copy`] per copy.
+    fn run_copies(
+        &mut self,
+        st: &mut Self::Staging,
+        copies: &[Copy],
+        transfers: usize,
+        len: usize,
+        tick: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let place = |l: Loc| match l {
+            Loc::Slot(p) => Place::Main(p * len),
+            Loc::Transfer(k) => Place::Staging(k * len),
+            Loc::Scratch => Place::Staging(transfers * len),
+        };
+        for c in copies {
+            tick()?;
+            self.copy(st, place(c.from), place(c.to), len)?;
+        }
+        Ok(())
+    }
     /// One grouped exchange over `t`'s EP group: `len` bytes from `Main(offset)` to each `(peer,
     /// offset)` of `sends`, and from each peer of `recvs` into `Staging(offset)`.
     fn exchange(
@@ -64,7 +88,12 @@ pub trait ExpertStorage {
     ) -> Result<()>;
 }
 
-fn range(what: &str, off: usize, len: usize, size: usize) -> Result<std::ops::Range<usize>> {
+pub(crate) fn range(
+    what: &str,
+    off: usize,
+    len: usize,
+    size: usize,
+) -> Result<std::ops::Range<usize>> {
     match off.checked_add(len) {
         Some(end) if end <= size => Ok(off..end),
         _ => Err(Error::Placement(format!(
@@ -151,198 +180,6 @@ impl ExpertStorage for Vec<u8> {
         }
         let mut recv: Vec<(usize, &mut [u8])> = parts.into_iter().flatten().collect();
         t.exchange(Group::Ep, &out, &mut recv)
-    }
-}
-
-/// A device allocation and the stream its copies are queued on: owned (freed on drop) or borrowed
-/// from the caller (a serving process's tensor; never freed here).
-pub struct DeviceStorage {
-    buf: Option<CudaSlice<u8>>,
-    borrowed: bool,
-    stream: Arc<CudaStream>,
-}
-
-impl DeviceStorage {
-    /// Own `buf`; copies go on `stream`.
-    pub fn owned(buf: CudaSlice<u8>, stream: Arc<CudaStream>) -> DeviceStorage {
-        DeviceStorage {
-            buf: Some(buf),
-            borrowed: false,
-            stream,
-        }
-    }
-
-    /// Adopt `len` bytes at device address `ptr` without copying them, for as long as the store
-    /// lives; they are not freed on drop.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must be one live device allocation (or a part of one) of `stream`'s context
-    /// that outlives the returned storage, and nothing else may write it while the store is used
-    /// except through work ordered on `stream`.
-    pub unsafe fn borrowed(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> DeviceStorage {
-        // SAFETY: the caller guarantees the allocation (see above); the slice is leaked on drop
-        // (`Drop for DeviceStorage`), so it never frees memory it does not own.
-        let buf = unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) };
-        DeviceStorage {
-            buf: Some(buf),
-            borrowed: true,
-            stream: stream.clone(),
-        }
-    }
-
-    /// The stream.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
-    /// The bytes, if still held.
-    pub fn slice(&self) -> Option<&CudaSlice<u8>> {
-        self.buf.as_ref()
-    }
-
-    /// Copy the bytes to the host (waits for the stream).
-    pub fn download(&self) -> Result<Vec<u8>> {
-        let b = self
-            .buf
-            .as_ref()
-            .ok_or(Error::Placement("storage released".into()))?;
-        self.stream.clone_dtoh(b).map_err(drv("cuMemcpyDtoH"))
-    }
-
-    fn ptr(&self) -> Result<u64> {
-        let b = self
-            .buf
-            .as_ref()
-            .ok_or(Error::Placement("storage released".into()))?;
-        let (p, _sync) = b.device_ptr(&self.stream);
-        Ok(p)
-    }
-
-    fn dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        // SAFETY: both ranges were checked to lie inside live allocations of this context (the
-        // param and its staging buffer; `range`), they do not overlap (distinct slots, or a slot and
-        // the staging buffer), and the copy is ordered on the stream after every earlier use.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) }
-            .map_err(drv("cuMemcpyDtoDAsync"))
-    }
-}
-
-impl Drop for DeviceStorage {
-    fn drop(&mut self) {
-        if self.borrowed {
-            if let Some(b) = self.buf.take() {
-                // Borrowed memory belongs to the caller: forget it instead of freeing it.
-                let _ = b.leak();
-            }
-        }
-    }
-}
-
-/// A device staging buffer: one allocation per expert (received experts, then the scratch), so
-/// that each receive gets its own buffer.
-pub struct DeviceStaging {
-    parts: Vec<CudaSlice<u8>>,
-    unit: usize,
-}
-
-impl DeviceStaging {
-    /// The part holding staging offset `off` (a whole number of experts) and its pointer.
-    fn at(&self, off: usize, len: usize, stream: &CudaStream) -> Result<u64> {
-        let k = off.checked_div(self.unit).unwrap_or(0);
-        match self.parts.get(k) {
-            Some(b) if off.is_multiple_of(self.unit.max(1)) && len <= b.len() => {
-                Ok(b.device_ptr(stream).0)
-            }
-            _ => Err(Error::Placement(format!(
-                "staging bytes {off}..{} are not one staged expert",
-                off + len
-            ))),
-        }
-    }
-}
-
-impl ExpertStorage for DeviceStorage {
-    type Staging = DeviceStaging;
-    type Transport = dyn DeviceCollective;
-
-    fn len(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len())
-    }
-
-    fn address(&self) -> u64 {
-        self.ptr().unwrap_or(0)
-    }
-
-    fn staging(&self, experts: usize, bytes_per_expert: usize) -> Result<DeviceStaging> {
-        let mut parts = Vec::with_capacity(experts);
-        for _ in 0..experts {
-            // SAFETY: a staged expert is written (by a receive or a copy) before any byte of it is
-            // read: the plan only reads transfer slots it received and the scratch after staging it.
-            let b = unsafe { self.stream.alloc::<u8>(bytes_per_expert.max(1)) }
-                .map_err(drv("cuMemAlloc"))?;
-            parts.push(b);
-        }
-        Ok(DeviceStaging {
-            parts,
-            unit: bytes_per_expert,
-        })
-    }
-
-    fn copy(&mut self, st: &mut DeviceStaging, from: Place, to: Place, len: usize) -> Result<()> {
-        let n = ExpertStorage::len(self);
-        let main = self.ptr()?;
-        let at = |p: Place| -> Result<u64> {
-            Ok(match p {
-                Place::Main(o) => main + range("the param", o, len, n)?.start as u64,
-                Place::Staging(o) => st.at(o, len, &self.stream)?,
-            })
-        };
-        self.dtod(at(to)?, at(from)?, len)
-    }
-
-    fn exchange(
-        &self,
-        st: &mut DeviceStaging,
-        t: &dyn DeviceCollective,
-        sends: &[(usize, usize)],
-        recvs: &[(usize, usize)],
-        len: usize,
-    ) -> Result<()> {
-        if sends.is_empty() && recvs.is_empty() {
-            return Ok(());
-        }
-        let main = self
-            .buf
-            .as_ref()
-            .ok_or(Error::Placement("storage released".into()))?;
-        let mut out = Vec::with_capacity(sends.len());
-        for &(peer, off) in sends {
-            let r = range("the param", off, len, main.len())?;
-            out.push((peer, main.slice(r)));
-        }
-        // Each receive fills its own staged expert (offset / len), in the order given.
-        let mut want: Vec<Option<usize>> = vec![None; st.parts.len()];
-        for (i, &(_, off)) in recvs.iter().enumerate() {
-            let k = off / len.max(1);
-            match want.get_mut(k) {
-                Some(w @ None) if off.is_multiple_of(len.max(1)) => *w = Some(i),
-                _ => {
-                    return Err(Error::Placement(
-                        "receives must fill distinct staged experts".into(),
-                    ))
-                }
-            }
-        }
-        let mut parts: Vec<Option<(usize, cudarc::driver::CudaViewMut<'_, u8>)>> =
-            (0..recvs.len()).map(|_| None).collect();
-        for (k, b) in st.parts.iter_mut().enumerate() {
-            if let Some(i) = want[k] {
-                parts[i] = Some((recvs[i].0, b.slice_mut(0..len)));
-            }
-        }
-        let mut recv: Vec<(usize, cudarc::driver::CudaViewMut<'_, u8>)> =
-            parts.into_iter().flatten().collect();
-        t.exchange(Group::Ep, &out, &mut recv, &Device::on_stream(&self.stream))
     }
 }
 
@@ -628,7 +465,9 @@ impl<S: ExpertStorage> ParamStore<S> {
         };
         // Staging for every param before any byte moves (an allocation failure changes nothing).
         let transfer = rm.transfer_experts();
-        let scratch = usize::from(rm.uses_scratch());
+        let scratch = usize::from(
+            rm.uses_scratch() && self.entries.iter().any(|e| e.storage.needs_scratch()),
+        );
         let need = transfer + scratch;
         let mut staging = std::mem::take(&mut self.staging);
         staging.resize_with(self.entries.len(), || None);
@@ -665,16 +504,8 @@ impl<S: ExpertStorage> ParamStore<S> {
             }
             for (e, st) in self.entries.iter_mut().zip(staging.iter_mut().flatten()) {
                 let st = &mut st.1;
-                let b = e.bytes_per_expert;
-                let place = |l: Loc| match l {
-                    Loc::Slot(p) => Place::Main(p * b),
-                    Loc::Transfer(k) => Place::Staging(k * b),
-                    Loc::Scratch => Place::Staging(transfer * b),
-                };
-                for c in &rm.copies {
-                    tick()?;
-                    e.storage.copy(st, place(c.from), place(c.to), b)?;
-                }
+                e.storage
+                    .run_copies(st, &rm.copies, transfer, e.bytes_per_expert, &mut tick)?;
             }
             Ok(())
         })();
