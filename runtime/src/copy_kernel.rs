@@ -425,6 +425,9 @@ impl CopyList {
     }
 }
 
+/// A list uploaded by [`CopyKernel::run`]: its copies, slots, transfers and device copy.
+type Uploaded = (Vec<Copy>, usize, usize, Arc<CopyList>);
+
 /// The copy-list kernel, loaded once per context.
 pub struct CopyKernel {
     _module: Arc<CudaModule>,
@@ -432,6 +435,9 @@ pub struct CopyKernel {
     w4: CudaFunction,
     w1: CudaFunction,
     sms: u32,
+    /// The last list uploaded by [`CopyKernel::run`], reused while the same copies run over the
+    /// next params of a layer (one upload per rearrangement, not one per param).
+    last: std::sync::Mutex<Option<Uploaded>>,
 }
 
 impl CopyKernel {
@@ -455,6 +461,7 @@ impl CopyKernel {
             w1: f("moeforge_copy_list_w1")?,
             _module: module,
             sms: dev.sms,
+            last: std::sync::Mutex::new(None),
         })
     }
 
@@ -551,7 +558,21 @@ impl CopyKernel {
     /// # Safety
     /// As [`CopyKernel::run_list`].
     pub unsafe fn run(&self, stream: &Arc<CudaStream>, r: &Region, copies: &[Copy]) -> Result<()> {
-        let list = self.upload(stream, copies, r.slots, r.transfers)?;
+        let cached = self.last.lock().ok().and_then(|l| {
+            l.as_ref()
+                .filter(|(c, s, t, _)| c == copies && *s == r.slots && *t == r.transfers)
+                .map(|x| x.3.clone())
+        });
+        let list = match cached {
+            Some(l) => l,
+            None => {
+                let l = Arc::new(self.upload(stream, copies, r.slots, r.transfers)?);
+                if let Ok(mut last) = self.last.lock() {
+                    *last = Some((copies.to_vec(), r.slots, r.transfers, l.clone()));
+                }
+                l
+            }
+        };
         // SAFETY: the caller's promise, passed on.
         unsafe { self.run_list(stream, &list, r) }
     }
