@@ -10,30 +10,12 @@ use std::time::Instant;
 use crate::gpu::Params;
 use crate::runtime::collective::{InProcess, Topology};
 use crate::runtime::eplb_state::{EplbLayerState, Policy};
-use crate::runtime::moves::{MovePlan, SlotMap};
+use crate::runtime::moves::{place_tensors, MovePlan, SlotMap};
 use crate::runtime::store::ParamStore;
 use crate::{Error, Result};
 
 fn rt(e: crate::runtime::Error) -> Error {
     Error::Runtime(e)
-}
-
-/// The checkpoint placed as `phy2log`: slot `p` holds logical expert `phy2log[p]`'s bytes.
-fn place(
-    inp: &HashMap<String, Vec<u8>>,
-    experts: usize,
-    phy2log: &[usize],
-) -> HashMap<String, Vec<u8>> {
-    inp.iter()
-        .map(|(k, v)| {
-            let n = v.len() / experts;
-            let placed = phy2log
-                .iter()
-                .flat_map(|&p| v[p * n..(p + 1) * n].iter().copied())
-                .collect();
-            (k.clone(), placed)
-        })
-        .collect()
 }
 
 fn pack(
@@ -86,8 +68,8 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
         [("w13".to_string(), layer.w13), ("w2".to_string(), layer.w2)]
             .into_iter()
             .collect();
-    let old_packed = pack(&full, &place(&inp, e, &start), host)?;
-    let want = pack(&full, &place(&inp, e, new_map.phy2log()), host)?;
+    let old_packed = pack(&full, &place_tensors(&inp, e, &start), host)?;
+    let want = pack(&full, &place_tensors(&inp, e, new_map.phy2log()), host)?;
     let plan = MovePlan::new(&start_map, &new_map, ranks).map_err(rt)?;
     let world = InProcess::world(Topology {
         ep: ranks,

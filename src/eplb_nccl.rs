@@ -10,7 +10,7 @@ use crate::gpu::Params;
 use crate::kernels::STANDARD;
 use crate::runtime::collective::{Group, Topology};
 use crate::runtime::device::Device;
-use crate::runtime::moves::{MovePlan, SlotMap};
+use crate::runtime::moves::{place_tensors, MovePlan, SlotMap};
 use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
 use crate::runtime::store::{DeviceStorage, ParamStore};
 use crate::{Error, Result};
@@ -104,23 +104,6 @@ fn both_ranks(
     got.into_iter().collect()
 }
 
-fn placed(
-    inp: &HashMap<String, Vec<u8>>,
-    experts: usize,
-    phy2log: &[usize],
-) -> HashMap<String, Vec<u8>> {
-    inp.iter()
-        .map(|(k, v)| {
-            let n = v.len() / experts;
-            let b = phy2log
-                .iter()
-                .flat_map(|&p| v[p * n..(p + 1) * n].iter().copied())
-                .collect();
-            (k.clone(), b)
-        })
-        .collect()
-}
-
 /// The contract across two GPUs, for every standard recipe: 3 logical experts on 4 slots (2 per
 /// rank), from a placement to another that moves experts both ways and adds a replica on the other
 /// rank; each rank's params must equal its slots of packing the checkpoint placed as the new
@@ -158,8 +141,8 @@ pub fn contract(
             Some(&format!("E={},H={h},I={i}", r / 2)),
         )
         .map_err(|d| Error::Usage(format!("{d:?}")))?;
-        let old_packed = crate::gpu::host_pack(&full, &placed(&inp, e, &old), host)?;
-        let want = crate::gpu::host_pack(&full, &placed(&inp, e, &new), host)?;
+        let old_packed = crate::gpu::host_pack(&full, &place_tensors(&inp, e, &old), host)?;
+        let want = crate::gpu::host_pack(&full, &place_tensors(&inp, e, &new), host)?;
         let got = both_ranks(
             nccl,
             &part,

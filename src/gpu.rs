@@ -271,20 +271,7 @@ fn rearrange_check(
         v
     };
     let (old, new) = (random(e), random(e));
-    let place = |phy2log: &[usize]| -> HashMap<String, Vec<u8>> {
-        inp.iter()
-            .map(|(k, v)| {
-                let n = v.len() / e;
-                (
-                    k.clone(),
-                    phy2log
-                        .iter()
-                        .flat_map(|&p| v[p * n..(p + 1) * n].to_vec())
-                        .collect(),
-                )
-            })
-            .collect()
-    };
+    let place = |phy2log: &[usize]| crate::runtime::moves::place_tensors(inp, e, phy2log);
     let drv = |call: &'static str| {
         move |err: cudarc_err::DriverError| {
             rt(crate::runtime::Error::Driver {

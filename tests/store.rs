@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use moeforge::bench::Layer;
 use moeforge::runtime::collective::{InProcess, SingleRank, Topology};
-use moeforge::runtime::moves::{MovePlan, SlotMap};
+use moeforge::runtime::moves::{place_tensors as place, MovePlan, SlotMap};
 use moeforge::runtime::store::ParamStore;
 
 mod common;
@@ -31,24 +31,6 @@ fn pack(
             moeforge::codegen::kir::BufRole::Param(n) => Some((n.clone(), d)),
             _ => None,
         })
-        .collect()
-}
-
-fn permute(bytes: &[u8], experts: usize, perm: &[usize]) -> Vec<u8> {
-    let n = bytes.len() / experts;
-    perm.iter()
-        .flat_map(|&p| bytes[p * n..(p + 1) * n].to_vec())
-        .collect()
-}
-
-/// A checkpoint placed as `phy2log`: slot `p` holds the bytes of logical expert `phy2log[p]`.
-fn place(
-    inp: &HashMap<String, Vec<u8>>,
-    experts: usize,
-    phy2log: &[usize],
-) -> HashMap<String, Vec<u8>> {
-    inp.iter()
-        .map(|(k, v)| (k.clone(), permute(v, experts, phy2log)))
         .collect()
 }
 

@@ -39,6 +39,14 @@ impl Topology {
         self.ep * self.moe_tp
     }
 
+    /// `rank`'s position in its group `g`.
+    pub fn rank_in(&self, g: Group, rank: usize) -> usize {
+        self.members(g, rank)
+            .iter()
+            .position(|&m| m == rank)
+            .unwrap_or(0)
+    }
+
     /// The world ranks of `rank`'s group `g`, ascending; `rank`'s position in it is its group rank.
     pub fn members(&self, g: Group, rank: usize) -> Vec<usize> {
         match g {
@@ -64,12 +72,7 @@ pub trait Collective: Send + Sync {
     fn world_rank(&self) -> usize;
     /// This process's rank within group `g`.
     fn rank(&self, g: Group) -> usize {
-        let r = self.world_rank();
-        self.topology()
-            .members(g, r)
-            .iter()
-            .position(|&m| m == r)
-            .unwrap_or(0)
+        self.topology().rank_in(g, self.world_rank())
     }
     /// The size of group `g`.
     fn size(&self, g: Group) -> usize {
@@ -358,12 +361,7 @@ pub trait DeviceCollective {
     fn world_rank(&self) -> usize;
     /// This process's rank within group `g`.
     fn rank(&self, g: Group) -> usize {
-        let r = self.world_rank();
-        self.topology()
-            .members(g, r)
-            .iter()
-            .position(|&m| m == r)
-            .unwrap_or(0)
+        self.topology().rank_in(g, self.world_rank())
     }
     /// The size of group `g`.
     fn size(&self, g: Group) -> usize {

@@ -107,6 +107,32 @@ impl SlotMap {
     }
 }
 
+/// `bytes` (`experts` equal expert-major parts) placed as `phy2log`: part `p` of the result is part
+/// `phy2log[p]` of the input. What loading a checkpoint for a placement reads, and so what a
+/// rearrangement must produce.
+pub fn place_bytes(bytes: &[u8], experts: usize, phy2log: &[usize]) -> Vec<u8> {
+    let n = bytes.len() / experts.max(1);
+    let mut out = Vec::with_capacity(n * phy2log.len());
+    for &p in phy2log {
+        if let Some(part) = bytes.get(p * n..(p + 1) * n) {
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+/// Every tensor of a checkpoint placed as `phy2log` ([`place_bytes`]).
+pub fn place_tensors(
+    tensors: &std::collections::HashMap<String, Vec<u8>>,
+    experts: usize,
+    phy2log: &[usize],
+) -> std::collections::HashMap<String, Vec<u8>> {
+    tensors
+        .iter()
+        .map(|(k, v)| (k.clone(), place_bytes(v, experts, phy2log)))
+        .collect()
+}
+
 /// Where a local copy reads or writes: a slot of this rank (local index), the transfer buffer
 /// (received experts, by index), or the one-expert scratch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
