@@ -60,6 +60,16 @@ impl DeviceStorage {
         self
     }
 
+    /// Whether the memory is the caller's ([`DeviceStorage::borrowed`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.borrowed
+    }
+
+    /// Replace an owned buffer by `buf` (same size), returning the old one (async swap-in).
+    pub(crate) fn swap_buffer(&mut self, buf: CudaSlice<u8>) -> Option<CudaSlice<u8>> {
+        self.buf.replace(buf)
+    }
+
     /// The stream.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
