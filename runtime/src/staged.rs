@@ -176,8 +176,7 @@ impl ParamStore<DeviceStorage> {
     pub fn commit(&mut self, staged: Staged) -> Result<MoveReport> {
         self.check_plan(&staged.plan)?;
         let main = self.stream()?;
-        main.wait(&staged.ready)
-            .map_err(drv("cuStreamWaitEvent"))?;
+        main.wait(&staged.ready).map_err(drv("cuStreamWaitEvent"))?;
         let mut report = MoveReport {
             slots_written: staged.slots.len(),
             local_bytes: Vec::new(),
