@@ -53,6 +53,8 @@ pub const UNITS_PER_THREAD: u64 = 4;
 /// Threads of a CTA for an expert of at least one full column (`256 x 4 x 16 B = 16 KiB` per
 /// column at width 16).
 pub const MAX_THREADS: u32 = 256;
+/// Shared memory the copy list may take (8 bytes a copy; the default 48 KiB without opt-in).
+pub const MAX_LIST_BYTES: u64 = 48 * 1024;
 /// CTAs per SM the grid is capped at (the grid-stride loop takes the remaining columns).
 pub const CTAS_PER_SM: u64 = 8;
 
@@ -175,7 +177,8 @@ pub fn ptx(target: &str) -> String {
     let _ = writeln!(
         s,
         "// moeforge copy-list kernel: one launch runs a rank's copy list over one param.\n\
-         .version 8.7\n.target {target}\n.address_size 64\n"
+         .version 8.7\n.target {target}\n.address_size 64\n\n\
+         .extern .shared .align 8 .b8 moeforge_copy_list_smem[];\n"
     );
     for w in [16u32, 4, 1] {
         entry(&mut s, w);
@@ -227,6 +230,17 @@ fn entry(s: &mut String, w: u32) {
     for i in 0..nv {
         let _ = writeln!(k, "\tmov.b32 %v{i}, 0;\n\tmov.b32 %s{i}, 0;");
     }
+    // The list goes to shared memory once per CTA (every copy then reads its codes at shared-memory
+    // latency instead of a dependent global load): %r7 index, %r8 list base in shared memory, %r10
+    // threads.
+    k.push_str(
+        "\tmov.u32 %r7, %tid.x;\n\tmov.u32 %r8, moeforge_copy_list_smem;\n\tmov.u32 %r10, %ntid.x;\n\
+         LIST:\n\tsetp.ge.u32 %p5, %r7, %r0;\n\t@%p5 bra.uni LISTED;\n\
+         \tmul.wide.u32 %rd19, %r7, 8;\n\tadd.u64 %rd23, %rd2, %rd19;\n\
+         \tld.global.nc.v2.u32 {%r3, %r4}, [%rd23];\n\
+         \tmad.lo.u32 %r9, %r7, 8, %r8;\n\tst.shared.v2.u32 [%r9], {%r3, %r4};\n\
+         \tadd.u32 %r7, %r7, %r10;\n\tbra.uni LIST;\nLISTED:\n\tbar.sync 0;\n",
+    );
     // %rd5 column, %rd6 grid, %rd7 tid, %rd8 threads, %rd9 column units, %rd10 columns.
     let _ = writeln!(
         k,
@@ -253,11 +267,11 @@ fn entry(s: &mut String, w: u32) {
             11 + j
         );
     }
-    // Copy loop: %r2 i, %rd16 list pointer; %r3 src code, %r4 dst code.
+    // Copy loop: %r2 i, %r11 the entry in shared memory; %r3 src code, %r4 dst code.
     k.push_str(
-        "\tmov.u32 %r2, 0;\n\tmov.u64 %rd16, %rd2;\n\
+        "\tmov.u32 %r2, 0;\n\tmov.u32 %r11, %r8;\n\
          COPY:\n\tsetp.ge.u32 %p5, %r2, %r0;\n\t@%p5 bra.uni NEXT;\n\
-         \tld.global.nc.v2.u32 {%r3, %r4}, [%rd16];\n",
+         \tld.shared.v2.u32 {%r3, %r4}, [%r11];\n",
     );
     // Address of a code in %r{c}: %rd17 = (kind == slot ? base : transfer) + idx * stride, then
     // %rd24+j = %rd17 + offset j.
@@ -311,7 +325,7 @@ fn entry(s: &mut String, w: u32) {
         let _ = writeln!(k, "\tmov.b32 %s{i}, %v{i};");
     }
     k.push_str(
-        "STEP:\n\tadd.u32 %r2, %r2, 1;\n\tadd.u64 %rd16, %rd16, 8;\n\tbra.uni COPY;\n\
+        "STEP:\n\tadd.u32 %r2, %r2, 1;\n\tadd.u32 %r11, %r11, 8;\n\tbra.uni COPY;\n\
          NEXT:\n\tadd.u64 %rd5, %rd5, %rd6;\n\tbra.uni COL;\nDONE:\n\tret;\n}\n\n",
     );
     s.push_str(&k);
@@ -529,11 +543,16 @@ impl CopyKernel {
         };
         let (list_ptr, _sync) = codes.device_ptr(stream);
         let n = list.copies as u32;
+        if u64::from(n) * 8 > MAX_LIST_BYTES {
+            return Err(Error::Placement(format!(
+                "a copy list of {n} copies does not fit the kernel's {MAX_LIST_BYTES} bytes of shared memory"
+            )));
+        }
         let stride = r.bytes_per_expert as u64;
         let cfg = LaunchConfig {
             grid_dim: (g.grid, 1, 1),
             block_dim: (g.threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: 8 * n,
         };
         let mut l = stream.launch_builder(f);
         l.arg(&r.base)
