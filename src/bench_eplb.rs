@@ -203,72 +203,74 @@ fn async_overhead(
     let forward = |dst: &mut cudarc::driver::CudaSlice<u8>| {
         dev.stream.memcpy_dtod(&src, dst).map_err(d("cuMemcpyDtoD"))
     };
-    // Forwards alone.
-    forward(&mut dst)?;
-    dev.sync().map_err(rt)?;
-    let t0 = std::time::Instant::now();
-    for _ in 0..steps {
+    // Each mode: total time and the longest step (what a token's latency sees).
+    let mut step_times = |mode: u8,
+                          store: &mut ParamStore<DeviceStorage>,
+                          map: &SlotMap,
+                          next: &SlotMap|
+     -> Result<(f64, f64, Option<usize>, u64)> {
+        let plan = MovePlan::new(map, next, 1).map_err(rt)?;
         forward(&mut dst)?;
         dev.sync().map_err(rt)?;
-    }
-    let alone = t0.elapsed().as_secs_f64();
-    // Forwards with a synchronous rearrangement between step 10 and 11.
-    let mut map = SlotMap::identity(e);
-    let next = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
-    let t0 = std::time::Instant::now();
-    for k in 0..steps {
-        forward(&mut dst)?;
-        dev.sync().map_err(rt)?;
-        if k == 10 {
-            let plan = MovePlan::new(&map, &next, 1).map_err(rt)?;
-            store.rearrange(&plan, &SingleDevice).map_err(rt)?;
+        let (mut total, mut worst) = (0f64, 0f64);
+        let mut staged = None;
+        let (mut swapped_at, mut staged_bytes) = (None, 0u64);
+        for k in 0..steps {
+            let t0 = std::time::Instant::now();
+            forward(&mut dst)?;
+            // A serving step ends with the host reading its results.
             dev.sync().map_err(rt)?;
-            map = next.clone();
-        }
-    }
-    dev.sync().map_err(rt)?;
-    let sync = t0.elapsed().as_secs_f64();
-    // Forwards with the rearrangement staged on the side stream from step 10, swapped in at the
-    // first step boundary after it is ready.
-    let next = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
-    let plan = MovePlan::new(&map, &next, 1).map_err(rt)?;
-    let mut staged = None;
-    let mut staged_bytes = 0u64;
-    let mut swapped_at = None;
-    let t0 = std::time::Instant::now();
-    for k in 0..steps {
-        forward(&mut dst)?;
-        // A serving step ends with the host reading its results.
-        dev.sync().map_err(rt)?;
-        if k == 10 {
-            let st = store.stage(&plan, &side).map_err(rt)?;
-            staged_bytes = st.staged_bytes();
-            staged = Some(st);
-        } else if staged.as_ref().is_some_and(|s| s.is_ready()) {
-            if let Some(s) = staged.take() {
-                store.commit(s).map_err(rt)?;
-                swapped_at = Some(k);
+            match mode {
+                1 if k == 10 => {
+                    store.rearrange(&plan, &SingleDevice).map_err(rt)?;
+                    dev.sync().map_err(rt)?;
+                }
+                2 if k == 10 => {
+                    let st = store.stage(&plan, &side).map_err(rt)?;
+                    staged_bytes = st.staged_bytes();
+                    staged = Some(st);
+                }
+                2 if staged.as_ref().is_some_and(|s| s.is_ready()) => {
+                    if let Some(s) = staged.take() {
+                        store.commit(s).map_err(rt)?;
+                        swapped_at = Some(k);
+                    }
+                }
+                _ => {}
             }
+            let dt = t0.elapsed().as_secs_f64();
+            total += dt;
+            worst = worst.max(dt);
         }
-    }
-    if let Some(s) = staged.take() {
-        store.commit(s).map_err(rt)?;
-        swapped_at = Some(steps);
-    }
-    dev.sync().map_err(rt)?;
-    let asynch = t0.elapsed().as_secs_f64();
-    let per = alone / steps as f64 * 1e3;
+        if let Some(s) = staged.take() {
+            store.commit(s).map_err(rt)?;
+            dev.sync().map_err(rt)?;
+            swapped_at = Some(steps);
+        }
+        Ok((total, worst, swapped_at, staged_bytes))
+    };
+    let a = SlotMap::identity(e);
+    let b = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
+    let c = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
+    let alone = step_times(0, &mut store, &a, &a)?;
+    let sync = step_times(1, &mut store, &a, &b)?;
+    let asynch = step_times(2, &mut store, &b, &c)?;
+    let changed = MovePlan::new(&b, &c, 1).map_err(rt)?.changed_slots();
+    let ms = |x: f64| x * 1e3;
     let _ = writeln!(
         out,
-        "\nasync mode (bf16 layer, {} changed slots; the next placement built in a new {:.2} GB buffer per layer on a side stream, swapped in by pointer): {steps} stand-in forwards of {per:.3} ms each (512 MiB copy + host sync): alone {:.2} ms; with a synchronous rearrangement {:.2} ms (+{:.2} ms stall); staged on a side stream and swapped in after step {} {:.2} ms (+{:.2} ms)",
-        plan.changed_slots(),
-        staged_bytes as f64 / 1e9,
-        alone * 1e3,
-        sync * 1e3,
-        (sync - alone) * 1e3,
-        swapped_at.map_or("never".to_string(), |k| k.to_string()),
-        asynch * 1e3,
-        (asynch - alone) * 1e3
+        "\nasync mode (bf16 layer, {changed} changed slots; the next placement built in a new {:.2} GB buffer on a side stream and swapped in by pointer), {steps} stand-in forwards (512 MiB device copy + host sync, {:.3} ms each alone):\n  alone: {:.2} ms in all, longest step {:.3} ms\n  synchronous rearrangement after step 10: {:.2} ms in all (+{:.2}), longest step {:.3} ms (the stall)\n  async, staged from step 10, swapped in after step {}: {:.2} ms in all (+{:.2}), longest step {:.3} ms",
+        asynch.3 as f64 / 1e9,
+        ms(alone.0) / steps as f64,
+        ms(alone.0),
+        ms(alone.1),
+        ms(sync.0),
+        ms(sync.0 - alone.0),
+        ms(sync.1),
+        asynch.2.map_or("never".to_string(), |k| k.to_string()),
+        ms(asynch.0),
+        ms(asynch.0 - alone.0),
+        ms(asynch.1)
     );
     Ok(())
 }
