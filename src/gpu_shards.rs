@@ -642,7 +642,7 @@ fn first_difference(want: &crate::gpu::Params, got: &crate::gpu::Params) -> Opti
 /// NCCL), and each rank's params must equal the host's rank pack byte for byte ([`shard_cases`]).
 /// Each rank also runs its program without the reduction ([`SingleDevice`]); under each topology
 /// some params must differ from that, or the check could not tell a skipped all-reduce. One line
-/// per (recipe, topology); returns whether all passed.
+/// per (recipe, topology); then [`pack_command_check`]. Returns whether all passed.
 pub fn selftest(settings: &crate::Settings, out: &mut String) -> Result<bool> {
     use std::fmt::Write as _;
     let (e, h, i) = SHARD_SHAPE;
@@ -712,6 +712,159 @@ pub fn selftest(settings: &crate::Settings, out: &mut String) -> Result<bool> {
             }
         }
     }
+    all &= pack_command_check(settings, out)?;
+    Ok(all)
+}
+
+/// A fused checkpoint of `layers` synthetic layers at `dims` (`mlp.experts.w13_weight`,
+/// `w2_weight`, bf16; `w13_input_scale`, `w2_input_scale`, f32), as safetensors bytes.
+pub fn synthetic_checkpoint(layers: usize, dims: (usize, usize, usize)) -> Result<Vec<u8>> {
+    use safetensors::tensor::{Dtype, TensorView};
+    let (e, h, i) = dims;
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for l in 0..layers {
+        let inp = crate::gpu::inputs(&crate::bench::Layer::synthetic(
+            e,
+            h,
+            i,
+            0x5eed_c4e0 + l as u64,
+        ));
+        let pre = format!("model.layers.{l}.mlp.experts");
+        for (n, dt, shape) in [
+            ("w13", Dtype::BF16, vec![e, 2 * i, h]),
+            ("w2", Dtype::BF16, vec![e, h, i]),
+            ("w13_input_scale", Dtype::F32, vec![e]),
+            ("w2_input_scale", Dtype::F32, vec![e]),
+        ] {
+            let bytes = inp
+                .get(n)
+                .cloned()
+                .ok_or_else(|| Error::Usage(format!("internal: no synthetic `{n}`")))?;
+            let name = match n {
+                "w13" | "w2" => format!("{pre}.{n}_weight"),
+                _ => format!("{pre}.{n}"),
+            };
+            tensors.push((name, dt, shape, bytes));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, sh, b)| {
+            TensorView::new(*d, sh.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| Error::Usage(format!("internal: tensor `{n}`: {e}")))
+        })
+        .collect::<Result<_>>()?;
+    safetensors::serialize(views, None)
+        .map_err(|e| Error::Usage(format!("internal: serializing: {e}")))
+}
+
+/// What two packed files hold, compared: `None` when their tensors (names, dtypes, shapes, bytes)
+/// and metadata are equal, else the first difference.
+pub fn file_difference(a: &[u8], b: &[u8]) -> Result<Option<String>> {
+    use safetensors::SafeTensors;
+    let bad = |e: safetensors::SafeTensorError| Error::Checkpoint(format!("{e}"));
+    let (_, ma) = SafeTensors::read_metadata(a).map_err(bad)?;
+    let (_, mb) = SafeTensors::read_metadata(b).map_err(bad)?;
+    if ma.metadata() != mb.metadata() {
+        return Ok(Some("the metadata differs".into()));
+    }
+    let (sa, sb) = (
+        SafeTensors::deserialize(a).map_err(bad)?,
+        SafeTensors::deserialize(b).map_err(bad)?,
+    );
+    let mut ta = sa.tensors();
+    let mut tb = sb.tensors();
+    ta.sort_by(|x, y| x.0.cmp(&y.0));
+    tb.sort_by(|x, y| x.0.cmp(&y.0));
+    if ta.len() != tb.len() {
+        return Ok(Some(format!("{} tensors vs {}", ta.len(), tb.len())));
+    }
+    for ((na, va), (nb, vb)) in ta.iter().zip(&tb) {
+        if na != nb || va.dtype() != vb.dtype() || va.shape() != vb.shape() {
+            return Ok(Some(format!("tensor `{na}` vs `{nb}`")));
+        }
+        if va.data() != vb.data() {
+            return Ok(Some(format!("tensor `{na}`: different bytes")));
+        }
+    }
+    Ok(None)
+}
+
+/// `selftest --gpu --nccl`'s end-to-end check of `pack --device gpu --moe-tp/--ep`: a two-layer
+/// synthetic checkpoint packed by [`crate::pack::pack`] on the host and on GPUs 0 and 1, under
+/// `moe_tp = 2` (`nvfp4_cutedsl`) and `ep = 2` (`fp8_per_tensor`); every rank file must hold what
+/// the host's does (tensors and metadata). One line each; returns whether all passed.
+pub fn pack_command_check(settings: &crate::Settings, out: &mut String) -> Result<bool> {
+    use std::fmt::Write as _;
+    let dir = tempfile::tempdir().map_err(|e| Error::Io {
+        path: "temporary folder".into(),
+        source: e,
+    })?;
+    let io = |p: &std::path::Path| {
+        let p = p.display().to_string();
+        move |e: std::io::Error| Error::Io { path: p, source: e }
+    };
+    let ck = dir.path().join("ckpt.safetensors");
+    std::fs::write(&ck, synthetic_checkpoint(2, SHARD_SHAPE)?).map_err(io(&ck))?;
+    let mut all = true;
+    for (recipe, topo) in [
+        ("nvfp4_cutedsl", SHARD_TOPOLOGIES[0]),
+        ("fp8_per_tensor", SHARD_TOPOLOGIES[1]),
+    ] {
+        let r = crate::kernels::find(recipe)
+            .ok_or_else(|| Error::Usage(format!("no standard recipe `{recipe}`")))?;
+        let mut files = Vec::new();
+        for gpu in [false, true] {
+            let output = dir.path().join(format!(
+                "{recipe}.{}.safetensors",
+                if gpu { "gpu" } else { "host" }
+            ));
+            let opts = crate::pack::PackOptions {
+                recipe_src: r.source.to_string(),
+                recipe_path: r.path.to_string(),
+                inputs: vec![ck.clone()],
+                output: output.clone(),
+                layers: None,
+                threads: 0,
+                progress: false,
+                gpu,
+                passthrough: false,
+                allow_nonfinite: false,
+                settings: settings.clone(),
+                topology: topo,
+            };
+            files.push((crate::pack::pack(&opts), output));
+        }
+        let flag = match (topo.ep, topo.moe_tp) {
+            (1, t) => format!("--moe-tp {t}"),
+            (n, _) => format!("--ep {n}"),
+        };
+        let head =
+            format!("pack --device gpu {flag} ({recipe}, 2 layers of E,H,I={SHARD_SHAPE:?}):");
+        let verdict = match (&files[0].0, &files[1].0) {
+            (Err(e), _) => format!("FAILED: the host pack: {e}"),
+            (_, Err(e)) => format!("FAILED: {e}"),
+            (Ok(_), Ok(_)) => {
+                let mut v = "every rank file == the host's (tensors and metadata)".to_string();
+                for rank in 0..topo.world() {
+                    let (a, b) = (
+                        crate::pack::rank_path(&files[0].1, rank),
+                        crate::pack::rank_path(&files[1].1, rank),
+                    );
+                    let fa = std::fs::read(&a).map_err(io(&a))?;
+                    let fb = std::fs::read(&b).map_err(io(&b))?;
+                    if let Some(d) = file_difference(&fa, &fb)? {
+                        v = format!("DIFFERENT: rank {rank}: {d}");
+                        break;
+                    }
+                }
+                v
+            }
+        };
+        all &= verdict.starts_with("every");
+        let _ = writeln!(out, "{head} {verdict}");
+    }
     Ok(all)
 }
 
@@ -769,6 +922,50 @@ mod tests {
             }
             assert!(changed > 0, "{topo:?}: the reduction changes nothing");
         }
+    }
+
+    /// The host half of [`pack_command_check`]: the synthetic checkpoint packs under both
+    /// topologies, and [`file_difference`] sees a changed byte and changed metadata.
+    #[test]
+    fn the_pack_command_check_compares_what_it_should() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ckpt.safetensors");
+        std::fs::write(&ck, synthetic_checkpoint(2, (4, 128, 256)).unwrap()).unwrap();
+        let r = crate::kernels::find("fp8_per_tensor").unwrap();
+        let mut files = Vec::new();
+        for (k, topo) in SHARD_TOPOLOGIES.iter().enumerate() {
+            let output = dir.path().join(format!("o{k}.safetensors"));
+            crate::pack::pack(&crate::pack::PackOptions {
+                recipe_src: r.source.to_string(),
+                recipe_path: r.path.to_string(),
+                inputs: vec![ck.clone()],
+                output: output.clone(),
+                layers: None,
+                threads: 1,
+                progress: false,
+                gpu: false,
+                passthrough: false,
+                allow_nonfinite: false,
+                settings: Default::default(),
+                topology: *topo,
+            })
+            .unwrap();
+            files.push(std::fs::read(crate::pack::rank_path(&output, 0)).unwrap());
+        }
+        assert_eq!(file_difference(&files[0], &files[0]).unwrap(), None);
+        // Other metadata (the rank's binding).
+        assert!(file_difference(&files[0], &files[1]).unwrap().is_some());
+        // One byte of the last tensor's data (the file ends with tensor data).
+        let mut flipped = files[0].clone();
+        if let Some(b) = flipped.last_mut() {
+            *b ^= 1;
+        }
+        assert_eq!(
+            file_difference(&files[0], &flipped)
+                .unwrap()
+                .map(|d| d.contains("different bytes")),
+            Some(true)
+        );
     }
 
     #[test]
