@@ -1,7 +1,7 @@
 //! GPU self-tests and benchmarks (`moeforge selftest --gpu`, `moeforge bench --gpu`): on-GPU packing
 //! byte-identical to the host backend for every standard recipe at several shapes, JIT latency through
 //! the cache, and on-GPU pack time against each recipe's traffic bound; and the two-GPU NCCL smoke
-//! test (`moeforge selftest --gpu --nccl`). Without a GPU (or a second one) they say so and skip.
+//! test (`moeforge selftest --gpu --nccl`, with the sharded packs of [`crate::gpu_shards`]). Without a GPU (or a second one) they say so and skip.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -601,7 +601,9 @@ fn nccl_rank(
 /// joins the communicator itself; the unique id is made once and copied), as a world of
 /// `moe_tp = 2`: a MAX all-reduce of known f32 values, a grouped exchange of byte buffers both ways
 /// (and one message to itself), and a pack of `fp8_per_tensor` whose per-expert amax is reduced
-/// through NCCL, against the host's two-rank pack (threads, [`crate::runtime::collective::InProcess`]).
+/// through NCCL, against the host's two-rank pack (threads, [`crate::runtime::collective::InProcess`]);
+/// then every standard recipe's sharded pack under `moe_tp = 2` and `ep = 2`, each rank's shard on
+/// its GPU against the host's rank pack ([`crate::gpu_shards::selftest`]); then EPLB across the GPUs.
 /// One line per check. `None`: skipped (fewer than 2 GPUs). NCCL is loaded from
 /// `settings.runtime.nccl_path`, else `libnccl.so.2`, else `libnccl.so`. A rank that fails may leave
 /// the other waiting in NCCL: run it under a timeout.
@@ -747,7 +749,10 @@ pub fn nccl_selftest(settings: &Settings) -> Result<(String, Option<bool>)> {
         out,
         "fp8_per_tensor E,H,I={NCCL_PACK_SHAPE:?}, amax reduced over moe_tp by NCCL: {verdict} ({changed} params differ from a one-rank pack)"
     );
-    // 4. EPLB: experts moved between the two GPUs, for every recipe.
+    // 4. Sharded packs: every standard recipe under moe_tp = 2 and ep = 2, each rank's shard
+    // packed on its GPU == the host's rank pack.
+    all &= crate::gpu_shards::selftest(settings, &mut out)?;
+    // 5. EPLB: experts moved between the two GPUs, for every recipe.
     all &= crate::eplb_nccl::contract(nccl, &settings.host, &mut out)?;
     let _ = writeln!(
         out,

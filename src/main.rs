@@ -64,7 +64,8 @@ enum Command {
         /// Host threads (0: all cores).
         #[arg(long, default_value_t = 0)]
         threads: usize,
-        /// `host` (Cranelift JIT) or `gpu` (generated PTX on GPU 0).
+        /// `host` (Cranelift JIT) or `gpu` (generated PTX on GPU 0; with --moe-tp/--ep, rank r on
+        /// GPU r, the all-reduces through NCCL).
         #[arg(long, default_value = "host")]
         device: String,
         /// Write a complete checkpoint directory at --output: every tensor the recipe does not
@@ -128,9 +129,10 @@ enum Command {
         /// Only the two smallest shapes.
         #[arg(long)]
         quick: bool,
-        /// Instead: the two-GPU NCCL smoke test (a MAX all-reduce, a grouped exchange both ways, and
-        /// a pack whose amax is reduced over moe_tp = 2), one thread per GPU; it says that it skipped
-        /// with fewer than 2 GPUs. Sets NCCL_NVLS_ENABLE=0 when it is unset.
+        /// Instead: the two-GPU NCCL smoke test (a MAX all-reduce, a grouped exchange both ways, a
+        /// pack whose amax is reduced over moe_tp = 2, every standard recipe's sharded pack under
+        /// moe_tp = 2 and ep = 2 with one rank per GPU, EPLB across the GPUs), one thread per GPU;
+        /// it says that it skipped with fewer than 2 GPUs. Sets NCCL_NVLS_ENABLE=0 when it is unset.
         #[arg(long, requires = "gpu")]
         nccl: bool,
     },
@@ -532,6 +534,9 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 Some(l) => Some(moeforge::pack::parse_layers(&l)?),
                 None => None,
             };
+            // The GPU ranks all-reduce through NCCL: NVLink multicast stays off unless the caller
+            // turned it on (set here, before any NCCL call, with no other thread).
+            let nvls = (gpu && ep * moe_tp > 1).then(nvls_off_unless_set);
             let opts = moeforge::pack::PackOptions {
                 recipe_src: src,
                 recipe_path: name,
@@ -547,6 +552,9 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 topology: moeforge::runtime::collective::Topology { ep, moe_tp },
             };
             let r = moeforge::pack::pack(&opts)?;
+            if let Some(nvls) = nvls {
+                writeln!(out, "{nvls}").map_err(io)?;
+            }
             for n in &r.notes {
                 writeln!(out, "note: {n}").map_err(io)?;
             }
@@ -564,9 +572,13 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             let secs: f64 = r.layers.iter().map(|l| l.seconds).sum();
             writeln!(
                 out,
-                "packed {} layer(s) on the {}, {:.1} MB of expert weights in {:.2} s ({:.2} GB/s in the backend), wrote {} ({:.1} MB) in {:.2} s total",
+                "packed {} layer(s) on {}, {:.1} MB of expert weights in {:.2} s ({:.2} GB/s in the backend), wrote {} ({:.1} MB) in {:.2} s total",
                 r.layers.len(),
-                if gpu { "GPU" } else { "host" },
+                match (gpu, ranks) {
+                    (false, _) => "the host".to_string(),
+                    (true, 1) => "the GPU".to_string(),
+                    (true, n) => format!("{n} GPUs"),
+                },
                 bytes as f64 / 1e6,
                 secs,
                 bytes as f64 / secs.max(1e-9) / 1e9,
@@ -639,17 +651,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
                 // when a communicator is made, so it is set here, in the CLI only, before any NCCL
                 // call and while this process has no other thread.
-                let nvls = match std::env::var_os("NCCL_NVLS_ENABLE") {
-                    Some(v) => format!(
-                        "NCCL_NVLS_ENABLE={} (from the environment)",
-                        v.to_string_lossy()
-                    ),
-                    None => {
-                        std::env::set_var("NCCL_NVLS_ENABLE", "0");
-                        "NCCL_NVLS_ENABLE=0 (set by moeforge: it was unset)".to_string()
-                    }
-                };
-                writeln!(out, "{nvls}").map_err(io)?;
+                writeln!(out, "{}", nvls_off_unless_set()).map_err(io)?;
                 moeforge::gpu::nccl_selftest(&settings)?
             } else {
                 moeforge::gpu::selftest(quick, &settings)?
@@ -784,6 +786,22 @@ fn main() -> ExitCode {
             };
             let _ = err.write_all(msg.as_bytes());
             ExitCode::from(1)
+        }
+    }
+}
+
+/// Set `NCCL_NVLS_ENABLE=0` (NVLink multicast off) unless the environment sets it; the line that
+/// says which. NCCL reads it when a communicator is made, so this runs before any NCCL call, in the
+/// CLI only, while the process has no other thread.
+fn nvls_off_unless_set() -> String {
+    match std::env::var_os("NCCL_NVLS_ENABLE") {
+        Some(v) => format!(
+            "NCCL_NVLS_ENABLE={} (from the environment)",
+            v.to_string_lossy()
+        ),
+        None => {
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+            "NCCL_NVLS_ENABLE=0 (set by moeforge: it was unset)".to_string()
         }
     }
 }

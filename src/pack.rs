@@ -7,8 +7,10 @@
 //! `model.layers.{L}.mlp.experts.{param}`. The output is written to a temporary file and renamed
 //! only when everything succeeded. With `--moe-tp`/`--ep` every layer is split over ranks
 //! ([`rank_slice`]), each rank packed on its own thread with the in-process collective
-//! ([`RankPacker`]: the sharded plan's all-reduces make every scale the unsplit one), and one file
-//! per rank is written, all or none.
+//! ([`RankPacker`]: the sharded plan's all-reduces make every scale the unsplit one), or with
+//! `--device gpu` each rank on its own GPU with NCCL doing the all-reduces
+//! ([`crate::gpu_shards`]: the same rank program in the GPU's form), and one file per rank is
+//! written, all or none.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -41,7 +43,8 @@ pub struct PackOptions {
     pub threads: usize,
     /// Show a progress bar.
     pub progress: bool,
-    /// Pack on GPU 0 instead of the host.
+    /// Pack on GPU 0 instead of the host (with a [`Self::topology`] of several ranks: rank `r` on
+    /// GPU `r`).
     pub gpu: bool,
     /// Write a complete checkpoint directory at `output`: the tensors the recipe does not consume
     /// copied through, sharded like the input, with an index (see [`crate::checkpoint`]).
@@ -54,7 +57,8 @@ pub struct PackOptions {
     /// The ranks to pack for. [`Topology::SINGLE`]: one file at `output`, the whole checkpoint.
     /// Otherwise one file per rank, [`rank_path`]`(output, r)`: `moe_tp` ranks split every expert
     /// (w13's gate and up rows, w2's columns), `ep` ranks divide the experts; the ranks run as host
-    /// threads whose in-process collective makes every scale the unsplit pack's.
+    /// threads whose in-process collective makes every scale the unsplit pack's, or with
+    /// [`Self::gpu`] one per GPU (rank `r` on GPU `r`) with NCCL doing the same reductions.
     pub topology: Topology,
 }
 
@@ -859,15 +863,13 @@ fn check_topology(opts: &PackOptions) -> Result<()> {
             t.ep, t.moe_tp
         )));
     }
-    if opts.gpu {
-        return Err(Error::Usage(
-            "--moe-tp/--ep pack every rank on the host (one thread per rank, an in-process collective); leave out --device gpu".into(),
-        ));
-    }
     if opts.passthrough {
         return Err(Error::Usage(
             "--passthrough writes one checkpoint directory; it does not combine with --moe-tp/--ep (one file per rank)".into(),
         ));
+    }
+    if opts.gpu {
+        crate::gpu_shards::check_gpus(t)?;
     }
     Ok(())
 }
@@ -964,6 +966,66 @@ pub fn rank_slice(
     Ok(out)
 }
 
+/// The rank shape of a layer of whole shape `(E, H, I)` under `topo`, as a binding
+/// (`E=E/ep,H=H,I=I/moe_tp`).
+pub fn rank_binding(topo: Topology, (e, h, i): (usize, usize, usize)) -> Result<String> {
+    let (ep, tp) = (topo.ep, topo.moe_tp);
+    if ep == 0 || tp == 0 {
+        return Err(Error::Usage(format!(
+            "ep {ep} x moe_tp {tp}: each is a number of ranks, at least 1"
+        )));
+    }
+    if e % ep != 0 {
+        return Err(Error::Topology(format!(
+            "--ep {ep} does not divide the {e} experts"
+        )));
+    }
+    if i % tp != 0 {
+        return Err(Error::Topology(format!(
+            "--moe-tp {tp} does not divide the intermediate size I = {i}"
+        )));
+    }
+    Ok(format!("E={},H={h},I={}", e / ep, i / tp))
+}
+
+/// The program every rank of `topo` runs for a layer of whole shape `dims`: the recipe verified at
+/// the rank shape ([`rank_binding`]) and planned with [`rank_sharding`]`(topo)`, so that its
+/// all-reduces make every scale the unsplit pack's. `present` names the inputs the layer has,
+/// `as_f32` says its weights are read as f32; `x4` is the host backend's 4-lane form (the GPU runs
+/// the scalar form, `x4 = false`; both pack the same bytes). The host ([`RankPacker`]) and the GPU
+/// ranks ([`crate::gpu_shards`]) plan through this one function. Refused here, before any rank
+/// runs: a size the rank count does not divide, a rank shape the recipe's `where` clauses do not
+/// admit, a cut through a quantization block ([`crate::codegen::Error::CutBlock`]).
+pub fn plan_rank(
+    recipe_src: &str,
+    recipe_path: &str,
+    topo: Topology,
+    dims: (usize, usize, usize),
+    as_f32: bool,
+    present: &[String],
+    x4: bool,
+) -> Result<(crate::dsl::ModuleInfo, Program)> {
+    let bind = rank_binding(topo, dims)?;
+    let (e, h, i) = dims;
+    let info = crate::verify_source(recipe_src, recipe_path, Some(&bind)).map_err(|err| {
+        Error::Topology(format!(
+            "the rank shape {bind} (E={e},H={h},I={i} over ep {} x moe_tp {}) is not one the recipe admits:\n{err}",
+            topo.ep, topo.moe_tp
+        ))
+    })?;
+    let has = |n: &str| present.iter().any(|p| p == n);
+    let prog = crate::codegen::plan::plan_sharded(
+        &info,
+        &has,
+        &|n: &str| as_f32 && (n == "w13" || n == "w2"),
+        x4,
+        crate::codegen::plan::PackSchedule::default(),
+        &rank_sharding(topo),
+    )
+    .map_err(|err| crate::refusal(&info, err, recipe_path, recipe_src))?;
+    Ok((info, prog))
+}
+
 /// Packs layers for every rank of a topology: each rank a thread with its handle of one
 /// [`InProcess`] world (so the all-reduce steps of the rank program run across the threads), its
 /// compiled program kept for the next layer of the same shape.
@@ -1027,26 +1089,8 @@ impl RankPacker {
         })
     }
 
-    /// The rank shape of a layer of whole shape `(E, H, I)`, as a binding.
-    fn rank_binding(&self, (e, h, i): (usize, usize, usize)) -> Result<String> {
-        let (ep, tp) = (self.topo.ep, self.topo.moe_tp);
-        if e % ep != 0 {
-            return Err(Error::Topology(format!(
-                "--ep {ep} does not divide the {e} experts"
-            )));
-        }
-        if i % tp != 0 {
-            return Err(Error::Topology(format!(
-                "--moe-tp {tp} does not divide the intermediate size I = {i}"
-            )));
-        }
-        Ok(format!("E={},H={h},I={}", e / ep, i / tp))
-    }
-
-    /// Plan (or reuse) the rank program for a layer: verified at the rank shape, planned with
-    /// [`rank_sharding`]. Everything a split can be refused for is refused here, before any rank
-    /// runs: a size the rank count does not divide, a rank shape the recipe's `where` clauses do
-    /// not admit, a cut through a quantization block ([`crate::codegen::Error::CutBlock`]).
+    /// Plan (or reuse) the rank program for a layer ([`plan_rank`] in the host's 4-lane form).
+    /// Everything a split can be refused for is refused here, before any rank runs.
     pub fn plan(
         &mut self,
         dims: (usize, usize, usize),
@@ -1055,25 +1099,15 @@ impl RankPacker {
     ) -> Result<(&crate::dsl::ModuleInfo, &Program)> {
         let key: RankKey = (dims.0, dims.1, dims.2, as_f32, present.to_vec());
         if self.planned.as_ref().is_none_or(|p| p.0 != key) {
-            let bind = self.rank_binding(dims)?;
-            let (e, h, i) = dims;
-            let info = crate::verify_source(&self.recipe_src, &self.recipe_path, Some(&bind))
-                .map_err(|err| {
-                    Error::Topology(format!(
-                        "the rank shape {bind} (E={e},H={h},I={i} over ep {} x moe_tp {}) is not one the recipe admits:\n{err}",
-                        self.topo.ep, self.topo.moe_tp
-                    ))
-                })?;
-            let has = |n: &str| present.iter().any(|p| p == n);
-            let prog = crate::codegen::plan::plan_sharded(
-                &info,
-                &has,
-                &|n: &str| as_f32 && (n == "w13" || n == "w2"),
+            let (info, prog) = plan_rank(
+                &self.recipe_src,
+                &self.recipe_path,
+                self.topo,
+                dims,
+                as_f32,
+                present,
                 true,
-                crate::codegen::plan::PackSchedule::default(),
-                &rank_sharding(self.topo),
-            )
-            .map_err(|err| crate::refusal(&info, err, &self.recipe_path, &self.recipe_src))?;
+            )?;
             self.planned = Some((key, info, prog));
         }
         let Some((_, info, prog)) = &self.planned else {
@@ -1144,8 +1178,8 @@ impl RankPacker {
     }
 }
 
-/// `pack --moe-tp T --ep N`: every layer packed for each of the `N*T` ranks, one file per rank,
-/// all written or none.
+/// `pack --moe-tp T --ep N`: every layer packed for each of the `N*T` ranks (host threads, or one
+/// GPU per rank with `opts.gpu`), one file per rank, all written or none.
 fn pack_ranks(
     opts: &PackOptions,
     src: &Source<'_>,
@@ -1156,13 +1190,6 @@ fn pack_ranks(
 ) -> Result<PackReport> {
     let topo = opts.topology;
     let world = topo.world();
-    let mut packer = RankPacker::new(
-        &opts.recipe_src,
-        &opts.recipe_path,
-        topo,
-        opts.threads,
-        &opts.settings.host,
-    )?;
     let bar = if opts.progress {
         indicatif::ProgressBar::new(layers.len() as u64)
     } else {
@@ -1178,28 +1205,82 @@ fn pack_ranks(
     let mut layouts: HashMap<String, String> = HashMap::new();
     let mut reports = Vec::new();
     let mut dims = (0, 0, 0);
-    for (layer, form, experts) in layers {
-        bar.set_message(layer.to_string());
-        let li = gather_layer(src, *layer, *form, experts, opts.allow_nonfinite)?;
-        dims = li.dims;
-        let t1 = Instant::now();
-        let packed = packer.pack_layer(&li.bufs, li.dims, li.as_f32)?;
-        let seconds = t1.elapsed().as_secs_f64();
-        let RankLayer {
-            info,
-            program,
-            bufs,
-        } = packed;
-        for (r, b) in bufs.into_iter().enumerate() {
-            out[r].extend(layer_tensors(info, program, b, *layer, &mut layouts)?);
+    if opts.gpu {
+        // What the layer in flight read, and when its packing began (`next` sets, `done` reads).
+        let pending = std::cell::Cell::new(((0, 0, 0), 0usize));
+        let t1 = std::cell::Cell::new(Instant::now());
+        crate::gpu_shards::pack_layers(
+            &opts.recipe_src,
+            &opts.recipe_path,
+            topo,
+            &opts.settings.runtime,
+            layers.len(),
+            &mut |k| {
+                let (layer, form, experts) = layers
+                    .get(k)
+                    .ok_or_else(|| Error::Usage("internal: no such layer".into()))?;
+                bar.set_message(layer.to_string());
+                let li = gather_layer(src, *layer, *form, experts, opts.allow_nonfinite)?;
+                pending.set((li.dims, li.input_bytes));
+                t1.set(Instant::now());
+                Ok(crate::gpu_shards::WholeLayer {
+                    bufs: li.bufs,
+                    dims: li.dims,
+                    as_f32: li.as_f32,
+                })
+            },
+            &mut |k, info, program, bufs| {
+                let seconds = t1.get().elapsed().as_secs_f64();
+                let layer = layers
+                    .get(k)
+                    .map(|l| l.0)
+                    .ok_or_else(|| Error::Usage("internal: no such layer".into()))?;
+                for (r, b) in bufs.into_iter().enumerate() {
+                    out[r].extend(layer_tensors(info, program, b, layer, &mut layouts)?);
+                }
+                let (d, input_bytes) = pending.get();
+                dims = d;
+                reports.push(LayerReport {
+                    layer,
+                    dims: d,
+                    input_bytes,
+                    seconds,
+                });
+                bar.inc(1);
+                Ok(())
+            },
+        )?;
+    } else {
+        let mut packer = RankPacker::new(
+            &opts.recipe_src,
+            &opts.recipe_path,
+            topo,
+            opts.threads,
+            &opts.settings.host,
+        )?;
+        for (layer, form, experts) in layers {
+            bar.set_message(layer.to_string());
+            let li = gather_layer(src, *layer, *form, experts, opts.allow_nonfinite)?;
+            dims = li.dims;
+            let t1 = Instant::now();
+            let packed = packer.pack_layer(&li.bufs, li.dims, li.as_f32)?;
+            let seconds = t1.elapsed().as_secs_f64();
+            let RankLayer {
+                info,
+                program,
+                bufs,
+            } = packed;
+            for (r, b) in bufs.into_iter().enumerate() {
+                out[r].extend(layer_tensors(info, program, b, *layer, &mut layouts)?);
+            }
+            reports.push(LayerReport {
+                layer: *layer,
+                dims: li.dims,
+                input_bytes: li.input_bytes,
+                seconds,
+            });
+            bar.inc(1);
         }
-        reports.push(LayerReport {
-            layer: *layer,
-            dims: li.dims,
-            input_bytes: li.input_bytes,
-            seconds,
-        });
-        bar.inc(1);
     }
     bar.finish_and_clear();
     let (e, h, i) = dims;

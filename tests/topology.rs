@@ -632,10 +632,11 @@ fn bad_splits_are_refused_by_name_and_write_nothing() {
         ),
         ("bf16", &["--moe-tp", "0"], "at least 1"),
         ("bf16", &["--moe-tp", "2", "--passthrough"], "--passthrough"),
+        // One GPU per rank: no machine here has 16.
         (
             "bf16",
-            &["--ep", "2", "--device", "gpu"],
-            "leave out --device gpu",
+            &["--ep", "2", "--moe-tp", "8", "--device", "gpu"],
+            "needs 16 CUDA GPUs",
         ),
     ];
     for (recipe, extra, needle) in cases {
@@ -736,16 +737,45 @@ fn rank_programs_in_the_gpu_form_match_and_assemble() {
             let (e, h, i) = dims;
             let bind = format!("E={},H={h},I={}", e / topo.ep, i / topo.moe_tp);
             let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
-            // The scalar form the GPU runs, through the interpreter, one thread per rank.
-            let prog = codegen::plan::plan_sharded(
-                &info,
-                &|n: &str| inputs.contains_key(n),
-                &|_| false,
-                false,
-                Default::default(),
-                &moeforge::pack::rank_sharding(topo),
-            )
-            .unwrap();
+            // The scalar form the GPU runs, through the interpreter, one thread per rank: the
+            // program `pack --device gpu --moe-tp/--ep` and `selftest --gpu --nccl` plan for each
+            // GPU rank.
+            let mut present: Vec<String> = inputs.keys().cloned().collect();
+            present.sort();
+            let (_, prog) =
+                moeforge::gpu_shards::rank_program(r.source, r.path, topo, dims, false, &present)
+                    .unwrap();
+            assert_eq!(
+                prog,
+                codegen::plan::plan_sharded(
+                    &info,
+                    &|n: &str| inputs.contains_key(n),
+                    &|_| false,
+                    false,
+                    Default::default(),
+                    &moeforge::pack::rank_sharding(topo),
+                )
+                .unwrap()
+            );
+            // The host ranks' program (`pack --moe-tp/--ep` on the host) differs only in the
+            // 4-lane form of its kernels: the same buffers, the same all-reduces in the same
+            // places between the same kernels.
+            let (_, host) =
+                moeforge::pack::plan_rank(r.source, r.path, topo, dims, false, &present, true)
+                    .unwrap();
+            assert_eq!(prog.bufs, host.bufs, "`{}` {topo:?}", r.name);
+            let shape = |p: &codegen::kir::Program| -> Vec<String> {
+                p.steps
+                    .iter()
+                    .map(|s| match s {
+                        codegen::kir::Step::Kernel(k) => k.name.clone(),
+                        codegen::kir::Step::AllReduceMax { buf, group } => {
+                            format!("all_reduce_max b{} over {}", buf.0, group.name())
+                        }
+                    })
+                    .collect()
+            };
+            assert_eq!(shape(&prog), shape(&host), "`{}` {topo:?}", r.name);
             let world = InProcess::world(topo);
             let ranks: Vec<Params> = std::thread::scope(|s| {
                 let hs: Vec<_> = world
@@ -787,6 +817,83 @@ fn rank_programs_in_the_gpu_form_match_and_assemble() {
                     t.name(),
                     String::from_utf8_lossy(&res.stderr)
                 );
+            }
+        }
+    }
+}
+
+/// `pack --device gpu --moe-tp T --ep N` packs rank `r` on GPU `r`. Without enough GPUs (CI has
+/// none) it is refused, naming how many it needs, and writes nothing; on a machine with 2 GPUs the
+/// rank files equal the host's rank files (tensors and metadata) for every standard recipe under
+/// `moe_tp = 2` and `ep = 2`.
+#[test]
+fn gpu_rank_packs_need_a_gpu_per_rank_and_equal_the_host_ranks() {
+    let dims = (4, 64, 256);
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ckpt.safetensors");
+    write_checkpoint(&ck, 2, dims);
+    let gpus = moeforge::runtime::device::count().unwrap_or(0);
+    if gpus < 2 {
+        let out = dir.path().join("out.safetensors");
+        let (code, _, err) = run(&[
+            "pack",
+            "fp8_per_tensor",
+            "--input",
+            ck.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--moe-tp",
+            "2",
+            "--device",
+            "gpu",
+        ]);
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("packs each of the 2 ranks on its own GPU")
+                && err.contains("needs 2 CUDA GPUs"),
+            "{err}"
+        );
+        assert!(err.contains("leave out --device gpu"), "{err}");
+        assert_eq!(files_in(dir.path()), vec!["ckpt.safetensors"]);
+        return;
+    }
+    for r in moeforge::kernels::STANDARD {
+        for (ep, tp) in [(1, 2), (2, 1)] {
+            let mut outs = Vec::new();
+            for device in ["host", "gpu"] {
+                let out = dir
+                    .path()
+                    .join(format!("{}.{ep}.{tp}.{device}.safetensors", r.name));
+                let (code, stdout, err) = run(&[
+                    "pack",
+                    r.name,
+                    "--input",
+                    ck.to_str().unwrap(),
+                    "--output",
+                    out.to_str().unwrap(),
+                    "--ep",
+                    &ep.to_string(),
+                    "--moe-tp",
+                    &tp.to_string(),
+                    "--device",
+                    device,
+                ]);
+                assert_eq!(code, 0, "`{}` ep {ep} moe_tp {tp} {device}: {err}", r.name);
+                if device == "gpu" {
+                    assert!(stdout.contains("on 2 GPUs"), "{stdout}");
+                }
+                outs.push(out);
+            }
+            for rank in 0..2 {
+                for layer in 0..2 {
+                    let host = read_packed(&moeforge::pack::rank_path(&outs[0], rank), layer);
+                    let gpu = read_packed(&moeforge::pack::rank_path(&outs[1], rank), layer);
+                    assert!(
+                        host == gpu,
+                        "`{}` ep {ep} moe_tp {tp} rank {rank} layer {layer}: the GPU rank file differs from the host's",
+                        r.name
+                    );
+                }
             }
         }
     }
