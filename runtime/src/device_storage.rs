@@ -22,6 +22,9 @@ pub struct DeviceStorage {
     borrowed: bool,
     stream: Arc<CudaStream>,
     kernel: Option<Arc<CopyKernel>>,
+    /// The buffer an async swap-in replaced, kept as the next staging buffer (a second copy of the
+    /// param, as vLLM's async mode keeps one layer's buffer): no allocation or free per move.
+    spare: std::sync::Mutex<Option<CudaSlice<u8>>>,
 }
 
 impl DeviceStorage {
@@ -32,6 +35,7 @@ impl DeviceStorage {
             borrowed: false,
             stream,
             kernel: None,
+            spare: std::sync::Mutex::new(None),
         }
     }
 
@@ -51,6 +55,7 @@ impl DeviceStorage {
             borrowed: true,
             stream: stream.clone(),
             kernel: None,
+            spare: std::sync::Mutex::new(None),
         }
     }
 
@@ -65,9 +70,27 @@ impl DeviceStorage {
         self.borrowed
     }
 
-    /// Replace an owned buffer by `buf` (same size), returning the old one (async swap-in).
-    pub(crate) fn swap_buffer(&mut self, buf: CudaSlice<u8>) -> Option<CudaSlice<u8>> {
-        self.buf.replace(buf)
+    /// Replace an owned buffer by `buf` (same size) at an async swap-in; the old one becomes the
+    /// spare (the next staging buffer; work queued on the stream before the swap may still read it,
+    /// and the next staging is ordered after that work).
+    pub(crate) fn swap_buffer(&mut self, buf: CudaSlice<u8>) {
+        let old = self.buf.replace(buf);
+        if let Ok(mut s) = self.spare.lock() {
+            *s = old;
+        }
+    }
+
+    /// A whole-param staging buffer: the spare when there is one of the right size, else a new
+    /// allocation on the param's stream.
+    pub(crate) fn take_spare(&self) -> Result<CudaSlice<u8>> {
+        let n = ExpertStorage::len(self);
+        if let Some(b) = self.spare.lock().ok().and_then(|mut s| s.take()) {
+            if b.len() == n {
+                return Ok(b);
+            }
+        }
+        // SAFETY: every byte is written by the staging copies before the buffer is swapped in.
+        unsafe { self.stream.alloc::<u8>(n) }.map_err(drv("cuMemAlloc"))
     }
 
     /// The stream.

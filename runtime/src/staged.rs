@@ -109,9 +109,9 @@ impl ParamStore<DeviceStorage> {
         let src = sources(old, new)?;
         let slots: Vec<usize> = (0..old.len()).filter(|&p| old[p] != new[p]).collect();
         let main = self.stream()?;
-        // Whole buffers are allocated on the layer's stream (so they are freed in its order once
-        // swapped in); the side stream starts after those allocations and after everything already
-        // queued there (a previous swap-in).
+        // Whole buffers are the params' spares (the buffers the last swap-in replaced) or new
+        // allocations on the layer's stream; the side stream starts after everything already queued
+        // there (forwards still reading a spare, a previous swap-in).
         let mut stages = Vec::new();
         let mut staged_bytes = 0u64;
         for e in self.entries() {
@@ -124,10 +124,9 @@ impl ParamStore<DeviceStorage> {
                     unsafe { side.alloc::<u8>(slots.len() * b) }.map_err(drv("cuMemAlloc"))?,
                 )
             } else {
-                let n = e.storage.len();
-                // SAFETY: every byte is written by the copies below (all slots, then the tail past
-                // the last slot) before the buffer is swapped in.
-                Stage::Whole(unsafe { main.alloc::<u8>(n) }.map_err(drv("cuMemAlloc"))?)
+                // Every byte is written by the copies below (all slots, then the tail past the last
+                // slot) before the buffer is swapped in.
+                Stage::Whole(e.storage.take_spare()?)
             };
             stages.push(st);
         }
@@ -203,9 +202,8 @@ impl ParamStore<DeviceStorage> {
                     report
                         .local_bytes
                         .push((e.name.clone(), 2 * buf.len() as u64));
-                    // The old buffer is dropped here: freed on the layer's stream, after the
-                    // forwards queued before this point.
-                    drop(e.storage.swap_buffer(buf));
+                    // The old buffer becomes the spare for the next staging.
+                    e.storage.swap_buffer(buf);
                 }
                 Stage::Changed(buf) => {
                     let base = buf.device_ptr(&main).0;
