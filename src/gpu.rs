@@ -330,35 +330,39 @@ fn rearrange_check(
         let have = s.download().map_err(rt)?;
         ok &= have.get(..want.len()) == Some(&want[..]);
     }
-    // Then asynchronously (staged on a side stream, swapped in) to a third placement.
+    // Then asynchronously (staged on a side stream, swapped in) to a third placement, and again to
+    // a fourth (the second staging reuses the buffer the first swap-in replaced).
     let third = random(e);
+    let fourth = random(e);
     let side = dev.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-    let plan = MovePlan::new(
-        &SlotMap::new(new.clone(), logical).map_err(rt)?,
-        &SlotMap::new(third.clone(), logical).map_err(rt)?,
-        1,
-    )
-    .map_err(rt)?;
-    let staged = store.stage(&plan, &side).map_err(rt)?;
-    store.commit(staged).map_err(rt)?;
-    // An async swap-in exchanges the params' buffers: every view must alias its param's new one.
-    ok &= views.iter().all(|v| {
-        store.view(v).is_ok_and(|x| {
-            store
-                .param(x.param())
-                .is_some_and(|p| crate::runtime::store::ExpertStorage::address(p) == x.address())
-        })
-    });
-    for (n, want) in host_pack(info, &place(&third), host)? {
-        let Some(s) = store.param(&n) else {
-            ok = false;
-            continue;
-        };
-        let have = s.download().map_err(rt)?;
-        ok &= have.get(..want.len()) == Some(&want[..]);
+    for (from, to) in [(&new, &third), (&third, &fourth)] {
+        let plan = MovePlan::new(
+            &SlotMap::new(from.clone(), logical).map_err(rt)?,
+            &SlotMap::new(to.clone(), logical).map_err(rt)?,
+            1,
+        )
+        .map_err(rt)?;
+        let staged = store.stage(&plan, &side).map_err(rt)?;
+        store.commit(staged).map_err(rt)?;
+        // A swap-in exchanges the params' buffers: every view must alias its param's new one.
+        ok &= views.iter().all(|v| {
+            store.view(v).is_ok_and(|x| {
+                store.param(x.param()).is_some_and(|p| {
+                    crate::runtime::store::ExpertStorage::address(p) == x.address()
+                })
+            })
+        });
+        for (n, want) in host_pack(info, &place(to), host)? {
+            let Some(s) = store.param(&n) else {
+                ok = false;
+                continue;
+            };
+            let have = s.download().map_err(rt)?;
+            ok &= have.get(..want.len()) == Some(&want[..]);
+        }
     }
     let perm = format!(
-        "{old:?}->{new:?}->{third:?} ({}, then async)",
+        "{old:?}->{new:?}->{third:?}->{fourth:?} ({}, then async twice)",
         if kernel.is_some() {
             "copy kernel"
         } else {
