@@ -26,7 +26,9 @@ struct RankResult {
 }
 
 /// Rank `rank` of an EP world of 2: upload its slots of `old_packed`, rearrange along `plans` in
-/// order (the first untimed when `warm`), download.
+/// order (the first untimed when `warm`; the last staged on a side stream and swapped in when
+/// `async_last`), download.
+#[allow(clippy::too_many_arguments)]
 fn rank_run(
     rank: usize,
     ids: &WorldIds,
@@ -35,6 +37,7 @@ fn rank_run(
     old: &SlotMap,
     plans: &[MovePlan],
     warm: bool,
+    async_last: bool,
 ) -> Result<RankResult> {
     let ranks = 2;
     let dev = Device::open(rank).map_err(rt)?;
@@ -63,7 +66,18 @@ fn rank_run(
     for (k, plan) in plans.iter().enumerate() {
         dev.sync().map_err(rt)?;
         let t0 = std::time::Instant::now();
-        store.rearrange(plan, &world).map_err(rt)?;
+        if async_last && k + 1 == plans.len() {
+            let side = dev.ctx.new_stream().map_err(|x| {
+                rt(crate::runtime::Error::Driver {
+                    call: "cuStreamCreate",
+                    detail: format!("{x:?}"),
+                })
+            })?;
+            let staged = store.stage_with(plan, &side, &world).map_err(rt)?;
+            store.commit(staged).map_err(rt)?;
+        } else {
+            store.rearrange(plan, &world).map_err(rt)?;
+        }
         dev.sync().map_err(rt)?;
         if !(warm && k == 0) {
             secs += t0.elapsed().as_secs_f64();
@@ -87,12 +101,15 @@ fn both_ranks(
     old: &SlotMap,
     plans: &[MovePlan],
     warm: bool,
+    async_last: bool,
 ) -> Result<Vec<RankResult>> {
     let ids = WorldIds::new(nccl, Topology { ep: 2, moe_tp: 1 }, &[Group::Ep]).map_err(rt)?;
     let ids = &ids;
     let got: Vec<Result<RankResult>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
-            .map(|k| s.spawn(move || rank_run(k, ids, info, old_packed, old, plans, warm)))
+            .map(|k| {
+                s.spawn(move || rank_run(k, ids, info, old_packed, old, plans, warm, async_last))
+            })
             .collect();
         hs.into_iter()
             .map(|h| {
@@ -116,6 +133,7 @@ pub fn contract(
     let (e, r, h, i) = (3usize, 4usize, 128usize, 128usize);
     let old = vec![0, 1, 2, 0];
     let new = vec![2, 0, 1, 1];
+    let third = vec![1, 2, 0, 2];
     let layer = crate::bench::Layer::synthetic(e, h, i, 23);
     let scales: Vec<u8> = (0..e)
         .flat_map(|k| (0.75f32 + k as f32).to_le_bytes())
@@ -129,8 +147,10 @@ pub fn contract(
     .into_iter()
     .collect();
     let old_map = SlotMap::new(old.clone(), e).map_err(rt)?;
-    let plan =
-        MovePlan::new(&old_map, &SlotMap::new(new.clone(), e).map_err(rt)?, 2).map_err(rt)?;
+    let new_map = SlotMap::new(new.clone(), e).map_err(rt)?;
+    let plan = MovePlan::new(&old_map, &new_map, 2).map_err(rt)?;
+    let plan2 =
+        MovePlan::new(&new_map, &SlotMap::new(third.clone(), e).map_err(rt)?, 2).map_err(rt)?;
     let mut all = true;
     for rec in STANDARD {
         let full = crate::check_source(rec.source, rec.path, Some(&format!("E={r},H={h},I={i}")))
@@ -142,34 +162,51 @@ pub fn contract(
         )
         .map_err(|d| Error::Usage(format!("{d:?}")))?;
         let old_packed = crate::gpu::host_pack(&full, &place_tensors(&inp, e, &old), host)?;
-        let want = crate::gpu::host_pack(&full, &place_tensors(&inp, e, &new), host)?;
-        let got = both_ranks(
-            nccl,
-            &part,
-            &old_packed,
-            &old_map,
-            std::slice::from_ref(&plan),
-            false,
-        )?;
-        let mut ok = true;
-        for (k, g) in got.iter().enumerate() {
-            for (n, w) in &want {
-                let per = w.len() / r;
-                let have = g.params.iter().find(|x| &x.0 == n).map(|x| &x.1[..]);
-                ok &= have == Some(&w[k * 2 * per..(k + 1) * 2 * per]);
+        // Synchronously to `new`; then, in a second world, synchronously to `new` and
+        // asynchronously (staged on a side stream with NCCL there, swapped in) on to `third`.
+        for (plans, target, how) in [
+            (vec![plan.clone()], &new, "sync"),
+            (
+                vec![plan.clone(), plan2.clone()],
+                &third,
+                "sync, then async",
+            ),
+        ] {
+            let want = crate::gpu::host_pack(&full, &place_tensors(&inp, e, target), host)?;
+            let got = both_ranks(
+                nccl,
+                &part,
+                &old_packed,
+                &old_map,
+                &plans,
+                false,
+                plans.len() > 1,
+            )?;
+            let mut ok = true;
+            for (k, g) in got.iter().enumerate() {
+                for (n, w) in &want {
+                    let per = w.len() / r;
+                    let have = g.params.iter().find(|x| &x.0 == n).map(|x| &x.1[..]);
+                    ok &= have == Some(&w[k * 2 * per..(k + 1) * 2 * per]);
+                }
             }
+            all &= ok;
+            let _ = writeln!(
+                out,
+                "EPLB over NCCL {:<16} {old:?} -> {:?} ({how}) on 2 GPUs: {}",
+                rec.name,
+                if plans.len() > 1 {
+                    format!("{new:?} -> {third:?}")
+                } else {
+                    format!("{new:?}")
+                },
+                if ok {
+                    "both ranks == packing the placed checkpoint"
+                } else {
+                    "DIFFERENT: FAILED"
+                }
+            );
         }
-        all &= ok;
-        let _ = writeln!(
-            out,
-            "EPLB over NCCL {:<16} {old:?} -> {new:?} on 2 GPUs: {}",
-            rec.name,
-            if ok {
-                "both ranks == packing the placed checkpoint"
-            } else {
-                "DIFFERENT: FAILED"
-            }
-        );
     }
     Ok(all)
 }
@@ -211,7 +248,7 @@ pub fn bandwidth(nccl: &'static Nccl, reps: usize, out: &mut String) -> Result<(
         plans.push(MovePlan::new(&cur, &next, 2).map_err(rt)?);
         cur = next;
     }
-    let got = both_ranks(nccl, &part, &old_packed, &ma, &plans, true)?;
+    let got = both_ranks(nccl, &part, &old_packed, &ma, &plans, true, false)?;
     let secs = got.iter().map(|g| g.secs).fold(0.0, f64::max) / reps.max(1) as f64;
     let one_way = (local * per_slot) as f64;
     let _ = writeln!(

@@ -161,7 +161,7 @@ impl DeviceStaging {
 
 /// Views over disjoint ranges of one allocation for the length of an exchange; leaked (never freed)
 /// when dropped, since the allocation owns the memory.
-struct Aliases(Vec<CudaSlice<u8>>);
+pub(crate) struct Aliases(pub(crate) Vec<CudaSlice<u8>>);
 
 impl Drop for Aliases {
     fn drop(&mut self) {

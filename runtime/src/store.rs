@@ -406,6 +406,10 @@ impl<S: ExpertStorage> ParamStore<S> {
         &self.entries
     }
 
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
     pub(crate) fn entry_mut(&mut self, k: usize) -> Option<&mut Entry<S>> {
         self.entries.get_mut(k)
     }
