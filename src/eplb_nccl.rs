@@ -193,7 +193,7 @@ pub fn contract(
             all &= ok;
             let _ = writeln!(
                 out,
-                "EPLB over NCCL {:<16} {old:?} -> {:?} ({how}) on 2 GPUs: {}",
+                "EPLB over NCCL {:<16} {old:?} -> {} ({how}) on 2 GPUs: {}",
                 rec.name,
                 if plans.len() > 1 {
                     format!("{new:?} -> {third:?}")
