@@ -34,7 +34,9 @@
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::driver::{
+    CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
 use cudarc::driver::{DevicePtrMut, PushKernelArg};
 
 use crate::moves::{self, Copy, Loc};
@@ -440,7 +442,8 @@ impl CopyList {
 }
 
 /// A list uploaded by [`CopyKernel::run`]: its copies, slots, transfers and device copy.
-type Uploaded = (Vec<Copy>, usize, usize, Arc<CopyList>);
+/// The event after its upload orders a launch on another stream after the copy.
+type Uploaded = (Vec<Copy>, usize, usize, Arc<CopyList>, Arc<CudaEvent>);
 
 /// The copy-list kernel, loaded once per context.
 pub struct CopyKernel {
@@ -579,15 +582,20 @@ impl CopyKernel {
     pub unsafe fn run(&self, stream: &Arc<CudaStream>, r: &Region, copies: &[Copy]) -> Result<()> {
         let cached = self.last.lock().ok().and_then(|l| {
             l.as_ref()
-                .filter(|(c, s, t, _)| c == copies && *s == r.slots && *t == r.transfers)
-                .map(|x| x.3.clone())
+                .filter(|(c, s, t, _, _)| c == copies && *s == r.slots && *t == r.transfers)
+                .map(|x| (x.3.clone(), x.4.clone()))
         });
         let list = match cached {
-            Some(l) => l,
+            Some((l, uploaded)) => {
+                // The list may have been uploaded on another stream (a small param's side stream).
+                stream.wait(&uploaded).map_err(drv("cuStreamWaitEvent"))?;
+                l
+            }
             None => {
                 let l = Arc::new(self.upload(stream, copies, r.slots, r.transfers)?);
+                let ev = Arc::new(stream.record_event(None).map_err(drv("cuEventRecord"))?);
                 if let Ok(mut last) = self.last.lock() {
-                    *last = Some((copies.to_vec(), r.slots, r.transfers, l.clone()));
+                    *last = Some((copies.to_vec(), r.slots, r.transfers, l.clone(), ev));
                 }
                 l
             }

@@ -25,7 +25,15 @@ pub struct DeviceStorage {
     /// The buffer an async swap-in replaced, kept as the next staging buffer (a second copy of the
     /// param, as vLLM's async mode keeps one layer's buffer): no allocation or free per move.
     spare: std::sync::Mutex<Option<CudaSlice<u8>>>,
+    /// A stream of its own for the copy list of a small param (a few bytes per expert: one
+    /// latency-bound CTA), so that it overlaps the large params' launches on the main stream.
+    aux: Option<Arc<CudaStream>>,
+    /// The event the main stream waits for at [`ExpertStorage::finish`].
+    pending: Option<cudarc::driver::CudaEvent>,
 }
+
+/// Params of at most this many bytes per expert run their copy list on their own stream.
+pub const SMALL_EXPERT_BYTES: usize = 64 * 1024;
 
 impl DeviceStorage {
     /// Own `buf`; copies go on `stream`.
@@ -36,6 +44,8 @@ impl DeviceStorage {
             stream,
             kernel: None,
             spare: std::sync::Mutex::new(None),
+            aux: None,
+            pending: None,
         }
     }
 
@@ -56,6 +66,8 @@ impl DeviceStorage {
             stream: stream.clone(),
             kernel: None,
             spare: std::sync::Mutex::new(None),
+            aux: None,
+            pending: None,
         }
     }
 
@@ -63,6 +75,20 @@ impl DeviceStorage {
     pub fn with_copy_kernel(mut self, kernel: Arc<CopyKernel>) -> DeviceStorage {
         self.kernel = Some(kernel);
         self
+    }
+
+    /// The side stream a small param's copy list runs on (made on first use).
+    fn aux(&mut self) -> Result<Arc<CudaStream>> {
+        if let Some(a) = &self.aux {
+            return Ok(a.clone());
+        }
+        let a = self
+            .stream
+            .context()
+            .new_stream()
+            .map_err(drv("cuStreamCreate"))?;
+        self.aux = Some(a.clone());
+        Ok(a)
     }
 
     /// Whether the memory is the caller's ([`DeviceStorage::borrowed`]).
@@ -256,10 +282,33 @@ impl ExpertStorage for DeviceStorage {
             transfers,
             bytes_per_expert: len,
         };
-        // SAFETY: `base..base + slots*len` is this param's live allocation and `transfer..transfer +
-        // transfers*len` the staging buffer's (checked above), two distinct allocations of this
-        // context; the launch is ordered on the stream after the exchange that filled the staging.
-        unsafe { kernel.run(&self.stream, &region, copies) }
+        if len > SMALL_EXPERT_BYTES {
+            // SAFETY: `base..base + slots*len` is this param's live allocation and `transfer..
+            // transfer + transfers*len` the staging buffer's (checked above), two distinct
+            // allocations of this context; the launch is ordered on the stream after the exchange
+            // that filled the staging.
+            return unsafe { kernel.run(&self.stream, &region, copies) };
+        }
+        // A small param: fork a side stream after everything queued so far (the exchange), run
+        // there, and let `finish` join it, so it overlaps the large params' launches.
+        let aux = self.aux()?;
+        let fork = self
+            .stream
+            .record_event(None)
+            .map_err(drv("cuEventRecord"))?;
+        aux.wait(&fork).map_err(drv("cuStreamWaitEvent"))?;
+        // SAFETY: as above; the side stream is ordered after the main stream's work so far (the
+        // event), and the main stream waits for it at `finish`, before anything reads the param.
+        unsafe { kernel.run(&aux, &region, copies) }?;
+        self.pending = Some(aux.record_event(None).map_err(drv("cuEventRecord"))?);
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if let Some(ev) = self.pending.take() {
+            self.stream.wait(&ev).map_err(drv("cuStreamWaitEvent"))?;
+        }
+        Ok(())
     }
 
     fn exchange(

@@ -76,6 +76,11 @@ pub trait ExpertStorage {
         }
         Ok(())
     }
+    /// Called once every param's copies are queued: join any work a storage forked off its stream
+    /// (the default has none).
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// One grouped exchange over `t`'s EP group: `len` bytes from `Main(offset)` to each `(peer,
     /// offset)` of `sends`, and from each peer of `recvs` into `Staging(offset)`.
     fn exchange(
@@ -510,10 +515,20 @@ impl<S: ExpertStorage> ParamStore<S> {
                 tick()?;
                 e.storage.exchange(st, transport, &sends, &recvs, b)?;
             }
-            for (e, st) in self.entries.iter_mut().zip(staging.iter_mut().flatten()) {
-                let st = &mut st.1;
+            // Small params first, so that a storage that runs them aside overlaps them with the
+            // large ones.
+            let mut order: Vec<usize> = (0..self.entries.len()).collect();
+            order.sort_by_key(|&k| self.entries[k].bytes_per_expert);
+            for k in order {
+                let (Some(e), Some(Some((_, st)))) = (self.entries.get_mut(k), staging.get_mut(k))
+                else {
+                    continue;
+                };
                 e.storage
                     .run_copies(st, &rm.copies, transfer, e.bytes_per_expert, &mut tick)?;
+            }
+            for e in &mut self.entries {
+                e.storage.finish()?;
             }
             Ok(())
         })();
