@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
-use common::run;
+use common::{bf16, run, value};
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -19,18 +19,6 @@ use safetensors::tensor::{Dtype, TensorView};
 const E: usize = 3;
 const H: usize = 128;
 const I: usize = 64;
-
-fn value(k: usize) -> f32 {
-    // Smooth, sign-changing, bf16-exact values of varied magnitude.
-    let x = ((k * 7919) % 1000) as f32 / 250.0 - 2.0;
-    f32::from_bits((x * (1.0 + (k % 5) as f32)).to_bits() & 0xFFFF_0000)
-}
-
-fn bf16(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
-        .collect()
-}
 
 struct Tensors(Vec<(String, Dtype, Vec<usize>, Vec<u8>)>);
 

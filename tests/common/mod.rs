@@ -30,3 +30,16 @@ pub fn seed() -> u64 {
                 .unwrap_or(7)
         })
 }
+
+/// Smooth, sign-changing, bf16-exact values of varied magnitude: element `k` of a synthetic tensor.
+pub fn value(k: usize) -> f32 {
+    let x = ((k * 7919) % 1000) as f32 / 250.0 - 2.0;
+    f32::from_bits((x * (1.0 + (k % 5) as f32)).to_bits() & 0xFFFF_0000)
+}
+
+/// f32 values as bf16 bytes (truncating; exact for values from [`value`]).
+pub fn bf16(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+        .collect()
+}
