@@ -7,6 +7,7 @@
 
 pub mod addr;
 pub mod bindings;
+pub mod gemm;
 pub mod host;
 pub mod interp;
 pub mod kir;
