@@ -1,1 +1,567 @@
-//! Placeholder, replaced by the reference work.
+//! The host reference of the grouped (MoE) GEMM: `Y[rows of e] = X[rows of e] · W[e]^T` evaluated in
+//! f64 over the same quantized operands the GPU reads (SPEC §9), the activation quantization the FP8
+//! variants feed it, and SPEC §9's comparison metric for the GPU-vs-host bound.
+//!
+//! Layouts (row-major, as the kernels read them): `X [T, K]` with its rows sorted by expert, expert
+//! `e` owning rows `offsets[e] .. offsets[e + 1]` ([`Grouped`]); `W [E, N, K]` (`W[e]` is `[N, K]`,
+//! K-major); `Y [T, N]`. Every product of two quantized operands is exact in f64, and the sums are
+//! f64, so the reference is the formula up to f64 rounding; the per-element accumulation order is
+//! ascending K (for `fp8_block128`: ascending within each 128-deep slice, then the slices ascending).
+//!
+//! The E4M3 conversions are [`crate::reference`]'s (the table search and the SPEC §5 quantizers);
+//! only bf16, which that module does not have, is converted here.
+
+use crate::reference::{e4m3_from_f32, e4m3_to_f32, fp8_block128, fp8_per_channel};
+use crate::{Error, Result};
+
+/// The K depth of one `fp8_block128` scale slice, and the side of a weight scale block.
+pub const BLOCK: usize = 128;
+
+/// SPEC §9's accuracy bound: `||out - ref||_F / ||ref||_F <= 1e-2`.
+pub const SPEC_BOUND: f64 = 1e-2;
+
+/// The grouped problem: per-expert row offsets (exclusive prefix sums of the row counts), N and K.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grouped {
+    offsets: Vec<usize>,
+    n: usize,
+    k: usize,
+}
+
+impl Grouped {
+    /// Experts with `rows[e]` rows each (in the order `X` is sorted), `n` outputs, depth `k`.
+    pub fn new(rows: &[usize], n: usize, k: usize) -> Grouped {
+        let mut offsets = Vec::with_capacity(rows.len() + 1);
+        let mut off = 0usize;
+        offsets.push(0);
+        for r in rows {
+            off += r;
+            offsets.push(off);
+        }
+        Grouped { offsets, n, k }
+    }
+
+    /// Number of experts E.
+    pub fn experts(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// Total rows T of `X` and `Y`.
+    pub fn rows(&self) -> usize {
+        self.offsets[self.experts()]
+    }
+
+    /// The row offsets (`E + 1` entries).
+    pub fn offsets(&self) -> &[usize] {
+        &self.offsets
+    }
+
+    /// N, the output columns (rows of each `W[e]`).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// K, the reduced depth.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// `ceil(K / 128)`: the scale slices along K.
+    pub fn k_blocks(&self) -> usize {
+        self.k.div_ceil(BLOCK)
+    }
+
+    /// `ceil(N / 128)`: the weight scale blocks along N.
+    pub fn n_blocks(&self) -> usize {
+        self.n.div_ceil(BLOCK)
+    }
+
+    /// `Y[t, c] = f(e, t, c)` for every expert `e`, its rows `t` and every column `c`.
+    fn map(&self, mut f: impl FnMut(usize, usize, usize) -> f64) -> Vec<f64> {
+        let mut y = Vec::with_capacity(self.rows() * self.n);
+        for e in 0..self.experts() {
+            for t in self.offsets[e]..self.offsets[e + 1] {
+                for c in 0..self.n {
+                    y.push(f(e, t, c));
+                }
+            }
+        }
+        y
+    }
+}
+
+fn check_len(name: &str, got: usize, elems: usize, bytes_per: usize) -> Result<()> {
+    if got != elems {
+        return Err(Error::BufferSize {
+            name: name.into(),
+            expected: elems * bytes_per,
+            got: got * bytes_per,
+        });
+    }
+    Ok(())
+}
+
+fn check_operands(g: &Grouped, x: usize, w: usize, bytes_per: usize) -> Result<()> {
+    check_len("x", x, g.rows() * g.k, bytes_per)?;
+    check_len("w", w, g.experts() * g.n * g.k, bytes_per)
+}
+
+/// bf16 bits of an f32, round to nearest even (NaN stays a quiet NaN of the same sign).
+pub fn bf16_from_f32(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
+    (rounded >> 16) as u16
+}
+
+/// The f32 value of bf16 bits (exact).
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// (a) bf16 x bf16: `Y[t, c] = sum_k X[t, k] W[e, c, k]` in f64. `x` is `[T, K]` and `w` `[E, N, K]`,
+/// as bf16 bits. The GPU's f32 output is compared against this; its bf16 output against
+/// [`to_bf16`] of it.
+pub fn gemm_bf16(g: &Grouped, x: &[u16], w: &[u16]) -> Result<Vec<f64>> {
+    check_operands(g, x.len(), w.len(), 2)?;
+    let k = g.k;
+    Ok(g.map(|e, t, c| {
+        let xr = &x[t * k..(t + 1) * k];
+        let wr = &w[(e * g.n + c) * k..(e * g.n + c + 1) * k];
+        xr.iter().zip(wr).fold(0.0, |acc, (a, b)| {
+            acc + bf16_to_f32(*a) as f64 * bf16_to_f32(*b) as f64
+        })
+    }))
+}
+
+/// The activation scale of the per-tensor / per-token FP8 GEMM.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ActScale<'a> {
+    /// One static scale for every row (the checkpoint's `*_input_scale`).
+    PerTensor(f32),
+    /// One scale per row of `X` (`[T]`, dynamic per-token quantization).
+    PerToken(&'a [f32]),
+}
+
+fn e4m3_dot(x: &[u8], w: &[u8]) -> f64 {
+    x.iter().zip(w).fold(0.0, |acc, (a, b)| {
+        acc + e4m3_to_f32(*a) as f64 * e4m3_to_f32(*b) as f64
+    })
+}
+
+/// (b) e4m3 x e4m3 with the scales applied to the accumulator (SPEC §9 `fp8_per_tensor`):
+/// `Y[t, c] = (sum_k q_x[t, k] q_w[e, c, k]) * s_x * s_w[e]`, all in f64. `xq` is `[T, K]` and `wq`
+/// `[E, N, K]` (E4M3 codes), `w_scale` `[E]` (the per-expert weight scale).
+pub fn gemm_fp8(
+    g: &Grouped,
+    xq: &[u8],
+    x_scale: ActScale<'_>,
+    wq: &[u8],
+    w_scale: &[f32],
+) -> Result<Vec<f64>> {
+    check_operands(g, xq.len(), wq.len(), 1)?;
+    check_len("w_scale", w_scale.len(), g.experts(), 4)?;
+    if let ActScale::PerToken(s) = x_scale {
+        check_len("x_scale", s.len(), g.rows(), 4)?;
+    }
+    let k = g.k;
+    Ok(g.map(|e, t, c| {
+        let acc = e4m3_dot(
+            &xq[t * k..(t + 1) * k],
+            &wq[(e * g.n + c) * k..(e * g.n + c + 1) * k],
+        );
+        let sx = match x_scale {
+            ActScale::PerTensor(s) => s,
+            ActScale::PerToken(s) => s[t],
+        };
+        acc * sx as f64 * w_scale[e] as f64
+    }))
+}
+
+/// (c) `fp8_block128` (SPEC §9, DeepGEMM's promotion): each 128-deep K slice `j` is accumulated on
+/// its own, rescaled by `s_x[t, j] * s_w[e, c / 128, j]` and added to the accumulator, slices in
+/// ascending order:
+/// `Y[t, c] = sum_j (sum_{k in slice j} q_x[t, k] q_w[e, c, k]) * s_x[t, j] * s_w[e, c/128, j]`.
+/// `xq` is `[T, K]`, `x_scale` `[T, ceil(K/128)]` (1x128 groups), `wq` `[E, N, K]`, `w_scale`
+/// `[E, ceil(N/128), ceil(K/128)]` (128x128 blocks; vLLM's `*_weight_scale_inv`). A K (or N) that is
+/// not a multiple of 128 has a short last slice (block).
+pub fn gemm_fp8_block128(
+    g: &Grouped,
+    xq: &[u8],
+    x_scale: &[f32],
+    wq: &[u8],
+    w_scale: &[f32],
+) -> Result<Vec<f64>> {
+    check_operands(g, xq.len(), wq.len(), 1)?;
+    let (kb, nb) = (g.k_blocks(), g.n_blocks());
+    check_len("x_scale", x_scale.len(), g.rows() * kb, 4)?;
+    check_len("w_scale", w_scale.len(), g.experts() * nb * kb, 4)?;
+    let k = g.k;
+    Ok(g.map(|e, t, c| {
+        let mut acc = 0.0f64;
+        for j in 0..kb {
+            let ks = j * BLOCK..((j + 1) * BLOCK).min(k);
+            let slice = e4m3_dot(
+                &xq[t * k + ks.start..t * k + ks.end],
+                &wq[(e * g.n + c) * k + ks.start..(e * g.n + c) * k + ks.end],
+            );
+            let sx = x_scale[t * kb + j] as f64;
+            let sw = w_scale[(e * nb + c / BLOCK) * kb + j] as f64;
+            acc += slice * sx * sw;
+        }
+        acc
+    }))
+}
+
+/// Dynamic per-token activation quantization (SPEC §9 `fp8_per_tensor` without a checkpoint scale,
+/// §5 per-channel online): per row of `k` values `s_t = max(amax_t / 448, 1/(448*512))`, 1.0 for an
+/// all-zero row, `q = e4m3(clamp(x / s_t, ±448))`. Returns codes `[T, K]` and scales `[T]`.
+pub fn quantize_per_token(x: &[f32], k: usize) -> Result<(Vec<u8>, Vec<f32>)> {
+    check_rows(x.len(), k)?;
+    Ok(fp8_per_channel(x, k))
+}
+
+/// Static per-tensor activation quantization with the checkpoint's scale (SPEC §9 `fp8_per_tensor`,
+/// with moeforge's choice for per-tensor FP8: multiply by the correctly rounded `1/scale`):
+/// `q = e4m3(clamp(x * (1/scale), ±448))`.
+pub fn quantize_per_tensor(x: &[f32], scale: f32) -> Vec<u8> {
+    let inv = 1.0 / scale;
+    x.iter()
+        .map(|v| e4m3_from_f32((v * inv).clamp(-448.0, 448.0)))
+        .collect()
+}
+
+/// Per-token 1x128-group activation quantization (SPEC §9 `fp8_block128`): per row and per 128
+/// consecutive columns `s = max(amax_group, 1e-4) / 448`, `q = e4m3(x * (1/s))` (the same formula as
+/// the 128x128 weight blocks, a group being a 1x128 block; an all-zero group gets `1e-4/448` and zero
+/// codes). Returns codes `[T, K]` and scales `[T, ceil(K/128)]`.
+pub fn quantize_per_group128(x: &[f32], k: usize) -> Result<(Vec<u8>, Vec<f32>)> {
+    check_rows(x.len(), k)?;
+    let mut q = Vec::with_capacity(x.len());
+    let mut s = Vec::with_capacity(x.len() / k.max(1) * k.div_ceil(BLOCK));
+    for row in x.chunks(k) {
+        let (rq, rs) = fp8_block128(row, 1, k);
+        q.extend(rq);
+        s.extend(rs);
+    }
+    Ok((q, s))
+}
+
+fn check_rows(len: usize, k: usize) -> Result<()> {
+    if k == 0 || !len.is_multiple_of(k) {
+        return Err(Error::BufferSize {
+            name: "x".into(),
+            expected: len.div_ceil(k.max(1)) * k * 4,
+            got: len * 4,
+        });
+    }
+    Ok(())
+}
+
+/// The reference rounded to f32 (what the GPU's f32 output holds at best).
+pub fn to_f32(y: &[f64]) -> Vec<f32> {
+    y.iter().map(|v| *v as f32).collect()
+}
+
+/// The reference rounded to bf16 bits, through f32 as the GPU's epilogue rounds its f32 accumulator.
+pub fn to_bf16(y: &[f64]) -> Vec<u16> {
+    y.iter().map(|v| bf16_from_f32(*v as f32)).collect()
+}
+
+/// SPEC §9's metric: `||out - ref||_F / ||ref||_F` in f64. A zero reference gives 0 when `out` is
+/// zero too, infinity otherwise; any NaN in `out` gives NaN (which no bound accepts).
+pub fn rel_frobenius(out: &[f32], reference: &[f64]) -> Result<f64> {
+    check_len("out", out.len(), reference.len(), 4)?;
+    let (mut d2, mut r2) = (0.0f64, 0.0f64);
+    for (o, r) in out.iter().zip(reference) {
+        let d = *o as f64 - r;
+        d2 += d * d;
+        r2 += r * r;
+    }
+    Ok(if r2 == 0.0 {
+        if d2 == 0.0 {
+            0.0
+        } else if d2.is_nan() {
+            f64::NAN
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        (d2 / r2).sqrt()
+    })
+}
+
+/// Whether `out` meets SPEC §9's bound against `reference` (false on NaN).
+pub fn within_bound(out: &[f32], reference: &[f64]) -> Result<bool> {
+    Ok(rel_frobenius(out, reference)? <= SPEC_BOUND)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bf(v: &[f32]) -> Vec<u16> {
+        v.iter().map(|x| bf16_from_f32(*x)).collect()
+    }
+
+    #[test]
+    fn bf16_rounding() {
+        assert_eq!(bf16_from_f32(1.0), 0x3F80);
+        assert_eq!(bf16_from_f32(-2.0), 0xC000);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(bf16_from_f32(1.0 + 2f32.powi(-8)), 0x3F80);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
+        assert_eq!(bf16_from_f32(1.0 + 3.0 * 2f32.powi(-8)), 0x3F82);
+        assert_eq!(bf16_from_f32(1.0 + 2f32.powi(-8) + 2f32.powi(-20)), 0x3F81);
+        assert!(bf16_to_f32(bf16_from_f32(f32::NAN)).is_nan());
+        assert_eq!(bf16_from_f32(f32::INFINITY), 0x7F80);
+        assert_eq!(bf16_to_f32(0x3FC0), 1.5);
+    }
+
+    /// Two experts (1 row, 2 rows), N = 2, K = 3, computed by hand.
+    #[test]
+    fn bf16_by_hand() {
+        let g = Grouped::new(&[1, 2], 2, 3);
+        let x = bf(&[1.0, 2.0, 3.0, 0.5, -1.0, 0.0, 4.0, 0.25, -2.0]);
+        let w = bf(&[
+            1.0, 0.0, 0.0, // W[0] row 0
+            1.0, 1.0, 1.0, // W[0] row 1
+            2.0, -1.0, 0.5, // W[1] row 0
+            0.0, 4.0, -3.0, // W[1] row 1
+        ]);
+        let y = gemm_bf16(&g, &x, &w).unwrap();
+        // Row 0 (expert 0): [1, 6]. Row 1 (expert 1): [0.5*2 + -1*-1 + 0, 0 - 4 + 0] = [2, -4].
+        // Row 2 (expert 1): [8 - 0.25 - 1, 0 + 1 + 6] = [6.75, 7].
+        assert_eq!(y, vec![1.0, 6.0, 2.0, -4.0, 6.75, 7.0]);
+        assert_eq!(to_bf16(&[6.75, 1.0 + 2f64.powi(-9)]), vec![0x40D8, 0x3F80]);
+    }
+
+    /// e4m3 with a per-token and a per-expert scale, by hand.
+    #[test]
+    fn fp8_by_hand() {
+        let g = Grouped::new(&[1, 1], 1, 2);
+        let c = |v: f32| e4m3_from_f32(v);
+        let xq = vec![c(2.0), c(-1.5), c(448.0), c(0.0)];
+        let wq = vec![c(3.0), c(4.0), c(0.5), c(1.0)];
+        // Expert 0: 2*3 - 1.5*4 = 0; expert 1: 448*0.5 + 0 = 224, times the scales.
+        let y = gemm_fp8(&g, &xq, ActScale::PerToken(&[2.0, 0.25]), &wq, &[1.0, 0.5]).unwrap();
+        assert_eq!(y, vec![0.0, 224.0 * 0.25 * 0.5]);
+        let y = gemm_fp8(&g, &xq, ActScale::PerTensor(4.0), &wq, &[3.0, 0.5]).unwrap();
+        assert_eq!(y, vec![0.0, 224.0 * 4.0 * 0.5]);
+    }
+
+    /// fp8_block128 with K = 256 (two slices) and N = 130 (two weight blocks), by hand.
+    #[test]
+    fn block128_by_hand() {
+        let (n, k) = (130, 256);
+        let g = Grouped::new(&[1], n, k);
+        let one = e4m3_from_f32(1.0);
+        let two = e4m3_from_f32(2.0);
+        let xq = vec![one; k];
+        let mut wq = vec![one; n * k];
+        // Column 129 (second weight block) has code 2 in the second slice.
+        for v in &mut wq[129 * k + 128..130 * k] {
+            *v = two;
+        }
+        let x_scale = [2.0, 3.0];
+        let w_scale = [5.0, 7.0, 11.0, 13.0]; // [n-block][k-slice]
+        let y = gemm_fp8_block128(&g, &xq, &x_scale, &wq, &w_scale).unwrap();
+        assert_eq!(y[0], 128.0 * 2.0 * 5.0 + 128.0 * 3.0 * 7.0);
+        assert_eq!(y[127], y[0]);
+        assert_eq!(y[128], 128.0 * 2.0 * 11.0 + 128.0 * 3.0 * 13.0);
+        assert_eq!(y[129], 128.0 * 2.0 * 11.0 + 256.0 * 3.0 * 13.0);
+    }
+
+    /// A short last slice (K = 130): slice 1 holds two columns.
+    #[test]
+    fn block128_ragged_k() {
+        let g = Grouped::new(&[2], 1, 130);
+        let one = e4m3_from_f32(1.0);
+        let y = gemm_fp8_block128(
+            &g,
+            &[one; 260],
+            &[1.0, 10.0, 1.0, 100.0],
+            &[one; 130],
+            &[1.0, 1.0],
+        )
+        .unwrap();
+        assert_eq!(y, vec![128.0 + 20.0, 128.0 + 200.0]);
+    }
+
+    #[test]
+    fn activation_quantization() {
+        // Per token (SPEC §5): amax 3.5 -> 3.5/448 = 2^-7; an all-zero row gets scale 1 and zero codes;
+        // a tiny row gets the floor 1/(448*512).
+        let x = [3.5, -1.0, 0.0, 0.0, 0.0, 0.0, 1e-9, 0.0];
+        let (q, s) = quantize_per_token(&x, 2).unwrap();
+        assert_eq!(s, vec![2f32.powi(-7), 1.0, 1.0, 1.0 / (448.0 * 512.0)]);
+        assert_eq!(q[..4], [e4m3_from_f32(448.0), e4m3_from_f32(-128.0), 0, 0]);
+        // Per 1x128 group: a row of K = 256 with amax 3.5 then 0; and the second row 1e-5 (clamped).
+        let mut x = vec![0f32; 512];
+        x[0] = 3.5;
+        x[1] = -1.0;
+        x[256] = 1e-5;
+        let (q, s) = quantize_per_group128(&x, 256).unwrap();
+        assert_eq!(
+            s,
+            vec![3.5 / 448.0, 1e-4 / 448.0, 1e-4 / 448.0, 1e-4 / 448.0]
+        );
+        assert_eq!(e4m3_to_f32(q[0]), 448.0);
+        assert_eq!(e4m3_to_f32(q[1]), -128.0);
+        assert!(q[2..256].iter().all(|&b| b == 0));
+        assert_eq!(
+            e4m3_to_f32(q[256]),
+            e4m3_to_f32(e4m3_from_f32(1e-5 / (1e-4 / 448.0)))
+        );
+        // Static per tensor.
+        let q = quantize_per_tensor(&[1.0, -1000.0], 0.5);
+        assert_eq!(q, vec![e4m3_from_f32(2.0), e4m3_from_f32(-448.0)]);
+        assert!(quantize_per_token(&[1.0; 3], 2).is_err());
+        assert!(quantize_per_group128(&[1.0; 3], 0).is_err());
+    }
+
+    #[test]
+    fn zero_row_experts() {
+        let (n, k) = (3, 4);
+        let rows = [0, 2, 0, 0, 1, 0];
+        let g = Grouped::new(&rows, n, k);
+        let x: Vec<u16> = bf(&(0..3 * k).map(|i| i as f32 - 5.0).collect::<Vec<_>>());
+        let w: Vec<u16> = bf(&(0..6 * n * k)
+            .map(|i| (i % 7) as f32 - 3.0)
+            .collect::<Vec<_>>());
+        let y = gemm_bf16(&g, &x, &w).unwrap();
+        assert_eq!(y.len(), 3 * n);
+        // Row 0 and 1 use expert 1, row 2 expert 4: compare with a dense evaluation per row.
+        for (t, e) in [(0, 1), (1, 1), (2, 4)] {
+            for c in 0..n {
+                let want: f64 = (0..k)
+                    .map(|kk| {
+                        bf16_to_f32(x[t * k + kk]) as f64
+                            * bf16_to_f32(w[(e * n + c) * k + kk]) as f64
+                    })
+                    .sum();
+                assert_eq!(y[t * n + c], want);
+            }
+        }
+        // All experts empty: an empty output, not an error.
+        let g = Grouped::new(&[0, 0], n, k);
+        assert_eq!(
+            gemm_bf16(&g, &[], &vec![0; 2 * n * k]).unwrap(),
+            Vec::<f64>::new()
+        );
+        assert!(gemm_bf16(&g, &[0; 4], &vec![0; 2 * n * k]).is_err());
+    }
+
+    #[test]
+    fn metric() {
+        let r = [3.0, 4.0];
+        assert_eq!(rel_frobenius(&[3.0, 4.0], &r).unwrap(), 0.0);
+        assert_eq!(rel_frobenius(&[3.0, 4.5], &r).unwrap(), 0.1);
+        assert!(rel_frobenius(&[f32::NAN, 4.0], &r).unwrap().is_nan());
+        assert!(!within_bound(&[f32::NAN, 4.0], &r).unwrap());
+        assert!(within_bound(&[3.0, 4.04], &r).unwrap());
+        assert!(!within_bound(&[3.0, 4.06], &r).unwrap());
+        assert_eq!(rel_frobenius(&[0.0], &[0.0]).unwrap(), 0.0);
+        assert_eq!(rel_frobenius(&[1.0], &[0.0]).unwrap(), f64::INFINITY);
+        assert!(rel_frobenius(&[1.0], &r).is_err());
+    }
+
+    /// Finite E4M3 codes (no NaN).
+    fn code() -> impl Strategy<Value = u8> {
+        (0u8..0x7F, any::<bool>()).prop_map(|(c, neg)| if neg { c | 0x80 } else { c })
+    }
+
+    fn grouped() -> impl Strategy<Value = (Vec<usize>, usize, usize)> {
+        (
+            prop::collection::vec(prop_oneof![Just(0usize), 1usize..4], 1..5),
+            1usize..260,
+            1usize..300,
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+
+        /// (b) with unit scales and (c) with unit scales equal (a) on operands exact in e4m3 (every
+        /// e4m3 value is exact in bf16; the products and sums are exact in f64).
+        #[test]
+        fn fp8_unit_scales_equal_bf16(
+            (rows, n, k) in grouped(),
+            seed in prop::collection::vec(code(), 64),
+        ) {
+            let g = Grouped::new(&rows, n, k);
+            let xq: Vec<u8> = (0..g.rows() * k).map(|i| seed[(i * 7 + 3) % 64]).collect();
+            let wq: Vec<u8> = (0..g.experts() * n * k).map(|i| seed[(i * 13 + 5) % 64]).collect();
+            let to_bf = |q: &[u8]| -> Vec<u16> {
+                q.iter()
+                    .map(|b| {
+                        let v = e4m3_to_f32(*b);
+                        let h = bf16_from_f32(v);
+                        assert_eq!(bf16_to_f32(h), v);
+                        h
+                    })
+                    .collect()
+            };
+            let a = gemm_bf16(&g, &to_bf(&xq), &to_bf(&wq)).unwrap();
+            let ones_e = vec![1.0; g.experts()];
+            let ones_t = vec![1.0; g.rows()];
+            prop_assert_eq!(&gemm_fp8(&g, &xq, ActScale::PerToken(&ones_t), &wq, &ones_e).unwrap(), &a);
+            prop_assert_eq!(&gemm_fp8(&g, &xq, ActScale::PerTensor(1.0), &wq, &ones_e).unwrap(), &a);
+            let sx = vec![1.0; g.rows() * g.k_blocks()];
+            let sw = vec![1.0; g.experts() * g.n_blocks() * g.k_blocks()];
+            prop_assert_eq!(&gemm_fp8_block128(&g, &xq, &sx, &wq, &sw).unwrap(), &a);
+        }
+
+        /// Changing the scale of one 128x128 weight block (or one 1x128 activation group) changes
+        /// exactly the outputs that depend on it: the expert's rows (the token) and the block's
+        /// 128 columns (every column); everything else keeps its bits.
+        #[test]
+        fn block_scale_placement(
+            rows in prop::collection::vec(prop_oneof![Just(0usize), 1usize..3], 2..4),
+            n in 129usize..300,
+            k in 129usize..400,
+            seed in prop::collection::vec(1u8..0x70, 32),
+            pick in any::<(prop::sample::Index, prop::sample::Index, prop::sample::Index)>(),
+        ) {
+            let g = Grouped::new(&rows, n, k);
+            prop_assume!(g.rows() > 0);
+            // Positive nonzero codes, so every slice sum is positive and any scale change shows.
+            let xq: Vec<u8> = (0..g.rows() * k).map(|i| seed[(i * 7 + 1) % 32]).collect();
+            let wq: Vec<u8> = (0..g.experts() * n * k).map(|i| seed[(i * 11 + 2) % 32]).collect();
+            let (kb, nb) = (g.k_blocks(), g.n_blocks());
+            let sx: Vec<f32> = (0..g.rows() * kb).map(|i| 1.0 + (i % 5) as f32 * 0.25).collect();
+            let sw: Vec<f32> =
+                (0..g.experts() * nb * kb).map(|i| 0.5 + (i % 3) as f32 * 0.125).collect();
+            let base = gemm_fp8_block128(&g, &xq, &sx, &wq, &sw).unwrap();
+
+            // One weight block (e, nb_i, kb_j) of a non-empty expert.
+            let nonempty: Vec<usize> = (0..g.experts()).filter(|&e| rows[e] > 0).collect();
+            let e = nonempty[pick.0.index(nonempty.len())];
+            let (bi, bj) = (pick.1.index(nb), pick.2.index(kb));
+            let mut sw2 = sw.clone();
+            sw2[(e * nb + bi) * kb + bj] *= 3.0;
+            let y = gemm_fp8_block128(&g, &xq, &sx, &wq, &sw2).unwrap();
+            let off = g.offsets();
+            for t in 0..g.rows() {
+                for c in 0..n {
+                    let depends = off[e] <= t && t < off[e + 1] && c / BLOCK == bi;
+                    prop_assert_eq!(y[t * n + c] != base[t * n + c], depends, "t {} c {}", t, c);
+                }
+            }
+
+            // One activation group (t, kb_j).
+            let t0 = pick.0.index(g.rows());
+            let mut sx2 = sx.clone();
+            sx2[t0 * kb + bj] *= 3.0;
+            let y = gemm_fp8_block128(&g, &xq, &sx2, &wq, &sw).unwrap();
+            for t in 0..g.rows() {
+                for c in 0..n {
+                    prop_assert_eq!(y[t * n + c] != base[t * n + c], t == t0, "t {} c {}", t, c);
+                }
+            }
+        }
+    }
+}
