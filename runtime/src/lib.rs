@@ -22,6 +22,7 @@ pub mod moves;
 pub mod nccl;
 pub mod staged;
 pub mod store;
+pub mod tma;
 
 pub use cache::Cache;
 pub use device::Device;
