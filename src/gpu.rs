@@ -234,6 +234,7 @@ pub fn selftest(quick: bool, settings: &Settings) -> Result<(String, Option<bool
             all &= rearrange_check(&dev, &info, &inp, e, &settings.host, &mut out)?;
         }
     }
+    all &= tma_check(&dev, &mut out)?;
     let _ = writeln!(
         out,
         "{}",
@@ -244,6 +245,36 @@ pub fn selftest(quick: bool, settings: &Settings) -> Result<(String, Option<bool
         }
     );
     Ok((out, Some(all)))
+}
+
+/// The driver encodes the tensor map the GEMM generator asks for over a real expert tensor
+/// (`w13_weight`-shaped bf16 `[8, 256, 512]`, 64-row boxes, 128B swizzle), and the cache answers the
+/// second ask without encoding again.
+fn tma_check(dev: &Device, out: &mut String) -> Result<bool> {
+    use crate::codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
+    let (e, rows, k) = (8u64, 256u64, 512u64);
+    let buf = dev
+        .stream
+        .alloc_zeros::<u8>((e * rows * k * 2) as usize)
+        .map_err(|x| {
+            rt(crate::runtime::Error::Driver {
+                call: "cuMemAlloc",
+                detail: format!("{x:?}"),
+            })
+        })?;
+    let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&buf, &dev.stream);
+    let p = TensorMapParams::expert_k_major(WgmmaDtype::Bf16, Swizzle::B128, ptr, e, rows, k, 64)
+        .map_err(|x| Error::Usage(format!("tensor map: {x}")))?;
+    let cache = crate::runtime::tma::TensorMapCache::new();
+    let a = cache.get(&p).map_err(rt)?;
+    let b = cache.get(&p).map_err(rt)?;
+    let ok = a == b && cache.len() == 1 && a.0 != [0u8; 128];
+    let _ = writeln!(
+        out,
+        "TMA: cuTensorMapEncodeTiled of a bf16 [8, 256, 512] expert tensor, 64-row boxes, 128B swizzle: {}",
+        if ok { "encoded, cached" } else { "FAILED" }
+    );
+    Ok(ok)
 }
 
 /// Rearranging experts in place on the device equals packing the checkpoint placed as the new
