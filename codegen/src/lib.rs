@@ -88,6 +88,16 @@ pub enum Error {
     /// An invariant of the code generator was broken (a bug).
     #[error("internal error: {0}")]
     Internal(&'static str),
+    /// A typed PTX instruction was given operands its form does not allow (an `N` of `wgmma` that is
+    /// not a multiple of 8, a register of the wrong class, ...): a generator bug, caught before any
+    /// PTX text is printed.
+    #[error("`{inst}`: {why}")]
+    Inst {
+        /// The instruction (its PTX opcode).
+        inst: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
 }
 
 /// `Result` with [`Error`].

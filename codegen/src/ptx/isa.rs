@@ -6,6 +6,8 @@
 
 use std::fmt::{self, Write as _};
 
+use super::asyncops::{AsyncOp, Guard, SharedDecl};
+
 /// The PTX ISA version emitted (accepted by ptxas 13.0 for both targets).
 pub const PTX_VERSION: &str = "8.7";
 
@@ -537,6 +539,14 @@ pub enum Inst {
     Label(String),
     /// `ret`.
     Ret,
+    /// `[@p] op`: one of Hopper's asynchronous, barrier and tensor-core instructions
+    /// ([`AsyncOp`]), optionally guarded by a predicate.
+    Async {
+        /// Guard.
+        guard: Option<Guard>,
+        /// The instruction.
+        op: AsyncOp,
+    },
 }
 
 impl fmt::Display for Inst {
@@ -612,6 +622,11 @@ impl fmt::Display for Inst {
             },
             Inst::Label(l) => write!(f, "{l}:"),
             Inst::Ret => write!(f, "\tret;"),
+            Inst::Async { guard: None, op } => write!(f, "\t{op}"),
+            Inst::Async {
+                guard: Some(g),
+                op,
+            } => write!(f, "\t{g} {op}"),
         }
     }
 }
@@ -623,6 +638,8 @@ pub struct Builder {
     /// Instructions so far.
     pub insts: Vec<Inst>,
     labels: u32,
+    /// `.shared` variables declared with [`Builder::declare_shared`], in declaration order.
+    pub(super) shared: Vec<SharedDecl>,
 }
 
 impl Builder {
@@ -647,7 +664,8 @@ impl Builder {
         format!("$L_{stem}_{}", self.labels)
     }
 
-    /// Register declarations.
+    /// Register declarations, then the `.shared` variables declared with
+    /// [`Builder::declare_shared`] (none for kernels that declare none).
     pub fn decls(&self) -> String {
         let mut s = String::new();
         for c in [RegClass::Pred, RegClass::B32, RegClass::B64, RegClass::F32] {
@@ -655,6 +673,9 @@ impl Builder {
             if n > 0 {
                 let _ = writeln!(s, "\t.reg {} \t%{}<{}>;", c.decl(), c.prefix(), n + 1);
             }
+        }
+        for d in &self.shared {
+            let _ = writeln!(s, "{d}");
         }
         s
     }
