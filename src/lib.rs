@@ -19,6 +19,7 @@ pub mod demo_eplb;
 pub mod dequant;
 pub mod eplb_apply;
 pub mod eplb_nccl;
+pub mod gemm_check;
 pub mod gpu;
 pub mod gpu_shards;
 pub mod layout_gen;

@@ -135,6 +135,11 @@ enum Command {
         /// it says that it skipped with fewer than 2 GPUs. Sets NCCL_NVLS_ENABLE=0 when it is unset.
         #[arg(long, requires = "gpu")]
         nccl: bool,
+        /// Instead: the generated grouped bf16 GEMM (v0) against the f64 host reference on three
+        /// shapes (fresh random seed, printed), and the largest one timed; it says that it skipped
+        /// without a Hopper GPU.
+        #[arg(long, requires = "gpu", conflicts_with = "nccl")]
+        gemm: bool,
     },
     /// The kernel cache: list, clear, or warm up the variants a binding needs.
     Cache {
@@ -643,11 +648,18 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 write!(out, "{report}").map_err(io)?;
             }
         }
-        Command::Selftest { gpu, quick, nccl } => {
+        Command::Selftest {
+            gpu,
+            quick,
+            nccl,
+            gemm,
+        } => {
             if !gpu {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
-            let (report, ok) = if nccl {
+            let (report, ok) = if gemm {
+                moeforge::gemm_check::selftest()?
+            } else if nccl {
                 // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
                 // when a communicator is made, so it is set here, in the CLI only, before any NCCL
                 // call and while this process has no other thread.

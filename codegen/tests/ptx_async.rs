@@ -648,3 +648,21 @@ fn the_ptxas_checks_catch_serialized_wgmma_and_ignored_setmaxnreg() {
     assert!(report.contains("C7508"), "{report}");
     assert!(!problems(&report).is_empty());
 }
+
+/// The generated grouped GEMM v0 (`gemm::kernel::grouped_bf16_v0`) assembles for sm_90a with no
+/// spills and no serialized wgmma, for a small shape and the DeepSeek-V3 w13 shape.
+#[test]
+fn ptxas_assembles_the_grouped_bf16_gemm_v0() {
+    for (n, k, stages) in [(256u32, 512u32, 2u32), (2048, 7168, 3)] {
+        let (ptx, launch) = moeforge_codegen::gemm::kernel::grouped_bf16_v0(n, k, stages).unwrap();
+        assert_eq!(launch.k_tiles, k / 64);
+        assert_eq!(
+            ptx.matches("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16")
+                .count(),
+            4
+        );
+        if let Some(report) = assemble(&format!("gemm_bf16_v0_{n}_{k}_{stages}"), &ptx) {
+            eprintln!("{report}");
+        }
+    }
+}

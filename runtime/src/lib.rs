@@ -16,6 +16,7 @@ pub mod device;
 pub mod device_storage;
 pub mod eplb;
 pub mod eplb_state;
+pub mod gemm;
 pub mod gpu_pack;
 pub mod jit;
 pub mod moves;

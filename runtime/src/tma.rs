@@ -18,6 +18,12 @@ use crate::{Error, Result};
 #[repr(C, align(64))]
 pub struct TensorMap(pub [u8; 128]);
 
+// SAFETY: `TensorMap` is a plain 128-byte `repr(C)` array with no pointers or padding, 64-byte
+// aligned as `CUtensorMap` must be; a kernel takes it by value as `.param .align 64 .b8 [128]`, so
+// passing its host bytes (cudarc pushes a pointer to the value for the launch to copy) is exactly
+// what the driver expects.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
 impl std::fmt::Debug for TensorMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TensorMap({:02x?}..)", &self.0[..8])

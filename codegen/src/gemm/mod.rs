@@ -5,5 +5,6 @@
 //! epilogue. This module holds the target-independent parts that are checked on the host.
 
 pub mod desc;
+pub mod kernel;
 pub mod reference;
 pub mod schedule;

@@ -308,6 +308,8 @@ pub enum SpecialReg {
     CtaidX,
     /// `%nctaid.x`: CTAs in the grid.
     NctaidX,
+    /// `%ctaid.y`: the CTA's index along the grid's y dimension.
+    CtaidY,
 }
 
 impl fmt::Display for SpecialReg {
@@ -317,6 +319,7 @@ impl fmt::Display for SpecialReg {
             SpecialReg::NtidX => "%ntid.x",
             SpecialReg::CtaidX => "%ctaid.x",
             SpecialReg::NctaidX => "%nctaid.x",
+            SpecialReg::CtaidY => "%ctaid.y",
         })
     }
 }
@@ -387,6 +390,22 @@ pub enum Inst {
         ty: PtxTy,
         /// Address register.
         addr: Reg,
+        /// Value register.
+        v: Reg,
+    },
+    /// `@p st.global.ty [addr+off], v` (`@!p` when `negate`): a store masked by a predicate, at a
+    /// constant byte offset from the address register.
+    StGuarded {
+        /// The predicate.
+        pred: Reg,
+        /// Store where the predicate is false instead.
+        negate: bool,
+        /// Type.
+        ty: PtxTy,
+        /// Address register (64-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
         /// Value register.
         v: Reg,
     },
@@ -558,6 +577,17 @@ impl fmt::Display for Inst {
             Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
             Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
             Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
+            Inst::StGuarded {
+                pred,
+                negate,
+                ty,
+                addr,
+                off,
+                v,
+            } => {
+                let bang = if *negate { "!" } else { "" };
+                write!(f, "\t@{bang}{pred} st.global{ty} \t[{addr}+{off}], {v};")
+            }
             Inst::CvtNarrow { e2m1: false, d, a } => write!(
                 f,
                 "\t{{ .reg .b16 %cvt; cvt.rn.satfinite.e4m3x2.f32 %cvt, 0f00000000, {a}; cvt.u32.u16 {d}, %cvt; }}"

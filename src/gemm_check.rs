@@ -1,0 +1,270 @@
+//! `moeforge selftest --gpu --gemm`: the generated grouped bf16 GEMM v0 on the GPU against the f64
+//! host reference (`codegen::gemm::reference::gemm_bf16`), on three shapes (a ragged one with an
+//! empty expert and a one-row expert, random row counts, and the DeepSeek-V3 w13 shape), with
+//! random bf16 operands from a fresh seed (printed) and `Y` poisoned with NaN before the run; then
+//! the largest shape timed.
+
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::codegen::gemm::reference::{self, Grouped, SPEC_BOUND};
+use crate::runtime::gemm::GemmBf16V0;
+use crate::runtime::Device;
+use crate::{Error, Result};
+
+fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| {
+        Error::Runtime(crate::runtime::Error::Driver {
+            call,
+            detail: format!("{e:?}"),
+        })
+    }
+}
+
+/// xorshift64*.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    /// A bf16 in [-1, 1).
+    fn bf16(&mut self) -> u16 {
+        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        reference::bf16_from_f32(2.0 * u - 1.0)
+    }
+}
+
+/// One test shape: experts' row counts, N, K, pipeline stages.
+struct Shape {
+    rows: Vec<usize>,
+    n: u32,
+    k: u32,
+    stages: u32,
+    what: String,
+}
+
+fn shapes(rng: &mut Rng) -> Vec<Shape> {
+    let mut random = vec![0usize; 8];
+    for r in random.iter_mut() {
+        *r = rng.below(300);
+    }
+    let mut spread = vec![0usize; 32];
+    for _ in 0..512 {
+        spread[rng.below(32)] += 1;
+    }
+    vec![
+        Shape {
+            rows: vec![0, 1, 70, 129],
+            n: 256,
+            k: 512,
+            stages: 2,
+            what: "ragged".into(),
+        },
+        Shape {
+            rows: random,
+            n: 512,
+            k: 1024,
+            stages: 3,
+            what: "random rows 0..300".into(),
+        },
+        Shape {
+            rows: spread,
+            n: 2048,
+            k: 7168,
+            stages: 4,
+            what: "DeepSeek-V3 w13, 512 tokens".into(),
+        },
+    ]
+}
+
+/// The f64 reference, one expert per task over the machine's threads.
+fn reference_parallel(s: &Shape, x: &[u16], w: &[u16]) -> Result<Vec<f64>> {
+    let (n, k) = (s.n as usize, s.k as usize);
+    let mut starts = vec![0usize];
+    for r in &s.rows {
+        starts.push(starts[starts.len() - 1] + r);
+    }
+    let threads = std::thread::available_parallelism()
+        .map(|t| t.get())
+        .unwrap_or(1);
+    let experts = s.rows.len();
+    let mut parts: Vec<Option<crate::codegen::Result<Vec<f64>>>> =
+        (0..experts).map(|_| None).collect();
+    std::thread::scope(|sc| {
+        for (c, chunk) in parts.chunks_mut(experts.div_ceil(threads)).enumerate() {
+            let first = c * experts.div_ceil(threads);
+            let starts = &starts;
+            sc.spawn(move || {
+                for (i, slot) in chunk.iter_mut().enumerate() {
+                    let e = first + i;
+                    let g = Grouped::new(&[s.rows[e]], n, k);
+                    *slot = Some(reference::gemm_bf16(
+                        &g,
+                        &x[starts[e] * k..starts[e + 1] * k],
+                        &w[e * n * k..(e + 1) * n * k],
+                    ));
+                }
+            });
+        }
+    });
+    let mut out = Vec::with_capacity(starts[experts] * n);
+    for p in parts {
+        match p {
+            Some(r) => out.extend(r?),
+            None => return Err(Error::Usage("gemm reference: a task did not run".into())),
+        }
+    }
+    Ok(out)
+}
+
+/// The result of one shape on the device.
+struct Outcome {
+    ok: bool,
+    line: String,
+}
+
+fn run_shape(dev: &Device, s: &Shape, rng: &mut Rng, time: bool) -> Result<Outcome> {
+    let (n, k) = (s.n as usize, s.k as usize);
+    let experts = s.rows.len();
+    let t: usize = s.rows.iter().sum();
+    let x: Vec<u16> = (0..t * k).map(|_| rng.bf16()).collect();
+    let w: Vec<u16> = (0..experts * n * k).map(|_| rng.bf16()).collect();
+    let mut offsets = vec![0i32];
+    for r in &s.rows {
+        offsets.push(offsets[offsets.len() - 1] + *r as i32);
+    }
+    let bytes = |v: &[u16]| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+    let gemm = GemmBf16V0::load(dev, s.n, s.k, s.stages)?;
+    let st = &dev.stream;
+    let dx = st.clone_htod(&bytes(&x)).map_err(drv("cuMemcpyHtoD"))?;
+    let dw = st.clone_htod(&bytes(&w)).map_err(drv("cuMemcpyHtoD"))?;
+    let doff = st.clone_htod(&offsets).map_err(drv("cuMemcpyHtoD"))?;
+    let mut dy = st
+        .clone_htod(&vec![f32::NAN; t * n])
+        .map_err(drv("cuMemcpyHtoD"))?;
+    // SAFETY: `offsets` is the exclusive prefix sum of the row counts: non-decreasing, ending at t.
+    unsafe { gemm.run(dev, &dx, &dw, &doff, &mut dy, t, experts) }?;
+    dev.sync()?;
+    let y = st.clone_dtoh(&dy).map_err(drv("cuMemcpyDtoH"))?;
+    let want = reference_parallel(s, &x, &w)?;
+    let nan = y.iter().filter(|v| v.is_nan()).count();
+    let rel = reference::rel_frobenius(&y, &want)?;
+    let ok = nan == 0 && rel <= SPEC_BOUND;
+    let rows_desc = if experts <= 8 {
+        format!("rows {:?}", s.rows)
+    } else {
+        format!(
+            "rows {}..={} per expert",
+            s.rows.iter().min().copied().unwrap_or(0),
+            s.rows.iter().max().copied().unwrap_or(0)
+        )
+    };
+    let mut line = format!(
+        "gemm bf16 v0 E={experts} N={n} K={k} S={} T={t} ({}; {rows_desc}): rel_frobenius {rel:.3e} (bound {SPEC_BOUND:e}), NaN {nan}: {}",
+        s.stages,
+        s.what,
+        if ok { "ok" } else { "FAIL" }
+    );
+    if time {
+        let reps = 10;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = st.record_event(timing).map_err(drv("cuEventRecord"))?;
+        for _ in 0..reps {
+            // SAFETY: as above.
+            unsafe { gemm.run(dev, &dx, &dw, &doff, &mut dy, t, experts) }?;
+        }
+        let b = st.record_event(timing).map_err(drv("cuEventRecord"))?;
+        let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))? as f64 / reps as f64;
+        let tflops = 2.0 * (t * n * k) as f64 / (ms * 1e-3) / 1e12;
+        let _ = write!(
+            line,
+            "\ngemm bf16 v0 timing (E={experts} N={n} K={k} T={t}, {reps} reps, CUDA events): {:.1} us/launch, {tflops:.1} TFLOP/s (v0, untuned)",
+            ms * 1e3
+        );
+    }
+    Ok(Outcome { ok, line })
+}
+
+/// The GEMM self-test: one line per shape and a timing line; `None` as the verdict without a GPU
+/// (the report then says SKIPPED).
+pub fn selftest() -> Result<(String, Option<bool>)> {
+    let mut out = String::new();
+    let dev = match crate::gpu::open() {
+        Ok(d) => d,
+        Err(why) => {
+            let _ = writeln!(out, "SKIPPED: the GEMM self-test needs a CUDA GPU ({why})");
+            return Ok((out, None));
+        }
+    };
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1;
+    let _ = writeln!(
+        out,
+        "device: {} (sm_{}{}), driver CUDA {}; gemm seed {seed:#x}",
+        dev.name, dev.capability.0, dev.capability.1, dev.driver_version
+    );
+    if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
+        let _ = writeln!(out, "SKIPPED: the grouped GEMM v0 is sm_90a (Hopper) only");
+        return Ok((out, None));
+    }
+    let mut rng = Rng(seed);
+    let list = shapes(&mut rng);
+    let last = list.len() - 1;
+    let mut all = true;
+    for (i, s) in list.iter().enumerate() {
+        let o = run_shape(&dev, s, &mut rng, i == last)?;
+        all &= o.ok;
+        let _ = writeln!(out, "{}", o.line);
+    }
+    let _ = writeln!(
+        out,
+        "{}",
+        if all {
+            "gemm bf16 v0: all shapes within bound"
+        } else {
+            "gemm bf16 v0: FAILED"
+        }
+    );
+    Ok((out, Some(all)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The per-expert parallel reference is the whole-problem reference, in the same row order.
+    #[test]
+    fn the_parallel_reference_is_the_reference() {
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let s = Shape {
+            rows: vec![0, 1, 70, 0, 129, 3],
+            n: 24,
+            k: 40,
+            stages: 2,
+            what: String::new(),
+        };
+        let t: usize = s.rows.iter().sum();
+        let (n, k) = (s.n as usize, s.k as usize);
+        let x: Vec<u16> = (0..t * k).map(|_| rng.bf16()).collect();
+        let w: Vec<u16> = (0..s.rows.len() * n * k).map(|_| rng.bf16()).collect();
+        let whole = reference::gemm_bf16(&Grouped::new(&s.rows, n, k), &x, &w).unwrap();
+        assert_eq!(reference_parallel(&s, &x, &w).unwrap(), whole);
+        let sh = shapes(&mut rng);
+        assert_eq!(sh[0].rows, vec![0, 1, 70, 129]);
+        assert_eq!(sh[2].rows.iter().sum::<usize>(), 512);
+        assert!(sh[1].rows.iter().all(|r| *r < 300));
+    }
+}
