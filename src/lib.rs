@@ -20,6 +20,7 @@ pub mod dequant;
 pub mod eplb_apply;
 pub mod eplb_nccl;
 pub mod gemm_check;
+pub mod gemm_variants;
 pub mod gpu;
 pub mod gpu_shards;
 pub mod layout_gen;

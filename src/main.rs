@@ -43,6 +43,10 @@ enum Command {
         /// `ptx` (GPU targets), `clif` (host) or `ir` (the kernel IR).
         #[arg(long)]
         emit: Option<String>,
+        /// `pack` (the pack program), `gemm` (every grouped-GEMM variant the recipe's weights can
+        /// use, autotune candidates included; sm_90a PTX) or `all` (both, in one PTX module).
+        #[arg(long, default_value = "pack")]
+        kernels: String,
         /// Write to this file (atomically) instead of standard output.
         #[arg(short = 'o', long = "output")]
         output: Option<std::path::PathBuf>,
@@ -480,9 +484,48 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             bind,
             target,
             emit,
+            kernels,
             output,
         } => {
+            let (pack, gemm) = match kernels.as_str() {
+                "pack" => (true, false),
+                "gemm" => (false, true),
+                "all" => (true, true),
+                other => {
+                    return Err(moeforge::Error::Usage(format!(
+                        "unknown --kernels `{other}` (expected pack, gemm or all)"
+                    )))
+                }
+            };
+            if gemm && (target != "sm_90a" || emit.as_deref().is_some_and(|e| e != "ptx")) {
+                return Err(moeforge::Error::Usage(format!(
+                    "--kernels {kernels}: the GEMM variants are sm_90a PTX only so far (wgmma); pass --target sm_90a"
+                )));
+            }
             let (name, src) = read_recipe(&file)?;
+            let plan = if gemm {
+                let info = moeforge::verify_source(&src, &name, Some(&bind))?;
+                let plan = moeforge::gemm_variants::plan(&info)?;
+                if !pack && !plan.missing.is_empty() {
+                    // Nothing is written: a GEMM of the recipe has no kernel to check.
+                    return Err(moeforge::Error::Usage(plan.missing.join("\nerror: ")));
+                }
+                let mut err = std::io::stderr().lock();
+                for m in &plan.missing {
+                    writeln!(err, "note: {m}").map_err(io)?;
+                }
+                Some(plan)
+            } else {
+                None
+            };
+            if let (false, Some(plan)) = (pack, &plan) {
+                let text = plan.module();
+                match output {
+                    Some(path) => moeforge::write_atomic(&path, text.as_bytes())?,
+                    None => out.write_all(text.as_bytes()).map_err(io)?,
+                }
+                return Ok(());
+            }
             // Every optional input present: compile every param.
             let prog = moeforge::pack_program(&src, &name, &bind, &|_| true)?;
             let gpu = moeforge::codegen::ptx::Target::from_name(&target).filter(|t| t.is_gpu());
@@ -507,6 +550,11 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                         "unknown target `{target}` (expected sm_90a, sm_100a or host)"
                     )))
                 }
+            };
+            // `all`: the GEMM entries follow the pack module's, in the same module.
+            let text = match &plan {
+                Some(plan) => text + &plan.entries(),
+                None => text,
             };
             match output {
                 Some(path) => moeforge::write_atomic(&path, text.as_bytes())?,

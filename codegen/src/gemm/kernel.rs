@@ -1,6 +1,7 @@
-//! v0 of the generated grouped GEMM (issue [7] item 3, prefill form): `Y[rows of e] = X[rows of e] ·
+//! v0 of the generated grouped GEMM (issue \[7\] item 3, prefill form): `Y[rows of e] = X[rows of e] ·
 //! W[e]^T` with bf16 operands and an f32 output, one kernel `moeforge_gemm_bf16_v0` emitted through
-//! the typed PTX builder. Simple and correct first, not tuned.
+//! the typed PTX builder (or the same kernel under another entry name, [`grouped_bf16_v0_entry`],
+//! so that several variants share one module). Simple and correct first, not tuned.
 //!
 //! # Shape of the kernel
 //! * One CTA of one warpgroup (128 threads) computes one `BM x BN = 64 x 128` output tile of one
@@ -73,10 +74,10 @@ const DESC_LBO: i64 = 0x1_0000;
 pub const PARAMS: [&str; 5] = ["tmap_x", "tmap_w", "y", "offsets", "experts"];
 
 /// What a launch of the kernel needs besides its arguments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Launch {
     /// The entry name.
-    pub entry: &'static str,
+    pub entry: String,
     /// N (compiled in).
     pub n: u32,
     /// K (compiled in).
@@ -292,12 +293,38 @@ fn issue_load(k: &mut K, ops: &LoadOps, a: Reg, bar: Reg, k0: Reg) -> Result<()>
     )
 }
 
+/// The PTX module header of the GEMM kernels (`.version`, `.target sm_90a`, `.address_size 64`).
+pub fn module_header() -> String {
+    format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n\n")
+}
+
 /// The kernel for `N = n`, `K = k` and `stages` pipeline stages: the PTX module (`.version`,
 /// `.target sm_90a`, one entry [`V0_ENTRY`]) and its launch information.
 ///
 /// Errors: `n` or `k` of 0, `k` not a multiple of 8 (the TMA row stride must be a multiple of 16
 /// bytes), stages outside `2..=MAX_STAGES`, sizes past the kernel's 32-bit index arithmetic.
 pub fn grouped_bf16_v0(n: u32, k: u32, stages: u32) -> Result<(String, Launch)> {
+    let (body, launch) = grouped_bf16_v0_entry(V0_ENTRY, n, k, stages)?;
+    Ok((module_header() + &body, launch))
+}
+
+/// [`grouped_bf16_v0`] as one entry named `name`, without the module header (so that several
+/// entries concatenate into one module after [`module_header`]): the entry's text (its dynamic
+/// shared memory's `.extern .shared` declaration, the `.entry` and its body) and its launch
+/// information. Errors: as [`grouped_bf16_v0`], and a name that is not a PTX identifier.
+pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<(String, Launch)> {
+    let ident = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$');
+    if !ident {
+        return Err(unsupported(format!(
+            "entry name `{name}` (not a PTX identifier)"
+        )));
+    }
     if n == 0 || k == 0 || !k.is_multiple_of(8) {
         return Err(unsupported(format!(
             "N = {n}, K = {k} (both positive, K a multiple of 8)"
@@ -311,7 +338,7 @@ pub fn grouped_bf16_v0(n: u32, k: u32, stages: u32) -> Result<(String, Launch)> 
     }
     let k_tiles = k.div_ceil(BK);
     let launch = Launch {
-        entry: V0_ENTRY,
+        entry: name.to_string(),
         n,
         k,
         stages,
@@ -320,7 +347,7 @@ pub fn grouped_bf16_v0(n: u32, k: u32, stages: u32) -> Result<(String, Launch)> 
         dynamic_smem_bytes: stages * STAGE_BYTES + SMEM_ALIGN_SLACK,
     };
 
-    let mut entry = Entry::new(V0_ENTRY);
+    let mut entry = Entry::new(name);
     entry.params = vec![
         Param::tensor_map(PARAMS[0]),
         Param::tensor_map(PARAMS[1]),
@@ -667,8 +694,7 @@ pub fn grouped_bf16_v0(n: u32, k: u32, stages: u32) -> Result<(String, Launch)> 
     }
     k.b.push(Inst::Ret);
 
-    let mut s = format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n\n");
-    s.push_str(&entry.header()?);
+    let mut s = entry.header()?;
     s.push_str(&kb.b.decls());
     s.push('\n');
     for inst in &kb.b.insts {
@@ -753,6 +779,26 @@ mod tests {
         assert!(a.contains("mbarrier.arrive.expect_tx.shared::cta.b64 \t_, [%r"));
         assert!(a.contains(", 24576;"));
         assert!(a.contains("%ctaid.y"));
+    }
+
+    #[test]
+    fn a_named_entry_is_the_default_kernel_renamed() {
+        let (full, la) = grouped_bf16_v0(256, 512, 3).unwrap();
+        let (body, lb) = grouped_bf16_v0_entry("k_w13_s3", 256, 512, 3).unwrap();
+        assert_eq!(la.entry, V0_ENTRY);
+        assert_eq!(lb.entry, "k_w13_s3");
+        assert_eq!(
+            Launch {
+                entry: V0_ENTRY.into(),
+                ..lb
+            },
+            la
+        );
+        assert!(!body.contains(".version"));
+        assert_eq!(module_header() + &body.replace("k_w13_s3", V0_ENTRY), full);
+        for bad in ["", "1k", "k-1", "k w"] {
+            assert!(grouped_bf16_v0_entry(bad, 256, 512, 3).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -1,0 +1,143 @@
+//! The grouped-GEMM variants a bound recipe can use (`moeforge compile --kernels gemm|all`): which
+//! generated GEMM kernels serve the recipe's registered weights, at which `N`, `K` and pipeline
+//! stages, and the PTX module that holds them all.
+//!
+//! The weights are the params `w13_weight` (`[E, N, K]` = `[E, 2I, H]`) and `w2_weight`
+//! (`[E, H, I]`) of the verified module; what serves them is decided from their dtypes and
+//! shapes at the binding, never from the recipe's name. So far only bf16 weights have a variant
+//! (`codegen::gemm::kernel::grouped_bf16_v0`); the others are named in [`Plan::missing`].
+
+use crate::{codegen, dsl, Error, Result};
+
+use codegen::gemm::kernel;
+
+/// The pipeline stages emitted for every bf16 GEMM: the default first, then the autotune
+/// candidates.
+pub const BF16_V0_STAGES: [u32; 3] = [3, 2, 4];
+
+/// The weight params the MoE layer's two GEMMs read, with the short name used in entry names.
+pub const WEIGHTS: [(&str, &str); 2] = [("w13", "w13_weight"), ("w2", "w2_weight")];
+
+/// One generated GEMM kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Variant {
+    /// The GEMM: `w13` or `w2`.
+    pub gemm: &'static str,
+    /// The weight param it reads.
+    pub param: String,
+    /// The kernel family (`bf16_v0`).
+    pub family: &'static str,
+    /// Its entry's text (no module header).
+    pub ptx: String,
+    /// Its launch information (entry name, `N`, `K`, stages, shared memory).
+    pub launch: kernel::Launch,
+}
+
+/// The GEMM variants of a bound recipe, and the GEMMs that have none yet.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    /// The variants, w13's then w2's, each GEMM's stages in [`BF16_V0_STAGES`] order.
+    pub variants: Vec<Variant>,
+    /// One message per GEMM without a variant, e.g. "no GEMM variant for e4m3 weights yet
+    /// (issue \[7\]): `w13_weight` is e4m3[E, 2*I, H]".
+    pub missing: Vec<String>,
+}
+
+impl Plan {
+    /// The variants as one PTX module: the header once, then every entry in order.
+    pub fn module(&self) -> String {
+        let mut s = kernel::module_header();
+        for (i, v) in self.variants.iter().enumerate() {
+            if i > 0 {
+                s.push('\n');
+            }
+            s.push_str(&v.ptx);
+        }
+        s
+    }
+
+    /// The entries of the module, after a pack PTX module (`--kernels all`): every entry, in
+    /// order, without a second header.
+    pub fn entries(&self) -> String {
+        let mut s = String::new();
+        for v in &self.variants {
+            s.push('\n');
+            s.push_str(&v.ptx);
+        }
+        s
+    }
+}
+
+/// The entry name of the bf16 v0 kernel of `gemm` at `stages`, e.g. `moeforge_gemm_bf16_v0_w13_s3`.
+pub fn bf16_v0_entry(gemm: &str, stages: u32) -> String {
+    format!("{}_{gemm}_s{stages}", kernel::V0_ENTRY)
+}
+
+/// The GEMM variants that serve a verified, bound module's weights. Errors: no binding, a weight
+/// param that is missing or not `[E, N, K]`, or a shape the kernel refuses.
+pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
+    if info.binding().is_none() {
+        return Err(Error::Usage(
+            "the GEMM variants need a binding (--bind)".into(),
+        ));
+    }
+    let module = info.module();
+    let mut plan = Plan::default();
+    for (gemm, name) in WEIGHTS {
+        let found = info
+            .params
+            .iter()
+            .find_map(|p| module.tensor(p.id).filter(|t| t.name == name));
+        let Some(t) = found else {
+            plan.missing.push(format!(
+                "no GEMM variant for `{gemm}`: the recipe registers no param `{name}`"
+            ));
+            continue;
+        };
+        let shape = t
+            .shape
+            .iter()
+            .map(|d| info.eval(d))
+            .collect::<Option<Vec<i128>>>()
+            .ok_or_else(|| Error::Usage(format!("`{name}`: its shape is not bound")))?;
+        let described = format!("`{name}` is {}{}", t.dtype, module.show_shape(&t.shape));
+        let [_, n, k] = shape[..] else {
+            return Err(Error::Usage(format!(
+                "{described}: the GEMM reads its weight as [E, N, K]"
+            )));
+        };
+        if t.dtype != dsl::ir::DType::Bf16 {
+            plan.missing.push(format!(
+                "no GEMM variant for {} weights yet (issue [7]): {described}",
+                t.dtype
+            ));
+            continue;
+        }
+        if t.declared_layout.is_some() {
+            plan.missing.push(format!(
+                "no GEMM variant for a declared storage layout yet (issue [7]): {described} with a `layout`; bf16 v0 reads row-major [E, N, K]"
+            ));
+            continue;
+        }
+        let (n, k) = match (u32::try_from(n), u32::try_from(k)) {
+            (Ok(n), Ok(k)) => (n, k),
+            _ => {
+                return Err(Error::Usage(format!(
+                    "{described}: N = {n}, K = {k} past the GEMM's 32-bit sizes"
+                )))
+            }
+        };
+        for stages in BF16_V0_STAGES {
+            let entry = bf16_v0_entry(gemm, stages);
+            let (ptx, launch) = kernel::grouped_bf16_v0_entry(&entry, n, k, stages)?;
+            plan.variants.push(Variant {
+                gemm,
+                param: name.to_string(),
+                family: "bf16_v0",
+                ptx,
+                launch,
+            });
+        }
+    }
+    Ok(plan)
+}
