@@ -1,4 +1,4 @@
-//! `moeforge eplb apply`: a packed checkpoint laid out along an EPLB placement (issue [6] item 3).
+//! `moeforge eplb apply`: a packed checkpoint laid out along an EPLB placement (issue \[6\] item 3).
 //!
 //! A placement (`moeforge eplb plan --json`'s `phy2log`, docs/FORMATS.md §6) gives, per MoE layer,
 //! the logical expert each of `R` physical slots holds; `R >= E` (an expert may have replicas) and

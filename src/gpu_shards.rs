@@ -1,5 +1,5 @@
 //! A `--moe-tp`/`--ep` pack on GPUs: each rank packs its shard on its own GPU, with NCCL doing the
-//! all-reduces that make every scale the unsplit pack's (issue [6] item 5, GPU part).
+//! all-reduces that make every scale the unsplit pack's (issue \[6\] item 5, GPU part).
 //!
 //! The GPU ranks run the same rank program as the host ranks ([`crate::pack::plan_rank`], in the
 //! scalar form the PTX backend takes), on the same slices ([`crate::pack::rank_slice`]), with the

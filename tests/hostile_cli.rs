@@ -1,4 +1,4 @@
-//! Hostile input to the command line never crashes, hangs or destroys data (issue [5] items 8-12):
+//! Hostile input to the command line never crashes, hangs or destroys data (issue \[5\] items 8-12):
 //! unbounded files are refused with the limit named, an output that is an input or a device is
 //! refused and left as it was, outputs honour the umask, duplicate bindings are errors, oversized
 //! index maps are refused before any allocation, and non-finite weights are refused with the tensor,

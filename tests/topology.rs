@@ -1,4 +1,4 @@
-//! Topology-invariant scales (issue [6] item 5): one checkpoint quantizes to the same bytes under any
+//! Topology-invariant scales (issue \[6\] item 5): one checkpoint quantizes to the same bytes under any
 //! TP/EP layout. Every standard recipe is packed whole, then split for real (w13 by rows: each rank
 //! its gate rows and the same up rows; w2 by columns; or the experts divided over `ep`), each rank
 //! packed with the in-process collective doing the reductions, and the ranks' params reassembled in

@@ -284,7 +284,7 @@ fn e2m1_magnitude(em: &mut Emit<'_>, x: Expr, small: bool) -> Expr {
     em.set(Ty::I32, e::un(UnOp::BitsOf, e::fma(y, s, magic)))
 }
 
-/// [`Expr::PackE2m1`] without a native conversion. The magnitudes' codes ([`e2m1_magnitude`]) are
+/// [`Expr::PackE2m1`] without a native conversion. The magnitudes' codes (`e2m1_magnitude`) are
 /// placed by multiply-adds, four per half word (each sum's constant bits start at bit 22, so they
 /// shift out of the half's low 16 bits), and the halves joined by one byte permute. The signs come
 /// from the values' top bytes: byte permutes copying a byte's top bit give `[s0, s2, s4, s6]` and

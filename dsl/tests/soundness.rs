@@ -1,4 +1,4 @@
-//! Differential soundness test of the verifier (issue [5]).
+//! Differential soundness test of the verifier (issue \[5\]).
 //!
 //! Random recipes with symbolic extents (`ceil_div`, `round_up`, differences, products, constants,
 //! several bounds per dimension, divisibility constraints), params with and without declared storage

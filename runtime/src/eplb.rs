@@ -1,7 +1,8 @@
 //! The EPLB rebalancing policy: DeepSeek's hierarchical and global expert placement (SPEC §6, restated
 //! in docs/FORMATS.md §6), exactly: loads as f32, stable weight-descending sorts, f32 pack sums, ties to
 //! the lowest pack or expert. Pure host code; the executor that moves experts along a placement is
-//! issue [6]'s next part.
+//! [`crate::moves`] (the plan), [`crate::store`] (the move) and [`crate::eplb_state`] (the layer's
+//! state and its rebalance).
 
 use thiserror::Error as ThisError;
 

@@ -1,4 +1,4 @@
-//! The grouped-GEMM generator (issue [7]): a layer between the recipe and the PTX builder, in CuTe's
+//! The grouped-GEMM generator (issue \[7\]): a layer between the recipe and the PTX builder, in CuTe's
 //! vocabulary. A kernel is composed of a copy atom (TMA into shared memory, completing on an
 //! mbarrier), an MMA atom (`wgmma` on Hopper; a `tcgen05` atom plugs in later), a pipeline (an
 //! mbarrier ring), a tile scheduler (persistent CTAs over expert, m-tile and n-tile work) and an
