@@ -16,10 +16,6 @@ use crate::{Error, Result};
 /// by the anchors in the same `scripts/gpu-check` call.
 pub const COPY_CEILING_TBPS: f64 = 4.27;
 
-fn rt(e: crate::runtime::Error) -> Error {
-    Error::Runtime(e)
-}
-
 /// A shuffled permutation of `n` (xorshift, seeded).
 fn shuffle(n: usize, seed: &mut u64) -> Vec<usize> {
     let mut v: Vec<usize> = (0..n).collect();
@@ -62,15 +58,16 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
         "TB/s",
         "% ceil"
     );
-    let kernel =
-        std::sync::Arc::new(crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(rt)?);
+    let kernel = std::sync::Arc::new(
+        crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(Error::from)?,
+    );
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     for r in STANDARD {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))
             .map_err(|d| Error::Usage(format!("{}: {d:?}", r.name)))?;
         let mut maps = vec![SlotMap::identity(e)];
         for _ in 0..reps.max(1) + 1 {
-            maps.push(SlotMap::new(shuffle(e, &mut seed), e).map_err(rt)?);
+            maps.push(SlotMap::new(shuffle(e, &mut seed), e).map_err(Error::from)?);
         }
         let mut cols = Vec::new();
         let (mut per_slot, mut changed_avg, mut moved_avg) = (0usize, 0f64, 0f64);
@@ -83,30 +80,30 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
                 };
                 let bytes = info.bytes_per_expert(mv).unwrap_or(0) as usize * e;
                 // Contents do not matter for the timing (copies are not data-dependent).
-                let buf = dev.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|x| {
-                    rt(crate::runtime::Error::Driver {
-                        call: "cuMemAlloc",
-                        detail: format!("{x:?}"),
-                    })
-                })?;
+                let buf =
+                    dev.stream
+                        .alloc_zeros::<u8>(bytes.max(1))
+                        .map_err(crate::runtime::drv::<cudarc::driver::DriverError>(
+                            "cuMemAlloc",
+                        ))?;
                 let mut st = DeviceStorage::owned(buf, dev.stream.clone());
                 if with_kernel {
                     st = st.with_copy_kernel(kernel.clone());
                 }
                 params.push((t.name.clone(), st));
             }
-            let mut store = ParamStore::new(&info, params).map_err(rt)?;
+            let mut store = ParamStore::new(&info, params).map_err(Error::from)?;
             per_slot = store.bytes_per_slot();
             // Warm-up: the first move (allocations, first-touch).
-            let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(rt)?;
-            store.rearrange(&plan, &SingleDevice).map_err(rt)?;
-            dev.sync().map_err(rt)?;
+            let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(Error::from)?;
+            store.rearrange(&plan, &SingleDevice).map_err(Error::from)?;
+            dev.sync().map_err(Error::from)?;
             let (mut secs, mut bytes, mut changed) = (0f64, 0f64, 0usize);
             for k in 1..maps.len() - 1 {
-                let plan = MovePlan::new(&maps[k], &maps[k + 1], 1).map_err(rt)?;
+                let plan = MovePlan::new(&maps[k], &maps[k + 1], 1).map_err(Error::from)?;
                 let t0 = std::time::Instant::now();
-                store.rearrange(&plan, &SingleDevice).map_err(rt)?;
-                dev.sync().map_err(rt)?;
+                store.rearrange(&plan, &SingleDevice).map_err(Error::from)?;
+                dev.sync().map_err(Error::from)?;
                 secs += t0.elapsed().as_secs_f64();
                 bytes += 2.0 * (plan.changed_slots() * per_slot) as f64;
                 changed += plan.changed_slots();
@@ -140,9 +137,9 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
     async_overhead(&dev, &mut out, e, h, i, &mut seed)?;
     // The copy-list kernel on its own, against its host simulation.
     let _ = writeln!(out, "\ncopy-list kernel on its own:");
-    out.push_str(&crate::runtime::copy_kernel::gpu_check(&dev).map_err(rt)?);
+    out.push_str(&crate::runtime::copy_kernel::gpu_check(&dev).map_err(Error::from)?);
     if crate::runtime::device::count().unwrap_or(0) >= 2 {
-        let nccl = crate::runtime::nccl::Nccl::load(nccl_path).map_err(rt)?;
+        let nccl = crate::runtime::nccl::Nccl::load(nccl_path).map_err(Error::from)?;
         crate::eplb_nccl::bandwidth(nccl, reps, &mut out)?;
     } else {
         let _ = writeln!(out, "\n(one GPU: the two-GPU EPLB bandwidth needs 2)");
@@ -162,14 +159,7 @@ fn async_overhead(
     i: usize,
     seed: &mut u64,
 ) -> Result<()> {
-    let d = |call: &'static str| {
-        move |x: cudarc::driver::DriverError| {
-            rt(crate::runtime::Error::Driver {
-                call,
-                detail: format!("{x:?}"),
-            })
-        }
-    };
+    let d = crate::runtime::drv::<cudarc::driver::DriverError>;
     let r = crate::kernels::find("bf16").ok_or_else(|| Error::Usage("no bf16 recipe".into()))?;
     let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))
         .map_err(|x| Error::Usage(format!("bf16: {x:?}")))?;
@@ -189,7 +179,7 @@ fn async_overhead(
             DeviceStorage::owned(buf, dev.stream.clone()),
         ));
     }
-    let mut store = ParamStore::new(&info, params).map_err(rt)?;
+    let mut store = ParamStore::new(&info, params).map_err(Error::from)?;
     let src = dev
         .stream
         .alloc_zeros::<u8>(1 << 29)
@@ -209,9 +199,9 @@ fn async_overhead(
                           map: &SlotMap,
                           next: &SlotMap|
      -> Result<(f64, f64, Option<usize>, u64)> {
-        let plan = MovePlan::new(map, next, 1).map_err(rt)?;
+        let plan = MovePlan::new(map, next, 1).map_err(Error::from)?;
         forward(&mut dst)?;
-        dev.sync().map_err(rt)?;
+        dev.sync().map_err(Error::from)?;
         let (mut total, mut worst) = (0f64, 0f64);
         let mut staged = None;
         let (mut swapped_at, mut staged_bytes) = (None, 0u64);
@@ -219,20 +209,20 @@ fn async_overhead(
             let t0 = std::time::Instant::now();
             forward(&mut dst)?;
             // A serving step ends with the host reading its results.
-            dev.sync().map_err(rt)?;
+            dev.sync().map_err(Error::from)?;
             match mode {
                 1 if k == 10 => {
-                    store.rearrange(&plan, &SingleDevice).map_err(rt)?;
-                    dev.sync().map_err(rt)?;
+                    store.rearrange(&plan, &SingleDevice).map_err(Error::from)?;
+                    dev.sync().map_err(Error::from)?;
                 }
                 2 if k == 10 => {
-                    let st = store.stage(&plan, &side).map_err(rt)?;
+                    let st = store.stage(&plan, &side).map_err(Error::from)?;
                     staged_bytes = st.staged_bytes();
                     staged = Some(st);
                 }
                 2 if staged.as_ref().is_some_and(|s| s.is_ready()) => {
                     if let Some(s) = staged.take() {
-                        store.commit(s).map_err(rt)?;
+                        store.commit(s).map_err(Error::from)?;
                         swapped_at = Some(k);
                     }
                 }
@@ -243,21 +233,23 @@ fn async_overhead(
             worst = worst.max(dt);
         }
         if let Some(s) = staged.take() {
-            store.commit(s).map_err(rt)?;
-            dev.sync().map_err(rt)?;
+            store.commit(s).map_err(Error::from)?;
+            dev.sync().map_err(Error::from)?;
             swapped_at = Some(steps);
         }
         Ok((total, worst, swapped_at, staged_bytes))
     };
     let a = SlotMap::identity(e);
-    let b = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
-    let c = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
+    let b = SlotMap::new(shuffle(e, seed), e).map_err(Error::from)?;
+    let c = SlotMap::new(shuffle(e, seed), e).map_err(Error::from)?;
     let alone = step_times(0, &mut store, &a, &a)?;
     let sync = step_times(1, &mut store, &a, &b)?;
     let first = step_times(2, &mut store, &b, &c)?;
-    let d = SlotMap::new(shuffle(e, seed), e).map_err(rt)?;
+    let d = SlotMap::new(shuffle(e, seed), e).map_err(Error::from)?;
     let asynch = step_times(2, &mut store, &c, &d)?;
-    let changed = MovePlan::new(&c, &d, 1).map_err(rt)?.changed_slots();
+    let changed = MovePlan::new(&c, &d, 1)
+        .map_err(Error::from)?
+        .changed_slots();
     let ms = |x: f64| x * 1e3;
     let _ = writeln!(
         out,

@@ -14,10 +14,6 @@ use crate::runtime::moves::{place_tensors, MovePlan, SlotMap};
 use crate::runtime::store::ParamStore;
 use crate::{Error, Result};
 
-fn rt(e: crate::runtime::Error) -> Error {
-    Error::Runtime(e)
-}
-
 fn pack(
     info: &crate::dsl::ModuleInfo,
     inp: &HashMap<String, Vec<u8>>,
@@ -42,9 +38,9 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
     .map_err(|d| Error::Usage(format!("{d:?}")))?;
     // Start: experts 0..E-1 then replicas of 0..R-E-1 (vLLM's initial layout).
     let start: Vec<usize> = (0..r).map(|p| p % e).collect();
-    let start_map = SlotMap::new(start.clone(), e).map_err(rt)?;
+    let start_map = SlotMap::new(start.clone(), e).map_err(Error::from)?;
     let mut state = EplbLayerState::new(start_map.clone(), ranks, EplbLayerState::DEFAULT_WINDOW)
-        .map_err(rt)?;
+        .map_err(Error::from)?;
     // A skewed load: expert k draws about 1/(k+1) of the tokens (Zipf), over 100 steps, spread over
     // its replicas.
     let cnt = start_map.logcnt();
@@ -53,7 +49,7 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
             .iter()
             .map(|&x| (4096 / (x as u64 + 1) + step % 7) / cnt[x] as u64)
             .collect();
-        state.record(&per_slot).map_err(rt)?;
+        state.record(&per_slot).map_err(Error::from)?;
     }
     let before = state.balancedness();
     let new_map = state
@@ -62,7 +58,7 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
             nodes: 1,
             gpus: ranks,
         })
-        .map_err(rt)?;
+        .map_err(Error::from)?;
     let layer = crate::bench::Layer::synthetic(e, h, i, 17);
     let inp: HashMap<String, Vec<u8>> =
         [("w13".to_string(), layer.w13), ("w2".to_string(), layer.w2)]
@@ -70,7 +66,7 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
             .collect();
     let old_packed = pack(&full, &place_tensors(&inp, e, &start), host)?;
     let want = pack(&full, &place_tensors(&inp, e, new_map.phy2log()), host)?;
-    let plan = MovePlan::new(&start_map, &new_map, ranks).map_err(rt)?;
+    let plan = MovePlan::new(&start_map, &new_map, ranks).map_err(Error::from)?;
     let world = InProcess::world(Topology {
         ep: ranks,
         moe_tp: 1,
@@ -94,8 +90,8 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
                     .collect();
                 s.spawn(move || -> Result<(Params, u64)> {
                     let mut st = ParamStore::placed(part, params, start_map.clone(), k, ranks)
-                        .map_err(rt)?;
-                    let rep = st.rearrange(plan, c).map_err(rt)?;
+                        .map_err(Error::from)?;
+                    let rep = st.rearrange(plan, c).map_err(Error::from)?;
                     let got = st
                         .param_names()
                         .iter()
@@ -174,16 +170,10 @@ fn gpu_round(
         );
         return Ok(());
     };
-    let d = |call: &'static str| {
-        move |x: cudarc::driver::DriverError| {
-            rt(crate::runtime::Error::Driver {
-                call,
-                detail: format!("{x:?}"),
-            })
-        }
-    };
-    let kernel =
-        std::sync::Arc::new(crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(rt)?);
+    let d = crate::runtime::drv::<cudarc::driver::DriverError>;
+    let kernel = std::sync::Arc::new(
+        crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(Error::from)?,
+    );
     let mut params = Vec::new();
     for (n, b) in old_packed {
         let buf = dev.stream.clone_htod(b).map_err(d("cuMemcpyHtoD"))?;
@@ -193,14 +183,14 @@ fn gpu_round(
                 .with_copy_kernel(kernel.clone()),
         ));
     }
-    let mut store = ParamStore::placed(info, params, start.clone(), 0, 1).map_err(rt)?;
-    let plan = MovePlan::new(start, new, 1).map_err(rt)?;
-    dev.sync().map_err(rt)?;
+    let mut store = ParamStore::placed(info, params, start.clone(), 0, 1).map_err(Error::from)?;
+    let plan = MovePlan::new(start, new, 1).map_err(Error::from)?;
+    dev.sync().map_err(Error::from)?;
     let t0 = Instant::now();
     store
         .rearrange(&plan, &crate::runtime::collective::SingleDevice)
-        .map_err(rt)?;
-    dev.sync().map_err(rt)?;
+        .map_err(Error::from)?;
+    dev.sync().map_err(Error::from)?;
     let secs = t0.elapsed().as_secs_f64();
     let mut ok = true;
     for (n, w) in want {
@@ -208,7 +198,7 @@ fn gpu_round(
             .param(n)
             .map(|s| s.download())
             .transpose()
-            .map_err(rt)?;
+            .map_err(Error::from)?;
         ok &= have.as_deref().and_then(|h| h.get(..w.len())) == Some(&w[..]);
     }
     let moved = 2.0 * (plan.changed_slots() * store.bytes_per_slot()) as f64;

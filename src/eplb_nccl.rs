@@ -15,10 +15,6 @@ use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
 use crate::runtime::store::{DeviceStorage, ParamStore};
 use crate::{Error, Result};
 
-fn rt(e: crate::runtime::Error) -> Error {
-    Error::Runtime(e)
-}
-
 /// What one rank did: its params after the move, and the seconds the timed moves took.
 struct RankResult {
     params: Params,
@@ -40,45 +36,41 @@ fn rank_run(
     async_last: bool,
 ) -> Result<RankResult> {
     let ranks = 2;
-    let dev = Device::open(rank).map_err(rt)?;
-    let world = NcclWorld::init(&dev, ids, rank).map_err(rt)?;
+    let dev = Device::open(rank).map_err(Error::from)?;
+    let world = NcclWorld::init(&dev, ids, rank).map_err(Error::from)?;
     let r = old.slots();
     let local = r / ranks;
-    let kernel =
-        std::sync::Arc::new(crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(rt)?);
+    let kernel = std::sync::Arc::new(
+        crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(Error::from)?,
+    );
     let mut params = Vec::new();
     for (n, b) in old_packed {
         let per = b.len() / r;
         let mine = &b[rank * local * per..(rank + 1) * local * per];
-        let buf = dev.stream.clone_htod(mine).map_err(|x| {
-            rt(crate::runtime::Error::Driver {
-                call: "cuMemcpyHtoD",
-                detail: format!("{x:?}"),
-            })
-        })?;
+        let buf = dev.stream.clone_htod(mine).map_err(crate::runtime::drv::<
+            cudarc::driver::DriverError,
+        >("cuMemcpyHtoD"))?;
         params.push((
             n.clone(),
             DeviceStorage::owned(buf, dev.stream.clone()).with_copy_kernel(kernel.clone()),
         ));
     }
-    let mut store = ParamStore::placed(info, params, old.clone(), rank, ranks).map_err(rt)?;
+    let mut store =
+        ParamStore::placed(info, params, old.clone(), rank, ranks).map_err(Error::from)?;
     let mut secs = 0.0;
     for (k, plan) in plans.iter().enumerate() {
-        dev.sync().map_err(rt)?;
+        dev.sync().map_err(Error::from)?;
         let t0 = std::time::Instant::now();
         if async_last && k + 1 == plans.len() {
-            let side = dev.ctx.new_stream().map_err(|x| {
-                rt(crate::runtime::Error::Driver {
-                    call: "cuStreamCreate",
-                    detail: format!("{x:?}"),
-                })
-            })?;
-            let staged = store.stage_with(plan, &side, &world).map_err(rt)?;
-            store.commit(staged).map_err(rt)?;
+            let side = dev.ctx.new_stream().map_err(crate::runtime::drv::<
+                cudarc::driver::DriverError,
+            >("cuStreamCreate"))?;
+            let staged = store.stage_with(plan, &side, &world).map_err(Error::from)?;
+            store.commit(staged).map_err(Error::from)?;
         } else {
-            store.rearrange(plan, &world).map_err(rt)?;
+            store.rearrange(plan, &world).map_err(Error::from)?;
         }
-        dev.sync().map_err(rt)?;
+        dev.sync().map_err(Error::from)?;
         if !(warm && k == 0) {
             secs += t0.elapsed().as_secs_f64();
         }
@@ -88,9 +80,9 @@ fn rank_run(
         let s = store
             .param(n)
             .ok_or_else(|| Error::Usage(format!("no param {n}")))?;
-        out.push((n.to_string(), s.download().map_err(rt)?));
+        out.push((n.to_string(), s.download().map_err(Error::from)?));
     }
-    world.close().map_err(rt)?;
+    world.close().map_err(Error::from)?;
     Ok(RankResult { params: out, secs })
 }
 
@@ -103,7 +95,8 @@ fn both_ranks(
     warm: bool,
     async_last: bool,
 ) -> Result<Vec<RankResult>> {
-    let ids = WorldIds::new(nccl, Topology { ep: 2, moe_tp: 1 }, &[Group::Ep]).map_err(rt)?;
+    let ids =
+        WorldIds::new(nccl, Topology { ep: 2, moe_tp: 1 }, &[Group::Ep]).map_err(Error::from)?;
     let ids = &ids;
     let got: Vec<Result<RankResult>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
@@ -146,11 +139,15 @@ pub fn contract(
     ]
     .into_iter()
     .collect();
-    let old_map = SlotMap::new(old.clone(), e).map_err(rt)?;
-    let new_map = SlotMap::new(new.clone(), e).map_err(rt)?;
-    let plan = MovePlan::new(&old_map, &new_map, 2).map_err(rt)?;
-    let plan2 =
-        MovePlan::new(&new_map, &SlotMap::new(third.clone(), e).map_err(rt)?, 2).map_err(rt)?;
+    let old_map = SlotMap::new(old.clone(), e).map_err(Error::from)?;
+    let new_map = SlotMap::new(new.clone(), e).map_err(Error::from)?;
+    let plan = MovePlan::new(&old_map, &new_map, 2).map_err(Error::from)?;
+    let plan2 = MovePlan::new(
+        &new_map,
+        &SlotMap::new(third.clone(), e).map_err(Error::from)?,
+        2,
+    )
+    .map_err(Error::from)?;
     let mut all = true;
     for rec in STANDARD {
         let full = crate::check_source(rec.source, rec.path, Some(&format!("E={r},H={h},I={i}")))
@@ -239,13 +236,13 @@ pub fn bandwidth(nccl: &'static Nccl, reps: usize, out: &mut String) -> Result<(
     }
     let a: Vec<usize> = (0..r).collect();
     let b: Vec<usize> = (local..r).chain(0..local).collect();
-    let ma = SlotMap::new(a.clone(), r).map_err(rt)?;
-    let mb = SlotMap::new(b, r).map_err(rt)?;
+    let ma = SlotMap::new(a.clone(), r).map_err(Error::from)?;
+    let mb = SlotMap::new(b, r).map_err(Error::from)?;
     let mut plans = Vec::new();
     let mut cur = ma.clone();
     for k in 0..=reps.max(1) {
         let next = if k % 2 == 0 { mb.clone() } else { ma.clone() };
-        plans.push(MovePlan::new(&cur, &next, 2).map_err(rt)?);
+        plans.push(MovePlan::new(&cur, &next, 2).map_err(Error::from)?);
         cur = next;
     }
     let got = both_ranks(nccl, &part, &old_packed, &ma, &plans, true, false)?;

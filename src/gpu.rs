@@ -15,11 +15,6 @@ use crate::runtime::gpu_pack::{unit_ptx, GpuProgram};
 use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
 use crate::runtime::Device;
 use crate::{Error, Result, Settings};
-use cudarc::driver as cudarc_err;
-
-fn rt(e: crate::runtime::Error) -> Error {
-    Error::Runtime(e)
-}
 
 /// Open GPU 0, or the reason there is none.
 pub fn open() -> std::result::Result<Device, String> {
@@ -100,10 +95,12 @@ pub fn gpu_pack_with(
     coll: &dyn DeviceCollective,
 ) -> Result<(Params, GpuProgram)> {
     let prog = crate::codegen::plan::plan(info, &|n: &str| inp.contains_key(n))?;
-    let gp = GpuProgram::load(dev, cache, &prog, settings).map_err(rt)?;
-    let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
-    gp.run_with(dev, &mut bufs, coll).map_err(rt)?;
-    let out = gp.download(dev, &bufs).map_err(rt)?;
+    let gp = GpuProgram::load(dev, cache, &prog, settings).map_err(Error::from)?;
+    let mut bufs = gp
+        .alloc(dev, &mut |n| inp.get(n).cloned())
+        .map_err(Error::from)?;
+    gp.run_with(dev, &mut bufs, coll).map_err(Error::from)?;
+    let out = gp.download(dev, &bufs).map_err(Error::from)?;
     Ok((out, gp))
 }
 
@@ -256,18 +253,15 @@ fn tma_check(dev: &Device, out: &mut String) -> Result<bool> {
     let buf = dev
         .stream
         .alloc_zeros::<u8>((e * rows * k * 2) as usize)
-        .map_err(|x| {
-            rt(crate::runtime::Error::Driver {
-                call: "cuMemAlloc",
-                detail: format!("{x:?}"),
-            })
-        })?;
+        .map_err(crate::runtime::drv::<cudarc::driver::DriverError>(
+            "cuMemAlloc",
+        ))?;
     let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&buf, &dev.stream);
     let p = TensorMapParams::expert_k_major(WgmmaDtype::Bf16, Swizzle::B128, ptr, e, rows, k, 64)
         .map_err(|x| Error::Usage(format!("tensor map: {x}")))?;
     let cache = crate::runtime::tma::TensorMapCache::new();
-    let a = cache.get(&p).map_err(rt)?;
-    let b = cache.get(&p).map_err(rt)?;
+    let a = cache.get(&p).map_err(Error::from)?;
+    let b = cache.get(&p).map_err(Error::from)?;
     let ok = a == b && cache.len() == 1 && a.0 != [0u8; 128];
     let _ = writeln!(
         out,
@@ -303,18 +297,11 @@ fn rearrange_check(
     };
     let (old, new) = (random(e), random(e));
     let place = |phy2log: &[usize]| crate::runtime::moves::place_tensors(inp, e, phy2log);
-    let drv = |call: &'static str| {
-        move |err: cudarc_err::DriverError| {
-            rt(crate::runtime::Error::Driver {
-                call,
-                detail: format!("{err:?}"),
-            })
-        }
-    };
+    let drv = crate::runtime::drv::<cudarc::driver::DriverError>;
     // At 4 experts the local copies run as the chunked copy-list kernel, at 3 as one memcpy each.
     let kernel = if e == 4 {
         Some(std::sync::Arc::new(
-            crate::runtime::copy_kernel::CopyKernel::load(dev).map_err(rt)?,
+            crate::runtime::copy_kernel::CopyKernel::load(dev).map_err(Error::from)?,
         ))
     } else {
         None
@@ -328,9 +315,9 @@ fn rearrange_check(
         }
         params.push((n.clone(), st));
     }
-    let old_map = SlotMap::new(old.clone(), logical).map_err(rt)?;
+    let old_map = SlotMap::new(old.clone(), logical).map_err(Error::from)?;
     let mut store = crate::runtime::store::ParamStore::placed(info, params, old_map.clone(), 0, 1)
-        .map_err(rt)?;
+        .map_err(Error::from)?;
     let views: Vec<String> = info
         .views
         .iter()
@@ -345,20 +332,20 @@ fn rearrange_check(
     let before = addr(&store);
     let plan = MovePlan::new(
         &old_map,
-        &SlotMap::new(new.clone(), logical).map_err(rt)?,
+        &SlotMap::new(new.clone(), logical).map_err(Error::from)?,
         1,
     )
-    .map_err(rt)?;
+    .map_err(Error::from)?;
     store
         .rearrange(&plan, &crate::runtime::collective::SingleDevice)
-        .map_err(rt)?;
+        .map_err(Error::from)?;
     let mut ok = addr(&store) == before;
     for (n, want) in host_pack(info, &place(&new), host)? {
         let Some(s) = store.param(&n) else {
             ok = false;
             continue;
         };
-        let have = s.download().map_err(rt)?;
+        let have = s.download().map_err(Error::from)?;
         ok &= have.get(..want.len()) == Some(&want[..]);
     }
     // Then asynchronously (staged on a side stream, swapped in) to a third placement, and again to
@@ -368,13 +355,13 @@ fn rearrange_check(
     let side = dev.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
     for (from, to) in [(&new, &third), (&third, &fourth)] {
         let plan = MovePlan::new(
-            &SlotMap::new(from.clone(), logical).map_err(rt)?,
-            &SlotMap::new(to.clone(), logical).map_err(rt)?,
+            &SlotMap::new(from.clone(), logical).map_err(Error::from)?,
+            &SlotMap::new(to.clone(), logical).map_err(Error::from)?,
             1,
         )
-        .map_err(rt)?;
-        let staged = store.stage(&plan, &side).map_err(rt)?;
-        store.commit(staged).map_err(rt)?;
+        .map_err(Error::from)?;
+        let staged = store.stage(&plan, &side).map_err(Error::from)?;
+        store.commit(staged).map_err(Error::from)?;
         // A swap-in exchanges the params' buffers: every view must alias its param's new one.
         ok &= views.iter().all(|v| {
             store.view(v).is_ok_and(|x| {
@@ -388,7 +375,7 @@ fn rearrange_check(
                 ok = false;
                 continue;
             };
-            let have = s.download().map_err(rt)?;
+            let have = s.download().map_err(Error::from)?;
             ok &= have.get(..want.len()) == Some(&want[..]);
         }
     }
@@ -555,16 +542,9 @@ fn nccl_rank(
     settings: &crate::runtime::Settings,
     n_reduce: usize,
 ) -> Result<NcclRank> {
-    let drv = |call: &'static str| {
-        move |err: cudarc_err::DriverError| {
-            rt(crate::runtime::Error::Driver {
-                call,
-                detail: format!("{err:?}"),
-            })
-        }
-    };
-    let dev = Device::open(rank).map_err(rt)?;
-    let world = NcclWorld::init(&dev, ids, rank).map_err(rt)?;
+    let drv = crate::runtime::drv::<cudarc::driver::DriverError>;
+    let dev = Device::open(rank).map_err(Error::from)?;
+    let world = NcclWorld::init(&dev, ids, rank).map_err(Error::from)?;
     // MAX all-reduce in place.
     let bytes: Vec<u8> = nccl_reduce_input(rank, n_reduce)
         .iter()
@@ -573,7 +553,7 @@ fn nccl_rank(
     let mut buf = dev.stream.clone_htod(&bytes).map_err(drv("cuMemcpyHtoD"))?;
     world
         .all_reduce_max(Group::MoeTp, &mut buf, &dev)
-        .map_err(rt)?;
+        .map_err(Error::from)?;
     let reduced = dev.stream.clone_dtoh(&buf).map_err(drv("cuMemcpyDtoH"))?;
     // Grouped exchange: sends are views at odd offsets of one buffer, receives views inside guards.
     let (send_order, recv_order) = nccl_exchange_order(rank);
@@ -614,7 +594,7 @@ fn nccl_rank(
             .collect();
         world
             .exchange(Group::MoeTp, &sends, &mut recvs, &dev)
-            .map_err(rt)?;
+            .map_err(Error::from)?;
     }
     let mut received = Vec::new();
     for b in &rbufs {
@@ -623,8 +603,8 @@ fn nccl_rank(
     // A pack whose amax steps reduce over moe_tp through NCCL.
     let cache = Cache::new(None);
     let (packed, _) = gpu_pack_with(&dev, &cache, info, inp, settings, &world)?;
-    dev.sync().map_err(rt)?;
-    world.close().map_err(rt)?;
+    dev.sync().map_err(Error::from)?;
+    world.close().map_err(Error::from)?;
     Ok(NcclRank {
         reduced,
         received,
@@ -658,14 +638,14 @@ pub fn nccl_selftest(settings: &Settings) -> Result<(String, Option<bool>)> {
         );
         return Ok((out, None));
     }
-    let nccl = Nccl::load(settings.runtime.nccl_path.as_deref()).map_err(rt)?;
+    let nccl = Nccl::load(settings.runtime.nccl_path.as_deref()).map_err(Error::from)?;
     let _ = writeln!(
         out,
         "NCCL: {} ({gpus} GPUs; ranks on GPUs 0 and 1, moe_tp = 2)",
         nccl.path().display()
     );
     let topo = Topology { ep: 1, moe_tp: 2 };
-    let ids = WorldIds::new(nccl, topo, &[Group::MoeTp]).map_err(rt)?;
+    let ids = WorldIds::new(nccl, topo, &[Group::MoeTp]).map_err(Error::from)?;
     // The pack check: different inputs per rank, and the host's two-rank pack as the reference.
     let case = nccl_pack_case(topo, &settings.host)?;
     let (info, inps) = (&case.info, &case.inps);
@@ -903,7 +883,7 @@ fn jit_latency(
     chosen: &[&StandardRecipe],
     settings: &crate::runtime::Settings,
 ) -> Result<()> {
-    let compiler = crate::runtime::jit::Compiler::resolve(&settings.jit).map_err(rt)?;
+    let compiler = crate::runtime::jit::Compiler::resolve(&settings.jit).map_err(Error::from)?;
     let _ = writeln!(
         out,
         "\nJIT latency (Qwen3-30B-A3B binding, sm_90a; PTX -> cubin by {}):",
@@ -931,12 +911,12 @@ fn jit_latency(
             .target()
             .ok_or_else(|| Error::Usage("unsupported GPU".into()))?;
         // As the runtime makes it: one PTX unit per kernel, generated in parallel (memory cache).
-        let ptx_units = unit_ptx(&Cache::new(None), &prog, target).map_err(rt)?;
+        let ptx_units = unit_ptx(&Cache::new(None), &prog, target).map_err(Error::from)?;
         let t_ptx = t.elapsed().as_secs_f64();
         std::hint::black_box(&ptx_units);
         let cache = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();
-        let gp = GpuProgram::load(dev, &cache, &prog, settings).map_err(rt)?;
+        let gp = GpuProgram::load(dev, &cache, &prog, settings).map_err(Error::from)?;
         let t_cold = t.elapsed().as_secs_f64() - gp.ptx_seconds;
         // Warm in-memory hit: the same request again, answered by the process's loaded programs.
         let loaded = crate::runtime::gpu_pack::Loaded::new(settings.clone());
@@ -951,14 +931,14 @@ fn jit_latency(
         let k0 = key(r.source);
         let (_, hit0) = loaded
             .get_or_load(dev, &cache, &k0, || Ok(prog.clone()))
-            .map_err(rt)?;
+            .map_err(Error::from)?;
         let t = Instant::now();
         let k1 = key(r.source);
         let (_, hit1) = loaded
             .get_or_load(dev, &cache, &k1, || {
                 Err(crate::runtime::Error::NoDriver("miss".into()))
             })
-            .map_err(rt)?;
+            .map_err(Error::from)?;
         let t_mem = t.elapsed().as_secs_f64();
         let (h1, h2) = (
             if !hit0 && hit1 {
@@ -971,7 +951,7 @@ fn jit_latency(
         // Warm disk hit: a fresh cache object over the same folder, then module load.
         let cache2 = Cache::new(Some(dir.path().to_path_buf()));
         let t = Instant::now();
-        let gp2 = GpuProgram::load(dev, &cache2, &prog, settings).map_err(rt)?;
+        let gp2 = GpuProgram::load(dev, &cache2, &prog, settings).map_err(Error::from)?;
         let t_disk = t.elapsed().as_secs_f64();
         // Warm disk hit in a new process: `moeforge cache warmup` over the same folder reports its
         // request-to-loaded time (after opening the device); the process's whole wall time, CUDA
@@ -1019,15 +999,17 @@ fn pack_bench(
     for r in chosen {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))?;
         let prog = crate::codegen::plan::plan(&info, &|n: &str| inp.contains_key(n))?;
-        let gp = GpuProgram::load(dev, &cache, &prog, settings).map_err(rt)?;
-        let mut bufs = gp.alloc(dev, &mut |n| inp.get(n).cloned()).map_err(rt)?;
-        gp.run(dev, &mut bufs).map_err(rt)?;
-        dev.sync().map_err(rt)?;
+        let gp = GpuProgram::load(dev, &cache, &prog, settings).map_err(Error::from)?;
+        let mut bufs = gp
+            .alloc(dev, &mut |n| inp.get(n).cloned())
+            .map_err(Error::from)?;
+        gp.run(dev, &mut bufs).map_err(Error::from)?;
+        dev.sync().map_err(Error::from)?;
         let mut best = f64::INFINITY;
         for _ in 0..reps {
             let t = Instant::now();
-            gp.run(dev, &mut bufs).map_err(rt)?;
-            dev.sync().map_err(rt)?;
+            gp.run(dev, &mut bufs).map_err(Error::from)?;
+            dev.sync().map_err(Error::from)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         let traffic = traffic_bytes(&prog);
@@ -1042,7 +1024,7 @@ fn pack_bench(
             bound / best * 100.0
         );
         // Where the time goes: one more run with an event pair around each kernel.
-        let per = gp.run_timed(dev, &mut bufs).map_err(rt)?;
+        let per = gp.run_timed(dev, &mut bufs).map_err(Error::from)?;
         let parts: Vec<String> = per
             .iter()
             .filter(|(_, ms)| *ms >= 0.005)

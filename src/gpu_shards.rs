@@ -24,10 +24,6 @@ use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
 use crate::runtime::Device;
 use crate::{Error, Result};
 
-fn rt(e: crate::runtime::Error) -> Error {
-    Error::Runtime(e)
-}
-
 /// A layer's whole inputs, as [`crate::pack::rank_slice`] takes them.
 #[derive(Debug, Clone)]
 pub struct WholeLayer {
@@ -112,7 +108,9 @@ pub fn run_shard(
     coll: &dyn DeviceCollective,
     inputs: &HashMap<String, Vec<u8>>,
 ) -> Result<ShardBufs> {
-    let mut bufs = gp.alloc(dev, &mut |n| inputs.get(n).cloned()).map_err(rt)?;
+    let mut bufs = gp
+        .alloc(dev, &mut |n| inputs.get(n).cloned())
+        .map_err(Error::from)?;
     run_allocated(dev, gp, prog, coll, &mut bufs)
 }
 
@@ -123,9 +121,12 @@ fn run_allocated(
     coll: &dyn DeviceCollective,
     bufs: &mut [cudarc::driver::CudaSlice<u8>],
 ) -> Result<ShardBufs> {
-    gp.run_with(dev, bufs, coll).map_err(rt)?;
-    let params: HashMap<String, Vec<u8>> =
-        gp.download(dev, bufs).map_err(rt)?.into_iter().collect();
+    gp.run_with(dev, bufs, coll).map_err(Error::from)?;
+    let params: HashMap<String, Vec<u8>> = gp
+        .download(dev, bufs)
+        .map_err(Error::from)?
+        .into_iter()
+        .collect();
     Ok(prog
         .bufs
         .iter()
@@ -178,7 +179,7 @@ pub fn pack_shard(
     let mut present: Vec<String> = inputs.keys().cloned().collect();
     present.sort();
     let (info, program) = rank_program(recipe_src, recipe_path, topo, dims, as_f32, &present)?;
-    let gp = GpuProgram::load(dev, cache, &program, settings).map_err(rt)?;
+    let gp = GpuProgram::load(dev, cache, &program, settings).map_err(Error::from)?;
     let bufs = run_shard(dev, &gp, &program, coll, inputs)?;
     Ok(Shard {
         info,
@@ -329,10 +330,10 @@ pub fn with_gpu_ranks<R>(
 ) -> Result<R> {
     let needed = WorldIds::member_sets(topo, groups);
     let ids = if needed.is_empty() {
-        WorldIds::from_ids(topo, &[], &[]).map_err(rt)?
+        WorldIds::from_ids(topo, &[], &[]).map_err(Error::from)?
     } else {
-        let nccl = Nccl::load(settings.nccl_path.as_deref()).map_err(rt)?;
-        WorldIds::new(nccl, topo, groups).map_err(rt)?
+        let nccl = Nccl::load(settings.nccl_path.as_deref()).map_err(Error::from)?;
+        WorldIds::new(nccl, topo, groups).map_err(Error::from)?
     };
     let cache = Cache::new(settings.cache_dir.clone());
     let (ids, cache) = (&ids, &cache);
@@ -411,7 +412,7 @@ fn rank_main(
             d
         }
         Err(e) => {
-            answer(Reply::Ready(Err(rt(e))));
+            answer(Reply::Ready(Err(Error::from(e))));
             return Ok(());
         }
     };
@@ -424,7 +425,7 @@ fn rank_main(
             w
         }
         Err(e) => {
-            answer(Reply::Ready(Err(rt(e))));
+            answer(Reply::Ready(Err(Error::from(e))));
             return Ok(());
         }
     };
@@ -439,13 +440,14 @@ fn rank_main(
         let prep = (|| -> Result<Vec<cudarc::driver::CudaSlice<u8>>> {
             if loaded.as_ref().is_none_or(|(p, _)| **p != *prog) {
                 loaded = None;
-                let gp = GpuProgram::load(&dev, cache, &prog, settings).map_err(rt)?;
+                let gp = GpuProgram::load(&dev, cache, &prog, settings).map_err(Error::from)?;
                 loaded = Some((prog.clone(), gp));
             }
             let Some((_, gp)) = &loaded else {
                 return Err(Error::Usage("internal: no loaded program".into()));
             };
-            gp.alloc(&dev, &mut |n| inputs.get(n).cloned()).map_err(rt)
+            gp.alloc(&dev, &mut |n| inputs.get(n).cloned())
+                .map_err(Error::from)
         })();
         // Every rank answers, then waits for the caller's decision: run only when all are ready.
         let prepared = match prep {
@@ -480,8 +482,8 @@ fn rank_main(
         })();
         answer(Reply::Done(done));
     }
-    dev.sync().map_err(rt)?;
-    world.close().map_err(rt)
+    dev.sync().map_err(Error::from)?;
+    world.close().map_err(Error::from)
 }
 
 /// Pack `layers` layers for every rank of `topo`, rank `r` on GPU `r` (see the module): `next(k)`

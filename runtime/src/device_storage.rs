@@ -12,7 +12,7 @@ use crate::collective::{DeviceCollective, Group};
 use crate::copy_kernel::{CopyKernel, Region};
 use crate::device::Device;
 use crate::moves::Copy;
-use crate::store::{range, ExpertStorage, Place};
+use crate::store::{copy_each, range, ExpertStorage, Place};
 use crate::{drv, Error, Result};
 
 /// A device allocation and the stream its copies are queued on: owned (freed on drop) or borrowed
@@ -258,16 +258,7 @@ impl ExpertStorage for DeviceStorage {
     ) -> Result<()> {
         let Some(kernel) = self.kernel.clone() else {
             // One memcpy per copy, the scratch in staging (the trait's default).
-            let place = |l: crate::moves::Loc| match l {
-                crate::moves::Loc::Slot(p) => Place::Main(p * len),
-                crate::moves::Loc::Transfer(k) => Place::Staging(k * len),
-                crate::moves::Loc::Scratch => Place::Staging(transfers * len),
-            };
-            for c in copies {
-                tick()?;
-                self.copy(st, place(c.from), place(c.to), len)?;
-            }
-            return Ok(());
+            return copy_each(self, st, copies, transfers, len, tick);
         };
         tick()?;
         if copies.is_empty() || len == 0 {

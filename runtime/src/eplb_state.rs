@@ -28,6 +28,8 @@ pub struct Policy {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EplbLayerState {
     map: SlotMap,
+    /// `map.log2phy()`, kept because [`EplbLayerState::route`] runs per token.
+    log2phy: Vec<Vec<usize>>,
     gpus: usize,
     window: usize,
     steps: VecDeque<Vec<u64>>,
@@ -52,6 +54,7 @@ impl EplbLayerState {
             ));
         }
         Ok(EplbLayerState {
+            log2phy: map.log2phy(),
             map,
             gpus,
             window,
@@ -71,8 +74,8 @@ impl EplbLayerState {
     }
 
     /// Logical expert -> its slots (replica `r` is entry `r`).
-    pub fn log2phy(&self) -> Vec<Vec<usize>> {
-        self.map.log2phy()
+    pub fn log2phy(&self) -> &[Vec<usize>] {
+        &self.log2phy
     }
 
     /// Replicas per logical expert.
@@ -83,8 +86,7 @@ impl EplbLayerState {
     /// The physical slot token `t`'s choice of logical expert `e` goes to (SPEC §9: replica
     /// `t mod logcnt[e]`).
     pub fn route(&self, token: usize, expert: usize) -> Option<usize> {
-        let slots = self.map.log2phy();
-        let s = slots.get(expert)?;
+        let s = self.log2phy.get(expert)?;
         s.get(token % s.len().max(1)).copied()
     }
 
@@ -166,6 +168,7 @@ impl EplbLayerState {
         let w = self.logical_loads();
         let after = balancedness(&w, map.phy2log(), &map.logcnt(), self.gpus);
         self.balance = Some((before, after));
+        self.log2phy = map.log2phy();
         self.map = map;
         self.steps.clear();
     }

@@ -133,7 +133,8 @@ pub enum Error {
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub(crate) fn drv<E: std::fmt::Debug>(call: &'static str) -> impl Fn(E) -> Error {
+/// Turns a failed driver call's error into [`Error::Driver`] naming `call`: `.map_err(drv("cuMemAlloc"))`.
+pub fn drv<E: std::fmt::Debug>(call: &'static str) -> impl Fn(E) -> Error {
     move |e| Error::Driver {
         call,
         detail: format!("{e:?}"),

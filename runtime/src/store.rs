@@ -64,17 +64,11 @@ pub trait ExpertStorage {
         transfers: usize,
         len: usize,
         tick: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()> {
-        let place = |l: Loc| match l {
-            Loc::Slot(p) => Place::Main(p * len),
-            Loc::Transfer(k) => Place::Staging(k * len),
-            Loc::Scratch => Place::Staging(transfers * len),
-        };
-        for c in copies {
-            tick()?;
-            self.copy(st, place(c.from), place(c.to), len)?;
-        }
-        Ok(())
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        copy_each(self, st, copies, transfers, len, tick)
     }
     /// Called once every param's copies are queued: join any work a storage forked off its stream
     /// (the default has none).
@@ -91,6 +85,29 @@ pub trait ExpertStorage {
         recvs: &[(usize, usize)],
         len: usize,
     ) -> Result<()>;
+}
+
+/// A rank's local copies as one [`ExpertStorage::copy`] each, the scratch after the `transfers`
+/// received experts in staging: the default of [`ExpertStorage::run_copies`], and what a storage
+/// without a faster path falls back to.
+pub(crate) fn copy_each<S: ExpertStorage>(
+    storage: &mut S,
+    st: &mut S::Staging,
+    copies: &[Copy],
+    transfers: usize,
+    len: usize,
+    tick: &mut dyn FnMut() -> Result<()>,
+) -> Result<()> {
+    let place = |l: Loc| match l {
+        Loc::Slot(p) => Place::Main(p * len),
+        Loc::Transfer(k) => Place::Staging(k * len),
+        Loc::Scratch => Place::Staging(transfers * len),
+    };
+    for c in copies {
+        tick()?;
+        storage.copy(st, place(c.from), place(c.to), len)?;
+    }
+    Ok(())
 }
 
 pub(crate) fn range(
