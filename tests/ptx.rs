@@ -14,6 +14,8 @@ use moeforge::codegen::ptx::Target;
 
 const BIND: &str = "E=2,H=128,I=128";
 
+mod common;
+
 fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/ptx")
 }
@@ -34,25 +36,7 @@ fn golden_ptx() {
             assert_eq!(got, generate(r.name, t), "{} is not deterministic", r.name);
             assert!(got.contains(".version 8.7") && got.contains(&format!(".target {}", t.name())));
             let path = golden_dir().join(format!("{}.{}.ptx", r.name, t.name()));
-            if bless {
-                std::fs::write(&path, &got).unwrap();
-                continue;
-            }
-            let want = std::fs::read_to_string(&path).unwrap_or_default();
-            if want != got {
-                let line = want
-                    .lines()
-                    .zip(got.lines())
-                    .position(|(a, b)| a != b)
-                    .unwrap_or(want.lines().count().min(got.lines().count()));
-                failures.push(format!(
-                    "{}: differs from line {}:\n- {}\n+ {}",
-                    path.display(),
-                    line + 1,
-                    want.lines().nth(line).unwrap_or("<end>"),
-                    got.lines().nth(line).unwrap_or("<end>")
-                ));
-            }
+            failures.extend(common::golden(&path, &got, bless));
         }
     }
     assert!(

@@ -24,6 +24,8 @@ const MODELS: [(&str, &str); 2] = [
     ("deepseek-v3-ep8", "E=32,H=7168,I=2048"),
 ];
 
+mod common;
+
 fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/ptx_gemm")
 }
@@ -141,26 +143,7 @@ fn golden_gemm_ptx() {
         let got = plan.module();
         assert_eq!(got, bf16_plan(bind).module(), "not deterministic");
         let path = golden_dir().join(format!("bf16_{label}.ptx"));
-        if bless {
-            std::fs::create_dir_all(golden_dir()).unwrap();
-            std::fs::write(&path, &got).unwrap();
-            continue;
-        }
-        let want = std::fs::read_to_string(&path).unwrap_or_default();
-        if want != got {
-            let line = want
-                .lines()
-                .zip(got.lines())
-                .position(|(a, b)| a != b)
-                .unwrap_or(want.lines().count().min(got.lines().count()));
-            failures.push(format!(
-                "{}: differs from line {}:\n- {}\n+ {}",
-                path.display(),
-                line + 1,
-                want.lines().nth(line).unwrap_or("<end>"),
-                got.lines().nth(line).unwrap_or("<end>")
-            ));
-        }
+        failures.extend(common::golden(&path, &got, bless));
     }
     assert!(
         failures.is_empty(),

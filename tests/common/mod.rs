@@ -43,3 +43,31 @@ pub fn bf16(v: &[f32]) -> Vec<u8> {
         .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
         .collect()
 }
+
+/// Golden-file check: with `bless`, write `got` to `path` and return `None`; otherwise `None` when
+/// the file holds `got`, else a message naming the first differing line.
+pub fn golden(path: &std::path::Path, got: &str, bless: bool) -> Option<String> {
+    if bless {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        std::fs::write(path, got).unwrap();
+        return None;
+    }
+    let want = std::fs::read_to_string(path).unwrap_or_default();
+    if want == got {
+        return None;
+    }
+    let line = want
+        .lines()
+        .zip(got.lines())
+        .position(|(a, b)| a != b)
+        .unwrap_or(want.lines().count().min(got.lines().count()));
+    Some(format!(
+        "{}: differs from line {}:\n- {}\n+ {}",
+        path.display(),
+        line + 1,
+        want.lines().nth(line).unwrap_or("<end>"),
+        got.lines().nth(line).unwrap_or("<end>")
+    ))
+}
