@@ -422,3 +422,21 @@ fn variants_follow_the_weights_dtypes_not_the_recipe_name() {
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(out, plan_of(&renamed, "x", bind).module());
 }
+
+#[test]
+fn what_check_accepts_gets_gemm_variants_that_assemble_at_the_binding_extremes() {
+    // The verifier and the GEMM generator agree: the bf16 recipe's smallest and largest admissible
+    // bindings (H, I multiples of 8 up to 16384) both get their variants, and they assemble cleanly.
+    let ptxas = ptxas();
+    let dir = tempfile::tempdir().unwrap();
+    for bind in ["E=1,H=8,I=8", "E=3,H=16384,I=16384", "E=5,H=136,I=200"] {
+        let plan = bf16_plan(bind);
+        assert!(plan.missing.is_empty(), "{bind}: {:?}", plan.missing);
+        let Some(ptxas) = &ptxas else { continue };
+        let ptx = dir.path().join("v.ptx");
+        std::fs::write(&ptx, plan.module()).unwrap();
+        let report = assemble(ptxas, &ptx, &dir.path().join("v.cubin"));
+        let p = problems(&report, 6);
+        assert!(p.is_empty(), "{bind}: {p:?}\n{report}");
+    }
+}
