@@ -22,22 +22,22 @@ fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
 }
 
 /// xorshift64*.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
     }
 
     /// A bf16 in [-1, 1).
-    fn bf16(&mut self) -> u16 {
+    pub(crate) fn bf16(&mut self) -> u16 {
         let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
         reference::bf16_from_f32(2.0 * u - 1.0)
     }
@@ -194,9 +194,10 @@ fn run_shape(dev: &Device, s: &Shape, rng: &mut Rng, time: bool) -> Result<Outco
     Ok(Outcome { ok, line })
 }
 
-/// The GEMM self-test: one line per shape and a timing line; `None` as the verdict without a GPU
-/// (the report then says SKIPPED).
-pub fn selftest() -> Result<(String, Option<bool>)> {
+/// The GEMM self-test: v0 (one line per shape and a timing line), then every v1 variant on every
+/// shape class ([`crate::gemm_ws_check`]; `quick` keeps the small classes, for the sanitizers);
+/// `None` as the verdict without a GPU (the report then says SKIPPED).
+pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
     let mut out = String::new();
     let dev = match crate::gpu::open() {
         Ok(d) => d,
@@ -220,21 +221,27 @@ pub fn selftest() -> Result<(String, Option<bool>)> {
         return Ok((out, None));
     }
     let mut rng = Rng(seed);
-    let list = shapes(&mut rng);
+    let mut list = shapes(&mut rng);
+    if quick {
+        list.truncate(2);
+    }
     let last = list.len() - 1;
     let mut all = true;
     for (i, s) in list.iter().enumerate() {
-        let o = run_shape(&dev, s, &mut rng, i == last)?;
+        let o = run_shape(&dev, s, &mut rng, i == last && !quick)?;
         all &= o.ok;
         let _ = writeln!(out, "{}", o.line);
     }
+    let (v1, ok1) = crate::gemm_ws_check::selftest(&dev, seed, quick)?;
+    out.push_str(&v1);
+    all &= ok1;
     let _ = writeln!(
         out,
         "{}",
         if all {
-            "gemm bf16 v0: all shapes within bound"
+            "gemm: all shapes within bound"
         } else {
-            "gemm bf16 v0: FAILED"
+            "gemm: FAILED"
         }
     );
     Ok((out, Some(all)))

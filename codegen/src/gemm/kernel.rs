@@ -38,10 +38,11 @@
 
 use std::ops::Range;
 
+use super::emit::K;
 use crate::ptx::{
     AsyncOp, BinOpcode, Builder, CmpOp, DynamicShared, Entry, Guard, Inst, Operand, Param, PtxTy,
-    Reg, RegClass, ScaleD, SharedDecl, SharedTy, SpecialReg, TmaDim, TmaLoad, UnOpcode, Wgmma,
-    WgmmaN, WgmmaTy, PTX_VERSION,
+    Reg, RegClass, ScaleD, SharedDecl, SharedTy, SpecialReg, TmaDim, TmaLoad, Wgmma, WgmmaN,
+    WgmmaTy, PTX_VERSION,
 };
 use crate::{Error, Result};
 
@@ -143,103 +144,6 @@ fn unsupported(what: String) -> Error {
     Error::Unsupported {
         param: "grouped GEMM bf16 v0".into(),
         what,
-    }
-}
-
-/// A few instruction helpers over the builder.
-struct K {
-    b: Builder,
-}
-
-impl K {
-    fn reg32(&mut self) -> Reg {
-        self.b.reg(RegClass::B32)
-    }
-
-    fn mov(&mut self, d: Reg, a: Operand) {
-        self.b.push(Inst::Un {
-            op: UnOpcode::Mov(PtxTy::U32),
-            d,
-            a,
-        });
-    }
-
-    fn imm(&mut self, v: i64) -> Reg {
-        let d = self.reg32();
-        self.mov(d, Operand::Int(v));
-        d
-    }
-
-    fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
-        self.b.push(Inst::Bin {
-            op,
-            ty,
-            d,
-            a: Operand::Reg(a),
-            b,
-        });
-    }
-
-    fn bin(&mut self, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) -> Reg {
-        let class = match ty {
-            PtxTy::U64 | PtxTy::B64 | PtxTy::S64 => RegClass::B64,
-            PtxTy::Pred => RegClass::Pred,
-            _ => RegClass::B32,
-        };
-        let d = self.b.reg(class);
-        self.bin_to(d, op, ty, a, b);
-        d
-    }
-
-    fn setp(&mut self, cmp: CmpOp, a: Reg, b: Operand) -> Reg {
-        let p = self.b.reg(RegClass::Pred);
-        self.b.push(Inst::Setp {
-            cmp,
-            ty: PtxTy::U32,
-            p,
-            a: Operand::Reg(a),
-            b,
-        });
-        p
-    }
-
-    fn special(&mut self, name: SpecialReg) -> Reg {
-        let d = self.reg32();
-        self.b.push(Inst::Special { d, name });
-        d
-    }
-
-    fn global_param(&mut self, name: &str) -> Reg {
-        let p = self.b.reg(RegClass::B64);
-        self.b.push(Inst::LdParam {
-            ty: PtxTy::U64,
-            d: p,
-            name: name.into(),
-        });
-        let g = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Cvta { d: g, a: p });
-        g
-    }
-
-    fn bra(&mut self, label: &str, pred: Option<(Reg, bool)>) {
-        self.b.push(Inst::Bra {
-            label: label.into(),
-            pred,
-        });
-    }
-
-    /// `base + stage * STAGE_BYTES` and `bars + 8 * stage` for a stage in a register.
-    fn stage_addrs(&mut self, stage: Reg, base: Reg, bars: Reg) -> (Reg, Reg) {
-        let a = self.bin(
-            BinOpcode::MulLo,
-            PtxTy::U32,
-            stage,
-            Operand::Int(STAGE_BYTES.into()),
-        );
-        self.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(base));
-        let bar = self.bin(BinOpcode::Shl, PtxTy::B32, stage, Operand::Int(3));
-        self.bin_to(bar, BinOpcode::Add, PtxTy::U32, bar, Operand::Reg(bars));
-        (a, bar)
     }
 }
 
@@ -515,7 +419,7 @@ pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<
     );
     let in_range = k.setp(CmpOp::Lt, next, Operand::Int(k_tiles.into()));
     let issue = k.bin(BinOpcode::And, PtxTy::Pred, in_range, Operand::Reg(leader));
-    let (la, lbar) = k.stage_addrs(load_stage, base, bars);
+    let (la, lbar) = k.stage_addrs(load_stage, STAGE_BYTES, base, bars);
     let k0 = k.bin(BinOpcode::Shl, PtxTy::B32, next, Operand::Int(6));
     issue_load(
         k,
@@ -528,7 +432,7 @@ pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<
         k0,
     )?;
     // Consume stage i % S.
-    let (ca, cbar) = k.stage_addrs(stage, base, bars);
+    let (ca, cbar) = k.stage_addrs(stage, STAGE_BYTES, base, bars);
     k.b.mbarrier_wait(cbar, Operand::Reg(phase))?;
     // scale-d as predicates, as in the H200 example: `i != 0` on the first k16 step, true after.
     let accumulate = k.setp(CmpOp::Ne, i, Operand::Int(0));

@@ -5,6 +5,8 @@
 //! epilogue. This module holds the target-independent parts that are checked on the host.
 
 pub mod desc;
+mod emit;
 pub mod kernel;
 pub mod reference;
 pub mod schedule;
+pub mod ws;

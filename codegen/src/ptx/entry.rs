@@ -125,6 +125,9 @@ pub struct Entry {
     pub dynamic_shared: Option<DynamicShared>,
     /// A cap on registers per thread (`.maxnreg`).
     pub maxnreg: Option<u32>,
+    /// The most threads per CTA (`.maxntid N, 1, 1`), which bounds the registers `ptxas` may give
+    /// a thread (and which `setmaxnreg` needs).
+    pub maxntid: Option<u32>,
     /// Thread-block clusters, where the kernel uses them.
     pub cluster: Option<Cluster>,
 }
@@ -166,6 +169,9 @@ impl Entry {
         let _ = writeln!(s, ")");
         if let Some(n) = self.maxnreg {
             let _ = writeln!(s, ".maxnreg {n}");
+        }
+        if let Some(n) = self.maxntid {
+            let _ = writeln!(s, ".maxntid {n}, 1, 1");
         }
         match self.cluster {
             None => {}
@@ -234,6 +240,7 @@ mod tests {
                 align: 1024,
             }),
             maxnreg: Some(168),
+            maxntid: None,
             cluster: Some(Cluster::Fixed([2, 1, 1])),
         }
     }

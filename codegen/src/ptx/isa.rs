@@ -186,6 +186,9 @@ pub enum BinOpcode {
     MulRn,
     /// `div.rn` (float, correctly rounded).
     DivRn,
+    /// `cvt.rn.bf16x2` (with type `.f32`: `cvt.rn.bf16x2.f32 d, a, b` packs `a` rounded into the
+    /// high half of `d` and `b` into the low half).
+    CvtRnBf16x2,
 }
 
 impl fmt::Display for BinOpcode {
@@ -209,6 +212,7 @@ impl fmt::Display for BinOpcode {
             BinOpcode::AddRn => "add.rn",
             BinOpcode::MulRn => "mul.rn",
             BinOpcode::DivRn => "div.rn",
+            BinOpcode::CvtRnBf16x2 => "cvt.rn.bf16x2",
         })
     }
 }

@@ -1,0 +1,108 @@
+//! Small instruction helpers over the typed PTX builder, shared by the GEMM kernels' generators.
+
+use crate::ptx::{
+    BinOpcode, Builder, CmpOp, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
+};
+
+/// A few instruction helpers over the builder.
+pub(crate) struct K {
+    pub(crate) b: Builder,
+}
+
+impl K {
+    pub(crate) fn reg32(&mut self) -> Reg {
+        self.b.reg(RegClass::B32)
+    }
+
+    pub(crate) fn mov(&mut self, d: Reg, a: Operand) {
+        self.b.push(Inst::Un {
+            op: UnOpcode::Mov(PtxTy::U32),
+            d,
+            a,
+        });
+    }
+
+    pub(crate) fn imm(&mut self, v: i64) -> Reg {
+        let d = self.reg32();
+        self.mov(d, Operand::Int(v));
+        d
+    }
+
+    pub(crate) fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
+        self.b.push(Inst::Bin {
+            op,
+            ty,
+            d,
+            a: Operand::Reg(a),
+            b,
+        });
+    }
+
+    pub(crate) fn bin(&mut self, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) -> Reg {
+        let class = match ty {
+            PtxTy::U64 | PtxTy::B64 | PtxTy::S64 => RegClass::B64,
+            PtxTy::Pred => RegClass::Pred,
+            _ => RegClass::B32,
+        };
+        let d = self.b.reg(class);
+        self.bin_to(d, op, ty, a, b);
+        d
+    }
+
+    pub(crate) fn setp(&mut self, cmp: CmpOp, a: Reg, b: Operand) -> Reg {
+        let p = self.b.reg(RegClass::Pred);
+        self.b.push(Inst::Setp {
+            cmp,
+            ty: PtxTy::U32,
+            p,
+            a: Operand::Reg(a),
+            b,
+        });
+        p
+    }
+
+    pub(crate) fn special(&mut self, name: SpecialReg) -> Reg {
+        let d = self.reg32();
+        self.b.push(Inst::Special { d, name });
+        d
+    }
+
+    pub(crate) fn global_param(&mut self, name: &str) -> Reg {
+        let p = self.b.reg(RegClass::B64);
+        self.b.push(Inst::LdParam {
+            ty: PtxTy::U64,
+            d: p,
+            name: name.into(),
+        });
+        let g = self.b.reg(RegClass::B64);
+        self.b.push(Inst::Cvta { d: g, a: p });
+        g
+    }
+
+    pub(crate) fn bra(&mut self, label: &str, pred: Option<(Reg, bool)>) {
+        self.b.push(Inst::Bra {
+            label: label.into(),
+            pred,
+        });
+    }
+
+    /// `base + stage * stage_bytes` and `bars + 8 * stage` for a stage in a register.
+    pub(crate) fn stage_addrs(
+        &mut self,
+        stage: Reg,
+        stage_bytes: u32,
+        base: Reg,
+        bars: Reg,
+    ) -> (Reg, Reg) {
+        let a = self.bin(
+            BinOpcode::MulLo,
+            PtxTy::U32,
+            stage,
+            Operand::Int(stage_bytes.into()),
+        );
+        self.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(base));
+        let bar = self.bin(BinOpcode::Shl, PtxTy::B32, stage, Operand::Int(3));
+        self.bin_to(bar, BinOpcode::Add, PtxTy::U32, bar, Operand::Reg(bars));
+        (a, bar)
+    }
+}

@@ -1,0 +1,1255 @@
+//! v1 of the generated grouped GEMM (issue \[7\] item 3): warp-specialized, persistent, for bf16 and
+//! e4m3 operands, prefill and decode (swap-AB) forms, with f32 or bf16 output and the FP8 scales
+//! applied to the f32 accumulator. `Y[rows of e] = X[rows of e] · W[e]^T`, `X [T, K]` with rows sorted
+//! by expert (per-expert row offsets in device memory), `W [E, N, K]` (a recipe param in its
+//! verified storage layout, K-major), `Y [T, N]` row-major.
+//!
+//! # Composition (CuTe's vocabulary)
+//! * **Copy atom**: TMA `cp.async.bulk.tensor` of K-major boxes, 128-byte swizzle, completing on the
+//!   stage's "full" mbarrier (one `arrive.expect_tx` of the stage's bytes).
+//! * **MMA atom**: `wgmma.mma_async` m64nNk16 (bf16, HGMMA) or m64nNk32 (e4m3, QGMMA), both operands
+//!   from shared memory through descriptors; one k-tile is 128 bytes of K (64 bf16 or 128 e4m3), four
+//!   MMAs, the descriptors' low word advancing by 2 (32 bytes) per MMA.
+//! * **Pipeline**: `S` stages; per stage a "full" barrier (count 1: the producer's expect_tx) and an
+//!   "empty" barrier (count `4 * C`: one arrival per consumer warp once its MMAs that read the stage
+//!   have completed). The producer waits on "empty" with the opposite parity (a fresh barrier's
+//!   previous phase counts as complete), so the first `S` loads go out at once.
+//! * **Warp specialization**: warpgroup 0 is the producer (one thread issues every TMA), warpgroups
+//!   `1..=C` are consumers that share each tile; with two consumers the producer gives registers
+//!   back (`setmaxnreg.dec` to 40) and the consumers take them (`setmaxnreg.inc` to 232)
+//!   (cooperative): consumer `c` owns the A rows `64c .. 64c + 63` of the tile.
+//! * **Tile scheduler**: persistent CTAs; CTA `b` takes tiles `b, b + G, b + 2G, ...` (`G` =
+//!   `%nctaid.x`) of the linear order expert → token tile → weight tile, and maps a tile to its expert
+//!   by scanning the device-resident offsets, resuming where its previous tile's scan stopped (tile
+//!   ids only grow). Producer and consumers scan alike; [`tile_of`] is the same walk on the host.
+//! * **Epilogue**: the accumulator fragment (GEMM.md §1.6) -> scale -> convert -> masked global
+//!   stores (rows past the expert's end and columns past N are not stored).
+//!
+//! # Prefill and decode
+//! * Prefill (`swap_ab = false`): A = `X` (`64 C` token rows), B = `W[e]` (`BN` weight rows); the
+//!   wgmma N is `BN`.
+//! * Decode (`swap_ab = true`): A = `W[e]` (`64 C` weight rows), B = `X` (`BN` token rows, 8 to 256);
+//!   the accumulator is `Y^T`'s tile and the epilogue stores it transposed. Few tokens per expert then
+//!   cost few MMA columns and little of the TMA traffic, and the weights stream on the M side.
+//!
+//! # Scaling (FP8)
+//! * [`Scaling::Tensorwise`]: `acc * s_w[e] * s_x[t]` with `s_x` per token (`[T]`) or one value for
+//!   all tokens (`[1]`), applied once in the epilogue (SPEC §9 `fp8_per_tensor`).
+//! * [`Scaling::Block128`] (SPEC §9 `fp8_block128`): each 128-deep K slice (one e4m3 k-tile) is
+//!   accumulated on its own (`scale-d` 0 on its first MMA) and promoted into the f32 total with
+//!   `s_x[kb, t] * s_w[e, n / 128, kb]` (`fma`, slices in ascending order). `s_x` is group-major
+//!   `[ceil(K/128), T]` (the activation quantizer's layout), `s_w` `[E, ceil(N/128), ceil(K/128)]`.
+//!
+//! # Parameters, in order
+//! `tmap_x`, `tmap_w` (`.param .align 64 .b8 [128]`), `y` (u64), `offsets` (u64: i32 `[E + 1]`),
+//! `x_scale` (u64; 0 when unscaled), `w_scale` (u64; 0 when unscaled), `experts` (u32), `tokens`
+//! (u32: `T`, the stride of the group-major activation scales).
+
+use crate::ptx::{
+    AsyncOp, BinOpcode, Builder, CmpOp, DynamicShared, Entry, Guard, Inst, MaxNReg, Operand, Param,
+    PtxTy, Reg, RegClass, RegDelta, ScaleD, SharedDecl, SharedTy, SpecialReg, TmaDim, TmaLoad,
+    Wgmma, WgmmaN, WgmmaTy,
+};
+use crate::{Error, Result};
+
+use super::emit::K;
+
+/// The operand type of both X and W.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Operands {
+    /// bf16 x bf16 (HGMMA, k16).
+    Bf16,
+    /// e4m3 x e4m3 (QGMMA, k32).
+    E4m3,
+}
+
+impl Operands {
+    /// Bytes per element.
+    pub const fn bytes(self) -> u32 {
+        match self {
+            Operands::Bf16 => 2,
+            Operands::E4m3 => 1,
+        }
+    }
+
+    /// K elements per 128-byte k-tile.
+    pub const fn bk(self) -> u32 {
+        128 / self.bytes()
+    }
+
+    fn wgmma(self) -> WgmmaTy {
+        match self {
+            Operands::Bf16 => WgmmaTy::Bf16,
+            Operands::E4m3 => WgmmaTy::E4m3,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Operands::Bf16 => "bf16",
+            Operands::E4m3 => "e4m3",
+        }
+    }
+}
+
+/// How the f32 accumulator is scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scaling {
+    /// Not at all (bf16).
+    None,
+    /// Once in the epilogue: per-expert weight scale `[E]` times the activation scale, per token
+    /// (`[T]`, `per_token`) or one for all tokens (`[1]`).
+    Tensorwise {
+        /// The activation scale is per token (else one value).
+        per_token: bool,
+    },
+    /// Per 128-deep K slice with 1x128 activation groups and 128x128 weight blocks.
+    Block128,
+}
+
+/// The output element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutTy {
+    /// f32.
+    F32,
+    /// bf16 (round to nearest even).
+    Bf16,
+}
+
+impl OutTy {
+    /// Bytes per element.
+    pub const fn bytes(self) -> u32 {
+        match self {
+            OutTy::F32 => 4,
+            OutTy::Bf16 => 2,
+        }
+    }
+}
+
+/// One variant of the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WsConfig {
+    /// Operand type.
+    pub operands: Operands,
+    /// Scaling of the accumulator.
+    pub scaling: Scaling,
+    /// Output type.
+    pub out: OutTy,
+    /// Consumer warpgroups (1 or 2): the A side of a tile is `64 * consumers` rows.
+    pub consumers: u32,
+    /// The B side of a tile (the wgmma N): weight rows (prefill) or token rows (decode).
+    pub bn: u32,
+    /// Pipeline stages.
+    pub stages: u32,
+    /// Decode form: weights on the A (M) side, tokens on the B (N) side.
+    pub swap_ab: bool,
+    /// N (compiled in).
+    pub n: u32,
+    /// K (compiled in).
+    pub k: u32,
+}
+
+impl WsConfig {
+    /// Bytes of A per stage (`64 C` rows of 128 bytes).
+    pub const fn a_stage_bytes(&self) -> u32 {
+        64 * self.consumers * 128
+    }
+
+    /// Bytes of B per stage (`BN` rows of 128 bytes).
+    pub const fn b_stage_bytes(&self) -> u32 {
+        self.bn * 128
+    }
+
+    /// Bytes of one stage (the expected transaction bytes of its full barrier).
+    pub const fn stage_bytes(&self) -> u32 {
+        self.a_stage_bytes() + self.b_stage_bytes()
+    }
+
+    /// Token rows per tile.
+    pub const fn tile_tokens(&self) -> u32 {
+        if self.swap_ab {
+            self.bn
+        } else {
+            64 * self.consumers
+        }
+    }
+
+    /// Weight rows (output columns) per tile.
+    pub const fn tile_weights(&self) -> u32 {
+        if self.swap_ab {
+            64 * self.consumers
+        } else {
+            self.bn
+        }
+    }
+
+    /// Weight tiles per token tile: `ceil(N / tile_weights)`.
+    pub const fn weight_tiles(&self) -> u32 {
+        self.n.div_ceil(self.tile_weights())
+    }
+
+    /// 128-byte k-tiles: `ceil(K / bk)`.
+    pub const fn k_tiles(&self) -> u32 {
+        self.k.div_ceil(self.operands.bk())
+    }
+
+    /// Threads per CTA: a producer warpgroup and the consumers.
+    pub const fn threads(&self) -> u32 {
+        128 * (1 + self.consumers)
+    }
+
+    /// Dynamic shared memory per CTA (stages plus 1 KiB of alignment slack).
+    pub const fn dynamic_smem_bytes(&self) -> u32 {
+        self.stages * self.stage_bytes() + SMEM_ALIGN_SLACK
+    }
+
+    /// A short name of the variant (what the tables and the entry names use), e.g.
+    /// `bf16_p2x128_s4` (prefill, 2 consumers, BN 128, 4 stages) or `e4m3b_d1x16_s8_bf16`.
+    pub fn tag(&self) -> String {
+        let scale = match self.scaling {
+            Scaling::None => "",
+            Scaling::Tensorwise { per_token: true } => "t",
+            Scaling::Tensorwise { per_token: false } => "s",
+            Scaling::Block128 => "b",
+        };
+        let out = match self.out {
+            OutTy::F32 => "f32",
+            OutTy::Bf16 => "bf16",
+        };
+        format!(
+            "{}{scale}_{}{}x{}_s{}_{out}",
+            self.operands.name(),
+            if self.swap_ab { "d" } else { "p" },
+            self.consumers,
+            self.bn,
+            self.stages
+        )
+    }
+
+    /// Upper bound on the tiles of `t` rows over `experts` experts:
+    /// `(ceil(T / tile_tokens) + E) * weight_tiles`.
+    pub fn tiles_upper_bound(&self, t: u64, experts: u64) -> u64 {
+        (t.div_ceil(u64::from(self.tile_tokens())) + experts) * u64::from(self.weight_tiles())
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |what: String| Err(unsupported(what));
+        if !(1..=2).contains(&self.consumers) {
+            return bad(format!("{} consumer warpgroups (1 or 2)", self.consumers));
+        }
+        WgmmaN::new(self.bn)?;
+        if self.swap_ab && !self.bn.is_power_of_two() {
+            return bad(format!(
+                "a decode token tile of {} (a power of two, 8 to 256)",
+                self.bn
+            ));
+        }
+        if !(2..=MAX_STAGES).contains(&self.stages) {
+            return bad(format!("{} stages (2 to {MAX_STAGES})", self.stages));
+        }
+        if self.dynamic_smem_bytes() > MAX_DYNAMIC_SMEM {
+            return bad(format!(
+                "{} bytes of shared memory ({} stages of {}; at most {MAX_DYNAMIC_SMEM})",
+                self.dynamic_smem_bytes(),
+                self.stages,
+                self.stage_bytes()
+            ));
+        }
+        let align = 16 / self.operands.bytes();
+        if self.n == 0 || self.k == 0 || !self.k.is_multiple_of(align) || !self.n.is_multiple_of(2)
+        {
+            return bad(format!(
+                "N = {}, K = {} (positive, N even, K a multiple of {align})",
+                self.n, self.k
+            ));
+        }
+        if self.n > (1 << 24) || self.k > (1 << 24) {
+            return bad(format!(
+                "N = {}, K = {} (at most 2^24 each)",
+                self.n, self.k
+            ));
+        }
+        match (self.operands, self.scaling) {
+            (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
+            (Operands::E4m3, Scaling::Block128) => {
+                if !(self.swap_ab || self.bn <= 128 || self.bn.is_multiple_of(128)) {
+                    return bad(format!(
+                        "block-scaled prefill with BN = {} (at most 128, or a multiple of 128)",
+                        self.bn
+                    ));
+                }
+            }
+            (o, s) => return bad(format!("{} operands with scaling {s:?}", o.name())),
+        }
+        Ok(())
+    }
+}
+
+/// Extra dynamic shared memory so that the kernel can round its base up to 1024 bytes.
+pub const SMEM_ALIGN_SLACK: u32 = 1024;
+/// The most dynamic shared memory a CTA may ask for on sm_90 (227 KiB).
+pub const MAX_DYNAMIC_SMEM: u32 = 227 * 1024;
+/// The most pipeline stages.
+pub const MAX_STAGES: u32 = 12;
+/// Registers per producer thread after `setmaxnreg.dec`.
+pub const PRODUCER_REGS: u32 = 40;
+/// The sm_90 descriptor's high word for a K-major 128B-swizzled tile: SBO 1024 bytes, layout 1.
+const DESC_HI: i64 = 0x4000_0040;
+/// The descriptor's low-word LBO field (16 bytes, ignored for swizzled K-major operands).
+const DESC_LBO: i64 = 0x1_0000;
+
+/// Parameter names, in launch order.
+pub const PARAMS: [&str; 8] = [
+    "tmap_x", "tmap_w", "y", "offsets", "x_scale", "w_scale", "experts", "tokens",
+];
+
+/// Registers per consumer thread after `setmaxnreg.inc` with two consumer warpgroups (what the
+/// register file of 64 Ki registers leaves beside the producer's 40). With one consumer (256
+/// threads, decode) the kernel keeps ptxas's allocation and emits no `setmaxnreg`.
+pub const fn consumer_regs(_consumers: u32) -> u32 {
+    232
+}
+
+fn unsupported(what: String) -> Error {
+    Error::Unsupported {
+        param: "grouped GEMM (warp-specialized)".into(),
+        what,
+    }
+}
+
+/// One tile of the linear order, as the kernel's scan finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WsTile {
+    /// The expert.
+    pub expert: usize,
+    /// First token row (global) and the expert's end row.
+    pub tokens: std::ops::Range<usize>,
+    /// First weight row (output column).
+    pub weight0: usize,
+}
+
+/// The kernel's tile walk on the host: tile `id` of the order expert → token tile → weight tile, or
+/// `None` past the last tile. `offsets` has `E + 1` entries.
+pub fn tile_of(cfg: &WsConfig, offsets: &[usize], id: usize) -> Option<WsTile> {
+    let (tm, nt) = (cfg.tile_tokens() as usize, cfg.weight_tiles() as usize);
+    let mut before = 0usize;
+    for (e, w) in offsets.windows(2).enumerate() {
+        let tiles = (w[1] - w[0]).div_ceil(tm) * nt;
+        if id < before + tiles {
+            let local = id - before;
+            let (mt, wt) = (local / nt, local % nt);
+            return Some(WsTile {
+                expert: e,
+                tokens: (w[0] + mt * tm)..w[1],
+                weight0: wt * cfg.tile_weights() as usize,
+            });
+        }
+        before += tiles;
+    }
+    None
+}
+
+/// The scan state one role keeps across its tiles.
+struct Scan {
+    expert: Reg,
+    before: Reg,
+    lo: Reg,
+    hi: Reg,
+    tile: Reg,
+    offsets: Reg,
+    experts: Reg,
+}
+
+/// The tile the scan found.
+struct Found {
+    tok0: Reg,
+    w0: Reg,
+}
+
+fn log2(v: u32) -> i64 {
+    i64::from(v.trailing_zeros())
+}
+
+/// Advance `s` to the expert of `s.tile`; branch to `exit` past the last tile.
+fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
+    let (top, found) = (k.b.label("scan"), k.b.label("found"));
+    k.b.push(Inst::Label(top.clone()));
+    let done = k.setp(CmpOp::Ge, s.expert, Operand::Reg(s.experts));
+    k.bra(exit, Some((done, false)));
+    // hi = offsets[expert + 1]
+    let off = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: off,
+        a: Operand::Reg(s.expert),
+        b: Operand::Int(4),
+    });
+    let addr = k.bin(BinOpcode::Add, PtxTy::U64, s.offsets, Operand::Reg(off));
+    let addr = k.bin(BinOpcode::Add, PtxTy::U64, addr, Operand::Int(4));
+    k.b.push(Inst::Ld {
+        ty: PtxTy::U32,
+        d: s.hi,
+        addr,
+    });
+    let rows = k.bin(BinOpcode::Sub, PtxTy::U32, s.hi, Operand::Reg(s.lo));
+    let tm = cfg.tile_tokens();
+    k.bin_to(
+        rows,
+        BinOpcode::Add,
+        PtxTy::U32,
+        rows,
+        Operand::Int(i64::from(tm - 1)),
+    );
+    k.bin_to(
+        rows,
+        BinOpcode::Shr,
+        PtxTy::U32,
+        rows,
+        Operand::Int(log2(tm)),
+    );
+    let tiles = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        rows,
+        Operand::Int(i64::from(cfg.weight_tiles())),
+    );
+    let next = k.bin(BinOpcode::Add, PtxTy::U32, s.before, Operand::Reg(tiles));
+    let hit = k.setp(CmpOp::Lt, s.tile, Operand::Reg(next));
+    k.bra(&found, Some((hit, false)));
+    k.mov(s.before, Operand::Reg(next));
+    k.mov(s.lo, Operand::Reg(s.hi));
+    k.bin_to(
+        s.expert,
+        BinOpcode::Add,
+        PtxTy::U32,
+        s.expert,
+        Operand::Int(1),
+    );
+    k.bra(&top, None);
+    k.b.push(Inst::Label(found));
+    let local = k.bin(BinOpcode::Sub, PtxTy::U32, s.tile, Operand::Reg(s.before));
+    let nt = i64::from(cfg.weight_tiles());
+    let mt = k.bin(BinOpcode::Div, PtxTy::U32, local, Operand::Int(nt));
+    let wt = k.bin(BinOpcode::MulLo, PtxTy::U32, mt, Operand::Int(nt));
+    k.bin_to(wt, BinOpcode::Sub, PtxTy::U32, local, Operand::Reg(wt));
+    let tok0 = k.bin(BinOpcode::Shl, PtxTy::B32, mt, Operand::Int(log2(tm)));
+    k.bin_to(tok0, BinOpcode::Add, PtxTy::U32, tok0, Operand::Reg(s.lo));
+    let w0 = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        wt,
+        Operand::Int(i64::from(cfg.tile_weights())),
+    );
+    Found { tok0, w0 }
+}
+
+/// A fresh scan state at the CTA's first tile (`%ctaid.x`), `lo = offsets[0]`.
+fn scan_state(k: &mut K) -> Scan {
+    let offsets = k.global_param(PARAMS[3]);
+    let experts = k.reg32();
+    k.b.push(Inst::LdParam {
+        ty: PtxTy::U32,
+        d: experts,
+        name: PARAMS[6].into(),
+    });
+    let lo = k.reg32();
+    k.b.push(Inst::Ld {
+        ty: PtxTy::U32,
+        d: lo,
+        addr: offsets,
+    });
+    let tile = k.special(SpecialReg::CtaidX);
+    Scan {
+        expert: k.imm(0),
+        before: k.imm(0),
+        lo,
+        hi: k.reg32(),
+        tile,
+        offsets,
+        experts,
+    }
+}
+
+/// `stage += 1`, wrapping at `stages` and flipping `phase` on the wrap.
+fn advance(k: &mut K, stage: Reg, phase: Reg, stages: u32) {
+    k.bin_to(stage, BinOpcode::Add, PtxTy::U32, stage, Operand::Int(1));
+    let wrap = k.setp(CmpOp::Eq, stage, Operand::Int(stages.into()));
+    k.b.push(Inst::Selp {
+        ty: PtxTy::U32,
+        d: stage,
+        a: Operand::Int(0),
+        b: Operand::Reg(stage),
+        p: wrap,
+    });
+    let flip = k.reg32();
+    k.b.push(Inst::Selp {
+        ty: PtxTy::U32,
+        d: flip,
+        a: Operand::Int(1),
+        b: Operand::Int(0),
+        p: wrap,
+    });
+    k.bin_to(phase, BinOpcode::Xor, PtxTy::B32, phase, Operand::Reg(flip));
+}
+
+/// The entry's text (dynamic shared declaration, `.entry`, body) for `cfg`, named `name`.
+///
+/// Errors: a configuration [`WsConfig`] does not support (consumers, BN, stages, shared memory,
+/// N or K, an operand/scaling pair that does not exist), a name that is not a PTX identifier.
+pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
+    let ident = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$');
+    if !ident {
+        return Err(unsupported(format!(
+            "entry name `{name}` (not a PTX identifier)"
+        )));
+    }
+    cfg.check()?;
+    let stages = cfg.stages;
+    let mut entry = Entry::new(name);
+    entry.params = vec![
+        Param::tensor_map(PARAMS[0]),
+        Param::tensor_map(PARAMS[1]),
+        Param::global_ptr(PARAMS[2], 16),
+        Param::global_ptr(PARAMS[3], 4),
+        Param::global_ptr(PARAMS[4], 4),
+        Param::global_ptr(PARAMS[5], 4),
+        Param::scalar(PARAMS[6], PtxTy::U32),
+        Param::scalar(PARAMS[7], PtxTy::U32),
+    ];
+    entry.maxntid = Some(cfg.threads());
+    entry.dynamic_shared = Some(DynamicShared {
+        name: "smem".into(),
+        align: 1024,
+    });
+    let mut kb = K {
+        b: Builder::default(),
+    };
+    kb.b.declare_shared(SharedDecl::array("full_bar", SharedTy::B64, stages, 8)?)?;
+    kb.b.declare_shared(SharedDecl::array("empty_bar", SharedTy::B64, stages, 8)?)?;
+    let k = &mut kb;
+
+    let tid = k.special(SpecialReg::TidX);
+    let leader = k.setp(CmpOp::Eq, tid, Operand::Int(0));
+    let full = k.b.shared_addr("full_bar");
+    let empty = k.b.shared_addr("empty_bar");
+    for s in 0..stages {
+        for (bars, count) in [(full, 1), (empty, 4 * cfg.consumers)] {
+            let bar = k.bin(
+                BinOpcode::Add,
+                PtxTy::U32,
+                bars,
+                Operand::Int(8 * i64::from(s)),
+            );
+            k.b.emit_guarded(
+                Guard::when(leader),
+                AsyncOp::MbarrierInit {
+                    bar,
+                    count: Operand::Int(count.into()),
+                },
+            )?;
+        }
+    }
+    k.b.emit_guarded(Guard::when(leader), AsyncOp::FenceMbarrierInit)?;
+    k.b.push(Inst::BarSync);
+    let dynamic = k.b.shared_addr("smem");
+    let base = k.bin(
+        BinOpcode::Add,
+        PtxTy::U32,
+        dynamic,
+        Operand::Int((SMEM_ALIGN_SLACK - 1).into()),
+    );
+    k.bin_to(
+        base,
+        BinOpcode::And,
+        PtxTy::B32,
+        base,
+        Operand::Int(i64::from(!(SMEM_ALIGN_SLACK - 1))),
+    );
+    let wg = k.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(7));
+    let is_consumer = k.setp(CmpOp::Ne, wg, Operand::Int(0));
+    let consumer = k.b.label("consumer");
+    let exit = k.b.label("exit");
+    k.bra(&consumer, Some((is_consumer, false)));
+
+    producer(k, cfg, tid, base, full, empty, &exit)?;
+
+    k.b.push(Inst::Label(consumer));
+    consumers(k, cfg, tid, wg, base, full, empty, &exit)?;
+
+    k.b.push(Inst::Label(exit));
+    k.b.push(Inst::Ret);
+
+    let mut s = entry.header()?;
+    s.push_str(&kb.b.decls());
+    s.push('\n');
+    for inst in &kb.b.insts {
+        s.push_str(&inst.to_string());
+        s.push('\n');
+    }
+    s.push_str("}\n");
+    Ok(s)
+}
+
+/// The producer warpgroup: registers down, then thread 0 walks the tiles and keeps the ring full.
+fn producer(
+    k: &mut K,
+    cfg: &WsConfig,
+    tid: Reg,
+    base: Reg,
+    full: Reg,
+    empty: Reg,
+    exit: &str,
+) -> Result<()> {
+    if cfg.consumers >= 2 {
+        k.b.emit(AsyncOp::SetMaxNReg {
+            delta: RegDelta::Dec,
+            count: MaxNReg::new(PRODUCER_REGS)?,
+        })?;
+    }
+    let not_leader = k.setp(CmpOp::Ne, tid, Operand::Int(0));
+    k.bra(exit, Some((not_leader, false)));
+    let tmap_x = k.b.tensor_map_addr(PARAMS[0])?;
+    let tmap_w = k.b.tensor_map_addr(PARAMS[1])?;
+    k.b.emit(AsyncOp::PrefetchTensorMap { tmap: tmap_x })?;
+    k.b.emit(AsyncOp::PrefetchTensorMap { tmap: tmap_w })?;
+    let s = scan_state(k);
+    let grid = k.special(SpecialReg::NctaidX);
+    let stage = k.imm(0);
+    let phase = k.imm(0);
+    let tile_loop = k.b.label("p_tile");
+    k.b.push(Inst::Label(tile_loop.clone()));
+    let f = scan(k, cfg, &s, exit);
+    let kt = k.imm(0);
+    let kloop = k.b.label("p_k");
+    k.b.push(Inst::Label(kloop.clone()));
+    let (a, fbar) = k.stage_addrs(stage, cfg.stage_bytes(), base, full);
+    let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, stage, Operand::Int(3));
+    k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
+    let wait_parity = k.bin(BinOpcode::Xor, PtxTy::B32, phase, Operand::Int(1));
+    k.b.mbarrier_wait(ebar, Operand::Reg(wait_parity))?;
+    k.b.emit(AsyncOp::MbarrierArriveExpectTx {
+        bar: fbar,
+        tx_bytes: Operand::Int(cfg.stage_bytes().into()),
+    })?;
+    let b = k.bin(
+        BinOpcode::Add,
+        PtxTy::U32,
+        a,
+        Operand::Int(cfg.a_stage_bytes().into()),
+    );
+    let k0 = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        kt,
+        Operand::Int(cfg.operands.bk().into()),
+    );
+    let (x_dst, w_dst) = if cfg.swap_ab { (b, a) } else { (a, b) };
+    k.b.emit(AsyncOp::TmaLoad(TmaLoad {
+        dim: TmaDim::D2,
+        dst: x_dst,
+        tmap: tmap_x,
+        coords: vec![k0, f.tok0],
+        bar: fbar,
+        cache_hint: None,
+    }))?;
+    k.b.emit(AsyncOp::TmaLoad(TmaLoad {
+        dim: TmaDim::D3,
+        dst: w_dst,
+        tmap: tmap_w,
+        coords: vec![k0, f.w0, s.expert],
+        bar: fbar,
+        cache_hint: None,
+    }))?;
+    advance(k, stage, phase, cfg.stages);
+    k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+    let more = k.setp(CmpOp::Lt, kt, Operand::Int(cfg.k_tiles().into()));
+    k.bra(&kloop, Some((more, false)));
+    k.bin_to(
+        s.tile,
+        BinOpcode::Add,
+        PtxTy::U32,
+        s.tile,
+        Operand::Reg(grid),
+    );
+    k.bra(&tile_loop, None);
+    Ok(())
+}
+
+/// Per-thread epilogue coordinates: the fragment's row (A side) and column (B side) bases.
+struct Frag {
+    /// A-side row of `f[4j + 0/1]` within the tile (add 8 for `f[4j + 2/3]`).
+    a_row: Reg,
+    /// B-side column of `f[4j]` within the tile, less `8j`.
+    b_col: Reg,
+}
+
+/// The consumer warpgroups: registers up, then the tiles' MMAs and epilogues.
+#[allow(clippy::too_many_arguments)]
+fn consumers(
+    k: &mut K,
+    cfg: &WsConfig,
+    tid: Reg,
+    wg: Reg,
+    base: Reg,
+    full: Reg,
+    empty: Reg,
+    exit: &str,
+) -> Result<()> {
+    if cfg.consumers >= 2 {
+        k.b.emit(AsyncOp::SetMaxNReg {
+            delta: RegDelta::Inc,
+            count: MaxNReg::new(consumer_regs(cfg.consumers))?,
+        })?;
+    }
+    let cwg = k.bin(BinOpcode::Sub, PtxTy::U32, wg, Operand::Int(1));
+    let lane = k.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
+    let warp = k.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
+    k.bin_to(warp, BinOpcode::And, PtxTy::B32, warp, Operand::Int(3));
+    let lane0 = k.setp(CmpOp::Eq, lane, Operand::Int(0));
+    // Fragment coordinates (GEMM.md §1.6): row 16 w + l / 4 (+ 64 c), column 2 (l % 4).
+    let a_row = k.bin(BinOpcode::Shl, PtxTy::B32, warp, Operand::Int(4));
+    let quad = k.bin(BinOpcode::Shr, PtxTy::U32, lane, Operand::Int(2));
+    k.bin_to(a_row, BinOpcode::Add, PtxTy::U32, a_row, Operand::Reg(quad));
+    let c64 = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
+    k.bin_to(a_row, BinOpcode::Add, PtxTy::U32, a_row, Operand::Reg(c64));
+    let b_col = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
+    k.bin_to(b_col, BinOpcode::Shl, PtxTy::B32, b_col, Operand::Int(1));
+    let frag = Frag { a_row, b_col };
+    // This consumer's A rows start 64 c rows (8 KiB) into the stage.
+    let a_off = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(13));
+
+    let s = scan_state(k);
+    let grid = k.special(SpecialReg::NctaidX);
+    let y = k.global_param(PARAMS[2]);
+    let (x_scale, w_scale) = match cfg.scaling {
+        Scaling::None => (None, None),
+        _ => (
+            Some(k.global_param(PARAMS[4])),
+            Some(k.global_param(PARAMS[5])),
+        ),
+    };
+    let tokens = k.reg32();
+    k.b.push(Inst::LdParam {
+        ty: PtxTy::U32,
+        d: tokens,
+        name: PARAMS[7].into(),
+    });
+    let stage = k.imm(0);
+    let phase = k.imm(0);
+    let prev = k.imm(0);
+    let n_mma = WgmmaN::new(cfg.bn)?;
+    let acc = k.b.accumulator(n_mma);
+    let block = cfg.scaling == Scaling::Block128;
+    let part = if block {
+        k.b.accumulator(n_mma)
+    } else {
+        acc.clone()
+    };
+    let desc_hi = k.imm(DESC_HI);
+    let always = k.setp(CmpOp::Eq, tid, Operand::Reg(tid));
+
+    let tile_loop = k.b.label("c_tile");
+    k.b.push(Inst::Label(tile_loop.clone()));
+    let f = scan(k, cfg, &s, exit);
+    let kt = k.imm(0);
+    let kloop = k.b.label("c_k");
+    k.b.push(Inst::Label(kloop.clone()));
+    let (sa, fbar) = k.stage_addrs(stage, cfg.stage_bytes(), base, full);
+    k.b.mbarrier_wait(fbar, Operand::Reg(phase))?;
+    let a_addr = k.bin(BinOpcode::Add, PtxTy::U32, sa, Operand::Reg(a_off));
+    let a_lo = k.bin(BinOpcode::Shr, PtxTy::U32, a_addr, Operand::Int(4));
+    k.bin_to(
+        a_lo,
+        BinOpcode::Or,
+        PtxTy::B32,
+        a_lo,
+        Operand::Int(DESC_LBO),
+    );
+    let b_lo = k.bin(BinOpcode::Shr, PtxTy::U32, sa, Operand::Int(4));
+    k.bin_to(
+        b_lo,
+        BinOpcode::Add,
+        PtxTy::U32,
+        b_lo,
+        Operand::Int(i64::from(cfg.a_stage_bytes() >> 4)),
+    );
+    k.bin_to(
+        b_lo,
+        BinOpcode::Or,
+        PtxTy::B32,
+        b_lo,
+        Operand::Int(DESC_LBO),
+    );
+    // The first MMA of a tile (or, block-scaled, of every k-tile) overwrites.
+    let accumulate = if block {
+        None
+    } else {
+        Some(k.setp(CmpOp::Ne, kt, Operand::Int(0)))
+    };
+    let mut descs = Vec::with_capacity(4);
+    for step in 0..4i64 {
+        let mut pair = [a_lo, b_lo];
+        for lo in pair.iter_mut() {
+            let l = k.bin(BinOpcode::Add, PtxTy::U32, *lo, Operand::Int(2 * step));
+            let d = k.b.reg(RegClass::B64);
+            k.b.emit(AsyncOp::PackB64 {
+                d,
+                lo: l,
+                hi: desc_hi,
+            })?;
+            *lo = d;
+        }
+        descs.push(pair);
+    }
+    k.b.emit(AsyncOp::WgmmaFence)?;
+    for (step, [da, db]) in descs.into_iter().enumerate() {
+        let scale_d = match (step, accumulate) {
+            (0, Some(p)) => ScaleD::Pred(p),
+            (0, None) => ScaleD::Imm(false),
+            _ => ScaleD::Pred(always),
+        };
+        k.b.emit(AsyncOp::Wgmma(Wgmma::ss(
+            n_mma,
+            cfg.operands.wgmma(),
+            part.clone(),
+            da,
+            db,
+            scale_d,
+        )))?;
+    }
+    k.b.emit(AsyncOp::WgmmaCommitGroup)?;
+    if block {
+        // Wait for this k-tile's slice, free its stage, promote it into the total.
+        k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+        let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, stage, Operand::Int(3));
+        k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
+        k.b.emit_guarded(Guard::when(lane0), AsyncOp::MbarrierArrive { bar: ebar })?;
+        if let (Some(xs), Some(ws)) = (x_scale, w_scale) {
+            promote(k, cfg, &frag, &f, &s, kt, tokens, xs, ws, cwg, &part, &acc)?;
+        }
+    } else {
+        // Keep one MMA group in flight: the previous k-tile's stage is free once it completes.
+        k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
+        let not_first = k.setp(CmpOp::Ne, kt, Operand::Int(0));
+        let release = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
+        let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, prev, Operand::Int(3));
+        k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
+        k.b.emit_guarded(Guard::when(release), AsyncOp::MbarrierArrive { bar: ebar })?;
+        k.mov(prev, Operand::Reg(stage));
+    }
+    advance(k, stage, phase, cfg.stages);
+    k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+    let more = k.setp(CmpOp::Lt, kt, Operand::Int(cfg.k_tiles().into()));
+    k.bra(&kloop, Some((more, false)));
+    if !block {
+        k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+        let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, prev, Operand::Int(3));
+        k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
+        k.b.emit_guarded(Guard::when(lane0), AsyncOp::MbarrierArrive { bar: ebar })?;
+    }
+    epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
+    k.bin_to(
+        s.tile,
+        BinOpcode::Add,
+        PtxTy::U32,
+        s.tile,
+        Operand::Reg(grid),
+    );
+    k.bra(&tile_loop, None);
+    Ok(())
+}
+
+fn ld_f32(k: &mut K, base: Reg, index: Reg) -> Reg {
+    let off = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: off,
+        a: Operand::Reg(index),
+        b: Operand::Int(4),
+    });
+    let addr = k.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off));
+    let d = k.b.reg(RegClass::F32);
+    k.b.push(Inst::Ld {
+        ty: PtxTy::F32,
+        d,
+        addr,
+    });
+    d
+}
+
+fn fmul(k: &mut K, a: Reg, b: Reg) -> Reg {
+    let d = k.b.reg(RegClass::F32);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulRn,
+        ty: PtxTy::F32,
+        d,
+        a: Operand::Reg(a),
+        b: Operand::Reg(b),
+    });
+    d
+}
+
+/// `min(v, hi - 1)`: a token index that is safe to read scales at (rows past the expert's end are
+/// computed but never stored).
+fn clamp_token(k: &mut K, v: Reg, hi: Reg) -> Reg {
+    let last = k.bin(BinOpcode::Sub, PtxTy::U32, hi, Operand::Int(1));
+    k.bin(BinOpcode::Min, PtxTy::U32, v, Operand::Reg(last))
+}
+
+/// The token of each fragment slot class: prefill `[row h]` (h = 0, 1); decode `[column 8j + c]`.
+fn frag_tokens(k: &mut K, cfg: &WsConfig, frag: &Frag, f: &Found, s: &Scan) -> Vec<Reg> {
+    if cfg.swap_ab {
+        let mut v = Vec::new();
+        for j in 0..cfg.bn / 8 {
+            for c in 0..2u32 {
+                let t = k.bin(
+                    BinOpcode::Add,
+                    PtxTy::U32,
+                    frag.b_col,
+                    Operand::Int(i64::from(8 * j + c)),
+                );
+                k.bin_to(t, BinOpcode::Add, PtxTy::U32, t, Operand::Reg(f.tok0));
+                v.push(clamp_token(k, t, s.hi));
+            }
+        }
+        v
+    } else {
+        (0..2u32)
+            .map(|h| {
+                let t = k.bin(
+                    BinOpcode::Add,
+                    PtxTy::U32,
+                    frag.a_row,
+                    Operand::Int(i64::from(8 * h)),
+                );
+                k.bin_to(t, BinOpcode::Add, PtxTy::U32, t, Operand::Reg(f.tok0));
+                clamp_token(k, t, s.hi)
+            })
+            .collect()
+    }
+}
+
+/// The fragment slot `i = 4j + 2h + c` to its token class (see [`frag_tokens`]).
+fn token_class(cfg: &WsConfig, i: u32) -> usize {
+    let (j, h, c) = (i / 4, (i / 2) % 2, i % 2);
+    if cfg.swap_ab {
+        (2 * j + c) as usize
+    } else {
+        h as usize
+    }
+}
+
+/// Block-scaled promotion of k-tile `kt`'s slice: `acc = part * s_x * s_w + acc` (or `=` on the
+/// first k-tile).
+#[allow(clippy::too_many_arguments)]
+fn promote(
+    k: &mut K,
+    cfg: &WsConfig,
+    frag: &Frag,
+    f: &Found,
+    s: &Scan,
+    kt: Reg,
+    tokens: Reg,
+    xs: Reg,
+    ws: Reg,
+    cwg: Reg,
+    part: &[Reg],
+    acc: &[Reg],
+) -> Result<()> {
+    let kb = cfg.k_tiles();
+    let nb = cfg.n.div_ceil(128);
+    // s_x[kt, token]: group-major [KB, T].
+    let row_base = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
+    let toks = frag_tokens(k, cfg, frag, f, s);
+    let sx: Vec<Reg> = toks
+        .iter()
+        .map(|&t| {
+            let i = k.bin(BinOpcode::Add, PtxTy::U32, t, Operand::Reg(row_base));
+            ld_f32(k, xs, i)
+        })
+        .collect();
+    // s_w[e, n-block, kt]: one n-block per consumer (decode: 64-row groups sit inside one 128-row
+    // block) or per 128 columns of BN (prefill).
+    let eb = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        s.expert,
+        Operand::Int(i64::from(nb)),
+    );
+    let w_blocks: Vec<Reg> = if cfg.swap_ab {
+        let r = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
+        k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.w0));
+        k.bin_to(r, BinOpcode::Shr, PtxTy::U32, r, Operand::Int(7));
+        vec![r]
+    } else {
+        (0..cfg.bn.div_ceil(128))
+            .map(|c| {
+                let r = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(7));
+                k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(i64::from(c)));
+                // A block past N (a ragged last tile) reads the last block; its columns are masked.
+                k.bin_to(
+                    r,
+                    BinOpcode::Min,
+                    PtxTy::U32,
+                    r,
+                    Operand::Int(i64::from(nb - 1)),
+                );
+                r
+            })
+            .collect()
+    };
+    let sw: Vec<Reg> = w_blocks
+        .iter()
+        .map(|&blk| {
+            let i = k.bin(BinOpcode::Add, PtxTy::U32, eb, Operand::Reg(blk));
+            k.bin_to(
+                i,
+                BinOpcode::MulLo,
+                PtxTy::U32,
+                i,
+                Operand::Int(i64::from(kb)),
+            );
+            k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
+            ld_f32(k, ws, i)
+        })
+        .collect();
+    let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
+    let zero = k.b.reg(RegClass::F32);
+    k.b.push(Inst::Un {
+        op: crate::ptx::UnOpcode::Mov(PtxTy::F32),
+        d: zero,
+        a: Operand::F32(0.0),
+    });
+    let mut factor = std::collections::HashMap::new();
+    for (i, (&p, &a)) in part.iter().zip(acc).enumerate() {
+        let tc = token_class(cfg, i as u32);
+        let wc = if cfg.swap_ab {
+            0
+        } else {
+            ((i as u32 / 4) * 8 / 128) as usize
+        };
+        let fac = match factor.get(&(tc, wc)) {
+            Some(&r) => r,
+            None => {
+                let r = fmul(k, sx[tc], sw[wc]);
+                factor.insert((tc, wc), r);
+                r
+            }
+        };
+        // acc = first ? 0 : acc; acc = part * fac + acc.
+        k.b.push(Inst::Selp {
+            ty: PtxTy::F32,
+            d: a,
+            a: Operand::Reg(zero),
+            b: Operand::Reg(a),
+            p: first,
+        });
+        k.b.push(Inst::Fma {
+            d: a,
+            a: p,
+            b: fac,
+            c: a,
+        });
+    }
+    Ok(())
+}
+
+/// Scale, convert and store the tile (masked at the expert's end and at N).
+#[allow(clippy::too_many_arguments)]
+fn epilogue(
+    k: &mut K,
+    cfg: &WsConfig,
+    frag: &Frag,
+    f: &Found,
+    s: &Scan,
+    y: Reg,
+    x_scale: Option<Reg>,
+    w_scale: Option<Reg>,
+    acc: &[Reg],
+) -> Result<()> {
+    // Tensorwise scales: one factor per token class.
+    let factors: Option<Vec<Reg>> = match (cfg.scaling, x_scale, w_scale) {
+        (Scaling::Tensorwise { per_token }, Some(xs), Some(ws)) => {
+            let sw = ld_f32(k, ws, s.expert);
+            let toks = if per_token {
+                frag_tokens(k, cfg, frag, f, s)
+            } else {
+                vec![k.imm(0)]
+            };
+            let sx: Vec<Reg> = toks.iter().map(|&t| ld_f32(k, xs, t)).collect();
+            Some(sx.iter().map(|&x| fmul(k, x, sw)).collect())
+        }
+        _ => None,
+    };
+    let per_token = matches!(cfg.scaling, Scaling::Tensorwise { per_token: true });
+    let n = i64::from(cfg.n);
+    let ob = i64::from(cfg.out.bytes());
+    // Global (token, weight) of the fragment's base slot.
+    let (tok, wrow) = if cfg.swap_ab {
+        (
+            k.bin(BinOpcode::Add, PtxTy::U32, frag.b_col, Operand::Reg(f.tok0)),
+            k.bin(BinOpcode::Add, PtxTy::U32, frag.a_row, Operand::Reg(f.w0)),
+        )
+    } else {
+        (
+            k.bin(BinOpcode::Add, PtxTy::U32, frag.a_row, Operand::Reg(f.tok0)),
+            k.bin(BinOpcode::Add, PtxTy::U32, frag.b_col, Operand::Reg(f.w0)),
+        )
+    };
+    let tok_bytes = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: tok_bytes,
+        a: Operand::Reg(tok),
+        b: Operand::Int(ob * n),
+    });
+    let w_bytes = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: w_bytes,
+        a: Operand::Reg(wrow),
+        b: Operand::Int(ob),
+    });
+    let addr = k.bin(BinOpcode::Add, PtxTy::U64, y, Operand::Reg(tok_bytes));
+    k.bin_to(
+        addr,
+        BinOpcode::Add,
+        PtxTy::U64,
+        addr,
+        Operand::Reg(w_bytes),
+    );
+    // Slot i = 4j + 2h + c sits at A-side offset 8h and B-side offset 8j + c.
+    let slots = cfg.bn / 2;
+    let mut scaled = Vec::with_capacity(slots as usize);
+    for i in 0..slots {
+        let v = acc[i as usize];
+        scaled.push(match &factors {
+            Some(fs) => {
+                let fc = if per_token {
+                    fs[token_class(cfg, i)]
+                } else {
+                    fs[0]
+                };
+                fmul(k, v, fc)
+            }
+            None => v,
+        });
+    }
+    // Masks: token < hi, weight row < N, per A-side half h and B-side column 8j + c.
+    let mut a_ok = Vec::new();
+    for h in 0..2u32 {
+        let a = if cfg.swap_ab { wrow } else { tok };
+        let r = k.bin(
+            BinOpcode::Add,
+            PtxTy::U32,
+            a,
+            Operand::Int(i64::from(8 * h)),
+        );
+        a_ok.push(if cfg.swap_ab {
+            k.setp(CmpOp::Lt, r, Operand::Int(n))
+        } else {
+            k.setp(CmpOp::Lt, r, Operand::Reg(s.hi))
+        });
+    }
+    let b_side = if cfg.swap_ab { tok } else { wrow };
+    let b_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
+    for j in 0..cfg.bn / 8 {
+        // Prefill bf16 stores the column pair (c = 0, 1) as one b32.
+        let pair = !cfg.swap_ab && cfg.out == OutTy::Bf16;
+        let cs: &[u32] = if pair { &[0] } else { &[0, 1] };
+        for &c in cs {
+            let b_ok = if b_full {
+                None
+            } else {
+                let col = k.bin(
+                    BinOpcode::Add,
+                    PtxTy::U32,
+                    b_side,
+                    Operand::Int(i64::from(8 * j + c)),
+                );
+                Some(if cfg.swap_ab {
+                    k.setp(CmpOp::Lt, col, Operand::Reg(s.hi))
+                } else {
+                    // N is even and the column pair starts even: the pair is in or out together.
+                    k.setp(CmpOp::Lt, col, Operand::Int(n))
+                })
+            };
+            for (h, &aok) in a_ok.iter().enumerate() {
+                let pred = match b_ok {
+                    None => aok,
+                    Some(bok) => k.bin(BinOpcode::And, PtxTy::Pred, aok, Operand::Reg(bok)),
+                };
+                let i = (4 * j + 2 * h as u32 + c) as usize;
+                // Byte offset of the slot from `addr`.
+                let (da, db) = (8 * h as i64, i64::from(8 * j + c));
+                let off = if cfg.swap_ab {
+                    db * ob * n + da * ob
+                } else {
+                    da * ob * n + db * ob
+                };
+                match (cfg.out, pair) {
+                    (OutTy::F32, _) => k.b.push(Inst::StGuarded {
+                        pred,
+                        negate: false,
+                        ty: PtxTy::F32,
+                        addr,
+                        off,
+                        v: scaled[i],
+                    }),
+                    (OutTy::Bf16, true) => {
+                        let w = k.reg32();
+                        k.b.push(Inst::Bin {
+                            op: BinOpcode::CvtRnBf16x2,
+                            ty: PtxTy::F32,
+                            d: w,
+                            a: Operand::Reg(scaled[i + 1]),
+                            b: Operand::Reg(scaled[i]),
+                        });
+                        k.b.push(Inst::StGuarded {
+                            pred,
+                            negate: false,
+                            ty: PtxTy::B32,
+                            addr,
+                            off,
+                            v: w,
+                        });
+                    }
+                    (OutTy::Bf16, false) => {
+                        let w = k.reg32();
+                        k.b.push(Inst::Bin {
+                            op: BinOpcode::CvtRnBf16x2,
+                            ty: PtxTy::F32,
+                            d: w,
+                            a: Operand::Reg(scaled[i]),
+                            b: Operand::Reg(scaled[i]),
+                        });
+                        k.b.push(Inst::StGuarded {
+                            pred,
+                            negate: false,
+                            ty: PtxTy::U16,
+                            addr,
+                            off,
+                            v: w,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The module (header and one entry named `name`) for `cfg`.
+pub fn grouped_ws_module(name: &str, cfg: &WsConfig) -> Result<String> {
+    Ok(super::kernel::module_header() + &grouped_ws_entry(name, cfg)?)
+}

@@ -1,0 +1,283 @@
+//! The warp-specialized grouped GEMM (`codegen::gemm::ws`, v1) on the device: bf16 or e4m3 `X [T, K]`
+//! (rows sorted by expert) times `W [E, N, K]` into f32 or bf16 `Y [T, N]`, per-expert row offsets
+//! read by the kernel from device memory (no host sync, so a CUDA graph can capture it), FP8 scales
+//! applied to the f32 accumulator. [`GroupedGemm::load`] JITs one variant and opts it in to its
+//! shared memory; [`GroupedGemm::run`] builds (or finds in its cache) the two tensor maps and launches
+//! a persistent grid of at most `SMs x occupancy` CTAs.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use moeforge_codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
+use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WsConfig};
+
+use crate::tma::TensorMapCache;
+use crate::{drv, Device, Error, Result};
+
+/// One loaded variant.
+pub struct GroupedGemm {
+    _module: Arc<CudaModule>,
+    func: CudaFunction,
+    cfg: WsConfig,
+    entry: String,
+    maps: TensorMapCache,
+    /// CTAs of the persistent grid when there is enough work: SMs x resident CTAs per SM.
+    max_ctas: u32,
+}
+
+impl std::fmt::Debug for GroupedGemm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GroupedGemm({}, max {} CTAs)", self.entry, self.max_ctas)
+    }
+}
+
+/// The operands of one launch (device buffers; sizes are checked by [`GroupedGemm::run`]).
+#[derive(Debug, Clone, Copy)]
+pub struct GemmOperands<'a> {
+    /// `X [t, K]` (bf16 or e4m3 bytes), rows sorted by expert.
+    pub x: &'a CudaSlice<u8>,
+    /// `W [experts, N, K]` (bf16 or e4m3 bytes).
+    pub w: &'a CudaSlice<u8>,
+    /// i32 `[experts + 1]`, exclusive row offsets.
+    pub offsets: &'a CudaSlice<i32>,
+    /// Activation scales: `[t]` per token or `[1]` (tensorwise), `[ceil(K/128), t]` (block128).
+    pub x_scale: Option<&'a CudaSlice<f32>>,
+    /// Weight scales: `[experts]` (tensorwise), `[experts, ceil(N/128), ceil(K/128)]` (block128).
+    pub w_scale: Option<&'a CudaSlice<f32>>,
+    /// Rows of X.
+    pub t: usize,
+    /// Experts.
+    pub experts: usize,
+}
+
+fn map_err(e: moeforge_codegen::gemm::desc::DescError) -> Error {
+    Error::Placement(format!("tensor map: {e}"))
+}
+
+fn short(what: &str, got: usize, want: usize) -> Error {
+    Error::Placement(format!(
+        "grouped GEMM: `{what}` has {got} elements, needs at least {want}"
+    ))
+}
+
+impl GroupedGemm {
+    /// Generate the variant `cfg`, JIT it for `dev` (Hopper, sm_90a, only), load it and allow it
+    /// its dynamic shared memory.
+    pub fn load(dev: &Device, cfg: &WsConfig) -> Result<GroupedGemm> {
+        if !crate::device::driver_present() {
+            return Err(Error::NoDriver(
+                "the grouped GEMM needs the CUDA driver".into(),
+            ));
+        }
+        if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
+            return Err(Error::NoDriver(format!(
+                "the grouped GEMM is sm_90a (Hopper) only; this device is compute capability {:?}",
+                dev.capability
+            )));
+        }
+        let entry = format!("moeforge_gemm_{}", cfg.tag());
+        let ptx = ws::grouped_ws_module(&entry, cfg)?;
+        let (cubin, _log) = crate::jit::link_ptx(dev, &entry, &ptx)?;
+        let module = dev
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(drv("cuModuleLoadData"))?;
+        let func = module
+            .load_function(&entry)
+            .map_err(drv("cuModuleGetFunction"))?;
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32::try_from(cfg.dynamic_smem_bytes()).unwrap_or(i32::MAX),
+        )
+        .map_err(drv("cuFuncSetAttribute"))?;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(
+                cfg.threads(),
+                cfg.dynamic_smem_bytes() as usize,
+                None,
+            )
+            .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        if per_sm == 0 {
+            return Err(Error::Placement(format!(
+                "grouped GEMM {entry}: no CTA fits on an SM ({} bytes of shared memory)",
+                cfg.dynamic_smem_bytes()
+            )));
+        }
+        Ok(GroupedGemm {
+            _module: module,
+            func,
+            cfg: *cfg,
+            entry,
+            maps: TensorMapCache::new(),
+            max_ctas: dev.sms.max(1) * per_sm,
+        })
+    }
+
+    /// The variant.
+    pub fn config(&self) -> &WsConfig {
+        &self.cfg
+    }
+
+    /// The entry name.
+    pub fn entry(&self) -> &str {
+        &self.entry
+    }
+
+    /// CTAs launched for `t` rows over `experts` experts: the tile bound, at most SMs x occupancy.
+    pub fn grid(&self, t: usize, experts: usize) -> u32 {
+        let tiles = self.cfg.tiles_upper_bound(t as u64, experts as u64);
+        u32::try_from(tiles.min(u64::from(self.max_ctas))).unwrap_or(self.max_ctas)
+    }
+
+    /// `Y[rows of e] = X[rows of e] · W[e]^T` (scaled as the variant says) into `y` (`[t, N]` f32 or
+    /// bf16 bytes). Only rows inside some expert's range are written. Queued on `dev.stream`;
+    /// returns without waiting.
+    ///
+    /// # Safety
+    /// The *contents* of `offsets` (device memory, not read here) must be non-decreasing from 0 with
+    /// `offsets[experts] <= t`: the kernel stores the rows they name and reads the activation
+    /// scales of those rows. The buffers' sizes are checked here.
+    pub unsafe fn run(
+        &self,
+        dev: &Device,
+        op: &GemmOperands<'_>,
+        y: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (n, k, t, e) = (cfg.n as usize, cfg.k as usize, op.t, op.experts);
+        let eb = cfg.operands.bytes() as usize;
+        if op.x.len() < t * k * eb {
+            return Err(short("x", op.x.len(), t * k * eb));
+        }
+        if op.w.len() < e * n * k * eb {
+            return Err(short("w", op.w.len(), e * n * k * eb));
+        }
+        if op.offsets.len() < e + 1 {
+            return Err(short("offsets", op.offsets.len(), e + 1));
+        }
+        let ob = cfg.out.bytes() as usize;
+        if y.len() < t * n * ob {
+            return Err(short("y", y.len(), t * n * ob));
+        }
+        let (kb, nb) = (k.div_ceil(128), n.div_ceil(128));
+        let (want_x, want_w) = match cfg.scaling {
+            Scaling::None => (0, 0),
+            Scaling::Tensorwise { per_token } => (if per_token { t } else { 1 }, e),
+            Scaling::Block128 => (kb * t, e * nb * kb),
+        };
+        let scale = |s: Option<&CudaSlice<f32>>, what: &str, want: usize| -> Result<u64> {
+            match s {
+                None if want == 0 => Ok(0),
+                None => Err(Error::Placement(format!(
+                    "grouped GEMM {}: `{what}` is required ({want} f32)",
+                    self.entry
+                ))),
+                Some(s) if s.len() < want => Err(short(what, s.len(), want)),
+                Some(s) => Ok(s.device_ptr(&dev.stream).0),
+            }
+        };
+        let xs = scale(op.x_scale, "x_scale", want_x)?;
+        let ws = scale(op.w_scale, "w_scale", want_w)?;
+        if t == 0 || e == 0 {
+            return Ok(());
+        }
+        let (t32, e32) = match (u32::try_from(t), u32::try_from(e)) {
+            (Ok(a), Ok(b)) if a < i32::MAX as u32 && b < 65536 => (a, b),
+            _ => {
+                return Err(Error::Placement(format!(
+                    "grouped GEMM: {t} rows over {e} experts is past the kernel's 32-bit indices"
+                )))
+            }
+        };
+        if cfg.tiles_upper_bound(t as u64, e as u64) >= u64::from(u32::MAX) {
+            return Err(Error::Placement(format!(
+                "grouped GEMM: {t} rows over {e} experts is past the kernel's 32-bit tile ids"
+            )));
+        }
+        let dtype = match cfg.operands {
+            Operands::Bf16 => WgmmaDtype::Bf16,
+            Operands::E4m3 => WgmmaDtype::E4m3,
+        };
+        let (x_rows, w_rows) = if cfg.swap_ab {
+            (cfg.bn, 64 * cfg.consumers)
+        } else {
+            (64 * cfg.consumers, cfg.bn)
+        };
+        let (xp, _xs) = op.x.device_ptr(&dev.stream);
+        let (wp, _ws) = op.w.device_ptr(&dev.stream);
+        let px = TensorMapParams::k_major(dtype, Swizzle::B128, xp, t as u64, k as u64, x_rows)
+            .map_err(map_err)?;
+        let pw = TensorMapParams::expert_k_major(
+            dtype,
+            Swizzle::B128,
+            wp,
+            e as u64,
+            n as u64,
+            k as u64,
+            w_rows,
+        )
+        .map_err(map_err)?;
+        let tmap_x = self.maps.get(&px)?;
+        let tmap_w = self.maps.get(&pw)?;
+        let cfg_l = LaunchConfig {
+            grid_dim: (self.grid(t, e), 1, 1),
+            block_dim: (cfg.threads(), 1, 1),
+            shared_mem_bytes: cfg.dynamic_smem_bytes(),
+        };
+        let (yp, _ys) = y.device_ptr(&dev.stream);
+        let (op_off, _os) = op.offsets.device_ptr(&dev.stream);
+        let mut l = dev.stream.launch_builder(&self.func);
+        l.arg(&tmap_x)
+            .arg(&tmap_w)
+            .arg(&yp)
+            .arg(&op_off)
+            .arg(&xs)
+            .arg(&ws)
+            .arg(&e32)
+            .arg(&t32);
+        // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
+        // value, the u64 addresses of `y`, `offsets` and the two scale buffers (0 where the variant
+        // reads none), the u32 expert and row counts). The maps describe `x` ([t, K]) and `w`
+        // ([experts, N, K]), whose sizes were checked; TMA reads only inside them (out-of-bounds
+        // boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
+        // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows
+        // below `offsets[experts]`, columns below N, inside `y` by the caller's guarantee on the
+        // offsets' contents. The buffers' guards live until the launch has been queued.
+        unsafe { l.launch(cfg_l) }.map_err(drv("cuLaunchKernel"))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeforge_codegen::gemm::ws::OutTy;
+
+    /// Without a driver there is no device to load on (`NoDriver`); with one, sm_90a loads.
+    #[test]
+    fn load_without_a_driver_is_no_driver() {
+        let cfg = WsConfig {
+            operands: Operands::Bf16,
+            scaling: Scaling::None,
+            out: OutTy::Bf16,
+            consumers: 2,
+            bn: 128,
+            stages: 4,
+            swap_ab: false,
+            n: 256,
+            k: 512,
+        };
+        match Device::open(0) {
+            Err(e) => assert!(matches!(e, Error::NoDriver(_)), "{e}"),
+            Ok(dev) => match GroupedGemm::load(&dev, &cfg) {
+                Ok(g) => assert!(g.grid(1, 1) >= 1),
+                Err(e) => assert!(
+                    matches!(e, Error::NoDriver(_))
+                        && dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a),
+                    "{e}"
+                ),
+            },
+        }
+    }
+}

@@ -1,0 +1,516 @@
+//! `moeforge selftest --gpu --gemm`, v1 part: every warp-specialized variant family (bf16, e4m3 with
+//! per-token or per-tensor activation scales, `fp8_block128`; prefill and decode forms; f32 and bf16
+//! output) on the GPU against the f64 host reference (`codegen::gemm::reference`) over the same
+//! quantized operands, on the shape classes issue \[7\] names: uniform routing, skewed routing (one
+//! expert gets most rows), empty experts, M = 1, M not a multiple of any tile, N and K not multiples
+//! of the tiles, and the models' K and N. Operands are random from a fresh seed (printed), outputs
+//! are poisoned with NaN before every run, and every output row must be written (no NaN). Large
+//! shapes compare a sample of rows (each expert's first and last row and random others) with the
+//! reference; small ones compare every row.
+
+use std::fmt::Write as _;
+
+use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
+use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use crate::gemm_check::Rng;
+use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
+use crate::runtime::{drv, Device};
+use crate::{Error, Result};
+
+/// One shape class.
+pub(crate) struct Case {
+    pub(crate) what: &'static str,
+    pub(crate) rows: Vec<usize>,
+    pub(crate) n: u32,
+    pub(crate) k: u32,
+}
+
+/// The shape classes; `quick` keeps the small ones (for the sanitizers).
+pub(crate) fn cases(rng: &mut Rng, quick: bool) -> Vec<Case> {
+    let mut skew = vec![0usize; 8];
+    for (e, r) in skew.iter_mut().enumerate() {
+        *r = if e == 5 {
+            250
+        } else {
+            rng.below(4) * rng.below(6)
+        };
+    }
+    let mut v = vec![
+        Case {
+            what: "ragged, an empty expert, a one-row expert",
+            rows: vec![0, 1, 70, 129],
+            n: 256,
+            k: 512,
+        },
+        Case {
+            what: "skewed routing, N and K off the tiles",
+            rows: skew,
+            n: 392,
+            k: 1040,
+        },
+        Case {
+            what: "M = 1 (qwen3-30b-a3b w13)",
+            rows: vec![0, 0, 0, 1, 0, 0, 0, 0],
+            n: 1536,
+            k: 2048,
+        },
+    ];
+    if quick {
+        return v;
+    }
+    let uniform = |rng: &mut Rng, e: usize, tokens: usize, top: usize| {
+        let mut rows = vec![0usize; e];
+        for _ in 0..tokens {
+            // top distinct experts per token
+            let mut chosen = Vec::with_capacity(top);
+            while chosen.len() < top {
+                let x = rng.below(e);
+                if !chosen.contains(&x) {
+                    chosen.push(x);
+                }
+            }
+            for x in chosen {
+                rows[x] += 1;
+            }
+        }
+        rows
+    };
+    v.push(Case {
+        what: "qwen3-30b-a3b w13, 16 tokens, uniform top-8",
+        rows: uniform(rng, 128, 16, 8),
+        n: 1536,
+        k: 2048,
+    });
+    v.push(Case {
+        what: "deepseek-v3-ep8 w13, 64 tokens, uniform top-8",
+        rows: uniform(rng, 32, 64, 8),
+        n: 4096,
+        k: 7168,
+    });
+    v.push(Case {
+        what: "mixtral-8x7b w2, 300 tokens, uniform top-2",
+        rows: uniform(rng, 8, 300, 2),
+        n: 4096,
+        k: 14336,
+    });
+    v
+}
+
+/// The variants checked on every case: (label, operands, scaling, out, consumers, BN, stages,
+/// swap).
+pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
+    let v = |operands, scaling, out, consumers, bn, stages, swap_ab| WsConfig {
+        operands,
+        scaling,
+        out,
+        consumers,
+        bn,
+        stages,
+        swap_ab,
+        n,
+        k,
+    };
+    let tok = Scaling::Tensorwise { per_token: true };
+    let ten = Scaling::Tensorwise { per_token: false };
+    let (b, e) = (Operands::Bf16, Operands::E4m3);
+    vec![
+        v(b, Scaling::None, OutTy::Bf16, 2, 128, 6, false),
+        v(b, Scaling::None, OutTy::Bf16, 2, 256, 4, false),
+        v(b, Scaling::None, OutTy::F32, 1, 128, 4, false),
+        v(b, Scaling::None, OutTy::Bf16, 1, 16, 8, true),
+        v(b, Scaling::None, OutTy::F32, 2, 8, 8, true),
+        v(e, tok, OutTy::Bf16, 2, 256, 4, false),
+        v(e, ten, OutTy::F32, 2, 128, 6, false),
+        v(e, tok, OutTy::Bf16, 1, 32, 8, true),
+        v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false),
+        v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true),
+    ]
+}
+
+/// A random e4m3 code that is not NaN (`0x7f`, `0xff`).
+fn e4m3_code(rng: &mut Rng) -> u8 {
+    loop {
+        let b = (rng.next() >> 56) as u8;
+        if b & 0x7f != 0x7f {
+            return b;
+        }
+    }
+}
+
+/// A positive scale in `[2^-12, 2^-4)`.
+fn scale(rng: &mut Rng) -> f32 {
+    let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32;
+    (2f32).powf(-12.0 + 8.0 * u)
+}
+
+/// The raw operands of one case, shared by its variants: bf16 `X` and `W`, e4m3 codes of `X` and `W`
+/// (random codes, NaN excluded; the quantizers are tested on their own), drawn once per case.
+struct Raw {
+    x16: Vec<u8>,
+    w16: Vec<u8>,
+    x8: Vec<u8>,
+    w8: Vec<u8>,
+}
+
+fn raw(rng: &mut Rng, t: usize, e: usize, n: usize, k: usize) -> Raw {
+    let mut bf = |len: usize| {
+        (0..len)
+            .flat_map(|_| rng.bf16().to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let (x16, w16) = (bf(t * k), bf(e * n * k));
+    let x8 = (0..t * k).map(|_| e4m3_code(rng)).collect();
+    let w8 = (0..e * n * k).map(|_| e4m3_code(rng)).collect();
+    Raw { x16, w16, x8, w8 }
+}
+
+/// The scales of `cfg`'s family: activation (`[T]`, `[1]` or `[T, KB]` in the reference's layout)
+/// and weight (`[E]` or `[E, NB, KB]`).
+fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f32>) {
+    let (kb, nb) = (
+        (cfg.k as usize).div_ceil(128),
+        (cfg.n as usize).div_ceil(128),
+    );
+    let mut v = |len: usize| (0..len).map(|_| scale(rng)).collect::<Vec<f32>>();
+    match cfg.scaling {
+        Scaling::None => (vec![], vec![]),
+        Scaling::Tensorwise { per_token: true } => (v(t), v(e)),
+        Scaling::Tensorwise { per_token: false } => (v(1), v(e)),
+        Scaling::Block128 => (v(t * kb), v(e * nb * kb)),
+    }
+}
+
+/// Host operands of one variant.
+struct Operand<'a> {
+    x: &'a [u8],
+    w: &'a [u8],
+    /// Per-token scales `[T]`, the per-tensor scale `[1]`, or block scales `[T, KB]` (reference
+    /// layout; the kernel gets the transpose).
+    x_scale: Vec<f32>,
+    /// `[E]` or `[E, NB, KB]`.
+    w_scale: Vec<f32>,
+}
+
+/// The reference rows `rows` (global row indices, with their experts) of the case.
+fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> Result<Vec<f64>> {
+    let (n, k) = (cfg.n as usize, cfg.k as usize);
+    let (kb, nb) = (k.div_ceil(128), n.div_ceil(128));
+    let threads = std::thread::available_parallelism()
+        .map(|t| t.get())
+        .unwrap_or(1);
+    let per = rows.len().div_ceil(threads).max(1);
+    let mut parts: Vec<Option<crate::codegen::Result<Vec<f64>>>> =
+        (0..rows.len().div_ceil(per)).map(|_| None).collect();
+    std::thread::scope(|sc| {
+        for (c, slot) in parts.iter_mut().enumerate() {
+            let chunk = &rows[c * per..((c + 1) * per).min(rows.len())];
+            sc.spawn(move || {
+                let mut out = Vec::with_capacity(chunk.len() * n);
+                for &(r, e) in chunk {
+                    let g = Grouped::new(&[1], n, k);
+                    let wr = e * n * k..(e + 1) * n * k;
+                    let got = match (cfg.operands, cfg.scaling) {
+                        (Operands::Bf16, _) => {
+                            let u16s = |b: &[u8]| {
+                                b.chunks(2)
+                                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                                    .collect::<Vec<u16>>()
+                            };
+                            reference::gemm_bf16(
+                                &g,
+                                &u16s(&op.x[2 * r * k..2 * (r + 1) * k]),
+                                &u16s(&op.w[2 * wr.start..2 * wr.end]),
+                            )
+                        }
+                        (Operands::E4m3, Scaling::Tensorwise { per_token }) => {
+                            let s = if per_token {
+                                ActScale::PerToken(&op.x_scale[r..r + 1])
+                            } else {
+                                ActScale::PerTensor(op.x_scale[0])
+                            };
+                            reference::gemm_fp8(
+                                &g,
+                                &op.x[r * k..(r + 1) * k],
+                                s,
+                                &op.w[wr],
+                                &op.w_scale[e..e + 1],
+                            )
+                        }
+                        (Operands::E4m3, _) => reference::gemm_fp8_block128(
+                            &g,
+                            &op.x[r * k..(r + 1) * k],
+                            &op.x_scale[r * kb..(r + 1) * kb],
+                            &op.w[wr],
+                            &op.w_scale[e * nb * kb..(e + 1) * nb * kb],
+                        ),
+                    };
+                    match got {
+                        Ok(v) => out.extend(v),
+                        Err(err) => {
+                            *slot = Some(Err(err));
+                            return;
+                        }
+                    }
+                }
+                *slot = Some(Ok(out));
+            });
+        }
+    });
+    let mut out = Vec::with_capacity(rows.len() * n);
+    for p in parts {
+        match p {
+            Some(r) => out.extend(r?),
+            None => return Err(Error::Usage("gemm reference: a task did not run".into())),
+        }
+    }
+    Ok(out)
+}
+
+/// `[T, KB]` to `[KB, T]` (the kernel reads the activation scales of one K block contiguously).
+pub(crate) fn group_major(s: &[f32], t: usize, kb: usize) -> Vec<f32> {
+    let mut out = vec![0f32; s.len()];
+    for r in 0..t {
+        for j in 0..kb {
+            out[j * t + r] = s[r * kb + j];
+        }
+    }
+    out
+}
+
+/// Which rows to compare: all of them when the case is small, else each expert's first and last
+/// row where 12 fit, and random others (24 rows in all: the f64 reference of an e4m3 model shape
+/// costs seconds per row on the host).
+fn sample_rows(rng: &mut Rng, starts: &[usize], n: usize, k: usize) -> Vec<(usize, usize)> {
+    let t = starts[starts.len() - 1];
+    let expert_of = |r: usize| starts.partition_point(|&s| s <= r) - 1;
+    if (t as u64) * (n as u64) * (k as u64) <= 400_000_000 {
+        return (0..t).map(|r| (r, expert_of(r))).collect();
+    }
+    // Each expert's first and last row where they fit in the cap, then random rows.
+    let cap = 24usize;
+    let mut edges: Vec<usize> = Vec::new();
+    for w in starts.windows(2) {
+        if w[1] > w[0] {
+            edges.push(w[0]);
+            edges.push(w[1] - 1);
+        }
+    }
+    let mut rows: Vec<usize> = Vec::new();
+    while rows.len() < cap / 2 && !edges.is_empty() {
+        rows.push(edges.swap_remove(rng.below(edges.len())));
+    }
+    while rows.len() < cap {
+        rows.push(rng.below(t));
+    }
+    rows.sort_unstable();
+    rows.dedup();
+    rows.into_iter().map(|r| (r, expert_of(r))).collect()
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(
+    dev: &Device,
+    v: &[T],
+) -> Result<cudarc::driver::CudaSlice<T>> {
+    Ok(dev.stream.clone_htod(v).map_err(drv("cuMemcpyHtoD"))?)
+}
+
+/// One variant on one case: the verdict and its line.
+fn run_one(
+    dev: &Device,
+    rng: &mut Rng,
+    case: &Case,
+    data: &Raw,
+    cfg: &WsConfig,
+) -> Result<(bool, String)> {
+    let e = case.rows.len();
+    let t: usize = case.rows.iter().sum();
+    let (n, k) = (case.n as usize, case.k as usize);
+    let (x_scale, w_scale) = scales(rng, cfg, t, e);
+    let op = match cfg.operands {
+        Operands::Bf16 => Operand {
+            x: &data.x16,
+            w: &data.w16,
+            x_scale,
+            w_scale,
+        },
+        Operands::E4m3 => Operand {
+            x: &data.x8,
+            w: &data.w8,
+            x_scale,
+            w_scale,
+        },
+    };
+    let mut starts = vec![0usize];
+    for r in &case.rows {
+        starts.push(starts[starts.len() - 1] + r);
+    }
+    let offsets: Vec<i32> = starts.iter().map(|&s| s as i32).collect();
+    let gemm = GroupedGemm::load(dev, cfg)?;
+    let dx = upload(dev, op.x)?;
+    let dw = upload(dev, op.w)?;
+    let doff = upload(dev, &offsets)?;
+    let xs_dev = if cfg.scaling == Scaling::Block128 {
+        group_major(&op.x_scale, t, k.div_ceil(128))
+    } else {
+        op.x_scale.clone()
+    };
+    let dxs = if xs_dev.is_empty() {
+        None
+    } else {
+        Some(upload(dev, &xs_dev)?)
+    };
+    let dws = if op.w_scale.is_empty() {
+        None
+    } else {
+        Some(upload(dev, &op.w_scale)?)
+    };
+    let ob = cfg.out.bytes() as usize;
+    // NaN poison: 0xff bytes are NaN in f32 and bf16.
+    let mut dy = upload(dev, &vec![0xffu8; t * n * ob])?;
+    let ops = GemmOperands {
+        x: &dx,
+        w: &dw,
+        offsets: &doff,
+        x_scale: dxs.as_ref(),
+        w_scale: dws.as_ref(),
+        t,
+        experts: e,
+    };
+    // SAFETY: `offsets` is the exclusive prefix sum of the row counts: non-decreasing from 0,
+    // ending at t.
+    unsafe { gemm.run(dev, &ops, &mut dy) }?;
+    dev.sync()?;
+    let yb = dev.stream.clone_dtoh(&dy).map_err(drv("cuMemcpyDtoH"))?;
+    let y: Vec<f32> = match cfg.out {
+        OutTy::F32 => yb
+            .chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        OutTy::Bf16 => yb
+            .chunks(2)
+            .map(|c| reference::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+    };
+    let nan = y.iter().filter(|v| v.is_nan()).count();
+    let sample = sample_rows(rng, &starts, n, k);
+    let want = reference_rows(cfg, &op, &sample)?;
+    let got: Vec<f32> = sample
+        .iter()
+        .flat_map(|&(r, _)| y[r * n..(r + 1) * n].iter().copied())
+        .collect();
+    let rel = if want.is_empty() {
+        0.0
+    } else {
+        reference::rel_frobenius(&got, &want)?
+    };
+    let ok = nan == 0 && rel <= SPEC_BOUND;
+    Ok((
+        ok,
+        format!(
+            "gemm {:<22} E={e:<3} N={n:<5} K={k:<5} T={t:<5} grid {:>4}: rel_frobenius {rel:.2e} over {} rows, NaN {nan}: {}",
+            cfg.tag(),
+            gemm.grid(t, e),
+            sample.len(),
+            if ok { "ok" } else { "FAIL" }
+        ),
+    ))
+}
+
+/// A line to stderr as it happens (a hung kernel then shows which variant it was).
+fn progress(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The v1 self-test over every case and variant: report lines and the verdict. Each line also goes
+/// to stderr as it is made.
+pub fn selftest(dev: &Device, seed: u64, quick: bool) -> Result<(String, bool)> {
+    let mut out = String::new();
+    let mut rng = Rng(seed ^ 0x9e37_79b9_7f4a_7c15);
+    let mut all = true;
+    for case in cases(&mut rng, quick) {
+        let rows_desc = if case.rows.len() <= 8 {
+            format!("{:?}", case.rows)
+        } else {
+            format!(
+                "{} experts, {}..={} rows each",
+                case.rows.len(),
+                case.rows.iter().min().copied().unwrap_or(0),
+                case.rows.iter().max().copied().unwrap_or(0)
+            )
+        };
+        let head = format!("case: {} (rows {rows_desc})", case.what);
+        progress(&head);
+        let _ = writeln!(out, "{head}");
+        let t: usize = case.rows.iter().sum();
+        let data = raw(
+            &mut rng,
+            t,
+            case.rows.len(),
+            case.n as usize,
+            case.k as usize,
+        );
+        for cfg in variants(case.n, case.k) {
+            let (ok, line) = run_one(dev, &mut rng, &case, &data, &cfg)?;
+            progress(&line);
+            all &= ok;
+            let _ = writeln!(out, "  {line}");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "{}",
+        if all {
+            "gemm v1 (warp-specialized): every variant within bound on every case"
+        } else {
+            "gemm v1 (warp-specialized): FAILED"
+        }
+    );
+    Ok((out, all))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_major_transposes() {
+        let s: Vec<f32> = (0..6).map(|v| v as f32).collect();
+        // [T = 2, KB = 3] -> [3, 2]
+        assert_eq!(group_major(&s, 2, 3), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    }
+
+    /// Every variant of every case is one the generator accepts, and the cases hold the named
+    /// shape classes.
+    #[test]
+    fn the_cases_and_variants_are_valid() {
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let all = cases(&mut rng, false);
+        assert!(all.iter().any(|c| c.rows.contains(&0)));
+        assert!(all.iter().any(|c| c.rows.iter().sum::<usize>() == 1));
+        assert!(all.iter().any(|c| c.n % 128 != 0 && c.k % 128 != 0));
+        let skew = &all[1];
+        assert!(skew.rows[5] * 2 > skew.rows.iter().sum::<usize>());
+        for c in &all {
+            for v in variants(c.n, c.k) {
+                crate::codegen::gemm::ws::grouped_ws_entry("k", &v).unwrap();
+            }
+        }
+        assert_eq!(cases(&mut rng, true).len(), 3);
+    }
+
+    /// The sample holds every expert's first and last row.
+    #[test]
+    fn the_sample_covers_every_expert_edge() {
+        let mut rng = Rng(7);
+        let starts = vec![0, 3, 3, 100, 4096];
+        let s = sample_rows(&mut rng, &starts, 4096, 7168);
+        for r in [0, 2, 3, 99, 100, 4095] {
+            assert!(s.iter().any(|&(x, _)| x == r), "{r}");
+        }
+        assert!(s.iter().all(|&(r, e)| starts[e] <= r && r < starts[e + 1]));
+        let all = sample_rows(&mut rng, &[0, 2, 5], 8, 8);
+        assert_eq!(all.len(), 5);
+    }
+}
