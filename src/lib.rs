@@ -10,6 +10,7 @@ pub use moeforge_dsl as dsl;
 pub use moeforge_kernels as kernels;
 pub use moeforge_runtime as runtime;
 
+pub mod act_quant_check;
 pub mod bench;
 pub mod bench_eplb;
 pub mod bench_layouts;

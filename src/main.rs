@@ -706,7 +706,9 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
             let (report, ok) = if gemm {
-                moeforge::gemm_check::selftest(quick)?
+                let (g, gok) = moeforge::gemm_check::selftest(quick)?;
+                let (a, aok) = moeforge::act_quant_check::selftest()?;
+                (g + &a, moeforge::act_quant_check::both(gok, aok))
             } else if nccl {
                 // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
                 // when a communicator is made, so it is set here, in the CLI only, before any NCCL

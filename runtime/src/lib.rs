@@ -9,6 +9,7 @@
 //! The runtime reads no environment: its [`Settings`] are built by the caller (the `moeforge`
 //! command from its environment) and passed in.
 
+pub mod act_quant;
 pub mod cache;
 pub mod collective;
 pub mod copy_kernel;

@@ -4,6 +4,7 @@
 //! mbarrier ring), a tile scheduler (persistent CTAs over expert, m-tile and n-tile work) and an
 //! epilogue. This module holds the target-independent parts that are checked on the host.
 
+pub mod act_quant;
 pub mod desc;
 mod emit;
 pub mod kernel;

@@ -224,6 +224,8 @@ pub enum UnOpcode {
     Mov(PtxTy),
     /// `abs.ty`.
     Abs(PtxTy),
+    /// `rcp.rn.ty`: the correctly rounded reciprocal (IEEE `1 / a`, subnormals kept).
+    RcpRn(PtxTy),
     /// `cvt[.rnd].to.from`.
     Cvt {
         /// Rounding (none for conversions between integers that round nothing).
@@ -260,6 +262,7 @@ impl fmt::Display for UnOpcode {
         match self {
             UnOpcode::Mov(ty) => write!(f, "mov{ty}"),
             UnOpcode::Abs(ty) => write!(f, "abs{ty}"),
+            UnOpcode::RcpRn(ty) => write!(f, "rcp.rn{ty}"),
             UnOpcode::Cvt {
                 rnd: None,
                 to,
@@ -448,6 +451,14 @@ pub enum Inst {
         /// Operand (f32).
         a: Reg,
     },
+    /// `d` = the E4M3 bytes of `vals` (value k in byte k; RNE, saturating to ±448): two
+    /// `cvt.rn.satfinite.e4m3x2.f32` and one `mov.b32` packing their halves, in a scoped block.
+    CvtE4m3Pack {
+        /// Destination (32-bit).
+        d: Reg,
+        /// Operands (f32), byte 0 first.
+        vals: [Reg; 4],
+    },
     /// `prmt.b32 d, a, b, sel` (byte permute: bytes 0-3 of `a`, 4-7 of `b`).
     Prmt {
         /// Destination.
@@ -616,6 +627,10 @@ impl fmt::Display for Inst {
                     " prmt.b32 %w0, %w0, %w1, 0x0040; prmt.b32 %w2, %w2, %w3, 0x0040; prmt.b32 {d}, %w0, %w2, 0x5410; }}"
                 )
             }
+            Inst::CvtE4m3Pack { d, vals: [v0, v1, v2, v3] } => write!(
+                f,
+                "\t{{ .reg .b16 %e<2>; cvt.rn.satfinite.e4m3x2.f32 %e0, {v1}, {v0}; cvt.rn.satfinite.e4m3x2.f32 %e1, {v3}, {v2}; mov.b32 {d}, {{%e0, %e1}}; }}"
+            ),
             Inst::BarSync => write!(f, "\tbar.sync \t0;"),
             Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
@@ -753,6 +768,7 @@ mod tests {
             (UnOpcode::Mov(PtxTy::B32), "mov.b32"),
             (UnOpcode::Mov(PtxTy::Pred), "mov.pred"),
             (UnOpcode::Abs(PtxTy::F32), "abs.f32"),
+            (UnOpcode::RcpRn(PtxTy::F32), "rcp.rn.f32"),
             (
                 UnOpcode::cvt_rnd(Rnd::Rni, PtxTy::F32, PtxTy::F32),
                 "cvt.rni.f32.f32",
@@ -844,6 +860,22 @@ mod tests {
                     name: "k_param_0".into(),
                 },
                 "\tld.param.u64 \t%rd1, [k_param_0];",
+            ),
+            (
+                Inst::CvtE4m3Pack {
+                    d: r,
+                    vals: [f, f, f, f],
+                },
+                "\t{ .reg .b16 %e<2>; cvt.rn.satfinite.e4m3x2.f32 %e0, %f1, %f1; \
+                 cvt.rn.satfinite.e4m3x2.f32 %e1, %f1, %f1; mov.b32 %r1, {%e0, %e1}; }",
+            ),
+            (
+                Inst::Un {
+                    op: UnOpcode::RcpRn(PtxTy::F32),
+                    d: f,
+                    a: Operand::Reg(f),
+                },
+                "\trcp.rn.f32 \t%f1, %f1;",
             ),
         ];
         for (inst, text) in cases {
