@@ -4,12 +4,23 @@
 //!
 //! The weights are the params `w13_weight` (`[E, N, K]` = `[E, 2I, H]`) and `w2_weight`
 //! (`[E, H, I]`) of the verified module; what serves them is decided from their dtypes and
-//! shapes at the binding, never from the recipe's name. So far only bf16 weights have a variant
-//! (`codegen::gemm::kernel::grouped_bf16_v0`); the others are named in [`Plan::missing`].
+//! shapes at the binding, never from the recipe's name:
+//! * bf16 weights: the v0 kernel (`codegen::gemm::kernel::grouped_bf16_v0`) at three stage counts,
+//!   then every warp-specialized candidate (`codegen::gemm::tune::candidates`);
+//! * e4m3 weights with a registered f32 weight scale of shape `[E]`: the tensorwise FP8
+//!   candidates, with per-token (dynamic) and per-tensor (static) activation scales;
+//! * e4m3 weights with a registered f32 weight scale of shape `[E, ceil(N/128), ceil(K/128)]`: the
+//!   `fp8_block128` candidates.
+//!
+//! The scale is the registered f32 param whose name starts with the weight's (`w13_weight_scale`,
+//! `w13_weight_scale_inv`) and whose bound shape is one of those two. Anything else is named in
+//! [`Plan::missing`].
 
 use crate::{codegen, dsl, Error, Result};
 
 use codegen::gemm::kernel;
+use codegen::gemm::tune;
+use codegen::gemm::ws::{self, Operands, Scaling, WsConfig};
 
 /// The pipeline stages emitted for every bf16 GEMM: the default first, then the autotune
 /// candidates.
@@ -25,18 +36,29 @@ pub struct Variant {
     pub gemm: &'static str,
     /// The weight param it reads.
     pub param: String,
-    /// The kernel family (`bf16_v0`).
+    /// The kernel family (`bf16_v0` or `ws`).
     pub family: &'static str,
+    /// Its entry name.
+    pub entry: String,
     /// Its entry's text (no module header).
     pub ptx: String,
-    /// Its launch information (entry name, `N`, `K`, stages, shared memory).
-    pub launch: kernel::Launch,
+    /// N, K and the pipeline stages.
+    pub n: u32,
+    /// K.
+    pub k: u32,
+    /// Pipeline stages.
+    pub stages: u32,
+    /// The warp-specialized configuration (`ws` family).
+    pub ws: Option<WsConfig>,
+    /// The weight-scale param it reads (FP8).
+    pub scale_param: Option<String>,
 }
 
 /// The GEMM variants of a bound recipe, and the GEMMs that have none yet.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
-    /// The variants, w13's then w2's, each GEMM's stages in [`BF16_V0_STAGES`] order.
+    /// The variants, w13's then w2's; per GEMM the bf16 v0 stages in [`BF16_V0_STAGES`] order
+    /// (bf16 weights), then the warp-specialized candidates.
     pub variants: Vec<Variant>,
     /// One message per GEMM without a variant, e.g. "no GEMM variant for e4m3 weights yet
     /// (issue \[7\]): `w13_weight` is e4m3[E, 2*I, H]".
@@ -73,6 +95,43 @@ pub fn bf16_v0_entry(gemm: &str, stages: u32) -> String {
     format!("{}_{gemm}_s{stages}", kernel::V0_ENTRY)
 }
 
+/// The entry name of a warp-specialized variant of `gemm`, e.g.
+/// `moeforge_gemm_bf16_p2x128_s6_bf16_w13`.
+pub fn ws_entry(gemm: &str, cfg: &WsConfig) -> String {
+    format!("moeforge_gemm_{}_{gemm}", cfg.tag())
+}
+
+/// The registered f32 scale of weight `name` (`[E, N, K]`): its name and scaling, if any param
+/// named `name...` has the shape `[E]` (tensorwise) or `[E, ceil(N/128), ceil(K/128)]` (block).
+fn weight_scale(
+    info: &dsl::ModuleInfo,
+    name: &str,
+    e: i128,
+    n: i128,
+    k: i128,
+) -> Option<(String, Scaling)> {
+    let module = info.module();
+    info.params.iter().find_map(|p| {
+        let t = module.tensor(p.id)?;
+        if t.name == name || !t.name.starts_with(name) || t.dtype != dsl::ir::DType::F32 {
+            return None;
+        }
+        let shape = t
+            .shape
+            .iter()
+            .map(|d| info.eval(d))
+            .collect::<Option<Vec<i128>>>()?;
+        let scaling = if shape == [e] {
+            Scaling::Tensorwise { per_token: true }
+        } else if shape == [e, (n + 127) / 128, (k + 127) / 128] {
+            Scaling::Block128
+        } else {
+            return None;
+        };
+        Some((t.name.clone(), scaling))
+    })
+}
+
 /// The GEMM variants that serve a verified, bound module's weights. Errors: no binding, a weight
 /// param that is missing or not `[E, N, K]`, or a shape the kernel refuses.
 pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
@@ -101,21 +160,33 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             .collect::<Option<Vec<i128>>>()
             .ok_or_else(|| Error::Usage(format!("`{name}`: its shape is not bound")))?;
         let described = format!("`{name}` is {}{}", t.dtype, module.show_shape(&t.shape));
-        let [_, n, k] = shape[..] else {
+        let [e, n, k] = shape[..] else {
             return Err(Error::Usage(format!(
                 "{described}: the GEMM reads its weight as [E, N, K]"
             )));
         };
-        if t.dtype != dsl::ir::DType::Bf16 {
+        let family = match t.dtype {
+            dsl::ir::DType::Bf16 => Some((Operands::Bf16, Scaling::None, None)),
+            dsl::ir::DType::E4m3 => {
+                weight_scale(info, name, e, n, k).map(|(p, s)| (Operands::E4m3, s, Some(p)))
+            }
+            _ => None,
+        };
+        let Some((operands, scaling, scale_param)) = family else {
+            let why = if t.dtype == dsl::ir::DType::E4m3 {
+                " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
+            } else {
+                ""
+            };
             plan.missing.push(format!(
-                "no GEMM variant for {} weights yet (issue [7]): {described}",
+                "no GEMM variant for {} weights{why} yet (issue [7]): {described}",
                 t.dtype
             ));
             continue;
-        }
+        };
         if t.declared_layout.is_some() {
             plan.missing.push(format!(
-                "no GEMM variant for a declared storage layout yet (issue [7]): {described} with a `layout`; bf16 v0 reads row-major [E, N, K]"
+                "no GEMM variant for a declared storage layout yet (issue [7]): {described} with a `layout`; the GEMMs read row-major [E, N, K]"
             ));
             continue;
         }
@@ -127,16 +198,48 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 )))
             }
         };
-        for stages in BF16_V0_STAGES {
-            let entry = bf16_v0_entry(gemm, stages);
-            let (ptx, launch) = kernel::grouped_bf16_v0_entry(&entry, n, k, stages)?;
-            plan.variants.push(Variant {
-                gemm,
-                param: name.to_string(),
-                family: "bf16_v0",
-                ptx,
-                launch,
-            });
+        if operands == Operands::Bf16 {
+            for stages in BF16_V0_STAGES {
+                let entry = bf16_v0_entry(gemm, stages);
+                let (ptx, launch) = kernel::grouped_bf16_v0_entry(&entry, n, k, stages)?;
+                plan.variants.push(Variant {
+                    gemm,
+                    param: name.to_string(),
+                    family: "bf16_v0",
+                    entry,
+                    ptx,
+                    n,
+                    k,
+                    stages: launch.stages,
+                    ws: None,
+                    scale_param: None,
+                });
+            }
+        }
+        let scalings = match scaling {
+            Scaling::Tensorwise { .. } => vec![
+                Scaling::Tensorwise { per_token: true },
+                Scaling::Tensorwise { per_token: false },
+            ],
+            s => vec![s],
+        };
+        for scaling in scalings {
+            for cfg in tune::candidates(operands, scaling, n, k) {
+                let entry = ws_entry(gemm, &cfg);
+                let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
+                plan.variants.push(Variant {
+                    gemm,
+                    param: name.to_string(),
+                    family: "ws",
+                    entry,
+                    ptx,
+                    n,
+                    k,
+                    stages: cfg.stages,
+                    ws: Some(cfg),
+                    scale_param: scale_param.clone(),
+                });
+            }
         }
     }
     Ok(plan)

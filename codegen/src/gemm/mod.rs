@@ -10,4 +10,5 @@ mod emit;
 pub mod kernel;
 pub mod reference;
 pub mod schedule;
+pub mod tune;
 pub mod ws;

@@ -1,0 +1,102 @@
+//! The candidate set of the warp-specialized grouped GEMM ([`super::ws`]) per kernel family and
+//! shape, and the default choice for a shape bucket before (or without) autotuning.
+//!
+//! Prefill candidates put tokens on the M side (two consumer warpgroups, 128 token rows) with a
+//! 128- or 256-wide weight tile; decode candidates swap A and B (64 weight rows on the M side) with
+//! 8 to 64 tokens on the N side and a deep ring of stages, so that the weights stream with enough
+//! bytes in flight.
+
+use super::ws::{Operands, OutTy, Scaling, WsConfig};
+
+/// `(consumers, BN, stages, swap_ab)` of the prefill candidates, bf16 and tensorwise e4m3.
+const PREFILL: [(u32, u32, u32, bool); 2] = [(2, 128, 6, false), (2, 256, 4, false)];
+/// The block-scaled prefill candidates (two accumulators per thread: BN at most 128).
+const PREFILL_BLOCK: [(u32, u32, u32, bool); 1] = [(2, 128, 6, false)];
+/// The decode candidates (tokens per expert as the wgmma N).
+const DECODE: [(u32, u32, u32, bool); 4] = [
+    (1, 8, 8, true),
+    (1, 16, 8, true),
+    (1, 32, 8, true),
+    (1, 64, 6, true),
+];
+
+/// Every candidate of the family `(operands, scaling)` at `N = n`, `K = k`, bf16 output: prefill
+/// first, then decode by growing token tile.
+pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
+    let prefill: &[(u32, u32, u32, bool)] = if scaling == Scaling::Block128 {
+        &PREFILL_BLOCK
+    } else {
+        &PREFILL
+    };
+    prefill
+        .iter()
+        .chain(DECODE.iter())
+        .map(|&(consumers, bn, stages, swap_ab)| WsConfig {
+            operands,
+            scaling,
+            out: OutTy::Bf16,
+            consumers,
+            bn,
+            stages,
+            swap_ab,
+            n,
+            k,
+        })
+        .collect()
+}
+
+/// The default candidate for `rows` token rows over `active` experts that received any (the
+/// untuned choice): decode with the smallest token tile that holds the mean rows per active expert
+/// when that is at most 64, else the first prefill candidate.
+pub fn default_choice(all: &[WsConfig], rows: usize, active: usize) -> Option<&WsConfig> {
+    let mean = rows.div_ceil(active.max(1));
+    all.iter()
+        .filter(|c| c.swap_ab)
+        .find(|c| c.bn as usize >= mean)
+        .or_else(|| all.iter().find(|c| !c.swap_ab))
+}
+
+/// The shape bucket of `rows` token rows (what tuning results are keyed by): the next power of two.
+pub fn bucket(rows: usize) -> usize {
+    rows.max(1).next_power_of_two()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::gemm::ws::grouped_ws_entry;
+
+    #[test]
+    fn every_candidate_generates_for_every_family() {
+        for (o, s) in [
+            (Operands::Bf16, Scaling::None),
+            (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+            (Operands::E4m3, Scaling::Tensorwise { per_token: false }),
+            (Operands::E4m3, Scaling::Block128),
+        ] {
+            let all = candidates(o, s, 4096, 7168);
+            assert!(all.len() >= 5);
+            assert!(all.iter().any(|c| c.swap_ab) && all.iter().any(|c| !c.swap_ab));
+            for c in &all {
+                grouped_ws_entry("k", c).unwrap();
+            }
+            let tags: std::collections::BTreeSet<String> = all.iter().map(|c| c.tag()).collect();
+            assert_eq!(tags.len(), all.len(), "tags are unique");
+        }
+    }
+
+    #[test]
+    fn the_default_follows_rows_per_expert() {
+        let all = candidates(Operands::Bf16, Scaling::None, 4096, 7168);
+        assert_eq!(default_choice(&all, 8, 8).unwrap().bn, 8);
+        assert_eq!(default_choice(&all, 128, 8).unwrap().bn, 16);
+        assert_eq!(default_choice(&all, 512, 32).unwrap().bn, 16);
+        assert_eq!(default_choice(&all, 64 * 8, 8).unwrap().bn, 64);
+        assert!(!default_choice(&all, 65 * 8, 8).unwrap().swap_ab);
+        assert!(!default_choice(&all, 65536, 8).unwrap().swap_ab);
+        assert_eq!(bucket(0), 1);
+        assert_eq!(bucket(5), 8);
+        assert_eq!(bucket(512), 512);
+    }
+}
