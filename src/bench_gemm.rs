@@ -1543,6 +1543,48 @@ mod tests {
     }
 
     #[test]
+    fn the_report_names_what_is_missing() {
+        let cases = Selection::parse(Some("qwen3-30b-a3b"), Some("1"), None)
+            .unwrap()
+            .cases()
+            .unwrap();
+        let rows: Vec<Row> = cases
+            .iter()
+            .map(|c| Row {
+                case: c.clone(),
+                ours: if c.recipe == Recipe::Bf16 {
+                    Outcome::Timed {
+                        us: 20.0,
+                        reps: 200,
+                        kernel: "k".into(),
+                    }
+                } else {
+                    Outcome::NotBuilt("no fp8 kernel yet".into())
+                },
+                torch: (c.recipe == Recipe::Bf16).then(|| TorchResult {
+                    us: Some(30.0),
+                    anchor: "torch._grouped_mm bf16".into(),
+                    note: None,
+                }),
+            })
+            .collect();
+        let text = render("H200", &rows, &TorchResults::default());
+        assert!(text.contains("not built"), "{text}");
+        assert!(
+            text.contains("(2 case(s)) not built: no fp8 kernel yet"),
+            "{text}"
+        );
+        // bf16: torch 30 us / ours 20 us = 1.50; the best peer is vLLM's 23.0 us: 1.15.
+        assert!(text.contains("1.50") && text.contains("1.15"), "{text}");
+        let v = rows[0].json();
+        assert_eq!(v["status"], "timed");
+        assert_eq!(v["best_peer"], "vllm");
+        assert!((v["best_peer_ratio"].as_f64().unwrap() - 1.15).abs() < 1e-9);
+        assert_eq!(rows[1].json()["status"], "not built");
+        assert!(rows[1].json()["torch_ratio"].is_null());
+    }
+
+    #[test]
     fn reps_and_median() {
         assert_eq!(reps_for(10.0), 200);
         assert_eq!(reps_for(1000.0), 20);
