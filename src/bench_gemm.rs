@@ -777,7 +777,7 @@ pub enum Outcome {
     Failed(String),
 }
 
-/// Reps for a kernel of about `est_us` each: enough for [`BUDGET_US`], between 3 and 200.
+/// Reps for a kernel of about `est_us` each: enough for 20 ms of kernel time, between 3 and 200.
 pub fn reps_for(est_us: f64) -> usize {
     if !(est_us.is_finite() && est_us > 0.0) {
         return MIN_REPS;
