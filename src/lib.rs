@@ -13,6 +13,7 @@ pub use moeforge_runtime as runtime;
 pub mod act_quant_check;
 pub mod bench;
 pub mod bench_eplb;
+pub mod bench_gemm;
 pub mod bench_layouts;
 pub mod checkpoint;
 pub mod demo;

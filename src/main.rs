@@ -124,6 +124,28 @@ enum Command {
         /// layer for every recipe, against the copy ceiling.
         #[arg(long, conflicts_with = "layouts")]
         eplb: bool,
+        /// Only the grouped-GEMM benchmark (with --gpu): the MoE w13 GEMM at the anchor shapes
+        /// against torch (measured now by --anchor) and vLLM (recorded); --recipe is then bf16,
+        /// fp8_per_tensor, fp8_block128 or all (a comma-separated list also works).
+        #[arg(long, conflicts_with_all = ["layouts", "eplb"])]
+        gemm: bool,
+        /// GEMM: qwen3-30b-a3b, deepseek-v3-ep8, mixtral-8x7b or all (default: all).
+        #[arg(long, requires = "gemm")]
+        model: Option<String>,
+        /// GEMM: token counts, comma-separated (default: 1,16,128,512,2048,8192).
+        #[arg(long, requires = "gemm")]
+        tokens: Option<String>,
+        /// GEMM: write the JSON report here, atomically (default: $OUT/bench_gemm.json when OUT is
+        /// set, else none).
+        #[arg(long, requires = "gemm", value_name = "OUT.json")]
+        json: Option<std::path::PathBuf>,
+        /// GEMM: the torch anchor script (default: scripts/gemm_anchor.py), run as
+        /// `python3 PATH CASES.json` after our kernels.
+        #[arg(long, requires = "gemm", value_name = "PATH")]
+        anchor: Option<std::path::PathBuf>,
+        /// GEMM: do not measure torch.
+        #[arg(long, requires = "gemm", conflicts_with = "anchor")]
+        no_anchor: bool,
     },
     /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
     Selftest {
@@ -654,6 +676,12 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             reps,
             layouts,
             eplb,
+            gemm,
+            model,
+            tokens,
+            json,
+            anchor,
+            no_anchor,
         } => {
             if !host && !gpu {
                 return Err(moeforge::Error::Usage(
@@ -672,6 +700,43 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                     moeforge::bench_eplb::run(reps, settings.runtime.nccl_path.as_deref())?
                 )
                 .map_err(io)?;
+                return Ok(());
+            }
+            if gemm {
+                if !gpu || host {
+                    return Err(moeforge::Error::Usage(
+                        "the GEMM benchmark runs on the GPU: pass --gpu (and not --host)".into(),
+                    ));
+                }
+                let selection = moeforge::bench_gemm::Selection::parse(
+                    model.as_deref(),
+                    tokens.as_deref(),
+                    recipe.as_deref(),
+                )?;
+                // The JSON report's default place: the device run's output folder, when there is one.
+                let json = json.or_else(|| {
+                    std::env::var_os("OUT")
+                        .filter(|o| !o.is_empty())
+                        .map(|o| std::path::PathBuf::from(o).join("bench_gemm.json"))
+                });
+                let opts = moeforge::bench_gemm::Options {
+                    selection,
+                    anchor: if no_anchor {
+                        moeforge::bench_gemm::Anchor::Off
+                    } else {
+                        moeforge::bench_gemm::Anchor::Script(
+                            anchor.unwrap_or_else(|| moeforge::bench_gemm::DEFAULT_ANCHOR.into()),
+                        )
+                    },
+                    json,
+                };
+                let (report, ok) = moeforge::bench_gemm::run(&opts)?;
+                write!(out, "{report}").map_err(io)?;
+                if !ok {
+                    return Err(moeforge::Error::Usage(
+                        "GEMM benchmark: some cases failed (see FAILED above)".into(),
+                    ));
+                }
                 return Ok(());
             }
             if layouts {
