@@ -582,7 +582,7 @@ pub fn random_e4m3(bytes: &mut [u8], seed: u64) {
 }
 
 /// Fill a device buffer with a repeated host chunk of random data (`chunk` non-empty).
-fn fill_device(dev: &Device, buf: &mut CudaSlice<u8>, chunk: &[u8]) -> Result<()> {
+pub(crate) fn fill_device(dev: &Device, buf: &mut CudaSlice<u8>, chunk: &[u8]) -> Result<()> {
     let len = buf.len();
     let mut off = 0;
     while off < len && !chunk.is_empty() {
@@ -1334,9 +1334,9 @@ pub fn run_with(opts: &Options, runner: &mut dyn GemmRunner) -> Result<(String, 
     Ok((text, ok))
 }
 
-/// [`run_with`] the runner that exists: [`V0Runner`].
+/// [`run_with`] the tuned warp-specialized runner ([`crate::bench_gemm_ws::WsRunner`]).
 pub fn run(opts: &Options) -> Result<(String, bool)> {
-    let mut runner = V0Runner::new();
+    let mut runner = crate::bench_gemm_ws::WsRunner::new();
     run_with(opts, &mut runner)
 }
 

@@ -14,6 +14,7 @@ pub mod act_quant_check;
 pub mod bench;
 pub mod bench_eplb;
 pub mod bench_gemm;
+pub mod bench_gemm_ws;
 pub mod bench_layouts;
 pub mod checkpoint;
 pub mod demo;
