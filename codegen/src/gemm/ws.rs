@@ -19,7 +19,9 @@
 //!   back (`setmaxnreg.dec` to 40) and the consumers take them (`setmaxnreg.inc` to 232)
 //!   (cooperative): consumer `c` owns the A rows `64c .. 64c + 63` of the tile.
 //! * **Tile scheduler**: persistent CTAs; CTA `b` takes tiles `b, b + G, b + 2G, ...` (`G` =
-//!   `%nctaid.x`) of the linear order expert → token tile → weight tile, and maps a tile to its expert
+//!   `%nctaid.x`) of the raster order (experts in order; inside an expert, groups of
+//!   [`WsConfig::raster_group`] weight tiles with the token tile major inside a group, for L2
+//!   reuse), and maps a tile to its expert
 //!   by scanning the device-resident offsets, resuming where its previous tile's scan stopped (tile
 //!   ids only grow). Producer and consumers scan alike; [`tile_of`] is the same walk on the host.
 //! * **Epilogue**: the accumulator fragment (GEMM.md §1.6) -> scale -> convert -> masked global
@@ -183,6 +185,18 @@ impl WsConfig {
         }
     }
 
+    /// Weight tiles per raster group: a wave of persistent CTAs walks `G` weight tiles across the
+    /// expert's token tiles before the next `G`, so that it shares a few X and W tiles in L2
+    /// (prefill: 8, about the square root of half the SMs for a W tile twice an X tile). Decode:
+    /// 1, so that the token tiles of one weight tile run back to back and read it once from HBM.
+    pub const fn raster_group(&self) -> u32 {
+        if self.swap_ab {
+            1
+        } else {
+            8
+        }
+    }
+
     /// Weight tiles per token tile: `ceil(N / tile_weights)`.
     pub const fn weight_tiles(&self) -> u32 {
         self.n.div_ceil(self.tile_weights())
@@ -238,6 +252,14 @@ impl WsConfig {
             return bad(format!("{} consumer warpgroups (1 or 2)", self.consumers));
         }
         WgmmaN::new(self.bn)?;
+        if self.consumers >= 2 && self.bn < 128 {
+            // ptxas then allocates fewer than 168 registers at entry and drops `setmaxnreg`
+            // (C7508).
+            return bad(format!(
+                "two consumer warpgroups with BN = {} (at least 128)",
+                self.bn
+            ));
+        }
         if self.swap_ab && !self.bn.is_power_of_two() {
             return bad(format!(
                 "a decode token tile of {} (a power of two, 8 to 256)",
@@ -272,10 +294,14 @@ impl WsConfig {
         match (self.operands, self.scaling) {
             (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
             (Operands::E4m3, Scaling::Block128) => {
-                if !(self.swap_ab || self.bn <= 128 || self.bn.is_multiple_of(128)) {
+                // Three accumulators per thread (the total and two slices in flight): BN at most
+                // 128 with two consumers, 64 with one (more spills). A prefill tile must not
+                // straddle two 128-column scale blocks.
+                let most = if self.consumers >= 2 { 128 } else { 64 };
+                if self.bn > most || (!self.swap_ab && !128u32.is_multiple_of(self.bn)) {
                     return bad(format!(
-                        "block-scaled prefill with BN = {} (at most 128, or a multiple of 128)",
-                        self.bn
+                        "block-scaled BN = {} (a divisor of 128 for prefill; at most {most} with {} consumer warpgroup(s))",
+                        self.bn, self.consumers
                     ));
                 }
             }
@@ -328,16 +354,21 @@ pub struct WsTile {
     pub weight0: usize,
 }
 
-/// The kernel's tile walk on the host: tile `id` of the order expert → token tile → weight tile, or
-/// `None` past the last tile. `offsets` has `E + 1` entries.
+/// The kernel's tile walk on the host: tile `id` of the raster order (experts in order; inside an
+/// expert, groups of [`WsConfig::raster_group`] weight tiles, token tile major and weight tile minor
+/// inside a group), or `None` past the last tile. `offsets` has `E + 1` entries.
 pub fn tile_of(cfg: &WsConfig, offsets: &[usize], id: usize) -> Option<WsTile> {
     let (tm, nt) = (cfg.tile_tokens() as usize, cfg.weight_tiles() as usize);
     let mut before = 0usize;
     for (e, w) in offsets.windows(2).enumerate() {
-        let tiles = (w[1] - w[0]).div_ceil(tm) * nt;
+        let mtiles = (w[1] - w[0]).div_ceil(tm);
+        let tiles = mtiles * nt;
         if id < before + tiles {
             let local = id - before;
-            let (mt, wt) = (local / nt, local % nt);
+            let g = cfg.raster_group() as usize;
+            let (grp, r) = (local / (g * mtiles), local % (g * mtiles));
+            let width = g.min(nt - grp * g);
+            let (mt, wt) = (r / width, grp * g + r % width);
             return Some(WsTile {
                 expert: e,
                 tokens: (w[0] + mt * tm)..w[1],
@@ -428,11 +459,24 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
     );
     k.bra(&top, None);
     k.b.push(Inst::Label(found));
+    // Raster order inside the expert: groups of G weight tiles; in a group, token tile major and
+    // weight tile minor (so that a wave of CTAs shares a few X and W tiles in L2).
     let local = k.bin(BinOpcode::Sub, PtxTy::U32, s.tile, Operand::Reg(s.before));
+    let g = i64::from(cfg.raster_group());
     let nt = i64::from(cfg.weight_tiles());
-    let mt = k.bin(BinOpcode::Div, PtxTy::U32, local, Operand::Int(nt));
-    let wt = k.bin(BinOpcode::MulLo, PtxTy::U32, mt, Operand::Int(nt));
-    k.bin_to(wt, BinOpcode::Sub, PtxTy::U32, local, Operand::Reg(wt));
+    let gsz = k.bin(BinOpcode::MulLo, PtxTy::U32, rows, Operand::Int(g));
+    let grp = k.bin(BinOpcode::Div, PtxTy::U32, local, Operand::Reg(gsz));
+    let r = k.bin(BinOpcode::MulLo, PtxTy::U32, grp, Operand::Reg(gsz));
+    k.bin_to(r, BinOpcode::Sub, PtxTy::U32, local, Operand::Reg(r));
+    let gstart = k.bin(BinOpcode::MulLo, PtxTy::U32, grp, Operand::Int(g));
+    let width = k.reg32();
+    k.mov(width, Operand::Int(nt));
+    k.bin_to(width, BinOpcode::Sub, PtxTy::U32, width, Operand::Reg(gstart));
+    k.bin_to(width, BinOpcode::Min, PtxTy::U32, width, Operand::Int(g));
+    let mt = k.bin(BinOpcode::Div, PtxTy::U32, r, Operand::Reg(width));
+    let wt = k.bin(BinOpcode::MulLo, PtxTy::U32, mt, Operand::Reg(width));
+    k.bin_to(wt, BinOpcode::Sub, PtxTy::U32, r, Operand::Reg(wt));
+    k.bin_to(wt, BinOpcode::Add, PtxTy::U32, wt, Operand::Reg(gstart));
     let tok0 = k.bin(BinOpcode::Shl, PtxTy::B32, mt, Operand::Int(log2(tm)));
     k.bin_to(tok0, BinOpcode::Add, PtxTy::U32, tok0, Operand::Reg(s.lo));
     let w0 = k.bin(
@@ -747,10 +791,11 @@ fn consumers(
     let n_mma = WgmmaN::new(cfg.bn)?;
     let acc = k.b.accumulator(n_mma);
     let block = cfg.scaling == Scaling::Block128;
+    // Block-scaled: the first slice accumulator (the second is made with the k loop).
     let part = if block {
         k.b.accumulator(n_mma)
     } else {
-        acc.clone()
+        Vec::new()
     };
     let desc_hi = k.imm(DESC_HI);
     let always = k.setp(CmpOp::Eq, tid, Operand::Reg(tid));
@@ -759,100 +804,95 @@ fn consumers(
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
     let kt = k.imm(0);
+    let ring = Ring {
+        stage,
+        phase,
+        prev,
+        base,
+        full,
+        empty,
+        a_off,
+        desc_hi,
+        always,
+        lane0,
+    };
     let kloop = k.b.label("c_k");
     k.b.push(Inst::Label(kloop.clone()));
-    let (sa, fbar) = k.stage_addrs(stage, cfg.stage_bytes(), base, full);
-    k.b.mbarrier_wait(fbar, Operand::Reg(phase))?;
-    let a_addr = k.bin(BinOpcode::Add, PtxTy::U32, sa, Operand::Reg(a_off));
-    let a_lo = k.bin(BinOpcode::Shr, PtxTy::U32, a_addr, Operand::Int(4));
-    k.bin_to(
-        a_lo,
-        BinOpcode::Or,
-        PtxTy::B32,
-        a_lo,
-        Operand::Int(DESC_LBO),
-    );
-    let b_lo = k.bin(BinOpcode::Shr, PtxTy::U32, sa, Operand::Int(4));
-    k.bin_to(
-        b_lo,
-        BinOpcode::Add,
-        PtxTy::U32,
-        b_lo,
-        Operand::Int(i64::from(cfg.a_stage_bytes() >> 4)),
-    );
-    k.bin_to(
-        b_lo,
-        BinOpcode::Or,
-        PtxTy::B32,
-        b_lo,
-        Operand::Int(DESC_LBO),
-    );
-    // The first MMA of a tile (or, block-scaled, of every k-tile) overwrites.
-    let accumulate = if block {
-        None
-    } else {
-        Some(k.setp(CmpOp::Ne, kt, Operand::Int(0)))
-    };
-    let mut descs = Vec::with_capacity(4);
-    for step in 0..4i64 {
-        let mut pair = [a_lo, b_lo];
-        for lo in pair.iter_mut() {
-            let l = k.bin(BinOpcode::Add, PtxTy::U32, *lo, Operand::Int(2 * step));
-            let d = k.b.reg(RegClass::B64);
-            k.b.emit(AsyncOp::PackB64 {
-                d,
-                lo: l,
-                hi: desc_hi,
-            })?;
-            *lo = d;
+    let k_tiles = i64::from(cfg.k_tiles());
+    match (x_scale, w_scale) {
+        (Some(xs), Some(ws)) if block => {
+            // Two slice accumulators and two scale sets: the MMAs of k-tile i run while slice
+            // i - 1 is promoted with scales loaded one k-tile earlier.
+            let part_b = k.b.accumulator(n_mma);
+            let (sc_a, sc_b) = (BlockScales::new(k, cfg), BlockScales::new(k, cfg));
+            let load = |k: &mut K, into: &BlockScales| {
+                load_block_scales(k, cfg, &frag, &f, &s, kt, tokens, xs, ws, cwg, into)
+            };
+            let promote_at = |k: &mut K, sc: &BlockScales, from: &[Reg]| {
+                let done = k.bin(BinOpcode::Sub, PtxTy::U32, kt, Operand::Int(1));
+                promote(k, cfg, done, sc, from, &acc)
+            };
+            // Even k-tile into `part`.
+            issue_ktile(k, cfg, &ring, n_mma, &part, None)?;
+            load(k, &sc_a);
+            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
+            let skip = k.b.label("c_first");
+            let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
+            k.bra(&skip, Some((first, false)));
+            release(k, &ring, None)?;
+            promote_at(k, &sc_b, &part_b);
+            k.b.push(Inst::Label(skip));
+            k.mov(prev, Operand::Reg(stage));
+            advance(k, stage, phase, cfg.stages);
+            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+            let tail_a = k.b.label("c_tail_a");
+            let end = k.setp(CmpOp::Ge, kt, Operand::Int(k_tiles));
+            k.bra(&tail_a, Some((end, false)));
+            // Odd k-tile into `part_b`.
+            issue_ktile(k, cfg, &ring, n_mma, &part_b, None)?;
+            load(k, &sc_b);
+            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
+            release(k, &ring, None)?;
+            promote_at(k, &sc_a, &part);
+            k.mov(prev, Operand::Reg(stage));
+            advance(k, stage, phase, cfg.stages);
+            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+            let more = k.setp(CmpOp::Lt, kt, Operand::Int(k_tiles));
+            k.bra(&kloop, Some((more, false)));
+            // The last slice was odd (in `part_b`) or even (in `part`).
+            let epi = k.b.label("c_epi");
+            k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+            release(k, &ring, None)?;
+            promote_at(k, &sc_b, &part_b);
+            k.bra(&epi, None);
+            k.b.push(Inst::Label(tail_a));
+            k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+            release(k, &ring, None)?;
+            promote_at(k, &sc_a, &part);
+            k.b.push(Inst::Label(epi));
         }
-        descs.push(pair);
-    }
-    k.b.emit(AsyncOp::WgmmaFence)?;
-    for (step, [da, db]) in descs.into_iter().enumerate() {
-        let scale_d = match (step, accumulate) {
-            (0, Some(p)) => ScaleD::Pred(p),
-            (0, None) => ScaleD::Imm(false),
-            _ => ScaleD::Pred(always),
-        };
-        k.b.emit(AsyncOp::Wgmma(Wgmma::ss(
-            n_mma,
-            cfg.operands.wgmma(),
-            part.clone(),
-            da,
-            db,
-            scale_d,
-        )))?;
-    }
-    k.b.emit(AsyncOp::WgmmaCommitGroup)?;
-    if block {
-        // Wait for this k-tile's slice, free its stage, promote it into the total.
-        k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
-        let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, stage, Operand::Int(3));
-        k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
-        k.b.emit_guarded(Guard::when(lane0), AsyncOp::MbarrierArrive { bar: ebar })?;
-        if let (Some(xs), Some(ws)) = (x_scale, w_scale) {
-            promote(k, cfg, &frag, &f, &s, kt, tokens, xs, ws, cwg, &part, &acc)?;
+        _ => {
+            // The first MMA of a tile overwrites; one MMA group stays in flight, and the previous
+            // k-tile's stage is free once it completes.
+            let accumulate = k.setp(CmpOp::Ne, kt, Operand::Int(0));
+            issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
+            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
+            let not_first = k.setp(CmpOp::Ne, kt, Operand::Int(0));
+            let rel = k.bin(
+                BinOpcode::And,
+                PtxTy::Pred,
+                not_first,
+                Operand::Reg(lane0),
+            );
+            release(k, &ring, Some(rel))?;
+            k.mov(prev, Operand::Reg(stage));
+            advance(k, stage, phase, cfg.stages);
+            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+            let more = k.setp(CmpOp::Lt, kt, Operand::Int(k_tiles));
+            k.bra(&kloop, Some((more, false)));
+            k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+            release(k, &ring, None)?;
         }
-    } else {
-        // Keep one MMA group in flight: the previous k-tile's stage is free once it completes.
-        k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
-        let not_first = k.setp(CmpOp::Ne, kt, Operand::Int(0));
-        let release = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
-        let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, prev, Operand::Int(3));
-        k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
-        k.b.emit_guarded(Guard::when(release), AsyncOp::MbarrierArrive { bar: ebar })?;
-        k.mov(prev, Operand::Reg(stage));
-    }
-    advance(k, stage, phase, cfg.stages);
-    k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-    let more = k.setp(CmpOp::Lt, kt, Operand::Int(cfg.k_tiles().into()));
-    k.bra(&kloop, Some((more, false)));
-    if !block {
-        k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
-        let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, prev, Operand::Int(3));
-        k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
-        k.b.emit_guarded(Guard::when(lane0), AsyncOp::MbarrierArrive { bar: ebar })?;
     }
     epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
     k.bin_to(
@@ -864,6 +904,88 @@ fn consumers(
     );
     k.bra(&tile_loop, None);
     Ok(())
+}
+
+/// The consumer's pipeline registers.
+struct Ring {
+    stage: Reg,
+    phase: Reg,
+    prev: Reg,
+    base: Reg,
+    full: Reg,
+    empty: Reg,
+    a_off: Reg,
+    desc_hi: Reg,
+    always: Reg,
+    lane0: Reg,
+}
+
+/// Wait for the current stage, then its four MMAs into `d` (`scale-d` from `accumulate` on the
+/// first, 0 where `None`), committed as one group.
+fn issue_ktile(
+    k: &mut K,
+    cfg: &WsConfig,
+    r: &Ring,
+    n_mma: WgmmaN,
+    d: &[Reg],
+    accumulate: Option<Reg>,
+) -> Result<()> {
+    let (sa, fbar) = k.stage_addrs(r.stage, cfg.stage_bytes(), r.base, r.full);
+    k.b.mbarrier_wait(fbar, Operand::Reg(r.phase))?;
+    let a_addr = k.bin(BinOpcode::Add, PtxTy::U32, sa, Operand::Reg(r.a_off));
+    let a_lo = k.bin(BinOpcode::Shr, PtxTy::U32, a_addr, Operand::Int(4));
+    k.bin_to(a_lo, BinOpcode::Or, PtxTy::B32, a_lo, Operand::Int(DESC_LBO));
+    let b_lo = k.bin(BinOpcode::Shr, PtxTy::U32, sa, Operand::Int(4));
+    k.bin_to(
+        b_lo,
+        BinOpcode::Add,
+        PtxTy::U32,
+        b_lo,
+        Operand::Int(i64::from(cfg.a_stage_bytes() >> 4)),
+    );
+    k.bin_to(b_lo, BinOpcode::Or, PtxTy::B32, b_lo, Operand::Int(DESC_LBO));
+    let mut descs = Vec::with_capacity(4);
+    for step in 0..4i64 {
+        let mut pair = [a_lo, b_lo];
+        for lo in pair.iter_mut() {
+            let l = k.bin(BinOpcode::Add, PtxTy::U32, *lo, Operand::Int(2 * step));
+            let dd = k.b.reg(RegClass::B64);
+            k.b.emit(AsyncOp::PackB64 {
+                d: dd,
+                lo: l,
+                hi: r.desc_hi,
+            })?;
+            *lo = dd;
+        }
+        descs.push(pair);
+    }
+    k.b.emit(AsyncOp::WgmmaFence)?;
+    for (step, [da, db]) in descs.into_iter().enumerate() {
+        let scale_d = match (step, accumulate) {
+            (0, Some(p)) => ScaleD::Pred(p),
+            (0, None) => ScaleD::Imm(false),
+            _ => ScaleD::Pred(r.always),
+        };
+        k.b.emit(AsyncOp::Wgmma(Wgmma::ss(
+            n_mma,
+            cfg.operands.wgmma(),
+            d.to_vec(),
+            da,
+            db,
+            scale_d,
+        )))?;
+    }
+    k.b.emit(AsyncOp::WgmmaCommitGroup)
+}
+
+/// One arrival per consumer warp on the empty barrier of stage `prev` (under `guard`, else lane 0).
+fn release(k: &mut K, r: &Ring, guard: Option<Reg>) -> Result<()> {
+    let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, r.prev, Operand::Int(3));
+    k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(r.empty));
+    k.b.emit_guarded(
+        Guard::when(guard.unwrap_or(r.lane0)),
+        AsyncOp::MbarrierArrive { bar: ebar },
+    )
 }
 
 fn ld_f32(k: &mut K, base: Reg, index: Reg) -> Reg {
@@ -947,10 +1069,46 @@ fn token_class(cfg: &WsConfig, i: u32) -> usize {
     }
 }
 
-/// Block-scaled promotion of k-tile `kt`'s slice: `acc = part * s_x * s_w + acc` (or `=` on the
-/// first k-tile).
+/// The block scales of one K slice, in registers that live across loop iterations.
+struct BlockScales {
+    /// `s_x` per token class (see [`frag_tokens`]).
+    sx: Vec<Reg>,
+    /// `s_w` per 128-column block of the tile (one in decode).
+    sw: Vec<Reg>,
+}
+
+impl BlockScales {
+    fn new(k: &mut K, cfg: &WsConfig) -> BlockScales {
+        let nx = if cfg.swap_ab { cfg.bn / 4 } else { 2 };
+        let nw = if cfg.swap_ab { 1 } else { cfg.bn.div_ceil(128) };
+        BlockScales {
+            sx: (0..nx).map(|_| k.b.reg(RegClass::F32)).collect(),
+            sw: (0..nw).map(|_| k.b.reg(RegClass::F32)).collect(),
+        }
+    }
+}
+
+fn ld_f32_into(k: &mut K, d: Reg, base: Reg, index: Reg) {
+    let off = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: off,
+        a: Operand::Reg(index),
+        b: Operand::Int(4),
+    });
+    let addr = k.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off));
+    k.b.push(Inst::Ld {
+        ty: PtxTy::F32,
+        d,
+        addr,
+    });
+}
+
+/// Issue the loads of K slice `kt`'s scales into `into` (used one k-tile later, so that their
+/// latency hides behind the slice's MMAs).
 #[allow(clippy::too_many_arguments)]
-fn promote(
+fn load_block_scales(
     k: &mut K,
     cfg: &WsConfig,
     frag: &Frag,
@@ -961,21 +1119,17 @@ fn promote(
     xs: Reg,
     ws: Reg,
     cwg: Reg,
-    part: &[Reg],
-    acc: &[Reg],
-) -> Result<()> {
+    into: &BlockScales,
+) {
     let kb = cfg.k_tiles();
     let nb = cfg.n.div_ceil(128);
     // s_x[kt, token]: group-major [KB, T].
     let row_base = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
     let toks = frag_tokens(k, cfg, frag, f, s);
-    let sx: Vec<Reg> = toks
-        .iter()
-        .map(|&t| {
-            let i = k.bin(BinOpcode::Add, PtxTy::U32, t, Operand::Reg(row_base));
-            ld_f32(k, xs, i)
-        })
-        .collect();
+    for (&t, &d) in toks.iter().zip(&into.sx) {
+        let i = k.bin(BinOpcode::Add, PtxTy::U32, t, Operand::Reg(row_base));
+        ld_f32_into(k, d, xs, i);
+    }
     // s_w[e, n-block, kt]: one n-block per consumer (decode: 64-row groups sit inside one 128-row
     // block) or per 128 columns of BN (prefill).
     let eb = k.bin(
@@ -984,43 +1138,48 @@ fn promote(
         s.expert,
         Operand::Int(i64::from(nb)),
     );
-    let w_blocks: Vec<Reg> = if cfg.swap_ab {
-        let r = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
-        k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.w0));
-        k.bin_to(r, BinOpcode::Shr, PtxTy::U32, r, Operand::Int(7));
-        vec![r]
-    } else {
-        (0..cfg.bn.div_ceil(128))
-            .map(|c| {
-                let r = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(7));
-                k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(i64::from(c)));
-                // A block past N (a ragged last tile) reads the last block; its columns are masked.
-                k.bin_to(
-                    r,
-                    BinOpcode::Min,
-                    PtxTy::U32,
-                    r,
-                    Operand::Int(i64::from(nb - 1)),
-                );
-                r
-            })
-            .collect()
-    };
-    let sw: Vec<Reg> = w_blocks
-        .iter()
-        .map(|&blk| {
-            let i = k.bin(BinOpcode::Add, PtxTy::U32, eb, Operand::Reg(blk));
+    for (c, &d) in into.sw.iter().enumerate() {
+        let blk = if cfg.swap_ab {
+            let r = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
+            k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.w0));
+            k.bin_to(r, BinOpcode::Shr, PtxTy::U32, r, Operand::Int(7));
+            r
+        } else {
+            let r = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(7));
+            k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(c as i64));
+            // A block past N (a ragged last tile) reads the last block; its columns are masked.
             k.bin_to(
-                i,
-                BinOpcode::MulLo,
+                r,
+                BinOpcode::Min,
                 PtxTy::U32,
-                i,
-                Operand::Int(i64::from(kb)),
+                r,
+                Operand::Int(i64::from(nb - 1)),
             );
-            k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
-            ld_f32(k, ws, i)
-        })
-        .collect();
+            r
+        };
+        let i = k.bin(BinOpcode::Add, PtxTy::U32, eb, Operand::Reg(blk));
+        k.bin_to(
+            i,
+            BinOpcode::MulLo,
+            PtxTy::U32,
+            i,
+            Operand::Int(i64::from(kb)),
+        );
+        k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
+        ld_f32_into(k, d, ws, i);
+    }
+}
+
+/// Block-scaled promotion of K slice `kt` (its scales in `sc`): `acc = part * s_x * s_w + acc`
+/// (`=` on the first slice).
+fn promote(
+    k: &mut K,
+    cfg: &WsConfig,
+    kt: Reg,
+    sc: &BlockScales,
+    part: &[Reg],
+    acc: &[Reg],
+) {
     let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
     let zero = k.b.reg(RegClass::F32);
     k.b.push(Inst::Un {
@@ -1039,7 +1198,7 @@ fn promote(
         let fac = match factor.get(&(tc, wc)) {
             Some(&r) => r,
             None => {
-                let r = fmul(k, sx[tc], sw[wc]);
+                let r = fmul(k, sc.sx[tc], sc.sw[wc]);
                 factor.insert((tc, wc), r);
                 r
             }
@@ -1059,7 +1218,6 @@ fn promote(
             c: a,
         });
     }
-    Ok(())
 }
 
 /// Scale, convert and store the tile (masked at the expert's end and at N).
