@@ -657,17 +657,33 @@ fn check_structure(c: &WsConfig, text: &str) {
     for l in text.lines().filter(|l| l.contains("st.global")) {
         assert!(l.trim_start().starts_with('@'), "{tag}: {l}");
     }
-    // The FP8 scales are read only when scaling.
-    let scales = count(text, "ld.global.f32");
-    match c.scaling {
-        Scaling::None => assert_eq!(scales, 0, "{tag}"),
-        _ => assert!(scales >= 2, "{tag}"),
-    }
-    // Block scaling promotes each k-tile's partial sum: one fma per accumulator.
-    let fmas = count(text, "fma.rn.f32");
-    if c.scaling == Scaling::Block128 {
-        assert_eq!(fmas, slots, "{tag}");
-    }
+    // The FP8 scales: none unscaled; tensorwise, the expert's weight scale and one activation
+    // scale (static) or one per token class of the fragment (per token: the two A-side rows in
+    // prefill, the BN / 4 B-side columns in decode); block-scaled, per k-tile one activation scale
+    // per token class and one weight scale per 128-row block the tile touches.
+    let token_classes = if c.swap_ab { c.bn / 4 } else { 2 } as usize;
+    let scales = match c.scaling {
+        Scaling::None => 0,
+        Scaling::Tensorwise { per_token: false } => 2,
+        Scaling::Tensorwise { per_token: true } => 1 + token_classes,
+        Scaling::Block128 => {
+            token_classes
+                + if c.swap_ab {
+                    1
+                } else {
+                    c.bn.div_ceil(128) as usize
+                }
+        }
+    };
+    assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
+    // Block scaling promotes each k-tile's partial sum: one fma per accumulator; nothing else
+    // uses fma.
+    let fmas = if c.scaling == Scaling::Block128 {
+        slots
+    } else {
+        0
+    };
+    assert_eq!(count(text, "fma.rn.f32"), fmas, "{tag}");
     assert!(text.contains("ret;"));
 }
 
