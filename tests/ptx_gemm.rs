@@ -1,8 +1,10 @@
 //! The grouped-GEMM variants of `moeforge compile --kernels gemm|all`: golden PTX at real model
-//! bindings (`BLESS=1` rewrites them), ptxas 13.0 with `-v` on every variant (no spills, no stack
-//! frame, no serialized wgmma, no C75xx diagnostic), the SASS of a bf16 variant (HGMMA and the TMA
-//! loads, through cuobjdump and nvdisasm), which recipes get variants (from the weights' dtypes,
-//! not the recipe's name), and the CLI's behaviour for recipes without one.
+//! bindings for bf16, `fp8_per_tensor` and `fp8_block128` weights (`BLESS=1` rewrites them), ptxas
+//! 13.0 with `-v` on every golden module (no spills, no stack frame, no serialized wgmma, no C75xx
+//! diagnostic), the SASS of a bf16 and of the e4m3 modules (HGMMA or QGMMA and the TMA loads,
+//! through cuobjdump and nvdisasm), which recipes get which variants (from the weights' dtypes and
+//! the registered weight scale's shape, not the recipe's name), and the CLI's behaviour for recipes
+//! without one.
 //!
 //! ptxas comes from `MOEFORGE_PTXAS` (else the cache `scripts/ptxas` fills), cuobjdump from
 //! `MOEFORGE_CUOBJDUMP` (else the cache `scripts/sass` fills). Without them these tests say that
@@ -18,10 +20,23 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use moeforge::codegen::gemm::tune;
+use moeforge::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use moeforge::gemm_variants;
+
 /// The bindings of the golden files: (label, binding).
 const MODELS: [(&str, &str); 2] = [
     ("qwen3-30b-a3b", "E=128,H=2048,I=768"),
     ("deepseek-v3-ep8", "E=32,H=7168,I=2048"),
+];
+
+/// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
+/// (tensorwise and 128x128 block scales) at the first.
+const GOLDENS: [(&str, &str, &str); 4] = [
+    ("bf16", MODELS[0].0, MODELS[0].1),
+    ("bf16", MODELS[1].0, MODELS[1].1),
+    ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
+    ("fp8_block128", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -35,9 +50,27 @@ fn plan_of(src: &str, file: &str, bind: &str) -> moeforge::gemm_variants::Plan {
     moeforge::gemm_variants::plan(&info).unwrap()
 }
 
-fn bf16_plan(bind: &str) -> moeforge::gemm_variants::Plan {
-    let r = moeforge::kernels::find("bf16").unwrap();
+/// The plan of the standard recipe `recipe` at `bind`.
+fn recipe_plan(recipe: &str, bind: &str) -> moeforge::gemm_variants::Plan {
+    let r = moeforge::kernels::find(recipe).unwrap();
     plan_of(r.source, r.path, bind)
+}
+
+fn bf16_plan(bind: &str) -> moeforge::gemm_variants::Plan {
+    recipe_plan("bf16", bind)
+}
+
+fn golden_path(recipe: &str, label: &str) -> PathBuf {
+    golden_dir().join(format!("{recipe}_{label}.ptx"))
+}
+
+/// `(H, I)` of a binding `E=..,H=..,I=..`.
+fn h_i(bind: &str) -> (u32, u32) {
+    let dims: Vec<u32> = bind
+        .split(',')
+        .map(|kv| kv.split_once('=').unwrap().1.parse().unwrap())
+        .collect();
+    (dims[1], dims[2])
 }
 
 fn cache_tool(var: &str, rel: &str) -> Option<PathBuf> {
@@ -137,13 +170,12 @@ fn assemble(ptxas: &Path, ptx: &Path, cubin: &Path) -> String {
 fn golden_gemm_ptx() {
     let bless = std::env::var_os("BLESS").is_some();
     let mut failures = Vec::new();
-    for (label, bind) in MODELS {
-        let plan = bf16_plan(bind);
-        assert!(plan.missing.is_empty(), "{:?}", plan.missing);
+    for (recipe, label, bind) in GOLDENS {
+        let plan = recipe_plan(recipe, bind);
+        assert!(plan.missing.is_empty(), "{recipe}: {:?}", plan.missing);
         let got = plan.module();
-        assert_eq!(got, bf16_plan(bind).module(), "not deterministic");
-        let path = golden_dir().join(format!("bf16_{label}.ptx"));
-        failures.extend(common::golden(&path, &got, bless));
+        assert_eq!(got, recipe_plan(recipe, bind).module(), "not deterministic");
+        failures.extend(common::golden(&golden_path(recipe, label), &got, bless));
     }
     assert!(
         failures.is_empty(),
@@ -152,40 +184,165 @@ fn golden_gemm_ptx() {
     );
 }
 
+/// `(gemm, family, entry, n, k, stages, ws config)` of every variant of a plan.
+type Row = (
+    &'static str,
+    &'static str,
+    String,
+    u32,
+    u32,
+    u32,
+    Option<WsConfig>,
+);
+
+fn rows(plan: &moeforge::gemm_variants::Plan) -> Vec<Row> {
+    plan.variants
+        .iter()
+        .map(|v| (v.gemm, v.family, v.entry.clone(), v.n, v.k, v.stages, v.ws))
+        .collect()
+}
+
+/// The module holds the header once and exactly the plan's entries, in order.
+fn check_module(plan: &moeforge::gemm_variants::Plan) {
+    let module = plan.module();
+    assert_eq!(module.matches(".version 8.7").count(), 1);
+    assert_eq!(
+        module.matches(".visible .entry").count(),
+        plan.variants.len()
+    );
+    let mut at = 0;
+    for v in &plan.variants {
+        let pos = module[at..]
+            .find(&format!(".visible .entry {}(", v.entry))
+            .unwrap_or_else(|| panic!("{} missing or out of order", v.entry));
+        at += pos + 1;
+        assert!(v.ptx.contains(&format!(".visible .entry {}(", v.entry)));
+    }
+}
+
 #[test]
-fn the_bf16_variants_are_w13_and_w2_at_three_stage_counts() {
+fn the_bf16_variants_are_v0_at_three_stage_counts_then_the_ws_candidates() {
     for (_, bind) in MODELS {
         let plan = bf16_plan(bind);
-        let dims: Vec<i64> = bind
-            .split(',')
-            .map(|kv| kv.split_once('=').unwrap().1.parse().unwrap())
-            .collect();
-        let (h, i) = (dims[1] as u32, dims[2] as u32);
-        let got: Vec<(&str, String, u32, u32, u32)> = plan
-            .variants
-            .iter()
-            .map(|v| {
-                (
-                    v.gemm,
-                    v.launch.entry.clone(),
-                    v.launch.n,
-                    v.launch.k,
-                    v.launch.stages,
-                )
-            })
-            .collect();
-        let mut want = Vec::new();
+        let (h, i) = h_i(bind);
+        let mut want: Vec<Row> = Vec::new();
         for (gemm, n, k) in [("w13", 2 * i, h), ("w2", h, i)] {
             for s in [3, 2, 4] {
-                want.push((gemm, format!("moeforge_gemm_bf16_v0_{gemm}_s{s}"), n, k, s));
+                let entry = format!("moeforge_gemm_bf16_v0_{gemm}_s{s}");
+                assert_eq!(entry, gemm_variants::bf16_v0_entry(gemm, s));
+                want.push((gemm, "bf16_v0", entry, n, k, s, None));
+            }
+            let cands = tune::candidates(Operands::Bf16, Scaling::None, n, k);
+            assert!(cands.iter().any(|c| c.swap_ab) && cands.iter().any(|c| !c.swap_ab));
+            for c in cands {
+                let entry = format!("moeforge_gemm_{}_{gemm}", c.tag());
+                assert_eq!(entry, gemm_variants::ws_entry(gemm, &c));
+                assert_eq!(c.out, OutTy::Bf16);
+                want.push((gemm, "ws", entry, n, k, c.stages, Some(c)));
             }
         }
-        assert_eq!(got, want, "{bind}");
-        let module = plan.module();
-        assert_eq!(module.matches(".version 8.7").count(), 1);
-        assert_eq!(module.matches(".visible .entry").count(), 6);
+        assert_eq!(rows(&plan), want, "{bind}");
+        assert_eq!(plan.variants.len(), 18, "{bind}");
+        assert!(plan.variants.iter().all(|v| v.scale_param.is_none()));
         for v in &plan.variants {
-            assert!(module.contains(&format!(".visible .entry {}(", v.launch.entry)));
+            let param = if v.gemm == "w13" {
+                "w13_weight"
+            } else {
+                "w2_weight"
+            };
+            assert_eq!(v.param, param);
+        }
+        check_module(&plan);
+    }
+}
+
+#[test]
+fn the_fp8_variants_follow_the_weight_scale_shape() {
+    for (_, bind) in MODELS {
+        let (h, i) = h_i(bind);
+        // [E] scales: the tensorwise candidates, per-token activation scales first, then static.
+        let plan = recipe_plan("fp8_per_tensor", bind);
+        assert!(plan.missing.is_empty(), "{:?}", plan.missing);
+        let mut want: Vec<Row> = Vec::new();
+        for (gemm, n, k) in [("w13", 2 * i, h), ("w2", h, i)] {
+            for per_token in [true, false] {
+                let s = Scaling::Tensorwise { per_token };
+                for c in tune::candidates(Operands::E4m3, s, n, k) {
+                    want.push((
+                        gemm,
+                        "ws",
+                        gemm_variants::ws_entry(gemm, &c),
+                        n,
+                        k,
+                        c.stages,
+                        Some(c),
+                    ));
+                }
+            }
+        }
+        assert_eq!(rows(&plan), want, "{bind}");
+        assert_eq!(plan.variants.len(), 24, "{bind}");
+        for v in &plan.variants {
+            assert_eq!(
+                v.scale_param.as_deref(),
+                Some(format!("{}_weight_scale", v.gemm).as_str())
+            );
+            let tag = v.ws.unwrap().tag();
+            assert!(
+                tag.starts_with("e4m3t_") || tag.starts_with("e4m3s_"),
+                "{tag}"
+            );
+        }
+        check_module(&plan);
+        // [E, ceil(N/128), ceil(K/128)] scales: the block-scaled candidates.
+        let plan = recipe_plan("fp8_block128", bind);
+        assert!(plan.missing.is_empty(), "{:?}", plan.missing);
+        let mut want: Vec<Row> = Vec::new();
+        for (gemm, n, k) in [("w13", 2 * i, h), ("w2", h, i)] {
+            for c in tune::candidates(Operands::E4m3, Scaling::Block128, n, k) {
+                want.push((
+                    gemm,
+                    "ws",
+                    gemm_variants::ws_entry(gemm, &c),
+                    n,
+                    k,
+                    c.stages,
+                    Some(c),
+                ));
+            }
+        }
+        assert_eq!(rows(&plan), want, "{bind}");
+        assert_eq!(plan.variants.len(), 10, "{bind}");
+        for v in &plan.variants {
+            assert_eq!(
+                v.scale_param.as_deref(),
+                Some(format!("{}_weight_scale_inv", v.gemm).as_str())
+            );
+            assert!(v.ws.unwrap().tag().starts_with("e4m3b_"));
+        }
+        check_module(&plan);
+    }
+}
+
+/// Every golden module's plan covers each family in both forms (prefill and decode).
+#[test]
+fn the_golden_modules_cover_every_family_in_both_forms() {
+    let mut covered = std::collections::BTreeSet::new();
+    for (recipe, _, bind) in GOLDENS {
+        for v in &recipe_plan(recipe, bind).variants {
+            if let Some(c) = v.ws {
+                let family = match c.scaling {
+                    Scaling::None => "bf16",
+                    Scaling::Tensorwise { .. } => "tensorwise",
+                    Scaling::Block128 => "block128",
+                };
+                covered.insert((family, c.swap_ab));
+            }
+        }
+    }
+    for family in ["bf16", "tensorwise", "block128"] {
+        for swap_ab in [false, true] {
+            assert!(covered.contains(&(family, swap_ab)), "{family} {swap_ab}");
         }
     }
 }
@@ -194,21 +351,35 @@ fn the_bf16_variants_are_w13_and_w2_at_three_stage_counts() {
 fn ptxas_assembles_every_golden_gemm_variant_without_spills_or_serialization() {
     let Some(ptxas) = ptxas() else { return };
     let dir = tempfile::tempdir().unwrap();
-    for (label, _) in MODELS {
-        let path = golden_dir().join(format!("bf16_{label}.ptx"));
+    for (recipe, label, bind) in GOLDENS {
+        let path = golden_path(recipe, label);
         let entries = std::fs::read_to_string(&path)
             .unwrap()
             .matches(".visible .entry")
             .count();
-        assert_eq!(entries, 6, "{}", path.display());
-        let report = assemble(&ptxas, &path, &dir.path().join(format!("{label}.cubin")));
+        assert_eq!(
+            entries,
+            recipe_plan(recipe, bind).variants.len(),
+            "{}",
+            path.display()
+        );
+        let t = std::time::Instant::now();
+        let report = assemble(
+            &ptxas,
+            &path,
+            &dir.path().join(format!("{recipe}_{label}.cubin")),
+        );
         let p = problems(&report, entries);
         assert!(
             p.is_empty(),
             "ptxas -v on {}: {p:?}\n{report}",
             path.display()
         );
-        eprintln!("{report}");
+        eprintln!(
+            "{}: {entries} entries in {:.2?}\n{report}",
+            path.display(),
+            t.elapsed()
+        );
     }
 }
 
@@ -227,36 +398,77 @@ fn the_ptxas_report_check_counts_every_entry() {
     .contains(&"wgmma.mma_async instructions are serialized"));
 }
 
-#[test]
-fn the_sass_of_a_bf16_variant_holds_hgmma_and_tma_loads() {
+/// The SASS of a golden module (through ptxas and cuobjdump), or `None` after saying it skipped.
+fn sass_of(recipe: &str, label: &str) -> Option<String> {
     let (Some(ptxas), Some(cuobjdump)) = (ptxas(), cuobjdump()) else {
-        return;
+        return None;
     };
     let dir = tempfile::tempdir().unwrap();
-    let path = golden_dir().join("bf16_deepseek-v3-ep8.ptx");
     let cubin = dir.path().join("x.cubin");
-    assemble(&ptxas, &path, &cubin);
+    assemble(&ptxas, &golden_path(recipe, label), &cubin);
     let out = Command::new(&cuobjdump)
         .arg("-sass")
         .arg(&cubin)
         .output()
         .unwrap();
-    let sass = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
         "cuobjdump -sass failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // Six entries, each with four m64n128k16 bf16 wgmmas per k-tile.
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn the_sass_of_the_bf16_variants_holds_hgmma_and_tma_loads() {
+    let Some(sass) = sass_of("bf16", "deepseek-v3-ep8") else {
+        return;
+    };
+    assert_eq!(sass.matches("Function : moeforge_gemm_").count(), 18);
+    // Six v0 entries, each with four m64n128k16 bf16 wgmmas per k-tile.
     assert_eq!(sass.matches("Function : moeforge_gemm_bf16_v0_").count(), 6);
     let hgmma = sass.matches("HGMMA.64x128x16.F32.BF16").count();
-    assert!(hgmma >= 24, "{hgmma} HGMMA in the SASS:\n{sass}");
+    assert!(hgmma >= 24, "{hgmma} HGMMA.64x128 in the SASS:\n{sass}");
+    // The warp-specialized candidates: four MMAs per k-tile at each tile width.
+    for n in [256, 128, 64, 32, 16, 8] {
+        let m = format!("HGMMA.64x{n}x16.F32.BF16");
+        assert!(sass.matches(&m).count() >= 4, "no {m} in the SASS:\n{sass}");
+    }
+    assert!(!sass.contains("QGMMA"));
     assert!(sass.contains("UTMALDG.2D"), "no TMA load of X:\n{sass}");
     assert!(sass.contains("UTMALDG.3D"), "no TMA load of W:\n{sass}");
-    eprintln!(
-        "cuobjdump ({}): {hgmma} HGMMA in 6 entries",
-        cuobjdump.display()
-    );
+    eprintln!("{} HGMMA in 18 entries", sass.matches("HGMMA.").count());
+}
+
+#[test]
+fn the_sass_of_the_e4m3_variants_holds_qgmma_and_tma_loads() {
+    let label = MODELS[0].0;
+    for (recipe, entries, widths) in [
+        ("fp8_per_tensor", 24, &[256, 128, 64, 32, 16, 8][..]),
+        ("fp8_block128", 10, &[128, 64, 32, 16, 8][..]),
+    ] {
+        let Some(sass) = sass_of(recipe, label) else {
+            return;
+        };
+        assert_eq!(
+            sass.matches("Function : moeforge_gemm_e4m3").count(),
+            entries,
+            "{recipe}"
+        );
+        for n in widths {
+            let m = format!("QGMMA.64x{n}x32.F32.E4M3.E4M3");
+            assert!(
+                sass.matches(&m).count() >= 4,
+                "{recipe}: no {m} in the SASS:\n{sass}"
+            );
+        }
+        let qgmma = sass.matches("QGMMA.").count();
+        assert!(qgmma >= 4 * entries, "{recipe}: {qgmma} QGMMA");
+        assert!(!sass.contains("HGMMA"), "{recipe}");
+        assert!(sass.contains("UTMALDG.2D"), "{recipe}: no TMA load of X");
+        assert!(sass.contains("UTMALDG.3D"), "{recipe}: no TMA load of W");
+        eprintln!("{recipe}: {qgmma} QGMMA in {entries} entries");
+    }
 }
 
 fn run(args: &[&str]) -> (Option<i32>, String, String) {
@@ -295,8 +507,7 @@ fn compile_cli_kernels_pack_gemm_all() {
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(gemm, bf16_plan(bind).module());
     if std::env::var_os("BLESS").is_none() {
-        let golden =
-            std::fs::read_to_string(golden_dir().join(format!("bf16_{label}.ptx"))).unwrap();
+        let golden = std::fs::read_to_string(golden_path("bf16", label)).unwrap();
         assert_eq!(gemm, golden);
     }
     // `all`: the pack module, then the GEMM entries, in one module.
@@ -342,14 +553,32 @@ fn compile_cli_kernels_pack_gemm_all() {
 }
 
 #[test]
+fn compile_cli_gemm_and_all_for_the_fp8_recipes() {
+    let (label, bind) = MODELS[0];
+    for recipe in ["fp8_per_tensor", "fp8_block128"] {
+        let plan = recipe_plan(recipe, bind);
+        let (code, gemm, err) = run(&["compile", recipe, "--bind", bind, "--kernels", "gemm"]);
+        assert_eq!(code, Some(0), "{recipe}: {err}");
+        assert!(err.is_empty(), "{recipe}: {err}");
+        assert_eq!(gemm, plan.module(), "{recipe}");
+        if std::env::var_os("BLESS").is_none() {
+            let golden = std::fs::read_to_string(golden_path(recipe, label)).unwrap();
+            assert_eq!(gemm, golden, "{recipe}");
+        }
+        let (code, pack, _) = run(&["compile", recipe, "--bind", bind]);
+        assert_eq!(code, Some(0), "{recipe}");
+        let (code, all, err) = run(&["compile", recipe, "--bind", bind, "--kernels", "all"]);
+        assert_eq!(code, Some(0), "{recipe}: {err}");
+        assert!(err.is_empty(), "{recipe}: {err}");
+        assert_eq!(all, pack + &plan.entries(), "{recipe}");
+        assert_eq!(all.matches(".version").count(), 1);
+    }
+}
+
+#[test]
 fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
     let bind = MODELS[0].1;
-    for (recipe, dtype) in [
-        ("fp8_per_tensor", "e4m3"),
-        ("fp8_block128", "e4m3"),
-        ("int8_per_row", "i8"),
-        ("mxfp4", "e2m1"),
-    ] {
+    for (recipe, dtype) in [("int8_per_row", "i8"), ("mxfp4", "e2m1")] {
         let want = format!("no GEMM variant for {dtype} weights yet (issue [7])");
         // `gemm`: exit 1, the message on stderr, nothing written.
         let dir = tempfile::tempdir().unwrap();
@@ -390,23 +619,51 @@ fn variants_follow_the_weights_dtypes_not_the_recipe_name() {
     assert_ne!(renamed, r.source);
     let plan = plan_of(&renamed, "my_experts.recipe", bind);
     assert!(plan.missing.is_empty(), "{:?}", plan.missing);
-    assert_eq!(plan.variants.len(), 6);
-    assert_eq!(
-        (plan.variants[0].launch.n, plan.variants[0].launch.k),
-        (256, 256)
-    );
-    assert_eq!(
-        (plan.variants[3].launch.n, plan.variants[3].launch.k),
-        (256, 128)
-    );
-    // A recipe named bf16 whose weights are e4m3 gets none.
-    let fp8 = moeforge::kernels::find("fp8_per_tensor").unwrap();
-    let named = fp8.source.replace("recipe fp8_per_tensor(", "recipe bf16(");
-    assert_ne!(named, fp8.source);
-    let plan = plan_of(&named, "bf16.recipe", bind);
+    assert_eq!(plan.variants.len(), 18);
+    assert_eq!(plan.variants, bf16_plan(bind).variants);
+    assert_eq!((plan.variants[0].n, plan.variants[0].k), (256, 256));
+    assert_eq!(plan.variants[0].family, "bf16_v0");
+    assert_eq!((plan.variants[9].n, plan.variants[9].k), (256, 128));
+    assert_eq!(plan.variants[9].gemm, "w2");
+    // A recipe named bf16 whose weights are e4m3 gets the FP8 variants its weight scales call for:
+    // the same as the FP8 recipe's own.
+    for (fp8, scaling) in [
+        ("fp8_per_tensor", Scaling::Tensorwise { per_token: true }),
+        ("fp8_block128", Scaling::Block128),
+    ] {
+        let r = moeforge::kernels::find(fp8).unwrap();
+        let named = r.source.replace(&format!("recipe {fp8}("), "recipe bf16(");
+        assert_ne!(named, r.source);
+        let plan = plan_of(&named, "bf16.recipe", bind);
+        assert!(plan.missing.is_empty(), "{:?}", plan.missing);
+        assert_eq!(plan.variants, recipe_plan(fp8, bind).variants, "{fp8}");
+        assert!(!plan.variants.is_empty());
+        for v in &plan.variants {
+            let c = v.ws.unwrap();
+            assert_eq!((v.family, c.operands), ("ws", Operands::E4m3));
+            assert_eq!(
+                std::mem::discriminant(&c.scaling),
+                std::mem::discriminant(&scaling)
+            );
+        }
+    }
+    // e4m3 weights whose scales are not registered under the weight's name get none.
+    let r = moeforge::kernels::find("fp8_per_tensor").unwrap();
+    let unnamed = r
+        .source
+        .replace("w13_weight_scale", "scale13")
+        .replace("w2_weight_scale", "scale2");
+    let plan = plan_of(&unnamed, "x.recipe", bind);
     assert!(plan.variants.is_empty());
     assert_eq!(plan.missing.len(), 2);
-    assert!(plan.missing[0].contains("no GEMM variant for e4m3 weights yet (issue [7])"));
+    for (m, w) in plan.missing.iter().zip(["`w13_weight`", "`w2_weight`"]) {
+        assert!(
+            m.contains("no GEMM variant for e4m3 weights without a registered f32 weight scale")
+                && m.contains("yet (issue [7])")
+                && m.contains(w),
+            "{m}"
+        );
+    }
     // Through the CLI, from a file.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("my_experts.recipe");
@@ -425,18 +682,32 @@ fn variants_follow_the_weights_dtypes_not_the_recipe_name() {
 
 #[test]
 fn what_check_accepts_gets_gemm_variants_that_assemble_at_the_binding_extremes() {
-    // The verifier and the GEMM generator agree: the bf16 recipe's smallest and largest admissible
-    // bindings (H, I multiples of 8 up to 16384) both get their variants, and they assemble cleanly.
+    // The verifier and the GEMM generator agree: each recipe's smallest and largest admissible
+    // bindings (H, I multiples of 8 (bf16) or 16 (FP8) up to 16384) get their variants, and they
+    // assemble cleanly.
     let ptxas = ptxas();
     let dir = tempfile::tempdir().unwrap();
-    for bind in ["E=1,H=8,I=8", "E=3,H=16384,I=16384", "E=5,H=136,I=200"] {
-        let plan = bf16_plan(bind);
-        assert!(plan.missing.is_empty(), "{bind}: {:?}", plan.missing);
+    for (recipe, bind) in [
+        ("bf16", "E=1,H=8,I=8"),
+        ("bf16", "E=3,H=16384,I=16384"),
+        ("bf16", "E=5,H=136,I=200"),
+        ("fp8_per_tensor", "E=1,H=16,I=16"),
+        ("fp8_per_tensor", "E=3,H=16384,I=16384"),
+        ("fp8_block128", "E=1,H=16,I=16"),
+        ("fp8_block128", "E=5,H=144,I=208"),
+    ] {
+        let plan = recipe_plan(recipe, bind);
+        assert!(
+            plan.missing.is_empty(),
+            "{recipe} {bind}: {:?}",
+            plan.missing
+        );
+        assert!(!plan.variants.is_empty());
         let Some(ptxas) = &ptxas else { continue };
         let ptx = dir.path().join("v.ptx");
         std::fs::write(&ptx, plan.module()).unwrap();
         let report = assemble(ptxas, &ptx, &dir.path().join("v.cubin"));
-        let p = problems(&report, 6);
-        assert!(p.is_empty(), "{bind}: {p:?}\n{report}");
+        let p = problems(&report, plan.variants.len());
+        assert!(p.is_empty(), "{recipe} {bind}: {p:?}\n{report}");
     }
 }

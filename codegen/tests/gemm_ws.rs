@@ -1,0 +1,807 @@
+//! Host-side tests of the warp-specialized grouped GEMM generator (`gemm::ws`) through its public
+//! API: the tile walk (`tile_of`) against an independent enumeration, the configurations
+//! `WsConfig` refuses, determinism, and the structure of the generated text (what defines the
+//! design: thread count, register reallocation, the MMA shape, the pipeline's barriers, the TMA
+//! loads, the epilogue's conversions and stores), not its register numbering. A proptest checks
+//! that every tuning candidate generates at random shapes and that `tiles_upper_bound` bounds the
+//! walk.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+
+use moeforge_codegen::gemm::tune;
+use moeforge_codegen::gemm::ws::{
+    self, grouped_ws_entry, grouped_ws_module, tile_of, Operands, OutTy, Scaling, WsConfig, WsTile,
+};
+use moeforge_codegen::ptx::PTX_VERSION;
+use proptest::prelude::*;
+
+/// The kernel families: (operands, scaling) as the plan uses them.
+const FAMILIES: [(Operands, Scaling); 4] = [
+    (Operands::Bf16, Scaling::None),
+    (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+    (Operands::E4m3, Scaling::Tensorwise { per_token: false }),
+    (Operands::E4m3, Scaling::Block128),
+];
+
+#[allow(clippy::too_many_arguments)]
+fn cfg(
+    operands: Operands,
+    scaling: Scaling,
+    out: OutTy,
+    consumers: u32,
+    bn: u32,
+    stages: u32,
+    swap_ab: bool,
+    n: u32,
+    k: u32,
+) -> WsConfig {
+    WsConfig {
+        operands,
+        scaling,
+        out,
+        consumers,
+        bn,
+        stages,
+        swap_ab,
+        n,
+        k,
+    }
+}
+
+/// bf16 prefill, two consumers, BN 128, 4 stages, N 4096, K 7168, bf16 output.
+fn base() -> WsConfig {
+    cfg(
+        Operands::Bf16,
+        Scaling::None,
+        OutTy::Bf16,
+        2,
+        128,
+        4,
+        false,
+        4096,
+        7168,
+    )
+}
+
+/// bf16 decode, one consumer, 16 tokens, 8 stages.
+fn decode() -> WsConfig {
+    WsConfig {
+        consumers: 1,
+        bn: 16,
+        stages: 8,
+        swap_ab: true,
+        ..base()
+    }
+}
+
+fn offsets_of(rows: &[usize]) -> Vec<usize> {
+    let mut o = vec![0];
+    for r in rows {
+        o.push(o.last().unwrap() + r);
+    }
+    o
+}
+
+/// The tiles of the order expert -> token tile -> weight tile, enumerated directly.
+fn enumerate(c: &WsConfig, offsets: &[usize]) -> Vec<WsTile> {
+    let (tt, tw) = (c.tile_tokens() as usize, c.tile_weights() as usize);
+    let mut v = Vec::new();
+    for e in 0..offsets.len() - 1 {
+        let (lo, hi) = (offsets[e], offsets[e + 1]);
+        let mut t0 = lo;
+        while t0 < hi {
+            let mut w0 = 0;
+            while w0 < c.n as usize {
+                v.push(WsTile {
+                    expert: e,
+                    tokens: t0..hi,
+                    weight0: w0,
+                });
+                w0 += tw;
+            }
+            t0 += tt;
+        }
+    }
+    v
+}
+
+/// Every tile `tile_of` yields, from id 0 until the first `None`.
+fn walk(c: &WsConfig, offsets: &[usize]) -> Vec<WsTile> {
+    (0..)
+        .map_while(|id| tile_of(c, offsets, id))
+        .collect::<Vec<_>>()
+}
+
+fn check_walk(c: &WsConfig, rows: &[usize]) {
+    let offsets = offsets_of(rows);
+    let got = walk(c, &offsets);
+    let want = enumerate(c, &offsets);
+    assert_eq!(got, want, "{} rows {rows:?}", c.tag());
+    // Past the last tile there is none, however far.
+    assert_eq!(tile_of(c, &offsets, got.len() + 1), None);
+    assert_eq!(tile_of(c, &offsets, usize::MAX / 2), None);
+    // What defines a tile, checked on its own: in expert order, every (token tile, weight tile)
+    // pair once, token ranges ending at the expert's end, weight0 < N.
+    let mut seen = BTreeSet::new();
+    let mut last_expert = 0;
+    for t in &got {
+        assert!(t.expert >= last_expert, "experts in order");
+        last_expert = t.expert;
+        assert_eq!(t.tokens.end, offsets[t.expert + 1]);
+        assert!(t.tokens.start >= offsets[t.expert] && t.tokens.start < t.tokens.end);
+        assert_eq!(
+            (t.tokens.start - offsets[t.expert]) % c.tile_tokens() as usize,
+            0
+        );
+        assert!(t.weight0 < c.n as usize);
+        assert_eq!(t.weight0 % c.tile_weights() as usize, 0);
+        assert!(seen.insert((t.tokens.start, t.weight0)), "a tile twice");
+    }
+    let per_expert: usize = rows
+        .iter()
+        .map(|r| r.div_ceil(c.tile_tokens() as usize) * c.weight_tiles() as usize)
+        .sum();
+    assert_eq!(got.len(), per_expert);
+}
+
+#[test]
+fn tile_of_walks_the_tiles_of_fixed_row_counts() {
+    let prefill = WsConfig { n: 300, ..base() };
+    let dec = WsConfig { n: 300, ..decode() };
+    for c in [base(), prefill, decode(), dec] {
+        for rows in [
+            vec![],
+            vec![0],
+            vec![0, 0, 0],
+            vec![1],
+            vec![128, 0, 129, 0],
+            vec![0, 0, 5, 0, 16, 17, 255, 256, 257],
+            vec![1000],
+        ] {
+            check_walk(&c, &rows);
+        }
+    }
+    // A small case by hand: BN 128 prefill over N 300 has 3 weight tiles; 130 rows are 2 token
+    // tiles of 128.
+    let c = WsConfig { n: 300, ..base() };
+    let offsets = [0, 0, 130, 131];
+    assert_eq!(
+        tile_of(&c, &offsets, 0),
+        Some(WsTile {
+            expert: 1,
+            tokens: 0..130,
+            weight0: 0
+        })
+    );
+    assert_eq!(
+        tile_of(&c, &offsets, 5),
+        Some(WsTile {
+            expert: 1,
+            tokens: 128..130,
+            weight0: 256
+        })
+    );
+    assert_eq!(
+        tile_of(&c, &offsets, 6),
+        Some(WsTile {
+            expert: 2,
+            tokens: 130..131,
+            weight0: 0
+        })
+    );
+    assert_eq!(tile_of(&c, &offsets, 9), None);
+}
+
+fn rows_strategy() -> impl Strategy<Value = Vec<usize>> {
+    // Experts with no rows are common in MoE: a third of them here.
+    prop::collection::vec(prop_oneof![Just(0usize), 1usize..300, 0usize..2000], 0..24)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn tile_of_walks_the_tiles_of_random_row_counts(
+        rows in rows_strategy(),
+        family in 0..FAMILIES.len(),
+        which in 0usize..16,
+        n in 1u32..=1536,
+    ) {
+        let (o, s) = FAMILIES[family];
+        let all = tune::candidates(o, s, 2 * n, 1024);
+        let c = all[which % all.len()];
+        check_walk(&c, &rows);
+        // Also with a base row offset (the first expert need not start at row 0).
+        let mut shifted = offsets_of(&rows);
+        for v in shifted.iter_mut() {
+            *v += 7;
+        }
+        let got = walk(&c, &shifted);
+        prop_assert_eq!(got, enumerate(&c, &shifted));
+    }
+
+    #[test]
+    fn every_candidate_generates_and_the_tile_bound_holds(
+        family in 0..FAMILIES.len(),
+        which in 0usize..16,
+        n2 in 4u32..=4096,
+        k16 in 1u32..=1024,
+        rows in rows_strategy(),
+    ) {
+        let (n, k) = (2 * n2, 16 * k16);
+        let (o, s) = FAMILIES[family];
+        let all = tune::candidates(o, s, n, k);
+        prop_assert!(!all.is_empty());
+        let c = all[which % all.len()];
+        prop_assert_eq!((c.n, c.k, c.operands, c.scaling), (n, k, o, s));
+        let text = grouped_ws_entry("moeforge_gemm_prop", &c);
+        prop_assert!(text.is_ok(), "{}: {:?}", c.tag(), text.err());
+        let t: usize = rows.iter().sum();
+        let tiles = walk(&c, &offsets_of(&rows)).len() as u64;
+        let bound = c.tiles_upper_bound(t as u64, rows.len() as u64);
+        prop_assert!(bound >= tiles, "{}: {bound} < {tiles} for {rows:?}", c.tag());
+    }
+}
+
+#[test]
+fn the_tile_bound_is_reached_by_ragged_experts() {
+    // Every expert one row past a whole token tile: two token tiles each, within the bound.
+    let c = base();
+    let tt = c.tile_tokens() as usize;
+    let rows = vec![tt + 1; 5];
+    let tiles = walk(&c, &offsets_of(&rows)).len() as u64;
+    assert_eq!(tiles, 10 * u64::from(c.weight_tiles()));
+    assert!(c.tiles_upper_bound(5 * (tt as u64 + 1), 5) >= tiles);
+    assert_eq!(c.tiles_upper_bound(0, 0), 0);
+    assert_eq!(
+        c.tiles_upper_bound(0, 3),
+        3 * u64::from(c.weight_tiles()),
+        "empty experts may each cost a tile in the bound"
+    );
+}
+
+fn refused(c: &WsConfig) -> String {
+    match grouped_ws_entry("k", c) {
+        Ok(_) => panic!("{c:?} was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn the_configurations_ws_refuses() {
+    let e4m3 = WsConfig {
+        operands: Operands::E4m3,
+        scaling: Scaling::Tensorwise { per_token: true },
+        ..base()
+    };
+    let block = WsConfig {
+        scaling: Scaling::Block128,
+        ..e4m3
+    };
+    for (c, why) in [
+        // Consumers: 1 or 2.
+        (
+            WsConfig {
+                consumers: 0,
+                ..base()
+            },
+            "consumer",
+        ),
+        (
+            WsConfig {
+                consumers: 3,
+                ..base()
+            },
+            "consumer",
+        ),
+        // BN: a multiple of 8 in 8..=256.
+        (WsConfig { bn: 0, ..base() }, "N = 0"),
+        (WsConfig { bn: 12, ..base() }, "N = 12"),
+        (WsConfig { bn: 100, ..base() }, "N = 100"),
+        (WsConfig { bn: 264, ..base() }, "N = 264"),
+        (
+            WsConfig {
+                bn: 264,
+                ..decode()
+            },
+            "N = 264",
+        ),
+        // Decode: a power-of-two token tile.
+        (WsConfig { bn: 24, ..decode() }, "power of two"),
+        (WsConfig { bn: 48, ..decode() }, "power of two"),
+        (
+            WsConfig {
+                bn: 192,
+                ..decode()
+            },
+            "power of two",
+        ),
+        // Stages: 2 to MAX_STAGES, within the shared memory.
+        (
+            WsConfig {
+                stages: 0,
+                ..base()
+            },
+            "stages",
+        ),
+        (
+            WsConfig {
+                stages: 1,
+                ..base()
+            },
+            "stages",
+        ),
+        (
+            WsConfig {
+                stages: ws::MAX_STAGES + 1,
+                ..decode()
+            },
+            "stages",
+        ),
+        (
+            WsConfig {
+                bn: 256,
+                stages: 5,
+                ..base()
+            },
+            "shared memory",
+        ),
+        (
+            WsConfig {
+                stages: 8,
+                ..base()
+            },
+            "shared memory",
+        ),
+        // N and K: N even and positive, K aligned to 16 bytes.
+        (WsConfig { k: 12, ..base() }, "K = 12"),
+        (WsConfig { k: 4, ..base() }, "K = 4"),
+        (WsConfig { k: 0, ..base() }, "K = 0"),
+        (WsConfig { k: 24, ..e4m3 }, "K = 24"),
+        (WsConfig { k: 8, ..e4m3 }, "K = 8"),
+        (WsConfig { n: 4095, ..base() }, "N = 4095"),
+        (WsConfig { n: 1, ..decode() }, "N = 1"),
+        (WsConfig { n: 0, ..base() }, "N = 0"),
+        (
+            WsConfig {
+                k: (1 << 24) + 16,
+                ..e4m3
+            },
+            "2^24",
+        ),
+        (
+            WsConfig {
+                n: (1 << 24) + 2,
+                ..base()
+            },
+            "2^24",
+        ),
+        // Operands and scaling that do not go together.
+        (
+            WsConfig {
+                scaling: Scaling::Tensorwise { per_token: true },
+                ..base()
+            },
+            "bf16 operands",
+        ),
+        (
+            WsConfig {
+                scaling: Scaling::Tensorwise { per_token: false },
+                ..decode()
+            },
+            "bf16 operands",
+        ),
+        (
+            WsConfig {
+                scaling: Scaling::Block128,
+                ..base()
+            },
+            "bf16 operands",
+        ),
+        (
+            WsConfig {
+                scaling: Scaling::None,
+                ..e4m3
+            },
+            "e4m3 operands",
+        ),
+        // Block-scaled prefill: BN at most 128 or a multiple of 128.
+        (WsConfig { bn: 192, ..block }, "BN = 192"),
+        (WsConfig { bn: 136, ..block }, "BN = 136"),
+    ] {
+        let msg = refused(&c);
+        assert!(msg.contains(why), "{c:?}: `{msg}` does not say `{why}`");
+        assert!(
+            msg.contains("not supported") || msg.contains("wgmma"),
+            "{msg}"
+        );
+        assert!(grouped_ws_module("k", &c).is_err());
+    }
+    // Names that are not PTX identifiers.
+    for name in ["", "1k", "a-b", "a b", "k.x"] {
+        assert!(grouped_ws_entry(name, &base()).is_err(), "`{name}`");
+    }
+    // The edges that are accepted.
+    for c in [
+        WsConfig {
+            stages: 2,
+            ..base()
+        },
+        WsConfig {
+            stages: ws::MAX_STAGES,
+            bn: 8,
+            ..decode()
+        },
+        WsConfig {
+            stages: 6,
+            ..base()
+        },
+        WsConfig { bn: 8, ..base() },
+        WsConfig {
+            bn: 256,
+            stages: 4,
+            ..decode()
+        },
+        WsConfig {
+            n: 2,
+            k: 8,
+            ..base()
+        },
+        WsConfig {
+            n: 2,
+            k: 16,
+            ..e4m3
+        },
+        WsConfig {
+            n: 1 << 24,
+            k: 1 << 24,
+            ..base()
+        },
+        WsConfig {
+            consumers: 1,
+            ..base()
+        },
+        WsConfig {
+            consumers: 2,
+            bn: 64,
+            ..decode()
+        },
+        WsConfig { bn: 128, ..block },
+        WsConfig { bn: 64, ..block },
+        WsConfig { bn: 256, ..block },
+        WsConfig {
+            bn: 32,
+            swap_ab: true,
+            consumers: 1,
+            stages: 8,
+            ..block
+        },
+        WsConfig {
+            out: OutTy::F32,
+            ..e4m3
+        },
+    ] {
+        assert!(
+            c.dynamic_smem_bytes() <= ws::MAX_DYNAMIC_SMEM,
+            "{}",
+            c.tag()
+        );
+        grouped_ws_entry("k", &c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    }
+}
+
+#[test]
+fn the_same_configuration_gives_the_same_text() {
+    for (o, s) in FAMILIES {
+        for c in tune::candidates(o, s, 1536, 2048) {
+            let a = grouped_ws_entry("kernel_one", &c).unwrap();
+            assert_eq!(
+                a,
+                grouped_ws_entry("kernel_one", &c).unwrap(),
+                "{}",
+                c.tag()
+            );
+            // The name appears only as the name.
+            let b = grouped_ws_entry("kernel_two", &c).unwrap();
+            assert_eq!(a.replace("kernel_one", "kernel_two"), b, "{}", c.tag());
+            // The module is the header and the entry.
+            let m = grouped_ws_module("kernel_one", &c).unwrap();
+            assert!(m.ends_with(&a));
+            let header = &m[..m.len() - a.len()];
+            assert!(header.starts_with(&format!(".version {PTX_VERSION}\n")));
+            assert!(header.contains(".target sm_90a"));
+            assert!(!header.contains(".entry"));
+        }
+    }
+    // Different configurations give different text.
+    let texts: BTreeSet<String> = FAMILIES
+        .iter()
+        .flat_map(|&(o, s)| tune::candidates(o, s, 1536, 2048))
+        .map(|c| grouped_ws_entry("k", &c).unwrap())
+        .collect();
+    let count: usize = FAMILIES
+        .iter()
+        .map(|&(o, s)| tune::candidates(o, s, 1536, 2048).len())
+        .sum();
+    assert_eq!(texts.len(), count);
+}
+
+/// Lines of `text` that contain `pat`.
+fn count(text: &str, pat: &str) -> usize {
+    text.lines().filter(|l| l.contains(pat)).count()
+}
+
+/// The structure every variant shares, from its configuration.
+fn check_structure(c: &WsConfig, text: &str) {
+    let tag = c.tag();
+    // Threads: the producer warpgroup and the consumers.
+    assert_eq!(
+        count(text, &format!(".maxntid {}, 1, 1", 128 * (1 + c.consumers))),
+        1,
+        "{tag}"
+    );
+    assert_eq!(c.threads(), 128 * (1 + c.consumers));
+    // Register reallocation only with two consumers.
+    let (dec, inc) = (
+        count(
+            text,
+            &format!("setmaxnreg.dec.sync.aligned.u32 \t{}", ws::PRODUCER_REGS),
+        ),
+        count(
+            text,
+            &format!(
+                "setmaxnreg.inc.sync.aligned.u32 \t{}",
+                ws::consumer_regs(c.consumers)
+            ),
+        ),
+    );
+    let two = usize::from(c.consumers == 2);
+    assert_eq!((dec, inc), (two, two), "{tag}");
+    assert_eq!(count(text, "setmaxnreg"), 2 * two, "{tag}");
+    // Parameters, in order.
+    let mut at = 0;
+    for p in ws::PARAMS {
+        let pos = text[at..]
+            .find(&format!(" {p}"))
+            .unwrap_or_else(|| panic!("{tag}: param {p}"));
+        at += pos + 1;
+    }
+    assert_eq!(count(text, ".param .align 64 .b8 tmap_"), 2, "{tag}");
+    assert_eq!(
+        count(text, ".extern .shared .align 1024 .b8 smem[]"),
+        1,
+        "{tag}"
+    );
+    // The pipeline: a full and an empty barrier per stage (counts 1 and one arrival per consumer
+    // warp), initialized once.
+    let s = c.stages;
+    assert_eq!(
+        count(text, &format!(".b64 \tfull_bar[{s}];")),
+        1,
+        "{tag}: {text}"
+    );
+    assert_eq!(count(text, &format!(".b64 \tempty_bar[{s}];")), 1, "{tag}");
+    assert_eq!(count(text, "mbarrier.init"), 2 * s as usize, "{tag}");
+    assert_eq!(
+        count(text, "mbarrier.init.shared::cta.b64 \t["),
+        2 * s as usize
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.contains("mbarrier.init") && l.ends_with("], 1;"))
+            .count(),
+        s as usize,
+        "{tag}"
+    );
+    assert_eq!(
+        text.lines()
+            .filter(
+                |l| l.contains("mbarrier.init") && l.ends_with(&format!("], {};", 4 * c.consumers))
+            )
+            .count(),
+        s as usize,
+        "{tag}"
+    );
+    assert_eq!(count(text, "fence.mbarrier_init"), 1, "{tag}");
+    // One expect_tx of the stage's bytes, one TMA load of X (2D) and of W (3D) per stage.
+    assert_eq!(
+        count(text, "mbarrier.arrive.expect_tx.shared::cta.b64 \t_, [",),
+        1,
+        "{tag}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.contains("expect_tx") && l.ends_with(&format!("], {};", c.stage_bytes()))),
+        "{tag}"
+    );
+    assert_eq!(count(text, "cp.async.bulk.tensor.2d."), 1, "{tag}");
+    assert_eq!(count(text, "cp.async.bulk.tensor.3d."), 1, "{tag}");
+    assert_eq!(count(text, "cp.async.bulk.tensor"), 2, "{tag}");
+    assert_eq!(count(text, "prefetch.tensormap"), 2, "{tag}");
+    // The MMA atom: four wgmmas of BN columns per 128-byte k-tile.
+    let shape = match c.operands {
+        Operands::Bf16 => format!("m64n{}k16.f32.bf16.bf16", c.bn),
+        Operands::E4m3 => format!("m64n{}k32.f32.e4m3.e4m3", c.bn),
+    };
+    assert_eq!(
+        count(text, &format!("wgmma.mma_async.sync.aligned.{shape} ")),
+        4,
+        "{tag}"
+    );
+    assert_eq!(count(text, "wgmma.mma_async"), 4, "{tag}");
+    assert_eq!(count(text, "wgmma.fence"), 1, "{tag}");
+    assert_eq!(count(text, "wgmma.commit_group"), 1, "{tag}");
+    // Each wgmma's accumulator: BN / 2 f32 registers.
+    for l in text.lines().filter(|l| l.contains("wgmma.mma_async")) {
+        let regs = l[l.find('{').unwrap()..l.find('}').unwrap()]
+            .matches('%')
+            .count();
+        assert_eq!(regs as u32, c.bn / 2, "{tag}: {l}");
+    }
+    // The epilogue: conversions and stores. Prefill bf16 stores a column pair as one b32; the
+    // others store each slot (BN / 2 per thread).
+    let slots = (c.bn / 2) as usize;
+    let (f32s, b32s, u16s, cvts) = match (c.out, c.swap_ab) {
+        (OutTy::F32, _) => (slots, 0, 0, 0),
+        (OutTy::Bf16, false) => (0, slots / 2, 0, slots / 2),
+        (OutTy::Bf16, true) => (0, 0, slots, slots),
+    };
+    assert_eq!(count(text, "st.global.f32"), f32s, "{tag}");
+    assert_eq!(count(text, "st.global.b32"), b32s, "{tag}");
+    assert_eq!(count(text, "st.global.u16"), u16s, "{tag}");
+    assert_eq!(count(text, "st.global"), f32s + b32s + u16s, "{tag}");
+    assert_eq!(count(text, "cvt.rn.bf16x2.f32"), cvts, "{tag}");
+    // Every store is predicated (masked at the expert's end and at N).
+    for l in text.lines().filter(|l| l.contains("st.global")) {
+        assert!(l.trim_start().starts_with('@'), "{tag}: {l}");
+    }
+    // The FP8 scales: none unscaled; tensorwise, the expert's weight scale and one activation
+    // scale (static) or one per token class of the fragment (per token: the two A-side rows in
+    // prefill, the BN / 4 B-side columns in decode); block-scaled, per k-tile one activation scale
+    // per token class and one weight scale per 128-row block the tile touches.
+    let token_classes = if c.swap_ab { c.bn / 4 } else { 2 } as usize;
+    let scales = match c.scaling {
+        Scaling::None => 0,
+        Scaling::Tensorwise { per_token: false } => 2,
+        Scaling::Tensorwise { per_token: true } => 1 + token_classes,
+        Scaling::Block128 => {
+            token_classes
+                + if c.swap_ab {
+                    1
+                } else {
+                    c.bn.div_ceil(128) as usize
+                }
+        }
+    };
+    assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
+    // Block scaling promotes each k-tile's partial sum: one fma per accumulator; nothing else
+    // uses fma.
+    let fmas = if c.scaling == Scaling::Block128 {
+        slots
+    } else {
+        0
+    };
+    assert_eq!(count(text, "fma.rn.f32"), fmas, "{tag}");
+    assert!(text.contains("ret;"));
+}
+
+#[test]
+fn the_text_has_the_structure_of_its_configuration() {
+    // The named shapes of the design.
+    let p = WsConfig { bn: 256, ..base() };
+    let t = grouped_ws_entry("k", &p).unwrap();
+    assert_eq!(count(&t, ".maxntid 384, 1, 1"), 1);
+    assert_eq!(
+        count(&t, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"),
+        4
+    );
+    assert_eq!(count(&t, "setmaxnreg.dec"), 1);
+    assert_eq!(count(&t, "setmaxnreg.inc"), 1);
+    assert_eq!(count(&t, "st.global.b32"), 64);
+    check_structure(&p, &t);
+    let d = WsConfig {
+        operands: Operands::E4m3,
+        scaling: Scaling::Tensorwise { per_token: true },
+        ..decode()
+    };
+    let t = grouped_ws_entry("k", &d).unwrap();
+    assert_eq!(count(&t, ".maxntid 256, 1, 1"), 1);
+    assert_eq!(
+        count(&t, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"),
+        4
+    );
+    assert_eq!(count(&t, "setmaxnreg"), 0);
+    // Per-token scales: the expert's weight scale and one activation scale per token class.
+    assert_eq!(count(&t, "ld.global.f32"), 1 + 2 * 16 / 8);
+    check_structure(&d, &t);
+    let s = WsConfig {
+        scaling: Scaling::Tensorwise { per_token: false },
+        ..d
+    };
+    let t = grouped_ws_entry("k", &s).unwrap();
+    assert_eq!(
+        count(&t, "ld.global.f32"),
+        2,
+        "one weight and one activation scale"
+    );
+    check_structure(&s, &t);
+    // Every candidate of every family, in both output types.
+    for (o, sc) in FAMILIES {
+        for n in [1536, 2048, 300] {
+            for c in tune::candidates(o, sc, n, 768) {
+                for out in [OutTy::Bf16, OutTy::F32] {
+                    let c = WsConfig { out, ..c };
+                    check_structure(&c, &grouped_ws_entry("k", &c).unwrap());
+                }
+            }
+        }
+    }
+    // One consumer in prefill, two in decode.
+    for c in [
+        WsConfig {
+            consumers: 1,
+            ..base()
+        },
+        WsConfig {
+            consumers: 2,
+            bn: 32,
+            ..decode()
+        },
+        WsConfig {
+            out: OutTy::F32,
+            bn: 64,
+            ..base()
+        },
+    ] {
+        check_structure(&c, &grouped_ws_entry("k", &c).unwrap());
+    }
+}
+
+#[test]
+fn the_configuration_arithmetic() {
+    let p = base();
+    assert_eq!((p.tile_tokens(), p.tile_weights()), (128, 128));
+    assert_eq!(p.weight_tiles(), 32);
+    assert_eq!(p.k_tiles(), 7168 / 64);
+    assert_eq!(p.stage_bytes(), 128 * 128 + 128 * 128);
+    assert_eq!(
+        p.dynamic_smem_bytes(),
+        4 * p.stage_bytes() + ws::SMEM_ALIGN_SLACK
+    );
+    let d = decode();
+    assert_eq!((d.tile_tokens(), d.tile_weights()), (16, 64));
+    assert_eq!(d.weight_tiles(), 4096 / 64);
+    assert_eq!(d.stage_bytes(), 64 * 128 + 16 * 128);
+    let e = WsConfig {
+        operands: Operands::E4m3,
+        scaling: Scaling::Block128,
+        k: 7184,
+        ..d
+    };
+    assert_eq!(e.k_tiles(), 7184u32.div_ceil(128));
+    assert_eq!(p.tag(), "bf16_p2x128_s4_bf16");
+    assert_eq!(
+        WsConfig {
+            out: OutTy::F32,
+            ..e
+        }
+        .tag(),
+        "e4m3b_d1x16_s8_f32"
+    );
+    // Every candidate fits in shared memory and has a unique tag per family.
+    for (o, s) in FAMILIES {
+        let all = tune::candidates(o, s, 4096, 7168);
+        let tags: BTreeSet<String> = all.iter().map(WsConfig::tag).collect();
+        assert_eq!(tags.len(), all.len());
+        for c in &all {
+            assert!(
+                c.dynamic_smem_bytes() <= ws::MAX_DYNAMIC_SMEM,
+                "{}",
+                c.tag()
+            );
+            assert!(c.stages >= 2 && c.stages <= ws::MAX_STAGES);
+        }
+    }
+}
