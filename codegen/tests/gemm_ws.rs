@@ -84,24 +84,30 @@ fn offsets_of(rows: &[usize]) -> Vec<usize> {
     o
 }
 
-/// The tiles of the order expert -> token tile -> weight tile, enumerated directly.
+/// The tiles of the raster order, enumerated directly: experts in order; inside an expert, groups
+/// of `raster_group` weight tiles (the last group may be narrower), and inside a group token tile
+/// major, weight tile minor.
 fn enumerate(c: &WsConfig, offsets: &[usize]) -> Vec<WsTile> {
     let (tt, tw) = (c.tile_tokens() as usize, c.tile_weights() as usize);
+    let g = c.raster_group() as usize;
+    let nt = (c.n as usize).div_ceil(tw);
     let mut v = Vec::new();
     for e in 0..offsets.len() - 1 {
         let (lo, hi) = (offsets[e], offsets[e + 1]);
-        let mut t0 = lo;
-        while t0 < hi {
-            let mut w0 = 0;
-            while w0 < c.n as usize {
-                v.push(WsTile {
-                    expert: e,
-                    tokens: t0..hi,
-                    weight0: w0,
-                });
-                w0 += tw;
+        let mut g0 = 0;
+        while g0 < nt {
+            let mut t0 = lo;
+            while t0 < hi {
+                for wt in g0..(g0 + g).min(nt) {
+                    v.push(WsTile {
+                        expert: e,
+                        tokens: t0..hi,
+                        weight0: wt * tw,
+                    });
+                }
+                t0 += tt;
             }
-            t0 += tt;
+            g0 += g;
         }
     }
     v
@@ -410,6 +416,21 @@ fn the_configurations_ws_refuses() {
         // Block-scaled prefill: BN at most 128 or a multiple of 128.
         (WsConfig { bn: 192, ..block }, "BN = 192"),
         (WsConfig { bn: 136, ..block }, "BN = 136"),
+        (WsConfig { bn: 256, ..block }, "block-scaled BN = 256"),
+        (
+            WsConfig {
+                bn: 128,
+                consumers: 1,
+                swap_ab: true,
+                ..block
+            },
+            "block-scaled BN = 128",
+        ),
+        // Two consumers under BN 128: ptxas drops setmaxnreg (C7508).
+        (
+            WsConfig { bn: 64, ..base() },
+            "two consumer warpgroups with BN = 64",
+        ),
     ] {
         let msg = refused(&c);
         assert!(msg.contains(why), "{c:?}: `{msg}` does not say `{why}`");
@@ -438,7 +459,11 @@ fn the_configurations_ws_refuses() {
             stages: 6,
             ..base()
         },
-        WsConfig { bn: 8, ..base() },
+        WsConfig {
+            bn: 8,
+            consumers: 1,
+            ..base()
+        },
         WsConfig {
             bn: 256,
             stages: 4,
@@ -465,12 +490,16 @@ fn the_configurations_ws_refuses() {
         },
         WsConfig {
             consumers: 2,
-            bn: 64,
+            bn: 128,
+            stages: 6,
             ..decode()
         },
         WsConfig { bn: 128, ..block },
-        WsConfig { bn: 64, ..block },
-        WsConfig { bn: 256, ..block },
+        WsConfig {
+            bn: 64,
+            consumers: 1,
+            ..block
+        },
         WsConfig {
             bn: 32,
             swap_ab: true,
@@ -590,7 +619,8 @@ fn check_structure(c: &WsConfig, text: &str) {
     );
     assert_eq!(
         text.lines()
-            .filter(|l| l.contains("mbarrier.init") && l.ends_with("], 1;"))
+            .filter(|l| l.contains("mbarrier.init")
+                && l.ends_with(&format!("], {};", c.full_arrivals())))
             .count(),
         s as usize,
         "{tag}"
@@ -613,7 +643,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     );
     assert!(
         text.lines()
-            .any(|l| l.contains("expect_tx") && l.ends_with(&format!("], {};", c.stage_bytes()))),
+            .any(|l| l.contains("expect_tx") && l.ends_with(&format!("], {};", c.tx_bytes()))),
         "{tag}"
     );
     assert_eq!(count(text, "cp.async.bulk.tensor.2d."), 1, "{tag}");
@@ -625,14 +655,17 @@ fn check_structure(c: &WsConfig, text: &str) {
         Operands::Bf16 => format!("m64n{}k16.f32.bf16.bf16", c.bn),
         Operands::E4m3 => format!("m64n{}k32.f32.e4m3.e4m3", c.bn),
     };
+    // Block-scaled with one consumer: two slice accumulators, so the k loop is unrolled by two.
+    let block = c.scaling == Scaling::Block128;
+    let unroll = if block && c.consumers == 1 { 2 } else { 1 };
     assert_eq!(
         count(text, &format!("wgmma.mma_async.sync.aligned.{shape} ")),
-        4,
+        4 * unroll,
         "{tag}"
     );
-    assert_eq!(count(text, "wgmma.mma_async"), 4, "{tag}");
-    assert_eq!(count(text, "wgmma.fence"), 1, "{tag}");
-    assert_eq!(count(text, "wgmma.commit_group"), 1, "{tag}");
+    assert_eq!(count(text, "wgmma.mma_async"), 4 * unroll, "{tag}");
+    assert_eq!(count(text, "wgmma.fence"), unroll, "{tag}");
+    assert_eq!(count(text, "wgmma.commit_group"), unroll, "{tag}");
     // Each wgmma's accumulator: BN / 2 f32 registers.
     for l in text.lines().filter(|l| l.contains("wgmma.mma_async")) {
         let regs = l[l.find('{').unwrap()..l.find('}').unwrap()]
@@ -659,30 +692,38 @@ fn check_structure(c: &WsConfig, text: &str) {
     }
     // The FP8 scales: none unscaled; tensorwise, the expert's weight scale and one activation
     // scale (static) or one per token class of the fragment (per token: the two A-side rows in
-    // prefill, the BN / 4 B-side columns in decode); block-scaled, per k-tile one activation scale
-    // per token class and one weight scale per 128-row block the tile touches.
+    // prefill, the BN / 4 B-side columns in decode), from global memory in the epilogue.
     let token_classes = if c.swap_ab { c.bn / 4 } else { 2 } as usize;
     let scales = match c.scaling {
-        Scaling::None => 0,
+        Scaling::None | Scaling::Block128 => 0,
         Scaling::Tensorwise { per_token: false } => 2,
         Scaling::Tensorwise { per_token: true } => 1 + token_classes,
-        Scaling::Block128 => {
-            token_classes
-                + if c.swap_ab {
-                    1
-                } else {
-                    c.bn.div_ceil(128) as usize
-                }
-        }
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
-    // Block scaling promotes each k-tile's partial sum: one fma per accumulator; nothing else
-    // uses fma.
-    let fmas = if c.scaling == Scaling::Block128 {
-        slots
+    // Block-scaled: the producer warp copies each k-tile's scales into its stage (a 4-byte
+    // cp.async per 32 token rows and the weight scale, then one noinc arrival), and every
+    // promotion reads one activation scale per token class and the weight scale from the stage
+    // (one promotion site with two consumers, four with one: even, odd and the two tails).
+    let (copies, arrivals, shared, fmas) = if block {
+        let sites = if c.consumers == 1 { 4 } else { 1 };
+        (
+            (c.tile_tokens().div_ceil(32) + 1) as usize,
+            1,
+            sites * (token_classes + 1),
+            sites * slots,
+        )
     } else {
-        0
+        (0, 0, 0, 0)
     };
+    assert_eq!(count(text, "cp.async.ca.shared.global"), copies, "{tag}");
+    assert_eq!(
+        count(text, "cp.async.mbarrier.arrive.noinc.shared::cta.b64"),
+        arrivals,
+        "{tag}"
+    );
+    assert_eq!(count(text, "ld.shared.f32"), shared, "{tag}");
+    // Block scaling promotes each k-tile's partial sum: one fma per accumulator per promotion
+    // site; nothing else uses fma.
     assert_eq!(count(text, "fma.rn.f32"), fmas, "{tag}");
     assert!(text.contains("ret;"));
 }
@@ -746,12 +787,14 @@ fn the_text_has_the_structure_of_its_configuration() {
         },
         WsConfig {
             consumers: 2,
-            bn: 32,
+            bn: 128,
+            stages: 6,
             ..decode()
         },
         WsConfig {
             out: OutTy::F32,
             bn: 64,
+            consumers: 1,
             ..base()
         },
     ] {

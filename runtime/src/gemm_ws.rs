@@ -24,6 +24,8 @@ pub struct GroupedGemm {
     maps: TensorMapCache,
     /// CTAs of the persistent grid when there is enough work: SMs x resident CTAs per SM.
     max_ctas: u32,
+    /// The driver JIT's verbose log (registers, spills).
+    jit_log: String,
 }
 
 impl std::fmt::Debug for GroupedGemm {
@@ -78,7 +80,7 @@ impl GroupedGemm {
         }
         let entry = format!("moeforge_gemm_{}", cfg.tag());
         let ptx = ws::grouped_ws_module(&entry, cfg)?;
-        let (cubin, _log) = crate::jit::link_ptx(dev, &entry, &ptx)?;
+        let (cubin, jit_log) = crate::jit::link_ptx(dev, &entry, &ptx)?;
         let module = dev
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
@@ -111,6 +113,7 @@ impl GroupedGemm {
             entry,
             maps: TensorMapCache::new(),
             max_ctas: dev.sms.max(1) * per_sm,
+            jit_log,
         })
     }
 
@@ -122,6 +125,17 @@ impl GroupedGemm {
     /// The entry name.
     pub fn entry(&self) -> &str {
         &self.entry
+    }
+
+    /// The JIT's verbose log.
+    pub fn jit_log(&self) -> &str {
+        &self.jit_log
+    }
+
+    /// Registers per thread and spilled bytes (stores plus loads) as the JIT reported them, where
+    /// its log says.
+    pub fn jit_registers_and_spills(&self) -> (Option<u32>, Option<u64>) {
+        jit_registers_and_spills(&self.jit_log)
     }
 
     /// CTAs launched for `t` rows over `experts` experts: the tile bound, at most SMs x occupancy.
@@ -249,10 +263,47 @@ impl GroupedGemm {
     }
 }
 
+/// `Used N registers` and the sum of `N bytes spill stores` and `N bytes spill loads` in a
+/// ptxas-style log.
+pub fn jit_registers_and_spills(log: &str) -> (Option<u32>, Option<u64>) {
+    let number_before = |line: &str, tail: &str| -> Option<u64> {
+        let i = line.find(tail)?;
+        line[..i].split_whitespace().last()?.parse().ok()
+    };
+    let number_after = |line: &str, head: &str| -> Option<u32> {
+        let i = line.find(head)?;
+        line[i + head.len()..]
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let mut regs = None;
+    let mut spills: Option<u64> = None;
+    for line in log.lines() {
+        if let Some(r) = number_after(line, "Used ") {
+            regs = Some(r);
+        }
+        for tail in [" bytes spill stores", " bytes spill loads"] {
+            if let Some(b) = number_before(line, tail) {
+                spills = Some(spills.unwrap_or(0) + b);
+            }
+        }
+    }
+    (regs, spills)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use moeforge_codegen::gemm::ws::OutTy;
+
+    #[test]
+    fn the_jit_log_gives_registers_and_spills() {
+        let log = "ptxas info    : Function properties for k\n    0 bytes stack frame, 276 bytes spill stores, 280 bytes spill loads\nptxas info    : Used 168 registers, used 1 barriers";
+        assert_eq!(jit_registers_and_spills(log), (Some(168), Some(556)));
+        assert_eq!(jit_registers_and_spills(""), (None, None));
+    }
 
     /// Without a driver there is no device to load on (`NoDriver`); with one, sm_90a loads.
     #[test]

@@ -162,9 +162,33 @@ impl WsConfig {
         self.bn * 128
     }
 
-    /// Bytes of one stage (the expected transaction bytes of its full barrier).
-    pub const fn stage_bytes(&self) -> u32 {
+    /// Bytes of the block scales of one stage (block-scaled only): the activation scales of the
+    /// tile's token rows and the weight scale, padded to 1 KiB so that the next stage stays
+    /// 1024-byte aligned.
+    pub const fn scale_stage_bytes(&self) -> u32 {
+        match self.scaling {
+            Scaling::Block128 => 1024,
+            _ => 0,
+        }
+    }
+
+    /// TMA bytes of one stage (the expected transaction bytes of its full barrier).
+    pub const fn tx_bytes(&self) -> u32 {
         self.a_stage_bytes() + self.b_stage_bytes()
+    }
+
+    /// Bytes of one stage: A, B and the block scales.
+    pub const fn stage_bytes(&self) -> u32 {
+        self.tx_bytes() + self.scale_stage_bytes()
+    }
+
+    /// Arrivals that complete a stage's full barrier: the producer's `expect_tx`, and with block
+    /// scales the 32 producer lanes' `cp.async` arrivals.
+    pub const fn full_arrivals(&self) -> u32 {
+        match self.scaling {
+            Scaling::Block128 => 33,
+            _ => 1,
+        }
     }
 
     /// Token rows per tile.
@@ -471,7 +495,13 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
     let gstart = k.bin(BinOpcode::MulLo, PtxTy::U32, grp, Operand::Int(g));
     let width = k.reg32();
     k.mov(width, Operand::Int(nt));
-    k.bin_to(width, BinOpcode::Sub, PtxTy::U32, width, Operand::Reg(gstart));
+    k.bin_to(
+        width,
+        BinOpcode::Sub,
+        PtxTy::U32,
+        width,
+        Operand::Reg(gstart),
+    );
     k.bin_to(width, BinOpcode::Min, PtxTy::U32, width, Operand::Int(g));
     let mt = k.bin(BinOpcode::Div, PtxTy::U32, r, Operand::Reg(width));
     let wt = k.bin(BinOpcode::MulLo, PtxTy::U32, mt, Operand::Reg(width));
@@ -584,7 +614,7 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     let full = k.b.shared_addr("full_bar");
     let empty = k.b.shared_addr("empty_bar");
     for s in 0..stages {
-        for (bars, count) in [(full, 1), (empty, 4 * cfg.consumers)] {
+        for (bars, count) in [(full, cfg.full_arrivals()), (empty, 4 * cfg.consumers)] {
             let bar = k.bin(
                 BinOpcode::Add,
                 PtxTy::U32,
@@ -657,13 +687,35 @@ fn producer(
             count: MaxNReg::new(PRODUCER_REGS)?,
         })?;
     }
-    let not_leader = k.setp(CmpOp::Ne, tid, Operand::Int(0));
-    k.bra(exit, Some((not_leader, false)));
+    // One thread issues the TMA loads; with block scales its whole warp copies the scales.
+    let block = cfg.scaling == Scaling::Block128;
+    let leader = k.setp(CmpOp::Eq, tid, Operand::Int(0));
+    let idle = k.setp(CmpOp::Ge, tid, Operand::Int(if block { 32 } else { 1 }));
+    k.bra(exit, Some((idle, false)));
     let tmap_x = k.b.tensor_map_addr(PARAMS[0])?;
     let tmap_w = k.b.tensor_map_addr(PARAMS[1])?;
-    k.b.emit(AsyncOp::PrefetchTensorMap { tmap: tmap_x })?;
-    k.b.emit(AsyncOp::PrefetchTensorMap { tmap: tmap_w })?;
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::PrefetchTensorMap { tmap: tmap_x },
+    )?;
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::PrefetchTensorMap { tmap: tmap_w },
+    )?;
     let s = scan_state(k);
+    let scales = if block {
+        let xs = k.global_param(PARAMS[4]);
+        let ws = k.global_param(PARAMS[5]);
+        let tokens = k.reg32();
+        k.b.push(Inst::LdParam {
+            ty: PtxTy::U32,
+            d: tokens,
+            name: PARAMS[7].into(),
+        });
+        Some((xs, ws, tokens))
+    } else {
+        None
+    };
     let grid = k.special(SpecialReg::NctaidX);
     let stage = k.imm(0);
     let phase = k.imm(0);
@@ -678,10 +730,13 @@ fn producer(
     k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(empty));
     let wait_parity = k.bin(BinOpcode::Xor, PtxTy::B32, phase, Operand::Int(1));
     k.b.mbarrier_wait(ebar, Operand::Reg(wait_parity))?;
-    k.b.emit(AsyncOp::MbarrierArriveExpectTx {
-        bar: fbar,
-        tx_bytes: Operand::Int(cfg.stage_bytes().into()),
-    })?;
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::MbarrierArriveExpectTx {
+            bar: fbar,
+            tx_bytes: Operand::Int(cfg.tx_bytes().into()),
+        },
+    )?;
     let b = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
@@ -695,22 +750,31 @@ fn producer(
         Operand::Int(cfg.operands.bk().into()),
     );
     let (x_dst, w_dst) = if cfg.swap_ab { (b, a) } else { (a, b) };
-    k.b.emit(AsyncOp::TmaLoad(TmaLoad {
-        dim: TmaDim::D2,
-        dst: x_dst,
-        tmap: tmap_x,
-        coords: vec![k0, f.tok0],
-        bar: fbar,
-        cache_hint: None,
-    }))?;
-    k.b.emit(AsyncOp::TmaLoad(TmaLoad {
-        dim: TmaDim::D3,
-        dst: w_dst,
-        tmap: tmap_w,
-        coords: vec![k0, f.w0, s.expert],
-        bar: fbar,
-        cache_hint: None,
-    }))?;
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::TmaLoad(TmaLoad {
+            dim: TmaDim::D2,
+            dst: x_dst,
+            tmap: tmap_x,
+            coords: vec![k0, f.tok0],
+            bar: fbar,
+            cache_hint: None,
+        }),
+    )?;
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::TmaLoad(TmaLoad {
+            dim: TmaDim::D3,
+            dst: w_dst,
+            tmap: tmap_w,
+            coords: vec![k0, f.w0, s.expert],
+            bar: fbar,
+            cache_hint: None,
+        }),
+    )?;
+    if let Some((xs, ws, tokens)) = scales {
+        copy_block_scales(k, cfg, tid, a, fbar, &s, &f, kt, xs, ws, tokens)?;
+    }
     advance(k, stage, phase, cfg.stages);
     k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
     let more = k.setp(CmpOp::Lt, kt, Operand::Int(cfg.k_tiles().into()));
@@ -724,6 +788,100 @@ fn producer(
     );
     k.bra(&tile_loop, None);
     Ok(())
+}
+
+/// The producer warp's copies of k-tile `kt`'s block scales into the stage at `a` (after A and B):
+/// lane `l` copies the activation scales of the tile's token rows `l, l + 32, ...` (clamped to the
+/// expert's last row; group-major `[KB, T]`), lane 0 also the weight scale `s_w[e, w0 / 128, kt]`;
+/// then every lane arrives on the full barrier when its copies have landed.
+#[allow(clippy::too_many_arguments)]
+fn copy_block_scales(
+    k: &mut K,
+    cfg: &WsConfig,
+    lane: Reg,
+    a: Reg,
+    fbar: Reg,
+    s: &Scan,
+    f: &Found,
+    kt: Reg,
+    xs: Reg,
+    ws: Reg,
+    tokens: Reg,
+) -> Result<()> {
+    let area = k.bin(
+        BinOpcode::Add,
+        PtxTy::U32,
+        a,
+        Operand::Int(cfg.tx_bytes().into()),
+    );
+    let tm = cfg.tile_tokens();
+    let row_base = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
+    let last = k.bin(BinOpcode::Sub, PtxTy::U32, s.hi, Operand::Int(1));
+    for i in 0..tm.div_ceil(32) {
+        let r = k.bin(
+            BinOpcode::Add,
+            PtxTy::U32,
+            lane,
+            Operand::Int(i64::from(32 * i)),
+        );
+        let tok = k.bin(BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.tok0));
+        k.bin_to(tok, BinOpcode::Min, PtxTy::U32, tok, Operand::Reg(last));
+        k.bin_to(tok, BinOpcode::Add, PtxTy::U32, tok, Operand::Reg(row_base));
+        let src = k.b.reg(RegClass::B64);
+        k.b.push(Inst::Bin {
+            op: BinOpcode::MulWide,
+            ty: PtxTy::U32,
+            d: src,
+            a: Operand::Reg(tok),
+            b: Operand::Int(4),
+        });
+        k.bin_to(src, BinOpcode::Add, PtxTy::U64, src, Operand::Reg(xs));
+        let dst = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(2));
+        k.bin_to(dst, BinOpcode::Add, PtxTy::U32, dst, Operand::Reg(area));
+        let op = AsyncOp::CpAsync4 { dst, src };
+        if 32 * (i + 1) > tm {
+            let inside = k.setp(CmpOp::Lt, r, Operand::Int(tm.into()));
+            k.b.emit_guarded(Guard::when(inside), op)?;
+        } else {
+            k.b.emit(op)?;
+        }
+    }
+    // s_w[e, w0 / 128, kt] (a decode tile's 64 C weight rows sit inside one 128-row block).
+    let nb = cfg.n.div_ceil(128);
+    let i = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        s.expert,
+        Operand::Int(i64::from(nb)),
+    );
+    let blk = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(7));
+    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(blk));
+    k.bin_to(
+        i,
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        i,
+        Operand::Int(i64::from(cfg.k_tiles())),
+    );
+    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
+    let src = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: src,
+        a: Operand::Reg(i),
+        b: Operand::Int(4),
+    });
+    k.bin_to(src, BinOpcode::Add, PtxTy::U64, src, Operand::Reg(ws));
+    let dst = k.bin(
+        BinOpcode::Add,
+        PtxTy::U32,
+        area,
+        Operand::Int(i64::from(4 * tm)),
+    );
+    let lane0 = k.setp(CmpOp::Eq, lane, Operand::Int(0));
+    k.b.emit_guarded(Guard::when(lane0), AsyncOp::CpAsync4 { dst, src })?;
+    k.b.emit(AsyncOp::CpAsyncMbarrierArriveNoinc { bar: fbar })
 }
 
 /// Per-thread epilogue coordinates: the fragment's row (A side) and column (B side) bases.
@@ -820,27 +978,39 @@ fn consumers(
     k.b.push(Inst::Label(kloop.clone()));
     let k_tiles = i64::from(cfg.k_tiles());
     match (x_scale, w_scale) {
-        (Some(xs), Some(ws)) if block => {
-            // Two slice accumulators and two scale sets: the MMAs of k-tile i run while slice
-            // i - 1 is promoted with scales loaded one k-tile earlier.
+        (Some(_), Some(_)) if block && cfg.consumers >= 2 => {
+            // Two consumers: one slice accumulator (the total and the slice stay within the 168
+            // registers that the driver's JIT gives a thread of a 384-thread CTA); the two
+            // warpgroups' promotions and MMAs interleave on the tensor core.
+            issue_ktile(k, cfg, &ring, n_mma, &part, None)?;
+            k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+            k.mov(prev, Operand::Reg(stage));
+            let sc = stage_scales(k, cfg, &frag, &ring)?;
+            release(k, &ring, None)?;
+            promote(k, cfg, kt, &sc, &part, &acc);
+            advance(k, stage, phase, cfg.stages);
+            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+            let more = k.setp(CmpOp::Lt, kt, Operand::Int(k_tiles));
+            k.bra(&kloop, Some((more, false)));
+        }
+        (Some(_), Some(_)) if block => {
+            // One consumer: two slice accumulators, so that the MMAs of k-tile i run while slice
+            // i - 1 is promoted with its scales, which the producer warp copied into its stage.
             let part_b = k.b.accumulator(n_mma);
-            let (sc_a, sc_b) = (BlockScales::new(k, cfg), BlockScales::new(k, cfg));
-            let load = |k: &mut K, into: &BlockScales| {
-                load_block_scales(k, cfg, &frag, &f, &s, kt, tokens, xs, ws, cwg, into)
-            };
-            let promote_at = |k: &mut K, sc: &BlockScales, from: &[Reg]| {
+            let promote_at = |k: &mut K, from: &[Reg]| -> Result<()> {
                 let done = k.bin(BinOpcode::Sub, PtxTy::U32, kt, Operand::Int(1));
-                promote(k, cfg, done, sc, from, &acc)
+                let sc = stage_scales(k, cfg, &frag, &ring)?;
+                release(k, &ring, None)?;
+                promote(k, cfg, done, &sc, from, &acc);
+                Ok(())
             };
             // Even k-tile into `part`.
             issue_ktile(k, cfg, &ring, n_mma, &part, None)?;
-            load(k, &sc_a);
             k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
             let skip = k.b.label("c_first");
             let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
             k.bra(&skip, Some((first, false)));
-            release(k, &ring, None)?;
-            promote_at(k, &sc_b, &part_b);
+            promote_at(k, &part_b)?;
             k.b.push(Inst::Label(skip));
             k.mov(prev, Operand::Reg(stage));
             advance(k, stage, phase, cfg.stages);
@@ -850,10 +1020,8 @@ fn consumers(
             k.bra(&tail_a, Some((end, false)));
             // Odd k-tile into `part_b`.
             issue_ktile(k, cfg, &ring, n_mma, &part_b, None)?;
-            load(k, &sc_b);
             k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
-            release(k, &ring, None)?;
-            promote_at(k, &sc_a, &part);
+            promote_at(k, &part)?;
             k.mov(prev, Operand::Reg(stage));
             advance(k, stage, phase, cfg.stages);
             k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
@@ -862,13 +1030,11 @@ fn consumers(
             // The last slice was odd (in `part_b`) or even (in `part`).
             let epi = k.b.label("c_epi");
             k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
-            release(k, &ring, None)?;
-            promote_at(k, &sc_b, &part_b);
+            promote_at(k, &part_b)?;
             k.bra(&epi, None);
             k.b.push(Inst::Label(tail_a));
             k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
-            release(k, &ring, None)?;
-            promote_at(k, &sc_a, &part);
+            promote_at(k, &part)?;
             k.b.push(Inst::Label(epi));
         }
         _ => {
@@ -878,12 +1044,7 @@ fn consumers(
             issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
             k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
             let not_first = k.setp(CmpOp::Ne, kt, Operand::Int(0));
-            let rel = k.bin(
-                BinOpcode::And,
-                PtxTy::Pred,
-                not_first,
-                Operand::Reg(lane0),
-            );
+            let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
             release(k, &ring, Some(rel))?;
             k.mov(prev, Operand::Reg(stage));
             advance(k, stage, phase, cfg.stages);
@@ -934,7 +1095,13 @@ fn issue_ktile(
     k.b.mbarrier_wait(fbar, Operand::Reg(r.phase))?;
     let a_addr = k.bin(BinOpcode::Add, PtxTy::U32, sa, Operand::Reg(r.a_off));
     let a_lo = k.bin(BinOpcode::Shr, PtxTy::U32, a_addr, Operand::Int(4));
-    k.bin_to(a_lo, BinOpcode::Or, PtxTy::B32, a_lo, Operand::Int(DESC_LBO));
+    k.bin_to(
+        a_lo,
+        BinOpcode::Or,
+        PtxTy::B32,
+        a_lo,
+        Operand::Int(DESC_LBO),
+    );
     let b_lo = k.bin(BinOpcode::Shr, PtxTy::U32, sa, Operand::Int(4));
     k.bin_to(
         b_lo,
@@ -943,7 +1110,13 @@ fn issue_ktile(
         b_lo,
         Operand::Int(i64::from(cfg.a_stage_bytes() >> 4)),
     );
-    k.bin_to(b_lo, BinOpcode::Or, PtxTy::B32, b_lo, Operand::Int(DESC_LBO));
+    k.bin_to(
+        b_lo,
+        BinOpcode::Or,
+        PtxTy::B32,
+        b_lo,
+        Operand::Int(DESC_LBO),
+    );
     let mut descs = Vec::with_capacity(4);
     for step in 0..4i64 {
         let mut pair = [a_lo, b_lo];
@@ -981,7 +1154,13 @@ fn issue_ktile(
 /// One arrival per consumer warp on the empty barrier of stage `prev` (under `guard`, else lane 0).
 fn release(k: &mut K, r: &Ring, guard: Option<Reg>) -> Result<()> {
     let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, r.prev, Operand::Int(3));
-    k.bin_to(ebar, BinOpcode::Add, PtxTy::U32, ebar, Operand::Reg(r.empty));
+    k.bin_to(
+        ebar,
+        BinOpcode::Add,
+        PtxTy::U32,
+        ebar,
+        Operand::Reg(r.empty),
+    );
     k.b.emit_guarded(
         Guard::when(guard.unwrap_or(r.lane0)),
         AsyncOp::MbarrierArrive { bar: ebar },
@@ -1069,117 +1248,57 @@ fn token_class(cfg: &WsConfig, i: u32) -> usize {
     }
 }
 
-/// The block scales of one K slice, in registers that live across loop iterations.
+/// The block scales of one K slice, read from its stage.
 struct BlockScales {
-    /// `s_x` per token class (see [`frag_tokens`]).
+    /// `s_x` per token class (see [`token_class`]).
     sx: Vec<Reg>,
-    /// `s_w` per 128-column block of the tile (one in decode).
-    sw: Vec<Reg>,
+    /// `s_w`.
+    sw: Reg,
 }
 
-impl BlockScales {
-    fn new(k: &mut K, cfg: &WsConfig) -> BlockScales {
-        let nx = if cfg.swap_ab { cfg.bn / 4 } else { 2 };
-        let nw = if cfg.swap_ab { 1 } else { cfg.bn.div_ceil(128) };
-        BlockScales {
-            sx: (0..nx).map(|_| k.b.reg(RegClass::F32)).collect(),
-            sw: (0..nw).map(|_| k.b.reg(RegClass::F32)).collect(),
-        }
-    }
-}
-
-fn ld_f32_into(k: &mut K, d: Reg, base: Reg, index: Reg) {
-    let off = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: off,
-        a: Operand::Reg(index),
-        b: Operand::Int(4),
-    });
-    let addr = k.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off));
-    k.b.push(Inst::Ld {
-        ty: PtxTy::F32,
-        d,
-        addr,
-    });
-}
-
-/// Issue the loads of K slice `kt`'s scales into `into` (used one k-tile later, so that their
-/// latency hides behind the slice's MMAs).
-#[allow(clippy::too_many_arguments)]
-fn load_block_scales(
-    k: &mut K,
-    cfg: &WsConfig,
-    frag: &Frag,
-    f: &Found,
-    s: &Scan,
-    kt: Reg,
-    tokens: Reg,
-    xs: Reg,
-    ws: Reg,
-    cwg: Reg,
-    into: &BlockScales,
-) {
-    let kb = cfg.k_tiles();
-    let nb = cfg.n.div_ceil(128);
-    // s_x[kt, token]: group-major [KB, T].
-    let row_base = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
-    let toks = frag_tokens(k, cfg, frag, f, s);
-    for (&t, &d) in toks.iter().zip(&into.sx) {
-        let i = k.bin(BinOpcode::Add, PtxTy::U32, t, Operand::Reg(row_base));
-        ld_f32_into(k, d, xs, i);
-    }
-    // s_w[e, n-block, kt]: one n-block per consumer (decode: 64-row groups sit inside one 128-row
-    // block) or per 128 columns of BN (prefill).
-    let eb = k.bin(
-        BinOpcode::MulLo,
+/// `ld.shared` of the scales of the slice in stage `r.prev` (the producer warp's copies: the tile's
+/// activation scales by local token row, then the weight scale).
+fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<BlockScales> {
+    let (sa, _) = k.stage_addrs(r.prev, cfg.stage_bytes(), r.base, r.full);
+    let area = k.bin(
+        BinOpcode::Add,
         PtxTy::U32,
-        s.expert,
-        Operand::Int(i64::from(nb)),
+        sa,
+        Operand::Int(cfg.tx_bytes().into()),
     );
-    for (c, &d) in into.sw.iter().enumerate() {
-        let blk = if cfg.swap_ab {
-            let r = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
-            k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.w0));
-            k.bin_to(r, BinOpcode::Shr, PtxTy::U32, r, Operand::Int(7));
-            r
-        } else {
-            let r = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(7));
-            k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(c as i64));
-            // A block past N (a ragged last tile) reads the last block; its columns are masked.
-            k.bin_to(
-                r,
-                BinOpcode::Min,
-                PtxTy::U32,
-                r,
-                Operand::Int(i64::from(nb - 1)),
-            );
-            r
-        };
-        let i = k.bin(BinOpcode::Add, PtxTy::U32, eb, Operand::Reg(blk));
-        k.bin_to(
-            i,
-            BinOpcode::MulLo,
-            PtxTy::U32,
-            i,
-            Operand::Int(i64::from(kb)),
-        );
-        k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
-        ld_f32_into(k, d, ws, i);
-    }
+    // Local token rows: prefill a_row + 8h; decode b_col + 8j + c.
+    let offs: Vec<(Reg, i64)> = if cfg.swap_ab {
+        let b4 = k.bin(BinOpcode::Shl, PtxTy::B32, frag.b_col, Operand::Int(2));
+        k.bin_to(b4, BinOpcode::Add, PtxTy::U32, b4, Operand::Reg(area));
+        (0..cfg.bn / 8)
+            .flat_map(|j| (0..2).map(move |c| i64::from(4 * (8 * j + c))))
+            .map(|o| (b4, o))
+            .collect()
+    } else {
+        let a4 = k.bin(BinOpcode::Shl, PtxTy::B32, frag.a_row, Operand::Int(2));
+        k.bin_to(a4, BinOpcode::Add, PtxTy::U32, a4, Operand::Reg(area));
+        vec![(a4, 0), (a4, 32)]
+    };
+    let sx = offs
+        .into_iter()
+        .map(|(addr, off)| {
+            let d = k.b.reg(RegClass::F32);
+            k.b.push(Inst::LdShared { d, addr, off });
+            d
+        })
+        .collect();
+    let sw = k.b.reg(RegClass::F32);
+    k.b.push(Inst::LdShared {
+        d: sw,
+        addr: area,
+        off: i64::from(4 * cfg.tile_tokens()),
+    });
+    Ok(BlockScales { sx, sw })
 }
 
 /// Block-scaled promotion of K slice `kt` (its scales in `sc`): `acc = part * s_x * s_w + acc`
 /// (`=` on the first slice).
-fn promote(
-    k: &mut K,
-    cfg: &WsConfig,
-    kt: Reg,
-    sc: &BlockScales,
-    part: &[Reg],
-    acc: &[Reg],
-) {
+fn promote(k: &mut K, cfg: &WsConfig, kt: Reg, sc: &BlockScales, part: &[Reg], acc: &[Reg]) {
     let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
     let zero = k.b.reg(RegClass::F32);
     k.b.push(Inst::Un {
@@ -1190,16 +1309,11 @@ fn promote(
     let mut factor = std::collections::HashMap::new();
     for (i, (&p, &a)) in part.iter().zip(acc).enumerate() {
         let tc = token_class(cfg, i as u32);
-        let wc = if cfg.swap_ab {
-            0
-        } else {
-            ((i as u32 / 4) * 8 / 128) as usize
-        };
-        let fac = match factor.get(&(tc, wc)) {
+        let fac = match factor.get(&tc) {
             Some(&r) => r,
             None => {
-                let r = fmul(k, sc.sx[tc], sc.sw[wc]);
-                factor.insert((tc, wc), r);
+                let r = fmul(k, sc.sx[tc], sc.sw);
+                factor.insert(tc, r);
                 r
             }
         };

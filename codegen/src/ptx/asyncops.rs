@@ -590,6 +590,21 @@ pub enum AsyncOp {
         /// The mbarrier's shared address.
         bar: Reg,
     },
+    /// `cp.async.ca.shared.global [dst], [src], 4`: an asynchronous 4-byte copy from global to
+    /// shared memory (both 4-byte aligned), tracked by the thread's cp.async state.
+    CpAsync4 {
+        /// The shared destination (32-bit shared-window address).
+        dst: Reg,
+        /// The global source (64-bit generic address of global memory).
+        src: Reg,
+    },
+    /// `cp.async.mbarrier.arrive.noinc.shared::cta.b64 [bar]`: the mbarrier receives this thread's
+    /// arrival once all of its prior `cp.async` copies have completed (`noinc`: the arrival counts
+    /// against the barrier's expected count, which must include it).
+    CpAsyncMbarrierArriveNoinc {
+        /// The mbarrier's shared address.
+        bar: Reg,
+    },
     /// `mbarrier.arrive.release.cluster.shared::cluster.b64 _, [bar]`: arrive on an mbarrier of a
     /// CTA of the cluster (its address from [`AsyncOp::Mapa`]).
     MbarrierArriveCluster {
@@ -766,6 +781,13 @@ impl AsyncOp {
                 want_u32(I, "the transaction bytes", *tx_bytes, 0, MBARRIER_MAX_COUNT)
             }
             AsyncOp::MbarrierArrive { bar } => want("mbarrier.arrive", "the mbarrier", *bar, B32),
+            AsyncOp::CpAsync4 { dst, src } => {
+                want("cp.async", "the destination", *dst, B32)?;
+                want("cp.async", "the source", *src, B64)
+            }
+            AsyncOp::CpAsyncMbarrierArriveNoinc { bar } => {
+                want("cp.async.mbarrier.arrive", "the mbarrier", *bar, B32)
+            }
             AsyncOp::MbarrierArriveCluster { bar } => {
                 want("mbarrier.arrive", "the mbarrier", *bar, B32)
             }
@@ -866,6 +888,15 @@ impl fmt::Display for AsyncOp {
             ),
             AsyncOp::MbarrierArrive { bar } => {
                 write!(f, "mbarrier.arrive.shared::cta.b64 \t_, [{bar}];")
+            }
+            AsyncOp::CpAsync4 { dst, src } => {
+                write!(f, "cp.async.ca.shared.global \t[{dst}], [{src}], 4;")
+            }
+            AsyncOp::CpAsyncMbarrierArriveNoinc { bar } => {
+                write!(
+                    f,
+                    "cp.async.mbarrier.arrive.noinc.shared::cta.b64 \t[{bar}];"
+                )
             }
             AsyncOp::MbarrierArriveCluster { bar } => write!(
                 f,
