@@ -26,6 +26,15 @@ pub struct GroupedGemm {
     max_ctas: u32,
     /// The driver JIT's verbose log (registers, spills).
     jit_log: String,
+    /// Split-K's f32 workspace and per-tile arrival counters (zeroed once; the last split of a
+    /// tile resets its counter), grown to the largest launch seen.
+    split: std::sync::Mutex<Option<SplitBuffers>>,
+}
+
+/// Split-K's device buffers.
+struct SplitBuffers {
+    workspace: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
 }
 
 impl std::fmt::Debug for GroupedGemm {
@@ -114,6 +123,7 @@ impl GroupedGemm {
             maps: TensorMapCache::new(),
             max_ctas: dev.sms.max(1) * per_sm,
             jit_log,
+            split: std::sync::Mutex::new(None),
         })
     }
 
@@ -138,10 +148,11 @@ impl GroupedGemm {
         jit_registers_and_spills(&self.jit_log)
     }
 
-    /// CTAs launched for `t` rows over `experts` experts: the tile bound, at most SMs x occupancy.
+    /// CTAs launched for `t` rows over `experts` experts: the work-item bound (tiles times
+    /// splits), at most SMs x occupancy.
     pub fn grid(&self, t: usize, experts: usize) -> u32 {
-        let tiles = self.cfg.tiles_upper_bound(t as u64, experts as u64);
-        u32::try_from(tiles.min(u64::from(self.max_ctas))).unwrap_or(self.max_ctas)
+        let items = self.cfg.items_upper_bound(t as u64, experts as u64);
+        u32::try_from(items.min(u64::from(self.max_ctas))).unwrap_or(self.max_ctas)
     }
 
     /// `Y[rows of e] = X[rows of e] · W[e]^T` (scaled as the variant says) into `y` (`[t, N]` f32 or
@@ -204,7 +215,7 @@ impl GroupedGemm {
                 )))
             }
         };
-        if cfg.tiles_upper_bound(t as u64, e as u64) >= u64::from(u32::MAX) {
+        if cfg.items_upper_bound(t as u64, e as u64) >= u64::from(u32::MAX) {
             return Err(Error::Placement(format!(
                 "grouped GEMM: {t} rows over {e} experts is past the kernel's 32-bit tile ids"
             )));
@@ -239,6 +250,42 @@ impl GroupedGemm {
             block_dim: (cfg.threads(), 1, 1),
             shared_mem_bytes: cfg.dynamic_smem_bytes(),
         };
+        // Split-K's buffers, sized for this launch's tile bound (zeroed counters on growth).
+        let mut split_guard = self
+            .split
+            .lock()
+            .map_err(|_| Error::Placement("grouped GEMM: split-K buffers poisoned".into()))?;
+        let (wsp, cntp) = if cfg.split_k > 1 {
+            let tiles = cfg.tiles_upper_bound(t as u64, e as u64) as usize;
+            let elems = tiles * cfg.split_k as usize * cfg.partial_elems() as usize;
+            let fits = split_guard
+                .as_ref()
+                .is_some_and(|b| b.workspace.len() >= elems && b.counters.len() >= tiles);
+            if !fits {
+                *split_guard = None;
+                let workspace = dev
+                    .stream
+                    .alloc_zeros::<f32>(elems)
+                    .map_err(drv("cuMemAlloc"))?;
+                let counters = dev
+                    .stream
+                    .alloc_zeros::<u32>(tiles)
+                    .map_err(drv("cuMemAlloc"))?;
+                *split_guard = Some(SplitBuffers {
+                    workspace,
+                    counters,
+                });
+            }
+            match split_guard.as_ref() {
+                Some(b) => (
+                    b.workspace.device_ptr(&dev.stream).0,
+                    b.counters.device_ptr(&dev.stream).0,
+                ),
+                None => (0, 0),
+            }
+        } else {
+            (0, 0)
+        };
         let (yp, _ys) = y.device_ptr(&dev.stream);
         let (op_off, _os) = op.offsets.device_ptr(&dev.stream);
         let mut l = dev.stream.launch_builder(&self.func);
@@ -249,10 +296,15 @@ impl GroupedGemm {
             .arg(&xs)
             .arg(&ws)
             .arg(&e32)
-            .arg(&t32);
+            .arg(&t32)
+            .arg(&wsp)
+            .arg(&cntp);
         // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
         // value, the u64 addresses of `y`, `offsets` and the two scale buffers (0 where the variant
-        // reads none), the u32 expert and row counts). The maps describe `x` ([t, K]) and `w`
+        // reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
+        // split-K; with it sized for every tile of this launch's bound, the counters zero between
+        // launches, and launches of one `GroupedGemm` ordered on its stream: the buffers are
+        // guarded by the lock until queued)). The maps describe `x` ([t, K]) and `w`
         // ([experts, N, K]), whose sizes were checked; TMA reads only inside them (out-of-bounds
         // boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
         // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows
@@ -316,6 +368,7 @@ mod tests {
             bn: 128,
             stages: 4,
             swap_ab: false,
+            split_k: 1,
             n: 256,
             k: 512,
         };

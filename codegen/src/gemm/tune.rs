@@ -8,22 +8,27 @@
 
 use super::ws::{Operands, OutTy, Scaling, WsConfig};
 
-/// `(consumers, BN, stages, swap_ab)` of the prefill candidates, bf16 and tensorwise e4m3.
-const PREFILL: [(u32, u32, u32, bool); 2] = [(2, 128, 6, false), (2, 256, 4, false)];
+/// `(consumers, BN, stages, swap_ab, split_k)` of the prefill candidates, bf16 and tensorwise
+/// e4m3.
+const PREFILL: [(u32, u32, u32, bool, u32); 2] = [(2, 128, 6, false, 1), (2, 256, 4, false, 1)];
 /// The block-scaled prefill candidates (two accumulators per thread: BN at most 128).
-const PREFILL_BLOCK: [(u32, u32, u32, bool); 1] = [(2, 128, 6, false)];
-/// The decode candidates (tokens per expert as the wgmma N).
-const DECODE: [(u32, u32, u32, bool); 4] = [
-    (1, 8, 8, true),
-    (1, 16, 8, true),
-    (1, 32, 8, true),
-    (1, 64, 6, true),
+const PREFILL_BLOCK: [(u32, u32, u32, bool, u32); 1] = [(2, 128, 6, false, 1)];
+/// The decode candidates (tokens per expert as the wgmma N), then split-K ones for layers whose
+/// tiles would not fill the SMs.
+const DECODE: [(u32, u32, u32, bool, u32); 7] = [
+    (1, 8, 8, true, 1),
+    (1, 16, 8, true, 1),
+    (1, 32, 8, true, 1),
+    (1, 64, 6, true, 1),
+    (1, 8, 8, true, 2),
+    (1, 8, 8, true, 4),
+    (1, 16, 8, true, 2),
 ];
 
 /// Every candidate of the family `(operands, scaling)` at `N = n`, `K = k`, bf16 output: prefill
 /// first, then decode by growing token tile.
 pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
-    let prefill: &[(u32, u32, u32, bool)] = if scaling == Scaling::Block128 {
+    let prefill: &[(u32, u32, u32, bool, u32)] = if scaling == Scaling::Block128 {
         &PREFILL_BLOCK
     } else {
         &PREFILL
@@ -31,7 +36,8 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
     prefill
         .iter()
         .chain(DECODE.iter())
-        .map(|&(consumers, bn, stages, swap_ab)| WsConfig {
+        .filter(|&&(_, _, _, _, split_k)| split_k <= k.div_ceil(operands.bk()))
+        .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
             operands,
             scaling,
             out: OutTy::Bf16,
@@ -39,6 +45,7 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
             bn,
             stages,
             swap_ab,
+            split_k,
             n,
             k,
         })
@@ -51,7 +58,7 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
 pub fn default_choice(all: &[WsConfig], rows: usize, active: usize) -> Option<&WsConfig> {
     let mean = rows.div_ceil(active.max(1));
     all.iter()
-        .filter(|c| c.swap_ab)
+        .filter(|c| c.swap_ab && c.split_k == 1)
         .find(|c| c.bn as usize >= mean)
         .or_else(|| all.iter().find(|c| !c.swap_ab))
 }

@@ -145,6 +145,10 @@ pub struct WsConfig {
     pub stages: u32,
     /// Decode form: weights on the A (M) side, tokens on the B (N) side.
     pub swap_ab: bool,
+    /// Split-K (decode only): each tile's k-tiles are cut into this many contiguous ranges,
+    /// computed by different CTAs into an f32 workspace; the last of them to finish sums the
+    /// partials in split order (deterministic) and runs the epilogue. 1: no split.
+    pub split_k: u32,
     /// N (compiled in).
     pub n: u32,
     /// K (compiled in).
@@ -254,8 +258,13 @@ impl WsConfig {
             OutTy::F32 => "f32",
             OutTy::Bf16 => "bf16",
         };
+        let split = if self.split_k > 1 {
+            format!("_k{}", self.split_k)
+        } else {
+            String::new()
+        };
         format!(
-            "{}{scale}_{}{}x{}_s{}_{out}",
+            "{}{scale}_{}{}x{}_s{}{split}_{out}",
             self.operands.name(),
             if self.swap_ab { "d" } else { "p" },
             self.consumers,
@@ -264,10 +273,28 @@ impl WsConfig {
         )
     }
 
-    /// Upper bound on the tiles of `t` rows over `experts` experts:
-    /// `(ceil(T / tile_tokens) + E) * weight_tiles`.
+    /// Upper bound on the tiles of `t` rows over `experts` experts (at most `min(E, T)` of them
+    /// hold rows): `(ceil(T / tile_tokens) + min(E, T)) * weight_tiles`.
     pub fn tiles_upper_bound(&self, t: u64, experts: u64) -> u64 {
-        (t.div_ceil(u64::from(self.tile_tokens())) + experts) * u64::from(self.weight_tiles())
+        (t.div_ceil(u64::from(self.tile_tokens())) + experts.min(t))
+            * u64::from(self.weight_tiles())
+    }
+
+    /// Upper bound on the work items (tiles times splits): what the persistent grid walks.
+    pub fn items_upper_bound(&self, t: u64, experts: u64) -> u64 {
+        self.tiles_upper_bound(t, experts) * u64::from(self.split_k.max(1))
+    }
+
+    /// f32 elements of one tile's partial sum in the split-K workspace.
+    pub const fn partial_elems(&self) -> u32 {
+        64 * self.consumers * self.bn
+    }
+
+    /// The k-tile range `[start, end)` of split `s` (balanced, contiguous).
+    pub const fn split_range(&self, s: u32) -> (u32, u32) {
+        let kt = self.k_tiles();
+        let n = if self.split_k == 0 { 1 } else { self.split_k };
+        (s * kt / n, (s + 1) * kt / n)
     }
 
     fn check(&self) -> Result<()> {
@@ -288,6 +315,22 @@ impl WsConfig {
             return bad(format!(
                 "a decode token tile of {} (a power of two, 8 to 256)",
                 self.bn
+            ));
+        }
+        if self.split_k == 0 || self.split_k > MAX_SPLIT_K {
+            return bad(format!("split-K of {} (1 to {MAX_SPLIT_K})", self.split_k));
+        }
+        if self.split_k > 1 && !self.swap_ab {
+            return bad(format!(
+                "split-K of {} in the prefill form (decode only)",
+                self.split_k
+            ));
+        }
+        if self.split_k > 1 && self.split_k > self.k_tiles() {
+            return bad(format!(
+                "split-K of {} over {} k-tiles",
+                self.split_k,
+                self.k_tiles()
             ));
         }
         if !(2..=MAX_STAGES).contains(&self.stages) {
@@ -341,6 +384,8 @@ pub const SMEM_ALIGN_SLACK: u32 = 1024;
 pub const MAX_DYNAMIC_SMEM: u32 = 227 * 1024;
 /// The most pipeline stages.
 pub const MAX_STAGES: u32 = 12;
+/// The most split-K ranges.
+pub const MAX_SPLIT_K: u32 = 8;
 /// Registers per producer thread after `setmaxnreg.dec`.
 pub const PRODUCER_REGS: u32 = 40;
 /// The sm_90 descriptor's high word for a K-major 128B-swizzled tile: SBO 1024 bytes, layout 1.
@@ -349,8 +394,17 @@ const DESC_HI: i64 = 0x4000_0040;
 const DESC_LBO: i64 = 0x1_0000;
 
 /// Parameter names, in launch order.
-pub const PARAMS: [&str; 8] = [
-    "tmap_x", "tmap_w", "y", "offsets", "x_scale", "w_scale", "experts", "tokens",
+pub const PARAMS: [&str; 10] = [
+    "tmap_x",
+    "tmap_w",
+    "y",
+    "offsets",
+    "x_scale",
+    "w_scale",
+    "experts",
+    "tokens",
+    "workspace",
+    "counters",
 ];
 
 /// Registers per consumer thread after `setmaxnreg.inc` with two consumer warpgroups (what the
@@ -415,10 +469,17 @@ struct Scan {
     experts: Reg,
 }
 
-/// The tile the scan found.
+/// The work item the scan found.
 struct Found {
     tok0: Reg,
     w0: Reg,
+    /// Its split (split-K), else 0.
+    split: Reg,
+    /// The tile's index in the order without splits (the split-K workspace slot and counter).
+    tile_key: Reg,
+    /// The k-tile range `[ks, ke)` of its split.
+    ks: Reg,
+    ke: Reg,
 }
 
 fn log2(v: u32) -> i64 {
@@ -467,7 +528,7 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
         BinOpcode::MulLo,
         PtxTy::U32,
         rows,
-        Operand::Int(i64::from(cfg.weight_tiles())),
+        Operand::Int(i64::from(cfg.weight_tiles() * cfg.split_k)),
     );
     let next = k.bin(BinOpcode::Add, PtxTy::U32, s.before, Operand::Reg(tiles));
     let hit = k.setp(CmpOp::Lt, s.tile, Operand::Reg(next));
@@ -487,7 +548,8 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
     // weight tile minor (so that a wave of CTAs shares a few X and W tiles in L2).
     let local = k.bin(BinOpcode::Sub, PtxTy::U32, s.tile, Operand::Reg(s.before));
     let g = i64::from(cfg.raster_group());
-    let nt = i64::from(cfg.weight_tiles());
+    // With split-K the splits are virtual weight tiles (wt' = wt * S + split; decode: G = 1).
+    let nt = i64::from(cfg.weight_tiles() * cfg.split_k);
     let gsz = k.bin(BinOpcode::MulLo, PtxTy::U32, rows, Operand::Int(g));
     let grp = k.bin(BinOpcode::Div, PtxTy::U32, local, Operand::Reg(gsz));
     let r = k.bin(BinOpcode::MulLo, PtxTy::U32, grp, Operand::Reg(gsz));
@@ -507,6 +569,27 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
     let wt = k.bin(BinOpcode::MulLo, PtxTy::U32, mt, Operand::Reg(width));
     k.bin_to(wt, BinOpcode::Sub, PtxTy::U32, r, Operand::Reg(wt));
     k.bin_to(wt, BinOpcode::Add, PtxTy::U32, wt, Operand::Reg(gstart));
+    let sk = i64::from(cfg.split_k);
+    let (split, ks, ke, tile_key) = if cfg.split_k > 1 {
+        let split = k.bin(BinOpcode::Rem, PtxTy::U32, wt, Operand::Int(sk));
+        k.bin_to(wt, BinOpcode::Div, PtxTy::U32, wt, Operand::Int(sk));
+        let kt = i64::from(cfg.k_tiles());
+        let ks = k.bin(BinOpcode::MulLo, PtxTy::U32, split, Operand::Int(kt));
+        k.bin_to(ks, BinOpcode::Div, PtxTy::U32, ks, Operand::Int(sk));
+        let ke = k.bin(BinOpcode::Add, PtxTy::U32, split, Operand::Int(1));
+        k.bin_to(ke, BinOpcode::MulLo, PtxTy::U32, ke, Operand::Int(kt));
+        k.bin_to(ke, BinOpcode::Div, PtxTy::U32, ke, Operand::Int(sk));
+        // before / S + wt * mtiles + mt (each expert's item count is a multiple of S).
+        let key = k.bin(BinOpcode::Div, PtxTy::U32, s.before, Operand::Int(sk));
+        let wm = k.bin(BinOpcode::MulLo, PtxTy::U32, wt, Operand::Reg(rows));
+        k.bin_to(key, BinOpcode::Add, PtxTy::U32, key, Operand::Reg(wm));
+        k.bin_to(key, BinOpcode::Add, PtxTy::U32, key, Operand::Reg(mt));
+        (split, ks, ke, key)
+    } else {
+        let zero = k.imm(0);
+        let ke = k.imm(i64::from(cfg.k_tiles()));
+        (zero, zero, ke, zero)
+    };
     let tok0 = k.bin(BinOpcode::Shl, PtxTy::B32, mt, Operand::Int(log2(tm)));
     k.bin_to(tok0, BinOpcode::Add, PtxTy::U32, tok0, Operand::Reg(s.lo));
     let w0 = k.bin(
@@ -515,7 +598,14 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
         wt,
         Operand::Int(i64::from(cfg.tile_weights())),
     );
-    Found { tok0, w0 }
+    Found {
+        tok0,
+        w0,
+        split,
+        tile_key,
+        ks,
+        ke,
+    }
 }
 
 /// A fresh scan state at the CTA's first tile (`%ctaid.x`), `lo = offsets[0]`.
@@ -596,6 +686,8 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
         Param::global_ptr(PARAMS[5], 4),
         Param::scalar(PARAMS[6], PtxTy::U32),
         Param::scalar(PARAMS[7], PtxTy::U32),
+        Param::global_ptr(PARAMS[8], 16),
+        Param::global_ptr(PARAMS[9], 4),
     ];
     entry.maxntid = Some(cfg.threads());
     entry.dynamic_shared = Some(DynamicShared {
@@ -607,6 +699,9 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     };
     kb.b.declare_shared(SharedDecl::array("full_bar", SharedTy::B64, stages, 8)?)?;
     kb.b.declare_shared(SharedDecl::array("empty_bar", SharedTy::B64, stages, 8)?)?;
+    if cfg.split_k > 1 {
+        kb.b.declare_shared(SharedDecl::scalar("split_last", SharedTy::B32, 4)?)?;
+    }
     let k = &mut kb;
 
     let tid = k.special(SpecialReg::TidX);
@@ -722,7 +817,8 @@ fn producer(
     let tile_loop = k.b.label("p_tile");
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
-    let kt = k.imm(0);
+    let kt = k.reg32();
+    k.mov(kt, Operand::Reg(f.ks));
     let kloop = k.b.label("p_k");
     k.b.push(Inst::Label(kloop.clone()));
     let (a, fbar) = k.stage_addrs(stage, cfg.stage_bytes(), base, full);
@@ -777,7 +873,7 @@ fn producer(
     }
     advance(k, stage, phase, cfg.stages);
     k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-    let more = k.setp(CmpOp::Lt, kt, Operand::Int(cfg.k_tiles().into()));
+    let more = k.setp(CmpOp::Lt, kt, Operand::Reg(f.ke));
     k.bra(&kloop, Some((more, false)));
     k.bin_to(
         s.tile,
@@ -961,7 +1057,8 @@ fn consumers(
     let tile_loop = k.b.label("c_tile");
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
-    let kt = k.imm(0);
+    let kt = k.reg32();
+    k.mov(kt, Operand::Reg(f.ks));
     let ring = Ring {
         stage,
         phase,
@@ -976,7 +1073,7 @@ fn consumers(
     };
     let kloop = k.b.label("c_k");
     k.b.push(Inst::Label(kloop.clone()));
-    let k_tiles = i64::from(cfg.k_tiles());
+    let k_end = Operand::Reg(f.ke);
     match (x_scale, w_scale) {
         (Some(_), Some(_)) if block && cfg.consumers >= 2 => {
             // Two consumers: one slice accumulator (the total and the slice stay within the 168
@@ -987,10 +1084,10 @@ fn consumers(
             k.mov(prev, Operand::Reg(stage));
             let sc = stage_scales(k, cfg, &frag, &ring)?;
             release(k, &ring, None)?;
-            promote(k, cfg, kt, &sc, &part, &acc);
+            promote(k, cfg, kt, f.ks, &sc, &part, &acc);
             advance(k, stage, phase, cfg.stages);
             k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-            let more = k.setp(CmpOp::Lt, kt, Operand::Int(k_tiles));
+            let more = k.setp(CmpOp::Lt, kt, k_end);
             k.bra(&kloop, Some((more, false)));
         }
         (Some(_), Some(_)) if block => {
@@ -1001,14 +1098,14 @@ fn consumers(
                 let done = k.bin(BinOpcode::Sub, PtxTy::U32, kt, Operand::Int(1));
                 let sc = stage_scales(k, cfg, &frag, &ring)?;
                 release(k, &ring, None)?;
-                promote(k, cfg, done, &sc, from, &acc);
+                promote(k, cfg, done, f.ks, &sc, from, &acc);
                 Ok(())
             };
             // Even k-tile into `part`.
             issue_ktile(k, cfg, &ring, n_mma, &part, None)?;
             k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
             let skip = k.b.label("c_first");
-            let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
+            let first = k.setp(CmpOp::Eq, kt, Operand::Reg(f.ks));
             k.bra(&skip, Some((first, false)));
             promote_at(k, &part_b)?;
             k.b.push(Inst::Label(skip));
@@ -1016,7 +1113,7 @@ fn consumers(
             advance(k, stage, phase, cfg.stages);
             k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
             let tail_a = k.b.label("c_tail_a");
-            let end = k.setp(CmpOp::Ge, kt, Operand::Int(k_tiles));
+            let end = k.setp(CmpOp::Ge, kt, k_end);
             k.bra(&tail_a, Some((end, false)));
             // Odd k-tile into `part_b`.
             issue_ktile(k, cfg, &ring, n_mma, &part_b, None)?;
@@ -1025,7 +1122,7 @@ fn consumers(
             k.mov(prev, Operand::Reg(stage));
             advance(k, stage, phase, cfg.stages);
             k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-            let more = k.setp(CmpOp::Lt, kt, Operand::Int(k_tiles));
+            let more = k.setp(CmpOp::Lt, kt, k_end);
             k.bra(&kloop, Some((more, false)));
             // The last slice was odd (in `part_b`) or even (in `part`).
             let epi = k.b.label("c_epi");
@@ -1040,22 +1137,27 @@ fn consumers(
         _ => {
             // The first MMA of a tile overwrites; one MMA group stays in flight, and the previous
             // k-tile's stage is free once it completes.
-            let accumulate = k.setp(CmpOp::Ne, kt, Operand::Int(0));
+            let accumulate = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
             k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
-            let not_first = k.setp(CmpOp::Ne, kt, Operand::Int(0));
+            let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
             release(k, &ring, Some(rel))?;
             k.mov(prev, Operand::Reg(stage));
             advance(k, stage, phase, cfg.stages);
             k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-            let more = k.setp(CmpOp::Lt, kt, Operand::Int(k_tiles));
+            let more = k.setp(CmpOp::Lt, kt, k_end);
             k.bra(&kloop, Some((more, false)));
             k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
             release(k, &ring, None)?;
         }
     }
+    let next_tile = k.b.label("c_next");
+    if cfg.split_k > 1 {
+        split_reduce(k, cfg, tid, &f, &acc, always, &next_tile)?;
+    }
     epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
+    k.b.push(Inst::Label(next_tile));
     k.bin_to(
         s.tile,
         BinOpcode::Add,
@@ -1064,6 +1166,142 @@ fn consumers(
         Operand::Reg(grid),
     );
     k.bra(&tile_loop, None);
+    Ok(())
+}
+
+/// Split-K: store this split's partial accumulator to its workspace slot (slot-major, so each
+/// store is coalesced), count the tile's arrivals (acquire-release at GPU scope); every CTA but
+/// the last of the tile's splits goes to `skip`; the last (which resets the counter for the next
+/// launch) sums the `S` partials in split order 0, 1, ... (the same bits whichever CTA is last)
+/// into `acc` for the epilogue.
+fn split_reduce(
+    k: &mut K,
+    cfg: &WsConfig,
+    tid: Reg,
+    f: &Found,
+    acc: &[Reg],
+    always: Reg,
+    skip: &str,
+) -> Result<()> {
+    let nthreads = 128 * cfg.consumers;
+    let p = i64::from(cfg.partial_elems());
+    let sk = i64::from(cfg.split_k);
+    let workspace = k.global_param(PARAMS[8]);
+    let counters = k.global_param(PARAMS[9]);
+    let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(128));
+    // The slot of (tile, split): ((tile_key * S + split) * P + ctid) * 4.
+    let slot_of = |k: &mut K, split: Operand| -> Reg {
+        let i = k.bin(BinOpcode::MulLo, PtxTy::U32, f.tile_key, Operand::Int(sk));
+        k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, split);
+        let wide = k.b.reg(RegClass::B64);
+        k.b.push(Inst::Bin {
+            op: BinOpcode::MulWide,
+            ty: PtxTy::U32,
+            d: wide,
+            a: Operand::Reg(i),
+            b: Operand::Int(4 * p),
+        });
+        let t4 = k.b.reg(RegClass::B64);
+        k.b.push(Inst::Bin {
+            op: BinOpcode::MulWide,
+            ty: PtxTy::U32,
+            d: t4,
+            a: Operand::Reg(ctid),
+            b: Operand::Int(4),
+        });
+        k.bin_to(wide, BinOpcode::Add, PtxTy::U64, wide, Operand::Reg(t4));
+        k.bin(BinOpcode::Add, PtxTy::U64, workspace, Operand::Reg(wide))
+    };
+    let mine = slot_of(k, Operand::Reg(f.split));
+    let stride = 4 * i64::from(nthreads);
+    for (i, &v) in acc.iter().enumerate() {
+        k.b.push(Inst::StGuarded {
+            pred: always,
+            negate: false,
+            ty: PtxTy::F32,
+            addr: mine,
+            off: i as i64 * stride,
+            v,
+        });
+    }
+    k.b.push(Inst::FenceAcqRelGpu);
+    let consumers_bar = AsyncOp::Bar {
+        id: crate::ptx::BarrierId::new(1)?,
+        count: Some(nthreads),
+    };
+    k.b.emit(consumers_bar.clone())?;
+    // Thread 0 of the consumers counts the arrival and tells the others whether it was the last.
+    let flag = k.b.shared_addr("split_last");
+    let not_first_thread = k.setp(CmpOp::Ne, ctid, Operand::Int(0));
+    let counted = k.b.label("c_counted");
+    k.bra(&counted, Some((not_first_thread, false)));
+    let cnt = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Bin {
+        op: BinOpcode::MulWide,
+        ty: PtxTy::U32,
+        d: cnt,
+        a: Operand::Reg(f.tile_key),
+        b: Operand::Int(4),
+    });
+    k.bin_to(cnt, BinOpcode::Add, PtxTy::U64, cnt, Operand::Reg(counters));
+    let old = k.reg32();
+    k.b.push(Inst::AtomAddAcqRelU32 {
+        d: old,
+        addr: cnt,
+        v: Operand::Int(1),
+    });
+    let last = k.setp(CmpOp::Eq, old, Operand::Int(sk - 1));
+    let zero = k.imm(0);
+    k.b.push(Inst::StGuarded {
+        pred: last,
+        negate: false,
+        ty: PtxTy::U32,
+        addr: cnt,
+        off: 0,
+        v: zero,
+    });
+    let is_last = k.reg32();
+    k.b.push(Inst::Selp {
+        ty: PtxTy::U32,
+        d: is_last,
+        a: Operand::Int(1),
+        b: Operand::Int(0),
+        p: last,
+    });
+    k.b.push(Inst::StShared {
+        addr: flag,
+        v: is_last,
+    });
+    k.b.push(Inst::Label(counted));
+    k.b.emit(consumers_bar)?;
+    let got = k.reg32();
+    k.b.push(Inst::LdShared {
+        d: got,
+        addr: flag,
+        off: 0,
+    });
+    let not_last = k.setp(CmpOp::Eq, got, Operand::Int(0));
+    k.bra(skip, Some((not_last, false)));
+    k.b.push(Inst::FenceAcqRelGpu);
+    for sp in 0..sk {
+        let slot = slot_of(k, Operand::Int(sp));
+        for (i, &a) in acc.iter().enumerate() {
+            let off = i as i64 * stride;
+            if sp == 0 {
+                k.b.push(Inst::LdGlobalCgF32 { d: a, addr: slot, off });
+            } else {
+                let v = k.b.reg(RegClass::F32);
+                k.b.push(Inst::LdGlobalCgF32 { d: v, addr: slot, off });
+                k.b.push(Inst::Bin {
+                    op: BinOpcode::AddRn,
+                    ty: PtxTy::F32,
+                    d: a,
+                    a: Operand::Reg(a),
+                    b: Operand::Reg(v),
+                });
+            }
+        }
+    }
     Ok(())
 }
 
@@ -1152,7 +1390,12 @@ fn issue_ktile(
 }
 
 /// One arrival per consumer warp on the empty barrier of stage `prev` (under `guard`, else lane 0).
+/// With block scales every lane has read the stage with `ld.shared`: a warp barrier first orders
+/// those reads before lane 0's release (an arrival releases only its own thread's accesses).
 fn release(k: &mut K, r: &Ring, guard: Option<Reg>) -> Result<()> {
+    if guard.is_none() {
+        k.b.push(Inst::BarWarpSync);
+    }
     let ebar = k.bin(BinOpcode::Shl, PtxTy::B32, r.prev, Operand::Int(3));
     k.bin_to(
         ebar,
@@ -1297,9 +1540,18 @@ fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<Bloc
 }
 
 /// Block-scaled promotion of K slice `kt` (its scales in `sc`): `acc = part * s_x * s_w + acc`
-/// (`=` on the first slice).
-fn promote(k: &mut K, cfg: &WsConfig, kt: Reg, sc: &BlockScales, part: &[Reg], acc: &[Reg]) {
-    let first = k.setp(CmpOp::Eq, kt, Operand::Int(0));
+/// (`=` on the first slice of the range, `ks`).
+#[allow(clippy::too_many_arguments)]
+fn promote(
+    k: &mut K,
+    cfg: &WsConfig,
+    kt: Reg,
+    ks: Reg,
+    sc: &BlockScales,
+    part: &[Reg],
+    acc: &[Reg],
+) {
+    let first = k.setp(CmpOp::Eq, kt, Operand::Reg(ks));
     let zero = k.b.reg(RegClass::F32);
     k.b.push(Inst::Un {
         op: crate::ptx::UnOpcode::Mov(PtxTy::F32),

@@ -523,6 +523,31 @@ pub enum Inst {
         /// The byte (low 8 bits of a 32-bit register, the rest zero).
         a: Reg,
     },
+    /// `atom.acq_rel.gpu.global.add.u32 d, [addr], v`: a GPU-scope acquire-release add that
+    /// returns the old value (split-K's arrival counter).
+    AtomAddAcqRelU32 {
+        /// The old value.
+        d: Reg,
+        /// Address (64-bit generic address of global memory).
+        addr: Reg,
+        /// Addend.
+        v: Operand,
+    },
+    /// `fence.acq_rel.gpu`.
+    FenceAcqRelGpu,
+    /// `bar.warp.sync -1`: the whole warp converges, and its lanes' memory accesses before it
+    /// are ordered before those after it (so one lane's release covers the warp's reads).
+    BarWarpSync,
+    /// `ld.global.cg.f32 d, [addr+off]`: a load cached in L2 only (data other CTAs wrote during
+    /// this kernel, never a stale L1 line).
+    LdGlobalCgF32 {
+        /// Destination.
+        d: Reg,
+        /// Address.
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
     /// `red.global.max.u32 [addr], v`.
     RedMaxU32 {
         /// Address.
@@ -645,6 +670,14 @@ impl fmt::Display for Inst {
                 "\t{{ .reg .b16 %dlo, %dhi; .reg .b32 %dpair; cvt.u16.u32 %dhi, {a}; cvt.rn.f16x2.e4m3x2 %dpair, %dhi; mov.b32 {{%dlo, %dhi}}, %dpair; cvt.f32.f16 {d}, %dlo; }}"
             ),
             Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
+            Inst::AtomAddAcqRelU32 { d, addr, v } => {
+                write!(f, "\tatom.acq_rel.gpu.global.add.u32 \t{d}, [{addr}], {v};")
+            }
+            Inst::FenceAcqRelGpu => write!(f, "\tfence.acq_rel.gpu;"),
+            Inst::BarWarpSync => write!(f, "\tbar.warp.sync \t-1;"),
+            Inst::LdGlobalCgF32 { d, addr, off } => {
+                write!(f, "\tld.global.cg.f32 \t{d}, [{addr}+{off}];")
+            }
             Inst::LdV { nc, words, addr } => {
                 let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
                 let nc = if *nc { ".nc" } else { "" };
