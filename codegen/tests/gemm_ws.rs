@@ -45,6 +45,7 @@ fn cfg(
         bn,
         stages,
         swap_ab,
+        split_k: 1,
         n,
         k,
     }
@@ -261,10 +262,11 @@ fn the_tile_bound_is_reached_by_ragged_experts() {
     assert_eq!(tiles, 10 * u64::from(c.weight_tiles()));
     assert!(c.tiles_upper_bound(5 * (tt as u64 + 1), 5) >= tiles);
     assert_eq!(c.tiles_upper_bound(0, 0), 0);
+    assert_eq!(c.tiles_upper_bound(0, 3), 0, "no rows, no tiles");
     assert_eq!(
-        c.tiles_upper_bound(0, 3),
-        3 * u64::from(c.weight_tiles()),
-        "empty experts may each cost a tile in the bound"
+        c.tiles_upper_bound(1, 128),
+        2 * u64::from(c.weight_tiles()),
+        "one row: one token tile of one expert, plus one for the ragged start"
     );
 }
 
@@ -681,10 +683,29 @@ fn check_structure(c: &WsConfig, text: &str) {
         (OutTy::Bf16, false) => (0, slots / 2, 0, slots / 2),
         (OutTy::Bf16, true) => (0, 0, slots, slots),
     };
-    assert_eq!(count(text, "st.global.f32"), f32s, "{tag}");
+    // Split-K: each thread's partial to the workspace (one f32 store per slot), the counter's
+    // reset (one u32 store), one arrival counter add, and the last split's S loads per slot.
+    let split = c.split_k > 1;
+    let (ws_stores, resets) = if split { (slots, 1) } else { (0, 0) };
+    assert_eq!(count(text, "st.global.f32"), f32s + ws_stores, "{tag}");
     assert_eq!(count(text, "st.global.b32"), b32s, "{tag}");
     assert_eq!(count(text, "st.global.u16"), u16s, "{tag}");
-    assert_eq!(count(text, "st.global"), f32s + b32s + u16s, "{tag}");
+    assert_eq!(count(text, "st.global.u32"), resets, "{tag}");
+    assert_eq!(
+        count(text, "st.global"),
+        f32s + b32s + u16s + ws_stores + resets,
+        "{tag}"
+    );
+    assert_eq!(
+        count(text, "atom.acq_rel.gpu.global.add.u32"),
+        usize::from(split),
+        "{tag}"
+    );
+    assert_eq!(
+        count(text, "ld.global.cg.f32"),
+        if split { slots * c.split_k as usize } else { 0 },
+        "{tag}"
+    );
     assert_eq!(count(text, "cvt.rn.bf16x2.f32"), cvts, "{tag}");
     // Every store is predicated (masked at the expert's end and at N).
     for l in text.lines().filter(|l| l.contains("st.global")) {
@@ -721,7 +742,17 @@ fn check_structure(c: &WsConfig, text: &str) {
         arrivals,
         "{tag}"
     );
-    assert_eq!(count(text, "ld.shared.f32"), shared, "{tag}");
+    // (Split-K adds the last-split flag's one shared store and one shared load.)
+    assert_eq!(
+        count(text, "ld.shared.f32"),
+        shared + usize::from(c.split_k > 1),
+        "{tag}"
+    );
+    assert_eq!(
+        count(text, "st.shared.f32"),
+        usize::from(c.split_k > 1),
+        "{tag}"
+    );
     // Block scaling promotes each k-tile's partial sum: one fma per accumulator per promotion
     // site; nothing else uses fma.
     assert_eq!(count(text, "fma.rn.f32"), fmas, "{tag}");
@@ -846,5 +877,62 @@ fn the_configuration_arithmetic() {
             );
             assert!(c.stages >= 2 && c.stages <= ws::MAX_STAGES);
         }
+    }
+}
+
+#[test]
+fn split_k_ranges_cover_the_k_tiles_once_and_are_refused_where_they_cannot_run() {
+    for k in [16u32, 64, 512, 1040, 2048, 7168] {
+        for split_k in 1..=ws::MAX_SPLIT_K {
+            let c = WsConfig {
+                split_k,
+                k,
+                ..decode()
+            };
+            if split_k > c.k_tiles() {
+                assert!(grouped_ws_entry("k", &c).is_err(), "{}", c.tag());
+                continue;
+            }
+            grouped_ws_entry("k", &c).unwrap();
+            let mut next = 0;
+            for s in 0..split_k {
+                let (a, b) = c.split_range(s);
+                assert_eq!(a, next, "{} split {s}", c.tag());
+                assert!(b > a, "{} split {s} is empty", c.tag());
+                next = b;
+            }
+            assert_eq!(next, c.k_tiles(), "{}", c.tag());
+            assert_eq!(
+                c.items_upper_bound(100, 8),
+                c.tiles_upper_bound(100, 8) * u64::from(split_k)
+            );
+        }
+    }
+    // Prefill and out-of-range splits are refused.
+    for (c, why) in [
+        (
+            WsConfig {
+                split_k: 2,
+                ..base()
+            },
+            "prefill",
+        ),
+        (
+            WsConfig {
+                split_k: 0,
+                ..decode()
+            },
+            "split-K of 0",
+        ),
+        (
+            WsConfig {
+                split_k: ws::MAX_SPLIT_K + 1,
+                ..decode()
+            },
+            "split-K of 9",
+        ),
+    ] {
+        let msg = refused(&c);
+        assert!(msg.contains(why), "{msg}");
     }
 }

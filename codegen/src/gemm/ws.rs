@@ -1288,10 +1288,18 @@ fn split_reduce(
         for (i, &a) in acc.iter().enumerate() {
             let off = i as i64 * stride;
             if sp == 0 {
-                k.b.push(Inst::LdGlobalCgF32 { d: a, addr: slot, off });
+                k.b.push(Inst::LdGlobalCgF32 {
+                    d: a,
+                    addr: slot,
+                    off,
+                });
             } else {
                 let v = k.b.reg(RegClass::F32);
-                k.b.push(Inst::LdGlobalCgF32 { d: v, addr: slot, off });
+                k.b.push(Inst::LdGlobalCgF32 {
+                    d: v,
+                    addr: slot,
+                    off,
+                });
                 k.b.push(Inst::Bin {
                     op: BinOpcode::AddRn,
                     ty: PtxTy::F32,
