@@ -381,14 +381,15 @@ impl TuneCache {
 /// among the candidates (then `time` is not called at all), else every candidate timed `reps`
 /// times (at least once) in the given order, candidate by candidate, the fastest mean kept (a tie
 /// goes to the earlier candidate) and stored. `time` returns one launch's time in microseconds; an
-/// error of it is returned (nothing is stored). Returns the entry and where it came from.
-pub fn tune(
+/// error of it is returned (nothing is stored). Returns the entry and where it came from. The
+/// error type is the caller's (one that a runtime [`Error`] converts into).
+pub fn tune<E: From<Error>>(
     cache: &TuneCache,
     key: &TuneKey,
     candidates: &[WsConfig],
     reps: u32,
-    mut time: impl FnMut(&WsConfig) -> Result<f64>,
-) -> Result<(TuneEntry, TuneSource)> {
+    mut time: impl FnMut(&WsConfig) -> Result<f64, E>,
+) -> Result<(TuneEntry, TuneSource), E> {
     if let Some(e) = cache.get(key) {
         if candidates.contains(&e.choice) {
             return Ok((e, TuneSource::Cached));
@@ -404,11 +405,11 @@ pub fn tune(
         }
         let us = total / f64::from(reps);
         if !us.is_finite() || us < 0.0 {
-            return Err(Error::Placement(format!(
+            return Err(E::from(Error::Placement(format!(
                 "tuning {}: candidate {} measured {us} us",
                 key.describe(),
                 cfg.tag()
-            )));
+            ))));
         }
         times_ns.push((cfg.tag(), (us * 1e3).round() as u64));
         if best.is_none_or(|(_, b)| us < b) {
@@ -416,17 +417,17 @@ pub fn tune(
         }
     }
     let Some((choice, _)) = best else {
-        return Err(Error::Placement(format!(
+        return Err(E::from(Error::Placement(format!(
             "tuning {}: no candidate",
             key.describe()
-        )));
+        ))));
     };
     let entry = TuneEntry {
         choice,
         times_ns,
         reps,
     };
-    cache.put(key, &entry)?;
+    cache.put(key, &entry).map_err(E::from)?;
     Ok((entry, TuneSource::Tuned))
 }
 
