@@ -296,7 +296,7 @@ impl Selection {
                 for name in list.split(',').map(str::trim) {
                     let r = Recipe::from_name(name).ok_or_else(|| {
                         Error::Usage(format!(
-                            "unknown --recipe `{name}` for the GEMM benchmark (expected bf16, fp8_per_tensor, fp8_block128 or all)"
+                            "unknown --recipe `{name}` for the grouped GEMM (expected bf16, fp8_per_tensor, fp8_block128 or all)"
                         ))
                     })?;
                     if !v.contains(&r) {

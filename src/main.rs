@@ -328,12 +328,9 @@ fn cache_cmd(
                 writeln!(out, "{} GEMM tuning entries in {dir}", tuned.len()).map_err(io)?;
                 for t in tuned {
                     match (&t.key, &t.choice) {
-                        (Some(k), Some(c)) if t.valid => writeln!(
-                            out,
-                            "tune   {}  {}  -> {c}  ok",
-                            t.hash,
-                            k.describe()
-                        ),
+                        (Some(k), Some(c)) if t.valid => {
+                            writeln!(out, "tune   {}  {}  -> {c}  ok", t.hash, k.describe())
+                        }
                         _ => writeln!(
                             out,
                             "tune   {}  {:>9} bytes  CORRUPT (will be tuned again)",
