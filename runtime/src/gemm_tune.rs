@@ -590,18 +590,18 @@ mod tests {
         let mut other = k.clone();
         other.bucket = bucket(512) as u64;
         assert_eq!(other.hash(), k.hash());
-        let variants: Vec<Box<dyn Fn(&mut TuneKey)>> = vec![
-            Box::new(|k| k.gpu.push('x')),
-            Box::new(|k| k.driver += 1),
-            Box::new(|k| k.version.push('x')),
-            Box::new(|k| k.codegen.push('x')),
-            Box::new(|k| k.operands = Operands::Bf16),
-            Box::new(|k| k.scaling = Scaling::Tensorwise { per_token: true }),
-            Box::new(|k| k.out = OutTy::F32),
-            Box::new(|k| k.n += 1),
-            Box::new(|k| k.k += 1),
-            Box::new(|k| k.experts += 1),
-            Box::new(|k| k.bucket = bucket(513) as u64),
+        let variants: Vec<fn(&mut TuneKey)> = vec![
+            |k: &mut TuneKey| k.gpu.push('x'),
+            |k: &mut TuneKey| k.driver += 1,
+            |k: &mut TuneKey| k.version.push('x'),
+            |k: &mut TuneKey| k.codegen.push('x'),
+            |k: &mut TuneKey| k.operands = Operands::Bf16,
+            |k: &mut TuneKey| k.scaling = Scaling::Tensorwise { per_token: true },
+            |k: &mut TuneKey| k.out = OutTy::F32,
+            |k: &mut TuneKey| k.n += 1,
+            |k: &mut TuneKey| k.k += 1,
+            |k: &mut TuneKey| k.experts += 1,
+            |k: &mut TuneKey| k.bucket = bucket(513) as u64,
         ];
         let mut hashes = std::collections::BTreeSet::from([k.hash()]);
         for f in &variants {
@@ -706,7 +706,7 @@ mod tests {
         std::fs::write(&path, &good[..10]).unwrap();
         let c = TuneCache::new(Some(dir.path().to_path_buf()));
         let all = candidates(k.operands, k.scaling, k.n, k.k);
-        let (got, src) = tune(&c, &k, &all, 1, |cfg| Ok(f64::from(cfg.bn))).unwrap();
+        let (got, src) = tune::<Error>(&c, &k, &all, 1, |cfg| Ok(f64::from(cfg.bn))).unwrap();
         assert_eq!(src, TuneSource::Tuned);
         assert_eq!(got.choice.bn, 8);
         assert!(TuneCache::new(Some(dir.path().to_path_buf()))
@@ -757,7 +757,7 @@ mod tests {
         let us = |i: usize| [5.0, 2.0, 2.0, 9.0].get(i).copied().unwrap_or(7.0);
         let mut calls = Vec::new();
         let c = TuneCache::new(Some(dir.path().to_path_buf()));
-        let (e, src) = tune(&c, &k, &all, 3, |cfg| {
+        let (e, src) = tune::<Error>(&c, &k, &all, 3, |cfg| {
             let i = all.iter().position(|x| x == cfg).unwrap();
             calls.push(i);
             Ok(us(i))
@@ -782,22 +782,22 @@ mod tests {
         // Another bucket is tuned on its own.
         let mut k2 = k.clone();
         k2.bucket = bucket(4096) as u64;
-        let (e2, src) = tune(&c, &k2, &all, 1, |cfg| Ok(f64::from(cfg.stages))).unwrap();
+        let (e2, src) = tune::<Error>(&c, &k2, &all, 1, |cfg| Ok(f64::from(cfg.stages))).unwrap();
         assert_eq!(src, TuneSource::Tuned);
         assert_eq!(
             e2.choice.stages,
             all.iter().map(|c| c.stages).min().unwrap()
         );
         // A stored choice that is not among the candidates is tuned again.
-        let (e3, src) = tune(&c, &k, &all[2..], 1, |cfg| Ok(f64::from(cfg.bn))).unwrap();
+        let (e3, src) = tune::<Error>(&c, &k, &all[2..], 1, |cfg| Ok(f64::from(cfg.bn))).unwrap();
         assert_eq!(src, TuneSource::Tuned);
         assert!(all[2..].contains(&e3.choice));
         // Errors and bad times are returned, and nothing is stored.
         let mut k4 = k.clone();
         k4.experts = 7;
-        assert!(tune(&c, &k4, &all, 1, |_| Err(Error::Placement("boom".into()))).is_err());
-        assert!(tune(&c, &k4, &all, 1, |_| Ok(f64::NAN)).is_err());
-        assert!(tune(&c, &k4, &[], 1, |_| Ok(1.0)).is_err());
+        assert!(tune::<Error>(&c, &k4, &all, 1, |_| Err(Error::Placement("boom".into()))).is_err());
+        assert!(tune::<Error>(&c, &k4, &all, 1, |_| Ok(f64::NAN)).is_err());
+        assert!(tune::<Error>(&c, &k4, &[], 1, |_| Ok(1.0)).is_err());
         assert_eq!(c.get(&k4), None);
     }
 }
