@@ -203,10 +203,11 @@ impl WsRunner {
         Ok(())
     }
 
-    /// Time one launch of `cfg` on the prepared operands after an L2 flush, in microseconds (a
-    /// variant loaded now is launched once untimed first).
-    fn time_once(&mut self, dev: &Device, cfg: &WsConfig) -> Result<f64> {
-        if self.build(dev, cfg)? {
+    /// Time one launch of `cfg` on the prepared operands after an L2 flush, in microseconds (with
+    /// `warm`, after one untimed launch).
+    fn time_once(&mut self, dev: &Device, cfg: &WsConfig, warm: bool) -> Result<f64> {
+        self.build(dev, cfg)?;
+        if warm {
             self.launch_cfg(dev, cfg)?;
         }
         if self.flush.is_none() {
@@ -258,12 +259,16 @@ impl WsRunner {
         let label = format!("{} {} {}", case.model, case.recipe.name(), case.tokens);
         let cache = Arc::clone(&self.tune);
         let mut prepared = false;
+        let mut last: Option<WsConfig> = None;
         let (entry, source) = gemm_tune::tune(&cache, &key, &all, TUNE_REPS as u32, |cfg| {
             if !prepared {
                 self.prepare_operands(dev, case)?;
                 prepared = true;
             }
-            let us = self.time_once(dev, cfg)?;
+            // The first launch of each candidate is untimed (module and tensor maps warm).
+            let warm = last != Some(*cfg);
+            last = Some(*cfg);
+            let us = self.time_once(dev, cfg, warm)?;
             self.tuning.push((label.clone(), cfg.tag(), us));
             // Progress on stderr: every launch timed, for the record of how a choice was made.
             use std::io::Write as _;
