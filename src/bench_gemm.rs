@@ -296,7 +296,7 @@ impl Selection {
                 for name in list.split(',').map(str::trim) {
                     let r = Recipe::from_name(name).ok_or_else(|| {
                         Error::Usage(format!(
-                            "unknown --recipe `{name}` for the GEMM benchmark (expected bf16, fp8_per_tensor, fp8_block128 or all)"
+                            "unknown --recipe `{name}` for the grouped GEMM (expected bf16, fp8_per_tensor, fp8_block128 or all)"
                         ))
                     })?;
                     if !v.contains(&r) {
@@ -1240,6 +1240,8 @@ pub struct Options {
     pub anchor: Anchor,
     /// Where to write the JSON report (atomically), if anywhere.
     pub json: Option<PathBuf>,
+    /// The runtime's settings: the kernel and tuning caches' folder, the PTX compiler.
+    pub runtime: crate::runtime::Settings,
 }
 
 /// Run the benchmark with `runner`; the report's text, and whether every case that has a kernel
@@ -1334,9 +1336,10 @@ pub fn run_with(opts: &Options, runner: &mut dyn GemmRunner) -> Result<(String, 
     Ok((text, ok))
 }
 
-/// [`run_with`] the tuned warp-specialized runner ([`crate::bench_gemm_ws::WsRunner`]).
+/// [`run_with`] the tuned warp-specialized runner ([`crate::bench_gemm_ws::WsRunner`]) over the
+/// kernel and tuning caches of `opts.runtime`.
 pub fn run(opts: &Options) -> Result<(String, bool)> {
-    let mut runner = crate::bench_gemm_ws::WsRunner::new();
+    let mut runner = crate::bench_gemm_ws::WsRunner::with_settings(&opts.runtime)?;
     run_with(opts, &mut runner)
 }
 

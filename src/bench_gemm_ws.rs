@@ -1,10 +1,13 @@
 //! The warp-specialized grouped GEMM (`runtime::gemm_ws::GroupedGemm`) behind the GEMM benchmark's
 //! [`GemmRunner`]: bf16, fp8_per_tensor (e4m3 with a per-expert weight scale and per-token
-//! activation scales) and fp8_block128, bf16 output. For every case it tunes over the candidate set
-//! of `codegen::gemm::tune` (each candidate timed with an L2 flush before each launch, the fastest
-//! kept; the choice is named in the table) and then launches the chosen variant.
+//! activation scales) and fp8_block128, bf16 output. For every case it takes the variant the tuning
+//! cache ([`crate::runtime::gemm_tune`]) holds for the case's family, shape and row bucket, or tunes
+//! over the candidate set of `codegen::gemm::tune` (each candidate timed with an L2 flush before each
+//! launch, the fastest kept and stored), and then launches it; the table says which. The kernels'
+//! cubins come from the kernel cache ([`GroupedGemm::load_cached`]).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
@@ -12,12 +15,15 @@ use crate::bench_gemm::{
     fill_device, random_bf16, random_e4m3, GemmCase, GemmRunner, Prepared, Recipe,
 };
 use crate::codegen::gemm::tune;
-use crate::codegen::gemm::ws::{Operands, Scaling, WsConfig};
+use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use crate::runtime::cache::{Cache, Hit};
+use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
+use crate::runtime::jit::Compiler;
 use crate::runtime::{drv, Device};
 use crate::{Error, Result};
 
-/// Launches per candidate when tuning (after one warm-up).
+/// Timed launches per candidate when tuning (after one untimed launch).
 const TUNE_REPS: usize = 3;
 /// The L2 flush before each tuning launch.
 const TUNE_FLUSH_BYTES: usize = 256 << 20;
@@ -35,14 +41,32 @@ struct Operands_ {
     experts: usize,
 }
 
+/// What a runner built and tuned (for the warm-up's summary).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WsStats {
+    /// Variants loaded.
+    pub built: usize,
+    /// Of those, cubins found in the kernel cache (memory or disk).
+    pub cubin_hits: usize,
+    /// Cases whose variant was tuned now.
+    pub tuned: usize,
+    /// Cases whose variant came from the tuning cache.
+    pub tune_hits: usize,
+}
+
 /// The tuned warp-specialized runner.
 pub struct WsRunner {
     kernels: HashMap<WsConfig, GroupedGemm>,
     ops: Option<Operands_>,
     chosen: Option<WsConfig>,
     flush: Option<CudaSlice<u8>>,
-    /// Every tuning outcome: (case label, candidate tag, microseconds).
+    cache: Cache,
+    tune: Arc<TuneCache>,
+    compiler: Compiler,
+    /// Every candidate timed now: (case label, candidate tag, microseconds).
     pub tuning: Vec<(String, String, f64)>,
+    /// What was built and tuned.
+    pub stats: WsStats,
 }
 
 impl Default for WsRunner {
@@ -61,25 +85,50 @@ pub fn family(recipe: Recipe) -> (Operands, Scaling) {
 }
 
 impl WsRunner {
-    /// A runner with nothing loaded.
+    /// A runner with nothing loaded, its kernel and tuning caches in memory only, compiling with
+    /// the driver's JIT.
     pub fn new() -> WsRunner {
+        WsRunner::with_caches(Cache::new(None), TuneCache::new(None), Compiler::Driver)
+    }
+
+    /// A runner over the kernel cache and tuning cache of `settings.cache_dir`, compiling with the
+    /// compiler `settings.jit` asks for.
+    pub fn with_settings(settings: &crate::runtime::Settings) -> Result<WsRunner> {
+        Ok(WsRunner::with_caches(
+            Cache::new(settings.cache_dir.clone()),
+            TuneCache::new(settings.cache_dir.clone()),
+            Compiler::resolve(&settings.jit)?,
+        ))
+    }
+
+    /// A runner over the given caches and compiler.
+    pub fn with_caches(cache: Cache, tune: TuneCache, compiler: Compiler) -> WsRunner {
         WsRunner {
             kernels: HashMap::new(),
             ops: None,
             chosen: None,
             flush: None,
+            cache,
+            tune: Arc::new(tune),
+            compiler,
             tuning: Vec::new(),
+            stats: WsStats::default(),
         }
     }
 
-    fn kernel(&mut self, dev: &Device, cfg: &WsConfig) -> Result<&GroupedGemm> {
-        if !self.kernels.contains_key(cfg) {
-            let g = GroupedGemm::load(dev, cfg)?;
-            self.kernels.insert(*cfg, g);
+    /// Load `cfg` on `dev` (its cubin through the kernel cache) unless it is loaded; whether it was
+    /// loaded now.
+    pub fn build(&mut self, dev: &Device, cfg: &WsConfig) -> Result<bool> {
+        if self.kernels.contains_key(cfg) {
+            return Ok(false);
         }
-        self.kernels
-            .get(cfg)
-            .ok_or_else(|| Error::Usage("GEMM bench: kernel not loaded".into()))
+        let g = GroupedGemm::load_cached(dev, cfg, &self.cache, &self.compiler)?;
+        self.stats.built += 1;
+        if matches!(g.cubin_hit(), Some(Hit::Memory | Hit::Disk)) {
+            self.stats.cubin_hits += 1;
+        }
+        self.kernels.insert(*cfg, g);
+        Ok(true)
     }
 
     fn launch_cfg(&mut self, dev: &Device, cfg: &WsConfig) -> Result<()> {
@@ -154,10 +203,13 @@ impl WsRunner {
         Ok(())
     }
 
-    /// Time `cfg` on the prepared operands: the mean of [`TUNE_REPS`] launches, each after an L2
-    /// flush, in microseconds.
-    fn time(&mut self, dev: &Device, cfg: &WsConfig) -> Result<f64> {
-        self.kernel(dev, cfg)?;
+    /// Time one launch of `cfg` on the prepared operands after an L2 flush, in microseconds (with
+    /// `warm`, after one untimed launch).
+    fn time_once(&mut self, dev: &Device, cfg: &WsConfig, warm: bool) -> Result<f64> {
+        self.build(dev, cfg)?;
+        if warm {
+            self.launch_cfg(dev, cfg)?;
+        }
         if self.flush.is_none() {
             self.flush = Some(
                 dev.stream
@@ -165,26 +217,69 @@ impl WsRunner {
                     .map_err(drv("cuMemAlloc"))?,
             );
         }
-        self.launch_cfg(dev, cfg)?;
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let mut total = 0.0;
-        for _ in 0..TUNE_REPS {
-            if let Some(f) = self.flush.as_mut() {
-                dev.stream.memset_zeros(f).map_err(drv("cuMemsetD8"))?;
-            }
-            let a = dev
-                .stream
-                .record_event(timing)
-                .map_err(drv("cuEventRecord"))?;
-            self.launch_cfg(dev, cfg)?;
-            let b = dev
-                .stream
-                .record_event(timing)
-                .map_err(drv("cuEventRecord"))?;
-            dev.sync()?;
-            total += f64::from(a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?) * 1e3;
+        if let Some(f) = self.flush.as_mut() {
+            dev.stream.memset_zeros(f).map_err(drv("cuMemsetD8"))?;
         }
-        Ok(total / TUNE_REPS as f64)
+        let a = dev
+            .stream
+            .record_event(timing)
+            .map_err(drv("cuEventRecord"))?;
+        self.launch_cfg(dev, cfg)?;
+        let b = dev
+            .stream
+            .record_event(timing)
+            .map_err(drv("cuEventRecord"))?;
+        dev.sync()?;
+        Ok(f64::from(a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?) * 1e3)
+    }
+
+    /// The variant for `case` on `dev` (a Hopper GPU) and where the choice came from: the tuning
+    /// cache's entry for the case's family, N, K, experts and row bucket, else every candidate
+    /// timed now ([`TUNE_REPS`] launches each, in candidate order) on the case's operands (made
+    /// here) and the fastest stored.
+    pub fn choose(&mut self, dev: &Device, case: &GemmCase) -> Result<(WsConfig, TuneSource)> {
+        let (n, k, e) = match (
+            u32::try_from(case.n),
+            u32::try_from(case.k),
+            u32::try_from(case.experts),
+        ) {
+            (Ok(n), Ok(k), Ok(e)) => (n, k, e),
+            _ => {
+                return Err(Error::Usage(format!(
+                    "N = {}, K = {}, {} experts do not fit the kernel",
+                    case.n, case.k, case.experts
+                )))
+            }
+        };
+        let (operands, scaling) = family(case.recipe);
+        let all = tune::candidates(operands, scaling, n, k);
+        let out = all.first().map_or(OutTy::Bf16, |c| c.out);
+        let key = TuneKey::for_device(dev, operands, scaling, out, n, k, e, case.rows_total());
+        let label = format!("{} {} {}", case.model, case.recipe.name(), case.tokens);
+        let cache = Arc::clone(&self.tune);
+        let mut prepared = false;
+        let mut last: Option<WsConfig> = None;
+        let (entry, source) = gemm_tune::tune(&cache, &key, &all, TUNE_REPS as u32, |cfg| {
+            if !prepared {
+                self.prepare_operands(dev, case)?;
+                prepared = true;
+            }
+            // The first launch of each candidate is untimed (module and tensor maps warm).
+            let warm = last != Some(*cfg);
+            last = Some(*cfg);
+            let us = self.time_once(dev, cfg, warm)?;
+            self.tuning.push((label.clone(), cfg.tag(), us));
+            // Progress on stderr: every launch timed, for the record of how a choice was made.
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "tune {label}: {} {us:.1} us", cfg.tag());
+            Ok::<f64, Error>(us)
+        })?;
+        match source {
+            TuneSource::Cached => self.stats.tune_hits += 1,
+            TuneSource::Tuned => self.stats.tuned += 1,
+        }
+        Ok((entry.choice, source))
     }
 }
 
@@ -205,30 +300,19 @@ impl GemmRunner for WsRunner {
                 )))
             }
         };
+        let (cfg, source) = self.choose(dev, case)?;
         self.prepare_operands(dev, case)?;
-        let (operands, scaling) = family(case.recipe);
-        let all = tune::candidates(operands, scaling, n, k);
-        let mut best: Option<(WsConfig, f64)> = None;
-        let label = format!("{} {} {}", case.model, case.recipe.name(), case.tokens);
-        for cfg in &all {
-            let us = self.time(dev, cfg)?;
-            self.tuning.push((label.clone(), cfg.tag(), us));
-            // Progress on stderr: every candidate's time, for the record of how a choice was made.
-            use std::io::Write as _;
-            let _ = writeln!(std::io::stderr(), "tune {label}: {} {us:.1} us", cfg.tag());
-            if best.is_none_or(|(_, b)| us < b) {
-                best = Some((*cfg, us));
-            }
-        }
-        let Some((cfg, _)) = best else {
-            return Ok(Prepared::NotBuilt("no candidate".into()));
-        };
+        self.build(dev, &cfg)?;
         self.chosen = Some(cfg);
-        Ok(Prepared::Ready(format!(
-            "ws {} (tuned over {})",
-            cfg.tag(),
-            all.len()
-        )))
+        let (operands, scaling) = family(case.recipe);
+        let how = match source {
+            TuneSource::Cached => "cached tuning".to_string(),
+            TuneSource::Tuned => format!(
+                "tuned now over {}",
+                tune::candidates(operands, scaling, n, k).len()
+            ),
+        };
+        Ok(Prepared::Ready(format!("ws {} ({how})", cfg.tag())))
     }
 
     fn launch(&mut self, dev: &Device) -> Result<()> {

@@ -24,6 +24,7 @@ pub mod eplb_apply;
 pub mod eplb_nccl;
 pub mod gemm_check;
 pub mod gemm_variants;
+pub mod gemm_warmup;
 pub mod gemm_ws_check;
 pub mod gpu;
 pub mod gpu_shards;

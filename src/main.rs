@@ -234,14 +234,28 @@ enum EplbAction {
 
 #[derive(Subcommand)]
 enum CacheAction {
-    /// List the entries on disk.
+    /// List the entries on disk (kernels, then GEMM tuning results).
     Ls,
-    /// Remove every entry.
+    /// Remove every entry (kernels and GEMM tuning results).
     Clear,
-    /// Compile the PTX (and, with a GPU, the cubin) a binding needs into the cache.
+    /// Compile the PTX (and, with a GPU, the cubin) a binding needs into the cache; or, with
+    /// --model, build and tune every grouped-GEMM variant of a model's shapes.
     Warmup {
         /// The recipe file, or the name of a standard recipe.
+        #[arg(conflicts_with = "model")]
         file: Option<String>,
+        /// Pre-build (and, on a Hopper GPU, pre-tune) every grouped-GEMM variant of a model's w13
+        /// and w2: qwen3-30b-a3b, deepseek-v3-ep8, mixtral-8x7b or all.
+        #[arg(long, conflicts_with_all = ["bind", "replay", "manifest"])]
+        model: Option<String>,
+        /// With --model: bf16, fp8_per_tensor, fp8_block128 or all (a comma-separated list also
+        /// works; default all).
+        #[arg(long, requires = "model")]
+        recipe: Option<String>,
+        /// With --model: the token counts tuned, comma-separated (default:
+        /// 1,16,128,512,2048,8192).
+        #[arg(long, requires = "model")]
+        tokens: Option<String>,
         /// Dimension values.
         #[arg(long)]
         bind: Option<String>,
@@ -283,6 +297,7 @@ fn cache_cmd(
     };
     let rs = &settings.runtime;
     let cache = moeforge::runtime::Cache::new(rs.cache_dir.clone());
+    let tune = moeforge::runtime::gemm_tune::TuneCache::new(rs.cache_dir.clone());
     match action {
         CacheAction::Ls => {
             let entries = cache.entries()?;
@@ -304,10 +319,48 @@ fn cache_cmd(
                 )
                 .map_err(io)?;
             }
+            let tuned = tune.entries()?;
+            if !tuned.is_empty() {
+                let dir = tune
+                    .dir()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_else(|| "-".into());
+                writeln!(out, "{} GEMM tuning entries in {dir}", tuned.len()).map_err(io)?;
+                for t in tuned {
+                    match (&t.key, &t.choice) {
+                        (Some(k), Some(c)) if t.valid => {
+                            writeln!(out, "tune   {}  {}  -> {c}  ok", t.hash, k.describe())
+                        }
+                        _ => writeln!(
+                            out,
+                            "tune   {}  {:>9} bytes  CORRUPT (will be tuned again)",
+                            t.hash, t.bytes
+                        ),
+                    }
+                    .map_err(io)?;
+                }
+            }
         }
         CacheAction::Clear => {
             let n = cache.clear()?;
             writeln!(out, "removed {n} entries").map_err(io)?;
+            let t = tune.clear()?;
+            if t > 0 {
+                writeln!(out, "removed {t} GEMM tuning entries").map_err(io)?;
+            }
+        }
+        CacheAction::Warmup {
+            model: Some(model),
+            recipe,
+            tokens,
+            ..
+        } => {
+            let selection = moeforge::bench_gemm::Selection::parse(
+                Some(&model),
+                tokens.as_deref(),
+                recipe.as_deref(),
+            )?;
+            write!(out, "{}", moeforge::gemm_warmup::warmup(&selection, rs)?).map_err(io)?;
         }
         CacheAction::Warmup {
             file,
@@ -315,6 +368,7 @@ fn cache_cmd(
             target,
             manifest,
             replay,
+            ..
         } => {
             let mut jobs: Vec<(String, String, String)> = Vec::new();
             if let Some(m) = replay {
@@ -729,6 +783,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                         )
                     },
                     json,
+                    runtime: settings.runtime.clone(),
                 };
                 let (report, ok) = moeforge::bench_gemm::run(&opts)?;
                 write!(out, "{report}").map_err(io)?;

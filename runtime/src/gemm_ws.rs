@@ -12,8 +12,78 @@ use std::sync::Arc;
 use moeforge_codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
 use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WsConfig};
 
+use crate::cache::{Cache, Hit};
+use crate::jit::Compiler;
 use crate::tma::TensorMapCache;
 use crate::{drv, Device, Error, Result};
+
+/// The variant's entry name (`moeforge_gemm_{tag}`) and its PTX module (sm_90a).
+pub fn variant_ptx(cfg: &WsConfig) -> Result<(String, String)> {
+    let entry = format!("moeforge_gemm_{}", cfg.tag());
+    let ptx = ws::grouped_ws_module(&entry, cfg)?;
+    Ok((entry, ptx))
+}
+
+/// The cache key of a GEMM variant's PTX text: BLAKE3 of the text, the target and the moeforge
+/// version (the text holds everything the variant is; its cubin's key adds the compiler through
+/// [`Cache::cubin_key`], as the pack kernels' do).
+pub fn ptx_text_key(ptx: &str) -> String {
+    let mut h = blake3::Hasher::new();
+    for part in ["moeforge-gemm-ptx", env!("CARGO_PKG_VERSION"), "sm_90a"] {
+        h.update(part.as_bytes());
+        h.update(&[0]);
+    }
+    h.update(ptx.as_bytes());
+    h.finalize().to_hex().to_string()
+}
+
+/// The cubin of the PTX module `ptx` (entry `entry`) from `cache`, or compiled by `compiler` and
+/// stored there: the driver's JIT needs `dev`, ptxas does not (a warm-up without a GPU). Returns
+/// the cubin, where it came from, and the compiler's log (empty on a hit).
+pub fn variant_cubin(
+    cache: &Cache,
+    compiler: &Compiler,
+    dev: Option<&Device>,
+    entry: &str,
+    ptx: &str,
+) -> Result<(Arc<Vec<u8>>, Hit, String)> {
+    let key = Cache::cubin_key(
+        &ptx_text_key(ptx),
+        &compiler.key_part(dev.map_or(0, |d| d.driver_version)),
+    );
+    let mut log = String::new();
+    let (cubin, hit) = cache.get_or_insert("cubin", &key, || {
+        let (c, l) = match (compiler, dev) {
+            (Compiler::Driver, Some(dev)) => crate::jit::link_ptx(dev, entry, ptx)?,
+            (Compiler::Driver, None) => {
+                return Err(Error::NoDriver(
+                    "the driver's JIT needs a device (ptxas does not)".into(),
+                ))
+            }
+            (Compiler::Ptxas { path, .. }, _) => {
+                crate::jit::ptxas_compile(path, "sm_90a", entry, ptx)?
+            }
+        };
+        log = l;
+        Ok(c)
+    })?;
+    Ok((cubin, hit, log))
+}
+
+fn check_device(dev: &Device) -> Result<()> {
+    if !crate::device::driver_present() {
+        return Err(Error::NoDriver(
+            "the grouped GEMM needs the CUDA driver".into(),
+        ));
+    }
+    if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
+        return Err(Error::NoDriver(format!(
+            "the grouped GEMM is sm_90a (Hopper) only; this device is compute capability {:?}",
+            dev.capability
+        )));
+    }
+    Ok(())
+}
 
 /// One loaded variant.
 pub struct GroupedGemm {
@@ -26,6 +96,8 @@ pub struct GroupedGemm {
     max_ctas: u32,
     /// The driver JIT's verbose log (registers, spills).
     jit_log: String,
+    /// Where the cubin came from, when a cache was used.
+    cubin_hit: Option<Hit>,
     /// Split-K's f32 workspace and per-tile arrival counters (zeroed once; the last split of a
     /// tile resets its counter), grown to the largest launch seen.
     split: std::sync::Mutex<Option<SplitBuffers>>,
@@ -73,23 +145,40 @@ fn short(what: &str, got: usize, want: usize) -> Error {
 }
 
 impl GroupedGemm {
-    /// Generate the variant `cfg`, JIT it for `dev` (Hopper, sm_90a, only), load it and allow it
-    /// its dynamic shared memory.
+    /// Generate the variant `cfg`, JIT it for `dev` (Hopper, sm_90a, only) with the driver's JIT
+    /// linker, load it and allow it its dynamic shared memory. No cache: every call compiles
+    /// ([`GroupedGemm::load_cached`] goes through the kernel cache).
     pub fn load(dev: &Device, cfg: &WsConfig) -> Result<GroupedGemm> {
-        if !crate::device::driver_present() {
-            return Err(Error::NoDriver(
-                "the grouped GEMM needs the CUDA driver".into(),
-            ));
-        }
-        if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
-            return Err(Error::NoDriver(format!(
-                "the grouped GEMM is sm_90a (Hopper) only; this device is compute capability {:?}",
-                dev.capability
-            )));
-        }
-        let entry = format!("moeforge_gemm_{}", cfg.tag());
-        let ptx = ws::grouped_ws_module(&entry, cfg)?;
+        check_device(dev)?;
+        let (entry, ptx) = variant_ptx(cfg)?;
         let (cubin, jit_log) = crate::jit::link_ptx(dev, &entry, &ptx)?;
+        GroupedGemm::from_cubin(dev, cfg, entry, cubin, jit_log, None)
+    }
+
+    /// [`GroupedGemm::load`] with the cubin from the kernel cache `cache` (keyed by the PTX text and
+    /// the compiler, as the pack kernels' cubins are: [`variant_cubin`]), compiled by `compiler` and
+    /// stored there on a miss, so that a process pays the JIT of a variant once. The JIT log is
+    /// empty when the cubin came from the cache.
+    pub fn load_cached(
+        dev: &Device,
+        cfg: &WsConfig,
+        cache: &Cache,
+        compiler: &Compiler,
+    ) -> Result<GroupedGemm> {
+        check_device(dev)?;
+        let (entry, ptx) = variant_ptx(cfg)?;
+        let (cubin, hit, jit_log) = variant_cubin(cache, compiler, Some(dev), &entry, &ptx)?;
+        GroupedGemm::from_cubin(dev, cfg, entry, cubin.as_ref().clone(), jit_log, Some(hit))
+    }
+
+    fn from_cubin(
+        dev: &Device,
+        cfg: &WsConfig,
+        entry: String,
+        cubin: Vec<u8>,
+        jit_log: String,
+        cubin_hit: Option<Hit>,
+    ) -> Result<GroupedGemm> {
         let module = dev
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
@@ -123,8 +212,15 @@ impl GroupedGemm {
             maps: TensorMapCache::new(),
             max_ctas: dev.sms.max(1) * per_sm,
             jit_log,
+            cubin_hit,
             split: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Where the cubin came from ([`GroupedGemm::load_cached`]); `None` when it was compiled
+    /// without a cache ([`GroupedGemm::load`]).
+    pub fn cubin_hit(&self) -> Option<Hit> {
+        self.cubin_hit
     }
 
     /// The variant.
@@ -355,6 +451,48 @@ mod tests {
         let log = "ptxas info    : Function properties for k\n    0 bytes stack frame, 276 bytes spill stores, 280 bytes spill loads\nptxas info    : Used 168 registers, used 1 barriers";
         assert_eq!(jit_registers_and_spills(log), (Some(168), Some(556)));
         assert_eq!(jit_registers_and_spills(""), (None, None));
+    }
+
+    /// The cubin key follows the PTX text; the driver's JIT without a device is refused and stores
+    /// nothing; where a ptxas is given (`MOEFORGE_PTXAS`, as `scripts/test` sets it) it compiles
+    /// once, and the second request is a hit.
+    #[test]
+    fn variant_cubins_go_through_the_cache() {
+        let cfg = WsConfig {
+            operands: Operands::Bf16,
+            scaling: Scaling::None,
+            out: OutTy::Bf16,
+            consumers: 1,
+            bn: 16,
+            stages: 4,
+            swap_ab: true,
+            split_k: 1,
+            n: 256,
+            k: 512,
+        };
+        let (entry, ptx) = variant_ptx(&cfg).unwrap();
+        assert_eq!(entry, format!("moeforge_gemm_{}", cfg.tag()));
+        assert_eq!(
+            ptx_text_key(&ptx),
+            ptx_text_key(&variant_ptx(&cfg).unwrap().1)
+        );
+        let other = variant_ptx(&WsConfig { k: 1024, ..cfg }).unwrap().1;
+        assert_ne!(ptx_text_key(&ptx), ptx_text_key(&other));
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::new(Some(dir.path().to_path_buf()));
+        let err = variant_cubin(&cache, &Compiler::Driver, None, &entry, &ptx).unwrap_err();
+        assert!(matches!(err, Error::NoDriver(_)), "{err}");
+        assert!(cache.entries().unwrap().is_empty());
+        let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") else {
+            return;
+        };
+        let compiler = Compiler::ptxas(std::path::Path::new(&ptxas)).unwrap();
+        let (c1, hit, _) = variant_cubin(&cache, &compiler, None, &entry, &ptx).unwrap();
+        assert_eq!(hit, Hit::Compiled);
+        let fresh = Cache::new(Some(dir.path().to_path_buf()));
+        let (c2, hit, log) = variant_cubin(&fresh, &compiler, None, &entry, &ptx).unwrap();
+        assert_eq!((hit, log.as_str()), (Hit::Disk, ""));
+        assert_eq!(c1, c2);
     }
 
     /// Without a driver there is no device to load on (`NoDriver`); with one, sm_90a loads.

@@ -18,6 +18,7 @@ pub mod device_storage;
 pub mod eplb;
 pub mod eplb_state;
 pub mod gemm;
+pub mod gemm_tune;
 pub mod gemm_ws;
 pub mod gpu_pack;
 pub mod jit;

@@ -1,0 +1,182 @@
+//! `moeforge cache warmup --model`: pre-build and pre-tune every grouped-GEMM variant of a model's
+//! MoE shapes, so that a serving process finds its kernels' cubins in the kernel cache and its
+//! choices in the tuning cache ([`crate::runtime::gemm_tune`]).
+//!
+//! For each model of the selection ([`crate::bench_gemm::MODELS`]), each of its two GEMMs (w13:
+//! `N = 2I, K = H`; w2: `N = H, K = I`) and each recipe, every candidate of
+//! `codegen::gemm::tune::candidates` is generated; on a Hopper GPU each is JIT-compiled through the
+//! kernel cache and loaded, and each token count is tuned (uniform routing as the GEMM benchmark
+//! routes, random operands) unless the tuning cache holds its bucket. Without one, the PTX is still
+//! generated (it proves every variant generates), the cubins are compiled when the compiler is
+//! ptxas (it needs no device), and tuning is skipped.
+
+use std::fmt::Write as _;
+
+use crate::bench_gemm::{case_seed, routing, GemmCase, Selection};
+use crate::bench_gemm_ws::{family, WsRunner};
+use crate::codegen::gemm::tune;
+use crate::runtime::cache::{Cache, Hit};
+use crate::runtime::gemm_tune::TuneSource;
+use crate::runtime::gemm_ws::{variant_cubin, variant_ptx};
+use crate::runtime::jit::Compiler;
+use crate::{Error, Result};
+
+/// The two GEMMs of a model's MoE layer: name, N, K.
+pub fn gemms(m: &crate::bench_gemm::Model) -> [(&'static str, usize, usize); 2] {
+    [
+        ("w13", 2 * m.intermediate, m.hidden),
+        ("w2", m.hidden, m.intermediate),
+    ]
+}
+
+/// What a warm-up did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WarmupSummary {
+    /// Variants whose PTX was generated.
+    pub generated: usize,
+    /// Variants built (cubin compiled or found in the kernel cache, and loaded where there is a GPU).
+    pub built: usize,
+    /// Of those, cubins found in the kernel cache.
+    pub cubin_hits: usize,
+    /// Token buckets tuned now.
+    pub tuned: usize,
+    /// Token buckets whose choice the tuning cache held.
+    pub tune_hits: usize,
+}
+
+/// Warm the kernel and tuning caches of `settings` for `sel`'s models, recipes and token counts;
+/// the report's text. Without a Hopper GPU this is not an error: the report says that the kernels
+/// were not loaded and tuning was skipped.
+pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<String> {
+    let mut text = String::new();
+    let compiler = Compiler::resolve(&settings.jit)?;
+    let cache = Cache::new(settings.cache_dir.clone());
+    let dev = crate::gpu::open();
+    let hopper = match &dev {
+        Ok(d) if d.target() == Some(crate::codegen::ptx::Target::Sm90a) => Some(d),
+        _ => None,
+    };
+    let why_not = match &dev {
+        Ok(d) => format!(
+            "the GPU here ({}, compute capability {:?}) is not Hopper (sm_90a)",
+            d.name, d.capability
+        ),
+        Err(why) => why.clone(),
+    };
+    let ptxas = matches!(compiler, Compiler::Ptxas { .. });
+    let mut runner = WsRunner::with_settings(settings)?;
+    let mut s = WarmupSummary::default();
+    let _ = writeln!(
+        text,
+        "GEMM warm-up: cache {}, compiler {}",
+        cache
+            .dir()
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|| "in memory only".into()),
+        compiler.describe()
+    );
+    for m in &sel.models {
+        for (gemm, n, k) in gemms(m) {
+            let (n32, k32) = match (u32::try_from(n), u32::try_from(k)) {
+                (Ok(a), Ok(b)) => (a, b),
+                _ => {
+                    return Err(Error::Usage(format!(
+                        "{} {gemm}: N = {n}, K = {k} do not fit the kernel",
+                        m.name
+                    )))
+                }
+            };
+            for &recipe in &sel.recipes {
+                let (operands, scaling) = family(recipe);
+                let all = tune::candidates(operands, scaling, n32, k32);
+                let (mut built, mut hits) = (0, 0);
+                for cfg in &all {
+                    let (entry, ptx) = variant_ptx(cfg)?;
+                    s.generated += 1;
+                    if let Some(d) = hopper {
+                        let before = runner.stats;
+                        runner.build(d, cfg)?;
+                        built += runner.stats.built - before.built;
+                        hits += runner.stats.cubin_hits - before.cubin_hits;
+                    } else if ptxas {
+                        let (_, hit, _) = variant_cubin(&cache, &compiler, None, &entry, &ptx)?;
+                        built += 1;
+                        if matches!(hit, Hit::Memory | Hit::Disk) {
+                            hits += 1;
+                        }
+                    }
+                }
+                s.built += built;
+                s.cubin_hits += hits;
+                let _ = writeln!(
+                    text,
+                    "{} {gemm} (N={n}, K={k}) {}: {} variants generated, {built} built ({hits} from the cache)",
+                    m.name,
+                    recipe.name(),
+                    all.len()
+                );
+                let Some(d) = hopper else { continue };
+                for &tokens in &sel.tokens {
+                    let case = GemmCase {
+                        model: format!("{} {gemm}", m.name),
+                        recipe,
+                        tokens,
+                        experts: m.experts,
+                        top_k: m.top_k,
+                        n,
+                        k,
+                        rows: routing(tokens, m.experts, m.top_k, case_seed(m.name, tokens))?,
+                    };
+                    let (cfg, source) = runner.choose(d, &case)?;
+                    let how = match source {
+                        TuneSource::Cached => {
+                            s.tune_hits += 1;
+                            "from the tuning cache"
+                        }
+                        TuneSource::Tuned => {
+                            s.tuned += 1;
+                            "tuned now"
+                        }
+                    };
+                    let rows = case.rows_total();
+                    let _ = writeln!(
+                        text,
+                        "  tokens {tokens} (rows {rows}, bucket {}): {} {how}",
+                        tune::bucket(rows),
+                        cfg.tag()
+                    );
+                }
+            }
+        }
+    }
+    let _ = writeln!(
+        text,
+        "summary: {} variants generated, {} built ({} from the cache), {} buckets tuned, {} tuning cache hits",
+        s.generated, s.built, s.cubin_hits, s.tuned, s.tune_hits
+    );
+    if hopper.is_none() {
+        let built = if ptxas {
+            "cubins compiled by ptxas but no kernel loaded"
+        } else {
+            "kernels not built"
+        };
+        let _ = writeln!(
+            text,
+            "SKIPPED: {built} and tuning skipped: the GEMM needs a Hopper GPU ({why_not})"
+        );
+    }
+    Ok(text)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_model_has_its_two_gemms() {
+        let q = crate::bench_gemm::MODELS[0];
+        assert_eq!(q.name, "qwen3-30b-a3b");
+        assert_eq!(gemms(&q), [("w13", 1536, 2048), ("w2", 2048, 768)]);
+    }
+}
