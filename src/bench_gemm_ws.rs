@@ -236,7 +236,7 @@ impl WsRunner {
 
     /// The variant for `case` on `dev` (a Hopper GPU) and where the choice came from: the tuning
     /// cache's entry for the case's family, N, K, experts and row bucket, else every candidate
-    /// timed now ([`TUNE_REPS`] launches each, in candidate order) on the case's operands (made
+    /// timed now (`TUNE_REPS` launches each, in candidate order) on the case's operands (made
     /// here) and the fastest stored.
     pub fn choose(&mut self, dev: &Device, case: &GemmCase) -> Result<(WsConfig, TuneSource)> {
         let (n, k, e) = match (

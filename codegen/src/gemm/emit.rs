@@ -105,4 +105,64 @@ impl K {
         self.bin_to(bar, BinOpcode::Add, PtxTy::U32, bar, Operand::Reg(bars));
         (a, bar)
     }
+
+    /// `stage += 1`, wrapping at `stages` and flipping `phase` on the wrap (an mbarrier ring's
+    /// position).
+    pub(crate) fn advance_stage(&mut self, stage: Reg, phase: Reg, stages: u32) {
+        self.bin_to(stage, BinOpcode::Add, PtxTy::U32, stage, Operand::Int(1));
+        let wrap = self.setp(CmpOp::Eq, stage, Operand::Int(stages.into()));
+        self.b.push(Inst::Selp {
+            ty: PtxTy::U32,
+            d: stage,
+            a: Operand::Int(0),
+            b: Operand::Reg(stage),
+            p: wrap,
+        });
+        let flip = self.reg32();
+        self.b.push(Inst::Selp {
+            ty: PtxTy::U32,
+            d: flip,
+            a: Operand::Int(1),
+            b: Operand::Int(0),
+            p: wrap,
+        });
+        self.bin_to(phase, BinOpcode::Xor, PtxTy::B32, phase, Operand::Reg(flip));
+    }
+
+    /// The next k-tile: advance the ring, `kt += 1`, and the predicate `kt < end`.
+    pub(crate) fn next_ktile(
+        &mut self,
+        stage: Reg,
+        phase: Reg,
+        stages: u32,
+        kt: Reg,
+        end: Operand,
+    ) -> Reg {
+        self.advance_stage(stage, phase, stages);
+        self.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+        self.setp(CmpOp::Lt, kt, end)
+    }
+
+    /// `base + index * scale` as a 64-bit address (`mul.wide.u32` of a 32-bit index).
+    pub(crate) fn addr(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
+        let off = self.b.reg(RegClass::B64);
+        self.b.push(Inst::Bin {
+            op: BinOpcode::MulWide,
+            ty: PtxTy::U32,
+            d: off,
+            a: Operand::Reg(index),
+            b: Operand::Int(scale),
+        });
+        self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
+    }
+}
+
+/// A PTX identifier: a letter or `_`, then letters, digits, `_` or `$`.
+pub(crate) fn is_ptx_ident(name: &str) -> bool {
+    name.chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$')
 }

@@ -217,14 +217,7 @@ pub fn grouped_bf16_v0(n: u32, k: u32, stages: u32) -> Result<(String, Launch)> 
 /// shared memory's `.extern .shared` declaration, the `.entry` and its body) and its launch
 /// information. Errors: as [`grouped_bf16_v0`], and a name that is not a PTX identifier.
 pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<(String, Launch)> {
-    let ident = name
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$');
-    if !ident {
+    if !super::emit::is_ptx_ident(name) {
         return Err(unsupported(format!(
             "entry name `{name}` (not a PTX identifier)"
         )));
@@ -488,24 +481,7 @@ pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<
     k.b.push(Inst::BarSync);
     // Advance: i, the stage and its parity, the refill stage.
     k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Int(1));
-    k.bin_to(stage, BinOpcode::Add, PtxTy::U32, stage, Operand::Int(1));
-    let wrap = k.setp(CmpOp::Eq, stage, Operand::Int(stages.into()));
-    k.b.push(Inst::Selp {
-        ty: PtxTy::U32,
-        d: stage,
-        a: Operand::Int(0),
-        b: Operand::Reg(stage),
-        p: wrap,
-    });
-    let flip = k.reg32();
-    k.b.push(Inst::Selp {
-        ty: PtxTy::U32,
-        d: flip,
-        a: Operand::Int(1),
-        b: Operand::Int(0),
-        p: wrap,
-    });
-    k.bin_to(phase, BinOpcode::Xor, PtxTy::B32, phase, Operand::Reg(flip));
+    k.advance_stage(stage, phase, stages);
     k.bin_to(
         load_stage,
         BinOpcode::Add,

@@ -493,15 +493,7 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
     let done = k.setp(CmpOp::Ge, s.expert, Operand::Reg(s.experts));
     k.bra(exit, Some((done, false)));
     // hi = offsets[expert + 1]
-    let off = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: off,
-        a: Operand::Reg(s.expert),
-        b: Operand::Int(4),
-    });
-    let addr = k.bin(BinOpcode::Add, PtxTy::U64, s.offsets, Operand::Reg(off));
+    let addr = k.addr(s.offsets, s.expert, 4);
     let addr = k.bin(BinOpcode::Add, PtxTy::U64, addr, Operand::Int(4));
     k.b.push(Inst::Ld {
         ty: PtxTy::U32,
@@ -635,41 +627,12 @@ fn scan_state(k: &mut K) -> Scan {
     }
 }
 
-/// `stage += 1`, wrapping at `stages` and flipping `phase` on the wrap.
-fn advance(k: &mut K, stage: Reg, phase: Reg, stages: u32) {
-    k.bin_to(stage, BinOpcode::Add, PtxTy::U32, stage, Operand::Int(1));
-    let wrap = k.setp(CmpOp::Eq, stage, Operand::Int(stages.into()));
-    k.b.push(Inst::Selp {
-        ty: PtxTy::U32,
-        d: stage,
-        a: Operand::Int(0),
-        b: Operand::Reg(stage),
-        p: wrap,
-    });
-    let flip = k.reg32();
-    k.b.push(Inst::Selp {
-        ty: PtxTy::U32,
-        d: flip,
-        a: Operand::Int(1),
-        b: Operand::Int(0),
-        p: wrap,
-    });
-    k.bin_to(phase, BinOpcode::Xor, PtxTy::B32, phase, Operand::Reg(flip));
-}
-
 /// The entry's text (dynamic shared declaration, `.entry`, body) for `cfg`, named `name`.
 ///
 /// Errors: a configuration [`WsConfig`] does not support (consumers, BN, stages, shared memory,
 /// N or K, an operand/scaling pair that does not exist), a name that is not a PTX identifier.
 pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
-    let ident = name
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$');
-    if !ident {
+    if !super::emit::is_ptx_ident(name) {
         return Err(unsupported(format!(
             "entry name `{name}` (not a PTX identifier)"
         )));
@@ -871,9 +834,7 @@ fn producer(
     if let Some((xs, ws, tokens)) = scales {
         copy_block_scales(k, cfg, tid, a, fbar, &s, &f, kt, xs, ws, tokens)?;
     }
-    advance(k, stage, phase, cfg.stages);
-    k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-    let more = k.setp(CmpOp::Lt, kt, Operand::Reg(f.ke));
+    let more = k.next_ktile(stage, phase, cfg.stages, kt, Operand::Reg(f.ke));
     k.bra(&kloop, Some((more, false)));
     k.bin_to(
         s.tile,
@@ -923,15 +884,7 @@ fn copy_block_scales(
         let tok = k.bin(BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.tok0));
         k.bin_to(tok, BinOpcode::Min, PtxTy::U32, tok, Operand::Reg(last));
         k.bin_to(tok, BinOpcode::Add, PtxTy::U32, tok, Operand::Reg(row_base));
-        let src = k.b.reg(RegClass::B64);
-        k.b.push(Inst::Bin {
-            op: BinOpcode::MulWide,
-            ty: PtxTy::U32,
-            d: src,
-            a: Operand::Reg(tok),
-            b: Operand::Int(4),
-        });
-        k.bin_to(src, BinOpcode::Add, PtxTy::U64, src, Operand::Reg(xs));
+        let src = k.addr(xs, tok, 4);
         let dst = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(2));
         k.bin_to(dst, BinOpcode::Add, PtxTy::U32, dst, Operand::Reg(area));
         let op = AsyncOp::CpAsync4 { dst, src };
@@ -960,15 +913,7 @@ fn copy_block_scales(
         Operand::Int(i64::from(cfg.k_tiles())),
     );
     k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
-    let src = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: src,
-        a: Operand::Reg(i),
-        b: Operand::Int(4),
-    });
-    k.bin_to(src, BinOpcode::Add, PtxTy::U64, src, Operand::Reg(ws));
+    let src = k.addr(ws, i, 4);
     let dst = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
@@ -1085,9 +1030,7 @@ fn consumers(
             let sc = stage_scales(k, cfg, &frag, &ring)?;
             release(k, &ring, None)?;
             promote(k, cfg, kt, f.ks, &sc, &part, &acc);
-            advance(k, stage, phase, cfg.stages);
-            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-            let more = k.setp(CmpOp::Lt, kt, k_end);
+            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
             k.bra(&kloop, Some((more, false)));
         }
         (Some(_), Some(_)) if block => {
@@ -1110,19 +1053,15 @@ fn consumers(
             promote_at(k, &part_b)?;
             k.b.push(Inst::Label(skip));
             k.mov(prev, Operand::Reg(stage));
-            advance(k, stage, phase, cfg.stages);
-            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
             let tail_a = k.b.label("c_tail_a");
-            let end = k.setp(CmpOp::Ge, kt, k_end);
-            k.bra(&tail_a, Some((end, false)));
+            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
+            k.bra(&tail_a, Some((more, true)));
             // Odd k-tile into `part_b`.
             issue_ktile(k, cfg, &ring, n_mma, &part_b, None)?;
             k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
             promote_at(k, &part)?;
             k.mov(prev, Operand::Reg(stage));
-            advance(k, stage, phase, cfg.stages);
-            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-            let more = k.setp(CmpOp::Lt, kt, k_end);
+            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
             k.bra(&kloop, Some((more, false)));
             // The last slice was odd (in `part_b`) or even (in `part`).
             let epi = k.b.label("c_epi");
@@ -1144,9 +1083,7 @@ fn consumers(
             let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
             release(k, &ring, Some(rel))?;
             k.mov(prev, Operand::Reg(stage));
-            advance(k, stage, phase, cfg.stages);
-            k.bin_to(kt, BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-            let more = k.setp(CmpOp::Lt, kt, k_end);
+            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
             k.bra(&kloop, Some((more, false)));
             k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
             release(k, &ring, None)?;
@@ -1193,24 +1130,8 @@ fn split_reduce(
     let slot_of = |k: &mut K, split: Operand| -> Reg {
         let i = k.bin(BinOpcode::MulLo, PtxTy::U32, f.tile_key, Operand::Int(sk));
         k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, split);
-        let wide = k.b.reg(RegClass::B64);
-        k.b.push(Inst::Bin {
-            op: BinOpcode::MulWide,
-            ty: PtxTy::U32,
-            d: wide,
-            a: Operand::Reg(i),
-            b: Operand::Int(4 * p),
-        });
-        let t4 = k.b.reg(RegClass::B64);
-        k.b.push(Inst::Bin {
-            op: BinOpcode::MulWide,
-            ty: PtxTy::U32,
-            d: t4,
-            a: Operand::Reg(ctid),
-            b: Operand::Int(4),
-        });
-        k.bin_to(wide, BinOpcode::Add, PtxTy::U64, wide, Operand::Reg(t4));
-        k.bin(BinOpcode::Add, PtxTy::U64, workspace, Operand::Reg(wide))
+        let slot = k.addr(workspace, i, 4 * p);
+        k.addr(slot, ctid, 4)
     };
     let mine = slot_of(k, Operand::Reg(f.split));
     let stride = 4 * i64::from(nthreads);
@@ -1235,15 +1156,7 @@ fn split_reduce(
     let not_first_thread = k.setp(CmpOp::Ne, ctid, Operand::Int(0));
     let counted = k.b.label("c_counted");
     k.bra(&counted, Some((not_first_thread, false)));
-    let cnt = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: cnt,
-        a: Operand::Reg(f.tile_key),
-        b: Operand::Int(4),
-    });
-    k.bin_to(cnt, BinOpcode::Add, PtxTy::U64, cnt, Operand::Reg(counters));
+    let cnt = k.addr(counters, f.tile_key, 4);
     let old = k.reg32();
     k.b.push(Inst::AtomAddAcqRelU32 {
         d: old,
@@ -1419,15 +1332,7 @@ fn release(k: &mut K, r: &Ring, guard: Option<Reg>) -> Result<()> {
 }
 
 fn ld_f32(k: &mut K, base: Reg, index: Reg) -> Reg {
-    let off = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: off,
-        a: Operand::Reg(index),
-        b: Operand::Int(4),
-    });
-    let addr = k.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off));
+    let addr = k.addr(base, index, 4);
     let d = k.b.reg(RegClass::F32);
     k.b.push(Inst::Ld {
         ty: PtxTy::F32,
@@ -1636,30 +1541,8 @@ fn epilogue(
             k.bin(BinOpcode::Add, PtxTy::U32, frag.b_col, Operand::Reg(f.w0)),
         )
     };
-    let tok_bytes = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: tok_bytes,
-        a: Operand::Reg(tok),
-        b: Operand::Int(ob * n),
-    });
-    let w_bytes = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulWide,
-        ty: PtxTy::U32,
-        d: w_bytes,
-        a: Operand::Reg(wrow),
-        b: Operand::Int(ob),
-    });
-    let addr = k.bin(BinOpcode::Add, PtxTy::U64, y, Operand::Reg(tok_bytes));
-    k.bin_to(
-        addr,
-        BinOpcode::Add,
-        PtxTy::U64,
-        addr,
-        Operand::Reg(w_bytes),
-    );
+    let row = k.addr(y, tok, ob * n);
+    let addr = k.addr(row, wrow, ob);
     // Slot i = 4j + 2h + c sits at A-side offset 8h and B-side offset 8j + c.
     let slots = cfg.bn / 2;
     let mut scaled = Vec::with_capacity(slots as usize);
