@@ -143,6 +143,26 @@ impl K {
         self.setp(CmpOp::Lt, kt, end)
     }
 
+    /// The shared address of the dynamic shared array `name` rounded up to `align` bytes (a power
+    /// of two; the launch asks for `align` bytes more than it needs).
+    pub(crate) fn aligned_shared_base(&mut self, name: &str, align: u32) -> Reg {
+        let dynamic = self.b.shared_addr(name);
+        let base = self.bin(
+            BinOpcode::Add,
+            PtxTy::U32,
+            dynamic,
+            Operand::Int((align - 1).into()),
+        );
+        self.bin_to(
+            base,
+            BinOpcode::And,
+            PtxTy::B32,
+            base,
+            Operand::Int(i64::from(!(align - 1))),
+        );
+        base
+    }
+
     /// `base + index * scale` as a 64-bit address (`mul.wide.u32` of a 32-bit index).
     pub(crate) fn addr(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
         let off = self.b.reg(RegClass::B64);

@@ -352,20 +352,7 @@ pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<
     k.b.emit_guarded(Guard::when(leader), AsyncOp::FenceMbarrierInit)?;
     k.b.push(Inst::BarSync);
     // The stage buffers: the dynamic base rounded up to 1024 bytes.
-    let dynamic = k.b.shared_addr("smem");
-    let base = k.bin(
-        BinOpcode::Add,
-        PtxTy::U32,
-        dynamic,
-        Operand::Int((SMEM_ALIGN_SLACK - 1).into()),
-    );
-    k.bin_to(
-        base,
-        BinOpcode::And,
-        PtxTy::B32,
-        base,
-        Operand::Int(i64::from(!(SMEM_ALIGN_SLACK - 1))),
-    );
+    let base = k.aligned_shared_base("smem", SMEM_ALIGN_SLACK);
 
     // Prefill: k-tiles 0 .. min(S - 1, KT) into stages 0 ...
     let ops = LoadOps {

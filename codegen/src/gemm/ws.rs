@@ -600,6 +600,18 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
     }
 }
 
+/// The CTA's next tile (`tile += %nctaid.x`), back to the tile loop.
+fn next_tile(k: &mut K, s: &Scan, grid: Reg, tile_loop: &str) {
+    k.bin_to(
+        s.tile,
+        BinOpcode::Add,
+        PtxTy::U32,
+        s.tile,
+        Operand::Reg(grid),
+    );
+    k.bra(tile_loop, None);
+}
+
 /// A fresh scan state at the CTA's first tile (`%ctaid.x`), `lo = offsets[0]`.
 fn scan_state(k: &mut K) -> Scan {
     let offsets = k.global_param(PARAMS[3]);
@@ -690,20 +702,8 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     }
     k.b.emit_guarded(Guard::when(leader), AsyncOp::FenceMbarrierInit)?;
     k.b.push(Inst::BarSync);
-    let dynamic = k.b.shared_addr("smem");
-    let base = k.bin(
-        BinOpcode::Add,
-        PtxTy::U32,
-        dynamic,
-        Operand::Int((SMEM_ALIGN_SLACK - 1).into()),
-    );
-    k.bin_to(
-        base,
-        BinOpcode::And,
-        PtxTy::B32,
-        base,
-        Operand::Int(i64::from(!(SMEM_ALIGN_SLACK - 1))),
-    );
+    // The stage buffers: the dynamic base rounded up to 1024 bytes.
+    let base = k.aligned_shared_base("smem", SMEM_ALIGN_SLACK);
     let wg = k.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(7));
     let is_consumer = k.setp(CmpOp::Ne, wg, Operand::Int(0));
     let consumer = k.b.label("consumer");
@@ -836,14 +836,7 @@ fn producer(
     }
     let more = k.next_ktile(stage, phase, cfg.stages, kt, Operand::Reg(f.ke));
     k.bra(&kloop, Some((more, false)));
-    k.bin_to(
-        s.tile,
-        BinOpcode::Add,
-        PtxTy::U32,
-        s.tile,
-        Operand::Reg(grid),
-    );
-    k.bra(&tile_loop, None);
+    next_tile(k, &s, grid, &tile_loop);
     Ok(())
 }
 
@@ -1089,20 +1082,13 @@ fn consumers(
             release(k, &ring, None)?;
         }
     }
-    let next_tile = k.b.label("c_next");
+    let done = k.b.label("c_next");
     if cfg.split_k > 1 {
-        split_reduce(k, cfg, tid, &f, &acc, always, &next_tile)?;
+        split_reduce(k, cfg, tid, &f, &acc, always, &done)?;
     }
     epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
-    k.b.push(Inst::Label(next_tile));
-    k.bin_to(
-        s.tile,
-        BinOpcode::Add,
-        PtxTy::U32,
-        s.tile,
-        Operand::Reg(grid),
-    );
-    k.bra(&tile_loop, None);
+    k.b.push(Inst::Label(done));
+    next_tile(k, &s, grid, &tile_loop);
     Ok(())
 }
 
