@@ -357,15 +357,23 @@ impl Layout {
             return false;
         }
         let lo = self.min_offset();
-        let mut seen = vec![false; (self.cosize() - lo) as usize];
-        for i in 0..n {
-            let o = (self.call(i) - lo) as usize;
-            if seen[o] {
-                return false;
+        let range = self.cosize().saturating_sub(lo);
+        // A dense codomain gets a bitmap; a sparse one (large strides: the range can be far
+        // past any allocation) sorts the offsets instead, so memory follows the size, not the span.
+        if range <= 4 * n.max(1) {
+            let mut seen = vec![false; range.max(0) as usize];
+            for i in 0..n {
+                let o = (self.call(i) - lo) as usize;
+                match seen.get_mut(o) {
+                    Some(slot) if !*slot => *slot = true,
+                    _ => return false,
+                }
             }
-            seen[o] = true;
+            return true;
         }
-        true
+        let mut offsets: Vec<i64> = (0..n).map(|i| self.call(i)).collect();
+        offsets.sort_unstable();
+        offsets.windows(2).all(|w| w[0] != w[1])
     }
 
     /// Whether the layout is a bijection from `[0, size)` onto `[0, size)`.
@@ -767,6 +775,22 @@ mod tests {
         let c = IntTuple::Tuple(vec![IntTuple::Int(3), IntTuple::Int(2)]);
         assert_eq!(lay.crd2idx(&c), Ok(1 + 6 + 4));
         assert_eq!(idx2crd(5, lay.shape()).to_string(), "((1,0),1)");
+    }
+
+    /// Regression: a small layout whose strides span far past memory (the soundness test drew one)
+    /// is decided by sorting its offsets, not by a bitmap over its whole span.
+    #[test]
+    fn injectivity_of_a_small_layout_with_huge_strides() {
+        // A negative stride sends the check to the exhaustive path; the span is about 2^52.
+        let spread = l(&[4, 4], &[1 << 50, -1]);
+        assert!(spread.is_injective());
+        let collide = l(&[4, 2], &[1 << 50, 0]);
+        assert!(!collide.is_injective());
+        let overlap = l(&[4, 4], &[1 << 50, -(1 << 50)]);
+        assert!(!overlap.is_injective());
+        // Dense layouts still take the bitmap.
+        assert!(l(&[3, 5], &[5, -1]).is_injective());
+        assert!(!l(&[3, 5], &[1, -1]).is_injective());
     }
 
     #[test]
