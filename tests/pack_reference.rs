@@ -557,7 +557,9 @@ fn int4_variants_match_the_reference() {
                     let i = prog.bufs.iter().position(|b| b.name() == n).unwrap();
                     bufs[i].clone()
                 };
-                let what = format!("group {group} zp {zp} {scale} {backend} x4={x4} (MOEFORGE_SEED={seed})");
+                let what = format!(
+                    "group {group} zp {zp} {scale} {backend} x4={x4} (MOEFORGE_SEED={seed})"
+                );
                 assert_eq!(get("v"), want.codes, "codes: {what}");
                 assert_eq!(get("s"), want_s, "scales: {what}");
                 if zp {

@@ -493,11 +493,7 @@ pub fn round_scale(em: &mut Emit<'_>, s: Expr, dtype: DType) -> Expr {
                 e::bin(BinOp::Shr, b.clone(), e::i32(16)),
                 e::i32(1),
             );
-            let r = e::bin(
-                BinOp::IAdd,
-                e::bin(BinOp::IAdd, b, e::i32(0x7FFF)),
-                odd,
-            );
+            let r = e::bin(BinOp::IAdd, e::bin(BinOp::IAdd, b, e::i32(0x7FFF)), odd);
             em.set(
                 Ty::F32,
                 e::un(

@@ -390,7 +390,10 @@ mod tests {
         let q = int4_group(&x, 16, 8, false, DType::Bf16);
         assert_eq!(q.scales, vec![0.5, 0.142578125]);
         assert_eq!(q.zeros, vec![8, 8]);
-        assert_eq!(q.codes, vec![0x6F, 0xA8, 0xA1, 0x88, 0x6F, 0x9C, 0x98, 0xB7]);
+        assert_eq!(
+            q.codes,
+            vec![0x6F, 0xA8, 0xA1, 0x88, 0x6F, 0x9C, 0x98, 0xB7]
+        );
         let deq: Vec<f32> = (0..16)
             .map(|i| {
                 let c = (q.codes[i / 2] >> (4 * (i % 2))) & 0xF;
@@ -400,9 +403,22 @@ mod tests {
         assert_eq!(
             deq,
             vec![
-                3.5, -1.0, 0.0, 1.0, -3.5, 1.0, 0.0, 0.0, //
-                0.998046875, -0.28515625, 0.5703125, 0.142578125, 0.0, 0.142578125,
-                -0.142578125, 0.427734375,
+                3.5,
+                -1.0,
+                0.0,
+                1.0,
+                -3.5,
+                1.0,
+                0.0,
+                0.0, //
+                0.998046875,
+                -0.28515625,
+                0.5703125,
+                0.142578125,
+                0.0,
+                0.142578125,
+                -0.142578125,
+                0.427734375,
             ]
         );
         let a = [-1.0, 0.2, 2.0, 3.3, -0.6, 1.4, 0.0, 2.5];
@@ -432,8 +448,14 @@ mod tests {
         );
         // f16 and f32 scales of the second symmetric group: 1/7 rounded to f16, and as it is.
         let g = &x[8..];
-        assert_eq!(int4_group(g, 8, 8, false, DType::F16).scales, vec![0.142822265625]);
-        assert_eq!(int4_group(g, 8, 8, false, DType::F32).scales, vec![1.0 / 7.0]);
+        assert_eq!(
+            int4_group(g, 8, 8, false, DType::F16).scales,
+            vec![0.142822265625]
+        );
+        assert_eq!(
+            int4_group(g, 8, 8, false, DType::F32).scales,
+            vec![1.0 / 7.0]
+        );
         // An all-zero group: scale 1, every code the zero point.
         let z = int4_group(&[0.0; 8], 8, 8, false, DType::Bf16);
         assert_eq!((z.scales, z.codes), (vec![1.0], vec![0x88; 4]));
@@ -454,7 +476,10 @@ mod tests {
             round_scale(1.0 + 3.0 * 2f32.powi(-11), DType::F16),
             1.0 + 2f32.powi(-9)
         );
-        assert_eq!(round_scale(1.5 * 2f32.powi(-24), DType::F16), 2f32.powi(-23));
+        assert_eq!(
+            round_scale(1.5 * 2f32.powi(-24), DType::F16),
+            2f32.powi(-23)
+        );
         assert_eq!(round_scale(0.5 * 2f32.powi(-24), DType::F16), 0.0);
         assert_eq!(round_scale(1e6, DType::F16), 65504.0);
     }

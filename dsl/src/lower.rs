@@ -1311,9 +1311,12 @@ impl<'s> Lower<'s> {
                 let g = self.const_int(&a.value, "`group`")?;
                 if g < 2 || g.count_ones() != 1 {
                     self.err(
-                        Diagnostic::error("E0105", "`quant int4` groups are a power of two, at least 2")
-                            .with_label(a.value.span, format!("found {g}"))
-                            .with_note("GPTQ and AWQ checkpoints use 32, 64 or 128"),
+                        Diagnostic::error(
+                            "E0105",
+                            "`quant int4` groups are a power of two, at least 2",
+                        )
+                        .with_label(a.value.span, format!("found {g}"))
+                        .with_note("GPTQ and AWQ checkpoints use 32, 64 or 128"),
                     );
                     return None;
                 }

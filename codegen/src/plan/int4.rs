@@ -67,7 +67,10 @@ impl Planner<'_> {
             let mut zs: Vec<Expr> = Vec::new();
             for k in 0..gpi {
                 let j = em.set(Ty::I64, e::add(e::mul(pair.clone(), e::i(gpi)), e::i(k)));
-                let b0 = em.set(Ty::I64, e::add(base.clone(), e::mul(j.clone(), e::i(group))));
+                let b0 = em.set(
+                    Ty::I64,
+                    e::add(base.clone(), e::mul(j.clone(), e::i(group))),
+                );
                 // Pass 1: the group's range (max |x|; or max and min, both widened to include 0).
                 let hi = em.var(Ty::F32, e::f(0.0));
                 let lo = em.var(Ty::F32, e::f(0.0));
@@ -75,8 +78,7 @@ impl Planner<'_> {
                     let x = b.set(Ty::F32, e::load(xb, e::add(b0.clone(), c)));
                     if zero_point {
                         b.out.push(Stmt::Set(hi, fmax(e::v(hi), x.clone())));
-                        b.out
-                            .push(Stmt::Set(lo, e::bin(BinOp::FMin, e::v(lo), x)));
+                        b.out.push(Stmt::Set(lo, e::bin(BinOp::FMin, e::v(lo), x)));
                     } else {
                         b.out.push(Stmt::Set(hi, fmax(e::v(hi), fabs(x))));
                     }
@@ -116,7 +118,10 @@ impl Planner<'_> {
                 if let Some(vb) = vals {
                     let out0 = em.set(
                         Ty::I64,
-                        e::add(e::mul(row.clone(), e::i(cols / 2)), e::mul(j, e::i(group / 2))),
+                        e::add(
+                            e::mul(row.clone(), e::i(cols / 2)),
+                            e::mul(j, e::i(group / 2)),
+                        ),
                     );
                     em.for_(e::i(0), e::i(group / 2), |b, c2| {
                         let at = b.set(Ty::I64, e::add(b0.clone(), e::mul(c2.clone(), e::i(2))));

@@ -147,9 +147,7 @@ fn elem_of(d: DType) -> Option<Elem> {
         | DType::E5m2
         | DType::E8m0
         | DType::I8
-        | DType::U8 => {
-            Some(Elem::U8)
-        }
+        | DType::U8 => Some(Elem::U8),
         DType::I32 => None,
     }
 }

@@ -1,6 +1,5 @@
 //! Relayout: a staged (row-major) param, or an input copied straight, into its storage map.
 
-
 use super::*;
 use crate::kir::{e, BinOp, Elem, Expr, Stmt, Ty, UnOp};
 use crate::quant::Emit;
