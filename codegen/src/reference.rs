@@ -381,6 +381,7 @@ mod tests {
     /// first with an exact scale and ties, the second with a scale rounded to bf16), and one
     /// asymmetric group.
     #[test]
+    #[allow(clippy::excessive_precision)] // exact binary fractions, written out in full
     fn int4_worked_example() {
         use moeforge_dsl::ir::DType;
         let x = [
@@ -462,6 +463,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::excessive_precision)]
     fn scale_rounding_matches_the_formats() {
         use moeforge_dsl::ir::DType;
         // bf16: ties to even at the 16-bit boundary.

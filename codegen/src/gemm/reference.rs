@@ -129,7 +129,7 @@ fn nibble(b: &[u8], i: usize) -> u8 {
 
 impl Int4Weights<'_> {
     fn check(&self, g: &Grouped) -> Result<()> {
-        let groups = if self.group > 0 && g.k % self.group == 0 {
+        let groups = if self.group > 0 && g.k.is_multiple_of(self.group) {
             g.k / self.group
         } else {
             return Err(Error::BufferSize {
@@ -189,9 +189,9 @@ pub fn gemm_int4(g: &Grouped, x: &[u16], w: &Int4Weights<'_>) -> Result<Vec<f64>
         (0..k / gs).fold(0.0, |acc, j| {
             let mut part = 0.0;
             let mut s = 0.0;
-            for kk in j * gs..(j + 1) * gs {
+            for (kk, xv) in xr.iter().enumerate().skip(j * gs).take(gs) {
                 let (d, sc) = w.at(g, e, c, kk);
-                part += bf16_to_f32(xr[kk]) as f64 * d;
+                part += bf16_to_f32(*xv) as f64 * d;
                 s = sc;
             }
             acc + part * s
