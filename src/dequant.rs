@@ -61,13 +61,16 @@ pub struct Logical {
     /// Per expert (one value for a per-tensor amax): the bits of the f32 decode scale (NVFP4);
     /// empty where there is none.
     pub decode: Vec<u32>,
+    /// Per element: its group's u4 zero point (asymmetric group-wise INT4); empty where there is
+    /// none.
+    pub zeros: Vec<u32>,
 }
 
 /// Bytes per element of a param's dtype (0 for E2M1, two per byte).
 fn elem_bytes(info: &ModuleInfo, id: TensorId) -> Option<usize> {
     use crate::dsl::ir::DType as D;
     Some(match info.module().tensor(id)?.dtype {
-        D::E2m1 => 0,
+        D::E2m1 | D::U4 => 0,
         D::E4m3 | D::E5m2 | D::E8m0 | D::I8 | D::U8 => 1,
         D::Bf16 | D::F16 => 2,
         D::F32 | D::I32 => 4,
@@ -104,28 +107,14 @@ pub fn logical(
     let [ne, mr, k] = dims[..] else {
         return None;
     };
-    let (scheme, values, scales, decode, rows): (
-        Option<QuantScheme>,
-        TensorId,
-        Option<TensorId>,
-        Option<TensorId>,
-        Option<IndexVec>,
-    ) = match info.quantization_of(name) {
-        Some(q) => {
-            let v = q.values?;
-            (
-                Some(q.scheme),
-                v.param,
-                q.scales.map(|o| o.param),
-                q.decode_scale.map(|o| o.param),
-                v.rows.or(q.rows_in),
-            )
-        }
-        None => {
-            let c = info.copy_of(name)?;
-            (None, c.param, None, None, c.rows)
-        }
-    };
+    let Parts {
+        scheme,
+        values,
+        scales,
+        decode,
+        zeros,
+        rows,
+    } = Parts::of(info, name)?;
     let (vname, vmap) = param(info, values)?;
     let vals = params.get(&vname)?;
     let vsize = elem_bytes(info, values)?;
@@ -152,14 +141,30 @@ pub fn logical(
             .collect(),
         None => Vec::new(),
     };
-    // A scale at its logical coordinate, read through its storage map.
+    let zeros = match zeros {
+        Some(id) => {
+            let (n, map) = param(info, id)?;
+            Some((params.get(&n)?, map, 0))
+        }
+        None => None,
+    };
+    // A scale (or zero point) at its logical coordinate, read through its storage map.
     let scale_at = |coord: &[i64]| -> Option<u32> {
         let (b, map, size) = scales.as_ref()?;
+        elem_bits(b, usize::try_from(map.offset_of(coord)).ok()?, *size)
+    };
+    let zero_at = |coord: &[i64]| -> Option<u32> {
+        let (b, map, size) = zeros.as_ref()?;
         elem_bits(b, usize::try_from(map.offset_of(coord)).ok()?, *size)
     };
     let n = ne * mr * k;
     let mut codes = vec![0u32; n];
     let mut scl = vec![0u32; n];
+    let mut zer = if zeros.is_some() {
+        vec![0u32; n]
+    } else {
+        Vec::new()
+    };
     for e in 0..ne {
         for r in 0..mr {
             let sr = src_row(r).filter(|&x| x < mr)?;
@@ -178,6 +183,12 @@ pub fn logical(
                         Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
                     },
                     Some(QuantScheme::Int8Row) => scale_at(&[ei, ri])?,
+                    Some(QuantScheme::Int4 { group, .. }) => {
+                        if let Some(z) = zer.get_mut(at) {
+                            *z = zero_at(&[ei, ri, ci / group])?;
+                        }
+                        scale_at(&[ei, ri, ci / group])?
+                    }
                 };
             }
         }
@@ -188,6 +199,7 @@ pub fn logical(
         codes,
         scales: scl,
         decode,
+        zeros: zer,
     })
 }
 
@@ -221,6 +233,12 @@ pub fn error(
             Some(QuantScheme::Mxfp4) => r::e2m1_to_f32(code as u8) * 2f32.powi(sb as i32 - 127),
             Some(QuantScheme::Fp8 { .. }) => r::e4m3_to_f32(code as u8) * f32::from_bits(sb),
             Some(QuantScheme::Int8Row) => (code as u8 as i8) as f32 * f32::from_bits(sb),
+            Some(QuantScheme::Int4 {
+                zero_point, scale, ..
+            }) => {
+                let z = if zero_point { *l.zeros.get(at)? } else { 8 };
+                (code as f32 - z as f32) * scale_value(scale, sb)
+            }
         };
         worst = worst.max((xv - deq).abs());
     }
@@ -237,12 +255,23 @@ struct Parts {
     values: TensorId,
     scales: Option<TensorId>,
     decode: Option<TensorId>,
+    zeros: Option<TensorId>,
     rows: Option<IndexVec>,
+}
+
+/// The f32 value of a group-wise INT4 scale stored as `dtype` (its bits, as read).
+fn scale_value(dtype: crate::dsl::ir::DType, bits: u32) -> f32 {
+    use crate::dsl::ir::DType as D;
+    match dtype {
+        D::Bf16 => f32::from_bits(bits << 16),
+        D::F16 => crate::pack::f16_to_f32(bits as u16),
+        _ => f32::from_bits(bits),
+    }
 }
 
 impl Parts {
     fn of(info: &ModuleInfo, name: &str) -> Option<Parts> {
-        let (scheme, values, scales, decode, rows) = match info.quantization_of(name) {
+        let (scheme, values, scales, decode, zeros, rows) = match info.quantization_of(name) {
             Some(q) => {
                 let v = q.values?;
                 (
@@ -250,12 +279,13 @@ impl Parts {
                     v.param,
                     q.scales.map(|o| o.param),
                     q.decode_scale.map(|o| o.param),
+                    q.zeros.map(|o| o.param),
                     v.rows.or(q.rows_in),
                 )
             }
             None => {
                 let c = info.copy_of(name)?;
-                (None, c.param, None, None, c.rows)
+                (None, c.param, None, None, None, c.rows)
             }
         };
         Some(Parts {
@@ -263,6 +293,7 @@ impl Parts {
             values,
             scales,
             decode,
+            zeros,
             rows,
         })
     }
@@ -448,6 +479,10 @@ enum ScaleCode {
     E4m3,
     E8m0,
     F32,
+    Bf16,
+    F16,
+    /// A u4 zero point (two per byte, low nibble first).
+    U4,
 }
 
 /// The scales of one quantization, tabulated.
@@ -469,10 +504,14 @@ impl Scales<'_> {
                 Granule::Block => self.map.offset(&[e, r, j]),
                 Granule::Tile128 => self.map.offset(&[e, r / 128, j]),
             }?;
-            let b = *self.bytes.get(o)?;
+            let b = *self.bytes.get(o / 2)?;
+            let two = |o: usize| self.bytes.get(2 * o..2 * o + 2).map(|c| [c[0], c[1]]);
             out.push(match self.code {
-                ScaleCode::E4m3 => luts.e4m3[usize::from(b)],
-                ScaleCode::E8m0 => luts.e8m0[usize::from(b)],
+                ScaleCode::Bf16 => bf16(&two(o)?),
+                ScaleCode::F16 => crate::pack::f16_to_f32(u16::from_le_bytes(two(o)?)),
+                ScaleCode::U4 => f32::from((b >> (4 * (o % 2))) & 0xF),
+                ScaleCode::E4m3 => luts.e4m3[usize::from(*self.bytes.get(o)?)],
+                ScaleCode::E8m0 => luts.e8m0[usize::from(*self.bytes.get(o)?)],
                 ScaleCode::F32 => self
                     .bytes
                     .get(4 * o..4 * o + 4)
@@ -490,6 +529,7 @@ struct Luts {
     e4m3: [f32; 256],
     e8m0: [f32; 256],
     i8: [f32; 256],
+    u4: [f32; 16],
 }
 
 impl Luts {
@@ -499,6 +539,7 @@ impl Luts {
             e4m3: std::array::from_fn(|b| r::e4m3_to_f32(b as u8)),
             e8m0: std::array::from_fn(|b| 2f32.powi(b as i32 - 127)),
             i8: std::array::from_fn(|b| f32::from(b as u8 as i8)),
+            u4: std::array::from_fn(|n| n as f32),
         }
     }
 }
@@ -591,6 +632,7 @@ pub fn error_bf16(
         values,
         scales,
         decode,
+        zeros,
         rows,
     } = Parts::of(info, name)?;
     let (vname, vmap) = param(info, values)?;
@@ -654,6 +696,16 @@ pub fn error_bf16(
             Some(Granule::Row),
             Some(ScaleCode::F32),
         ),
+        Some(QuantScheme::Int4 { group, scale, .. }) => (
+            Codes::Nibble(&luts.u4),
+            usize::try_from(group).ok()?,
+            Some(Granule::Block),
+            Some(match scale {
+                crate::dsl::ir::DType::Bf16 => ScaleCode::Bf16,
+                crate::dsl::ir::DType::F16 => ScaleCode::F16,
+                _ => ScaleCode::F32,
+            }),
+        ),
     };
     let nblk = k.div_ceil(block);
     let scales = match (granule, code) {
@@ -674,6 +726,20 @@ pub fn error_bf16(
         }
         _ => None,
     };
+    // Group-wise INT4's zero points (8 for symmetric groups; none for the other schemes).
+    let int4 = matches!(scheme, Some(QuantScheme::Int4 { .. }));
+    let zeros = match zeros {
+        Some(id) => {
+            let (n, map) = param(info, id)?;
+            Some(Scales {
+                bytes: params.get(&n)?.as_slice(),
+                map: Tabulated::new(&map, &[ne, m, nblk]),
+                granule: Granule::Block,
+                code: ScaleCode::U4,
+            })
+        }
+        None => None,
+    };
     let vt = Tabulated::new(&vmap, &[ne, m, k]);
     let t = vt.dims.get(2)?.as_slice();
     let contiguous = vt.swizzle.is_none() && t.iter().enumerate().all(|(c, &o)| o == c as i64);
@@ -681,6 +747,7 @@ pub fn error_bf16(
     let parts = per_range(ne * m, threads, |range| -> Option<f32> {
         let mut q = vec![0f32; k];
         let mut blk = Vec::with_capacity(nblk);
+        let mut zb = vec![if int4 { 8.0 } else { 0.0 }; nblk];
         let mut worst = 0f32;
         for row in range {
             let (e, r) = (row / m, row % m);
@@ -691,15 +758,19 @@ pub fn error_bf16(
                     blk.resize(nblk, 1.0);
                 }
             }
+            if let Some(z) = &zeros {
+                z.row(e, r, nblk, &luts, &mut zb)?;
+            }
             let d = if nvfp4 { *dec_v.get(e)? } else { 1.0 };
             let sum = vt.partial(&[e, r])?;
             decode_row(&codes, vals, &vt, t, sum, contiguous, &mut q)?;
             let first = (e * m + *src.get(r)?).checked_mul(k)?;
             let xrow = x.bytes.get(2 * first..2 * (first + k))?;
-            // x' = (code * scale) * decode scale, the reference's order of rounding.
-            for (qb, &s) in q.chunks_mut(block).zip(&blk) {
+            // x' = ((code - zero) * scale) * decode scale, the reference's order of rounding (the
+            // zero is 0 but for INT4, where `code - zero` is exact).
+            for ((qb, &s), &z) in q.chunks_mut(block).zip(&blk).zip(&zb) {
                 for v in qb {
-                    *v = (*v * s) * d;
+                    *v = ((*v - z) * s) * d;
                 }
             }
             worst = row_worst(xrow, &q, worst);
@@ -730,7 +801,8 @@ mod tests {
     /// one thread and on several, before and after corrupting the params.
     #[test]
     fn fast_error_equals_the_plain_one() {
-        let (e, h, i) = (3, 256, 192);
+        // I = 384: a multiple of int4_g128's groups of 128.
+        let (e, h, i) = (3, 256, 384);
         let mut layer = Layer::synthetic(e, h, i, 9);
         // A NaN in the input, which both forms skip. (No outliers: the largest error would be that
         // of the small values zeroed beside one, the same whatever the scales, and hide a

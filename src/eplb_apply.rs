@@ -295,7 +295,7 @@ fn stored_shape(info: &ModuleInfo, id: TensorId) -> Option<Vec<usize>> {
         .iter()
         .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
         .collect::<Option<Vec<usize>>>()?;
-    if t.dtype == DType::E2m1 {
+    if t.dtype.is_packed4() {
         if let Some(last) = shape.last_mut() {
             *last /= 2;
         }
@@ -339,7 +339,7 @@ fn layer_binding(
         };
         let Some(t) = m.tensor(id) else { continue };
         let mut shape: Vec<i64> = view.shape().iter().map(|&x| x as i64).collect();
-        if t.dtype == DType::E2m1 {
+        if t.dtype.is_packed4() {
             if let Some(last) = shape.last_mut() {
                 *last *= 2;
             }

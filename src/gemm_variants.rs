@@ -173,10 +173,14 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             _ => None,
         };
         let Some((operands, scaling, scale_param)) = family else {
-            let why = if t.dtype == dsl::ir::DType::E4m3 {
-                " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
-            } else {
-                ""
+            let why = match t.dtype {
+                dsl::ir::DType::E4m3 => {
+                    " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
+                }
+                dsl::ir::DType::U4 => {
+                    " (group-wise INT4, W4A16: packed and dequantized on the host, `gemm_int4` is its reference; no GPU kernel)"
+                }
+                _ => "",
             };
             plan.missing.push(format!(
                 "no GEMM variant for {} weights{why} yet (issue [7]): {described}",

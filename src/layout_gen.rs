@@ -133,7 +133,11 @@ pub fn with_layouts(rng: &mut Rng, src: &str) -> String {
                     // The MMA view pins its scales to the 128x4 tile layout (refused otherwise).
                     let pinned = src.contains(&format!("mma_sf_view({pname})"));
                     if dims.len() >= 2 && !ty.contains('@') && !pinned && rng.below(4) != 0 {
-                        let lay = random_layout(rng, &dims, ty.starts_with("e2m1"));
+                        let lay = random_layout(
+                            rng,
+                            &dims,
+                            ty.starts_with("e2m1") || ty.starts_with("u4"),
+                        );
                         let indent = &line[..line.len() - t.len()];
                         out.push_str(&format!(
                             "{indent}param {} : {ty} @ {lay} = {}\n",

@@ -19,7 +19,7 @@ use std::time::Instant;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use crate::codegen::kir::{BufRole, Program};
+use crate::codegen::kir::{BufRole, Elem, Program};
 use crate::codegen::plan::Sharding;
 use crate::dsl::ir::{DType, TensorKind};
 use crate::runtime::collective::{Hook, InProcess, Topology};
@@ -331,9 +331,34 @@ pub fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
+/// The f16 bits of an f32 that an f16 represents exactly (a normal or subnormal f16 value, a zero,
+/// an infinity); other values are truncated toward zero.
+pub fn f32_to_f16_exact(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xFF) as i32;
+    let mant = b & 0x7F_FFFF;
+    if exp == 0xFF {
+        return sign | 0x7C00 | if mant != 0 { 0x200 } else { 0 };
+    }
+    let e = exp - 127 + 15;
+    if e >= 0x1F {
+        return sign | 0x7C00;
+    }
+    if e > 0 {
+        return sign | ((e as u16) << 10) | (mant >> 13) as u16;
+    }
+    // A subnormal f16: the value is m * 2^-24 with the implicit bit made explicit.
+    if exp == 0 || e < -10 {
+        return sign;
+    }
+    let full = mant | 0x80_0000;
+    sign | (full >> (14 - e)) as u16
+}
+
 pub(crate) fn out_dtype(d: DType) -> Dtype {
     match d {
-        DType::E2m1 | DType::U8 => Dtype::U8,
+        DType::E2m1 | DType::U4 | DType::U8 => Dtype::U8,
         DType::E4m3 => Dtype::F8_E4M3,
         DType::E5m2 => Dtype::F8_E5M2,
         DType::E8m0 => Dtype::F8_E8M0,
@@ -1382,7 +1407,7 @@ fn layer_tensors(
             .iter()
             .map(|p| info.eval(p).unwrap_or(0) as usize)
             .collect();
-        if t.dtype == DType::E2m1 {
+        if t.dtype.is_packed4() {
             if let Some(last) = shape.last_mut() {
                 *last /= 2;
             }
@@ -1396,6 +1421,17 @@ fn layer_tensors(
                 layouts.insert(format!("moeforge.layout.{pname}"), map.to_string());
             }
         }
+        // f16 params are computed as f32 buffers holding f16 values exactly (group-wise INT4's
+        // f16 scales); they are written as f16.
+        let data = if t.dtype == DType::F16 && b.elem == Elem::F32 {
+            data.chunks_exact(4)
+                .flat_map(|c| {
+                    f32_to_f16_exact(f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes()
+                })
+                .collect()
+        } else {
+            data
+        };
         out.push((
             format!("model.layers.{layer}.mlp.experts.{pname}"),
             out_dtype(t.dtype),

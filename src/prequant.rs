@@ -31,7 +31,7 @@ pub struct RecipeInput {
 /// The checkpoint dtypes a recipe dtype may be stored as.
 fn stored_as(d: DType) -> &'static [Dtype] {
     match d {
-        DType::E2m1 | DType::U8 => &[Dtype::U8],
+        DType::E2m1 | DType::U4 | DType::U8 => &[Dtype::U8],
         DType::E4m3 => &[Dtype::F8_E4M3],
         DType::E5m2 => &[Dtype::F8_E5M2],
         DType::E8m0 => &[Dtype::F8_E8M0, Dtype::U8],
@@ -74,7 +74,7 @@ pub(crate) fn gather(
     let w13 = find("w13_weight").ok_or_else(|| {
         ckpt("a recipe over quantized inputs needs `input w13_weight` (and `w2_weight`)")
     })?;
-    let fp4 = w13.dtype == DType::E2m1;
+    let fp4 = w13.dtype.is_packed4();
     let mut bufs: HashMap<String, Vec<u8>> = HashMap::new();
     let mut input_bytes = 0usize;
     let (e, h, i);

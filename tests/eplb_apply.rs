@@ -17,7 +17,7 @@ use safetensors::tensor::{Dtype, TensorView};
 
 const E: usize = 4;
 const H: usize = 128;
-const I: usize = 64;
+const I: usize = 128; // a multiple of int4_g128's groups
 const LAYERS: [usize; 2] = [0, 2];
 
 type Tensor = (Dtype, Vec<usize>, Vec<u8>);
@@ -542,7 +542,7 @@ fn bad_input_fails_by_name_and_writes_nothing() {
         &packed4,
         ok,
         &[],
-        "the verifier refuses recipe `by4` at E=6,H=128,I=64",
+        "the verifier refuses recipe `by4` at E=6,H=128,I=128",
     );
     refused(&packed4, ok, &[], "E0501");
     let eight = r#"{"phy2log": [[0,1,2,3,0,1,2,3],[0,1,2,3,0,1,2,3]]}"#;

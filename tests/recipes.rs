@@ -54,6 +54,10 @@ fn standard_recipes_verify_symbolically() {
 fn standard_recipes_at_model_shapes() {
     for r in STANDARD {
         for (model, e, h, i) in SHAPES {
+            // int4_g128 groups K by 128: the small shape is below one group.
+            if r.name == "int4_g128" && (h % 128 != 0 || i % 128 != 0) {
+                continue;
+            }
             let bind = vec![("E".into(), *e), ("H".into(), *h), ("I".into(), *i)];
             let info = moeforge::dsl::check(r.source, Some(&bind)).unwrap_or_else(|d| {
                 panic!(

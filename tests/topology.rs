@@ -727,11 +727,18 @@ fn ptxas() -> Option<std::path::PathBuf> {
 fn rank_programs_in_the_gpu_form_match_and_assemble() {
     use codegen::ptx::Target;
     use moeforge::runtime::collective::{Hook, InProcess};
-    let dims = (2, 64, 256);
-    let all = layer(0x5eed_0004, dims);
+    let small = (2, 64, 256);
+    // int4_g128 groups K by 128: H a multiple of it.
+    let wide = (2, 128, 256);
+    let (all_small, all_wide) = (layer(0x5eed_0004, small), layer(0x5eed_0004, wide));
     let ptxas = ptxas();
     for r in moeforge::kernels::STANDARD {
-        let inputs = inputs_of(r.source, &all);
+        let (dims, all) = if r.name == "int4_g128" {
+            (wide, &all_wide)
+        } else {
+            (small, &all_small)
+        };
+        let inputs = inputs_of(r.source, all);
         let (winfo, whole) = pack_whole(r.path, r.source, dims, &inputs);
         for topo in [Topology { ep: 1, moe_tp: 2 }, Topology { ep: 2, moe_tp: 2 }] {
             let (e, h, i) = dims;
@@ -828,7 +835,8 @@ fn rank_programs_in_the_gpu_form_match_and_assemble() {
 /// `moe_tp = 2` and `ep = 2`.
 #[test]
 fn gpu_rank_packs_need_a_gpu_per_rank_and_equal_the_host_ranks() {
-    let dims = (4, 64, 256);
+    // H = 128: int4_g128 groups K by 128.
+    let dims = (4, 128, 256);
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ckpt.safetensors");
     write_checkpoint(&ck, 2, dims);

@@ -2,6 +2,8 @@
 //! spelled out in integer and correctly rounded f32 operations, so every backend computes the same
 //! bits (Hopper included, which has no hardware E2M1 conversion).
 
+use moeforge_dsl::ir::DType;
+
 use crate::kir::{e, BinOp, Expr, Program, Step, Stmt, Ty, UnOp, Var, VarAlloc};
 
 /// Emits statements into a block, allocating variables.
@@ -475,6 +477,62 @@ pub fn fmax(a: Expr, b: Expr) -> Expr {
 /// `x == 0.0`.
 pub fn is_zero(x: Expr) -> Expr {
     e::bin(BinOp::FEq, x, e::f(0.0))
+}
+
+/// A non-negative finite f32 rounded to the nearest value of a scale dtype (ties to even), as an f32
+/// holding that value exactly: `bf16` by rounding away the low 16 bits of the encoding; `f16` by
+/// rounding to a multiple of its quantum `max(2^(e-10), 2^-24)` (`e` the value's binary exponent;
+/// division and multiplication by a power of two are exact) and saturating at 65504; `f32` unchanged.
+/// Group-wise INT4's scale rounding (README, "Group-wise INT4").
+pub fn round_scale(em: &mut Emit<'_>, s: Expr, dtype: DType) -> Expr {
+    match dtype {
+        DType::Bf16 => {
+            let b = em.set(Ty::I32, e::un(UnOp::BitsOf, s));
+            let odd = e::bin(
+                BinOp::And,
+                e::bin(BinOp::Shr, b.clone(), e::i32(16)),
+                e::i32(1),
+            );
+            let r = e::bin(BinOp::IAdd, e::bin(BinOp::IAdd, b, e::i32(0x7FFF)), odd);
+            em.set(
+                Ty::F32,
+                e::un(
+                    UnOp::FromBits,
+                    e::bin(BinOp::And, r, e::i32(0xFFFF_0000_u32 as i32)),
+                ),
+            )
+        }
+        DType::F16 => {
+            let s = em.set(Ty::F32, s);
+            let ex = e::bin(
+                BinOp::And,
+                e::bin(BinOp::Shr, e::un(UnOp::BitsOf, s.clone()), e::i32(23)),
+                e::i32(0xFF),
+            );
+            // The quantum's exponent field: e - 10, at least that of 2^-24 (127 - 24 = 103).
+            let qe = e::bin(BinOp::ISub, ex, e::i32(10));
+            let qe = e::sel(e::bin(BinOp::ILt, qe.clone(), e::i32(103)), e::i32(103), qe);
+            let quantum = em.set(
+                Ty::F32,
+                e::un(UnOp::FromBits, e::bin(BinOp::Shl, qe, e::i32(23))),
+            );
+            let n = e::un(UnOp::FRoundEven, fdiv(s, quantum.clone()));
+            em.set(
+                Ty::F32,
+                e::bin(BinOp::FMin, fmul(n, quantum), e::f(65504.0)),
+            )
+        }
+        _ => em.set(Ty::F32, s),
+    }
+}
+
+/// A group-wise INT4 code `clamp(rne(x / s) + z, 0, 15)` (i32): `z` is 8 for symmetric groups, the
+/// group's zero point for asymmetric ones (an f32 holding a small integer). `rne` rounds the
+/// correctly rounded quotient half to even before `z` is added, as GPTQ and AWQ do.
+pub fn int4_code(em: &mut Emit<'_>, x: Expr, s: &Expr, z: &Expr) -> Expr {
+    let r = e::un(UnOp::FRoundEven, fdiv(x, s.clone()));
+    let c = clamp(e::bin(BinOp::FAdd, r, z.clone()), 0.0, 15.0);
+    em.set(Ty::I32, rne_small_int(c))
 }
 
 /// Symmetric INT8: `clamp(rne(x / scale), -128, 127)` as a byte (two's complement).

@@ -206,6 +206,126 @@ pub fn int8_per_row(x: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
     (q, s)
 }
 
+/// A non-negative finite f32 rounded to the nearest value of a group-wise INT4 scale dtype, ties to
+/// the even encoding (README, "Group-wise INT4"): `bf16` by comparing the two bf16 neighbours in
+/// f64; `f16` by rounding `x / quantum` in f64 (quantum `2^(floor(log2 x) - 10)`, at least `2^-24`,
+/// the subnormal step) and saturating at 65504; any other dtype leaves `x` as it is.
+pub fn round_scale(x: f32, dtype: moeforge_dsl::ir::DType) -> f32 {
+    use moeforge_dsl::ir::DType;
+    match dtype {
+        DType::Bf16 => {
+            let lo = f32::from_bits(x.to_bits() & 0xFFFF_0000);
+            if lo == x {
+                return x;
+            }
+            let hi = f32::from_bits((x.to_bits() & 0xFFFF_0000) + 0x1_0000);
+            let (dl, dh) = (x as f64 - lo as f64, hi as f64 - x as f64);
+            if dl < dh || (dl == dh && lo.to_bits() & 0x1_0000 == 0) {
+                lo
+            } else {
+                hi
+            }
+        }
+        DType::F16 => {
+            let v = x as f64;
+            if v == 0.0 {
+                return 0.0;
+            }
+            let q = if v < 2f64.powi(-14) {
+                2f64.powi(-24)
+            } else {
+                2f64.powi(v.log2().floor() as i32 - 10)
+            };
+            let n = v / q;
+            let (f, frac) = (n.floor(), n - n.floor());
+            let m = if frac > 0.5 || (frac == 0.5 && f % 2.0 != 0.0) {
+                f + 1.0
+            } else {
+                f
+            };
+            (m * q).min(65504.0) as f32
+        }
+        _ => x,
+    }
+}
+
+/// Group-wise INT4 of a row-major `[rows, k]` tensor: what [`int4_group`] returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Int4 {
+    /// u4 codes, two per byte (element 2j in the low nibble), row-major `[rows, k]`.
+    pub codes: Vec<u8>,
+    /// The scales' values (each exactly a value of the scale dtype), `[rows, k/group]`.
+    pub scales: Vec<f32>,
+    /// The zero points (8 for symmetric groups), one per group, unpacked, `[rows, k/group]`.
+    pub zeros: Vec<u8>,
+}
+
+impl Int4 {
+    /// The zero points packed as the `zeros` param stores them (two per byte, low nibble first).
+    pub fn packed_zeros(&self) -> Vec<u8> {
+        self.zeros
+            .chunks(2)
+            .map(|p| p[0] | (p.get(1).copied().unwrap_or(0) << 4))
+            .collect()
+    }
+}
+
+/// Group-wise INT4 (W4A16, GPTQ/AWQ style; README, "Group-wise INT4"), per `group` consecutive
+/// elements of each `k`-long row:
+/// * symmetric: `amax = max |x|`, `s = R(amax / 7)`, `z = 8`;
+/// * asymmetric: `lo = min(min x, 0)`, `hi = max(max x, 0)`, `s = R((hi - lo) / 15)`,
+///   `z = clamp(rne(-lo / s), 0, 15)`;
+///
+/// where `R` rounds to the scale dtype ([`round_scale`]) and a scale that is 0 becomes 1; then
+/// `q = clamp(rne(x / s) + z, 0, 15)` (f32 division, correctly rounded; `rne` half to even).
+/// Dequantization is `(q - z) * s`.
+pub fn int4_group(
+    x: &[f32],
+    k: usize,
+    group: usize,
+    zero_point: bool,
+    scale: moeforge_dsl::ir::DType,
+) -> Int4 {
+    let mut nib: Vec<u8> = Vec::with_capacity(x.len());
+    let mut scales = Vec::new();
+    let mut zeros = Vec::new();
+    for row in x.chunks(k) {
+        for g in row.chunks(group) {
+            let (s32, lo) = if zero_point {
+                let lo = g.iter().fold(0f32, |a, &v| a.min(v));
+                let hi = g.iter().fold(0f32, |a, &v| a.max(v));
+                ((hi - lo) / 15.0, lo)
+            } else {
+                (amax(g) / 7.0, 0.0)
+            };
+            let mut s = round_scale(s32, scale);
+            if s == 0.0 {
+                s = 1.0;
+            }
+            let z = if zero_point {
+                (-lo / s).round_ties_even().clamp(0.0, 15.0)
+            } else {
+                8.0
+            };
+            scales.push(s);
+            zeros.push(z as u8);
+            nib.extend(
+                g.iter()
+                    .map(|&v| ((v / s).round_ties_even() + z).clamp(0.0, 15.0) as u8),
+            );
+        }
+    }
+    let codes = nib
+        .chunks(2)
+        .map(|p| p[0] | (p.get(1).copied().unwrap_or(0) << 4))
+        .collect();
+    Int4 {
+        codes,
+        scales,
+        zeros,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +375,115 @@ mod tests {
             })
             .collect();
         assert_eq!(deq, vec![3.0, -1.5, 0.5, 0.0, -0.0]);
+    }
+
+    /// README "Group-wise INT4", worked example: two symmetric groups of 8 with bf16 scales (the
+    /// first with an exact scale and ties, the second with a scale rounded to bf16), and one
+    /// asymmetric group.
+    #[test]
+    #[allow(clippy::excessive_precision)] // exact binary fractions, written out in full
+    fn int4_worked_example() {
+        use moeforge_dsl::ir::DType;
+        let x = [
+            3.5, -1.25, 0.25, 0.75, -3.5, 1.0, 0.0, -0.125, //
+            1.0, -0.3, 0.6, 0.1, 0.0, 0.2, -0.2, 0.45,
+        ];
+        let q = int4_group(&x, 16, 8, false, DType::Bf16);
+        assert_eq!(q.scales, vec![0.5, 0.142578125]);
+        assert_eq!(q.zeros, vec![8, 8]);
+        assert_eq!(
+            q.codes,
+            vec![0x6F, 0xA8, 0xA1, 0x88, 0x6F, 0x9C, 0x98, 0xB7]
+        );
+        let deq: Vec<f32> = (0..16)
+            .map(|i| {
+                let c = (q.codes[i / 2] >> (4 * (i % 2))) & 0xF;
+                (f32::from(c) - 8.0) * q.scales[i / 8]
+            })
+            .collect();
+        assert_eq!(
+            deq,
+            vec![
+                3.5,
+                -1.0,
+                0.0,
+                1.0,
+                -3.5,
+                1.0,
+                0.0,
+                0.0, //
+                0.998046875,
+                -0.28515625,
+                0.5703125,
+                0.142578125,
+                0.0,
+                0.142578125,
+                -0.142578125,
+                0.427734375,
+            ]
+        );
+        let a = [-1.0, 0.2, 2.0, 3.3, -0.6, 1.4, 0.0, 2.5];
+        let q = int4_group(&a, 8, 8, true, DType::Bf16);
+        assert_eq!(q.scales, vec![0.287109375]);
+        assert_eq!(q.zeros, vec![3]);
+        assert_eq!(q.packed_zeros(), vec![0x03]);
+        assert_eq!(q.codes, vec![0x40, 0xEA, 0x81, 0xC3]);
+        let deq: Vec<f32> = (0..8)
+            .map(|i| {
+                let c = (q.codes[i / 2] >> (4 * (i % 2))) & 0xF;
+                (f32::from(c) - 3.0) * q.scales[0]
+            })
+            .collect();
+        assert_eq!(
+            deq,
+            vec![
+                -0.861328125,
+                0.287109375,
+                2.009765625,
+                3.158203125,
+                -0.57421875,
+                1.435546875,
+                0.0,
+                2.583984375
+            ]
+        );
+        // f16 and f32 scales of the second symmetric group: 1/7 rounded to f16, and as it is.
+        let g = &x[8..];
+        assert_eq!(
+            int4_group(g, 8, 8, false, DType::F16).scales,
+            vec![0.142822265625]
+        );
+        assert_eq!(
+            int4_group(g, 8, 8, false, DType::F32).scales,
+            vec![1.0 / 7.0]
+        );
+        // An all-zero group: scale 1, every code the zero point.
+        let z = int4_group(&[0.0; 8], 8, 8, false, DType::Bf16);
+        assert_eq!((z.scales, z.codes), (vec![1.0], vec![0x88; 4]));
+    }
+
+    #[test]
+    #[allow(clippy::excessive_precision)]
+    fn scale_rounding_matches_the_formats() {
+        use moeforge_dsl::ir::DType;
+        // bf16: ties to even at the 16-bit boundary.
+        assert_eq!(round_scale(f32::from_bits(0x3F80_8000), DType::Bf16), 1.0);
+        assert_eq!(
+            round_scale(f32::from_bits(0x3F81_8000), DType::Bf16),
+            f32::from_bits(0x3F82_0000)
+        );
+        // f16: 1 + 2^-11 ties to 1, 1 + 3 * 2^-11 to 1 + 2^-9; the subnormal step 2^-24; saturation.
+        assert_eq!(round_scale(1.0 + 2f32.powi(-11), DType::F16), 1.0);
+        assert_eq!(
+            round_scale(1.0 + 3.0 * 2f32.powi(-11), DType::F16),
+            1.0 + 2f32.powi(-9)
+        );
+        assert_eq!(
+            round_scale(1.5 * 2f32.powi(-24), DType::F16),
+            2f32.powi(-23)
+        );
+        assert_eq!(round_scale(0.5 * 2f32.powi(-24), DType::F16), 0.0);
+        assert_eq!(round_scale(1e6, DType::F16), 65504.0);
     }
 
     #[test]

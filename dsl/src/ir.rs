@@ -44,6 +44,9 @@ pub enum DType {
     E2m1,
     /// E8M0 power-of-two scale.
     E8m0,
+    /// Unsigned 4-bit integer, packed two per byte (element 2j in the low nibble): group-wise INT4
+    /// codes and zero points.
+    U4,
     /// Signed 8-bit integer.
     I8,
     /// Unsigned 8-bit integer.
@@ -54,7 +57,7 @@ pub enum DType {
 
 impl DType {
     /// All dtypes, in the language's spelling order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 11] = [
         DType::Bf16,
         DType::F16,
         DType::F32,
@@ -62,6 +65,7 @@ impl DType {
         DType::E5m2,
         DType::E2m1,
         DType::E8m0,
+        DType::U4,
         DType::I8,
         DType::U8,
         DType::I32,
@@ -77,6 +81,7 @@ impl DType {
             DType::E5m2 => "e5m2",
             DType::E2m1 => "e2m1",
             DType::E8m0 => "e8m0",
+            DType::U4 => "u4",
             DType::I8 => "i8",
             DType::U8 => "u8",
             DType::I32 => "i32",
@@ -91,11 +96,16 @@ impl DType {
     /// Storage bits per element.
     pub fn bits(self) -> u32 {
         match self {
-            DType::E2m1 => 4,
+            DType::E2m1 | DType::U4 => 4,
             DType::E4m3 | DType::E5m2 | DType::E8m0 | DType::I8 | DType::U8 => 8,
             DType::Bf16 | DType::F16 => 16,
             DType::F32 | DType::I32 => 32,
         }
+    }
+
+    /// Whether elements are 4 bits, stored two per byte (element 2j in the low nibble).
+    pub fn is_packed4(self) -> bool {
+        self.bits() == 4
     }
 
     /// Whether values of this type can be quantized (a real-valued input).
@@ -183,6 +193,17 @@ pub enum QuantScheme {
     Mxfp4,
     /// INT8 with one f32 scale per row (SPEC §8).
     Int8Row,
+    /// Group-wise INT4 (W4A16, GPTQ/AWQ style): u4 codes, one scale (and, asymmetric, one u4 zero
+    /// point) per `group` consecutive elements along the last dimension (README, "Group-wise INT4").
+    Int4 {
+        /// Elements per group along the last dimension (a power of two, at least 2).
+        group: i64,
+        /// Asymmetric (u4 zero points `z = rne(-min/s)`) rather than symmetric (`z = 8`).
+        zero_point: bool,
+        /// The scales' dtype (`bf16`, `f16` or `f32`); scales are rounded to it before the codes
+        /// are computed.
+        scale: DType,
+    },
 }
 
 impl QuantScheme {
@@ -193,6 +214,7 @@ impl QuantScheme {
             QuantScheme::Fp8 { .. } => "fp8",
             QuantScheme::Mxfp4 => "mxfp4",
             QuantScheme::Int8Row => "int8",
+            QuantScheme::Int4 { .. } => "int4",
         }
     }
 }
@@ -208,6 +230,8 @@ pub enum QuantField {
     GlobalScale,
     /// NVFP4's decode scale `1 / gs` (vLLM's `weight_scale_2`).
     DecodeScale,
+    /// Group-wise INT4's u4 zero points (asymmetric only).
+    Zeros,
 }
 
 impl QuantField {
@@ -218,6 +242,7 @@ impl QuantField {
             QuantField::Scales => "scales",
             QuantField::GlobalScale => "global_scale",
             QuantField::DecodeScale => "decode_scale",
+            QuantField::Zeros => "zeros",
         }
     }
 }

@@ -1048,6 +1048,7 @@ impl<'s> Lower<'s> {
             "fp8" => &["granularity", "amax"],
             "mxfp4" => &["block"],
             "int8" => &["granularity"],
+            "int4" => &["group", "zero_point", "scale"],
             _ => {
                 self.err(
                     Diagnostic::error(
@@ -1055,7 +1056,7 @@ impl<'s> Lower<'s> {
                         format!("unknown quantization scheme `{}`", scheme.name),
                     )
                     .with_label(scheme.span, "not a scheme")
-                    .with_note("the schemes are `nvfp4`, `fp8`, `mxfp4` and `int8`"),
+                    .with_note("the schemes are `nvfp4`, `fp8`, `mxfp4`, `int8` and `int4`"),
                 );
                 return None;
             }
@@ -1225,6 +1226,7 @@ impl<'s> Lower<'s> {
             }
         }
         let q = match scheme.name.as_str() {
+            "int4" => self.int4_scheme(&named)?,
             "nvfp4" => QuantScheme::Nvfp4 { amax, group },
             "mxfp4" => QuantScheme::Mxfp4,
             "fp8" => {
@@ -1275,6 +1277,7 @@ impl<'s> Lower<'s> {
             QuantScheme::Mxfp4 => (DType::E2m1, Some(32)),
             QuantScheme::Fp8 { .. } => (DType::E4m3, None),
             QuantScheme::Int8Row => (DType::I8, None),
+            QuantScheme::Int4 { group, .. } => (DType::U4, Some(group)),
         };
         if let Some(b) = blk {
             let k = shape.last().cloned().unwrap_or_default();
@@ -1297,6 +1300,64 @@ impl<'s> Lower<'s> {
             shape,
             span,
         )
+    }
+
+    /// `quant int4(x, group = g, zero_point = false|true, scale = bf16|f16|f32)`: the group (a
+    /// power of two, at least 2; default 128), symmetric unless `zero_point = true`, bf16 scales
+    /// unless said.
+    fn int4_scheme(&mut self, named: &HashMap<&str, &Arg>) -> Option<QuantScheme> {
+        let group = match named.get("group") {
+            Some(a) => {
+                let g = self.const_int(&a.value, "`group`")?;
+                if g < 2 || g.count_ones() != 1 {
+                    self.err(
+                        Diagnostic::error(
+                            "E0105",
+                            "`quant int4` groups are a power of two, at least 2",
+                        )
+                        .with_label(a.value.span, format!("found {g}"))
+                        .with_note("GPTQ and AWQ checkpoints use 32, 64 or 128"),
+                    );
+                    return None;
+                }
+                g
+            }
+            None => 128,
+        };
+        let zero_point = match named.get("zero_point") {
+            Some(a) => match &a.value.kind {
+                ExprKind::Name(n) if n == "true" => true,
+                ExprKind::Name(n) if n == "false" => false,
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0104", "unknown `zero_point` value")
+                            .with_label(a.value.span, "expected `true` or `false`"),
+                    );
+                    return None;
+                }
+            },
+            None => false,
+        };
+        let scale = match named.get("scale") {
+            Some(a) => match &a.value.kind {
+                ExprKind::Name(n) if matches!(n.as_str(), "bf16" | "f16" | "f32") => {
+                    DType::from_name(n)?
+                }
+                _ => {
+                    self.err(
+                        Diagnostic::error("E0104", "unknown `int4` scale dtype")
+                            .with_label(a.value.span, "expected `bf16`, `f16` or `f32`"),
+                    );
+                    return None;
+                }
+            },
+            None => DType::Bf16,
+        };
+        Some(QuantScheme::Int4 {
+            group,
+            zero_point,
+            scale,
+        })
     }
 
     fn field(&mut self, base: &Expr, field: &ast::Ident, span: Span) -> Option<ValueId> {
@@ -1341,10 +1402,14 @@ impl<'s> Lower<'s> {
             "scales" => QuantField::Scales,
             "global_scale" => QuantField::GlobalScale,
             "decode_scale" => QuantField::DecodeScale,
+            "zeros" => QuantField::Zeros,
             _ => QuantField::Values,
         };
         let known = match scheme {
             QuantScheme::Nvfp4 { .. } => "`values`, `scales`, `global_scale`, `decode_scale`",
+            QuantScheme::Int4 {
+                zero_point: true, ..
+            } => "`values`, `scales`, `zeros`",
             _ => "`values`, `scales`",
         };
         let out = match (field.name.as_str(), scheme) {
@@ -1371,6 +1436,38 @@ impl<'s> Lower<'s> {
                 },
             )),
             ("scales", QuantScheme::Int8Row) => Some((DType::F32, shape[..last].to_vec())),
+            ("scales", QuantScheme::Int4 { group, scale, .. }) => {
+                Some((scale, with_last(shape[last].div_exact(group)?)))
+            }
+            (
+                "zeros",
+                QuantScheme::Int4 {
+                    group,
+                    zero_point: true,
+                    ..
+                },
+            ) => {
+                // Two groups' zero points share a byte: the groups of a row pair up.
+                if shape[last].div_exact(2 * group).is_none() {
+                    let shown = self.m.show(&shape[last]);
+                    self.err(
+                        Diagnostic::error(
+                            "E0204",
+                            format!("cannot prove that `{shown}` is divisible by {}", 2 * group),
+                        )
+                        .with_label(
+                            field.span,
+                            format!("u4 zero points pack two groups of {group} per byte"),
+                        )
+                        .with_note(format!(
+                            "help: add a constraint to the where-clause, e.g. `where {shown} % {} == 0`",
+                            2 * group
+                        )),
+                    );
+                    return None;
+                }
+                Some((DType::U4, with_last(shape[last].div_exact(group)?)))
+            }
             ("global_scale" | "decode_scale", QuantScheme::Nvfp4 { amax, .. }) => {
                 Some((DType::F32, per(amax)))
             }
@@ -2730,9 +2827,22 @@ impl<'s> Lower<'s> {
                     ..
                 })
             );
+            let asymmetric = matches!(
+                self.m.value(q).map(|x| &x.op),
+                Some(Op::Quant {
+                    scheme: QuantScheme::Int4 {
+                        zero_point: true,
+                        ..
+                    },
+                    ..
+                })
+            );
             let mut missing = Vec::new();
             if !fields.contains(&QuantField::Scales) {
                 missing.push("`.scales`");
+            }
+            if asymmetric && !fields.contains(&QuantField::Zeros) {
+                missing.push("`.zeros`");
             }
             if nvfp4
                 && !fields.contains(&QuantField::DecodeScale)

@@ -39,6 +39,8 @@ pub struct Quantization {
     pub global_scale: Option<Output>,
     /// The param holding NVFP4's decode scale.
     pub decode_scale: Option<Output>,
+    /// The param holding group-wise INT4's u4 zero points (asymmetric).
+    pub zeros: Option<Output>,
 }
 
 impl Quantization {
@@ -49,6 +51,7 @@ impl Quantization {
             QuantField::Scales => &mut self.scales,
             QuantField::GlobalScale => &mut self.global_scale,
             QuantField::DecodeScale => &mut self.decode_scale,
+            QuantField::Zeros => &mut self.zeros,
         }
     }
 
@@ -59,6 +62,7 @@ impl Quantization {
             &self.scales,
             &self.global_scale,
             &self.decode_scale,
+            &self.zeros,
         ]
         .into_iter()
         .flatten()
@@ -177,6 +181,7 @@ impl ModuleInfo {
                         scales: None,
                         global_scale: None,
                         decode_scale: None,
+                        zeros: None,
                     });
                     out.len() - 1
                 }

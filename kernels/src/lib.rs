@@ -31,6 +31,7 @@ pub const STANDARD: &[StandardRecipe] = &[
     recipe!("nvfp4_cutedsl"),
     recipe!("mxfp4"),
     recipe!("int8_per_row"),
+    recipe!("int4_g128"),
 ];
 
 macro_rules! layout_example {

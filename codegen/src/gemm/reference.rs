@@ -106,6 +106,99 @@ fn check_operands(g: &Grouped, x: usize, w: usize, bytes_per: usize) -> Result<(
     check_len("w", w, g.experts() * g.n * g.k, bytes_per)
 }
 
+/// Group-wise INT4 weights (W4A16, README "Group-wise INT4") as the kernels read them: `codes`
+/// `[E, N, K]` u4 (two per byte, element 2j in the low nibble), `scales` `[E, N, K/group]` (the
+/// scales' values, each exactly a value of its dtype), and `zeros` `[E, N, K/group]` u4 packed the
+/// same way (`None`: symmetric, every zero point 8).
+#[derive(Debug, Clone, Copy)]
+pub struct Int4Weights<'a> {
+    /// The packed u4 codes.
+    pub codes: &'a [u8],
+    /// The scales' values.
+    pub scales: &'a [f32],
+    /// The packed u4 zero points of an asymmetric quantization.
+    pub zeros: Option<&'a [u8]>,
+    /// Elements per group along K.
+    pub group: usize,
+}
+
+/// Nibble `i` of a u4 array packed two per byte.
+fn nibble(b: &[u8], i: usize) -> u8 {
+    (b[i / 2] >> (4 * (i % 2))) & 0xF
+}
+
+impl Int4Weights<'_> {
+    fn check(&self, g: &Grouped) -> Result<()> {
+        let groups = if self.group > 0 && g.k.is_multiple_of(self.group) {
+            g.k / self.group
+        } else {
+            return Err(Error::BufferSize {
+                name: "int4 group".into(),
+                expected: self.group,
+                got: g.k,
+            });
+        };
+        let n = g.experts() * g.n;
+        check_len("codes", self.codes.len() * 2, n * g.k, 1)?;
+        check_len("scales", self.scales.len(), n * groups, 4)?;
+        if let Some(z) = self.zeros {
+            check_len("zeros", z.len(), (n * groups).div_ceil(2), 1)?;
+        }
+        Ok(())
+    }
+
+    /// `(q - z)` of element `(e, c, k)` (an integer in [-15, 15], exact in bf16) and its group's
+    /// scale.
+    fn at(&self, g: &Grouped, e: usize, c: usize, k: usize) -> (f64, f64) {
+        let row = e * g.n + c;
+        let gi = row * (g.k / self.group) + k / self.group;
+        let z = self.zeros.map_or(8, |z| nibble(z, gi));
+        let q = nibble(self.codes, row * g.k + k);
+        (f64::from(q) - f64::from(z), f64::from(self.scales[gi]))
+    }
+}
+
+/// The dequantized weight `W[e, c, k] = (q - z) * s` of group-wise INT4, `[E, N, K]`, in f64 (exact:
+/// a small integer times an f32).
+pub fn int4_dequant(g: &Grouped, w: &Int4Weights<'_>) -> Result<Vec<f64>> {
+    w.check(g)?;
+    let mut out = Vec::with_capacity(g.experts() * g.n * g.k);
+    for e in 0..g.experts() {
+        for c in 0..g.n {
+            for k in 0..g.k {
+                let (d, s) = w.at(g, e, c, k);
+                out.push(d * s);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// (d) W4A16, group-wise INT4 weights and bf16 activations, the way the GEMM is to compute it:
+/// `q - z` is exact in bf16 and feeds the bf16 tensor cores; each group's partial sum is scaled by
+/// its `s` and added to the accumulator, groups in ascending order:
+/// `Y[t, c] = sum_j s[e, c, j] * (sum_{k in group j} X[t, k] (q[e, c, k] - z[e, c, j]))`,
+/// all in f64 (so equal, up to f64 rounding, to `X · deq(W)^T` with [`int4_dequant`]). `x` is
+/// `[T, K]` as bf16 bits.
+pub fn gemm_int4(g: &Grouped, x: &[u16], w: &Int4Weights<'_>) -> Result<Vec<f64>> {
+    check_len("x", x.len(), g.rows() * g.k, 2)?;
+    w.check(g)?;
+    let (k, gs) = (g.k, w.group);
+    Ok(g.map(|e, t, c| {
+        let xr = &x[t * k..(t + 1) * k];
+        (0..k / gs).fold(0.0, |acc, j| {
+            let mut part = 0.0;
+            let mut s = 0.0;
+            for (kk, xv) in xr.iter().enumerate().skip(j * gs).take(gs) {
+                let (d, sc) = w.at(g, e, c, kk);
+                part += bf16_to_f32(*xv) as f64 * d;
+                s = sc;
+            }
+            acc + part * s
+        })
+    }))
+}
+
 /// bf16 bits of an f32, round to nearest even (NaN stays a quiet NaN of the same sign).
 pub fn bf16_from_f32(x: f32) -> u16 {
     let b = x.to_bits();
@@ -319,6 +412,113 @@ mod tests {
         assert!(bf16_to_f32(bf16_from_f32(f32::NAN)).is_nan());
         assert_eq!(bf16_from_f32(f32::INFINITY), 0x7F80);
         assert_eq!(bf16_to_f32(0x3FC0), 1.5);
+    }
+
+    /// INT4 by hand: one expert, one row, N = 1, K = 4 in groups of 2. Codes [9, 6 | 15, 0]
+    /// (bytes 0x69, 0x0F), symmetric (z = 8) with scales [0.5, 0.25], then asymmetric with zero
+    /// points [6, 3] (byte 0x36).
+    #[test]
+    fn int4_by_hand() {
+        let g = Grouped::new(&[1], 1, 4);
+        let x = bf(&[1.0, 2.0, -1.0, 0.5]);
+        let w = Int4Weights {
+            codes: &[0x69, 0x0F],
+            scales: &[0.5, 0.25],
+            zeros: None,
+            group: 2,
+        };
+        // deq = [(9-8)/2, (6-8)/2, (15-8)/4, (0-8)/4] = [0.5, -1, 1.75, -2].
+        assert_eq!(int4_dequant(&g, &w).unwrap(), vec![0.5, -1.0, 1.75, -2.0]);
+        // 0.5 * (1 - 2*2) + 0.25 * (-7 - 4) = -1.5 - 2.75.
+        assert_eq!(gemm_int4(&g, &x, &w).unwrap(), vec![-4.25]);
+        let a = Int4Weights {
+            zeros: Some(&[0x36]),
+            ..w
+        };
+        // deq = [(9-6)/2, (6-6)/2, (15-3)/4, (0-3)/4] = [1.5, 0, 3, -0.75].
+        assert_eq!(int4_dequant(&g, &a).unwrap(), vec![1.5, 0.0, 3.0, -0.75]);
+        assert_eq!(gemm_int4(&g, &x, &a).unwrap(), vec![1.5 - 3.0 - 0.375]);
+        // A K that the group does not divide is an error.
+        let bad = Int4Weights { group: 3, ..w };
+        assert!(gemm_int4(&g, &x, &bad).is_err());
+    }
+
+    proptest! {
+        /// The grouped form (scale on each group's partial sum) equals `X · deq(W)^T`, and the
+        /// dequantized weight of the reference quantizer is within half a scale of the weight
+        /// (symmetric; asymmetric adds the clamp overshoot `max(0, (hi - lo) - 15 s)`), up to the
+        /// f32 rounding of `x / s`.
+        #[test]
+        fn int4_gemm_equals_dequantized_product(
+            seed in any::<u64>(), zp in any::<bool>(), f16 in any::<bool>()
+        ) {
+            use moeforge_dsl::ir::DType;
+            let (n, k, group) = (3usize, 64usize, 16usize);
+            let mut st = seed | 1;
+            let mut next = || {
+                st ^= st << 13;
+                st ^= st >> 7;
+                st ^= st << 17;
+                ((st >> 11) as f64 / (1u64 << 53) as f64 * 8.0 - 4.0) as f32
+            };
+            let w: Vec<f32> = (0..2 * n * k).map(|_| bf16_to_f32(bf16_from_f32(next()))).collect();
+            let x: Vec<u16> = (0..3 * k).map(|_| bf16_from_f32(next())).collect();
+            let scale = if f16 { DType::F16 } else { DType::Bf16 };
+            let q = crate::reference::int4_group(&w, k, group, zp, scale);
+            let zeros = q.packed_zeros();
+            let wt = Int4Weights {
+                codes: &q.codes,
+                scales: &q.scales,
+                zeros: zp.then_some(&zeros[..]),
+                group,
+            };
+            let g = Grouped::new(&[1, 2], n, k);
+            let deq = int4_dequant(&g, &wt).unwrap();
+            for (i, (&v, &d)) in w.iter().zip(&deq).enumerate() {
+                let grp = &w[i / group * group..(i / group + 1) * group];
+                let s = f64::from(q.scales[i / group]);
+                let over = if zp {
+                    let lo = grp.iter().fold(0f32, |a, &b| a.min(b)) as f64;
+                    let hi = grp.iter().fold(0f32, |a, &b| a.max(b)) as f64;
+                    ((hi - lo) - 15.0 * s).max(0.0)
+                } else {
+                    0.0
+                };
+                let bound = s / 2.0 + over + f64::from(v.abs()) * 2f64.powi(-24);
+                prop_assert!((f64::from(v) - d).abs() <= bound, "element {i}: {v} vs {d}, s {s}");
+            }
+            let y = gemm_int4(&g, &x, &wt).unwrap();
+            let plain = g.map(|e, t, c| {
+                (0..k).fold(0.0, |a, kk| {
+                    a + bf16_to_f32(x[t * k + kk]) as f64 * deq[(e * n + c) * k + kk]
+                })
+            });
+            for (a, b) in y.iter().zip(&plain) {
+                prop_assert!((a - b).abs() <= 1e-9 * (1.0 + b.abs()));
+            }
+        }
+
+        /// Packing round trip: nibble `i` of the packed codes is element `i` (element 2j in the low
+        /// nibble), both for packing by hand and for the reference quantizer (values `c - 8` with a
+        /// 7 among them: scale 1, so its codes are `c`).
+        #[test]
+        fn u4_packing_round_trips(codes in proptest::collection::vec(1u8..16, 1..64)) {
+            let mut c = codes.clone();
+            c.push(15);
+            if c.len() % 2 == 1 {
+                c.push(15);
+            }
+            let packed: Vec<u8> = c.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+            for (i, &v) in c.iter().enumerate() {
+                prop_assert_eq!(nibble(&packed, i), v);
+            }
+            let xs: Vec<f32> = c.iter().map(|&q| f32::from(q) - 8.0).collect();
+            let r = crate::reference::int4_group(
+                &xs, xs.len(), xs.len(), false, moeforge_dsl::ir::DType::F32,
+            );
+            prop_assert_eq!(r.scales, vec![1.0]);
+            prop_assert_eq!(r.codes, packed);
+        }
     }
 
     /// Two experts (1 row, 2 rows), N = 2, K = 3, computed by hand.

@@ -26,7 +26,7 @@ impl Planner<'_> {
                     ));
                 }
                 let mut shape = self.shape(base)?;
-                if t.dtype == DType::E2m1 {
+                if t.dtype.is_packed4() {
                     // 4-bit codes are copied as the bytes that hold them (pairs along the last dim).
                     if let Some(l) = shape.last_mut() {
                         *l /= 2;

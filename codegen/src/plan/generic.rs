@@ -18,7 +18,7 @@ impl Planner<'_> {
         let t = self.tensor(id)?.clone();
         let v = t.value.ok_or(Error::Internal("param value"))?;
         let (v, _) = moeforge_dsl::roles::unpadded(self.info.module(), v);
-        if t.dtype == DType::E2m1 {
+        if t.dtype.is_packed4() {
             return Err(unsupported(
                 &t.name,
                 "a computed 4-bit param (only copies and quantizations write FP4)",
@@ -195,7 +195,7 @@ impl Planner<'_> {
                     QuantField::GlobalScale => qt.gs,
                     QuantField::DecodeScale => qt.decode,
                     QuantField::Scales => qt.fp8_scale,
-                    QuantField::Values => None,
+                    QuantField::Values | QuantField::Zeros => None,
                 };
                 let b = b.ok_or_else(|| {
                     unsupported(

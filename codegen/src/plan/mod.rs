@@ -26,6 +26,7 @@ mod blocks;
 mod copy;
 mod fp8_block;
 mod generic;
+mod int4;
 mod mxfp4;
 mod nvfp4;
 mod quantize;
@@ -92,6 +93,7 @@ struct QuantUse {
     scales: Option<(TensorId, Option<IndexVec>)>,
     global: Option<TensorId>,
     decode: Option<TensorId>,
+    zeros: Option<(TensorId, Option<IndexVec>)>,
 }
 
 struct QuantTemps {
@@ -139,9 +141,13 @@ fn elem_of(d: DType) -> Option<Elem> {
     match d {
         DType::Bf16 => Some(Elem::Bf16),
         DType::F32 | DType::F16 => Some(Elem::F32),
-        DType::E2m1 | DType::E4m3 | DType::E5m2 | DType::E8m0 | DType::I8 | DType::U8 => {
-            Some(Elem::U8)
-        }
+        DType::E2m1
+        | DType::U4
+        | DType::E4m3
+        | DType::E5m2
+        | DType::E8m0
+        | DType::I8
+        | DType::U8 => Some(Elem::U8),
         DType::I32 => None,
     }
 }
@@ -225,7 +231,7 @@ pub fn plan_sharded(
                 elem = Elem::F32;
             }
             let mut len = p.numel(&t.shape)?;
-            if t.dtype == DType::E2m1 {
+            if t.dtype.is_packed4() {
                 len /= 2; // two codes per byte, as the checkpoint stores them
             }
             let b = p.buf(BufRole::Input(t.name.clone()), elem, len, false);
@@ -301,6 +307,7 @@ pub fn plan_sharded(
                 scales: kept(&q.scales).map(|o| (o.param, o.rows)),
                 global: scalar(kept(&q.global_scale))?,
                 decode: scalar(kept(&q.decode_scale))?,
+                zeros: kept(&q.zeros).map(|o| (o.param, o.rows)),
             },
         );
     }
@@ -322,10 +329,10 @@ pub fn plan_sharded(
         let t = p.tensor(*id)?.clone();
         let elem =
             elem_of(t.dtype).ok_or_else(|| unsupported(&t.name, format!("{} params", t.dtype)))?;
-        let half = |n: usize| if t.dtype == DType::E2m1 { n / 2 } else { n };
+        let half = |n: usize| if t.dtype.is_packed4() { n / 2 } else { n };
         let len = half(p.numel(&t.shape)?);
         let name = t.name.clone();
-        let fp4 = t.dtype == DType::E2m1;
+        let fp4 = t.dtype.is_packed4();
         let b = p.buf(BufRole::Param(name.clone()), elem, len, false);
         let map = p.storage_map(*id)?;
         let v0 = unpadded

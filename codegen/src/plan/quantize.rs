@@ -22,6 +22,7 @@ impl Planner<'_> {
             .or(u.scales.as_ref().map(|x| x.0))
             .or(u.global)
             .or(u.decode)
+            .or(u.zeros.as_ref().map(|x| x.0))
             .ok_or(Error::Internal("unused quantization"))?;
         let pname = self.tensor(any_param)?.name.clone();
         let (xv, rows_in) = self.strip_gather(&pname, input)?;
@@ -71,7 +72,17 @@ impl Planner<'_> {
                 "values and scales gathered by different row orders",
             ));
         }
-        let rows_out = rows_out_v.or(rows_out_s);
+        let rows_out_z = u.zeros.as_ref().and_then(|x| x.1.clone());
+        if u.zeros.is_some()
+            && (u.values.is_some() && rows_out_v != rows_out_z
+                || u.scales.is_some() && rows_out_s != rows_out_z)
+        {
+            return Err(unsupported(
+                &pname,
+                "zero points gathered by another row order than the codes or scales",
+            ));
+        }
+        let rows_out = rows_out_v.or(rows_out_s).or(rows_out_z);
         if rows_in.is_some() && rows_out.is_some() {
             return Err(unsupported(
                 &pname,
@@ -98,6 +109,10 @@ impl Planner<'_> {
             let map = self.scale_maps.get(&x.0).cloned();
             self.params.get(&x.0).copied().map(|b| (b, map))
         });
+        let zer = u
+            .zeros
+            .as_ref()
+            .and_then(|x| self.params.get(&x.0).copied());
         let glob = u.global.and_then(|x| self.params.get(&x).copied());
         let dec = u.decode.and_then(|x| self.params.get(&x).copied());
         let tag = format!("{}_{}", m.name, xname);
@@ -112,6 +127,7 @@ impl Planner<'_> {
             cols,
             vals,
             scl,
+            zer,
             glob,
             dec,
             src_row: &src_row,
@@ -135,6 +151,7 @@ impl Planner<'_> {
                 ..
             } => self.quant_fp8_block(&ctx),
             QuantScheme::Mxfp4 => self.quant_mxfp4(&ctx),
+            QuantScheme::Int4 { .. } => self.quant_int4(&ctx),
         }
     }
 }
@@ -152,6 +169,8 @@ pub(super) struct QuantCtx<'r> {
     pub(super) cols: i64,
     pub(super) vals: Option<BufId>,
     pub(super) scl: Option<(BufId, Option<StorageMap>)>,
+    /// Group-wise INT4's zero points (u4, two per byte).
+    pub(super) zer: Option<BufId>,
     pub(super) glob: Option<BufId>,
     pub(super) dec: Option<BufId>,
     pub(super) src_row: &'r dyn Fn(&mut Emit<'_>, Expr) -> Expr,

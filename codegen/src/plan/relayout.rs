@@ -1,7 +1,5 @@
 //! Relayout: a staged (row-major) param, or an input copied straight, into its storage map.
 
-use moeforge_dsl::ir::DType;
-
 use super::*;
 use crate::kir::{e, BinOp, Elem, Expr, Stmt, Ty, UnOp};
 use crate::quant::Emit;
@@ -21,7 +19,7 @@ impl Planner<'_> {
             .buf(r.out)
             .map(|b| b.elem)
             .ok_or(Error::Internal("relayout buffer"))?;
-        if t.dtype == DType::E2m1 {
+        if t.dtype.is_packed4() {
             map = map
                 .halved()
                 .ok_or_else(|| unsupported(&t.name, "a 4-bit layout that splits byte pairs"))?;
