@@ -16,7 +16,7 @@ use crate::ir::{
 /// The only activation group size the FP8 block GEMM takes.
 const GROUP: i64 = 128;
 
-const MODES_HELP: &str = "help: write `fp8(per_token)`, `fp8(per_token_group = 128)` or `fp8(static(w13 = w13_input_scale, w2 = w2_input_scale) [else per_token])`";
+const MODES_HELP: &str = "help: declare `activation fp8(per_token)`, `activation fp8(per_token_group = 128)` (128x128 block weight scales) or `activation fp8(static(w13 = w13_input_scale, w2 = w2_input_scale) [else per_token])`";
 
 impl Lower<'_> {
     /// `activation SCHEME [(MODE [else MODE])]`: record the declared scheme on the module.
