@@ -8,7 +8,8 @@
 //! * bf16 weights: the v0 kernel (`codegen::gemm::kernel::grouped_bf16_v0`) at three stage counts,
 //!   then every warp-specialized candidate (`codegen::gemm::tune::candidates`);
 //! * e4m3 weights with a registered f32 weight scale of shape `[E]`: the tensorwise FP8
-//!   candidates, with per-token (dynamic) and per-tensor (static) activation scales;
+//!   candidates, with per-token (dynamic) and/or per-tensor (static) activation scales, as the
+//!   recipe's `activation` declaration says (both where its static scale is optional);
 //! * e4m3 weights with a registered f32 weight scale of shape `[E, ceil(N/128), ceil(K/128)]`: the
 //!   `fp8_block128` candidates.
 //!
@@ -132,6 +133,59 @@ fn weight_scale(
     })
 }
 
+/// The scalings of `gemm`'s variants, from the recipe's declared activation scheme (SPEC §9;
+/// `dsl::ModuleInfo::activation_scales`): tensorwise FP8 weights take per-token activation scales
+/// (`per_token`), a static one (`static(..)`), or both where the static scale is optional (the
+/// per-token variant serves checkpoints without it); 128x128 block weights take
+/// `per_token_group = 128`. Anything else is the reason there is no variant.
+fn declared_scalings(
+    info: &dsl::ModuleInfo,
+    gemm: &str,
+    operands: Operands,
+    weight: Scaling,
+) -> std::result::Result<Vec<Scaling>, String> {
+    use dsl::ir::{ActDynamic, ActScale};
+    if operands == Operands::Bf16 {
+        return Ok(vec![weight]);
+    }
+    let act = info.activation();
+    let scales = info.activation_scales(gemm);
+    if scales.is_empty() {
+        return Err(format!(
+            "e4m3 weights with {} activations (`activation {}`)",
+            act.dtype(),
+            act.text(info.module())
+        ));
+    }
+    let mut out = Vec::new();
+    for s in scales {
+        let scaling = match (weight, s) {
+            (Scaling::Tensorwise { .. }, ActScale::Dynamic(ActDynamic::PerToken)) => {
+                Scaling::Tensorwise { per_token: true }
+            }
+            (Scaling::Tensorwise { .. }, ActScale::Static(_)) => {
+                Scaling::Tensorwise { per_token: false }
+            }
+            (Scaling::Block128, ActScale::Dynamic(ActDynamic::PerTokenGroup { group: 128 })) => {
+                Scaling::Block128
+            }
+            (w, s) => {
+                let weights = match w {
+                    Scaling::Block128 => "128x128 block weight scales",
+                    _ => "per-tensor weight scales",
+                };
+                let acts = match s {
+                    ActScale::Static(_) => "static activation scales".to_string(),
+                    ActScale::Dynamic(d) => format!("`{d}` activation scales"),
+                };
+                return Err(format!("{acts} with {weights}"));
+            }
+        };
+        out.push(scaling);
+    }
+    Ok(out)
+}
+
 /// The GEMM variants that serve a verified, bound module's weights. Errors: no binding, a weight
 /// param that is missing or not `[E, N, K]`, or a shape the kernel refuses.
 pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
@@ -220,12 +274,13 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 });
             }
         }
-        let scalings = match scaling {
-            Scaling::Tensorwise { .. } => vec![
-                Scaling::Tensorwise { per_token: true },
-                Scaling::Tensorwise { per_token: false },
-            ],
-            s => vec![s],
+        let scalings = match declared_scalings(info, gemm, operands, scaling) {
+            Ok(s) => s,
+            Err(why) => {
+                plan.missing
+                    .push(format!("no GEMM variant for {why} yet: {described}"));
+                continue;
+            }
         };
         for scaling in scalings {
             for cfg in tune::candidates(operands, scaling, n, k) {

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use moeforge_dsl::ir::{Module, TensorKind};
+use moeforge_dsl::ir::{ActDynamic, ActScale, Module, Tensor, TensorKind, GEMM_WEIGHTS};
 use moeforge_dsl::poly::Poly;
 use moeforge_dsl::verify::{ModuleInfo, Proof, ViewInfo};
 use serde_json::{json, Value};
@@ -271,6 +271,7 @@ pub fn human(info: &ModuleInfo) -> String {
         }
         out.push_str(&table(&rows));
     }
+    out.push_str(&activation_human(info));
     out.push_str("\nmove set (expert e owns bytes [e*B, (e+1)*B) of each param)\n");
     let mut rows = vec![vec!["param".into(), "B = bytes/expert".into()]];
     let mut total: i128 = 0;
@@ -427,6 +428,122 @@ pub fn json(info: &ModuleInfo) -> Value {
         "views": views,
         "move_set": move_set,
         "kernels": kernels,
+        "activation": activation_json(info),
+    })
+}
+
+/// One way a GEMM scales its E4M3 input, for the reports.
+fn act_scale_text(m: &Module, s: &ActScale) -> String {
+    match s {
+        ActScale::Static(t) => {
+            let name = m.tensor(*t).map(|t| t.name.clone()).unwrap_or_default();
+            let optional = m.tensor(*t).is_some_and(|t| t.optional);
+            if optional {
+                format!("static {name} (where present)")
+            } else {
+                format!("static {name}")
+            }
+        }
+        ActScale::Dynamic(ActDynamic::PerToken) => "per_token".into(),
+        ActScale::Dynamic(ActDynamic::PerTokenGroup { group }) => {
+            format!("per_token_group {group}")
+        }
+    }
+}
+
+/// The GEMM weights a report lists activations for: `(gemm, weight)` where the weight is registered.
+fn gemm_weights(m: &Module) -> Vec<(&'static str, &Tensor)> {
+    GEMM_WEIGHTS
+        .iter()
+        .filter_map(|(g, w)| {
+            let t = m.tensor(m.find(w)?)?;
+            (t.kind == TensorKind::Param).then_some((*g, t))
+        })
+        .collect()
+}
+
+/// The human report's activation section: the declared scheme and, per GEMM, its operands and
+/// how its input is scaled.
+fn activation_human(info: &ModuleInfo) -> String {
+    let m = info.module();
+    let act = info.activation();
+    let declared = if m.activation_span().is_some() {
+        "declared"
+    } else {
+        "not declared: bf16 by default"
+    };
+    let mut out = format!("\nactivation {} ({declared}; SPEC §9)\n", act.text(m));
+    let gemms = gemm_weights(m);
+    if gemms.is_empty() {
+        return out;
+    }
+    let mut rows = vec![vec![
+        "gemm".into(),
+        "weight".into(),
+        "weight dtype".into(),
+        "activations".into(),
+        "input scales".into(),
+    ]];
+    for (g, w) in gemms {
+        // Static first: "static w13_input_scale (where present), else per_token".
+        let mut scales = info.activation_scales(g);
+        scales.sort_by_key(|s| !matches!(s, ActScale::Static(_)));
+        let scales: Vec<String> = scales.iter().map(|s| act_scale_text(m, s)).collect();
+        rows.push(vec![
+            g.into(),
+            w.name.clone(),
+            w.dtype.to_string(),
+            act.dtype().to_string(),
+            if scales.is_empty() {
+                "none".into()
+            } else {
+                scales.join(", else ")
+            },
+        ]);
+    }
+    out.push_str(&table(&rows));
+    out
+}
+
+/// The `--json` report's `activation` object.
+fn activation_json(info: &ModuleInfo) -> Value {
+    let m = info.module();
+    let act = info.activation();
+    let gemms: Vec<Value> = gemm_weights(m)
+        .into_iter()
+        .map(|(g, w)| {
+            let scales: Vec<Value> = info
+                .activation_scales(g)
+                .iter()
+                .map(|s| match s {
+                    ActScale::Static(t) => {
+                        let t = m.tensor(*t);
+                        json!({
+                            "kind": "static",
+                            "param": t.map(|t| t.name.clone()),
+                            "optional": t.is_some_and(|t| t.optional),
+                        })
+                    }
+                    ActScale::Dynamic(ActDynamic::PerToken) => json!({"kind": "per_token"}),
+                    ActScale::Dynamic(ActDynamic::PerTokenGroup { group }) => {
+                        json!({"kind": "per_token_group", "group": group})
+                    }
+                })
+                .collect();
+            json!({
+                "gemm": g,
+                "weight": w.name,
+                "weight_dtype": w.dtype.name(),
+                "scales": scales,
+            })
+        })
+        .collect();
+    json!({
+        "scheme": act.scheme(),
+        "dtype": act.dtype().name(),
+        "declared": m.activation_span().is_some(),
+        "text": act.text(m),
+        "gemms": gemms,
     })
 }
 

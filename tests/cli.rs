@@ -70,6 +70,42 @@ fn check_json_schema_and_values() {
 }
 
 #[test]
+fn check_reports_the_activation_scheme() {
+    let (code, out, err) = moeforge(&["check", "kernels/fp8_per_tensor.recipe", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let a = &v["activation"];
+    assert_eq!(a["scheme"], "fp8");
+    assert_eq!(a["dtype"], "e4m3");
+    assert_eq!(a["declared"], true);
+    assert_eq!(
+        a["text"],
+        "fp8(static(w13 = w13_input_scale, w2 = w2_input_scale) else per_token)"
+    );
+    let g = &a["gemms"][1];
+    assert_eq!(g["gemm"], "w2");
+    assert_eq!(g["weight"], "w2_weight");
+    assert_eq!(g["weight_dtype"], "e4m3");
+    assert_eq!(
+        g["scales"],
+        serde_json::json!([{"kind": "per_token"}, {"kind": "static", "param": "w2_input_scale", "optional": true}])
+    );
+    let (code, out, err) = moeforge(&["check", "kernels/fp8_block128.recipe"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("activation fp8(per_token_group = 128) (declared; SPEC §9)"),
+        "{out}"
+    );
+    assert!(out.contains("per_token_group 128"), "{out}");
+    let (code, out, err) = moeforge(&["check", "kernels/layouts/bf16_tiled.recipe"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("activation bf16 (not declared: bf16 by default; SPEC §9)"),
+        "{out}"
+    );
+}
+
+#[test]
 fn check_json_without_binding_reports_what_needs_one() {
     let (code, out, _) = moeforge(&["check", "kernels/fp8_block128.recipe", "--json"]);
     assert_eq!(code, 0);

@@ -152,7 +152,8 @@ fn quantizing_a_tensor_expression_equals_quantizing_the_materialized_input() {
             "quant fp8(permute(wt, 0, 2, 1), granularity = block128)",
             vec![
                 "param w13_weight : e4m3[E, 2*I, H] = q.values",
-                "param w13_weight_scale_inv : f32[E, ceil_div(2*I, 128), ceil_div(H, 128)] = q.scales",
+                // e4m3 weights declare their activations (SPEC §9); one entry per param.
+                "param w13_weight_scale_inv : f32[E, ceil_div(2*I, 128), ceil_div(H, 128)] = q.scales\n  activation fp8(per_token_group = 128)",
             ],
         ),
     ] {

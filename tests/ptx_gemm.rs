@@ -324,6 +324,70 @@ fn the_fp8_variants_follow_the_weight_scale_shape() {
     }
 }
 
+/// The FP8 variants' activation scalings are the recipe's declared ones (SPEC §9), not both
+/// regardless: per-token only, static only, or both where the static scale is optional.
+#[test]
+fn the_fp8_variants_follow_the_declared_activation_scheme() {
+    let bind = "E=4,H=256,I=128";
+    let per_tensor = moeforge::kernels::find("fp8_per_tensor").unwrap().source;
+    let declared =
+        "activation fp8(static(w13 = w13_input_scale, w2 = w2_input_scale) else per_token)";
+    assert!(per_tensor.contains(declared));
+    let scalings = |src: &str| -> Vec<(&'static str, Scaling)> {
+        let plan = plan_of(src, "x.recipe", bind);
+        assert!(plan.missing.is_empty(), "{:?}", plan.missing);
+        let mut out: Vec<(&'static str, Scaling)> = Vec::new();
+        for v in &plan.variants {
+            let s = (v.gemm, v.ws.unwrap().scaling);
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+        out
+    };
+    let tok = Scaling::Tensorwise { per_token: true };
+    let stat = Scaling::Tensorwise { per_token: false };
+    // Optional static scales with a per-token fallback: both, per-token first.
+    assert_eq!(
+        scalings(per_tensor),
+        [("w13", tok), ("w13", stat), ("w2", tok), ("w2", stat)]
+    );
+    // Dynamic per-token only.
+    let dynamic = per_tensor.replace(declared, "activation fp8(per_token)");
+    assert_eq!(scalings(&dynamic), [("w13", tok), ("w2", tok)]);
+    // Static scales that are always present: static only.
+    let always = per_tensor.replace(" optional", "").replace(
+        declared,
+        "activation fp8(static(w13 = w13_input_scale, w2 = w2_input_scale))",
+    );
+    assert_eq!(scalings(&always), [("w13", stat), ("w2", stat)]);
+    // Pairings no kernel implements are missing, never guessed.
+    let grouped = per_tensor.replace(declared, "activation fp8(per_token_group = 128)");
+    let plan = plan_of(&grouped, "x.recipe", bind);
+    assert!(plan.variants.is_empty());
+    assert_eq!(plan.missing.len(), 2);
+    assert!(
+        plan.missing[0]
+            .contains("`per_token_group = 128` activation scales with per-tensor weight scales"),
+        "{:?}",
+        plan.missing
+    );
+    let block = moeforge::kernels::find("fp8_block128").unwrap().source;
+    let per_token_block = block.replace(
+        "activation fp8(per_token_group = 128)",
+        "activation fp8(per_token)",
+    );
+    assert_ne!(per_token_block, block);
+    let plan = plan_of(&per_token_block, "x.recipe", bind);
+    assert!(plan.variants.is_empty());
+    assert!(
+        plan.missing[1].contains("`per_token` activation scales with 128x128 block weight scales")
+            && plan.missing[1].contains("`w2_weight`"),
+        "{:?}",
+        plan.missing
+    );
+}
+
 /// Every golden module's plan covers each family in both forms (prefill and decode).
 #[test]
 fn the_golden_modules_cover_every_family_in_both_forms() {

@@ -187,6 +187,45 @@ pub enum Stmt {
         /// Whole statement.
         span: Span,
     },
+    /// `activation SCHEME [(MODE [else MODE])]`: how the MoE layer's GEMMs take their activations
+    /// (SPEC §9), e.g. `activation bf16`, `activation fp8(per_token)`,
+    /// `activation fp8(static(w13 = w13_input_scale, w2 = w2_input_scale) else per_token)`.
+    Activation {
+        /// The scheme: `bf16` or `fp8`.
+        scheme: Ident,
+        /// How activations are scaled, when written.
+        mode: Option<ActMode>,
+        /// What replaces the mode when its static scales are absent (`else MODE`).
+        fallback: Option<ActMode>,
+        /// Whole statement.
+        span: Span,
+    },
+}
+
+/// One activation scaling mode of an `activation` statement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActMode {
+    /// What it is.
+    pub kind: ActModeKind,
+    /// The whole mode.
+    pub span: Span,
+}
+
+/// Activation scaling modes, as written (checked when lowering).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ActModeKind {
+    /// `NAME` or `NAME = INT`: a dynamic mode (`per_token`, `per_token_group = 128`).
+    Dynamic {
+        /// The mode's name.
+        name: Ident,
+        /// Its size argument and the argument's span.
+        size: Option<(i64, Span)>,
+    },
+    /// `static(GEMM = PARAM, ...)`: the registered scale each GEMM's input is divided by.
+    Static {
+        /// `(GEMM, PARAM)` pairs, in order (`w13 = w13_input_scale`).
+        scales: Vec<(Ident, Ident)>,
+    },
 }
 
 impl Stmt {
@@ -197,7 +236,8 @@ impl Stmt {
             | Stmt::Param { span, .. }
             | Stmt::View { span, .. }
             | Stmt::Let { span, .. }
-            | Stmt::Kernel { span, .. } => *span,
+            | Stmt::Kernel { span, .. }
+            | Stmt::Activation { span, .. } => *span,
         }
     }
 }

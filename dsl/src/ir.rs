@@ -786,6 +786,8 @@ pub struct Module {
     pub kernels: Vec<KernelBinding>,
     /// Where a later param shadows an input of the same name: (input, param).
     pub shadows: Vec<(TensorId, TensorId)>,
+    /// The declared activation scheme and its statement (`None`: not declared, bf16).
+    pub activation: Option<(Activation, Span)>,
 }
 
 impl Module {
@@ -845,5 +847,146 @@ impl Module {
             stack.extend(val.op.operands());
         }
         out
+    }
+}
+
+/// The MoE layer's two GEMMs and the weight param each reads (vLLM's names): the GEMM names are
+/// the keys of `static(..)` in an `activation` declaration.
+pub const GEMM_WEIGHTS: [(&str, &str); 2] = [("w13", "w13_weight"), ("w2", "w2_weight")];
+
+/// Activation scales computed from the activations themselves, at run time (SPEC §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActDynamic {
+    /// One scale per token: `s_t = max(amax_t / 448, 1/(448*512))`.
+    PerToken,
+    /// One scale per token per `group` consecutive columns, `s = max(amax, 1e-4) / 448`
+    /// (DeepSeek-V3's scheme; `group` is 128, one weight-scale block).
+    PerTokenGroup {
+        /// Columns per scale.
+        group: u32,
+    },
+}
+
+impl fmt::Display for ActDynamic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ActDynamic::PerToken => f.write_str("per_token"),
+            ActDynamic::PerTokenGroup { group } => write!(f, "per_token_group = {group}"),
+        }
+    }
+}
+
+/// How the MoE layer's GEMMs take their activations (`x` for the first, `a = silu(g) * u` for
+/// the second), as the recipe's `activation` statement declares it (SPEC §9). The GEMM operands
+/// must match: e4m3 activations with e4m3 weights, bf16 activations with every other weight dtype
+/// (weights-only schemes are dequantized to bf16 on Hopper); the verifier refuses anything else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// Activations stay bf16 (the default when a recipe declares none).
+    Bf16,
+    /// E4M3 activations with scales computed at run time.
+    Fp8Dynamic(ActDynamic),
+    /// E4M3 activations divided by a registered static scale per GEMM (`q = e4m3(clamp(x / s,
+    /// ±448))`): `w13` for the first GEMM's input, `w2` for the second's. Each is an f32 `[E]`
+    /// param holding one value for all experts. Where a scale is optional (computed from an
+    /// optional input), `fallback` says how that GEMM scales its input when the checkpoint lacks it.
+    Fp8Static {
+        /// The first GEMM's input scale.
+        w13: TensorId,
+        /// The second GEMM's input scale.
+        w2: TensorId,
+        /// The dynamic scaling used where a static scale is absent.
+        fallback: Option<ActDynamic>,
+    },
+}
+
+/// How one GEMM scales its E4M3 input in one variant: see [`Module::activation_scales`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActScale {
+    /// Divided by this registered static scale.
+    Static(TensorId),
+    /// Scaled at run time.
+    Dynamic(ActDynamic),
+}
+
+impl Activation {
+    /// The element type the GEMMs read activations in: bf16 or e4m3.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Activation::Bf16 => DType::Bf16,
+            Activation::Fp8Dynamic(_) | Activation::Fp8Static { .. } => DType::E4m3,
+        }
+    }
+
+    /// The scheme's name as written: `bf16` or `fp8`.
+    pub fn scheme(&self) -> &'static str {
+        match self {
+            Activation::Bf16 => "bf16",
+            Activation::Fp8Dynamic(_) | Activation::Fp8Static { .. } => "fp8",
+        }
+    }
+
+    /// The static scale of a GEMM (`w13` or `w2`), if the scheme has one.
+    pub fn static_scale(&self, gemm: &str) -> Option<TensorId> {
+        match (self, gemm) {
+            (Activation::Fp8Static { w13, .. }, "w13") => Some(*w13),
+            (Activation::Fp8Static { w2, .. }, "w2") => Some(*w2),
+            _ => None,
+        }
+    }
+
+    /// The declaration in the language's syntax, e.g.
+    /// `fp8(static(w13 = w13_input_scale, w2 = w2_input_scale) else per_token)`.
+    pub fn text(&self, m: &Module) -> String {
+        let name = |t: TensorId| m.tensor(t).map(|t| t.name.clone()).unwrap_or_default();
+        match self {
+            Activation::Bf16 => "bf16".into(),
+            Activation::Fp8Dynamic(d) => format!("fp8({d})"),
+            Activation::Fp8Static { w13, w2, fallback } => {
+                let fb = fallback.map(|d| format!(" else {d}")).unwrap_or_default();
+                format!("fp8(static(w13 = {}, w2 = {}){fb})", name(*w13), name(*w2))
+            }
+        }
+    }
+}
+
+/// The activation dtype a GEMM with `weight` weights needs: e4m3 (or e5m2) weights take e4m3
+/// activations, every other weight dtype bf16 (SPEC §9: weights-only schemes stay bf16 on Hopper).
+pub fn activation_dtype_for_weight(weight: DType) -> DType {
+    match weight {
+        DType::E4m3 | DType::E5m2 => DType::E4m3,
+        _ => DType::Bf16,
+    }
+}
+
+impl Module {
+    /// The declared activation scheme, or bf16 when the recipe declares none.
+    pub fn activation(&self) -> Activation {
+        self.activation.map(|(a, _)| a).unwrap_or(Activation::Bf16)
+    }
+
+    /// Whether the recipe declares its activation scheme (and where).
+    pub fn activation_span(&self) -> Option<Span> {
+        self.activation.map(|(_, s)| s)
+    }
+
+    /// The ways the GEMM `gemm` (`w13` or `w2`) may scale its E4M3 input at run time: dynamic
+    /// first, then static. A static scale from an optional input gives both (the fallback where
+    /// the checkpoint lacks it); one that is always present gives only itself. Empty for bf16.
+    pub fn activation_scales(&self, gemm: &str) -> Vec<ActScale> {
+        match self.activation() {
+            Activation::Bf16 => Vec::new(),
+            Activation::Fp8Dynamic(d) => vec![ActScale::Dynamic(d)],
+            a @ Activation::Fp8Static { fallback, .. } => {
+                let Some(s) = a.static_scale(gemm) else {
+                    return Vec::new();
+                };
+                let optional = self.tensor(s).is_some_and(|t| t.optional);
+                match fallback {
+                    Some(d) if optional => vec![ActScale::Dynamic(d), ActScale::Static(s)],
+                    _ => vec![ActScale::Static(s)],
+                }
+            }
+        }
     }
 }

@@ -11,6 +11,8 @@ use crate::layout::Swizzle;
 use crate::limits::{MAX_DEPTH, MAX_ERRORS, MAX_EXPANDED, MAX_WRITTEN};
 use crate::poly::{Atoms, Poly, MAX_DEGREE, MAX_TERMS};
 
+mod activation;
+
 #[derive(Debug, Clone)]
 enum Binding {
     Dim(Poly),
@@ -52,6 +54,7 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
             values: Vec::new(),
             kernels: Vec::new(),
             shadows: Vec::new(),
+            activation: None,
         },
         env: HashMap::new(),
         errors: Vec::new(),
@@ -83,6 +86,9 @@ pub fn lower(recipe: &ast::Recipe, src: &str) -> Result<Module, Vec<Diagnostic>>
         }
         l.check_unregistered_lets();
         l.check_values_have_scales();
+        if l.errors.is_empty() {
+            l.check_activation_operands();
+        }
         // Fail closed: an accepted recipe has every statement it declares.
         if l.errors.is_empty() {
             for (name, span) in std::mem::take(&mut l.dropped) {
@@ -2096,6 +2102,7 @@ impl<'s> Lower<'s> {
             | Stmt::View { name, .. }
             | Stmt::Let { name, .. }
             | Stmt::Kernel { name, .. } => name.clone(),
+            Stmt::Activation { scheme, .. } => scheme.clone(),
         };
         let ok = self.stmt_inner(s).is_some();
         if !ok && self.errors.len() == before {
@@ -2103,7 +2110,10 @@ impl<'s> Lower<'s> {
             // so that a recipe never verifies without one of its statements.
             self.dropped.push((name.name.clone(), name.span));
         }
-        if !ok && !matches!(s, Stmt::Kernel { .. }) && self.errors.len() > before {
+        if !ok
+            && !matches!(s, Stmt::Kernel { .. } | Stmt::Activation { .. })
+            && self.errors.len() > before
+        {
             self.define(&name, Binding::Poisoned);
         }
     }
@@ -2365,6 +2375,12 @@ impl<'s> Lower<'s> {
                 });
                 Some(())
             }
+            Stmt::Activation {
+                scheme,
+                mode,
+                fallback,
+                span,
+            } => self.activation_stmt(scheme, mode.as_ref(), fallback.as_ref(), *span),
         }
     }
 

@@ -736,11 +736,88 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
                 },
             ))
         }
+        "activation" => {
+            let (r, scheme) = commit(ident(r))?;
+            let (r, mode, fallback) = if peek_punct(r, "(") {
+                let (r, _) = punct(r, "(")?;
+                let (r, mode) = commit(act_mode(r))?;
+                let (r, fallback) = if peek_keyword(r, "else") {
+                    let (r, _) = keyword(r, "else")?;
+                    let (r, m) = commit(act_mode(r))?;
+                    (r, Some(m))
+                } else {
+                    (r, None)
+                };
+                let (r, _) = commit(punct(r, ")"))?;
+                (r, Some(mode), fallback)
+            } else {
+                (r, None, None)
+            };
+            Ok((
+                r,
+                Stmt::Activation {
+                    scheme,
+                    mode,
+                    fallback,
+                    span: sp(&r),
+                },
+            ))
+        }
         _ => fail(
             &i,
             "a statement (`input`, `param`, `view`, `let` or `kernel`) or `}`",
         ),
     }
+}
+
+/// One activation mode: `NAME`, `NAME = INT` or `static(GEMM = PARAM, ...)`.
+fn act_mode(i: In<'_>) -> R<'_, ActMode> {
+    let (r, name) = ident(i)?;
+    if name.name == "static" && peek_punct(r, "(") {
+        let (mut r, _) = punct(r, "(")?;
+        let mut scales = Vec::new();
+        loop {
+            let (r2, gemm) = commit(ident(r))?;
+            let (r2, _) = commit(punct(r2, "="))?;
+            let (r2, param) = commit(ident(r2))?;
+            scales.push((gemm, param));
+            if peek_punct(r2, ",") {
+                r = punct(r2, ",")?.0;
+            } else {
+                r = r2;
+                break;
+            }
+        }
+        let (r, close) = commit(punct(r, ")"))?;
+        return Ok((
+            r,
+            ActMode {
+                span: name.span.to(close),
+                kind: ActModeKind::Static { scales },
+            },
+        ));
+    }
+    if peek_punct(r, "=") && !peek_punct(r, "==") {
+        let (r, _) = punct(r, "=")?;
+        let (r, (v, vspan)) = commit(int(r))?;
+        return Ok((
+            r,
+            ActMode {
+                span: name.span.to(vspan),
+                kind: ActModeKind::Dynamic {
+                    name,
+                    size: Some((v, vspan)),
+                },
+            },
+        ));
+    }
+    Ok((
+        r,
+        ActMode {
+            span: name.span,
+            kind: ActModeKind::Dynamic { name, size: None },
+        },
+    ))
 }
 
 fn ident_list(i: In<'_>) -> R<'_, Vec<Ident>> {

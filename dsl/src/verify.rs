@@ -387,6 +387,19 @@ impl ModuleInfo {
     pub fn bytes_per_expert(&self, e: &MoveEntry) -> Option<i128> {
         Some(self.eval(&e.bits_per_expert)? / 8)
     }
+
+    /// The activation scheme the MoE layer's GEMMs use (SPEC §9), as the recipe declares it
+    /// (bf16 when it declares none): checked against the GEMM weights' dtypes and, for static
+    /// scales, against the params they name.
+    pub fn activation(&self) -> Activation {
+        self.module.activation()
+    }
+
+    /// How the GEMM `gemm` (`w13` or `w2`) may scale its E4M3 input: see
+    /// [`Module::activation_scales`].
+    pub fn activation_scales(&self, gemm: &str) -> Vec<ActScale> {
+        self.module.activation_scales(gemm)
+    }
 }
 
 /// The numeric layout (and base offset) of a symbolic layout at a binding.
