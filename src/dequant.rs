@@ -66,6 +66,38 @@ pub struct Logical {
     pub zeros: Vec<u32>,
 }
 
+impl Logical {
+    /// The dequantized value of element `at` (row-major over [`Logical::shape`]) in f64:
+    /// `code * block scale * decode scale` (`(code - zero) * scale` for group-wise INT4), the
+    /// product taken in f64, where it is exact (every code and scale has few enough significant
+    /// bits). `None` when `at` is out of range.
+    pub fn value(&self, at: usize) -> Option<f64> {
+        let (code, sb) = (*self.codes.get(at)?, *self.scales.get(at)?);
+        let (_, m, k) = self.shape;
+        let e = at / (m * k).max(1);
+        Some(match self.scheme {
+            None => f32::from_bits(code << 16) as f64,
+            Some(QuantScheme::Nvfp4 { .. }) => {
+                let dec = f32::from_bits(*self.decode.get(e).or(self.decode.first())?);
+                r::e2m1_to_f32(code as u8) as f64 * r::e4m3_to_f32(sb as u8) as f64 * dec as f64
+            }
+            Some(QuantScheme::Mxfp4) => {
+                r::e2m1_to_f32(code as u8) as f64 * 2f64.powi(sb as i32 - 127)
+            }
+            Some(QuantScheme::Fp8 { .. }) => {
+                r::e4m3_to_f32(code as u8) as f64 * f32::from_bits(sb) as f64
+            }
+            Some(QuantScheme::Int8Row) => (code as u8 as i8) as f64 * f32::from_bits(sb) as f64,
+            Some(QuantScheme::Int4 {
+                zero_point, scale, ..
+            }) => {
+                let z = if zero_point { *self.zeros.get(at)? } else { 8 };
+                (code as f64 - z as f64) * scale_value(scale, sb) as f64
+            }
+        })
+    }
+}
+
 /// Bytes per element of a param's dtype (0 for E2M1, two per byte).
 fn elem_bytes(info: &ModuleInfo, id: TensorId) -> Option<usize> {
     use crate::dsl::ir::DType as D;
@@ -94,6 +126,18 @@ pub fn logical(
     name: &str,
     params: &HashMap<String, Vec<u8>>,
 ) -> Option<Logical> {
+    logical_experts(info, name, params, None)
+}
+
+/// [`logical`] for the experts `experts` only (all of them for `None`): the shape's first extent
+/// is then the range's length, and the decode scales are those of the range's experts (a single
+/// per-tensor value is kept as it is). What the host MoE forward reads, one expert at a time.
+pub fn logical_experts(
+    info: &ModuleInfo,
+    name: &str,
+    params: &HashMap<String, Vec<u8>>,
+    experts: Option<Range<usize>>,
+) -> Option<Logical> {
     let m = info.module();
     let input = m
         .tensors
@@ -104,9 +148,14 @@ pub fn logical(
         .iter()
         .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
         .collect::<Option<_>>()?;
-    let [ne, mr, k] = dims[..] else {
+    let [ne_all, mr, k] = dims[..] else {
         return None;
     };
+    let range = experts.unwrap_or(0..ne_all);
+    if range.start > range.end || range.end > ne_all {
+        return None;
+    }
+    let ne = range.len();
     let Parts {
         scheme,
         values,
@@ -135,10 +184,17 @@ pub fn logical(
         None => None,
     };
     let decode: Vec<u32> = match decode {
-        Some(id) => f32s(params.get(&param(info, id)?.0)?)
-            .into_iter()
-            .map(f32::to_bits)
-            .collect(),
+        Some(id) => {
+            let all: Vec<u32> = f32s(params.get(&param(info, id)?.0)?)
+                .into_iter()
+                .map(f32::to_bits)
+                .collect();
+            if all.len() == ne_all && ne_all > 1 {
+                all.get(range.clone())?.to_vec()
+            } else {
+                all
+            }
+        }
         None => Vec::new(),
     };
     let zeros = match zeros {
@@ -165,11 +221,11 @@ pub fn logical(
     } else {
         Vec::new()
     };
-    for e in 0..ne {
+    for (e, eg) in range.enumerate() {
         for r in 0..mr {
             let sr = src_row(r).filter(|&x| x < mr)?;
             for c in 0..k {
-                let (ei, ri, ci) = (e as i64, r as i64, c as i64);
+                let (ei, ri, ci) = (eg as i64, r as i64, c as i64);
                 let o = usize::try_from(vmap.offset_of(&[ei, ri, ci])).ok()?;
                 let at = (e * mr + sr) * k + c;
                 codes[at] = elem_bits(vals, o, vsize)?;

@@ -283,12 +283,12 @@ pub fn rank_slots(slots: usize, rank: Option<(usize, usize)>) -> Result<(usize, 
 }
 
 /// The dtype a param of `d` is stored as (what `moeforge pack` writes).
-fn stored_dtype(d: DType) -> Dtype {
+pub(crate) fn stored_dtype(d: DType) -> Dtype {
     crate::pack::out_dtype(d)
 }
 
 /// A param's stored shape at a verified binding (FP4's last dimension halved, two per byte).
-fn stored_shape(info: &ModuleInfo, id: TensorId) -> Option<Vec<usize>> {
+pub(crate) fn stored_shape(info: &ModuleInfo, id: TensorId) -> Option<Vec<usize>> {
     let t = info.module().tensor(id)?;
     let mut shape = t
         .shape
@@ -307,13 +307,13 @@ fn stored_shape(info: &ModuleInfo, id: TensorId) -> Option<Vec<usize>> {
 type OutTensor<'a> = (String, Dtype, Vec<usize>, Cow<'a, [u8]>);
 
 /// A binding: `(dimension, value)` in declaration order.
-type Dims = Vec<(String, i64)>;
+pub(crate) type Dims = Vec<(String, i64)>;
 
 /// The placed layers of a file: layer index -> (param name -> tensor name).
-type Layers = BTreeMap<u32, BTreeMap<String, String>>;
+pub(crate) type Layers = BTreeMap<u32, BTreeMap<String, String>>;
 
 /// `model.layers.{L}.<ns>.experts.{rest}` -> `(L, rest)`.
-fn expert_tensor(name: &str) -> Option<(u32, &str)> {
+pub(crate) fn expert_tensor(name: &str) -> Option<(u32, &str)> {
     let rest = name.strip_prefix("model.layers.")?;
     let (l, rest) = rest.split_once('.')?;
     let rest = rest
@@ -324,7 +324,7 @@ fn expert_tensor(name: &str) -> Option<(u32, &str)> {
 
 /// The binding of one layer: every dimension that some param's shape holds as itself (the experts
 /// dimension from the leading one), the others from the file's `moeforge.binding`.
-fn layer_binding(
+pub(crate) fn layer_binding(
     m: &Module,
     st: &SafeTensors<'_>,
     params: &BTreeMap<String, String>,
@@ -375,7 +375,7 @@ fn layer_binding(
         .collect()
 }
 
-fn describe(b: &[(String, i64)]) -> String {
+pub(crate) fn describe(b: &[(String, i64)]) -> String {
     b.iter()
         .map(|(n, v)| format!("{n}={v}"))
         .collect::<Vec<_>>()
@@ -544,8 +544,16 @@ fn input_logical(
 /// Lay a packed checkpoint out along an EPLB placement (see the module docs): read, check, copy each
 /// registered param's experts into slot order, re-verify at the new expert count, write atomically.
 pub fn apply(opts: &ApplyOptions) -> Result<ApplyReport> {
-    let file = opts.input.display().to_string();
     crate::check_output(&opts.output, &[opts.input.clone(), opts.placement.clone()])?;
+    let (bytes, report) = place(opts)?;
+    crate::write_atomic(&opts.output, &bytes)?;
+    Ok(report)
+}
+
+/// What [`apply`] writes, in memory: the placed file's safetensors bytes and the report
+/// (`opts.output` is not read). `moeforge moe run --placement` runs the layer on these bytes.
+pub fn place(opts: &ApplyOptions) -> Result<(Vec<u8>, ApplyReport)> {
+    let file = opts.input.display().to_string();
     let text = crate::read_capped(&opts.placement, PLACEMENT_LIMIT)?;
     let phy2log = parse_placement(&text, &opts.placement)?;
     let bytes = std::fs::read(&opts.input).map_err(|e| Error::Io {
@@ -838,8 +846,7 @@ pub fn apply(opts: &ApplyOptions) -> Result<ApplyReport> {
         .collect::<Result<_>>()?;
     let bytes = safetensors::serialize(views, Some(meta_out))
         .map_err(|e| Error::Checkpoint(format!("serializing: {e}")))?;
-    crate::write_atomic(&opts.output, &bytes)?;
-    Ok(ApplyReport {
+    let report = ApplyReport {
         recipe,
         layers: layer_ids,
         experts,
@@ -848,5 +855,6 @@ pub fn apply(opts: &ApplyOptions) -> Result<ApplyReport> {
         params,
         passed,
         output_bytes: bytes.len(),
-    })
+    };
+    Ok((bytes, report))
 }

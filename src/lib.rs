@@ -29,6 +29,8 @@ pub mod gemm_ws_check;
 pub mod gpu;
 pub mod gpu_shards;
 pub mod layout_gen;
+pub mod moe_host;
+pub mod moe_run;
 pub mod pack;
 pub mod prequant;
 pub mod report;
@@ -73,6 +75,10 @@ pub enum Error {
     /// An EPLB placement cannot be applied to a packed checkpoint (`moeforge eplb apply`).
     #[error(transparent)]
     Placement(#[from] eplb_apply::ApplyError),
+    /// The MoE layer cannot run (`moeforge moe run`): bad inputs, a layer or placement that does
+    /// not fit, the GPU path asked for.
+    #[error(transparent)]
+    Moe(#[from] moe_host::MoeError),
     /// A checkpoint cannot be split over the ranks asked for (`pack --moe-tp`, `--ep`): a size
     /// the rank count does not divide, a rank shape the recipe does not admit.
     #[error("topology: {0}")]

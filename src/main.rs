@@ -178,11 +178,50 @@ enum Command {
         #[command(subcommand)]
         action: EplbAction,
     },
+    /// MoE layers: `run` computes one layer's forward on the router's output (SPEC §9).
+    Moe {
+        #[command(subcommand)]
+        action: MoeAction,
+    },
     /// Run the main job on an embedded default MoE layer (Qwen3-30B-A3B shaped).
     Demo {
         /// Experts in the synthetic layer that is packed (the verification uses the full 128).
         #[arg(long, default_value_t = 128)]
         experts: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum MoeAction {
+    /// Run one MoE layer of a packed checkpoint: IN holds `hidden_states` [T, H] bf16, `topk_ids`
+    /// [T, k] i32 and `topk_weights` [T, k] f32; OUT gets `output` [T, H] bf16 (written atomically).
+    Run {
+        /// The packed safetensors file (`moeforge pack` or `eplb apply` output).
+        packed: std::path::PathBuf,
+        /// The inputs safetensors file.
+        #[arg(long)]
+        inputs: std::path::PathBuf,
+        /// The output safetensors file.
+        #[arg(long)]
+        output: std::path::PathBuf,
+        /// The MoE layer (needed when the file holds several).
+        #[arg(long)]
+        layer: Option<u32>,
+        /// `host` (the host reference path) or `gpu` (not built yet).
+        #[arg(long, default_value = "host")]
+        device: String,
+        /// Place the params along this placement first (`eplb plan --json` output), as `eplb apply`.
+        #[arg(long)]
+        placement: Option<std::path::PathBuf>,
+        /// Also write `w13_out` [T, k, 2I] f32 and `act` [T, k, I] f32.
+        #[arg(long)]
+        dump_intermediates: bool,
+        /// The recipe (file or standard name), instead of the file's `moeforge.recipe_source`.
+        #[arg(long)]
+        recipe: Option<String>,
+        /// Host threads (0: all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
     },
 }
 
@@ -478,7 +517,8 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
         Command::Check { .. }
         | Command::Compile { .. }
         | Command::Inspect { .. }
-        | Command::Eplb { .. } => moeforge::Settings::default(),
+        | Command::Eplb { .. }
+        | Command::Moe { .. } => moeforge::Settings::default(),
         _ => moeforge::Settings::from_env()?,
     };
     match cli.command {
@@ -945,6 +985,52 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                     .map_err(io)?;
                 }
             }
+        }
+        Command::Moe {
+            action:
+                MoeAction::Run {
+                    packed,
+                    inputs,
+                    output,
+                    layer,
+                    device,
+                    placement,
+                    dump_intermediates,
+                    recipe,
+                    threads,
+                },
+        } => {
+            let recipe = match recipe {
+                Some(f) => Some(read_recipe(&f)?),
+                None => None,
+            };
+            let opts = moeforge::moe_run::RunOptions {
+                packed,
+                inputs,
+                output: output.clone(),
+                layer,
+                device: device.parse()?,
+                placement,
+                dump_intermediates,
+                recipe,
+                threads,
+            };
+            let r = moeforge::moe_run::run(&opts)?;
+            writeln!(
+                out,
+                "ran layer {} of recipe `{}` on the host: {} token(s), top-{}, {} logical experts on {} slots, activations w13: {}, w2: {}; wrote {} ({:.1} kB)",
+                r.layer,
+                r.recipe,
+                r.tokens,
+                r.top_k,
+                r.experts,
+                r.slots,
+                r.activation.0,
+                r.activation.1,
+                output.display(),
+                r.output_bytes as f64 / 1e3
+            )
+            .map_err(io)?;
         }
         Command::Demo { experts } => {
             let report = moeforge::demo::run(experts, &settings)?;
