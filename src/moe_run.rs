@@ -88,6 +88,10 @@ pub struct RunReport {
     pub output_bytes: usize,
 }
 
+/// Metadata key of the output: a JSON object naming the recipe, layer, device and activation
+/// feeds of the run (one key, so that the file's bytes are deterministic).
+pub const META_RUN: &str = "moeforge.moe_run";
+
 /// The largest inputs file read whole (bytes).
 const INPUTS_LIMIT: u64 = 1 << 34;
 
@@ -453,15 +457,16 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
                 .map_err(|e| Error::Checkpoint(format!("tensor `{n}`: {e}")))
         })
         .collect::<Result<_>>()?;
-    let mut meta_out: HashMap<String, String> = HashMap::new();
-    meta_out.insert("format".into(), "pt".into());
-    meta_out.insert("moeforge.recipe".into(), recipe.clone());
-    meta_out.insert("moeforge.moe.layer".into(), layer.to_string());
-    meta_out.insert("moeforge.moe.device".into(), "host".into());
-    meta_out.insert(
-        "moeforge.moe.activation".into(),
-        format!("w13: {}; w2: {}", activation.0, activation.1),
-    );
+    // One metadata key, a JSON object (ordered keys): safetensors writes its metadata map in hash
+    // order, so several keys would make the same run's bytes differ.
+    let about = serde_json::json!({
+        "recipe": recipe,
+        "layer": layer,
+        "device": "host",
+        "activation": { "w13": activation.0, "w2": activation.1 },
+    });
+    let meta_out: HashMap<String, String> =
+        [(META_RUN.to_string(), about.to_string())].into_iter().collect();
     let bytes = safetensors::serialize(views, Some(meta_out))
         .map_err(|e| Error::Checkpoint(format!("serializing: {e}")))?;
     crate::write_atomic(&opts.output, &bytes)?;
