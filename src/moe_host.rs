@@ -125,13 +125,15 @@ impl Feed {
     /// packed params hold it, else the declared fallback.
     pub fn of(info: &ModuleInfo, gemm: &str, params: &HashMap<String, Vec<u8>>) -> Result<Feed> {
         let recipe = info.module().name.clone();
-        let dynamic = |d: ActDynamic| match d {
+        let dynamic = |d: ActDynamic| {
+            match d {
             ActDynamic::PerToken => Ok(Feed::PerToken),
             ActDynamic::PerTokenGroup { group: 128 } => Ok(Feed::PerTokenGroup128),
             other => Err(MoeError::Unsupported {
                 recipe: recipe.clone(),
                 why: format!("activation scaling `{other}` (the host reads per_token and per_token_group = 128)"),
             }),
+        }
         };
         let scales = info.activation_scales(gemm);
         if scales.is_empty() {
@@ -257,7 +259,10 @@ impl Replicas {
                         phy2log
                             .get(p)
                             .map(|x| format!("logical expert {x}"))
-                            .unwrap_or_else(|| format!("nothing (there are {} slots)", phy2log.len()))
+                            .unwrap_or_else(|| format!(
+                                "nothing (there are {} slots)",
+                                phy2log.len()
+                            ))
                     )));
                 }
             }
@@ -332,9 +337,10 @@ pub struct Forward {
 
 /// The shape `[E, M, K]` of the recipe's input `name` at the binding.
 fn input_shape(info: &ModuleInfo, name: &str) -> Option<(usize, usize, usize)> {
-    let t = info.module().tensors.iter().find(|t| {
-        t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. })
-    })?;
+    let t =
+        info.module().tensors.iter().find(|t| {
+            t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. })
+        })?;
     let d: Vec<usize> = t
         .shape
         .iter()

@@ -143,7 +143,11 @@ fn placement_log2phy(text: &str, row: usize) -> Result<Option<Vec<Vec<usize>>>> 
         .as_array()
         .and_then(|rows| rows.get(row))
         .and_then(|r| r.as_array())
-        .ok_or_else(|| bad(format!("`log2phy` has no row {row} (one list per MoE layer)")))?;
+        .ok_or_else(|| {
+            bad(format!(
+                "`log2phy` has no row {row} (one list per MoE layer)"
+            ))
+        })?;
     layer
         .iter()
         .enumerate()
@@ -195,9 +199,8 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
             .map_err(io(&opts.inputs))?;
         b
     };
-    let ins = SafeTensors::deserialize(&in_bytes).map_err(|e| {
-        Error::Checkpoint(format!("{in_file}: not a valid safetensors file ({e})"))
-    })?;
+    let ins = SafeTensors::deserialize(&in_bytes)
+        .map_err(|e| Error::Checkpoint(format!("{in_file}: not a valid safetensors file ({e})")))?;
 
     // The packed params, placed first when asked.
     let packed_bytes = match &opts.placement {
@@ -338,22 +341,22 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
                 .into());
             }
             let rows: Vec<Vec<usize>> = serde_json::from_str(rows).map_err(|e| {
-                MoeError::Placement(format!("`{}` is unreadable ({e})", eplb_apply::META_PHY2LOG))
+                MoeError::Placement(format!(
+                    "`{}` is unreadable ({e})",
+                    eplb_apply::META_PHY2LOG
+                ))
             })?;
             let experts: usize = meta
                 .get(eplb_apply::META_EXPERTS)
                 .and_then(|x| x.parse().ok())
-                .ok_or_else(|| {
-                    MoeError::Placement(format!("no `{}`", eplb_apply::META_EXPERTS))
-                })?;
+                .ok_or_else(|| MoeError::Placement(format!("no `{}`", eplb_apply::META_EXPERTS)))?;
             let phy2log = rows.get(row).ok_or_else(|| {
                 MoeError::Placement(format!("no placement row for layer {layer}"))
             })?;
             let given = match &opts.placement {
-                Some(p) => placement_log2phy(
-                    &crate::read_capped(p, eplb_apply::PLACEMENT_LIMIT)?,
-                    row,
-                )?,
+                Some(p) => {
+                    placement_log2phy(&crate::read_capped(p, eplb_apply::PLACEMENT_LIMIT)?, row)?
+                }
                 None => None,
             };
             match given {
@@ -465,8 +468,9 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
         "device": "host",
         "activation": { "w13": activation.0, "w2": activation.1 },
     });
-    let meta_out: HashMap<String, String> =
-        [(META_RUN.to_string(), about.to_string())].into_iter().collect();
+    let meta_out: HashMap<String, String> = [(META_RUN.to_string(), about.to_string())]
+        .into_iter()
+        .collect();
     let bytes = safetensors::serialize(views, Some(meta_out))
         .map_err(|e| Error::Checkpoint(format!("serializing: {e}")))?;
     crate::write_atomic(&opts.output, &bytes)?;

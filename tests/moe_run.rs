@@ -322,12 +322,19 @@ fn every_recipe_matches_the_f64_evaluation_and_is_deterministic() {
             let out = d.join(format!("{name}{scales}.out.safetensors"));
             let (code, stdout, err) = moe(&packed, &inp, &out, &["--dump-intermediates"]);
             assert_eq!(code, 0, "{ctx}: {err}");
-            assert!(stdout.contains(&format!("recipe `{name}`")), "{ctx}: {stdout}");
+            assert!(
+                stdout.contains(&format!("recipe `{name}`")),
+                "{ctx}: {stdout}"
+            );
             let (t, _) = read(&out);
             let (od, os, ob) = &t["output"];
             assert_eq!((*od, os.as_slice()), (Dtype::BF16, &[T, H][..]), "{ctx}");
             let (wd, ws, wb) = &t["w13_out"];
-            assert_eq!((*wd, ws.as_slice()), (Dtype::F32, &[T, K, 2 * I][..]), "{ctx}");
+            assert_eq!(
+                (*wd, ws.as_slice()),
+                (Dtype::F32, &[T, K, 2 * I][..]),
+                "{ctx}"
+            );
             let (ad, as_, ab) = &t["act"];
             assert_eq!((*ad, as_.as_slice()), (Dtype::F32, &[T, K, I][..]), "{ctx}");
 
