@@ -11,6 +11,7 @@ pub mod gemm;
 pub mod host;
 pub mod interp;
 pub mod kir;
+pub mod moe;
 pub mod plan;
 pub mod ptx;
 pub mod quant;

@@ -598,6 +598,61 @@ pub enum Inst {
     Label(String),
     /// `ret`.
     Ret,
+    /// `atom.global.add.u32 d, [addr], v`: a relaxed GPU-scope add that returns the old value
+    /// (a slot's cursor in the MoE permute).
+    AtomAddU32 {
+        /// The old value.
+        d: Reg,
+        /// Address (64-bit, global).
+        addr: Reg,
+        /// Addend.
+        v: Operand,
+    },
+    /// `red.global.add.u32 [addr], v`: a relaxed add whose old value is not needed (counters).
+    RedAddU32 {
+        /// Address (64-bit, global).
+        addr: Reg,
+        /// Addend.
+        v: Operand,
+    },
+    /// `shfl.sync.up.b32 d, a, delta, 0, -1`: lane `i` gets lane `i - delta`'s `a`, lanes below
+    /// `delta` their own (the whole warp, converged; the step of an inclusive scan).
+    ShflUp {
+        /// Destination.
+        d: Reg,
+        /// Value.
+        a: Reg,
+        /// Distance (1 to 31).
+        delta: i64,
+    },
+    /// `shfl.sync.idx.b32 d, a, lane, 31, -1`: every lane gets lane `lane`'s `a` (a broadcast;
+    /// the whole warp, converged).
+    ShflIdx {
+        /// Destination.
+        d: Reg,
+        /// Value.
+        a: Reg,
+        /// Source lane (0 to 31).
+        lane: i64,
+    },
+    /// `st.shared.u32 [addr+off], v`.
+    StSharedU32 {
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+        /// Value (32-bit).
+        v: Reg,
+    },
+    /// `ld.shared.u32 d, [addr+off]`.
+    LdSharedU32 {
+        /// Destination (32-bit).
+        d: Reg,
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
     /// `[@p] op`: one of Hopper's asynchronous, barrier and tensor-core instructions
     /// ([`AsyncOp`]), optionally guarded by a predicate.
     Async {
@@ -672,6 +727,22 @@ impl fmt::Display for Inst {
             Inst::RedMaxU32 { addr, v } => write!(f, "\tred.global.max.u32 \t[{addr}], {v};"),
             Inst::AtomAddAcqRelU32 { d, addr, v } => {
                 write!(f, "\tatom.acq_rel.gpu.global.add.u32 \t{d}, [{addr}], {v};")
+            }
+            Inst::AtomAddU32 { d, addr, v } => {
+                write!(f, "\tatom.global.add.u32 \t{d}, [{addr}], {v};")
+            }
+            Inst::RedAddU32 { addr, v } => write!(f, "\tred.global.add.u32 \t[{addr}], {v};"),
+            Inst::ShflUp { d, a, delta } => {
+                write!(f, "\tshfl.sync.up.b32 \t{d}, {a}, {delta}, 0, -1;")
+            }
+            Inst::ShflIdx { d, a, lane } => {
+                write!(f, "\tshfl.sync.idx.b32 \t{d}, {a}, {lane}, 31, -1;")
+            }
+            Inst::StSharedU32 { addr, off, v } => {
+                write!(f, "\tst.shared.u32 \t[{addr}+{off}], {v};")
+            }
+            Inst::LdSharedU32 { d, addr, off } => {
+                write!(f, "\tld.shared.u32 \t{d}, [{addr}+{off}];")
             }
             Inst::FenceAcqRelGpu => write!(f, "\tfence.acq_rel.gpu;"),
             Inst::BarWarpSync => write!(f, "\tbar.warp.sync \t-1;"),
@@ -912,6 +983,67 @@ mod tests {
             ),
         ];
         for (inst, text) in cases {
+            assert_eq!(inst.to_string(), text);
+        }
+        let permute_cases = [
+            (
+                Inst::AtomAddU32 {
+                    d: r,
+                    addr: rd,
+                    v: Operand::Int(1),
+                },
+                "\tatom.global.add.u32 \t%r1, [%rd1], 1;",
+            ),
+            (
+                Inst::RedAddU32 {
+                    addr: rd,
+                    v: Operand::Reg(r),
+                },
+                "\tred.global.add.u32 \t[%rd1], %r1;",
+            ),
+            (
+                Inst::ShflUp {
+                    d: r,
+                    a: r,
+                    delta: 4,
+                },
+                "\tshfl.sync.up.b32 \t%r1, %r1, 4, 0, -1;",
+            ),
+            (
+                Inst::ShflIdx {
+                    d: r,
+                    a: r,
+                    lane: 0,
+                },
+                "\tshfl.sync.idx.b32 \t%r1, %r1, 0, 31, -1;",
+            ),
+            (
+                Inst::StSharedU32 {
+                    addr: r,
+                    off: 8,
+                    v: r,
+                },
+                "\tst.shared.u32 \t[%r1+8], %r1;",
+            ),
+            (
+                Inst::LdSharedU32 {
+                    d: r,
+                    addr: r,
+                    off: 0,
+                },
+                "\tld.shared.u32 \t%r1, [%r1+0];",
+            ),
+            (
+                Inst::Ld {
+                    ty: PtxTy::S32,
+                    d: r,
+                    addr: rd,
+                },
+                "\tld.global.s32 \t%r1, [%rd1];",
+            ),
+            (Inst::BarSync, "\tbar.sync \t0;"),
+        ];
+        for (inst, text) in permute_cases {
             assert_eq!(inst.to_string(), text);
         }
         assert_eq!(

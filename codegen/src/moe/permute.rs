@@ -1,0 +1,761 @@
+//! The generated route + permute kernels of the MoE layer (issue \[9\], SPEC §9 and §6), PTX for
+//! `sm_90a` through the typed builder: three kernels in one module, launched back to back on one
+//! stream with no host synchronization between them (the counts and offsets never leave the
+//! device).
+//!
+//! With `n = T * k` items `i = t * k + j` (token `t`, choice `j`), `E` logical experts and `R`
+//! physical slots:
+//! * [`ROUTE_ENTRY`] (kernel A), a grid-stride loop of one thread per item: `e = topk_ids[i]`;
+//!   an `e` outside `[0, E)`, a `logcnt[e]` outside `[1, max_replicas]` or a map entry outside
+//!   `[0, R)` (a `-1` pad) counts one into `errors` and gives `slot[i] = -1`. Otherwise
+//!   `slot[i] = log2phy[e * max_replicas + (t mod logcnt[e])]` (SPEC §9's replica choice) and the
+//!   slot's `counts` (this launch's, zeroed by the caller) and `load` (the EPLB window's running
+//!   load counters, accumulated across launches, `u32`) each count one (`red.global.add.u32`).
+//!   Without EPLB, `log2phy` is the identity, `logcnt` all ones and `max_replicas` 1.
+//! * [`SCAN_ENTRY`] (kernel B), one CTA: `offsets[s] = sum(counts[..s])` for `s` in `0..=R`
+//!   (`i32`, the grouped GEMM's row offsets), and `cursor[..R] = 0`. Each thread holds
+//!   [`Launch::scan_chunk`] consecutive counts; warps scan with `shfl.sync.up`, the warps' totals
+//!   are scanned by warp 0 through shared memory. `R` is compiled in, at most [`MAX_SLOTS`].
+//! * [`SCATTER_ENTRY`] (kernel C), a grid-stride loop of one warp per item: lane 0 takes
+//!   `pos = offsets[slot] + atom.add(cursor[slot], 1)` and writes `row_of[pos] = i`; the warp copies
+//!   row `t` of `x` (bf16 `[T, H]`, `H` compiled in) to row `pos` of `xs` with 16-byte vector loads
+//!   and stores (lane `l` moves chunks `l, l + 32, ...`). Items with `slot < 0` are skipped.
+//!
+//! # Row order within a slot
+//! The order of a slot's rows in `xs` and `row_of` is the order in which the warps won the
+//! cursor's atomic, so it may differ between runs. No output bit depends on it: the grouped GEMM's
+//! rows are independent (each output row reads one `xs` row and the expert's weights), and the
+//! combine sums `out_t = sum_j w[t, j] * y` in `j` order, finding each `(t, j)`'s row through
+//! `row_of` (the position of item `i` is the `p` with `row_of[p] = i`), never through a position
+//! within the slot. The host reference ([`super::reference`]) puts a slot's rows in `(t, j)`
+//! order; its checker accepts any order within a slot.
+//!
+//! The variant that quantizes the gathered rows to E4M3 on the fly is not built (the separate
+//! activation-quantization kernel of `gemm::act_quant` runs on `xs` instead).
+//!
+//! # Parameters, in order
+//! * A: `topk_ids` (i32 `[n]`), `log2phy` (i32 `[E, max_replicas]`), `logcnt` (i32 `[E]`), `slot`
+//!   (i32 `[n]`, written), `counts` (u32 `[R]`), `load` (u32 `[R]`), `errors` (u32 `[1]`), then
+//!   the u32 scalars `n`, `k`, `E`, `max_replicas`.
+//! * B: `counts` (u32 `[R]`), `offsets` (i32 `[R + 1]`, written), `cursor` (u32 `[R]`, zeroed).
+//! * C: `slot` (i32 `[n]`), `offsets`, `cursor`, `x` (bf16 `[T, H]`, 16-byte aligned), `row_of`
+//!   (i32 `[n]`, its first `offsets[R]` written), `xs` (bf16 `[n, H]`, 16-byte aligned, its first
+//!   `offsets[R]` rows written), then the u32 scalars `n`, `k`.
+
+use crate::ptx::{
+    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SharedDecl,
+    SharedTy, SpecialReg, UnOpcode, PTX_VERSION,
+};
+use crate::{Error, Result};
+
+/// Kernel A's entry name.
+pub const ROUTE_ENTRY: &str = "moeforge_moe_route_count";
+/// Kernel B's entry name.
+pub const SCAN_ENTRY: &str = "moeforge_moe_offsets_scan";
+/// Kernel C's entry name.
+pub const SCATTER_ENTRY: &str = "moeforge_moe_scatter_gather";
+/// The most physical slots (kernel B is one CTA of at most 1024 threads, 4 counts each).
+pub const MAX_SLOTS: u32 = 4096;
+/// The largest hidden size (kernel C's copy is unrolled: `H / 256` chunks a lane).
+pub const MAX_HIDDEN: u32 = 32768;
+/// Threads per CTA of kernel A.
+pub const ROUTE_THREADS: u32 = 256;
+/// Threads per CTA of kernel C (8 warps, one item each at a time).
+pub const SCATTER_THREADS: u32 = 256;
+/// The most CTAs of kernel A (a grid-stride loop covers the rest).
+pub const ROUTE_MAX_CTAS: u32 = 1024;
+/// The most CTAs of kernel C.
+pub const SCATTER_MAX_CTAS: u32 = 8192;
+/// Chunks of 16 bytes a lane loads before it stores them (the copy's memory-level parallelism).
+const BATCH: u32 = 4;
+
+/// The shape a permute module is generated for, and its launch shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Launch {
+    /// The hidden size `H` (bf16 elements a row; compiled into kernel C).
+    pub hidden: u32,
+    /// The physical slot count `R` (compiled into kernel B).
+    pub slots: u32,
+    /// Threads of kernel B's one CTA.
+    pub scan_threads: u32,
+    /// Consecutive counts each thread of kernel B holds.
+    pub scan_chunk: u32,
+}
+
+impl Launch {
+    /// CTAs of kernel A for `n` items (at least 1).
+    pub fn route_grid(&self, n: u32) -> u32 {
+        n.div_ceil(ROUTE_THREADS).clamp(1, ROUTE_MAX_CTAS)
+    }
+
+    /// CTAs of kernel C for `n` items (at least 1).
+    pub fn scatter_grid(&self, n: u32) -> u32 {
+        n.div_ceil(SCATTER_THREADS / 32).clamp(1, SCATTER_MAX_CTAS)
+    }
+
+    /// Bytes of one row of `x` and `xs`.
+    pub fn row_bytes(&self) -> usize {
+        2 * self.hidden as usize
+    }
+}
+
+fn unsupported(what: String) -> Error {
+    Error::Unsupported {
+        param: "permute".into(),
+        what,
+    }
+}
+
+/// The launch shapes for hidden size `hidden` and `slots` physical slots, after checking them:
+/// `hidden` positive, a multiple of 8 (rows of whole 16-byte chunks) and at most [`MAX_HIDDEN`];
+/// `slots` in `1..=`[`MAX_SLOTS`].
+pub fn launch(hidden: u32, slots: u32) -> Result<Launch> {
+    if hidden == 0 || !hidden.is_multiple_of(8) || hidden > MAX_HIDDEN {
+        return Err(unsupported(format!(
+            "H = {hidden} (positive, a multiple of 8, at most {MAX_HIDDEN})"
+        )));
+    }
+    if slots == 0 || slots > MAX_SLOTS {
+        return Err(unsupported(format!(
+            "R = {slots} physical slots (1 to {MAX_SLOTS}: the offsets scan is one CTA)"
+        )));
+    }
+    let scan_threads = (32 * slots.div_ceil(32)).min(1024);
+    Ok(Launch {
+        hidden,
+        slots,
+        scan_threads,
+        scan_chunk: slots.div_ceil(scan_threads),
+    })
+}
+
+/// The permute module for hidden size `hidden` and `slots` physical slots: PTX (`.version`,
+/// `.target sm_90a`, the three entries [`ROUTE_ENTRY`], [`SCAN_ENTRY`], [`SCATTER_ENTRY`]) and its
+/// launch shapes. Errors: as [`launch`].
+pub fn permute_module(hidden: u32, slots: u32) -> Result<(String, Launch)> {
+    let l = launch(hidden, slots)?;
+    let mut s = format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n");
+    for (entry, g) in [route(&l), scan(&l)?, scatter(&l)] {
+        s.push('\n');
+        s.push_str(&entry.header()?);
+        s.push_str(&g.b.decls());
+        s.push('\n');
+        for inst in &g.b.insts {
+            s.push_str(&inst.to_string());
+            s.push('\n');
+        }
+        s.push_str("}\n");
+    }
+    Ok((s, l))
+}
+
+/// Instruction helpers over the builder.
+#[derive(Default)]
+struct G {
+    b: Builder,
+}
+
+impl G {
+    fn r32(&mut self) -> Reg {
+        self.b.reg(RegClass::B32)
+    }
+
+    fn mov(&mut self, d: Reg, a: Operand) {
+        let ty = if d.class == RegClass::B64 {
+            PtxTy::U64
+        } else {
+            PtxTy::B32
+        };
+        self.b.push(Inst::Un {
+            op: UnOpcode::Mov(ty),
+            d,
+            a,
+        });
+    }
+
+    fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
+        self.b.push(Inst::Bin {
+            op,
+            ty,
+            d,
+            a: Operand::Reg(a),
+            b,
+        });
+    }
+
+    fn bin(&mut self, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) -> Reg {
+        let class = match (op, ty) {
+            (BinOpcode::MulWide, _) | (_, PtxTy::U64 | PtxTy::B64 | PtxTy::S64) => RegClass::B64,
+            _ => RegClass::B32,
+        };
+        let d = self.b.reg(class);
+        self.bin_to(d, op, ty, a, b);
+        d
+    }
+
+    fn setp(&mut self, cmp: CmpOp, ty: PtxTy, a: Reg, b: Operand) -> Reg {
+        let p = self.b.reg(RegClass::Pred);
+        self.b.push(Inst::Setp {
+            cmp,
+            ty,
+            p,
+            a: Operand::Reg(a),
+            b,
+        });
+        p
+    }
+
+    fn special(&mut self, name: SpecialReg) -> Reg {
+        let d = self.r32();
+        self.b.push(Inst::Special { d, name });
+        d
+    }
+
+    fn global_param(&mut self, name: &str) -> Reg {
+        let p = self.b.reg(RegClass::B64);
+        self.b.push(Inst::LdParam {
+            ty: PtxTy::U64,
+            d: p,
+            name: name.into(),
+        });
+        let g = self.b.reg(RegClass::B64);
+        self.b.push(Inst::Cvta { d: g, a: p });
+        g
+    }
+
+    fn u32_param(&mut self, name: &str) -> Reg {
+        let d = self.r32();
+        self.b.push(Inst::LdParam {
+            ty: PtxTy::U32,
+            d,
+            name: name.into(),
+        });
+        d
+    }
+
+    /// `base + index * scale` (64-bit).
+    fn elem(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
+        let off = self.bin(BinOpcode::MulWide, PtxTy::U32, index, Operand::Int(scale));
+        self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
+    }
+
+    fn ld(&mut self, ty: PtxTy, addr: Reg) -> Reg {
+        let d = self.r32();
+        self.b.push(Inst::Ld { ty, d, addr });
+        d
+    }
+
+    fn bra(&mut self, label: &str, pred: Option<(Reg, bool)>) {
+        self.b.push(Inst::Bra {
+            label: label.into(),
+            pred,
+        });
+    }
+
+    fn label(&mut self, l: &str) {
+        self.b.push(Inst::Label(l.into()));
+    }
+}
+
+/// Kernel A's parameter names, in order.
+pub const ROUTE_PARAMS: [&str; 11] = [
+    "route_topk_ids",
+    "route_log2phy",
+    "route_logcnt",
+    "route_slot",
+    "route_counts",
+    "route_load",
+    "route_errors",
+    "route_items",
+    "route_k",
+    "route_experts",
+    "route_max_replicas",
+];
+
+/// Kernel B's parameter names, in order.
+pub const SCAN_PARAMS: [&str; 3] = ["scan_counts", "scan_offsets", "scan_cursor"];
+
+/// Kernel C's parameter names, in order.
+pub const SCATTER_PARAMS: [&str; 8] = [
+    "scatter_slot",
+    "scatter_offsets",
+    "scatter_cursor",
+    "scatter_x",
+    "scatter_row_of",
+    "scatter_xs",
+    "scatter_items",
+    "scatter_k",
+];
+
+fn route(l: &Launch) -> (Entry, G) {
+    let mut e = Entry::new(ROUTE_ENTRY);
+    e.params = ROUTE_PARAMS[..7]
+        .iter()
+        .map(|n| Param::global_ptr(*n, 4))
+        .chain(
+            ROUTE_PARAMS[7..]
+                .iter()
+                .map(|n| Param::scalar(*n, PtxTy::U32)),
+        )
+        .collect();
+    e.maxntid = Some(ROUTE_THREADS);
+    let mut g = G::default();
+    let [ids, log2phy, logcnt, slot_out, counts, load, errors] =
+        [0, 1, 2, 3, 4, 5, 6].map(|k| g.global_param(ROUTE_PARAMS[k]));
+    let [n, k, experts, maxrep] = [7, 8, 9, 10].map(|i| g.u32_param(ROUTE_PARAMS[i]));
+    let tid = g.special(SpecialReg::TidX);
+    let ntid = g.special(SpecialReg::NtidX);
+    let cta = g.special(SpecialReg::CtaidX);
+    let ncta = g.special(SpecialReg::NctaidX);
+    let i = g.r32();
+    g.b.push(Inst::Bin {
+        op: BinOpcode::MulLo,
+        ty: PtxTy::U32,
+        d: i,
+        a: Operand::Reg(cta),
+        b: Operand::Reg(ntid),
+    });
+    g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(tid));
+    let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(ntid));
+    let (top, done, bad, store) = (
+        g.b.label("route_item"),
+        g.b.label("route_done"),
+        g.b.label("route_bad"),
+        g.b.label("route_store"),
+    );
+    g.label(&top);
+    let past = g.setp(CmpOp::Ge, PtxTy::U32, i, Operand::Reg(n));
+    g.bra(&done, Some((past, false)));
+    let a = g.elem(ids, i, 4);
+    let e_id = g.ld(PtxTy::S32, a);
+    // Unsigned: a negative id is past E too.
+    let out = g.setp(CmpOp::Ge, PtxTy::U32, e_id, Operand::Reg(experts));
+    let slot = g.r32();
+    g.bra(&bad, Some((out, false)));
+    let a = g.elem(logcnt, e_id, 4);
+    let cnt = g.ld(PtxTy::S32, a);
+    let few = g.setp(CmpOp::Lt, PtxTy::S32, cnt, Operand::Int(1));
+    g.bra(&bad, Some((few, false)));
+    let many = g.setp(CmpOp::Lt, PtxTy::U32, maxrep, Operand::Reg(cnt));
+    g.bra(&bad, Some((many, false)));
+    let t = g.bin(BinOpcode::Div, PtxTy::U32, i, Operand::Reg(k));
+    let r = g.bin(BinOpcode::Rem, PtxTy::U32, t, Operand::Reg(cnt));
+    let idx = g.bin(BinOpcode::MulLo, PtxTy::U32, e_id, Operand::Reg(maxrep));
+    g.bin_to(idx, BinOpcode::Add, PtxTy::U32, idx, Operand::Reg(r));
+    let a = g.elem(log2phy, idx, 4);
+    g.b.push(Inst::Ld {
+        ty: PtxTy::S32,
+        d: slot,
+        addr: a,
+    });
+    let off_map = g.setp(
+        CmpOp::Ge,
+        PtxTy::U32,
+        slot,
+        Operand::Int(i64::from(l.slots)),
+    );
+    g.bra(&bad, Some((off_map, false)));
+    let c = g.elem(counts, slot, 4);
+    g.b.push(Inst::RedAddU32 {
+        addr: c,
+        v: Operand::Int(1),
+    });
+    let c = g.elem(load, slot, 4);
+    g.b.push(Inst::RedAddU32 {
+        addr: c,
+        v: Operand::Int(1),
+    });
+    g.bra(&store, None);
+    g.label(&bad);
+    g.b.push(Inst::RedAddU32 {
+        addr: errors,
+        v: Operand::Int(1),
+    });
+    g.mov(slot, Operand::Int(-1));
+    g.label(&store);
+    let a = g.elem(slot_out, i, 4);
+    g.b.push(Inst::St {
+        ty: PtxTy::S32,
+        addr: a,
+        v: slot,
+    });
+    g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(step));
+    g.bra(&top, None);
+    g.label(&done);
+    g.b.push(Inst::Ret);
+    (e, g)
+}
+
+/// The inclusive scan of `v` over the warp's lanes (`lane` is the thread's lane), in place.
+fn warp_scan(g: &mut G, v: Reg, lane: Reg) {
+    for d in [1, 2, 4, 8, 16] {
+        let o = g.r32();
+        g.b.push(Inst::ShflUp {
+            d: o,
+            a: v,
+            delta: d,
+        });
+        let below = g.setp(CmpOp::Lt, PtxTy::U32, lane, Operand::Int(d));
+        g.b.push(Inst::Selp {
+            ty: PtxTy::U32,
+            d: o,
+            a: Operand::Int(0),
+            b: Operand::Reg(o),
+            p: below,
+        });
+        g.bin_to(v, BinOpcode::Add, PtxTy::U32, v, Operand::Reg(o));
+    }
+}
+
+fn scan(l: &Launch) -> Result<(Entry, G)> {
+    let mut e = Entry::new(SCAN_ENTRY);
+    e.params = SCAN_PARAMS
+        .iter()
+        .map(|n| Param::global_ptr(*n, 4))
+        .collect();
+    e.maxntid = Some(l.scan_threads);
+    let mut g = G::default();
+    g.b.declare_shared(SharedDecl::array("scan_warps", SharedTy::B32, 32, 4)?)?;
+    let [counts, offsets, cursor] = [0, 1, 2].map(|k| g.global_param(SCAN_PARAMS[k]));
+    let slots = i64::from(l.slots);
+    let chunk = l.scan_chunk;
+    let tid = g.special(SpecialReg::TidX);
+    let lane = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
+    let warp = g.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
+    let base = g.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        tid,
+        Operand::Int(i64::from(chunk)),
+    );
+    let zero = g.r32();
+    g.mov(zero, Operand::Int(0));
+    let sum = g.r32();
+    g.mov(sum, Operand::Int(0));
+    let mut vals = Vec::with_capacity(chunk as usize);
+    for c in 0..chunk {
+        let idx = g.bin(BinOpcode::Add, PtxTy::U32, base, Operand::Int(i64::from(c)));
+        let v = g.r32();
+        g.mov(v, Operand::Int(0));
+        let skip = g.b.label("scan_skip_load");
+        let past = g.setp(CmpOp::Ge, PtxTy::U32, idx, Operand::Int(slots));
+        g.bra(&skip, Some((past, false)));
+        let a = g.elem(counts, idx, 4);
+        g.b.push(Inst::Ld {
+            ty: PtxTy::U32,
+            d: v,
+            addr: a,
+        });
+        let a = g.elem(cursor, idx, 4);
+        g.b.push(Inst::St {
+            ty: PtxTy::U32,
+            addr: a,
+            v: zero,
+        });
+        g.label(&skip);
+        g.bin_to(sum, BinOpcode::Add, PtxTy::U32, sum, Operand::Reg(v));
+        vals.push((idx, v));
+    }
+    let incl = g.r32();
+    g.mov(incl, Operand::Reg(sum));
+    warp_scan(&mut g, incl, lane);
+    let warps = g.r32();
+    g.b.push(Inst::MovSym {
+        d: warps,
+        sym: "scan_warps".into(),
+    });
+    let warp_slot = g.bin(BinOpcode::Shl, PtxTy::B32, warp, Operand::Int(2));
+    g.bin_to(
+        warp_slot,
+        BinOpcode::Add,
+        PtxTy::U32,
+        warp_slot,
+        Operand::Reg(warps),
+    );
+    let not_last = g.b.label("scan_not_last_lane");
+    let p = g.setp(CmpOp::Ne, PtxTy::U32, lane, Operand::Int(31));
+    g.bra(&not_last, Some((p, false)));
+    g.b.push(Inst::StSharedU32 {
+        addr: warp_slot,
+        off: 0,
+        v: incl,
+    });
+    g.label(&not_last);
+    g.b.push(Inst::BarSync);
+    // Warp 0 turns the warps' totals into their exclusive prefixes.
+    let not_first = g.b.label("scan_not_warp0");
+    let p = g.setp(CmpOp::Ne, PtxTy::U32, warp, Operand::Int(0));
+    g.bra(&not_first, Some((p, false)));
+    let lane_slot = g.bin(BinOpcode::Shl, PtxTy::B32, lane, Operand::Int(2));
+    g.bin_to(
+        lane_slot,
+        BinOpcode::Add,
+        PtxTy::U32,
+        lane_slot,
+        Operand::Reg(warps),
+    );
+    let w = g.r32();
+    g.b.push(Inst::LdSharedU32 {
+        d: w,
+        addr: lane_slot,
+        off: 0,
+    });
+    let absent = g.setp(
+        CmpOp::Ge,
+        PtxTy::U32,
+        lane,
+        Operand::Int(i64::from(l.scan_threads / 32)),
+    );
+    g.b.push(Inst::Selp {
+        ty: PtxTy::U32,
+        d: w,
+        a: Operand::Int(0),
+        b: Operand::Reg(w),
+        p: absent,
+    });
+    let wi = g.r32();
+    g.mov(wi, Operand::Reg(w));
+    warp_scan(&mut g, wi, lane);
+    let ex = g.bin(BinOpcode::Sub, PtxTy::U32, wi, Operand::Reg(w));
+    g.b.push(Inst::StSharedU32 {
+        addr: lane_slot,
+        off: 0,
+        v: ex,
+    });
+    g.label(&not_first);
+    g.b.push(Inst::BarSync);
+    let prefix = g.r32();
+    g.b.push(Inst::LdSharedU32 {
+        d: prefix,
+        addr: warp_slot,
+        off: 0,
+    });
+    g.bin_to(
+        prefix,
+        BinOpcode::Add,
+        PtxTy::U32,
+        prefix,
+        Operand::Reg(incl),
+    );
+    g.bin_to(
+        prefix,
+        BinOpcode::Sub,
+        PtxTy::U32,
+        prefix,
+        Operand::Reg(sum),
+    );
+    for (idx, v) in vals {
+        let skip = g.b.label("scan_skip_store");
+        let past = g.setp(CmpOp::Ge, PtxTy::U32, idx, Operand::Int(slots));
+        g.bra(&skip, Some((past, false)));
+        let a = g.elem(offsets, idx, 4);
+        g.b.push(Inst::St {
+            ty: PtxTy::U32,
+            addr: a,
+            v: prefix,
+        });
+        g.label(&skip);
+        g.bin_to(prefix, BinOpcode::Add, PtxTy::U32, prefix, Operand::Reg(v));
+    }
+    // The thread holding slot R - 1 ends with the total: offsets[R].
+    let not_total = g.b.label("scan_not_total");
+    let holder = (l.slots - 1) / chunk;
+    let p = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(i64::from(holder)));
+    g.bra(&not_total, Some((p, false)));
+    let a = g.bin(BinOpcode::Add, PtxTy::U64, offsets, Operand::Int(4 * slots));
+    g.b.push(Inst::St {
+        ty: PtxTy::U32,
+        addr: a,
+        v: prefix,
+    });
+    g.label(&not_total);
+    g.b.push(Inst::Ret);
+    Ok((e, g))
+}
+
+fn scatter(l: &Launch) -> (Entry, G) {
+    let mut e = Entry::new(SCATTER_ENTRY);
+    e.params = SCATTER_PARAMS[..6]
+        .iter()
+        .enumerate()
+        .map(|(k, n)| Param::global_ptr(*n, if k == 3 || k == 5 { 16 } else { 4 }))
+        .chain(
+            SCATTER_PARAMS[6..]
+                .iter()
+                .map(|n| Param::scalar(*n, PtxTy::U32)),
+        )
+        .collect();
+    e.maxntid = Some(SCATTER_THREADS);
+    let mut g = G::default();
+    let [slot_in, offsets, cursor, x, row_of, xs] =
+        [0, 1, 2, 3, 4, 5].map(|k| g.global_param(SCATTER_PARAMS[k]));
+    let [n, k] = [6, 7].map(|i| g.u32_param(SCATTER_PARAMS[i]));
+    let row_bytes = i64::from(l.hidden) * 2;
+    let chunks = l.hidden / 8;
+    let tid = g.special(SpecialReg::TidX);
+    let ntid = g.special(SpecialReg::NtidX);
+    let cta = g.special(SpecialReg::CtaidX);
+    let ncta = g.special(SpecialReg::NctaidX);
+    let lane = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
+    let lane_bytes = g.bin(BinOpcode::MulWide, PtxTy::U32, lane, Operand::Int(16));
+    let wpc = g.bin(BinOpcode::Shr, PtxTy::U32, ntid, Operand::Int(5));
+    let w = g.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
+    let first = g.bin(BinOpcode::MulLo, PtxTy::U32, cta, Operand::Reg(wpc));
+    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(first));
+    let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(wpc));
+    let not_lane0 = g.setp(CmpOp::Ne, PtxTy::U32, lane, Operand::Int(0));
+    let (top, done, next) = (
+        g.b.label("scatter_item"),
+        g.b.label("scatter_done"),
+        g.b.label("scatter_next"),
+    );
+    g.label(&top);
+    let past = g.setp(CmpOp::Ge, PtxTy::U32, w, Operand::Reg(n));
+    g.bra(&done, Some((past, false)));
+    let a = g.elem(slot_in, w, 4);
+    let slot = g.ld(PtxTy::S32, a);
+    let skipped = g.setp(CmpOp::Lt, PtxTy::S32, slot, Operand::Int(0));
+    g.bra(&next, Some((skipped, false)));
+    // Lane 0 claims the row's position and records the item there; the warp learns it by shfl.
+    let pos = g.r32();
+    g.mov(pos, Operand::Int(0));
+    let claimed = g.b.label("scatter_claimed");
+    g.bra(&claimed, Some((not_lane0, false)));
+    let a = g.elem(cursor, slot, 4);
+    let c = g.r32();
+    g.b.push(Inst::AtomAddU32 {
+        d: c,
+        addr: a,
+        v: Operand::Int(1),
+    });
+    let a = g.elem(offsets, slot, 4);
+    let o = g.ld(PtxTy::S32, a);
+    g.bin_to(pos, BinOpcode::Add, PtxTy::U32, o, Operand::Reg(c));
+    let a = g.elem(row_of, pos, 4);
+    g.b.push(Inst::St {
+        ty: PtxTy::U32,
+        addr: a,
+        v: w,
+    });
+    g.label(&claimed);
+    g.b.push(Inst::ShflIdx {
+        d: pos,
+        a: pos,
+        lane: 0,
+    });
+    let t = g.bin(BinOpcode::Div, PtxTy::U32, w, Operand::Reg(k));
+    let src = g.elem(x, t, row_bytes);
+    g.bin_to(
+        src,
+        BinOpcode::Add,
+        PtxTy::U64,
+        src,
+        Operand::Reg(lane_bytes),
+    );
+    let dst = g.elem(xs, pos, row_bytes);
+    g.bin_to(
+        dst,
+        BinOpcode::Add,
+        PtxTy::U64,
+        dst,
+        Operand::Reg(lane_bytes),
+    );
+    let iters = chunks.div_ceil(32);
+    let mut m0 = 0;
+    while m0 < iters {
+        let batch: Vec<u32> = (m0..(m0 + BATCH).min(iters)).collect();
+        let mut held = Vec::with_capacity(batch.len());
+        for &m in &batch {
+            // Only the last iteration can be partial: lanes past the row's chunks skip it.
+            let guard = (32 * (m + 1) > chunks).then(|| {
+                g.setp(
+                    CmpOp::Ge,
+                    PtxTy::U32,
+                    lane,
+                    Operand::Int(i64::from(chunks - 32 * m)),
+                )
+            });
+            let words = [g.r32(), g.r32(), g.r32(), g.r32()];
+            let skip = g.b.label("scatter_skip_load");
+            if let Some(p) = guard {
+                g.bra(&skip, Some((p, false)));
+            }
+            let a = g.bin(
+                BinOpcode::Add,
+                PtxTy::U64,
+                src,
+                Operand::Int(512 * i64::from(m)),
+            );
+            g.b.push(Inst::LdV {
+                nc: true,
+                words: words.to_vec(),
+                addr: a,
+            });
+            if guard.is_some() {
+                g.label(&skip);
+            }
+            held.push((m, guard, words));
+        }
+        for (m, guard, words) in held {
+            let skip = g.b.label("scatter_skip_store");
+            if let Some(p) = guard {
+                g.bra(&skip, Some((p, false)));
+            }
+            let a = g.bin(
+                BinOpcode::Add,
+                PtxTy::U64,
+                dst,
+                Operand::Int(512 * i64::from(m)),
+            );
+            g.b.push(Inst::StV {
+                words: words.to_vec(),
+                addr: a,
+            });
+            if guard.is_some() {
+                g.label(&skip);
+            }
+        }
+        m0 += BATCH;
+    }
+    g.label(&next);
+    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(step));
+    g.bra(&top, None);
+    g.label(&done);
+    g.b.push(Inst::Ret);
+    (e, g)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_are_checked_at_generation() {
+        assert!(permute_module(7168, 4097).is_err());
+        assert!(permute_module(7168, 0).is_err());
+        assert!(permute_module(7164, 32).is_err());
+        assert!(permute_module(0, 32).is_err());
+        assert!(permute_module(MAX_HIDDEN + 8, 32).is_err());
+        let l = launch(7168, 4096).unwrap();
+        assert_eq!((l.scan_threads, l.scan_chunk), (1024, 4));
+        let l = launch(8, 33).unwrap();
+        assert_eq!((l.scan_threads, l.scan_chunk), (64, 1));
+        assert_eq!(l.route_grid(0), 1);
+        assert_eq!(l.scatter_grid(9), 2);
+        assert_eq!(l.scatter_grid(u32::MAX), SCATTER_MAX_CTAS);
+    }
+
+    #[test]
+    fn module_has_three_entries_and_is_deterministic() {
+        let (a, _) = permute_module(7168, 256).unwrap();
+        let (b, _) = permute_module(7168, 256).unwrap();
+        assert_eq!(a, b);
+        for e in [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY] {
+            assert_eq!(a.matches(&format!(".entry {e}(")).count(), 1);
+        }
+        assert!(a.contains("shfl.sync.up.b32"));
+        assert!(a.contains("atom.global.add.u32"));
+        assert!(a.contains("ld.global.nc.v4.b32"));
+    }
+}

@@ -1,0 +1,105 @@
+//! The generated route + permute kernels (`codegen::moe::permute`): golden PTX of the module at
+//! H = 7168, R = 256 (`BLESS=1` rewrites it), and ptxas 13.0 with `-v` on the module at the shapes
+//! the GPU self-test runs (no spills, no stack frame, no C75xx diagnostic).
+//!
+//! ptxas comes from `MOEFORGE_PTXAS` (else the cache `scripts/ptxas` fills). Without it the ptxas
+//! test says that it skipped, unless `MOEFORGE_REQUIRE_PTXAS` is set (as `scripts/test` does): then
+//! it fails.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stderr
+)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use moeforge::codegen::moe::permute::permute_module;
+
+mod common;
+
+/// The shapes the ptxas check assembles: (H, R). The golden file is the first.
+const SHAPES: [(u32, u32); 5] = [(7168, 256), (7168, 32), (8, 1), (4104, 4096), (2056, 1000)];
+
+fn ptxas() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("MOEFORGE_PTXAS") {
+        return Some(PathBuf::from(p));
+    }
+    let found = std::env::var_os("MOEFORGE_TOOLS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("moeforge/tools"))
+        })
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moeforge/tools"))
+        })
+        .map(|c| c.join("cuda-nvcc-13.0.88/ptxas"))
+        .filter(|p| p.exists());
+    if found.is_none() {
+        assert!(
+            std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
+            "MOEFORGE_REQUIRE_PTXAS is set but MOEFORGE_PTXAS is not and the cache holds none (run scripts/ptxas)"
+        );
+        eprintln!(
+            "SKIPPED: permute PTX not assembled: no ptxas (run scripts/test or scripts/ptxas)"
+        );
+    }
+    found
+}
+
+#[test]
+fn golden_permute_ptx() {
+    let (h, r) = SHAPES[0];
+    let (got, _) = permute_module(h, r).unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("tests/golden/ptx_moe/permute_h{h}_r{r}.ptx"));
+    let failure = common::golden(&path, &got, std::env::var_os("BLESS").is_some());
+    assert!(
+        failure.is_none(),
+        "golden permute PTX mismatch (BLESS=1 to update):\n{}",
+        failure.unwrap_or_default()
+    );
+}
+
+#[test]
+fn ptxas_assembles_the_permute_kernels_without_spills() {
+    let Some(ptxas) = ptxas() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    for (h, r) in SHAPES {
+        let (ptx, _) = permute_module(h, r).unwrap();
+        let src = dir.path().join(format!("permute_{h}_{r}.ptx"));
+        let cubin = dir.path().join(format!("permute_{h}_{r}.cubin"));
+        std::fs::write(&src, ptx).unwrap();
+        let out = Command::new(&ptxas)
+            .args(["-arch=sm_90a", "-v"])
+            .arg(&src)
+            .arg("-o")
+            .arg(&cubin)
+            .output()
+            .unwrap();
+        let report = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "ptxas rejected H={h} R={r}:\n{report}"
+        );
+        assert!(std::fs::metadata(&cubin).unwrap().len() > 0);
+        assert_eq!(
+            report
+                .matches("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+                .count(),
+            3,
+            "H={h} R={r}: spills or a stack frame:\n{report}"
+        );
+        assert!(
+            !report.contains("(C75") && !report.contains("Potential Performance Loss"),
+            "H={h} R={r}: a C75xx diagnostic:\n{report}"
+        );
+        eprintln!("H={h} R={r}: {report}");
+    }
+}
