@@ -24,6 +24,7 @@ pub mod gpu_pack;
 pub mod jit;
 pub mod moves;
 pub mod nccl;
+pub mod permute;
 pub mod staged;
 pub mod store;
 pub mod tma;

@@ -1,0 +1,238 @@
+//! The MoE layer's route + permute on the device (`codegen::moe::permute`): logical `topk_ids` to
+//! EPLB slots, per-slot counts (and the EPLB load counters), row offsets, expert-sorted row indices
+//! and gathered activations. [`Permute::load`] JITs the module's three kernels through the driver's
+//! linker; [`Permute::run`] checks the buffers' sizes and queues two memsets and the three kernels
+//! on `dev.stream`, with no host synchronization between them.
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use moeforge_codegen::moe::permute::{
+    self, Launch, ROUTE_ENTRY, ROUTE_THREADS, SCAN_ENTRY, SCATTER_ENTRY, SCATTER_THREADS,
+};
+
+use crate::{drv, Device, Error, Result};
+
+/// The loaded route + permute kernels for one `(H, R)`.
+pub struct Permute {
+    _module: Arc<CudaModule>,
+    route: CudaFunction,
+    scan: CudaFunction,
+    scatter: CudaFunction,
+    launch: Launch,
+}
+
+impl std::fmt::Debug for Permute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Permute({:?})", self.launch)
+    }
+}
+
+/// The buffers of one [`Permute::run`]. `n = T * k` items; `E` experts, `R` slots.
+#[derive(Debug)]
+pub struct Buffers<'a> {
+    /// Logical expert ids, i32 `[T, k]`.
+    pub topk_ids: &'a CudaSlice<i32>,
+    /// EPLB `log2phy`, i32 `[E, max_replicas]` (`-1` padded); the identity without EPLB.
+    pub log2phy: &'a CudaSlice<i32>,
+    /// EPLB `logcnt`, i32 `[E]`; all ones without EPLB.
+    pub logcnt: &'a CudaSlice<i32>,
+    /// Activations, bf16 bits `[T, H]`.
+    pub x: &'a CudaSlice<u16>,
+    /// Written: each item's slot (`-1` for an out-of-range one), i32 `[n]`.
+    pub slot: &'a mut CudaSlice<i32>,
+    /// Written: this run's items per slot, u32 `[R]` (zeroed first).
+    pub counts: &'a mut CudaSlice<u32>,
+    /// Accumulated: the EPLB window's load counters, u32 `[R]` (never zeroed here).
+    pub load: &'a mut CudaSlice<u32>,
+    /// Written: items skipped as out of range, u32 `[1]` (zeroed first).
+    pub errors: &'a mut CudaSlice<u32>,
+    /// Written: row offsets, i32 `[R + 1]`.
+    pub offsets: &'a mut CudaSlice<i32>,
+    /// Scratch: a cursor per slot, u32 `[R]` (zeroed by the scan).
+    pub cursor: &'a mut CudaSlice<u32>,
+    /// Written: the item of each expert-sorted row, i32 `[n]` (the first `offsets[R]`).
+    pub row_of: &'a mut CudaSlice<i32>,
+    /// Written: gathered rows, bf16 bits `[n, H]` (the first `offsets[R]`).
+    pub xs: &'a mut CudaSlice<u16>,
+}
+
+impl Permute {
+    /// Generate the module for hidden size `hidden` and `slots` physical slots, JIT it for `dev`
+    /// (Hopper, sm_90a, only) and load its three kernels. Errors: no driver or another
+    /// architecture (`NoDriver`), a shape the generator refuses (`Codegen`), the JIT's.
+    pub fn load(dev: &Device, hidden: u32, slots: u32) -> Result<Permute> {
+        if !crate::device::driver_present() {
+            return Err(Error::NoDriver("the MoE permute needs the CUDA driver".into()));
+        }
+        if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
+            return Err(Error::NoDriver(format!(
+                "the MoE permute kernels are sm_90a (Hopper) only; this device is compute capability {:?}",
+                dev.capability
+            )));
+        }
+        let (ptx, launch) = permute::permute_module(hidden, slots)?;
+        let (cubin, _log) = crate::jit::link_ptx(dev, ROUTE_ENTRY, &ptx)?;
+        let module = dev
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(drv("cuModuleLoadData"))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(drv("cuModuleGetFunction"))
+        };
+        Ok(Permute {
+            route: f(ROUTE_ENTRY)?,
+            scan: f(SCAN_ENTRY)?,
+            scatter: f(SCATTER_ENTRY)?,
+            _module: module,
+            launch,
+        })
+    }
+
+    /// The launch shapes (H, R).
+    pub fn launch(&self) -> &Launch {
+        &self.launch
+    }
+
+    /// Route and permute `t` tokens of `k` choices over `experts` logical experts whose map rows
+    /// hold `max_replicas` replicas. Queued on `dev.stream` (memsets of `counts` and `errors`,
+    /// then the three kernels); returns without waiting. Errors (`Placement`): a buffer too
+    /// small, `k` or `max_replicas` of 0, `t * k` or `E * max_replicas` past 32 bits; the
+    /// launches'.
+    ///
+    /// # Safety
+    /// The launches are asynchronous: no work on another stream may write the inputs, nor read or
+    /// write the outputs and scratch, until this stream reaches the last kernel's end. Sizes are
+    /// checked here, and every index the kernels form from the map is checked on the device, so
+    /// they touch nothing outside the buffers.
+    pub unsafe fn run(
+        &self,
+        dev: &Device,
+        b: Buffers<'_>,
+        t: usize,
+        k: usize,
+        experts: usize,
+        max_replicas: usize,
+    ) -> Result<()> {
+        let bad = |why: String| Error::Placement(format!("permute: {why}"));
+        let slots = self.launch.slots as usize;
+        let h = self.launch.hidden as usize;
+        if k == 0 || max_replicas == 0 {
+            return Err(bad(format!("k = {k}, max_replicas = {max_replicas}")));
+        }
+        let n = t
+            .checked_mul(k)
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad(format!("{t} tokens of {k} choices overflow 32 bits")))?;
+        let map = experts
+            .checked_mul(max_replicas)
+            .filter(|m| u32::try_from(*m).is_ok())
+            .ok_or_else(|| bad(format!("{experts} experts x {max_replicas} replicas")))?;
+        let nz = n as usize;
+        let rows = nz
+            .checked_mul(h)
+            .ok_or_else(|| bad(format!("{nz} rows of {h} overflow")))?;
+        let need = [
+            ("topk_ids", b.topk_ids.len(), nz),
+            ("log2phy", b.log2phy.len(), map),
+            ("logcnt", b.logcnt.len(), experts),
+            ("x", b.x.len(), t * h),
+            ("slot", b.slot.len(), nz),
+            ("counts", b.counts.len(), slots),
+            ("load", b.load.len(), slots),
+            ("errors", b.errors.len(), 1),
+            ("offsets", b.offsets.len(), slots + 1),
+            ("cursor", b.cursor.len(), slots),
+            ("row_of", b.row_of.len(), nz),
+            ("xs", b.xs.len(), rows),
+        ];
+        for (what, got, want) in need {
+            if got < want {
+                return Err(bad(format!(
+                    "`{what}` has {got} elements, needs at least {want}"
+                )));
+            }
+        }
+        let (k32, e32, m32) = (k as u32, experts as u32, max_replicas as u32);
+        dev.stream
+            .memset_zeros(b.counts)
+            .map_err(drv("cuMemsetD8"))?;
+        dev.stream
+            .memset_zeros(b.errors)
+            .map_err(drv("cuMemsetD8"))?;
+        let cfg = |grid: u32, threads: u32| LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = dev.stream.launch_builder(&self.route);
+        l.arg(b.topk_ids)
+            .arg(b.log2phy)
+            .arg(b.logcnt)
+            .arg(&mut *b.slot)
+            .arg(&mut *b.counts)
+            .arg(&mut *b.load)
+            .arg(&mut *b.errors)
+            .arg(&n)
+            .arg(&k32)
+            .arg(&e32)
+            .arg(&m32);
+        // SAFETY: the arguments match kernel A's parameters in order (seven u64 pointers, then four
+        // u32). It reads items below `n` of `topk_ids` (>= n checked), `logcnt[e]` for `e < E`
+        // (>= E checked), `log2phy[e * max_replicas + r]` with `r < logcnt[e] <= max_replicas`
+        // (>= E * max_replicas checked, which fits 32 bits), and writes `slot` below `n` and
+        // `counts`/`load` at slots below R (each >= R checked), `errors[0]`. The caller keeps other
+        // streams off the buffers.
+        unsafe { l.launch(cfg(self.launch.route_grid(n), ROUTE_THREADS)) }
+            .map_err(drv("cuLaunchKernel"))?;
+        let mut l = dev.stream.launch_builder(&self.scan);
+        l.arg(&*b.counts).arg(&mut *b.offsets).arg(&mut *b.cursor);
+        // SAFETY: kernel B's parameters are three u64 pointers, in this order; it reads `counts`
+        // and zeroes `cursor` below R and writes `offsets` below R + 1 (sizes checked above), in
+        // one CTA of `scan_threads` threads (its `.maxntid`).
+        unsafe { l.launch(cfg(1, self.launch.scan_threads)) }.map_err(drv("cuLaunchKernel"))?;
+        let mut l = dev.stream.launch_builder(&self.scatter);
+        l.arg(&*b.slot)
+            .arg(&*b.offsets)
+            .arg(&mut *b.cursor)
+            .arg(b.x)
+            .arg(&mut *b.row_of)
+            .arg(&mut *b.xs)
+            .arg(&n)
+            .arg(&k32);
+        // SAFETY: the arguments match kernel C's parameters in order (six u64 pointers, then two
+        // u32). It reads `slot` below `n`, and for slots in [0, R) (kernel A wrote only those or
+        // -1) `offsets` and `cursor` below R; positions `offsets[s] + cursor` stay below
+        // `offsets[R] <= n` because each slot's cursor counts exactly that slot's items, so
+        // `row_of` (>= n) and `xs` (>= n * H) are written in bounds; `x` is read at rows
+        // `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte aligned, more than the
+        // 16 bytes of the row copies (rows of 2H bytes, H a multiple of 8). The caller keeps other
+        // streams off the buffers.
+        unsafe { l.launch(cfg(self.launch.scatter_grid(n), SCATTER_THREADS)) }
+            .map_err(drv("cuLaunchKernel"))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver there is no device to load on (`NoDriver`); with one, sm_90a loads.
+    #[test]
+    fn load_without_a_driver_is_no_driver() {
+        match Device::open(0) {
+            Err(e) => assert!(matches!(e, Error::NoDriver(_)), "{e}"),
+            Ok(dev) => match Permute::load(&dev, 7168, 32) {
+                Ok(p) => assert_eq!(p.launch().slots, 32),
+                Err(e) => assert!(
+                    matches!(e, Error::NoDriver(_))
+                        && dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a),
+                    "{e}"
+                ),
+            },
+        }
+    }
+}
