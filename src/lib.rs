@@ -32,6 +32,7 @@ pub mod layout_gen;
 pub mod moe_host;
 pub mod moe_run;
 pub mod pack;
+pub mod permute_check;
 pub mod prequant;
 pub mod report;
 pub mod settings;

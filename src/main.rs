@@ -868,7 +868,9 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             let (report, ok) = if gemm {
                 let (g, gok) = moeforge::gemm_check::selftest(quick)?;
                 let (a, aok) = moeforge::act_quant_check::selftest()?;
-                (g + &a, moeforge::act_quant_check::both(gok, aok))
+                let (pm, pok) = moeforge::permute_check::selftest()?;
+                let both = moeforge::act_quant_check::both;
+                (g + &a + &pm, both(both(gok, aok), pok))
             } else if nccl {
                 // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
                 // when a communicator is made, so it is set here, in the CLI only, before any NCCL

@@ -63,7 +63,9 @@ impl Permute {
     /// architecture (`NoDriver`), a shape the generator refuses (`Codegen`), the JIT's.
     pub fn load(dev: &Device, hidden: u32, slots: u32) -> Result<Permute> {
         if !crate::device::driver_present() {
-            return Err(Error::NoDriver("the MoE permute needs the CUDA driver".into()));
+            return Err(Error::NoDriver(
+                "the MoE permute needs the CUDA driver".into(),
+            ));
         }
         if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
             return Err(Error::NoDriver(format!(

@@ -1,0 +1,352 @@
+//! `moeforge selftest --gpu --gemm`, third part: the generated MoE route + permute kernels
+//! (`codegen::moe::permute`, run by `runtime::permute`) on the GPU against the host reference
+//! (`codegen::moe::reference`), through its checker (exact slots, counts, offsets and error count;
+//! each slot's rows as a multiset, since their order follows the device's atomics; each gathered
+//! row equal to its token's row of `x`). Random routings from a fresh seed (printed): uniform and
+//! skewed, T = 1 and T not a multiple of anything, top-k 1, 2 and 8, with the identity map and
+//! with an EPLB map with replicas, out-of-range ids, R = 4096. The EPLB load counters are checked
+//! after two runs (they accumulate). The outputs are poisoned before each run. Then a timing line
+//! at T = 1 and T = 8192 (H = 7168, k = 8, E = 32).
+
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::codegen::moe::reference::{self, Map, Permuted};
+use crate::runtime::permute::{Buffers, Permute};
+use crate::runtime::Device;
+use crate::{Error, Result};
+
+fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| {
+        Error::Runtime(crate::runtime::Error::Driver {
+            call,
+            detail: format!("{e:?}"),
+        })
+    }
+}
+
+/// xorshift64*.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// How the ids are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ids {
+    /// Uniform over the experts.
+    Uniform,
+    /// Most items on a few experts (`E * u^4`).
+    Skewed,
+    /// Uniform, with about one item in 10 out of range (`-1`, `E`, `E + 1000`, `i32::MIN`).
+    OutOfRange,
+}
+
+/// One case of the check.
+struct Case {
+    t: usize,
+    k: usize,
+    experts: usize,
+    /// Physical slots (`experts` for the identity map).
+    slots: usize,
+    hidden: usize,
+    ids: Ids,
+}
+
+/// An EPLB map of `experts` on `slots` slots: every expert once on a shuffled slot, the other
+/// slots replicas of random experts.
+fn replicated_map(rng: &mut Rng, experts: usize, slots: usize) -> Map {
+    let mut phy2log: Vec<usize> = (0..slots)
+        .map(|p| if p < experts { p } else { rng.below(experts) })
+        .collect();
+    for i in (1..slots).rev() {
+        phy2log.swap(i, rng.below(i + 1));
+    }
+    let mut replicas = vec![Vec::new(); experts];
+    for (p, &e) in phy2log.iter().enumerate() {
+        replicas[e].push(p as i32);
+    }
+    let max_replicas = replicas.iter().map(Vec::len).max().unwrap_or(1);
+    let mut log2phy = vec![-1; experts * max_replicas];
+    for (e, r) in replicas.iter().enumerate() {
+        log2phy[e * max_replicas..e * max_replicas + r.len()].copy_from_slice(r);
+    }
+    Map {
+        log2phy,
+        logcnt: replicas.iter().map(|r| r.len() as i32).collect(),
+        max_replicas,
+        slots,
+    }
+}
+
+fn draw_ids(rng: &mut Rng, n: usize, experts: usize, ids: Ids) -> Vec<i32> {
+    (0..n)
+        .map(|_| match ids {
+            Ids::Uniform => rng.below(experts) as i32,
+            Ids::Skewed => {
+                let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+                ((experts as f64 * u.powi(4)) as usize).min(experts - 1) as i32
+            }
+            Ids::OutOfRange => {
+                if rng.below(10) == 0 {
+                    [-1, experts as i32, experts as i32 + 1000, i32::MIN][rng.below(4)]
+                } else {
+                    rng.below(experts) as i32
+                }
+            }
+        })
+        .collect()
+}
+
+/// Device buffers of one routing.
+struct Dev {
+    ids: cudarc::driver::CudaSlice<i32>,
+    log2phy: cudarc::driver::CudaSlice<i32>,
+    logcnt: cudarc::driver::CudaSlice<i32>,
+    x: cudarc::driver::CudaSlice<u16>,
+    slot: cudarc::driver::CudaSlice<i32>,
+    counts: cudarc::driver::CudaSlice<u32>,
+    load: cudarc::driver::CudaSlice<u32>,
+    errors: cudarc::driver::CudaSlice<u32>,
+    offsets: cudarc::driver::CudaSlice<i32>,
+    cursor: cudarc::driver::CudaSlice<u32>,
+    row_of: cudarc::driver::CudaSlice<i32>,
+    xs: cudarc::driver::CudaSlice<u16>,
+}
+
+impl Dev {
+    fn new(dev: &Device, ids: &[i32], map: &Map, x: &[u16], hidden: usize) -> Result<Dev> {
+        let st = &dev.stream;
+        let up_i = |v: &[i32]| st.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
+        let up_u = |v: &[u32]| st.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
+        let n = ids.len().max(1);
+        let r = map.slots;
+        Ok(Dev {
+            ids: up_i(ids)?,
+            log2phy: up_i(&map.log2phy)?,
+            logcnt: up_i(&map.logcnt)?,
+            x: st.clone_htod(x).map_err(drv("cuMemcpyHtoD"))?,
+            slot: up_i(&vec![0x5EED; n])?,
+            counts: up_u(&vec![0xDEAD; r])?,
+            load: up_u(&vec![0; r])?,
+            errors: up_u(&[77])?,
+            offsets: up_i(&vec![-7; r + 1])?,
+            cursor: up_u(&vec![0xBAD; r])?,
+            row_of: up_i(&vec![-9; n])?,
+            xs: st
+                .clone_htod(&vec![0xFFFFu16; n * hidden])
+                .map_err(drv("cuMemcpyHtoD"))?,
+        })
+    }
+
+    /// # Safety
+    /// One stream only (as [`Permute::run`]).
+    unsafe fn run(
+        &mut self,
+        dev: &Device,
+        p: &Permute,
+        t: usize,
+        k: usize,
+        map: &Map,
+    ) -> Result<()> {
+        let b = Buffers {
+            topk_ids: &self.ids,
+            log2phy: &self.log2phy,
+            logcnt: &self.logcnt,
+            x: &self.x,
+            slot: &mut self.slot,
+            counts: &mut self.counts,
+            load: &mut self.load,
+            errors: &mut self.errors,
+            offsets: &mut self.offsets,
+            cursor: &mut self.cursor,
+            row_of: &mut self.row_of,
+            xs: &mut self.xs,
+        };
+        // SAFETY: the caller's promise: one stream only; sizes are checked by `run`.
+        unsafe { p.run(dev, b, t, k, map.experts(), map.max_replicas) }?;
+        Ok(())
+    }
+
+    fn read(&self, dev: &Device, n: usize) -> Result<(Permuted, Vec<u32>)> {
+        let st = &dev.stream;
+        dev.sync()?;
+        let mut slot = st.clone_dtoh(&self.slot).map_err(drv("cuMemcpyDtoH"))?;
+        slot.truncate(n);
+        let errors = st.clone_dtoh(&self.errors).map_err(drv("cuMemcpyDtoH"))?;
+        Ok((
+            Permuted {
+                slot,
+                counts: st.clone_dtoh(&self.counts).map_err(drv("cuMemcpyDtoH"))?,
+                offsets: st.clone_dtoh(&self.offsets).map_err(drv("cuMemcpyDtoH"))?,
+                row_of: st.clone_dtoh(&self.row_of).map_err(drv("cuMemcpyDtoH"))?,
+                xs: st.clone_dtoh(&self.xs).map_err(drv("cuMemcpyDtoH"))?,
+                errors: errors.first().copied().unwrap_or(u32::MAX),
+            },
+            st.clone_dtoh(&self.load).map_err(drv("cuMemcpyDtoH"))?,
+        ))
+    }
+}
+
+/// One case: the report line and whether it passed.
+fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
+    let map = if c.slots == c.experts {
+        Map::identity(c.experts)
+    } else {
+        replicated_map(rng, c.experts, c.slots)
+    };
+    let n = c.t * c.k;
+    let ids = draw_ids(rng, n, c.experts, c.ids);
+    let x: Vec<u16> = (0..c.t * c.hidden).map(|_| rng.next() as u16).collect();
+    let mut want_load = vec![0u32; c.slots];
+    let want = reference::permute(&x, c.hidden, &ids, c.k, &map, &mut want_load)?;
+    let p = Permute::load(dev, c.hidden as u32, c.slots as u32)?;
+    let mut d = Dev::new(dev, &ids, &map, &x, c.hidden)?;
+    // SAFETY: one stream only.
+    unsafe { d.run(dev, &p, c.t, c.k, &map) }?;
+    let (got, _) = d.read(dev, n)?;
+    let first = reference::check(&want, &got, &x, c.hidden, c.k);
+    // A second run: same outputs, load counters doubled.
+    // SAFETY: one stream only.
+    unsafe { d.run(dev, &p, c.t, c.k, &map) }?;
+    let (got2, load) = d.read(dev, n)?;
+    let second = reference::check(&want, &got2, &x, c.hidden, c.k);
+    let twice: Vec<u32> = want_load.iter().map(|l| 2 * l).collect();
+    let load_ok = load == twice;
+    let ok = first.is_ok() && second.is_ok() && load_ok;
+    let mut line = format!(
+        "moe permute T={} k={} E={} R={} H={} {:?}{}: {} rows, {} errors: {}",
+        c.t,
+        c.k,
+        c.experts,
+        c.slots,
+        c.hidden,
+        c.ids,
+        if c.slots == c.experts { "" } else { " eplb" },
+        want.row_of.len(),
+        want.errors,
+        if ok { "ok" } else { "FAIL" }
+    );
+    for (what, r) in [("run 1", first), ("run 2", second)] {
+        if let Err(why) = r {
+            let _ = write!(line, " ({what}: {why})");
+        }
+    }
+    if !load_ok {
+        let s = (0..c.slots).find(|&s| load[s] != twice[s]).unwrap_or(0);
+        let _ = write!(
+            line,
+            " (load counters after two runs: slot {s} has {}, want {})",
+            load.get(s).copied().unwrap_or(0),
+            twice[s]
+        );
+    }
+    Ok((ok, line))
+}
+
+/// Timed at `T = 1` and `T = 8192` (H = 7168, k = 8, E = 32, identity map) with CUDA events: the
+/// report lines (the whole run: two memsets and three kernels).
+fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
+    let (h, k, e) = (7168usize, 8usize, 32usize);
+    let p = Permute::load(dev, h as u32, e as u32)?;
+    let map = Map::identity(e);
+    let mut out = String::new();
+    for t in [1usize, 8192] {
+        let ids = draw_ids(rng, t * k, e, Ids::Uniform);
+        let x: Vec<u16> = (0..t * h).map(|_| rng.next() as u16).collect();
+        let mut d = Dev::new(dev, &ids, &map, &x, h)?;
+        // SAFETY: one stream only.
+        unsafe { d.run(dev, &p, t, k, &map) }?;
+        let reps = 20;
+        let st = &dev.stream;
+        let ev = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = st.record_event(ev).map_err(drv("cuEventRecord"))?;
+        for _ in 0..reps {
+            // SAFETY: as above.
+            unsafe { d.run(dev, &p, t, k, &map) }?;
+        }
+        let b = st.record_event(ev).map_err(drv("cuEventRecord"))?;
+        let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))? as f64 / reps as f64;
+        // x read once per item (k times per token), xs written once per item.
+        let moved = (2 * t * k * h * 2) as f64;
+        let _ = writeln!(
+            out,
+            "moe permute timing (T={t} H={h} k={k} E={e}, {reps} reps, CUDA events): {:.1} us/run, {:.0} GB/s (x read + xs written per item; targets: <= 10 us at T=1, >= 3000 GB/s at T >= 2048)",
+            ms * 1e3,
+            moved / (ms * 1e-3) / 1e9
+        );
+    }
+    Ok(out)
+}
+
+/// The route + permute self-test: one line per case, the timing lines and a verdict; `None` as
+/// the verdict without a GPU or off Hopper (the report then says SKIPPED).
+pub fn selftest() -> Result<(String, Option<bool>)> {
+    let mut out = String::new();
+    let dev = match crate::gpu::open() {
+        Ok(d) => d,
+        Err(why) => {
+            let _ = writeln!(
+                out,
+                "SKIPPED: the MoE permute self-test needs a CUDA GPU ({why})"
+            );
+            return Ok((out, None));
+        }
+    };
+    if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
+        let _ = writeln!(
+            out,
+            "SKIPPED: the MoE permute kernels are sm_90a (Hopper) only"
+        );
+        return Ok((out, None));
+    }
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1;
+    let _ = writeln!(out, "moe permute seed {seed:#x}");
+    let mut rng = Rng(seed);
+    let case = |t, k, experts, slots, hidden, ids| Case {
+        t,
+        k,
+        experts,
+        slots,
+        hidden,
+        ids,
+    };
+    let cases = [
+        case(1, 8, 32, 32, 7168, Ids::Uniform),
+        case(1, 1, 32, 48, 512, Ids::Uniform),
+        case(1000, 2, 32, 32, 7168, Ids::Uniform),
+        case(777, 8, 32, 48, 512, Ids::Skewed),
+        case(4099, 1, 256, 288, 256, Ids::Skewed),
+        case(513, 8, 32, 40, 2056, Ids::OutOfRange),
+        case(37, 2, 7, 7, 8, Ids::OutOfRange),
+        case(300, 8, 4096, 4096, 64, Ids::Uniform),
+        case(301, 8, 1000, 4096, 64, Ids::Skewed),
+    ];
+    let mut all = true;
+    for c in &cases {
+        let (ok, line) = run_case(&dev, c, &mut rng)?;
+        all &= ok;
+        let _ = writeln!(out, "{line}");
+    }
+    out.push_str(&timing(&dev, &mut rng)?);
+    let _ = writeln!(
+        out,
+        "moe permute: {}",
+        if all { "all ok" } else { "FAILED" }
+    );
+    Ok((out, Some(all)))
+}
