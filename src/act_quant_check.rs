@@ -8,22 +8,13 @@
 //! both modes are timed at T = 8192, K = 7168.
 
 use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::codegen::gemm::act_quant::{scales_group_major, Mode};
 use crate::codegen::gemm::reference;
 use crate::runtime::act_quant::ActQuant;
-use crate::runtime::Device;
-use crate::{Error, Result};
-
-fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| {
-        Error::Runtime(crate::runtime::Error::Driver {
-            call,
-            detail: format!("{e:?}"),
-        })
-    }
-}
+use crate::runtime::{drv, Device};
+use crate::selftest_util::{fresh_seed, hopper, Rng};
+use crate::Result;
 
 /// The K of the checks.
 const KS: [usize; 3] = [128, 7168, 2048 + 64];
@@ -33,29 +24,6 @@ const TS: [usize; 3] = [1, 7, 513];
 const CODE_POISON: u8 = 0x7F;
 /// The poison of the scales (a NaN).
 const SCALE_POISON: u32 = 0x7FC0_DEAD;
-
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    /// A finite bf16 with a random sign, mantissa and an exponent field in `exp`.
-    fn bf16_exp(&mut self, exp: std::ops::Range<usize>) -> u16 {
-        let e = (exp.start + self.below(exp.end - exp.start)) as u16;
-        let r = self.next();
-        ((r & 1) as u16) << 15 | e << 7 | ((r >> 8) & 0x7F) as u16
-    }
-}
 
 /// Row kinds, in the order the first rows of a test cycle through them.
 const KINDS: usize = 7;
@@ -259,28 +227,10 @@ fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
 /// verdict; `None` as the verdict without a GPU or off Hopper (the report then says SKIPPED).
 pub fn selftest() -> Result<(String, Option<bool>)> {
     let mut out = String::new();
-    let dev = match crate::gpu::open() {
-        Ok(d) => d,
-        Err(why) => {
-            let _ = writeln!(
-                out,
-                "SKIPPED: the activation-quantization self-test needs a CUDA GPU ({why})"
-            );
-            return Ok((out, None));
-        }
-    };
-    if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
-        let _ = writeln!(
-            out,
-            "SKIPPED: the activation-quantization kernels are sm_90a (Hopper) only"
-        );
+    let Some(dev) = hopper("activation-quantization self-test", &mut out) else {
         return Ok((out, None));
-    }
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1)
-        | 1;
+    };
+    let seed = fresh_seed();
     let _ = writeln!(out, "act quant seed {seed:#x}");
     let mut rng = Rng(seed);
     let mut all = true;

@@ -5,43 +5,12 @@
 //! the largest shape timed.
 
 use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::codegen::gemm::reference::{self, Grouped, SPEC_BOUND};
 use crate::runtime::gemm::GemmBf16V0;
-use crate::runtime::Device;
+use crate::runtime::{drv, Device};
+use crate::selftest_util::{fresh_seed, hopper, Rng};
 use crate::{Error, Result};
-
-fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| {
-        Error::Runtime(crate::runtime::Error::Driver {
-            call,
-            detail: format!("{e:?}"),
-        })
-    }
-}
-
-/// xorshift64*.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    /// A bf16 in [-1, 1).
-    pub(crate) fn bf16(&mut self) -> u16 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        reference::bf16_from_f32(2.0 * u - 1.0)
-    }
-}
 
 /// One test shape: experts' row counts, N, K, pipeline stages.
 struct Shape {
@@ -199,27 +168,15 @@ fn run_shape(dev: &Device, s: &Shape, rng: &mut Rng, time: bool) -> Result<Outco
 /// `None` as the verdict without a GPU (the report then says SKIPPED).
 pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
     let mut out = String::new();
-    let dev = match crate::gpu::open() {
-        Ok(d) => d,
-        Err(why) => {
-            let _ = writeln!(out, "SKIPPED: the GEMM self-test needs a CUDA GPU ({why})");
-            return Ok((out, None));
-        }
+    let Some(dev) = hopper("grouped-GEMM self-test", &mut out) else {
+        return Ok((out, None));
     };
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1)
-        | 1;
+    let seed = fresh_seed();
     let _ = writeln!(
         out,
         "device: {} (sm_{}{}), driver CUDA {}; gemm seed {seed:#x}",
         dev.name, dev.capability.0, dev.capability.1, dev.driver_version
     );
-    if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
-        let _ = writeln!(out, "SKIPPED: the grouped GEMM v0 is sm_90a (Hopper) only");
-        return Ok((out, None));
-    }
     let mut rng = Rng(seed);
     let mut list = shapes(&mut rng);
     if quick {

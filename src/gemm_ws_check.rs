@@ -12,9 +12,9 @@ use std::fmt::Write as _;
 
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
 use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
-use crate::gemm_check::Rng;
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::{drv, Device};
+use crate::selftest_util::Rng;
 use crate::{Error, Result};
 
 /// One shape class.

@@ -35,6 +35,7 @@ pub mod pack;
 pub mod permute_check;
 pub mod prequant;
 pub mod report;
+mod selftest_util;
 pub mod settings;
 
 pub use settings::Settings;

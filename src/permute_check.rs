@@ -9,37 +9,12 @@
 //! at T = 1 and T = 8192 (H = 7168, k = 8, E = 32).
 
 use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::codegen::moe::reference::{self, Map, Permuted};
 use crate::runtime::permute::{Buffers, Permute};
-use crate::runtime::Device;
-use crate::{Error, Result};
-
-fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| {
-        Error::Runtime(crate::runtime::Error::Driver {
-            call,
-            detail: format!("{e:?}"),
-        })
-    }
-}
-
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use crate::runtime::{drv, Device};
+use crate::selftest_util::{fresh_seed, hopper, Rng};
+use crate::Result;
 
 /// How the ids are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -293,28 +268,10 @@ fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
 /// the verdict without a GPU or off Hopper (the report then says SKIPPED).
 pub fn selftest() -> Result<(String, Option<bool>)> {
     let mut out = String::new();
-    let dev = match crate::gpu::open() {
-        Ok(d) => d,
-        Err(why) => {
-            let _ = writeln!(
-                out,
-                "SKIPPED: the MoE permute self-test needs a CUDA GPU ({why})"
-            );
-            return Ok((out, None));
-        }
-    };
-    if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
-        let _ = writeln!(
-            out,
-            "SKIPPED: the MoE permute kernels are sm_90a (Hopper) only"
-        );
+    let Some(dev) = hopper("MoE permute self-test", &mut out) else {
         return Ok((out, None));
-    }
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1)
-        | 1;
+    };
+    let seed = fresh_seed();
     let _ = writeln!(out, "moe permute seed {seed:#x}");
     let mut rng = Rng(seed);
     let case = |t, k, experts, slots, hidden, ids| Case {
