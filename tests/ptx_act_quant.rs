@@ -14,7 +14,6 @@
 )]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use moeforge::codegen::gemm::act_quant::{act_quant, Mode};
 
@@ -38,27 +37,7 @@ fn label(mode: Mode) -> &'static str {
 }
 
 fn ptxas() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("MOEFORGE_PTXAS") {
-        return Some(PathBuf::from(p));
-    }
-    let found = std::env::var_os("MOEFORGE_TOOLS_DIR")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("moeforge/tools"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moeforge/tools"))
-        })
-        .map(|c| c.join("cuda-nvcc-13.0.88/ptxas"))
-        .filter(|p| p.exists());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
-            "MOEFORGE_REQUIRE_PTXAS is set but MOEFORGE_PTXAS is not and the cache holds none (run scripts/ptxas)"
-        );
-        eprintln!("SKIPPED: activation-quantization PTX not assembled: no ptxas (run scripts/test or scripts/ptxas)");
-    }
-    found
+    common::ptxas("activation-quantization PTX not assembled")
 }
 
 #[test]
@@ -87,35 +66,9 @@ fn ptxas_assembles_both_modes_without_spills() {
             let src = dir.path().join(format!("{}_{k}.ptx", label(mode)));
             let cubin = dir.path().join(format!("{}_{k}.cubin", label(mode)));
             std::fs::write(&src, ptx).unwrap();
-            let out = Command::new(&ptxas)
-                .args(["-arch=sm_90a", "-v"])
-                .arg(&src)
-                .arg("-o")
-                .arg(&cubin)
-                .output()
-                .unwrap();
-            let report = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(
-                out.status.success(),
-                "ptxas rejected {mode:?} K={k}:\n{report}"
-            );
-            assert!(std::fs::metadata(&cubin).unwrap().len() > 0);
-            assert!(
-                report.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
-                "{mode:?} K={k}: spills or a stack frame:\n{report}"
-            );
-            assert!(
-                report.contains("Used "),
-                "{mode:?} K={k}: no register report:\n{report}"
-            );
-            assert!(
-                !report.contains("(C75") && !report.contains("Potential Performance Loss"),
-                "{mode:?} K={k}: a C75xx diagnostic:\n{report}"
-            );
+            let report = common::assemble(&ptxas, &src, &cubin);
+            let p = common::problems(&report, 1);
+            assert!(p.is_empty(), "{mode:?} K={k}: {p:?}\n{report}");
             eprintln!("{mode:?} K={k}: {report}");
         }
     }

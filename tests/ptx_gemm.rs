@@ -73,98 +73,15 @@ fn h_i(bind: &str) -> (u32, u32) {
     (dims[1], dims[2])
 }
 
-fn cache_tool(var: &str, rel: &str) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os(var) {
-        return Some(PathBuf::from(p));
-    }
-    let cache = std::env::var_os("MOEFORGE_TOOLS_DIR")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("moeforge/tools"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moeforge/tools"))
-        })?;
-    let p = cache.join(rel);
-    p.exists().then_some(p)
-}
-
-/// A tool, or `None` after saying that the test skipped (a failure under `MOEFORGE_REQUIRE_PTXAS`).
-fn tool(var: &str, rel: &str, script: &str, what: &str) -> Option<PathBuf> {
-    let t = cache_tool(var, rel);
-    if t.is_none() {
-        assert!(
-            std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
-            "MOEFORGE_REQUIRE_PTXAS is set but {var} is not and the cache holds none (run {script})"
-        );
-        eprintln!("SKIPPED: {what}: no {rel} found; run scripts/test (or {script})");
-    }
-    t
-}
-
 fn ptxas() -> Option<PathBuf> {
-    tool(
-        "MOEFORGE_PTXAS",
-        "cuda-nvcc-13.0.88/ptxas",
-        "scripts/ptxas",
-        "GEMM PTX not assembled",
-    )
+    common::ptxas("GEMM PTX not assembled")
 }
 
 fn cuobjdump() -> Option<PathBuf> {
-    tool(
-        "MOEFORGE_CUOBJDUMP",
-        "cuda-sass-13.5.37/cuobjdump",
-        "scripts/sass",
-        "GEMM SASS not checked",
-    )
+    common::cuobjdump("GEMM SASS not checked")
 }
 
-/// What in a `ptxas -v` report of a module with `entries` entries is an error: the serialized
-/// wgmma warning, any C75xx performance diagnostic, spills or a stack frame in any entry.
-fn problems(report: &str, entries: usize) -> Vec<&'static str> {
-    let mut p = Vec::new();
-    if report.contains("wgmma.mma_async instructions are serialized") {
-        p.push("wgmma.mma_async instructions are serialized");
-    }
-    if report.contains("(C75") || report.contains("Potential Performance Loss") {
-        p.push("a C75xx diagnostic");
-    }
-    if report
-        .matches("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
-        .count()
-        != entries
-    {
-        p.push("spills or a stack frame (or an entry without a report)");
-    }
-    if report.matches("Used ").count() != entries {
-        p.push("an entry without a register report");
-    }
-    p
-}
-
-/// `ptxas -arch=sm_90a -v` of `ptx` into `cubin`; panics on rejection. Returns the report.
-fn assemble(ptxas: &Path, ptx: &Path, cubin: &Path) -> String {
-    let out = Command::new(ptxas)
-        .args(["-arch=sm_90a", "-v"])
-        .arg(ptx)
-        .arg("-o")
-        .arg(cubin)
-        .output()
-        .unwrap();
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "ptxas rejected {}:\n{report}",
-        ptx.display()
-    );
-    assert!(std::fs::metadata(cubin).unwrap().len() > 0);
-    report
-}
+use common::{assemble, problems};
 
 #[test]
 fn golden_gemm_ptx() {

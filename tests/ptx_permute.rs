@@ -14,7 +14,6 @@
 )]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use moeforge::codegen::moe::permute::permute_module;
 
@@ -24,29 +23,7 @@ mod common;
 const SHAPES: [(u32, u32); 5] = [(7168, 256), (7168, 32), (8, 1), (4104, 4096), (2056, 1000)];
 
 fn ptxas() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("MOEFORGE_PTXAS") {
-        return Some(PathBuf::from(p));
-    }
-    let found = std::env::var_os("MOEFORGE_TOOLS_DIR")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("moeforge/tools"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moeforge/tools"))
-        })
-        .map(|c| c.join("cuda-nvcc-13.0.88/ptxas"))
-        .filter(|p| p.exists());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("MOEFORGE_REQUIRE_PTXAS").is_none(),
-            "MOEFORGE_REQUIRE_PTXAS is set but MOEFORGE_PTXAS is not and the cache holds none (run scripts/ptxas)"
-        );
-        eprintln!(
-            "SKIPPED: permute PTX not assembled: no ptxas (run scripts/test or scripts/ptxas)"
-        );
-    }
-    found
+    common::ptxas("permute PTX not assembled")
 }
 
 #[test]
@@ -72,34 +49,9 @@ fn ptxas_assembles_the_permute_kernels_without_spills() {
         let src = dir.path().join(format!("permute_{h}_{r}.ptx"));
         let cubin = dir.path().join(format!("permute_{h}_{r}.cubin"));
         std::fs::write(&src, ptx).unwrap();
-        let out = Command::new(&ptxas)
-            .args(["-arch=sm_90a", "-v"])
-            .arg(&src)
-            .arg("-o")
-            .arg(&cubin)
-            .output()
-            .unwrap();
-        let report = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success(),
-            "ptxas rejected H={h} R={r}:\n{report}"
-        );
-        assert!(std::fs::metadata(&cubin).unwrap().len() > 0);
-        assert_eq!(
-            report
-                .matches("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
-                .count(),
-            3,
-            "H={h} R={r}: spills or a stack frame:\n{report}"
-        );
-        assert!(
-            !report.contains("(C75") && !report.contains("Potential Performance Loss"),
-            "H={h} R={r}: a C75xx diagnostic:\n{report}"
-        );
+        let report = common::assemble(&ptxas, &src, &cubin);
+        let p = common::problems(&report, 3);
+        assert!(p.is_empty(), "H={h} R={r}: {p:?}\n{report}");
         eprintln!("H={h} R={r}: {report}");
     }
 }
