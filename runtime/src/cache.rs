@@ -105,25 +105,8 @@ impl Cache {
     }
 
     fn write(&self, path: &Path, payload: &[u8]) -> Result<()> {
-        let io = |e: std::io::Error| Error::Cache {
-            path: path.display().to_string(),
-            source: e,
-        };
-        let dir = path.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-        tmp.write_all(MAGIC).map_err(io)?;
-        tmp.write_all(blake3::hash(payload).to_hex().as_bytes())
-            .map_err(io)?;
-        tmp.write_all(b"\n").map_err(io)?;
-        tmp.write_all(payload).map_err(io)?;
-        // Something that is not a file at the entry's path (a directory left by anything) is not
-        // an entry: it is removed, then the entry takes its place.
-        if path.symlink_metadata().is_ok_and(|m| m.is_dir()) {
-            std::fs::remove_dir_all(path).map_err(io)?;
-        }
-        tmp.persist(path).map_err(|e| io(e.error))?;
-        Ok(())
+        let sum = blake3::hash(payload).to_hex();
+        write_atomic(path, &[MAGIC, sum.as_bytes(), b"\n", payload], false)
     }
 
     /// The artifact of `kind` under `key`: from memory, from disk (checksum verified), or made by
@@ -176,18 +159,9 @@ impl Cache {
         let Some(dir) = &self.dir else {
             return Ok(Vec::new());
         };
-        let rd = match std::fs::read_dir(dir) {
-            Ok(r) => r,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => {
-                return Err(Error::Cache {
-                    path: dir.display().to_string(),
-                    source: e,
-                })
-            }
-        };
+        let rd = dir_files(dir)?;
         let mut out = Vec::new();
-        for e in rd.flatten() {
+        for e in rd {
             let p = e.path();
             let (Some(stem), Some(ext)) = (p.file_stem(), p.extension()) else {
                 continue;
@@ -229,6 +203,42 @@ impl Cache {
             }
         }
         Ok(n)
+    }
+}
+
+/// Write `chunks` to `path` atomically: a temporary file in the same folder (removed if anything
+/// fails), flushed to disk first where `sync`, then renamed over `path`. Something that is not a
+/// file at `path` (a directory left by anything) is removed first; the folder is created.
+pub(crate) fn write_atomic(path: &Path, chunks: &[&[u8]], sync: bool) -> Result<()> {
+    let io = |e: std::io::Error| Error::Cache {
+        path: path.display().to_string(),
+        source: e,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
+    for c in chunks {
+        tmp.write_all(c).map_err(io)?;
+    }
+    if sync {
+        tmp.as_file().sync_all().map_err(io)?;
+    }
+    if path.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        std::fs::remove_dir_all(path).map_err(io)?;
+    }
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
+}
+
+/// The entries directly in `dir`; none when it does not exist.
+pub(crate) fn dir_files(dir: &Path) -> Result<Vec<std::fs::DirEntry>> {
+    match std::fs::read_dir(dir) {
+        Ok(r) => Ok(r.flatten().collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(Error::Cache {
+            path: dir.display().to_string(),
+            source: e,
+        }),
     }
 }
 

@@ -14,7 +14,6 @@
 //! replaced), never trusted.
 
 use std::collections::HashMap;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -300,7 +299,7 @@ impl TuneCache {
     /// never part of one, and a failed write leaves no file behind.
     pub fn put(&self, key: &TuneKey, entry: &TuneEntry) -> Result<()> {
         if let Some(path) = self.path(key) {
-            write(&path, &render(key, entry))?;
+            crate::cache::write_atomic(&path, &[&render(key, entry)], true)?;
         }
         if let Ok(mut m) = self.mem.lock() {
             m.insert(key.clone(), entry.clone());
@@ -320,18 +319,8 @@ impl TuneCache {
         let Some(dir) = &self.dir else {
             return Ok(Vec::new());
         };
-        let rd = match std::fs::read_dir(dir) {
-            Ok(r) => r,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => {
-                return Err(Error::Cache {
-                    path: dir.display().to_string(),
-                    source: e,
-                })
-            }
-        };
         let mut out = Vec::new();
-        for e in rd.flatten() {
+        for e in crate::cache::dir_files(dir)? {
             let p = e.path();
             if p.extension().is_none_or(|x| x != "json") {
                 continue;
@@ -463,24 +452,6 @@ fn parse(data: &[u8]) -> Option<(TuneKey, TuneEntry)> {
         return None;
     }
     Some((TuneKey::from_json(key)?, TuneEntry::from_json(entry)?))
-}
-
-fn write(path: &Path, bytes: &[u8]) -> Result<()> {
-    let io = |e: std::io::Error| Error::Cache {
-        path: path.display().to_string(),
-        source: e,
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(io)?;
-    // The temporary file is removed when dropped unpersisted (any error below).
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    if path.symlink_metadata().is_ok_and(|m| m.is_dir()) {
-        std::fs::remove_dir_all(path).map_err(io)?;
-    }
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    Ok(())
 }
 
 fn u32_of(v: &Value, name: &str) -> Option<u32> {
