@@ -11,14 +11,13 @@
 //! the harness owns the timing (warm-up, an L2 flush before each rep as triton's `do_bench` does,
 //! CUDA events around the launch only, the median), a runner only prepares operands and launches.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 
-use crate::runtime::gemm::GemmBf16V0;
 use crate::runtime::Device;
 use crate::{Error, Result};
 
@@ -593,170 +592,6 @@ pub(crate) fn fill_device(dev: &Device, buf: &mut CudaSlice<u8>, chunk: &[u8]) -
         off += n;
     }
     Ok(())
-}
-
-/// One model's bf16 operands, grown as the token count grows.
-struct Bf16Operands {
-    shape: (usize, usize, usize),
-    w: CudaSlice<u8>,
-    x: CudaSlice<u8>,
-    x_rows: usize,
-    y: CudaSlice<f32>,
-    y_rows: usize,
-}
-
-/// The prepared state of one case.
-struct V0Case {
-    n: u32,
-    k: u32,
-    t: usize,
-    experts: usize,
-    offsets: CudaSlice<i32>,
-}
-
-/// The generated grouped bf16 GEMM v0 ([`GemmBf16V0`], 4 stages): bf16 weights and activations,
-/// f32 output; fp8 recipes are not built yet. Operands are random bf16 (8 MiB of random values
-/// repeated), the weights kept per model and the activation and output buffers grown to the
-/// largest token count seen.
-pub struct V0Runner {
-    kernels: HashMap<(u32, u32), GemmBf16V0>,
-    ops: Option<Bf16Operands>,
-    case: Option<V0Case>,
-    chunk: Vec<u8>,
-}
-
-impl Default for V0Runner {
-    fn default() -> Self {
-        V0Runner::new()
-    }
-}
-
-impl V0Runner {
-    /// Pipeline stages of the v0 kernel as benchmarked.
-    pub const STAGES: u32 = 4;
-
-    /// A runner with nothing loaded.
-    pub fn new() -> V0Runner {
-        let mut chunk = vec![0u8; 8 << 20];
-        random_bf16(&mut chunk, 0x5EED_0001);
-        V0Runner {
-            kernels: HashMap::new(),
-            ops: None,
-            case: None,
-            chunk,
-        }
-    }
-}
-
-impl GemmRunner for V0Runner {
-    fn prepare(&mut self, dev: &Device, case: &GemmCase) -> Result<Prepared> {
-        self.case = None;
-        if case.recipe != Recipe::Bf16 {
-            return Ok(Prepared::NotBuilt(format!(
-                "no {} grouped GEMM kernel yet",
-                case.recipe.name()
-            )));
-        }
-        if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
-            return Ok(Prepared::NotBuilt(
-                "the grouped GEMM v0 is sm_90a (Hopper) only".into(),
-            ));
-        }
-        let (n, k) = match (u32::try_from(case.n), u32::try_from(case.k)) {
-            (Ok(n), Ok(k)) => (n, k),
-            _ => {
-                return Err(Error::Usage(format!(
-                    "N = {}, K = {} do not fit the kernel",
-                    case.n, case.k
-                )))
-            }
-        };
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.kernels.entry((n, k)) {
-            slot.insert(GemmBf16V0::load(dev, n, k, Self::STAGES)?);
-        }
-        let t = case.rows_total();
-        let shape = (case.experts, case.n, case.k);
-        if self.ops.as_ref().is_none_or(|o| o.shape != shape) {
-            // Free the previous model's buffers before allocating this one's.
-            self.ops = None;
-            let mut w = dev
-                .stream
-                .alloc_zeros::<u8>(case.experts * case.n * case.k * 2)
-                .map_err(drv("cuMemAlloc"))?;
-            fill_device(dev, &mut w, &self.chunk)?;
-            let x = dev.stream.alloc_zeros::<u8>(2).map_err(drv("cuMemAlloc"))?;
-            let y = dev
-                .stream
-                .alloc_zeros::<f32>(1)
-                .map_err(drv("cuMemAlloc"))?;
-            self.ops = Some(Bf16Operands {
-                shape,
-                w,
-                x,
-                x_rows: 0,
-                y,
-                y_rows: 0,
-            });
-        }
-        let Some(ops) = self.ops.as_mut() else {
-            return Err(Error::Usage("GEMM bench: operands missing".into()));
-        };
-        if ops.x_rows < t {
-            let mut x = dev
-                .stream
-                .alloc_zeros::<u8>(t * case.k * 2)
-                .map_err(drv("cuMemAlloc"))?;
-            fill_device(dev, &mut x, &self.chunk)?;
-            ops.x = x;
-            ops.x_rows = t;
-        }
-        if ops.y_rows < t {
-            ops.y = dev
-                .stream
-                .alloc_zeros::<f32>(t * case.n)
-                .map_err(drv("cuMemAlloc"))?;
-            ops.y_rows = t;
-        }
-        let offsets: Vec<i32> = case
-            .offsets()
-            .into_iter()
-            .map(|o| i32::try_from(o).unwrap_or(i32::MAX))
-            .collect();
-        if offsets.last().copied() != i32::try_from(t).ok() {
-            return Err(Error::Usage(format!(
-                "{} rows do not fit the kernel's 32-bit offsets",
-                t
-            )));
-        }
-        let offsets = dev
-            .stream
-            .clone_htod(&offsets)
-            .map_err(drv("cuMemcpyHtoD"))?;
-        self.case = Some(V0Case {
-            n,
-            k,
-            t,
-            experts: case.experts,
-            offsets,
-        });
-        Ok(Prepared::Ready(format!(
-            "bf16 v0 ({} stages)",
-            Self::STAGES
-        )))
-    }
-
-    fn launch(&mut self, dev: &Device) -> Result<()> {
-        let (Some(c), Some(ops)) = (self.case.as_ref(), self.ops.as_mut()) else {
-            return Err(Error::Usage("GEMM bench: launch before prepare".into()));
-        };
-        let Some(g) = self.kernels.get(&(c.n, c.k)) else {
-            return Err(Error::Usage("GEMM bench: kernel not loaded".into()));
-        };
-        // SAFETY: `offsets` holds the exclusive prefix sums of the case's row counts (non-decreasing,
-        // ending at `t`), and `x` and `y` hold at least `t` rows (checked again by `run`).
-        unsafe { g.run(dev, &ops.x, &ops.w, &c.offsets, &mut ops.y, c.t, c.experts) }?;
-        Ok(())
-    }
 }
 
 /// The timing of one case.

@@ -582,10 +582,7 @@ fn check_structure(c: &WsConfig, text: &str) {
         ),
         count(
             text,
-            &format!(
-                "setmaxnreg.inc.sync.aligned.u32 \t{}",
-                ws::consumer_regs(c.consumers)
-            ),
+            &format!("setmaxnreg.inc.sync.aligned.u32 \t{}", ws::CONSUMER_REGS),
         ),
     );
     let two = usize::from(c.consumers == 2);

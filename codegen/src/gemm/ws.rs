@@ -410,9 +410,7 @@ pub const PARAMS: [&str; 10] = [
 /// Registers per consumer thread after `setmaxnreg.inc` with two consumer warpgroups (what the
 /// register file of 64 Ki registers leaves beside the producer's 40). With one consumer (256
 /// threads, decode) the kernel keeps ptxas's allocation and emits no `setmaxnreg`.
-pub const fn consumer_regs(_consumers: u32) -> u32 {
-    232
-}
+pub const CONSUMER_REGS: u32 = 232;
 
 fn unsupported(what: String) -> Error {
     Error::Unsupported {
@@ -941,7 +939,7 @@ fn consumers(
     if cfg.consumers >= 2 {
         k.b.emit(AsyncOp::SetMaxNReg {
             delta: RegDelta::Inc,
-            count: MaxNReg::new(consumer_regs(cfg.consumers))?,
+            count: MaxNReg::new(CONSUMER_REGS)?,
         })?;
     }
     let cwg = k.bin(BinOpcode::Sub, PtxTy::U32, wg, Operand::Int(1));
