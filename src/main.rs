@@ -166,6 +166,11 @@ enum Command {
         /// without a Hopper GPU.
         #[arg(long, requires = "gpu", conflicts_with = "nccl")]
         gemm: bool,
+        /// Instead: the MoE layer forward on the GPU against the host path, through `moe run`, for
+        /// every recipe the GPU layer runs (bf16, FP8 per tensor static and dynamic, FP8 128x128
+        /// blocks) over several routings and a placement with replicas (fresh seed, printed).
+        #[arg(long, requires = "gpu", conflicts_with_all = ["nccl", "gemm"])]
+        moe: bool,
     },
     /// The kernel cache: list, clear, or warm up the variants a binding needs.
     Cache {
@@ -207,7 +212,7 @@ enum MoeAction {
         /// The MoE layer (needed when the file holds several).
         #[arg(long)]
         layer: Option<u32>,
-        /// `host` (the host reference path) or `gpu` (not built yet).
+        /// `host` (the host reference path) or `gpu` (the generated kernels on GPU 0, Hopper: bf16 and FP8 recipes).
         #[arg(long, default_value = "host")]
         device: String,
         /// Place the params along this placement first (`eplb plan --json` output), as `eplb apply`.
@@ -861,6 +866,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             quick,
             nccl,
             gemm,
+            moe,
         } => {
             if !gpu {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
@@ -869,8 +875,14 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 let (g, gok) = moeforge::gemm_check::selftest(quick)?;
                 let (a, aok) = moeforge::act_quant_check::selftest()?;
                 let (pm, pok) = moeforge::permute_check::selftest()?;
+                let (mk, mok) = moeforge::moe_kernels_check::selftest()?;
                 let both = moeforge::act_quant_check::both;
-                (g + &a + &pm, both(both(gok, aok), pok))
+                (
+                    g + &a + &pm + &mk,
+                    both(both(both(gok, aok), pok), mok),
+                )
+            } else if moe {
+                moeforge::moe_gpu_check::selftest(&settings)?
             } else if nccl {
                 // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
                 // when a communicator is made, so it is set here, in the CLI only, before any NCCL
@@ -1016,13 +1028,15 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 dump_intermediates,
                 recipe,
                 threads,
+                settings: settings.runtime.clone(),
             };
             let r = moeforge::moe_run::run(&opts)?;
             writeln!(
                 out,
-                "ran layer {} of recipe `{}` on the host: {} token(s), top-{}, {} logical experts on {} slots, activations w13: {}, w2: {}; wrote {} ({:.1} kB)",
+                "ran layer {} of recipe `{}` on the {}: {} token(s), top-{}, {} logical experts on {} slots, activations w13: {}, w2: {}; wrote {} ({:.1} kB)",
                 r.layer,
                 r.recipe,
+                if r.device == moeforge::moe_run::Device::Gpu { "GPU" } else { "host" },
                 r.tokens,
                 r.top_k,
                 r.experts,

@@ -31,9 +31,6 @@ use crate::dsl::ModuleInfo;
 /// Why the MoE layer cannot run (`moeforge moe run`).
 #[derive(Debug, thiserror::Error)]
 pub enum MoeError {
-    /// `--device gpu`: the GPU path of `moe run` does not exist yet.
-    #[error("moe run: device not built: `--device gpu` is not built yet (issue [9]); use `--device host`")]
-    GpuNotBuilt,
     /// An input tensor is absent.
     #[error("moe run: missing input: {file} has no tensor `{name}` (it needs `hidden_states` [T, H] bf16, `topk_ids` [T, k] i32, `topk_weights` [T, k] f32)")]
     MissingInput {
@@ -289,6 +286,12 @@ impl Replicas {
         self.log2phy.len()
     }
 
+    /// The slots holding replicas of logical expert `e`, in replica order (empty when `e` is out
+    /// of range).
+    pub fn replicas_of(&self, e: usize) -> &[usize] {
+        self.log2phy.get(e).map_or(&[], Vec::as_slice)
+    }
+
     /// The slot token `t` runs logical expert `e` on (`None` when `e` is out of range).
     pub fn slot(&self, e: usize, t: usize) -> Option<usize> {
         let row = self.log2phy.get(e)?;
@@ -436,6 +439,26 @@ fn run_slots(
         }
     }
     Ok(out)
+}
+
+/// Check that every `topk_ids` entry names a logical expert with a replica (what the forward
+/// checks before computing anything).
+pub fn check_ids(tokens: &Tokens<'_>, replicas: &Replicas) -> Result<()> {
+    for (p, &id) in tokens.ids.iter().enumerate() {
+        let ok = usize::try_from(id)
+            .ok()
+            .and_then(|e| replicas.slot(e, p / tokens.k.max(1)))
+            .is_some();
+        if !ok {
+            return Err(MoeError::ExpertOutOfRange {
+                token: p / tokens.k.max(1),
+                j: p % tokens.k.max(1),
+                id: id as i64,
+                experts: replicas.experts(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Run the layer (see the module docs) on `threads` host threads (0: one per core). Expert ids are

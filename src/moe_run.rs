@@ -27,7 +27,7 @@ use crate::{Error, Result};
 pub enum Device {
     /// The host reference path (what CI tests).
     Host,
-    /// The GPU path (not built yet: refused).
+    /// The generated kernels on GPU 0 (Hopper; bf16 and FP8 recipes): [`crate::moe_gpu_layer`].
     Gpu,
 }
 
@@ -65,6 +65,8 @@ pub struct RunOptions {
     pub recipe: Option<(String, String)>,
     /// Host threads (0: one per core).
     pub threads: usize,
+    /// The GPU runtime's settings (kernel cache, JIT), for `--device gpu`.
+    pub settings: crate::runtime::Settings,
 }
 
 /// What [`run`] did.
@@ -74,6 +76,8 @@ pub struct RunReport {
     pub recipe: String,
     /// The layer run.
     pub layer: u32,
+    /// Where it ran.
+    pub device: Device,
     /// Tokens T.
     pub tokens: usize,
     /// Choices per token k.
@@ -176,9 +180,6 @@ fn placement_log2phy(text: &str, row: usize) -> Result<Option<Vec<Vec<usize>>>> 
 /// Run one MoE layer (see the module docs) and write `output` (and, with `dump_intermediates`,
 /// `w13_out` and `act`) atomically.
 pub fn run(opts: &RunOptions) -> Result<RunReport> {
-    if opts.device == Device::Gpu {
-        return Err(MoeError::GpuNotBuilt.into());
-    }
     let mut reads = vec![opts.packed.clone(), opts.inputs.clone()];
     reads.extend(opts.placement.clone());
     crate::check_output(&opts.output, &reads)?;
@@ -423,21 +424,34 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
         Feed::of(&info, "w13", &params)?.describe(),
         Feed::of(&info, "w2", &params)?.describe(),
     );
-    let fwd = moe_host::forward(
-        &moe_host::Layer {
-            info: &info,
-            params: &params,
-        },
-        &moe_host::Tokens {
-            x: &xs,
-            ids: &id_v,
-            weights: &w_v,
-            t,
-            k,
-        },
-        &replicas,
-        opts.threads,
-    )?;
+    let layer_ref = moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let tokens = moe_host::Tokens {
+        x: &xs,
+        ids: &id_v,
+        weights: &w_v,
+        t,
+        k,
+    };
+    let fwd = match opts.device {
+        Device::Host => moe_host::forward(&layer_ref, &tokens, &replicas, opts.threads)?,
+        Device::Gpu => {
+            // The ids are checked here as on the host (the device counts any it skips, too).
+            moe_host::check_ids(&tokens, &replicas)?;
+            // The operands first: a recipe the GPU layer does not run is refused before a device
+            // is opened.
+            let ops = crate::moe_gpu::operands(&layer_ref)?;
+            crate::moe_gpu_layer::forward(
+                &ops,
+                &tokens,
+                &replicas,
+                &opts.settings,
+                opts.dump_intermediates,
+            )?
+        }
+    };
 
     let out_b: Vec<u8> = fwd.output.iter().flat_map(|v| v.to_le_bytes()).collect();
     let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
@@ -465,7 +479,7 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
     let about = serde_json::json!({
         "recipe": recipe,
         "layer": layer,
-        "device": "host",
+        "device": match opts.device { Device::Host => "host", Device::Gpu => "gpu" },
         "activation": { "w13": activation.0, "w2": activation.1 },
     });
     let meta_out: HashMap<String, String> = [(META_RUN.to_string(), about.to_string())]
@@ -477,6 +491,7 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
     Ok(RunReport {
         recipe,
         layer,
+        device: opts.device,
         tokens: t,
         top_k: k,
         experts: replicas.experts(),

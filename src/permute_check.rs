@@ -96,7 +96,7 @@ struct Dev {
     offsets: cudarc::driver::CudaSlice<i32>,
     cursor: cudarc::driver::CudaSlice<u32>,
     row_of: cudarc::driver::CudaSlice<i32>,
-    xs: cudarc::driver::CudaSlice<u16>,
+    xs: cudarc::driver::CudaSlice<u8>,
 }
 
 impl Dev {
@@ -119,7 +119,7 @@ impl Dev {
             cursor: up_u(&vec![0xBAD; r])?,
             row_of: up_i(&vec![-9; n])?,
             xs: st
-                .clone_htod(&vec![0xFFFFu16; n * hidden])
+                .clone_htod(&vec![0xFFu8; 2 * n * hidden])
                 .map_err(drv("cuMemcpyHtoD"))?,
         })
     }
@@ -165,7 +165,12 @@ impl Dev {
                 counts: st.clone_dtoh(&self.counts).map_err(drv("cuMemcpyDtoH"))?,
                 offsets: st.clone_dtoh(&self.offsets).map_err(drv("cuMemcpyDtoH"))?,
                 row_of: st.clone_dtoh(&self.row_of).map_err(drv("cuMemcpyDtoH"))?,
-                xs: st.clone_dtoh(&self.xs).map_err(drv("cuMemcpyDtoH"))?,
+                xs: st
+                    .clone_dtoh(&self.xs)
+                    .map_err(drv("cuMemcpyDtoH"))?
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
                 errors: errors.first().copied().unwrap_or(u32::MAX),
             },
             st.clone_dtoh(&self.load).map_err(drv("cuMemcpyDtoH"))?,

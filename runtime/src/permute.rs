@@ -53,8 +53,9 @@ pub struct Buffers<'a> {
     pub cursor: &'a mut CudaSlice<u32>,
     /// Written: the item of each expert-sorted row, i32 `[n]` (the first `offsets[R]`).
     pub row_of: &'a mut CudaSlice<i32>,
-    /// Written: gathered rows, bf16 bits `[n, H]` (the first `offsets[R]`).
-    pub xs: &'a mut CudaSlice<u16>,
+    /// Written: gathered rows, bf16 `[n, H]` as bytes (the first `offsets[R]`), what the grouped
+    /// GEMM and the activation quantizer read.
+    pub xs: &'a mut CudaSlice<u8>,
 }
 
 impl Permute {
@@ -134,7 +135,8 @@ impl Permute {
             .ok_or_else(|| bad(format!("{experts} experts x {max_replicas} replicas")))?;
         let nz = n as usize;
         let rows = nz
-            .checked_mul(h)
+            .checked_mul(2 * h)
+            .map(|b| b / 2)
             .ok_or_else(|| bad(format!("{nz} rows of {h} overflow")))?;
         let need = [
             ("topk_ids", b.topk_ids.len(), nz),
@@ -148,7 +150,7 @@ impl Permute {
             ("offsets", b.offsets.len(), slots + 1),
             ("cursor", b.cursor.len(), slots),
             ("row_of", b.row_of.len(), nz),
-            ("xs", b.xs.len(), rows),
+            ("xs (bytes)", b.xs.len(), 2 * rows),
         ];
         for (what, got, want) in need {
             if got < want {
@@ -208,7 +210,7 @@ impl Permute {
         // u32). It reads `slot` below `n`, and for slots in [0, R) (kernel A wrote only those or
         // -1) `offsets` and `cursor` below R; positions `offsets[s] + cursor` stay below
         // `offsets[R] <= n` because each slot's cursor counts exactly that slot's items, so
-        // `row_of` (>= n) and `xs` (>= n * H) are written in bounds; `x` is read at rows
+        // `row_of` (>= n) and `xs` (>= 2 n H bytes) are written in bounds; `x` is read at rows
         // `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte aligned, more than the
         // 16 bytes of the row copies (rows of 2H bytes, H a multiple of 8). The caller keeps other
         // streams off the buffers.

@@ -1,0 +1,293 @@
+//! The GPU MoE layer's operands (issue \[9\]), read off the verified module: what the generated
+//! grouped GEMMs of `codegen::gemm::ws` take for a recipe's `w13` and `w2`, and how each GEMM's
+//! input is fed. Host code only (CI tests it); [`crate::moe_gpu_layer`] uploads and runs it.
+//!
+//! # Where the bytes come from
+//! Every weight code and scale is read through the recipe's verified storage maps
+//! ([`crate::dequant::logical_experts`], the reader the host forward uses), in the *input's*
+//! coordinates: `w13`'s rows come back `[gate; up]` whatever physical row order the recipe
+//! stores, so the SiLU kernel pairs column `c` with column `I + c`. The GEMM operand is then
+//! `W [slots, N, K]` row-major in that order, with its scales in the GEMM's layout:
+//! * no scheme (bf16 weights): no scale;
+//! * FP8 per tensor: `[slots]`, one per expert (every element of an expert must carry the same);
+//! * FP8 128x128 block: `[slots, ceil(N/128), ceil(K/128)]`, the scale of each 128x128 block of
+//!   the input's coordinates (every element of a block must carry the same: a recipe whose rows
+//!   are gathered across blocks is refused by name).
+//!
+//! For the standard `bf16`, `fp8_per_tensor` and `fp8_block128` recipes the stored order is the
+//! input's, so the operand is the param's bytes; [`GemmWeights::relayout`] says whether it was not.
+//! Reading the params in place through the layout algebra inside the kernel is issue \[8\] item 2,
+//! not built.
+//!
+//! # What runs on the GPU
+//! bf16 weights with bf16 activations; E4M3 per-tensor weights with per-token dynamic or static
+//! activation scales; E4M3 128x128-block weights with 1x128 per-token activation groups. The
+//! weights-only recipes (NVFP4, MXFP4, INT8, INT4 on Hopper) need the dequantizing GEMM of issue
+//! \[8\]: refused with [`MoeError::Unsupported`] naming it.
+
+use std::collections::HashMap;
+
+use crate::codegen::gemm::ws::{Operands, Scaling};
+use crate::dsl::ir::{Fp8Granularity, QuantScheme};
+use crate::dsl::ModuleInfo;
+use crate::moe_host::{dims, Feed, Layer, MoeError};
+
+type Result<T, E = MoeError> = std::result::Result<T, E>;
+
+/// One GEMM's weight operand.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmWeights {
+    /// The GEMM's operand type and accumulator scaling.
+    pub operands: Operands,
+    /// How the accumulator is scaled (per-token activation scales for every FP8 tensorwise feed:
+    /// dynamic ones, or static ones spread to rows).
+    pub scaling: Scaling,
+    /// Slots (the GEMM's experts).
+    pub slots: usize,
+    /// Output columns N (weight rows).
+    pub n: usize,
+    /// Depth K.
+    pub k: usize,
+    /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian or E4M3 bytes).
+    pub codes: Vec<u8>,
+    /// The weight scales in the GEMM's layout (empty without scaling).
+    pub scales: Vec<f32>,
+    /// Whether the codes differ from the stored param's bytes (a recipe that stores another row
+    /// order or layout): the operand is then a re-laid-out copy.
+    pub relayout: bool,
+}
+
+/// How a GEMM's input is fed on the GPU (SPEC §9, the recipe's `activation` declaration).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DevFeed {
+    /// bf16.
+    Bf16,
+    /// E4M3, one dynamic scale per row.
+    PerToken,
+    /// E4M3, one dynamic scale per row and 128 columns.
+    Group128,
+    /// E4M3 with a static scale per slot (a row takes its slot's).
+    Static(Vec<f32>),
+}
+
+/// Everything the GPU layer needs of a recipe's params.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerOperands {
+    /// The first GEMM: `[slots, 2I, H]`, `[gate; up]` rows.
+    pub w13: GemmWeights,
+    /// The second GEMM: `[slots, H, I]`.
+    pub w2: GemmWeights,
+    /// The first GEMM's feed.
+    pub feed13: DevFeed,
+    /// The second GEMM's feed.
+    pub feed2: DevFeed,
+    /// Physical slots.
+    pub slots: usize,
+    /// Hidden size H.
+    pub h: usize,
+    /// Intermediate size I.
+    pub i: usize,
+}
+
+fn unsupported(info: &ModuleInfo, why: String) -> MoeError {
+    MoeError::Unsupported {
+        recipe: info.module().name.clone(),
+        why,
+    }
+}
+
+/// The weight operand of input `name` (`w13` or `w2`), fed as `feed`.
+fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
+    let info = layer.info;
+    let l = crate::dequant::logical(info, name, layer.params).ok_or_else(|| {
+        unsupported(
+            info,
+            format!("its params of `{name}` cannot be read back (a param missing, or a form the reader does not know)"),
+        )
+    })?;
+    let (slots, n, k) = l.shape;
+    let scheme = l.scheme;
+    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, and FP8 weights (per tensor with per_token or static activation scales, 128x128 blocks with per_token_group = 128)";
+    let (operands, scaling) = match (scheme, feed) {
+        (None, Feed::Bf16) => (Operands::Bf16, Scaling::None),
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Tensor,
+                ..
+            }),
+            Feed::PerToken | Feed::Static { .. },
+        ) => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Block128,
+                ..
+            }),
+            Feed::PerTokenGroup128,
+        ) => (Operands::E4m3, Scaling::Block128),
+        (
+            Some(
+                QuantScheme::Nvfp4 { .. }
+                | QuantScheme::Mxfp4
+                | QuantScheme::Int8Row
+                | QuantScheme::Int4 { .. },
+            ),
+            _,
+        ) => {
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}` is weights-only quantized ({}); its GPU GEMM dequantizes inside the kernel, which is issue [8], not built (use --device host)",
+                    scheme.map(|s| format!("{s:?}")).unwrap_or_default()
+                ),
+            ))
+        }
+        (s, f) => {
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}`: weights {} fed as `{}`: {gpu_feeds}",
+                    s.map(|s| format!("{s:?}")).unwrap_or_else(|| "bf16".into()),
+                    f.describe()
+                ),
+            ))
+        }
+    };
+    let elem = operands.bytes() as usize;
+    let mut codes = Vec::with_capacity(l.codes.len() * elem);
+    for &c in &l.codes {
+        match operands {
+            Operands::Bf16 => codes.extend_from_slice(&(c as u16).to_le_bytes()),
+            Operands::E4m3 => codes.push(c as u8),
+        }
+    }
+    let per_expert = n * k;
+    let scale_of = |at: usize| f32::from_bits(l.scales.get(at).copied().unwrap_or(0));
+    let scales = match scaling {
+        Scaling::None => Vec::new(),
+        Scaling::Tensorwise { .. } => {
+            let mut s = Vec::with_capacity(slots);
+            for e in 0..slots {
+                let bits = l.scales.get(e * per_expert).copied().unwrap_or(0);
+                let all = &l.scales[e * per_expert..(e + 1) * per_expert];
+                if all.iter().any(|&b| b != bits) {
+                    return Err(unsupported(
+                        info,
+                        format!("`{name}`: slot {e}'s elements do not share one scale"),
+                    ));
+                }
+                s.push(f32::from_bits(bits));
+            }
+            s
+        }
+        Scaling::Block128 => {
+            let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
+            let mut s = vec![0f32; slots * nb * kb];
+            for e in 0..slots {
+                for r in 0..n {
+                    for c in 0..k {
+                        let at = (e * n + r) * k + c;
+                        let b = (e * nb + r / 128) * kb + c / 128;
+                        let v = scale_of(at);
+                        if r % 128 == 0 && c % 128 == 0 {
+                            s[b] = v;
+                        } else if v.to_bits() != s[b].to_bits() {
+                            return Err(unsupported(
+                                info,
+                                format!(
+                                    "`{name}`: the scales of slot {e} are not uniform over the 128x128 blocks of the input's coordinates (row {r}, column {c}); the block-scaled GEMM reads one scale per block"
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+            s
+        }
+    };
+    let relayout = stored_bytes(info, name, layer.params).is_none_or(|b| b != codes.as_slice());
+    Ok(GemmWeights {
+        operands,
+        scaling,
+        slots,
+        n,
+        k,
+        codes,
+        scales,
+        relayout,
+    })
+}
+
+/// The stored bytes of the param holding input `name`'s codes.
+fn stored_bytes<'a>(
+    info: &ModuleInfo,
+    name: &str,
+    params: &'a HashMap<String, Vec<u8>>,
+) -> Option<&'a [u8]> {
+    let id = match info.quantization_of(name) {
+        Some(q) => q.values?.param,
+        None => info.copy_of(name)?.param,
+    };
+    let pname = &info.module().tensor(id)?.name;
+    params.get(pname).map(Vec::as_slice)
+}
+
+fn dev_feed(feed: &Feed) -> DevFeed {
+    match feed {
+        Feed::Bf16 => DevFeed::Bf16,
+        Feed::PerToken => DevFeed::PerToken,
+        Feed::PerTokenGroup128 => DevFeed::Group128,
+        Feed::Static { values, .. } => DevFeed::Static(values.clone()),
+    }
+}
+
+/// The GPU operands of a layer (see the module docs). Errors: a recipe or feed the GPU layer does
+/// not run (named), a static activation scale that is not positive and finite.
+pub fn operands(layer: &Layer<'_>) -> Result<LayerOperands> {
+    let (slots, h, i) = dims(layer.info)?;
+    let f13 = Feed::of(layer.info, "w13", layer.params)?;
+    let f2 = Feed::of(layer.info, "w2", layer.params)?;
+    for f in [&f13, &f2] {
+        if let Feed::Static { param, values } = f {
+            if values.len() < slots {
+                return Err(unsupported(
+                    layer.info,
+                    format!("`{param}` holds {} values for {slots} slots", values.len()),
+                ));
+            }
+            if let Some((slot, &value)) = values
+                .iter()
+                .enumerate()
+                .find(|(_, v)| !(v.is_finite() && **v > 0.0))
+            {
+                return Err(MoeError::ActivationScale {
+                    param: param.clone(),
+                    slot,
+                    value,
+                });
+            }
+        }
+    }
+    let w13 = weights(layer, "w13", &f13)?;
+    let w2 = weights(layer, "w2", &f2)?;
+    let shapes = [(&w13, 2 * i, h), (&w2, h, i)];
+    for (w, n, k) in shapes {
+        if (w.slots, w.n, w.k) != (slots, n, k) {
+            return Err(unsupported(
+                layer.info,
+                format!(
+                    "a GEMM operand is [{}, {}, {}], expected [{slots}, {n}, {k}]",
+                    w.slots, w.n, w.k
+                ),
+            ));
+        }
+    }
+    Ok(LayerOperands {
+        w13,
+        w2,
+        feed13: dev_feed(&f13),
+        feed2: dev_feed(&f2),
+        slots,
+        h,
+        i,
+    })
+}

@@ -1,0 +1,537 @@
+//! The MoE layer forward on a Hopper GPU (issue \[9\] item 2, SPEC §9), from the operands of
+//! [`crate::moe_gpu`]: every step is a generated kernel queued on one stream, with no host
+//! synchronization between them (the row offsets never leave the device):
+//!
+//! 1. route + permute (`runtime::permute`): logical ids to EPLB slots (`log2phy[e, t mod
+//!    logcnt[e]]`), per-slot counts (the layer's EPLB load counters accumulate too), row offsets,
+//!    expert-sorted rows of `x`;
+//! 2. the first GEMM's feed: the rows as they are (bf16), or E4M3 with per-token or 1x128 dynamic
+//!    scales (`runtime::act_quant`), or with each row's slot's static scale (`moe_kernels`);
+//! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
+//! 4. `a = silu(gate) * up` in f32, fed to the second GEMM as the recipe declares (bf16, or E4M3
+//!    per token / per 1x128 group / static);
+//! 5. `w2` grouped GEMM, f32 out `[n, H]`;
+//! 6. combine: each token's `k` rows weighted by `topk_weights`, summed in `j` order in f32
+//!    (`acc = acc + w * y`, two roundings, as the host), rounded to bf16 once.
+//!
+//! Scratch is sized once per `(max tokens, k)` and reused. The GEMM variant of each GEMM is the
+//! untuned default of `codegen::gemm::tune` for the forward's rows (`T * k` over at most `R`
+//! experts), with f32 output; variants load through the kernel cache.
+
+use std::collections::HashMap;
+
+use cudarc::driver::CudaSlice;
+
+use crate::codegen::gemm::act_quant::Mode;
+use crate::codegen::gemm::tune;
+use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use crate::codegen::moe::act::{ActIn, ActOut};
+use crate::codegen::reference as r;
+use crate::moe_gpu::{DevFeed, GemmWeights, LayerOperands};
+use crate::moe_host::{Forward, MoeError, Replicas, Tokens};
+use crate::runtime::act_quant::ActQuant;
+use crate::runtime::cache::Cache;
+use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
+use crate::runtime::jit::Compiler;
+use crate::runtime::moe_kernels::{MoeAct, MoeCombine};
+use crate::runtime::permute::{Buffers, Permute};
+use crate::runtime::{drv, Device};
+use crate::{Error, Result};
+
+/// One GEMM's weights on the device.
+struct DevWeights {
+    operands: Operands,
+    scaling: Scaling,
+    n: u32,
+    k: u32,
+    w: CudaSlice<u8>,
+    scale: Option<CudaSlice<f32>>,
+}
+
+impl DevWeights {
+    fn upload(dev: &Device, g: &GemmWeights) -> Result<DevWeights> {
+        let dim = |x: usize, what: &str| {
+            u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
+        };
+        Ok(DevWeights {
+            operands: g.operands,
+            scaling: g.scaling,
+            n: dim(g.n, "N")?,
+            k: dim(g.k, "K")?,
+            w: dev
+                .stream
+                .clone_htod(&g.codes)
+                .map_err(drv("cuMemcpyHtoD"))?,
+            scale: if g.scales.is_empty() {
+                None
+            } else {
+                Some(
+                    dev.stream
+                        .clone_htod(&g.scales)
+                        .map_err(drv("cuMemcpyHtoD"))?,
+                )
+            },
+        })
+    }
+
+    /// The variant for `rows` rows over at most `slots` experts: the untuned default, f32 out.
+    fn variant(&self, rows: usize, slots: usize) -> Result<WsConfig> {
+        let all: Vec<WsConfig> = tune::candidates(self.operands, self.scaling, self.n, self.k)
+            .into_iter()
+            .map(|c| WsConfig {
+                out: OutTy::F32,
+                ..c
+            })
+            .collect();
+        tune::default_choice(&all, rows, slots.min(rows).max(1))
+            .copied()
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "no grouped-GEMM variant for N = {}, K = {}",
+                    self.n, self.k
+                ))
+            })
+    }
+}
+
+/// How the first GEMM's input is made from the gathered rows.
+enum Feed13 {
+    /// The bf16 rows as they are.
+    Bf16,
+    /// Dynamic E4M3 (per token or per 1x128 group).
+    Dynamic(ActQuant),
+    /// E4M3 with each row's slot's static scale.
+    Static(MoeAct, CudaSlice<f32>),
+}
+
+/// The per-forward device buffers, sized for `t_max` tokens of `k` choices.
+struct Scratch {
+    t_max: usize,
+    k: usize,
+    x: CudaSlice<u16>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    slot: CudaSlice<i32>,
+    counts: CudaSlice<u32>,
+    errors: CudaSlice<u32>,
+    offsets: CudaSlice<i32>,
+    cursor: CudaSlice<u32>,
+    row_of: CudaSlice<i32>,
+    xs: CudaSlice<u8>,
+    q13: CudaSlice<u8>,
+    s13: CudaSlice<f32>,
+    h13: CudaSlice<u8>,
+    a: CudaSlice<u8>,
+    s2: CudaSlice<f32>,
+    y: CudaSlice<u8>,
+    pos_of: CudaSlice<i32>,
+    out: CudaSlice<u16>,
+}
+
+/// A MoE layer loaded on a GPU: its operands, kernels and scratch.
+pub struct GpuLayer {
+    slots: usize,
+    h: usize,
+    i: usize,
+    feed2: DevFeed,
+    permute: Permute,
+    feed13: Feed13,
+    act: MoeAct,
+    static2: Option<CudaSlice<f32>>,
+    combine: MoeCombine,
+    w13: DevWeights,
+    w2: DevWeights,
+    log2phy: CudaSlice<i32>,
+    logcnt: CudaSlice<i32>,
+    experts: usize,
+    max_replicas: usize,
+    load: CudaSlice<u32>,
+    gemms: HashMap<WsConfig, GroupedGemm>,
+    cache: Cache,
+    compiler: Compiler,
+    scratch: Option<Scratch>,
+}
+
+impl std::fmt::Debug for GpuLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GpuLayer(R = {}, H = {}, I = {})",
+            self.slots, self.h, self.i
+        )
+    }
+}
+
+/// The replica table of `replicas`: `log2phy [E, max_replicas]` (`-1` padded), `logcnt [E]`.
+fn replica_table(replicas: &Replicas) -> (Vec<i32>, Vec<i32>, usize) {
+    let e = replicas.experts();
+    let rows: Vec<Vec<usize>> = (0..e).map(|x| replicas.replicas_of(x).to_vec()).collect();
+    let max = rows.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut l2p = vec![-1i32; e * max];
+    for (x, row) in rows.iter().enumerate() {
+        for (j, &p) in row.iter().enumerate() {
+            l2p[x * max + j] = i32::try_from(p).unwrap_or(-1);
+        }
+    }
+    let cnt = rows
+        .iter()
+        .map(|r| i32::try_from(r.len()).unwrap_or(0))
+        .collect();
+    (l2p, cnt, max)
+}
+
+fn u32_of(x: usize, what: &str) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
+}
+
+impl GpuLayer {
+    /// Upload `ops` to `dev` (Hopper), load the layer's kernels (through the kernel cache of
+    /// `settings`) and route through `replicas`.
+    pub fn new(
+        dev: &Device,
+        ops: &LayerOperands,
+        replicas: &Replicas,
+        settings: &crate::runtime::Settings,
+    ) -> Result<GpuLayer> {
+        let (h, i) = (u32_of(ops.h, "H")?, u32_of(ops.i, "I")?);
+        let slots = u32_of(ops.slots, "slots")?;
+        let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
+        let feed13 = match &ops.feed13 {
+            DevFeed::Bf16 => Feed13::Bf16,
+            DevFeed::PerToken => Feed13::Dynamic(ActQuant::load(dev, Mode::PerToken, h)?),
+            DevFeed::Group128 => Feed13::Dynamic(ActQuant::load(dev, Mode::PerGroup128, h)?),
+            DevFeed::Static(v) => Feed13::Static(
+                MoeAct::load(dev, ActIn::Bf16, ActOut::StaticRow, h)?,
+                up(v)?,
+            ),
+        };
+        let out2 = match &ops.feed2 {
+            DevFeed::Bf16 => ActOut::Bf16,
+            DevFeed::PerToken => ActOut::PerToken,
+            DevFeed::Group128 => ActOut::Group128,
+            DevFeed::Static(_) => ActOut::StaticRow,
+        };
+        let static2 = match &ops.feed2 {
+            DevFeed::Static(v) => Some(up(v)?),
+            _ => None,
+        };
+        let (l2p, cnt, max_replicas) = replica_table(replicas);
+        Ok(GpuLayer {
+            slots: ops.slots,
+            h: ops.h,
+            i: ops.i,
+            feed2: ops.feed2.clone(),
+            permute: Permute::load(dev, h, slots)?,
+            feed13,
+            act: MoeAct::load(dev, ActIn::SiluMul, out2, i)?,
+            static2,
+            combine: MoeCombine::load(dev, h)?,
+            w13: DevWeights::upload(dev, &ops.w13)?,
+            w2: DevWeights::upload(dev, &ops.w2)?,
+            log2phy: dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?,
+            logcnt: dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?,
+            experts: replicas.experts(),
+            max_replicas,
+            load: dev
+                .stream
+                .alloc_zeros::<u32>(ops.slots.max(1))
+                .map_err(drv("cuMemAlloc"))?,
+            gemms: HashMap::new(),
+            cache: Cache::new(settings.cache_dir.clone()),
+            compiler: Compiler::resolve(&settings.jit)?,
+            scratch: None,
+        })
+    }
+
+    /// The EPLB load counters: items routed to each slot over every forward so far.
+    pub fn load_counters(&self, dev: &Device) -> Result<Vec<u32>> {
+        dev.sync()?;
+        dev.stream
+            .clone_dtoh(&self.load)
+            .map_err(drv("cuMemcpyDtoH"))
+    }
+
+    fn scratch(&mut self, dev: &Device, t: usize, k: usize) -> Result<()> {
+        if self
+            .scratch
+            .as_ref()
+            .is_some_and(|s| s.t_max >= t && s.k == k)
+        {
+            return Ok(());
+        }
+        self.scratch = None;
+        let (h, i, r) = (self.h, self.i, self.slots);
+        let n = (t * k).max(1);
+        let kb = |w: usize| w.div_ceil(128);
+        let s13_len = match (&self.feed13, self.w13.scaling) {
+            (_, Scaling::Block128) => kb(h) * n,
+            (Feed13::Bf16, _) => 1,
+            _ => n,
+        };
+        let s2_len = match self.feed2 {
+            DevFeed::Bf16 => 1,
+            DevFeed::Group128 => kb(i) * n,
+            _ => n,
+        };
+        let e2 = self.w2.operands.bytes() as usize;
+        let st = &dev.stream;
+        macro_rules! z {
+            ($ty:ty, $len:expr) => {
+                st.alloc_zeros::<$ty>(($len).max(1))
+                    .map_err(drv("cuMemAlloc"))?
+            };
+        }
+        self.scratch = Some(Scratch {
+            t_max: t,
+            k,
+            x: z!(u16, t * h),
+            ids: z!(i32, t * k),
+            weights: z!(f32, t * k),
+            slot: z!(i32, n),
+            counts: z!(u32, r),
+            errors: z!(u32, 1),
+            offsets: z!(i32, r + 1),
+            cursor: z!(u32, r),
+            row_of: z!(i32, n),
+            xs: z!(u8, 2 * n * h),
+            q13: z!(u8, n * h),
+            s13: z!(f32, s13_len),
+            h13: z!(u8, 4 * n * 2 * i),
+            a: z!(u8, e2 * n * i),
+            s2: z!(f32, s2_len),
+            y: z!(u8, 4 * n * h),
+            pos_of: z!(i32, n),
+            out: z!(u16, t * h),
+        });
+        Ok(())
+    }
+
+    fn gemm(&mut self, dev: &Device, cfg: &WsConfig) -> Result<()> {
+        if !self.gemms.contains_key(cfg) {
+            let g = GroupedGemm::load_cached(dev, cfg, &self.cache, &self.compiler)?;
+            self.gemms.insert(*cfg, g);
+        }
+        Ok(())
+    }
+
+    /// Queue one forward of `tokens` (see the module docs) and wait for it; the result in the host
+    /// forward's form, with `w13_out` and `act` filled when `dump` (else empty).
+    pub fn forward(&mut self, dev: &Device, tokens: &Tokens<'_>, dump: bool) -> Result<Forward> {
+        let (t, k, h, i, r) = (tokens.t, tokens.k, self.h, self.i, self.slots);
+        for (name, len, want) in [
+            ("hidden_states", tokens.x.len(), t * h),
+            ("topk_ids", tokens.ids.len(), t * k),
+            ("topk_weights", tokens.weights.len(), t * k),
+        ] {
+            if len != want {
+                return Err(MoeError::InputShape {
+                    name: name.into(),
+                    want: format!("{want} elements (T = {t}, k = {k}, H = {h})"),
+                    got: vec![len],
+                }
+                .into());
+            }
+        }
+        if t == 0 || k == 0 {
+            return Ok(Forward {
+                output: vec![0; t * h],
+                w13_out: Vec::new(),
+                act: Vec::new(),
+                h,
+                i,
+            });
+        }
+        let n = t * k;
+        self.scratch(dev, t, k)?;
+        let c13 = self.w13.variant(n, r)?;
+        let c2 = self.w2.variant(n, r)?;
+        self.gemm(dev, &c13)?;
+        self.gemm(dev, &c2)?;
+        let Some(s) = self.scratch.as_mut() else {
+            return Err(Error::Usage("MoE layer: no scratch".into()));
+        };
+        let st = &dev.stream;
+        st.memcpy_htod(tokens.x, &mut s.x)
+            .map_err(drv("cuMemcpyHtoD"))?;
+        st.memcpy_htod(tokens.ids, &mut s.ids)
+            .map_err(drv("cuMemcpyHtoD"))?;
+        st.memcpy_htod(tokens.weights, &mut s.weights)
+            .map_err(drv("cuMemcpyHtoD"))?;
+        let b = Buffers {
+            topk_ids: &s.ids,
+            log2phy: &self.log2phy,
+            logcnt: &self.logcnt,
+            x: &s.x,
+            slot: &mut s.slot,
+            counts: &mut s.counts,
+            load: &mut self.load,
+            errors: &mut s.errors,
+            offsets: &mut s.offsets,
+            cursor: &mut s.cursor,
+            row_of: &mut s.row_of,
+            xs: &mut s.xs,
+        };
+        // SAFETY: every launch of this forward is on `dev.stream`, in order; no other stream
+        // touches the layer's buffers. Sizes are checked by each `run`; the row offsets the later
+        // kernels read are the permute's (non-decreasing from 0, ending at most at `n`).
+        unsafe {
+            self.permute
+                .run(dev, b, t, k, self.experts, self.max_replicas)?;
+            let x13: &CudaSlice<u8> = match &self.feed13 {
+                Feed13::Bf16 => &s.xs,
+                Feed13::Dynamic(q) => {
+                    q.run(dev, &s.xs, &mut s.q13, &mut s.s13, n)?;
+                    &s.q13
+                }
+                Feed13::Static(q, values) => {
+                    self.combine.row_scales(
+                        dev,
+                        &s.row_of,
+                        &s.slot,
+                        values,
+                        &s.offsets,
+                        &mut s.s13,
+                        r,
+                        n,
+                    )?;
+                    q.run(dev, &s.xs, &mut s.q13, Some(&mut s.s13), &s.offsets, r, n)?;
+                    &s.q13
+                }
+            };
+            let scaled13 = self.w13.scaling != Scaling::None;
+            let g13 = self
+                .gemms
+                .get(&c13)
+                .ok_or_else(|| Error::Usage("MoE layer: w13 variant not loaded".into()))?;
+            g13.run(
+                dev,
+                &GemmOperands {
+                    x: x13,
+                    w: &self.w13.w,
+                    offsets: &s.offsets,
+                    x_scale: scaled13.then_some(&s.s13),
+                    w_scale: self.w13.scale.as_ref(),
+                    t: n,
+                    experts: r,
+                },
+                &mut s.h13,
+            )?;
+            if let Some(values) = &self.static2 {
+                self.combine.row_scales(
+                    dev,
+                    &s.row_of,
+                    &s.slot,
+                    values,
+                    &s.offsets,
+                    &mut s.s2,
+                    r,
+                    n,
+                )?;
+            }
+            let s2 = match self.feed2 {
+                DevFeed::Bf16 => None,
+                _ => Some(&mut s.s2),
+            };
+            self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
+            let scaled2 = self.w2.scaling != Scaling::None;
+            let g2 = self
+                .gemms
+                .get(&c2)
+                .ok_or_else(|| Error::Usage("MoE layer: w2 variant not loaded".into()))?;
+            g2.run(
+                dev,
+                &GemmOperands {
+                    x: &s.a,
+                    w: &self.w2.w,
+                    offsets: &s.offsets,
+                    x_scale: scaled2.then_some(&s.s2),
+                    w_scale: self.w2.scale.as_ref(),
+                    t: n,
+                    experts: r,
+                },
+                &mut s.y,
+            )?;
+            self.combine
+                .invert(dev, &s.row_of, &s.offsets, &mut s.pos_of, r, n)?;
+            self.combine
+                .combine(dev, &s.y, &s.pos_of, &s.weights, &mut s.out, t, k, n)?;
+        }
+        dev.sync()?;
+        let dl = |e| drv("cuMemcpyDtoH")(e);
+        let errors = st.clone_dtoh(&s.errors).map_err(dl)?;
+        if let Some(&bad) = errors.first().filter(|&&e| e > 0) {
+            return Err(MoeError::Placement(format!(
+                "{bad} (token, choice) pairs had an expert id outside [0, {}) or no replica on the device",
+                self.experts
+            ))
+            .into());
+        }
+        let mut output = st.clone_dtoh(&s.out).map_err(dl)?;
+        output.truncate(t * h);
+        let (mut w13_out, mut act) = (Vec::new(), Vec::new());
+        if dump {
+            let offsets = st.clone_dtoh(&s.offsets).map_err(dl)?;
+            let rows = usize::try_from(offsets.get(r).copied().unwrap_or(0))
+                .unwrap_or(0)
+                .min(n);
+            let row_of = st.clone_dtoh(&s.row_of).map_err(dl)?;
+            let h13 = f32s(&st.clone_dtoh(&s.h13).map_err(dl)?);
+            let a = st.clone_dtoh(&s.a).map_err(dl)?;
+            let s2 = st.clone_dtoh(&s.s2).map_err(dl)?;
+            w13_out = vec![0f32; n * 2 * i];
+            act = vec![0f32; n * i];
+            for (row, &item) in row_of.iter().enumerate().take(rows) {
+                let Ok(item) = usize::try_from(item) else {
+                    continue;
+                };
+                if item >= n {
+                    continue;
+                }
+                w13_out[item * 2 * i..(item + 1) * 2 * i]
+                    .copy_from_slice(&h13[row * 2 * i..(row + 1) * 2 * i]);
+                for c in 0..i {
+                    act[item * i + c] = match &self.feed2 {
+                        DevFeed::Bf16 => {
+                            let at = 2 * (row * i + c);
+                            f32::from_bits(u32::from(u16::from_le_bytes([a[at], a[at + 1]])) << 16)
+                        }
+                        f => {
+                            let scale = match f {
+                                DevFeed::Group128 => s2[(c / 128) * n + row],
+                                _ => s2[row],
+                            };
+                            (f64::from(r::e4m3_to_f32(a[row * i + c])) * f64::from(scale)) as f32
+                        }
+                    };
+                }
+            }
+        }
+        Ok(Forward {
+            output,
+            w13_out,
+            act,
+            h,
+            i,
+        })
+    }
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Run one forward of `tokens` on GPU 0 (see [`GpuLayer::forward`]) with the operands `ops`,
+/// routed through `replicas`.
+pub fn forward(
+    ops: &LayerOperands,
+    tokens: &Tokens<'_>,
+    replicas: &Replicas,
+    settings: &crate::runtime::Settings,
+    dump: bool,
+) -> Result<Forward> {
+    let dev = Device::open(0)?;
+    let mut l = GpuLayer::new(&dev, ops, replicas, settings)?;
+    l.forward(&dev, tokens, dump)
+}
