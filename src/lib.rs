@@ -16,6 +16,7 @@ pub mod bench_eplb;
 pub mod bench_gemm;
 pub mod bench_gemm_ws;
 pub mod bench_layouts;
+pub mod bench_moe;
 pub mod checkpoint;
 pub mod demo;
 pub mod demo_eplb;

@@ -129,22 +129,27 @@ enum Command {
         /// fp8_per_tensor, fp8_block128 or all (a comma-separated list also works).
         #[arg(long, conflicts_with_all = ["layouts", "eplb"])]
         gemm: bool,
-        /// GEMM: qwen3-30b-a3b, deepseek-v3-ep8, mixtral-8x7b or all (default: all).
-        #[arg(long, requires = "gemm")]
+        /// Only the MoE layer benchmark (with --gpu): the whole forward (permute, both GEMMs,
+        /// SiLU*up, combine) per model, recipe and token count, with torch's bf16 layer measured
+        /// in the same call (--anchor, default scripts/moe_anchor.py).
+        #[arg(long, conflicts_with_all = ["layouts", "eplb", "gemm"])]
+        moe: bool,
+        /// GEMM and MoE: qwen3-30b-a3b, deepseek-v3-ep8, mixtral-8x7b or all (default: all).
+        #[arg(long)]
         model: Option<String>,
-        /// GEMM: token counts, comma-separated (default: 1,16,128,512,2048,8192).
-        #[arg(long, requires = "gemm")]
+        /// GEMM and MoE: token counts, comma-separated (default: 1,16,128,512,2048,8192).
+        #[arg(long)]
         tokens: Option<String>,
-        /// GEMM: write the JSON report here, atomically (default: $OUT/bench_gemm.json when OUT is
-        /// set, else none).
-        #[arg(long, requires = "gemm", value_name = "OUT.json")]
+        /// GEMM and MoE: write the JSON report here, atomically (GEMM default: $OUT/bench_gemm.json
+        /// when OUT is set, else none).
+        #[arg(long, value_name = "OUT.json")]
         json: Option<std::path::PathBuf>,
-        /// GEMM: the torch anchor script (default: scripts/gemm_anchor.py), run as
-        /// `python3 PATH CASES.json` after our kernels.
-        #[arg(long, requires = "gemm", value_name = "PATH")]
+        /// GEMM and MoE: the torch anchor script (default: scripts/gemm_anchor.py, or
+        /// scripts/moe_anchor.py), run as `python3 PATH CASES.json` after our kernels.
+        #[arg(long, value_name = "PATH")]
         anchor: Option<std::path::PathBuf>,
-        /// GEMM: do not measure torch.
-        #[arg(long, requires = "gemm", conflicts_with = "anchor")]
+        /// GEMM and MoE: do not measure torch.
+        #[arg(long, conflicts_with = "anchor")]
         no_anchor: bool,
     },
     /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
@@ -776,6 +781,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             layouts,
             eplb,
             gemm,
+            moe,
             model,
             tokens,
             json,
@@ -786,6 +792,36 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 return Err(moeforge::Error::Usage(
                     "nothing to run: pass --host and/or --gpu".into(),
                 ));
+            }
+            if !(gemm || moe) && (model.is_some() || tokens.is_some() || json.is_some() || anchor.is_some() || no_anchor) {
+                return Err(moeforge::Error::Usage(
+                    "--model, --tokens, --json, --anchor and --no-anchor go with --gemm or --moe".into(),
+                ));
+            }
+            if moe {
+                if !gpu || host {
+                    return Err(moeforge::Error::Usage(
+                        "the MoE layer benchmark runs on the GPU: pass --gpu (and not --host)".into(),
+                    ));
+                }
+                let selection = moeforge::bench_gemm::Selection::parse(
+                    model.as_deref(),
+                    tokens.as_deref(),
+                    recipe.as_deref(),
+                )?;
+                let opts = moeforge::bench_moe::Options {
+                    selection,
+                    json,
+                    anchor: if no_anchor {
+                        None
+                    } else {
+                        Some(anchor.unwrap_or_else(|| moeforge::bench_moe::DEFAULT_ANCHOR.into()))
+                    },
+                    settings: settings.runtime.clone(),
+                };
+                let (report, _) = moeforge::bench_moe::run(&opts)?;
+                write!(out, "{report}").map_err(io)?;
+                return Ok(());
             }
             if eplb {
                 if !gpu {
@@ -882,7 +918,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                     both(both(both(gok, aok), pok), mok),
                 )
             } else if moe {
-                moeforge::moe_gpu_check::selftest(&settings)?
+                moeforge::moe_gpu_check::selftest(quick, &settings)?
             } else if nccl {
                 // NVLink multicast (NVLS) stays off unless the caller turned it on: NCCL reads this
                 // when a communicator is made, so it is set here, in the CLI only, before any NCCL

@@ -128,6 +128,18 @@ struct Scratch {
     out: CudaSlice<u16>,
 }
 
+/// The uploaded forward's shape and GEMM variants.
+#[derive(Debug, Clone, Copy)]
+struct Current {
+    t: usize,
+    k: usize,
+    c13: WsConfig,
+    c2: WsConfig,
+}
+
+/// Named events recorded after each step of [`GpuLayer::enqueue`] (the first is `start`).
+pub type Marks = Vec<(&'static str, cudarc::driver::CudaEvent)>;
+
 /// A MoE layer loaded on a GPU: its operands, kernels and scratch.
 pub struct GpuLayer {
     slots: usize,
@@ -150,6 +162,7 @@ pub struct GpuLayer {
     cache: Cache,
     compiler: Compiler,
     scratch: Option<Scratch>,
+    current: Option<Current>,
 }
 
 impl std::fmt::Debug for GpuLayer {
@@ -240,6 +253,7 @@ impl GpuLayer {
             cache: Cache::new(settings.cache_dir.clone()),
             compiler: Compiler::resolve(&settings.jit)?,
             scratch: None,
+            current: None,
         })
     }
 
@@ -314,10 +328,29 @@ impl GpuLayer {
         Ok(())
     }
 
-    /// Queue one forward of `tokens` (see the module docs) and wait for it; the result in the host
-    /// forward's form, with `w13_out` and `act` filled when `dump` (else empty).
+    /// One forward of `tokens` (see the module docs): [`GpuLayer::upload`], [`GpuLayer::enqueue`],
+    /// [`GpuLayer::finish`]. The result is in the host forward's form, with `w13_out` and `act`
+    /// filled when `dump` (else empty).
     pub fn forward(&mut self, dev: &Device, tokens: &Tokens<'_>, dump: bool) -> Result<Forward> {
-        let (t, k, h, i, r) = (tokens.t, tokens.k, self.h, self.i, self.slots);
+        if (tokens.t == 0 || tokens.k == 0) && tokens.x.len() == tokens.t * self.h {
+            // Nothing routed: every output is the empty sum, 0 (as on the host).
+            return Ok(Forward {
+                output: vec![0; tokens.t * self.h],
+                w13_out: Vec::new(),
+                act: Vec::new(),
+                h: self.h,
+                i: self.i,
+            });
+        }
+        self.upload(dev, tokens)?;
+        self.enqueue(dev, None)?;
+        self.finish(dev, dump)
+    }
+
+    /// Check `tokens` against the layer, size the scratch, load the GEMM variants for its rows and
+    /// queue the copies of its inputs to the device. What [`GpuLayer::enqueue`] then runs on.
+    pub fn upload(&mut self, dev: &Device, tokens: &Tokens<'_>) -> Result<()> {
+        let (t, k, h, r) = (tokens.t, tokens.k, self.h, self.slots);
         for (name, len, want) in [
             ("hidden_states", tokens.x.len(), t * h),
             ("topk_ids", tokens.ids.len(), t * k),
@@ -333,13 +366,12 @@ impl GpuLayer {
             }
         }
         if t == 0 || k == 0 {
-            return Ok(Forward {
-                output: vec![0; t * h],
-                w13_out: Vec::new(),
-                act: Vec::new(),
-                h,
-                i,
-            });
+            return Err(MoeError::InputShape {
+                name: "topk_ids".into(),
+                want: "at least one token and one choice".into(),
+                got: vec![t, k],
+            }
+            .into());
         }
         let n = t * k;
         self.scratch(dev, t, k)?;
@@ -357,6 +389,34 @@ impl GpuLayer {
             .map_err(drv("cuMemcpyHtoD"))?;
         st.memcpy_htod(tokens.weights, &mut s.weights)
             .map_err(drv("cuMemcpyHtoD"))?;
+        self.current = Some(Current { t, k, c13, c2 });
+        Ok(())
+    }
+
+    /// Queue the forward of the uploaded tokens on `dev.stream` (no host synchronization). With
+    /// `marks`, an event is recorded after each step, named (for the per-kernel times of the
+    /// benchmark).
+    pub fn enqueue(&mut self, dev: &Device, mut marks: Option<&mut Marks>) -> Result<()> {
+        let Some(Current { t, k, c13, c2 }) = self.current else {
+            return Err(Error::Usage("MoE layer: enqueue before upload".into()));
+        };
+        let (n, r) = (t * k, self.slots);
+        let Some(s) = self.scratch.as_mut() else {
+            return Err(Error::Usage("MoE layer: no scratch".into()));
+        };
+        let mut mark = |what: &'static str| -> Result<()> {
+            if let Some(m) = marks.as_deref_mut() {
+                let ev = dev
+                    .stream
+                    .record_event(Some(
+                        cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT,
+                    ))
+                    .map_err(drv("cuEventRecord"))?;
+                m.push((what, ev));
+            }
+            Ok(())
+        };
+        mark("start")?;
         let b = Buffers {
             topk_ids: &s.ids,
             log2phy: &self.log2phy,
@@ -377,6 +437,7 @@ impl GpuLayer {
         unsafe {
             self.permute
                 .run(dev, b, t, k, self.experts, self.max_replicas)?;
+            mark("permute")?;
             let x13: &CudaSlice<u8> = match &self.feed13 {
                 Feed13::Bf16 => &s.xs,
                 Feed13::Dynamic(q) => {
@@ -398,6 +459,9 @@ impl GpuLayer {
                     &s.q13
                 }
             };
+            if !matches!(self.feed13, Feed13::Bf16) {
+                mark("quantize x")?;
+            }
             let scaled13 = self.w13.scaling != Scaling::None;
             let g13 = self
                 .gemms
@@ -416,6 +480,7 @@ impl GpuLayer {
                 },
                 &mut s.h13,
             )?;
+            mark("w13 GEMM")?;
             if let Some(values) = &self.static2 {
                 self.combine.row_scales(
                     dev,
@@ -433,6 +498,7 @@ impl GpuLayer {
                 _ => Some(&mut s.s2),
             };
             self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
+            mark("silu * up")?;
             let scaled2 = self.w2.scaling != Scaling::None;
             let g2 = self
                 .gemms
@@ -451,11 +517,27 @@ impl GpuLayer {
                 },
                 &mut s.y,
             )?;
+            mark("w2 GEMM")?;
             self.combine
                 .invert(dev, &s.row_of, &s.offsets, &mut s.pos_of, r, n)?;
             self.combine
                 .combine(dev, &s.y, &s.pos_of, &s.weights, &mut s.out, t, k, n)?;
+            mark("combine")?;
         }
+        Ok(())
+    }
+
+    /// Wait for the queued forward and read its result back (see [`GpuLayer::forward`]). Errors:
+    /// items the permute skipped (an id out of range or without a replica on the device).
+    pub fn finish(&mut self, dev: &Device, dump: bool) -> Result<Forward> {
+        let Some(Current { t, k, .. }) = self.current else {
+            return Err(Error::Usage("MoE layer: finish before upload".into()));
+        };
+        let (n, h, i, r) = (t * k, self.h, self.i, self.slots);
+        let Some(s) = self.scratch.as_ref() else {
+            return Err(Error::Usage("MoE layer: no scratch".into()));
+        };
+        let st = &dev.stream;
         dev.sync()?;
         let dl = |e| drv("cuMemcpyDtoH")(e);
         let errors = st.clone_dtoh(&s.errors).map_err(dl)?;

@@ -1,5 +1,5 @@
-//! `moeforge bench --gpu --gemm`: flag errors, the skip without a GPU, and the anchor script's
-//! syntax and fail-soft output (where python3 is installed).
+//! `moeforge bench --gpu --gemm` and `--moe`: flag errors, the skip without a GPU, and the anchor
+//! scripts' syntax and fail-soft output (where python3 is installed).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -99,7 +99,15 @@ fn the_anchor_script_parses_and_fails_soft() {
         eprintln!("skipped: no python3 on this machine (the anchor script's syntax is unchecked)");
         return;
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gemm_anchor.py");
+    for script in [
+        concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gemm_anchor.py"),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/moe_anchor.py"),
+    ] {
+        anchor_script_fails_soft(script);
+    }
+}
+
+fn anchor_script_fails_soft(script: &str) {
     // Syntax only: no bytecode written into the tree.
     let o = std::process::Command::new("python3")
         .args([
@@ -131,5 +139,27 @@ fn the_anchor_script_parses_and_fails_soft() {
         if text == "not json" {
             assert!(out.contains("\"error\""), "{out}");
         }
+    }
+}
+
+#[test]
+fn the_moe_layer_bench_flags() {
+    let (code, _, err) = run(&["bench", "--host", "--moe"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--gpu"), "{err}");
+    let (code, _, err) = run(&["bench", "--gpu", "--moe", "--model", "llama-70b"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("unknown --model `llama-70b`"), "{err}");
+    let (code, _, err) = run(&["bench", "--gpu", "--moe", "--gemm"]);
+    assert_ne!(code, 0, "{err}");
+    let (code, _, err) = run(&["bench", "--gpu", "--tokens", "8"]);
+    assert_ne!(code, 0, "{err}");
+    // Without a GPU (CI) it says that it skipped and succeeds.
+    if !moeforge::runtime::device::driver_present() {
+        let (code, out, err) = run(&[
+            "bench", "--gpu", "--moe", "--model", "qwen3-30b-a3b", "--tokens", "1", "--no-anchor",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"), "{out}");
     }
 }

@@ -623,3 +623,73 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
     let names: Vec<String> = read(&out).0.into_keys().collect();
     assert_eq!(names, ["output"]);
 }
+
+/// The GPU layer's operands (`moe_gpu::operands`, host code): for every recipe the GPU runs, code
+/// times scale in the GEMM's layout equals the weights read back in f64, the stored bytes are used
+/// as they are, and the feeds follow the declaration; every other recipe is refused by name.
+#[test]
+fn gpu_operands_equal_the_dequantized_weights() {
+    use moeforge::codegen::gemm::ws::{Operands, Scaling};
+    use moeforge::moe_gpu::{operands, DevFeed, GemmWeights};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let value = |g: &GemmWeights, at: usize| -> f64 {
+        let (n, k) = (g.n, g.k);
+        let (e, row, col) = (at / (n * k), at / k % n, at % k);
+        match (g.operands, g.scaling) {
+            (Operands::Bf16, _) => {
+                gr::bf16_to_f32(u16::from_le_bytes([g.codes[2 * at], g.codes[2 * at + 1]])) as f64
+            }
+            (Operands::E4m3, Scaling::Tensorwise { .. }) => {
+                r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e] as f64
+            }
+            (Operands::E4m3, _) => {
+                let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
+                r::e4m3_to_f32(g.codes[at]) as f64
+                    * g.scales[(e * nb + row / 128) * kb + col / 128] as f64
+            }
+        }
+    };
+    for scales in [true, false] {
+        let ck = d.join(format!("ckpt{scales}.safetensors"));
+        checkpoint(&ck, &(0..E).collect::<Vec<_>>(), scales);
+        for recipe in moeforge::kernels::STANDARD {
+            let name = recipe.name;
+            let packed = d.join(format!("{name}{scales}.safetensors"));
+            pack(recipe.path, &ck, &packed);
+            let bind = format!("E={E},H={H},I={I}");
+            let info = moeforge::verify_source(recipe.source, recipe.path, Some(&bind)).unwrap();
+            let params = params_of(&packed);
+            let layer = moeforge::moe_host::Layer {
+                info: &info,
+                params: &params,
+            };
+            let got = operands(&layer);
+            if !matches!(name, "bf16" | "fp8_per_tensor" | "fp8_block128") {
+                let err = got.unwrap_err().to_string();
+                assert!(
+                    err.contains("weights-only quantized") && err.contains("issue [8]"),
+                    "{name}: {err}"
+                );
+                continue;
+            }
+            let ops = got.unwrap();
+            assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
+            for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
+                assert_eq!((g.slots, g.n, g.k), (E, n, k), "{name} {input}");
+                assert!(!g.relayout, "{name} {input}: the stored order is the input's");
+                let want = dequantized(&info, input, &params);
+                let have: Vec<f64> = (0..want.len()).map(|at| value(g, at)).collect();
+                assert_eq!(have, want, "{name} {input}");
+            }
+            let want_feed = |which: usize| match act_of(name, which, &params) {
+                Act::Bf16 => DevFeed::Bf16,
+                Act::PerToken => DevFeed::PerToken,
+                Act::Group128 => DevFeed::Group128,
+                Act::Static(s) => DevFeed::Static(vec![s; E]),
+            };
+            assert_eq!(ops.feed13, want_feed(0), "{name}");
+            assert_eq!(ops.feed2, want_feed(1), "{name}");
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! `moeforge bench --gpu --moe`: the whole MoE layer forward on the GPU ([`crate::moe_gpu_layer`])
+//! at the anchor models' shapes (issue \[9\] item 4), with torch's whole layer measured in the same
+//! call by `scripts/moe_anchor.py` on the same routing.
+//!
+//! Per (model, recipe, tokens): random weights (the bench's seeded bytes: bf16 magnitudes 2^-7 to
+//! 2, E4M3 codes with f32 scales of 1/256), uniform top-k routing from the (model, tokens) seed,
+//! identity placement. Each forward is queued after a 256 MB L2 flush and timed alone with CUDA
+//! events (inputs already on the device, as in a serving step); the median of [`reps_for`] runs.
+//! Per-step times are the medians of the events between steps. Reported: microseconds,
+//! TFLOP/s (`6 * T * k * H * I` flops), weight TB/s (the bytes of the experts that received rows:
+//! w13, w2 and their scales, once each), and the roofline share `max(bytes / 4.22 TB/s, flops /
+//! dense ceiling) / time`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use crate::bench_gemm::{
+    case_seed, median, random_bf16, random_e4m3, reps_for, Model, Recipe, Selection,
+    READ_CEILING_TBPS,
+};
+use crate::codegen::gemm::ws::{Operands, Scaling};
+use crate::moe_gpu::{DevFeed, GemmWeights, LayerOperands};
+use crate::moe_gpu_layer::{GpuLayer, Marks};
+use crate::moe_host::{Replicas, Tokens};
+use crate::runtime::{drv, Device};
+use crate::{Error, Result};
+
+/// The torch anchor script run by default.
+pub const DEFAULT_ANCHOR: &str = "scripts/moe_anchor.py";
+/// Bytes cleared before each timed forward (more than the H200's 50 MB L2).
+const FLUSH_BYTES: usize = 256 << 20;
+/// Seconds the anchor script may take.
+const ANCHOR_TIMEOUT_S: u64 = 300;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Models, token counts, recipes.
+    pub selection: Selection,
+    /// Write the JSON report here.
+    pub json: Option<PathBuf>,
+    /// The torch anchor script; `None`: torch is not measured.
+    pub anchor: Option<PathBuf>,
+    /// The runtime's settings (kernel cache, JIT).
+    pub settings: crate::runtime::Settings,
+}
+
+/// A weight operand of random bytes for `recipe`: `[experts, n, k]`.
+fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64) -> GemmWeights {
+    let (operands, scaling) = match recipe {
+        Recipe::Bf16 => (Operands::Bf16, Scaling::None),
+        Recipe::Fp8PerTensor => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        Recipe::Fp8Block128 => (Operands::E4m3, Scaling::Block128),
+    };
+    let len = experts * n * k * operands.bytes() as usize;
+    let mut chunk = vec![0u8; (8 << 20).min(len.max(1))];
+    match operands {
+        Operands::Bf16 => random_bf16(&mut chunk, seed),
+        Operands::E4m3 => random_e4m3(&mut chunk, seed),
+    }
+    let codes: Vec<u8> = chunk.iter().copied().cycle().take(len).collect();
+    let scales = match scaling {
+        Scaling::None => Vec::new(),
+        Scaling::Tensorwise { .. } => vec![1.0 / 256.0; experts],
+        Scaling::Block128 => vec![1.0 / 256.0; experts * n.div_ceil(128) * k.div_ceil(128)],
+    };
+    GemmWeights {
+        operands,
+        scaling,
+        slots: experts,
+        n,
+        k,
+        codes,
+        scales,
+        relayout: false,
+    }
+}
+
+fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
+    let (e, h, i) = (model.experts, model.hidden, model.intermediate);
+    let feed = match recipe {
+        Recipe::Bf16 => DevFeed::Bf16,
+        Recipe::Fp8PerTensor => DevFeed::PerToken,
+        Recipe::Fp8Block128 => DevFeed::Group128,
+    };
+    LayerOperands {
+        w13: random_weights(recipe, e, 2 * i, h, 0x5EED_0013),
+        w2: random_weights(recipe, e, h, i, 0x5EED_0002),
+        feed13: feed.clone(),
+        feed2: feed,
+        slots: e,
+        h,
+        i,
+    }
+}
+
+/// Uniform top-k ids `[tokens, top_k]` (distinct experts per token, partial Fisher-Yates) from
+/// `seed`, and the number of experts that received any.
+pub fn routing_ids(tokens: usize, experts: usize, top_k: usize, seed: u64) -> (Vec<i32>, usize) {
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut pool: Vec<usize> = (0..experts).collect();
+    let mut used = vec![false; experts];
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    for _ in 0..tokens {
+        for j in 0..top_k.min(experts) {
+            let r = j + (next() % (experts - j) as u64) as usize;
+            pool.swap(j, r);
+            used[pool[j]] = true;
+            ids.push(pool[j] as i32);
+        }
+    }
+    (ids, used.iter().filter(|&&u| u).count())
+}
+
+/// One timed case.
+#[derive(Debug, Clone)]
+struct Row {
+    model: &'static str,
+    recipe: Recipe,
+    tokens: usize,
+    us: f64,
+    steps: Vec<(&'static str, f64)>,
+    tflops: f64,
+    weight_tbps: f64,
+    roofline: f64,
+    torch_us: Option<f64>,
+}
+
+fn bytes_per_expert(recipe: Recipe, h: usize, i: usize) -> u64 {
+    recipe.expert_bytes(2 * i, h) + recipe.expert_bytes(h, i)
+}
+
+fn time_layer(
+    dev: &Device,
+    layer: &mut GpuLayer,
+    tokens: &Tokens<'_>,
+    flush: &mut cudarc::driver::CudaSlice<u8>,
+) -> Result<(f64, Vec<(&'static str, f64)>)> {
+    layer.upload(dev, tokens)?;
+    // One untimed forward (module load, tensor maps), one to estimate.
+    layer.enqueue(dev, None)?;
+    let mut one = |layer: &mut GpuLayer| -> Result<Marks> {
+        dev.stream
+            .memset_zeros(flush)
+            .map_err(drv("cuMemsetD8"))?;
+        let mut m = Marks::new();
+        layer.enqueue(dev, Some(&mut m))?;
+        Ok(m)
+    };
+    let est = one(layer)?;
+    dev.sync()?;
+    let span = |m: &Marks| -> Result<Vec<(&'static str, f64)>> {
+        let mut out = Vec::new();
+        for w in m.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(drv("cuEventElapsedTime"))?;
+            out.push((w[1].0, f64::from(ms) * 1e3));
+        }
+        Ok(out)
+    };
+    let total = |s: &[(&'static str, f64)]| s.iter().map(|x| x.1).sum::<f64>();
+    let reps = reps_for(total(&span(&est)?));
+    let mut all = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        all.push(one(layer)?);
+    }
+    dev.sync()?;
+    let spans: Vec<Vec<(&'static str, f64)>> = all.iter().map(span).collect::<Result<_>>()?;
+    let mut totals: Vec<f64> = spans.iter().map(|s| total(s)).collect();
+    let names: Vec<&'static str> = spans.first().map(|s| s.iter().map(|x| x.0).collect()).unwrap_or_default();
+    let steps = names
+        .iter()
+        .enumerate()
+        .map(|(j, name)| {
+            let mut v: Vec<f64> = spans.iter().filter_map(|s| s.get(j).map(|x| x.1)).collect();
+            (*name, median(&mut v))
+        })
+        .collect();
+    Ok((median(&mut totals), steps))
+}
+
+/// Run torch's layer on the cases (`python3 SCRIPT CASES.json`); microseconds by (model, tokens),
+/// and the script's device line or error.
+fn run_anchor(script: &Path, cases: &Value) -> (BTreeMap<(String, usize), f64>, String) {
+    let mut out = BTreeMap::new();
+    let dir = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => return (out, format!("torch layer not measured: {e}")),
+    };
+    let path = dir.path().join("moe_cases.json");
+    if let Err(e) = std::fs::write(&path, cases.to_string()) {
+        return (out, format!("torch layer not measured: {e}"));
+    }
+    let child = std::process::Command::new("timeout")
+        .arg(ANCHOR_TIMEOUT_S.to_string())
+        .arg("python3")
+        .arg(script)
+        .arg(&path)
+        .output();
+    let text = match child {
+        Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Err(e) => return (out, format!("torch layer not measured: {e}")),
+    };
+    let mut about = String::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if let Some(e) = v.get("error").and_then(Value::as_str) {
+            let _ = write!(about, "torch: {e}; ");
+        } else if v.get("what").and_then(Value::as_str) == Some("device") {
+            let _ = write!(about, "torch: {}; ", v);
+        } else if let (Some(m), Some(t), Some(us)) = (
+            v.get("model").and_then(Value::as_str),
+            v.get("tokens").and_then(Value::as_u64),
+            v.get("us").and_then(Value::as_f64),
+        ) {
+            out.insert((m.to_string(), t as usize), us);
+        }
+    }
+    (out, about)
+}
+
+fn describe(dev: &Device) -> String {
+    format!(
+        "{} (sm_{}{}, {} SMs)",
+        dev.name, dev.capability.0, dev.capability.1, dev.sms
+    )
+}
+
+/// Run the benchmark; the report and whether everything ran.
+pub fn run(opts: &Options) -> Result<(String, bool)> {
+    let mut report = String::new();
+    let dev = match crate::gpu::open() {
+        Ok(d) => d,
+        Err(why) => {
+            return Ok((
+                format!("SKIPPED: the MoE layer benchmark needs a CUDA GPU ({why})\n"),
+                true,
+            ))
+        }
+    };
+    if dev.target() != Some(crate::codegen::ptx::Target::Sm90a) {
+        return Ok((
+            "SKIPPED: the MoE layer is sm_90a (Hopper) only\n".into(),
+            true,
+        ));
+    }
+    let mut flush = dev
+        .stream
+        .alloc_zeros::<u8>(FLUSH_BYTES)
+        .map_err(drv("cuMemAlloc"))?;
+    let mut rows: Vec<Row> = Vec::new();
+    let mut cases = Vec::new();
+    let mut ok = true;
+    for model in &opts.selection.models {
+        let (e, h, i, k) = (model.experts, model.hidden, model.intermediate, model.top_k);
+        for &tokens in &opts.selection.tokens {
+            let (ids, _) = routing_ids(tokens, e, k, case_seed(model.name, tokens));
+            cases.push(json!({
+                "model": model.name, "tokens": tokens, "experts": e, "top_k": k,
+                "hidden": h, "intermediate": i, "ids": ids,
+            }));
+        }
+        for &recipe in &opts.selection.recipes {
+            let ops = operands(model, recipe);
+            let mut layer = GpuLayer::new(&dev, &ops, &Replicas::identity(e), &opts.settings)?;
+            drop(ops);
+            for &tokens in &opts.selection.tokens {
+                let (ids, active) = routing_ids(tokens, e, k, case_seed(model.name, tokens));
+                let mut xb = vec![0u8; 2 * tokens * h];
+                random_bf16(&mut xb, 0x5EED_00A0 ^ tokens as u64);
+                let x: Vec<u16> = xb
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect();
+                let w = vec![1.0 / k as f32; tokens * k];
+                let toks = Tokens {
+                    x: &x,
+                    ids: &ids,
+                    weights: &w,
+                    t: tokens,
+                    k,
+                };
+                match time_layer(&dev, &mut layer, &toks, &mut flush) {
+                    Ok((us, steps)) => {
+                        let flops = 6.0 * (tokens * k) as f64 * h as f64 * i as f64;
+                        let bytes = active as f64 * bytes_per_expert(recipe, h, i) as f64;
+                        let t_bw = bytes / (READ_CEILING_TBPS * 1e12) * 1e6;
+                        let t_fl = flops / (recipe.flops_ceiling() * 1e12) * 1e6;
+                        rows.push(Row {
+                            model: model.name,
+                            recipe,
+                            tokens,
+                            us,
+                            steps,
+                            tflops: flops / us / 1e6,
+                            weight_tbps: bytes / us / 1e6,
+                            roofline: t_bw.max(t_fl) / us,
+                            torch_us: None,
+                        });
+                    }
+                    Err(err) => {
+                        ok = false;
+                        let _ = writeln!(
+                            report,
+                            "{} {} {tokens} tokens: FAILED: {err}",
+                            model.name,
+                            recipe.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let about = match &opts.anchor {
+        Some(script) => {
+            let (torch, about) = run_anchor(script, &json!({ "cases": cases }));
+            for r in &mut rows {
+                r.torch_us = torch.get(&(r.model.to_string(), r.tokens)).copied();
+            }
+            about
+        }
+        None => "torch layer not measured (--no-anchor)".into(),
+    };
+    let _ = writeln!(
+        report,
+        "MoE layer forward (permute, w13 GEMM, SiLU*up, w2 GEMM, combine; untuned default GEMM variants), {}",
+        describe(&dev)
+    );
+    let _ = writeln!(report, "{about}");
+    let _ = writeln!(
+        report,
+        "| model | recipe | tokens | us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | steps (us) |"
+    );
+    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let steps: Vec<String> = r
+            .steps
+            .iter()
+            .map(|(n, us)| format!("{n} {us:.1}"))
+            .collect();
+        let _ = writeln!(
+            report,
+            "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.0}% | {} | {} | {} |",
+            r.model,
+            r.recipe.name(),
+            r.tokens,
+            r.us,
+            r.tflops,
+            r.weight_tbps,
+            100.0 * r.roofline,
+            r.torch_us.map_or("-".into(), |t| format!("{t:.1}")),
+            r.torch_us.map_or("-".into(), |t| format!("{:.2}", t / r.us)),
+            steps.join(", ")
+        );
+    }
+    if let Some(path) = &opts.json {
+        let v = json!({
+            "device": describe(&dev),
+            "torch": about,
+            "rows": rows.iter().map(|r| json!({
+                "model": r.model, "recipe": r.recipe.name(), "tokens": r.tokens, "us": r.us,
+                "tflops": r.tflops, "weight_tbps": r.weight_tbps, "roofline": r.roofline,
+                "torch_us": r.torch_us,
+                "steps": r.steps.iter().map(|(n, us)| json!({"step": n, "us": us})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        });
+        crate::write_atomic(path, v.to_string().as_bytes())?;
+    }
+    if !ok {
+        return Err(Error::Usage(format!("{report}MoE layer benchmark: a case failed")));
+    }
+    Ok((report, ok))
+}
