@@ -30,6 +30,7 @@ pub mod gpu;
 pub mod gpu_shards;
 pub mod layout_gen;
 pub mod moe_host;
+pub mod moe_kernels_check;
 pub mod moe_run;
 pub mod pack;
 pub mod permute_check;
