@@ -34,6 +34,7 @@ pub mod moe_gpu;
 pub mod moe_gpu_check;
 pub mod moe_gpu_layer;
 pub mod moe_host;
+pub mod moe_kernels_check;
 pub mod moe_run;
 pub mod pack;
 pub mod permute_check;

@@ -226,6 +226,10 @@ pub enum UnOpcode {
     Abs(PtxTy),
     /// `rcp.rn.ty`: the correctly rounded reciprocal (IEEE `1 / a`, subnormals kept).
     RcpRn(PtxTy),
+    /// `ex2.approx.ftz.ty`: `2^a`, approximate (at most 2 ulp of relative error over the whole
+    /// range), subnormal inputs and results flushed to zero; `+inf` past the f32 range, `+0` below
+    /// it.
+    Ex2ApproxFtz(PtxTy),
     /// `cvt[.rnd].to.from`.
     Cvt {
         /// Rounding (none for conversions between integers that round nothing).
@@ -263,6 +267,7 @@ impl fmt::Display for UnOpcode {
             UnOpcode::Mov(ty) => write!(f, "mov{ty}"),
             UnOpcode::Abs(ty) => write!(f, "abs{ty}"),
             UnOpcode::RcpRn(ty) => write!(f, "rcp.rn{ty}"),
+            UnOpcode::Ex2ApproxFtz(ty) => write!(f, "ex2.approx.ftz{ty}"),
             UnOpcode::Cvt {
                 rnd: None,
                 to,
@@ -873,6 +878,7 @@ mod tests {
             (UnOpcode::Mov(PtxTy::Pred), "mov.pred"),
             (UnOpcode::Abs(PtxTy::F32), "abs.f32"),
             (UnOpcode::RcpRn(PtxTy::F32), "rcp.rn.f32"),
+            (UnOpcode::Ex2ApproxFtz(PtxTy::F32), "ex2.approx.ftz.f32"),
             (
                 UnOpcode::cvt_rnd(Rnd::Rni, PtxTy::F32, PtxTy::F32),
                 "cvt.rni.f32.f32",
@@ -980,6 +986,14 @@ mod tests {
                     a: Operand::Reg(f),
                 },
                 "\trcp.rn.f32 \t%f1, %f1;",
+            ),
+            (
+                Inst::Un {
+                    op: UnOpcode::Ex2ApproxFtz(PtxTy::F32),
+                    d: f,
+                    a: Operand::Reg(f),
+                },
+                "\tex2.approx.ftz.f32 \t%f1, %f1;",
             ),
         ];
         for (inst, text) in cases {
