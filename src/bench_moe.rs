@@ -149,9 +149,7 @@ fn time_layer(
     // One untimed forward (module load, tensor maps), one to estimate.
     layer.enqueue(dev, None)?;
     let mut one = |layer: &mut GpuLayer| -> Result<Marks> {
-        dev.stream
-            .memset_zeros(flush)
-            .map_err(drv("cuMemsetD8"))?;
+        dev.stream.memset_zeros(flush).map_err(drv("cuMemsetD8"))?;
         let mut m = Marks::new();
         layer.enqueue(dev, Some(&mut m))?;
         Ok(m)
@@ -161,7 +159,10 @@ fn time_layer(
     let span = |m: &Marks| -> Result<Vec<(&'static str, f64)>> {
         let mut out = Vec::new();
         for w in m.windows(2) {
-            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(drv("cuEventElapsedTime"))?;
+            let ms = w[0]
+                .1
+                .elapsed_ms(&w[1].1)
+                .map_err(drv("cuEventElapsedTime"))?;
             out.push((w[1].0, f64::from(ms) * 1e3));
         }
         Ok(out)
@@ -175,7 +176,10 @@ fn time_layer(
     dev.sync()?;
     let spans: Vec<Vec<(&'static str, f64)>> = all.iter().map(span).collect::<Result<_>>()?;
     let mut totals: Vec<f64> = spans.iter().map(|s| total(s)).collect();
-    let names: Vec<&'static str> = spans.first().map(|s| s.iter().map(|x| x.0).collect()).unwrap_or_default();
+    let names: Vec<&'static str> = spans
+        .first()
+        .map(|s| s.iter().map(|x| x.0).collect())
+        .unwrap_or_default();
     let steps = names
         .iter()
         .enumerate()
@@ -359,7 +363,8 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
             r.weight_tbps,
             100.0 * r.roofline,
             r.torch_us.map_or("-".into(), |t| format!("{t:.1}")),
-            r.torch_us.map_or("-".into(), |t| format!("{:.2}", t / r.us)),
+            r.torch_us
+                .map_or("-".into(), |t| format!("{:.2}", t / r.us)),
             steps.join(", ")
         );
     }
@@ -377,7 +382,9 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
         crate::write_atomic(path, v.to_string().as_bytes())?;
     }
     if !ok {
-        return Err(Error::Usage(format!("{report}MoE layer benchmark: a case failed")));
+        return Err(Error::Usage(format!(
+            "{report}MoE layer benchmark: a case failed"
+        )));
     }
     Ok((report, ok))
 }

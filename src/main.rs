@@ -793,15 +793,23 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                     "nothing to run: pass --host and/or --gpu".into(),
                 ));
             }
-            if !(gemm || moe) && (model.is_some() || tokens.is_some() || json.is_some() || anchor.is_some() || no_anchor) {
+            if !(gemm || moe)
+                && (model.is_some()
+                    || tokens.is_some()
+                    || json.is_some()
+                    || anchor.is_some()
+                    || no_anchor)
+            {
                 return Err(moeforge::Error::Usage(
-                    "--model, --tokens, --json, --anchor and --no-anchor go with --gemm or --moe".into(),
+                    "--model, --tokens, --json, --anchor and --no-anchor go with --gemm or --moe"
+                        .into(),
                 ));
             }
             if moe {
                 if !gpu || host {
                     return Err(moeforge::Error::Usage(
-                        "the MoE layer benchmark runs on the GPU: pass --gpu (and not --host)".into(),
+                        "the MoE layer benchmark runs on the GPU: pass --gpu (and not --host)"
+                            .into(),
                     ));
                 }
                 let selection = moeforge::bench_gemm::Selection::parse(
@@ -913,10 +921,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 let (pm, pok) = moeforge::permute_check::selftest()?;
                 let (mk, mok) = moeforge::moe_kernels_check::selftest()?;
                 let both = moeforge::act_quant_check::both;
-                (
-                    g + &a + &pm + &mk,
-                    both(both(both(gok, aok), pok), mok),
-                )
+                (g + &a + &pm + &mk, both(both(both(gok, aok), pok), mok))
             } else if moe {
                 moeforge::moe_gpu_check::selftest(quick, &settings)?
             } else if nccl {

@@ -1,8 +1,17 @@
 //! `moeforge selftest --gpu --moe`: the MoE layer forward on the GPU against the host path (issue
 //! \[9\] tests), end to end through `moe run`: a random bf16 checkpoint (fresh seed, printed) is
 //! packed with each recipe the GPU layer runs, then the same inputs run with `--device host` and
-//! `--device gpu --dump-intermediates`, and the files are compared: `output` within SPEC §9's
-//! 1e-2 and `w13_out` within 2e-3 (relative Frobenius), `act` within 1e-2. Routings: uniform
+//! `--device gpu --dump-intermediates`, and the files are compared (relative Frobenius):
+//! * `w13_out` within 2e-3 of the host's (the first GEMM takes the same quantized input on both:
+//!   the activation quantizers are bit-exact);
+//! * `output` within SPEC §9's 1e-2 of an f64 evaluation of the second GEMM and the combine *with
+//!   the same quantized operands* the GPU used: the weights read back from the packed params and
+//!   the GPU's own `act` (SPEC §9's bound is against the same quantized operands: where `a` is
+//!   quantized to E4M3, a GPU `a` a few ulp off the host's can round to the neighbouring code, so
+//!   the two paths' `act` legitimately differ by whole E4M3 steps in a few elements);
+//! * with bf16 activations (no such rounding), `output` and `act` also within 1e-2 of the host's.
+//!
+//! The GPU-vs-host differences of `act` and `output` are printed for every recipe. Routings: uniform
 //! and skewed (empty experts), T = 1, T not a multiple of any tile, top-k 1, 2 and 8, and a
 //! placement with replicas (`--placement`, the packed params placed as `eplb apply` does). With
 //! `quick` (for the sanitizers), the first three routings only.
@@ -83,7 +92,11 @@ fn checkpoint(rng: &mut Rng, path: &Path, scales: bool) -> Result<()> {
     let mut t = BTreeMap::new();
     t.insert(
         format!("{p}.w13_weight"),
-        (Dtype::BF16, vec![E, 2 * I, H], bf16_bytes(rng, E * 2 * I * H, 0.1)),
+        (
+            Dtype::BF16,
+            vec![E, 2 * I, H],
+            bf16_bytes(rng, E * 2 * I * H, 0.1),
+        ),
     );
     t.insert(
         format!("{p}.w2_weight"),
@@ -92,8 +105,14 @@ fn checkpoint(rng: &mut Rng, path: &Path, scales: bool) -> Result<()> {
     if scales {
         // Calibrated to cover |x| < 1 and |a| below about 1.5.
         let s = |v: f32| -> Vec<u8> { (0..E).flat_map(|_| v.to_le_bytes()).collect() };
-        t.insert(format!("{p}.w13_input_scale"), (Dtype::F32, vec![E], s(1.0 / 440.0)));
-        t.insert(format!("{p}.w2_input_scale"), (Dtype::F32, vec![E], s(1.6 / 440.0)));
+        t.insert(
+            format!("{p}.w13_input_scale"),
+            (Dtype::F32, vec![E], s(1.0 / 440.0)),
+        );
+        t.insert(
+            format!("{p}.w2_input_scale"),
+            (Dtype::F32, vec![E], s(1.6 / 440.0)),
+        );
     }
     write(path, &t)
 }
@@ -159,6 +178,87 @@ fn rel_frobenius(a: &[f32], b: &[f32]) -> f64 {
         return f64::INFINITY;
     }
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// The packed `w2` read back in f64, `[E, H, I]` in the input's coordinates (logical expert `e`
+/// is slot `e` of the unplaced file).
+fn logical_w2(packed: &Path, src: &str, path: &str) -> Result<Vec<f64>> {
+    let bytes = std::fs::read(packed).map_err(|e| Error::Io {
+        path: packed.display().to_string(),
+        source: e,
+    })?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| Error::Checkpoint(format!("{}: {e}", packed.display())))?;
+    let prefix = format!("model.layers.{LAYER}.mlp.experts.");
+    let params: std::collections::HashMap<String, Vec<u8>> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(n, v)| {
+            n.strip_prefix(&prefix)
+                .map(|p| (p.to_string(), v.data().to_vec()))
+        })
+        .collect();
+    let info = crate::verify_source(src, path, Some(&format!("E={E},H={H},I={I}")))?;
+    let l = crate::dequant::logical(&info, "w2", &params).ok_or_else(|| {
+        Error::Checkpoint(format!("{}: w2 cannot be read back", packed.display()))
+    })?;
+    (0..l.codes.len())
+        .map(|at| {
+            l.value(at)
+                .ok_or_else(|| Error::Checkpoint("w2: an element has no value".into()))
+        })
+        .collect()
+}
+
+/// `topk_ids` and `topk_weights` of an inputs file.
+fn read_routing(path: &Path) -> Result<(Vec<i32>, Vec<f32>)> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))?;
+    let words = |name: &str| -> Result<Vec<[u8; 4]>> {
+        let v = st
+            .tensor(name)
+            .map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))?;
+        Ok(v.data()
+            .chunks_exact(4)
+            .map(|c| [c[0], c[1], c[2], c[3]])
+            .collect())
+    };
+    Ok((
+        words("topk_ids")?
+            .into_iter()
+            .map(i32::from_le_bytes)
+            .collect(),
+        words("topk_weights")?
+            .into_iter()
+            .map(f32::from_le_bytes)
+            .collect(),
+    ))
+}
+
+/// `out[t] = sum_j w[t, j] * (W2[e] . act[t, j])` in f64, `[T, H]` (`act` is `[T, k, I]`).
+fn second_gemm(
+    w2: &[f64],
+    act: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    t: usize,
+    k: usize,
+) -> Vec<f32> {
+    let mut out = vec![0f64; t * H];
+    for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        let e = usize::try_from(e).unwrap_or(0).min(E - 1);
+        let a = &act[p * I..(p + 1) * I];
+        for c in 0..H {
+            let row = &w2[(e * H + c) * I..(e * H + c + 1) * I];
+            let v: f64 = row.iter().zip(a).map(|(w, x)| w * f64::from(*x)).sum();
+            out[(p / k) * H + c] += f64::from(w) * v;
+        }
+    }
+    out.into_iter().map(|v| v as f32).collect()
 }
 
 /// Run the check (see the module docs); the report and whether every case passed (`None` when
@@ -228,6 +328,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             settings: settings.clone(),
             topology: Topology::SINGLE,
         })?;
+        let w2 = logical_w2(&packed, r.source, r.path)?;
         for (ci, &(t, k, routing)) in cases.iter().enumerate() {
             let placed = ci == 2;
             let inp = d.join(format!("in{ri}_{ci}.safetensors"));
@@ -264,7 +365,12 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             };
             let mut line = String::new();
             let mut good = true;
-            for (name, bound) in [("output", 1e-2), ("w13_out", 2e-3), ("act", 1e-2)] {
+            let bf16_feed = *recipe == "bf16";
+            for (name, bound) in [
+                ("w13_out", Some(2e-3)),
+                ("act", bf16_feed.then_some(1e-2)),
+                ("output", bf16_feed.then_some(1e-2)),
+            ] {
                 let (Some(g), Some(h)) = (gpu.get(name), host.get(name)) else {
                     good = false;
                     let _ = write!(line, " {name} missing");
@@ -272,18 +378,25 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
                 };
                 let e = rel_frobenius(g, h);
                 let nan = g.iter().filter(|v| !v.is_finite()).count();
-                good &= e <= bound && nan == 0;
+                good &= bound.is_none_or(|b| e <= b) && nan == 0;
                 let _ = write!(line, " {name} {e:.2e}");
                 if nan > 0 {
                     let _ = write!(line, " ({nan} non-finite)");
                 }
             }
+            // The second GEMM and the combine in f64 with the GPU's own `act`.
+            match (gpu.get("act"), gpu.get("output")) {
+                (Some(act), Some(o)) => {
+                    let (ids, weights) = read_routing(&inp)?;
+                    let want = second_gemm(&w2, act, &ids, &weights, t, k);
+                    let e = rel_frobenius(o, &want);
+                    good &= e <= 1e-2;
+                    let _ = write!(line, "; output vs f64 of its act {e:.2e}");
+                }
+                _ => good = false,
+            }
             ok &= good;
-            let _ = writeln!(
-                out,
-                "{label}:{line}: {}",
-                if good { "ok" } else { "FAIL" }
-            );
+            let _ = writeln!(out, "{label}:{line}: {}", if good { "ok" } else { "FAIL" });
         }
     }
     let _ = writeln!(

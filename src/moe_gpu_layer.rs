@@ -260,9 +260,10 @@ impl GpuLayer {
     /// The EPLB load counters: items routed to each slot over every forward so far.
     pub fn load_counters(&self, dev: &Device) -> Result<Vec<u32>> {
         dev.sync()?;
-        dev.stream
+        Ok(dev
+            .stream
             .clone_dtoh(&self.load)
-            .map_err(drv("cuMemcpyDtoH"))
+            .map_err(drv("cuMemcpyDtoH"))?)
     }
 
     fn scratch(&mut self, dev: &Device, t: usize, k: usize) -> Result<()> {
@@ -408,9 +409,7 @@ impl GpuLayer {
             if let Some(m) = marks.as_deref_mut() {
                 let ev = dev
                     .stream
-                    .record_event(Some(
-                        cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT,
-                    ))
+                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(drv("cuEventRecord"))?;
                 m.push((what, ev));
             }
@@ -446,14 +445,7 @@ impl GpuLayer {
                 }
                 Feed13::Static(q, values) => {
                     self.combine.row_scales(
-                        dev,
-                        &s.row_of,
-                        &s.slot,
-                        values,
-                        &s.offsets,
-                        &mut s.s13,
-                        r,
-                        n,
+                        dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s13, r, n,
                     )?;
                     q.run(dev, &s.xs, &mut s.q13, Some(&mut s.s13), &s.offsets, r, n)?;
                     &s.q13
@@ -482,16 +474,8 @@ impl GpuLayer {
             )?;
             mark("w13 GEMM")?;
             if let Some(values) = &self.static2 {
-                self.combine.row_scales(
-                    dev,
-                    &s.row_of,
-                    &s.slot,
-                    values,
-                    &s.offsets,
-                    &mut s.s2,
-                    r,
-                    n,
-                )?;
+                self.combine
+                    .row_scales(dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s2, r, n)?;
             }
             let s2 = match self.feed2 {
                 DevFeed::Bf16 => None,

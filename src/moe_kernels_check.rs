@@ -306,7 +306,8 @@ fn combine_case(
     let d_offs = up(dev, &offs)?;
     let d_slot = up(dev, &slot)?;
     let d_values = up(dev, &values)?;
-    let d_y = up(dev, &y)?;
+    let y_bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let d_y = up(dev, &y_bytes)?;
     let d_w = up(dev, &weights)?;
     let mut d_pos = up(dev, &vec![0x5EEDi32; n])?;
     let mut d_rs = up(dev, &vec![f32::from_bits(SCALE_POISON); n])?;
@@ -400,7 +401,7 @@ fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
     let c = MoeCombine::load(dev, h as u32)?;
     let d_y = dev
         .stream
-        .alloc_zeros::<f32>(n * h)
+        .alloc_zeros::<u8>(4 * n * h)
         .map_err(drv("cuMemAlloc"))?;
     let mut pos: Vec<i32> = (0..n as i32).collect();
     for i in (1..n).rev() {

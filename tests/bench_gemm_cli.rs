@@ -157,9 +157,19 @@ fn the_moe_layer_bench_flags() {
     // Without a GPU (CI) it says that it skipped and succeeds.
     if !moeforge::runtime::device::driver_present() {
         let (code, out, err) = run(&[
-            "bench", "--gpu", "--moe", "--model", "qwen3-30b-a3b", "--tokens", "1", "--no-anchor",
+            "bench",
+            "--gpu",
+            "--moe",
+            "--model",
+            "qwen3-30b-a3b",
+            "--tokens",
+            "1",
+            "--no-anchor",
         ]);
         assert_eq!(code, 0, "{err}");
-        assert!(out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"), "{out}");
+        assert!(
+            out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"),
+            "{out}"
+        );
     }
 }

@@ -677,7 +677,10 @@ fn gpu_operands_equal_the_dequantized_weights() {
             assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
             for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
                 assert_eq!((g.slots, g.n, g.k), (E, n, k), "{name} {input}");
-                assert!(!g.relayout, "{name} {input}: the stored order is the input's");
+                assert!(
+                    !g.relayout,
+                    "{name} {input}: the stored order is the input's"
+                );
                 let want = dequantized(&info, input, &params);
                 let have: Vec<f64> = (0..want.len()).map(|at| value(g, at)).collect();
                 assert_eq!(have, want, "{name} {input}");

@@ -324,7 +324,8 @@ impl MoeCombine {
     }
 
     /// `out[t, c] = bf16(sum_j w[t k + j] * y[pos_of[t k + j], c])` (f32, `j` in order, skipping
-    /// positions outside `[0, n)`) for `t` tokens of `k` choices; `y` holds `n` rows of `H`.
+    /// positions outside `[0, n)`) for `t` tokens of `k` choices; `y` holds `n` rows of `H` f32, as
+    /// bytes (what the grouped GEMM writes).
     /// Queued on `dev.stream`. Errors (`Placement`): a buffer too small, `t * k`, `t` or `n` past
     /// 32 bits; the launch's.
     ///
@@ -336,7 +337,7 @@ impl MoeCombine {
     pub unsafe fn combine(
         &self,
         dev: &Device,
-        y: &CudaSlice<f32>,
+        y: &CudaSlice<u8>,
         pos_of: &CudaSlice<i32>,
         weights: &CudaSlice<f32>,
         out: &mut CudaSlice<u16>,
@@ -360,7 +361,7 @@ impl MoeCombine {
         check_sizes(
             "moe combine",
             &[
-                ("y", y.len(), y_need),
+                ("y (bytes)", y.len() / 4, y_need),
                 ("pos_of", pos_of.len(), items),
                 ("weights", weights.len(), items),
                 ("out", out.len(), out_need),
