@@ -2,7 +2,8 @@
 //! at the anchor models' shapes (issue \[9\] item 4), with torch's whole layer measured in the same
 //! call by `scripts/moe_anchor.py` on the same routing.
 //!
-//! Per (model, recipe, tokens): random weights (the bench's seeded bytes: bf16 magnitudes 2^-7 to
+//! Per (model, recipe, tokens): the GEMMs are first tuned on the case's own operands
+//! ([`GpuLayer::tune`]); random weights (the bench's seeded bytes: bf16 magnitudes 2^-7 to
 //! 2, E4M3 codes with f32 scales of 1/256), uniform top-k routing from the (model, tokens) seed,
 //! identity placement. Each forward is queued after a 256 MB L2 flush and timed alone with CUDA
 //! events (inputs already on the device, as in a serving step); the median of [`reps_for`] runs.
@@ -133,21 +134,29 @@ struct Row {
     weight_tbps: f64,
     roofline: f64,
     torch_us: Option<f64>,
+    /// The tuned GEMM variants (w13 / w2).
+    variants: String,
 }
 
 fn bytes_per_expert(recipe: Recipe, h: usize, i: usize) -> u64 {
     recipe.expert_bytes(2 * i, h) + recipe.expert_bytes(h, i)
 }
 
+/// Per-step median times, named.
+type Steps = Vec<(&'static str, f64)>;
+
+/// The median forward time, the per-step medians and the tuned variants (w13 / w2).
 fn time_layer(
     dev: &Device,
     layer: &mut GpuLayer,
     tokens: &Tokens<'_>,
     flush: &mut cudarc::driver::CudaSlice<u8>,
-) -> Result<(f64, Vec<(&'static str, f64)>)> {
+) -> Result<(f64, Steps, String)> {
     layer.upload(dev, tokens)?;
-    // One untimed forward (module load, tensor maps), one to estimate.
+    // One untimed forward (module load, tensor maps, the row offsets the tuning needs), the
+    // GEMMs tuned on its operands, one forward to estimate.
     layer.enqueue(dev, None)?;
+    layer.tune(dev)?;
     let mut one = |layer: &mut GpuLayer| -> Result<Marks> {
         dev.stream.memset_zeros(flush).map_err(drv("cuMemsetD8"))?;
         let mut m = Marks::new();
@@ -188,7 +197,11 @@ fn time_layer(
             (*name, median(&mut v))
         })
         .collect();
-    Ok((median(&mut totals), steps))
+    let variants = layer
+        .variants()
+        .map(|(a, b)| format!("{} / {}", a.tag(), b.tag()))
+        .unwrap_or_default();
+    Ok((median(&mut totals), steps, variants))
 }
 
 /// Run torch's layer on the cases (`python3 SCRIPT CASES.json`); microseconds by (model, tokens),
@@ -295,7 +308,7 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
                     k,
                 };
                 match time_layer(&dev, &mut layer, &toks, &mut flush) {
-                    Ok((us, steps)) => {
+                    Ok((us, steps, variants)) => {
                         let flops = 6.0 * (tokens * k) as f64 * h as f64 * i as f64;
                         let bytes = active as f64 * bytes_per_expert(recipe, h, i) as f64;
                         let t_bw = bytes / (READ_CEILING_TBPS * 1e12) * 1e6;
@@ -310,6 +323,7 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
                             weight_tbps: bytes / us / 1e6,
                             roofline: t_bw.max(t_fl) / us,
                             torch_us: None,
+                            variants,
                         });
                     }
                     Err(err) => {
@@ -337,15 +351,15 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
     };
     let _ = writeln!(
         report,
-        "MoE layer forward (permute, w13 GEMM, SiLU*up, w2 GEMM, combine; untuned default GEMM variants), {}",
+        "MoE layer forward (permute, w13 GEMM, SiLU*up, w2 GEMM, combine; GEMM variants tuned per row bucket on the layer's own operands), {}",
         describe(&dev)
     );
     let _ = writeln!(report, "{about}");
     let _ = writeln!(
         report,
-        "| model | recipe | tokens | us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | steps (us) |"
+        "| model | recipe | tokens | us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | steps (us) | GEMMs (tuned) |"
     );
-    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let steps: Vec<String> = r
             .steps
@@ -354,7 +368,7 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
             .collect();
         let _ = writeln!(
             report,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.0}% | {} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} |",
             r.model,
             r.recipe.name(),
             r.tokens,
@@ -365,7 +379,8 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
             r.torch_us.map_or("-".into(), |t| format!("{t:.1}")),
             r.torch_us
                 .map_or("-".into(), |t| format!("{:.2}", t / r.us)),
-            steps.join(", ")
+            steps.join(", "),
+            r.variants
         );
     }
     if let Some(path) = &opts.json {
@@ -375,7 +390,7 @@ pub fn run(opts: &Options) -> Result<(String, bool)> {
             "rows": rows.iter().map(|r| json!({
                 "model": r.model, "recipe": r.recipe.name(), "tokens": r.tokens, "us": r.us,
                 "tflops": r.tflops, "weight_tbps": r.weight_tbps, "roofline": r.roofline,
-                "torch_us": r.torch_us,
+                "torch_us": r.torch_us, "variants": r.variants,
                 "steps": r.steps.iter().map(|(n, us)| json!({"step": n, "us": us})).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         });

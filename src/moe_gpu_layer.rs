@@ -14,9 +14,10 @@
 //! 6. combine: each token's `k` rows weighted by `topk_weights`, summed in `j` order in f32
 //!    (`acc = acc + w * y`, two roundings, as the host), rounded to bf16 once.
 //!
-//! Scratch is sized once per `(max tokens, k)` and reused. The GEMM variant of each GEMM is the
-//! untuned default of `codegen::gemm::tune` for the forward's rows (`T * k` over at most `R`
-//! experts), with f32 output; variants load through the kernel cache.
+//! Scratch is sized once per `(max tokens, k)` and reused. The GEMM variant of each GEMM (f32
+//! output) is the tuning cache's choice for the forward's row bucket (`T * k` rows over at most
+//! `R` experts) when [`GpuLayer::tune`] (or an earlier process with the same cache folder) timed
+//! it, else the untuned default of `codegen::gemm::tune`; variants load through the kernel cache.
 
 use std::collections::HashMap;
 
@@ -31,6 +32,7 @@ use crate::moe_gpu::{DevFeed, GemmWeights, LayerOperands};
 use crate::moe_host::{Forward, MoeError, Replicas, Tokens};
 use crate::runtime::act_quant::ActQuant;
 use crate::runtime::cache::Cache;
+use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::jit::Compiler;
 use crate::runtime::moe_kernels::{MoeAct, MoeCombine};
@@ -74,15 +76,46 @@ impl DevWeights {
         })
     }
 
-    /// The variant for `rows` rows over at most `slots` experts: the untuned default, f32 out.
-    fn variant(&self, rows: usize, slots: usize) -> Result<WsConfig> {
-        let all: Vec<WsConfig> = tune::candidates(self.operands, self.scaling, self.n, self.k)
+    /// The candidates, f32 out.
+    fn candidates(&self) -> Vec<WsConfig> {
+        tune::candidates(self.operands, self.scaling, self.n, self.k)
             .into_iter()
             .map(|c| WsConfig {
                 out: OutTy::F32,
                 ..c
             })
-            .collect();
+            .collect()
+    }
+
+    /// The tuning-cache key of this GEMM at `rows` rows over `slots` experts.
+    fn key(&self, dev: &Device, rows: usize, slots: usize) -> TuneKey {
+        TuneKey::for_device(
+            dev,
+            self.operands,
+            self.scaling,
+            OutTy::F32,
+            self.n,
+            self.k,
+            u32::try_from(slots).unwrap_or(u32::MAX),
+            rows,
+        )
+    }
+
+    /// The variant for `rows` rows over at most `slots` experts: the tuning cache's choice for
+    /// the row bucket when it has one ([`GpuLayer::tune`]), else the untuned default; f32 out.
+    fn variant(
+        &self,
+        dev: &Device,
+        tuned: &TuneCache,
+        rows: usize,
+        slots: usize,
+    ) -> Result<WsConfig> {
+        let all = self.candidates();
+        if let Some(e) = tuned.get(&self.key(dev, rows, slots)) {
+            if all.contains(&e.choice) {
+                return Ok(e.choice);
+            }
+        }
         tune::default_choice(&all, rows, slots.min(rows).max(1))
             .copied()
             .ok_or_else(|| {
@@ -160,6 +193,7 @@ pub struct GpuLayer {
     load: CudaSlice<u32>,
     gemms: HashMap<WsConfig, GroupedGemm>,
     cache: Cache,
+    tuned: TuneCache,
     compiler: Compiler,
     scratch: Option<Scratch>,
     current: Option<Current>,
@@ -251,6 +285,7 @@ impl GpuLayer {
                 .map_err(drv("cuMemAlloc"))?,
             gemms: HashMap::new(),
             cache: Cache::new(settings.cache_dir.clone()),
+            tuned: TuneCache::new(settings.cache_dir.clone()),
             compiler: Compiler::resolve(&settings.jit)?,
             scratch: None,
             current: None,
@@ -376,8 +411,8 @@ impl GpuLayer {
         }
         let n = t * k;
         self.scratch(dev, t, k)?;
-        let c13 = self.w13.variant(n, r)?;
-        let c2 = self.w2.variant(n, r)?;
+        let c13 = self.w13.variant(dev, &self.tuned, n, r)?;
+        let c2 = self.w2.variant(dev, &self.tuned, n, r)?;
         self.gemm(dev, &c13)?;
         self.gemm(dev, &c2)?;
         let Some(s) = self.scratch.as_mut() else {
@@ -509,6 +544,88 @@ impl GpuLayer {
             mark("combine")?;
         }
         Ok(())
+    }
+
+    /// Tune both GEMMs for the uploaded forward's row bucket: every candidate timed (three
+    /// launches each, the mean) on this forward's own operands, the fastest stored in the tuning
+    /// cache (the settings' folder, else memory) and used from now on. Needs one
+    /// [`GpuLayer::enqueue`] of the uploaded tokens first (the row offsets are the permute's). A
+    /// bucket already in the cache is not timed again. Returns where each choice came from.
+    pub fn tune(&mut self, dev: &Device) -> Result<(TuneSource, TuneSource)> {
+        let Some(cur) = self.current else {
+            return Err(Error::Usage("MoE layer: tune before upload".into()));
+        };
+        let (n, r) = (cur.t * cur.k, self.slots);
+        let all13 = self.w13.candidates();
+        let all2 = self.w2.candidates();
+        for c in all13.iter().chain(&all2) {
+            self.gemm(dev, c)?;
+        }
+        dev.sync()?;
+        let Some(s) = self.scratch.as_mut() else {
+            return Err(Error::Usage("MoE layer: no scratch".into()));
+        };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut sources = Vec::new();
+        for which in [13, 2] {
+            let (w, all, key) = if which == 13 {
+                (&self.w13, &all13, self.w13.key(dev, n, r))
+            } else {
+                (&self.w2, &all2, self.w2.key(dev, n, r))
+            };
+            let x: &CudaSlice<u8> = match (which, &self.feed13) {
+                (13, Feed13::Bf16) => &s.xs,
+                (13, _) => &s.q13,
+                _ => &s.a,
+            };
+            let x_scale = if which == 13 { &s.s13 } else { &s.s2 };
+            let out = if which == 13 { &mut s.h13 } else { &mut s.y };
+            let gemms = &self.gemms;
+            let (entry, source) = gemm_tune::tune(&self.tuned, &key, all, 3, |cfg| {
+                let g = gemms
+                    .get(cfg)
+                    .ok_or_else(|| Error::Usage("MoE layer: a candidate is not loaded".into()))?;
+                let op = GemmOperands {
+                    x,
+                    w: &w.w,
+                    offsets: &s.offsets,
+                    x_scale: (w.scaling != Scaling::None).then_some(x_scale),
+                    w_scale: w.scale.as_ref(),
+                    t: n,
+                    experts: r,
+                };
+                let a = dev
+                    .stream
+                    .record_event(timing)
+                    .map_err(drv("cuEventRecord"))?;
+                // SAFETY: the offsets are the permute's of the uploaded forward (enqueued before,
+                // on this stream); sizes are checked by `run`; one stream only.
+                unsafe { g.run(dev, &op, out) }?;
+                let b = dev
+                    .stream
+                    .record_event(timing)
+                    .map_err(drv("cuEventRecord"))?;
+                dev.sync()?;
+                Ok::<f64, Error>(
+                    f64::from(a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?) * 1e3,
+                )
+            })?;
+            if which == 13 {
+                self.current = Some(Current {
+                    c13: entry.choice,
+                    ..cur
+                });
+            } else if let Some(c) = self.current.as_mut() {
+                c.c2 = entry.choice;
+            }
+            sources.push(source);
+        }
+        Ok((sources[0], sources.get(1).copied().unwrap_or(sources[0])))
+    }
+
+    /// The variants the uploaded forward runs (w13, w2).
+    pub fn variants(&self) -> Option<(WsConfig, WsConfig)> {
+        self.current.map(|c| (c.c13, c.c2))
     }
 
     /// Wait for the queued forward and read its result back (see [`GpuLayer::forward`]). Errors:
