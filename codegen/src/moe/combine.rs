@@ -31,7 +31,8 @@
 //! Invert and row scales: [`CombineLaunch::index_grid`] CTAs of [`INDEX_THREADS`]. Combine:
 //! [`CombineLaunch::combine_grid`] CTAs of [`CombineLaunch::combine_threads`].
 
-use super::act::{push_entry, G};
+use super::act::push_entry;
+use super::emit::G;
 use crate::gemm::reference::bf16_from_f32;
 use crate::ptx::{BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SpecialReg};
 use crate::{Error, Result};

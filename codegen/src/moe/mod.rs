@@ -7,5 +7,6 @@
 
 pub mod act;
 pub mod combine;
+mod emit;
 pub mod permute;
 pub mod reference;

@@ -42,9 +42,10 @@
 //!   (i32 `[n]`, its first `offsets[R]` written), `xs` (bf16 `[n, H]`, 16-byte aligned, its first
 //!   `offsets[R]` rows written), then the u32 scalars `n`, `k`.
 
+use super::emit::G;
 use crate::ptx::{
-    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SharedDecl,
-    SharedTy, SpecialReg, UnOpcode, PTX_VERSION,
+    BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SharedDecl, SharedTy, SpecialReg,
+    PTX_VERSION,
 };
 use crate::{Error, Result};
 
@@ -147,114 +148,6 @@ pub fn permute_module(hidden: u32, slots: u32) -> Result<(String, Launch)> {
         s.push_str("}\n");
     }
     Ok((s, l))
-}
-
-/// Instruction helpers over the builder.
-#[derive(Default)]
-struct G {
-    b: Builder,
-}
-
-impl G {
-    fn r32(&mut self) -> Reg {
-        self.b.reg(RegClass::B32)
-    }
-
-    fn mov(&mut self, d: Reg, a: Operand) {
-        let ty = if d.class == RegClass::B64 {
-            PtxTy::U64
-        } else {
-            PtxTy::B32
-        };
-        self.b.push(Inst::Un {
-            op: UnOpcode::Mov(ty),
-            d,
-            a,
-        });
-    }
-
-    fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
-        self.b.push(Inst::Bin {
-            op,
-            ty,
-            d,
-            a: Operand::Reg(a),
-            b,
-        });
-    }
-
-    fn bin(&mut self, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) -> Reg {
-        let class = match (op, ty) {
-            (BinOpcode::MulWide, _) | (_, PtxTy::U64 | PtxTy::B64 | PtxTy::S64) => RegClass::B64,
-            _ => RegClass::B32,
-        };
-        let d = self.b.reg(class);
-        self.bin_to(d, op, ty, a, b);
-        d
-    }
-
-    fn setp(&mut self, cmp: CmpOp, ty: PtxTy, a: Reg, b: Operand) -> Reg {
-        let p = self.b.reg(RegClass::Pred);
-        self.b.push(Inst::Setp {
-            cmp,
-            ty,
-            p,
-            a: Operand::Reg(a),
-            b,
-        });
-        p
-    }
-
-    fn special(&mut self, name: SpecialReg) -> Reg {
-        let d = self.r32();
-        self.b.push(Inst::Special { d, name });
-        d
-    }
-
-    fn global_param(&mut self, name: &str) -> Reg {
-        let p = self.b.reg(RegClass::B64);
-        self.b.push(Inst::LdParam {
-            ty: PtxTy::U64,
-            d: p,
-            name: name.into(),
-        });
-        let g = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Cvta { d: g, a: p });
-        g
-    }
-
-    fn u32_param(&mut self, name: &str) -> Reg {
-        let d = self.r32();
-        self.b.push(Inst::LdParam {
-            ty: PtxTy::U32,
-            d,
-            name: name.into(),
-        });
-        d
-    }
-
-    /// `base + index * scale` (64-bit).
-    fn elem(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
-        let off = self.bin(BinOpcode::MulWide, PtxTy::U32, index, Operand::Int(scale));
-        self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
-    }
-
-    fn ld(&mut self, ty: PtxTy, addr: Reg) -> Reg {
-        let d = self.r32();
-        self.b.push(Inst::Ld { ty, d, addr });
-        d
-    }
-
-    fn bra(&mut self, label: &str, pred: Option<(Reg, bool)>) {
-        self.b.push(Inst::Bra {
-            label: label.into(),
-            pred,
-        });
-    }
-
-    fn label(&mut self, l: &str) {
-        self.b.push(Inst::Label(l.into()));
-    }
 }
 
 /// Kernel A's parameter names, in order.
