@@ -57,7 +57,7 @@
 //! [`ActLaunch::smem_bytes`] of static shared memory; a per-group amax over the half warp that
 //! holds the group's 16 chunks. No dynamic shared memory.
 
-use super::emit::G;
+use super::emit::{push_entry, G};
 use crate::gemm::reference as gemm_ref;
 use crate::ptx::{
     BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SharedDecl, SharedTy,
@@ -258,20 +258,6 @@ pub fn act_module(input: ActIn, output: ActOut, width: u32) -> Result<(String, A
     Ok((s, l))
 }
 
-/// Append one entry (header, declarations, body) to a module's text.
-pub(super) fn push_entry(s: &mut String, e: &Entry, g: &G) -> Result<()> {
-    s.push('\n');
-    s.push_str(&e.header()?);
-    s.push_str(&g.b.decls());
-    s.push('\n');
-    for inst in &g.b.insts {
-        s.push_str(&inst.to_string());
-        s.push('\n');
-    }
-    s.push_str("}\n");
-    Ok(())
-}
-
 /// One chunk of 8 columns of the current row: its values `a` (f32), computed from the source.
 fn load_values(
     g: &mut G,
@@ -419,20 +405,7 @@ fn act_body(g: &mut G, l: &ActLaunch) -> Result<()> {
     let cta = g.special(SpecialReg::CtaidX);
     let ncta = g.special(SpecialReg::NctaidX);
     let rows = g.filled_rows(offsets, slots, max_rows);
-    // Chunk i of this thread is `tid + i * threads`: valid for every thread when
-    // (i + 1) * threads <= chunks, else below a bound.
-    let valid: Vec<Option<Reg>> = (0..cpt)
-        .map(|i| {
-            ((i + 1) * threads > chunks).then(|| {
-                g.setp(
-                    CmpOp::Lt,
-                    PtxTy::U32,
-                    tid,
-                    Operand::Int(i64::from(chunks - i * threads)),
-                )
-            })
-        })
-        .collect();
+    let valid = g.chunk_guards(tid, chunks, threads, cpt);
     // Per thread: the first chunk's source and output offsets.
     let src_tid = g.bin(
         BinOpcode::MulWide,

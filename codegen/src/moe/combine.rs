@@ -31,8 +31,7 @@
 //! Invert and row scales: [`CombineLaunch::index_grid`] CTAs of [`INDEX_THREADS`]. Combine:
 //! [`CombineLaunch::combine_grid`] CTAs of [`CombineLaunch::combine_threads`].
 
-use super::act::push_entry;
-use super::emit::G;
+use super::emit::{push_entry, G};
 use crate::gemm::reference::bf16_from_f32;
 use crate::ptx::{BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SpecialReg};
 use crate::{Error, Result};
@@ -274,18 +273,7 @@ fn combine(l: &CombineLaunch) -> (Entry, G) {
     let tid = g.special(SpecialReg::TidX);
     let cta = g.special(SpecialReg::CtaidX);
     let ncta = g.special(SpecialReg::NctaidX);
-    let valid: Vec<Option<Reg>> = (0..cpt)
-        .map(|i| {
-            ((i + 1) * threads > chunks).then(|| {
-                g.setp(
-                    CmpOp::Lt,
-                    PtxTy::U32,
-                    tid,
-                    Operand::Int(i64::from(chunks - i * threads)),
-                )
-            })
-        })
-        .collect();
+    let valid = g.chunk_guards(tid, chunks, threads, cpt);
     let y_tid = g.bin(BinOpcode::MulWide, PtxTy::U32, tid, Operand::Int(32));
     let y_t = g.bin(BinOpcode::Add, PtxTy::U64, y, Operand::Reg(y_tid));
     let o_tid = g.bin(BinOpcode::MulWide, PtxTy::U32, tid, Operand::Int(16));

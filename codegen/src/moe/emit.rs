@@ -2,14 +2,29 @@
 //! generators.
 
 use crate::ptx::{
-    BinOpcode, Builder, CmpOp, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
+    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
 };
+use crate::Result;
 
 /// Instruction helpers over the typed builder, shared by the MoE layer's kernel generators
 /// (`permute`, `act`, `combine`).
 #[derive(Default)]
 pub(super) struct G {
     pub(super) b: Builder,
+}
+
+/// Append one entry (header, declarations, body) to a module's text.
+pub(super) fn push_entry(s: &mut String, e: &Entry, g: &G) -> Result<()> {
+    s.push('\n');
+    s.push_str(&e.header()?);
+    s.push_str(&g.b.decls());
+    s.push('\n');
+    for inst in &g.b.insts {
+        s.push_str(&inst.to_string());
+        s.push('\n');
+    }
+    s.push_str("}\n");
+    Ok(())
 }
 
 impl G {
@@ -167,5 +182,29 @@ impl G {
     /// The bf16 word (`cvt.rn.bf16x2.f32`) of `lo` (low half) and `hi` (high half).
     pub(super) fn bf16x2(&mut self, lo: Reg, hi: Reg) -> Reg {
         self.bin(BinOpcode::CvtRnBf16x2, PtxTy::F32, hi, Operand::Reg(lo))
+    }
+
+    /// The guards of a thread's `per_thread` chunks when chunk `i` of thread `tid` is `tid + i *
+    /// threads` of `chunks`: `None` where every thread's chunk `i` exists (`(i + 1) * threads <=
+    /// chunks`), else the predicate `tid < chunks - i * threads`.
+    pub(super) fn chunk_guards(
+        &mut self,
+        tid: Reg,
+        chunks: u32,
+        threads: u32,
+        per_thread: u32,
+    ) -> Vec<Option<Reg>> {
+        (0..per_thread)
+            .map(|i| {
+                ((i + 1) * threads > chunks).then(|| {
+                    self.setp(
+                        CmpOp::Lt,
+                        PtxTy::U32,
+                        tid,
+                        Operand::Int(i64::from(chunks - i * threads)),
+                    )
+                })
+            })
+            .collect()
     }
 }

@@ -42,7 +42,7 @@
 //!   (i32 `[n]`, its first `offsets[R]` written), `xs` (bf16 `[n, H]`, 16-byte aligned, its first
 //!   `offsets[R]` rows written), then the u32 scalars `n`, `k`.
 
-use super::emit::G;
+use super::emit::{push_entry, G};
 use crate::ptx::{
     BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SharedDecl, SharedTy, SpecialReg,
     PTX_VERSION,
@@ -137,15 +137,7 @@ pub fn permute_module(hidden: u32, slots: u32) -> Result<(String, Launch)> {
     let l = launch(hidden, slots)?;
     let mut s = format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n");
     for (entry, g) in [route(&l), scan(&l)?, scatter(&l)] {
-        s.push('\n');
-        s.push_str(&entry.header()?);
-        s.push_str(&g.b.decls());
-        s.push('\n');
-        for inst in &g.b.insts {
-            s.push_str(&inst.to_string());
-            s.push('\n');
-        }
-        s.push_str("}\n");
+        push_entry(&mut s, &entry, &g)?;
     }
     Ok((s, l))
 }
