@@ -23,9 +23,9 @@ use crate::bench_gemm::{
     READ_CEILING_TBPS,
 };
 use crate::codegen::gemm::ws::{Operands, Scaling};
-use crate::moe_gpu::{DevFeed, GemmWeights, LayerOperands};
+use crate::moe_gpu::{GemmWeights, LayerOperands};
 use crate::moe_gpu_layer::{GpuLayer, Marks};
-use crate::moe_host::{Replicas, Tokens};
+use crate::moe_host::{Feed, Replicas, Tokens};
 use crate::runtime::{drv, Device};
 use crate::{Error, Result};
 
@@ -83,9 +83,9 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
 fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
     let (e, h, i) = (model.experts, model.hidden, model.intermediate);
     let feed = match recipe {
-        Recipe::Bf16 => DevFeed::Bf16,
-        Recipe::Fp8PerTensor => DevFeed::PerToken,
-        Recipe::Fp8Block128 => DevFeed::Group128,
+        Recipe::Bf16 => Feed::Bf16,
+        Recipe::Fp8PerTensor => Feed::PerToken,
+        Recipe::Fp8Block128 => Feed::PerTokenGroup128,
     };
     LayerOperands {
         w13: random_weights(recipe, e, 2 * i, h, 0x5EED_0013),

@@ -57,19 +57,6 @@ pub struct GemmWeights {
     pub relayout: bool,
 }
 
-/// How a GEMM's input is fed on the GPU (SPEC §9, the recipe's `activation` declaration).
-#[derive(Debug, Clone, PartialEq)]
-pub enum DevFeed {
-    /// bf16.
-    Bf16,
-    /// E4M3, one dynamic scale per row.
-    PerToken,
-    /// E4M3, one dynamic scale per row and 128 columns.
-    Group128,
-    /// E4M3 with a static scale per slot (a row takes its slot's).
-    Static(Vec<f32>),
-}
-
 /// Everything the GPU layer needs of a recipe's params.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerOperands {
@@ -77,10 +64,10 @@ pub struct LayerOperands {
     pub w13: GemmWeights,
     /// The second GEMM: `[slots, H, I]`.
     pub w2: GemmWeights,
-    /// The first GEMM's feed.
-    pub feed13: DevFeed,
+    /// The first GEMM's feed (SPEC §9, the recipe's `activation` declaration).
+    pub feed13: Feed,
     /// The second GEMM's feed.
-    pub feed2: DevFeed,
+    pub feed2: Feed,
     /// Physical slots.
     pub slots: usize,
     /// Hidden size H.
@@ -231,15 +218,6 @@ fn stored_bytes<'a>(
     params.get(pname).map(Vec::as_slice)
 }
 
-fn dev_feed(feed: &Feed) -> DevFeed {
-    match feed {
-        Feed::Bf16 => DevFeed::Bf16,
-        Feed::PerToken => DevFeed::PerToken,
-        Feed::PerTokenGroup128 => DevFeed::Group128,
-        Feed::Static { values, .. } => DevFeed::Static(values.clone()),
-    }
-}
-
 /// The GPU operands of a layer (see the module docs). Errors: a recipe or feed the GPU layer does
 /// not run (named), a static activation scale that is not positive and finite.
 pub fn operands(layer: &Layer<'_>) -> Result<LayerOperands> {
@@ -284,8 +262,8 @@ pub fn operands(layer: &Layer<'_>) -> Result<LayerOperands> {
     Ok(LayerOperands {
         w13,
         w2,
-        feed13: dev_feed(&f13),
-        feed2: dev_feed(&f2),
+        feed13: f13,
+        feed2: f2,
         slots,
         h,
         i,

@@ -168,16 +168,10 @@ fn inputs(rng: &mut Rng, path: &Path, t: usize, k: usize, routing: Routing) -> R
     write(path, &m)
 }
 
-fn rel_frobenius(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += (f64::from(*x) - f64::from(*y)).powi(2);
-        den += f64::from(*y).powi(2);
-    }
-    if a.len() != b.len() {
-        return f64::INFINITY;
-    }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+/// `||got - want|| / ||want||` (Frobenius), through the GEMM reference's measure; infinite when
+/// the lengths differ.
+fn rel_frobenius(got: &[f32], want: &[f64]) -> f64 {
+    crate::codegen::gemm::reference::rel_frobenius(got, want).unwrap_or(f64::INFINITY)
 }
 
 /// The packed `w2` read back in f64, `[E, H, I]` in the input's coordinates (logical expert `e`
@@ -247,7 +241,7 @@ fn second_gemm(
     weights: &[f32],
     t: usize,
     k: usize,
-) -> Vec<f32> {
+) -> Vec<f64> {
     let mut out = vec![0f64; t * H];
     for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
         let e = usize::try_from(e).unwrap_or(0).min(E - 1);
@@ -258,7 +252,7 @@ fn second_gemm(
             out[(p / k) * H + c] += f64::from(w) * v;
         }
     }
-    out.into_iter().map(|v| v as f32).collect()
+    out
 }
 
 /// Run the check (see the module docs); the report and whether every case passed (`None` when
@@ -376,7 +370,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
                     let _ = write!(line, " {name} missing");
                     continue;
                 };
-                let e = rel_frobenius(g, h);
+                let e = rel_frobenius(g, &h.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
                 let nan = g.iter().filter(|v| !v.is_finite()).count();
                 good &= bound.is_none_or(|b| e <= b) && nan == 0;
                 let _ = write!(line, " {name} {e:.2e}");

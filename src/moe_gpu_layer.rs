@@ -28,8 +28,8 @@ use crate::codegen::gemm::tune;
 use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
 use crate::codegen::reference as r;
-use crate::moe_gpu::{DevFeed, GemmWeights, LayerOperands};
-use crate::moe_host::{Forward, MoeError, Replicas, Tokens};
+use crate::moe_gpu::{GemmWeights, LayerOperands};
+use crate::moe_host::{Feed, Forward, MoeError, Replicas, Tokens};
 use crate::runtime::act_quant::ActQuant;
 use crate::runtime::cache::Cache;
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
@@ -178,7 +178,7 @@ pub struct GpuLayer {
     slots: usize,
     h: usize,
     i: usize,
-    feed2: DevFeed,
+    feed2: Feed,
     permute: Permute,
     feed13: Feed13,
     act: MoeAct,
@@ -244,22 +244,22 @@ impl GpuLayer {
         let slots = u32_of(ops.slots, "slots")?;
         let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
         let feed13 = match &ops.feed13 {
-            DevFeed::Bf16 => Feed13::Bf16,
-            DevFeed::PerToken => Feed13::Dynamic(ActQuant::load(dev, Mode::PerToken, h)?),
-            DevFeed::Group128 => Feed13::Dynamic(ActQuant::load(dev, Mode::PerGroup128, h)?),
-            DevFeed::Static(v) => Feed13::Static(
+            Feed::Bf16 => Feed13::Bf16,
+            Feed::PerToken => Feed13::Dynamic(ActQuant::load(dev, Mode::PerToken, h)?),
+            Feed::PerTokenGroup128 => Feed13::Dynamic(ActQuant::load(dev, Mode::PerGroup128, h)?),
+            Feed::Static { values: v, .. } => Feed13::Static(
                 MoeAct::load(dev, ActIn::Bf16, ActOut::StaticRow, h)?,
                 up(v)?,
             ),
         };
         let out2 = match &ops.feed2 {
-            DevFeed::Bf16 => ActOut::Bf16,
-            DevFeed::PerToken => ActOut::PerToken,
-            DevFeed::Group128 => ActOut::Group128,
-            DevFeed::Static(_) => ActOut::StaticRow,
+            Feed::Bf16 => ActOut::Bf16,
+            Feed::PerToken => ActOut::PerToken,
+            Feed::PerTokenGroup128 => ActOut::Group128,
+            Feed::Static { .. } => ActOut::StaticRow,
         };
         let static2 = match &ops.feed2 {
-            DevFeed::Static(v) => Some(up(v)?),
+            Feed::Static { values: v, .. } => Some(up(v)?),
             _ => None,
         };
         let (l2p, cnt, max_replicas) = replica_table(replicas);
@@ -319,8 +319,8 @@ impl GpuLayer {
             _ => n,
         };
         let s2_len = match self.feed2 {
-            DevFeed::Bf16 => 1,
-            DevFeed::Group128 => kb(i) * n,
+            Feed::Bf16 => 1,
+            Feed::PerTokenGroup128 => kb(i) * n,
             _ => n,
         };
         let e2 = self.w2.operands.bytes() as usize;
@@ -513,7 +513,7 @@ impl GpuLayer {
                     .row_scales(dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s2, r, n)?;
             }
             let s2 = match self.feed2 {
-                DevFeed::Bf16 => None,
+                Feed::Bf16 => None,
                 _ => Some(&mut s.s2),
             };
             self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
@@ -674,13 +674,13 @@ impl GpuLayer {
                     .copy_from_slice(&h13[row * 2 * i..(row + 1) * 2 * i]);
                 for c in 0..i {
                     act[item * i + c] = match &self.feed2 {
-                        DevFeed::Bf16 => {
+                        Feed::Bf16 => {
                             let at = 2 * (row * i + c);
                             f32::from_bits(u32::from(u16::from_le_bytes([a[at], a[at + 1]])) << 16)
                         }
                         f => {
                             let scale = match f {
-                                DevFeed::Group128 => s2[(c / 128) * n + row],
+                                Feed::PerTokenGroup128 => s2[(c / 128) * n + row],
                                 _ => s2[row],
                             };
                             (f64::from(r::e4m3_to_f32(a[row * i + c])) * f64::from(scale)) as f32

@@ -630,7 +630,8 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
 #[test]
 fn gpu_operands_equal_the_dequantized_weights() {
     use moeforge::codegen::gemm::ws::{Operands, Scaling};
-    use moeforge::moe_gpu::{operands, DevFeed, GemmWeights};
+    use moeforge::moe_gpu::{operands, GemmWeights};
+    use moeforge::moe_host::Feed;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let value = |g: &GemmWeights, at: usize| -> f64 {
@@ -686,10 +687,13 @@ fn gpu_operands_equal_the_dequantized_weights() {
                 assert_eq!(have, want, "{name} {input}");
             }
             let want_feed = |which: usize| match act_of(name, which, &params) {
-                Act::Bf16 => DevFeed::Bf16,
-                Act::PerToken => DevFeed::PerToken,
-                Act::Group128 => DevFeed::Group128,
-                Act::Static(s) => DevFeed::Static(vec![s; E]),
+                Act::Bf16 => Feed::Bf16,
+                Act::PerToken => Feed::PerToken,
+                Act::Group128 => Feed::PerTokenGroup128,
+                Act::Static(s) => Feed::Static {
+                    param: ["w13_input_scale", "w2_input_scale"][which].into(),
+                    values: vec![s; E],
+                },
             };
             assert_eq!(ops.feed13, want_feed(0), "{name}");
             assert_eq!(ops.feed2, want_feed(1), "{name}");
