@@ -827,7 +827,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                     },
                     settings: settings.runtime.clone(),
                 };
-                let (report, _) = moeforge::bench_moe::run(&opts)?;
+                let report = moeforge::bench_moe::run(&opts)?;
                 write!(out, "{report}").map_err(io)?;
                 return Ok(());
             }

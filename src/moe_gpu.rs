@@ -154,8 +154,11 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         Scaling::Tensorwise { .. } => {
             let mut s = Vec::with_capacity(slots);
             for e in 0..slots {
-                let bits = l.scales.get(e * per_expert).copied().unwrap_or(0);
-                let all = &l.scales[e * per_expert..(e + 1) * per_expert];
+                let all = l
+                    .scales
+                    .get(e * per_expert..(e + 1) * per_expert)
+                    .unwrap_or_default();
+                let bits = all.first().copied().unwrap_or(0);
                 if all.iter().any(|&b| b != bits) {
                     return Err(unsupported(
                         info,
