@@ -320,11 +320,8 @@ impl GroupedGemm {
             Operands::Bf16 => WgmmaDtype::Bf16,
             Operands::E4m3 => WgmmaDtype::E4m3,
         };
-        let (x_rows, w_rows) = if cfg.swap_ab {
-            (cfg.bn, 64 * cfg.consumers)
-        } else {
-            (64 * cfg.consumers, cfg.bn)
-        };
+        // The TMA boxes: a tile's token rows of X and its weight rows of W.
+        let (x_rows, w_rows) = (cfg.tile_tokens(), cfg.tile_weights());
         let (xp, _xs) = op.x.device_ptr(&dev.stream);
         let (wp, _ws) = op.w.device_ptr(&dev.stream);
         let px = TensorMapParams::k_major(dtype, Swizzle::B128, xp, t as u64, k as u64, x_rows)
