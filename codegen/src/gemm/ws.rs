@@ -716,15 +716,7 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     k.b.push(Inst::Label(exit));
     k.b.push(Inst::Ret);
 
-    let mut s = entry.header()?;
-    s.push_str(&kb.b.decls());
-    s.push('\n');
-    for inst in &kb.b.insts {
-        s.push_str(&inst.to_string());
-        s.push('\n');
-    }
-    s.push_str("}\n");
-    Ok(s)
+    kb.entry_text(&entry)
 }
 
 /// The producer warpgroup: registers down, then thread 0 walks the tiles and keeps the ring full.
