@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 
-use crate::runtime::Device;
+use crate::runtime::{drv, Device};
 use crate::{Error, Result};
 
 /// HBM read-only streaming ceiling of the H200 (TB/s), ../shared/ANCHORS.md "Ceilings": the bound
@@ -547,11 +547,6 @@ pub trait GemmRunner {
 
     /// Queue one GEMM of the case last prepared on `dev.stream`, without waiting for it.
     fn launch(&mut self, dev: &Device) -> Result<()>;
-}
-
-fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    let f = crate::runtime::drv::<cudarc::driver::DriverError>(call);
-    move |e| Error::from(f(e))
 }
 
 /// Random finite bf16 values (magnitudes 2^-7 to 2, random signs) as little-endian bytes.

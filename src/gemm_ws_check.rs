@@ -10,6 +10,7 @@
 
 use std::fmt::Write as _;
 
+use crate::codegen::gemm::act_quant::scales_group_major;
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
 use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
@@ -282,17 +283,6 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
     Ok(out)
 }
 
-/// `[T, KB]` to `[KB, T]` (the kernel reads the activation scales of one K block contiguously).
-pub(crate) fn group_major(s: &[f32], t: usize, kb: usize) -> Vec<f32> {
-    let mut out = vec![0f32; s.len()];
-    for r in 0..t {
-        for j in 0..kb {
-            out[j * t + r] = s[r * kb + j];
-        }
-    }
-    out
-}
-
 /// Which rows to compare: all of them when the case is small, else each expert's first and last
 /// row where 12 fit, and random others (24 rows in all: the f64 reference of an e4m3 model shape
 /// costs seconds per row on the host).
@@ -366,7 +356,7 @@ fn run_one(
     let dw = upload(dev, op.w)?;
     let doff = upload(dev, &offsets)?;
     let xs_dev = if cfg.scaling == Scaling::Block128 {
-        group_major(&op.x_scale, t, k.div_ceil(128))
+        scales_group_major(&op.x_scale, t, k)?
     } else {
         op.x_scale.clone()
     };
@@ -499,7 +489,10 @@ mod tests {
     fn group_major_transposes() {
         let s: Vec<f32> = (0..6).map(|v| v as f32).collect();
         // [T = 2, KB = 3] -> [3, 2]
-        assert_eq!(group_major(&s, 2, 3), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        assert_eq!(
+            scales_group_major(&s, 2, 3 * 128).unwrap(),
+            vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
     }
 
     /// Every variant of every case is one the generator accepts, and the cases hold the named

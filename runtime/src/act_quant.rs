@@ -28,17 +28,7 @@ impl ActQuant {
     /// the driver's linker and load it. Errors: no driver or another architecture (`NoDriver`), a K
     /// the generator refuses (0, not a multiple of 8, too large: `Codegen`), the JIT's.
     pub fn load(dev: &Device, mode: Mode, k: u32) -> Result<ActQuant> {
-        if !crate::device::driver_present() {
-            return Err(Error::NoDriver(
-                "activation quantization needs the CUDA driver".into(),
-            ));
-        }
-        if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
-            return Err(Error::NoDriver(format!(
-                "the activation-quantization kernels are sm_90a (Hopper) only; this device is compute capability {:?}",
-                dev.capability
-            )));
-        }
+        crate::gemm_ws::hopper_only(dev, "activation quantization")?;
         let (ptx, launch) = act_quant::act_quant(mode, k)?;
         let (cubin, _log) = crate::jit::link_ptx(dev, &launch.entry, &ptx)?;
         let module = dev

@@ -83,16 +83,16 @@ impl TuneKey {
     }
 
     /// The key as JSON (an object with one member per field; names of the enums as
-    /// [`operands_name`], [`scaling_name`] and [`out_name`] give them).
+    /// [`Operands::name`], [`scaling_name`] and [`OutTy::name`] give them).
     pub fn to_json(&self) -> Value {
         json!({
             "gpu": self.gpu,
             "driver": self.driver,
             "version": self.version,
             "codegen": self.codegen,
-            "operands": operands_name(self.operands),
+            "operands": self.operands.name(),
             "scaling": scaling_name(self.scaling),
-            "out": out_name(self.out),
+            "out": self.out.name(),
             "n": self.n,
             "k": self.k,
             "experts": self.experts,
@@ -109,9 +109,9 @@ impl TuneKey {
             self.driver,
             Value::from(self.version.as_str()),
             Value::from(self.codegen.as_str()),
-            operands_name(self.operands),
+            self.operands.name(),
             scaling_name(self.scaling),
-            out_name(self.out),
+            self.out.name(),
             self.n,
             self.k,
             self.experts,
@@ -131,9 +131,9 @@ impl TuneKey {
             self.gpu,
             self.driver,
             self.version,
-            operands_name(self.operands),
+            self.operands.name(),
             scaling_name(self.scaling),
-            out_name(self.out),
+            self.out.name(),
             self.n,
             self.k,
             self.experts,
@@ -175,9 +175,9 @@ impl TuneEntry {
         json!({
             "tag": c.tag(),
             "config": {
-                "operands": operands_name(c.operands),
+                "operands": c.operands.name(),
                 "scaling": scaling_name(c.scaling),
-                "out": out_name(c.out),
+                "out": c.out.name(),
                 "consumers": c.consumers,
                 "bn": c.bn,
                 "stages": c.stages,
@@ -458,18 +458,10 @@ fn u32_of(v: &Value, name: &str) -> Option<u32> {
     u32::try_from(v.get(name)?.as_u64()?).ok()
 }
 
-/// `bf16` or `e4m3`.
-pub fn operands_name(o: Operands) -> &'static str {
-    match o {
-        Operands::Bf16 => "bf16",
-        Operands::E4m3 => "e4m3",
-    }
-}
-
 fn operands_from(s: &str) -> Option<Operands> {
     [Operands::Bf16, Operands::E4m3]
         .into_iter()
-        .find(|o| operands_name(*o) == s)
+        .find(|o| o.name() == s)
 }
 
 /// `none`, `tensorwise_per_token`, `tensorwise` or `block128`.
@@ -493,18 +485,10 @@ fn scaling_from(s: &str) -> Option<Scaling> {
     .find(|x| scaling_name(*x) == s)
 }
 
-/// `bf16` or `f32`.
-pub fn out_name(o: OutTy) -> &'static str {
-    match o {
-        OutTy::Bf16 => "bf16",
-        OutTy::F32 => "f32",
-    }
-}
-
 fn out_from(s: &str) -> Option<OutTy> {
     [OutTy::Bf16, OutTy::F32]
         .into_iter()
-        .find(|o| out_name(*o) == s)
+        .find(|o| o.name() == s)
 }
 
 #[cfg(test)]

@@ -70,15 +70,15 @@ pub fn variant_cubin(
     Ok((cubin, hit, log))
 }
 
-fn check_device(dev: &Device) -> Result<()> {
+/// `NoDriver` unless a driver is present and `dev` is Hopper (sm_90a); `what` names the kernels in
+/// the message (the GEMM layer's kernels are sm_90a only).
+pub(crate) fn hopper_only(dev: &Device, what: &str) -> Result<()> {
     if !crate::device::driver_present() {
-        return Err(Error::NoDriver(
-            "the grouped GEMM needs the CUDA driver".into(),
-        ));
+        return Err(Error::NoDriver(format!("{what} needs the CUDA driver")));
     }
     if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
         return Err(Error::NoDriver(format!(
-            "the grouped GEMM is sm_90a (Hopper) only; this device is compute capability {:?}",
+            "{what} is sm_90a (Hopper) only; this device is compute capability {:?}",
             dev.capability
         )));
     }
@@ -149,7 +149,7 @@ impl GroupedGemm {
     /// linker, load it and allow it its dynamic shared memory. No cache: every call compiles
     /// ([`GroupedGemm::load_cached`] goes through the kernel cache).
     pub fn load(dev: &Device, cfg: &WsConfig) -> Result<GroupedGemm> {
-        check_device(dev)?;
+        hopper_only(dev, "the grouped GEMM")?;
         let (entry, ptx) = variant_ptx(cfg)?;
         let (cubin, jit_log) = crate::jit::link_ptx(dev, &entry, &ptx)?;
         GroupedGemm::from_cubin(dev, cfg, entry, cubin, jit_log, None)
@@ -165,7 +165,7 @@ impl GroupedGemm {
         cache: &Cache,
         compiler: &Compiler,
     ) -> Result<GroupedGemm> {
-        check_device(dev)?;
+        hopper_only(dev, "the grouped GEMM")?;
         let (entry, ptx) = variant_ptx(cfg)?;
         let (cubin, hit, jit_log) = variant_cubin(cache, compiler, Some(dev), &entry, &ptx)?;
         GroupedGemm::from_cubin(dev, cfg, entry, cubin.as_ref().clone(), jit_log, Some(hit))
@@ -320,11 +320,8 @@ impl GroupedGemm {
             Operands::Bf16 => WgmmaDtype::Bf16,
             Operands::E4m3 => WgmmaDtype::E4m3,
         };
-        let (x_rows, w_rows) = if cfg.swap_ab {
-            (cfg.bn, 64 * cfg.consumers)
-        } else {
-            (64 * cfg.consumers, cfg.bn)
-        };
+        // The TMA boxes: a tile's token rows of X and its weight rows of W.
+        let (x_rows, w_rows) = (cfg.tile_tokens(), cfg.tile_weights());
         let (xp, _xs) = op.x.device_ptr(&dev.stream);
         let (wp, _ws) = op.w.device_ptr(&dev.stream);
         let px = TensorMapParams::k_major(dtype, Swizzle::B128, xp, t as u64, k as u64, x_rows)

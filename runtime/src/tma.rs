@@ -142,7 +142,7 @@ pub fn encode(p: &TensorMapParams) -> Result<TensorMap> {
 /// a launch asks here, and only the first ask for a (buffer, box) encodes.
 #[derive(Default)]
 pub struct TensorMapCache {
-    maps: Mutex<HashMap<String, TensorMap>>,
+    maps: Mutex<HashMap<TensorMapParams, TensorMap>>,
 }
 
 impl TensorMapCache {
@@ -153,13 +153,12 @@ impl TensorMapCache {
 
     /// The encoded map for `p`, encoding it on the first ask.
     pub fn get(&self, p: &TensorMapParams) -> Result<TensorMap> {
-        let key = format!("{p:?}");
-        if let Some(m) = self.maps.lock().ok().and_then(|m| m.get(&key).copied()) {
+        if let Some(m) = self.maps.lock().ok().and_then(|m| m.get(p).copied()) {
             return Ok(m);
         }
         let m = encode(p)?;
         if let Ok(mut maps) = self.maps.lock() {
-            maps.insert(key, m);
+            maps.insert(*p, m);
         }
         Ok(m)
     }

@@ -34,10 +34,12 @@
 //! aligned), `.param .u64 scales` (f32 `[T]` or `[ceil(K/128), T]`, 4-byte aligned), `.param .u32
 //! rows` (`T`). `K` is compiled in. Grid: [`Launch::grid`] CTAs of [`Launch::threads`].
 
+use super::emit::K;
+use super::kernel::module_header;
 use crate::gemm::reference::{self, BLOCK};
 use crate::ptx::{
     BinOpcode, Builder, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SharedDecl,
-    SharedTy, SpecialReg, UnOpcode, PTX_VERSION,
+    SharedTy, SpecialReg, UnOpcode,
 };
 use crate::{Error, Result};
 
@@ -219,108 +221,21 @@ pub fn act_quant(mode: Mode, k: u32) -> Result<(String, Launch)> {
         Param::global_ptr(PARAMS[2], 4),
         Param::scalar(PARAMS[3], PtxTy::U32),
     ];
-    let mut g = G {
+    let mut g = K {
         b: Builder::default(),
     };
     match mode {
         Mode::PerToken => per_token(&mut g, &l)?,
         Mode::PerGroup128 => per_group(&mut g, &l),
     }
-    let mut s = format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n\n");
-    s.push_str(&entry.header()?);
-    s.push_str(&g.b.decls());
-    s.push('\n');
-    for inst in &g.b.insts {
-        s.push_str(&inst.to_string());
-        s.push('\n');
-    }
-    s.push_str("}\n");
-    Ok((s, l))
+    Ok((module_header() + &g.entry_text(&entry)?, l))
 }
 
-/// Instruction helpers over the builder.
-struct G {
-    b: Builder,
-}
-
-impl G {
-    fn r32(&mut self) -> Reg {
-        self.b.reg(RegClass::B32)
-    }
-
-    fn un(&mut self, op: UnOpcode, class: RegClass, a: Operand) -> Reg {
-        let d = self.b.reg(class);
-        self.b.push(Inst::Un { op, d, a });
-        d
-    }
-
-    fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
-        self.b.push(Inst::Bin {
-            op,
-            ty,
-            d,
-            a: Operand::Reg(a),
-            b,
-        });
-    }
-
-    fn bin(&mut self, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) -> Reg {
-        let class = match ty {
-            PtxTy::U64 | PtxTy::B64 | PtxTy::S64 => RegClass::B64,
-            PtxTy::Pred => RegClass::Pred,
-            PtxTy::F32 => RegClass::F32,
-            _ => RegClass::B32,
-        };
-        let d = self.b.reg(class);
-        self.bin_to(d, op, ty, a, b);
-        d
-    }
-
-    /// `mul.wide.u32`: a 64-bit product.
-    fn wide(&mut self, a: Reg, b: i64) -> Reg {
-        let d = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Bin {
-            op: BinOpcode::MulWide,
-            ty: PtxTy::U32,
-            d,
-            a: Operand::Reg(a),
-            b: Operand::Int(b),
-        });
-        d
-    }
-
-    fn setp(&mut self, cmp: CmpOp, a: Reg, b: Operand) -> Reg {
-        let p = self.b.reg(RegClass::Pred);
-        self.b.push(Inst::Setp {
-            cmp,
-            ty: PtxTy::U32,
-            p,
-            a: Operand::Reg(a),
-            b,
-        });
-        p
-    }
-
-    fn special(&mut self, name: SpecialReg) -> Reg {
-        let d = self.r32();
-        self.b.push(Inst::Special { d, name });
-        d
-    }
-
-    fn global_param(&mut self, name: &str) -> Reg {
-        let p = self.b.reg(RegClass::B64);
-        self.b.push(Inst::LdParam {
-            ty: PtxTy::U64,
-            d: p,
-            name: name.into(),
-        });
-        let g = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Cvta { d: g, a: p });
-        g
-    }
-
+/// The activation quantizers' own helpers over [`K`].
+impl K {
+    /// The `rows` parameter (`T`).
     fn rows(&mut self) -> Reg {
-        let d = self.r32();
+        let d = self.reg32();
         self.b.push(Inst::LdParam {
             ty: PtxTy::U32,
             d,
@@ -329,17 +244,10 @@ impl G {
         d
     }
 
-    fn bra(&mut self, label: &str, pred: Option<(Reg, bool)>) {
-        self.b.push(Inst::Bra {
-            label: label.into(),
-            pred,
-        });
-    }
-
     /// Four words of 8 bf16 from `addr`, skipped (left zero: they add nothing to the amax) where
     /// `valid` is false.
     fn load_chunk(&mut self, addr: Reg, valid: Option<Reg>) -> [Reg; 4] {
-        let words = [self.r32(), self.r32(), self.r32(), self.r32()];
+        let words = [self.reg32(), self.reg32(), self.reg32(), self.reg32()];
         let skip = valid.map(|p| {
             for w in words {
                 self.b.push(Inst::Un {
@@ -377,7 +285,7 @@ impl G {
     /// `m = max(m, m from lane ^ d)` for each XOR distance `d` (all 32 lanes take part).
     fn reduce_max(&mut self, m: Reg, distances: &[i64]) {
         for &d in distances {
-            let o = self.r32();
+            let o = self.reg32();
             self.b.push(Inst::ShflBfly {
                 d: o,
                 a: m,
@@ -409,7 +317,7 @@ impl G {
                 ys.push(self.bin(op, PtxTy::F32, v, Operand::Reg(s)));
             }
         }
-        let mut out = [self.r32(), self.r32()];
+        let mut out = [self.reg32(), self.reg32()];
         for (h, d) in out.iter_mut().enumerate() {
             let vals = [ys[4 * h], ys[4 * h + 1], ys[4 * h + 2], ys[4 * h + 3]];
             self.b.push(Inst::CvtE4m3Pack { d: *d, vals });
@@ -427,7 +335,7 @@ impl G {
 
 /// One CTA per row: load the row into registers, reduce the amax over the CTA, store the scale
 /// (thread 0) and the codes.
-fn per_token(g: &mut G, l: &Launch) -> Result<()> {
+fn per_token(g: &mut K, l: &Launch) -> Result<()> {
     let (threads, cpt) = (l.threads, l.chunks_per_thread);
     let chunks = l.k / 8;
     let warps = threads / 32;
@@ -457,7 +365,7 @@ fn per_token(g: &mut G, l: &Launch) -> Result<()> {
             Some(g.setp(CmpOp::Lt, tid, Operand::Int(bound)))
         });
     }
-    let m = g.r32();
+    let m = g.reg32();
     g.b.push(Inst::Un {
         op: UnOpcode::Mov(PtxTy::U32),
         d: m,
@@ -491,7 +399,7 @@ fn per_token(g: &mut G, l: &Launch) -> Result<()> {
         g.b.push(Inst::Label(stored));
         g.b.push(Inst::BarSync);
         for w in 0..warps {
-            let o = g.r32();
+            let o = g.reg32();
             g.b.push(Inst::LdShared {
                 d: o,
                 addr: smem,
@@ -561,7 +469,7 @@ fn per_token(g: &mut G, l: &Launch) -> Result<()> {
 }
 
 /// A half warp per `(row, group)`: `h = 16 ctaid + tid / 16`, `row = h / G`, `group = h % G`.
-fn per_group(g: &mut G, l: &Launch) {
+fn per_group(g: &mut K, l: &Launch) {
     let k = l.k;
     let ngroups = i64::from(k.div_ceil(BLOCK as u32));
     let tid = g.special(SpecialReg::TidX);
@@ -602,7 +510,7 @@ fn per_group(g: &mut G, l: &Launch) {
     let xa = g.bin(BinOpcode::Add, PtxTy::U64, x, Operand::Reg(row_x));
     g.bin_to(xa, BinOpcode::Add, PtxTy::U64, xa, Operand::Reg(col_x));
     let words = g.load_chunk(xa, Some(valid));
-    let m = g.r32();
+    let m = g.reg32();
     g.b.push(Inst::Un {
         op: UnOpcode::Mov(PtxTy::U32),
         d: m,

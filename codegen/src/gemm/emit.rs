@@ -1,8 +1,9 @@
 //! Small instruction helpers over the typed PTX builder, shared by the GEMM kernels' generators.
 
 use crate::ptx::{
-    BinOpcode, Builder, CmpOp, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
+    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
 };
+use crate::Result;
 
 /// A few instruction helpers over the builder.
 pub(crate) struct K {
@@ -42,10 +43,31 @@ impl K {
         let class = match ty {
             PtxTy::U64 | PtxTy::B64 | PtxTy::S64 => RegClass::B64,
             PtxTy::Pred => RegClass::Pred,
+            PtxTy::F32 => RegClass::F32,
             _ => RegClass::B32,
         };
         let d = self.b.reg(class);
         self.bin_to(d, op, ty, a, b);
+        d
+    }
+
+    /// A unary instruction into a fresh register of `class`.
+    pub(crate) fn un(&mut self, op: UnOpcode, class: RegClass, a: Operand) -> Reg {
+        let d = self.b.reg(class);
+        self.b.push(Inst::Un { op, d, a });
+        d
+    }
+
+    /// `mul.wide.u32`: the 64-bit product `a * b`.
+    pub(crate) fn wide(&mut self, a: Reg, b: i64) -> Reg {
+        let d = self.b.reg(RegClass::B64);
+        self.b.push(Inst::Bin {
+            op: BinOpcode::MulWide,
+            ty: PtxTy::U32,
+            d,
+            a: Operand::Reg(a),
+            b: Operand::Int(b),
+        });
         d
     }
 
@@ -165,15 +187,22 @@ impl K {
 
     /// `base + index * scale` as a 64-bit address (`mul.wide.u32` of a 32-bit index).
     pub(crate) fn addr(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
-        let off = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Bin {
-            op: BinOpcode::MulWide,
-            ty: PtxTy::U32,
-            d: off,
-            a: Operand::Reg(index),
-            b: Operand::Int(scale),
-        });
+        let off = self.wide(index, scale);
         self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
+    }
+
+    /// The text of `entry` with this builder's declarations and instructions as its body (no module
+    /// header).
+    pub(crate) fn entry_text(&self, entry: &Entry) -> Result<String> {
+        let mut s = entry.header()?;
+        s.push_str(&self.b.decls());
+        s.push('\n');
+        for inst in &self.b.insts {
+            s.push_str(&inst.to_string());
+            s.push('\n');
+        }
+        s.push_str("}\n");
+        Ok(s)
     }
 }
 

@@ -561,14 +561,7 @@ pub fn grouped_bf16_v0_entry(name: &str, n: u32, k: u32, stages: u32) -> Result<
     }
     k.b.push(Inst::Ret);
 
-    let mut s = entry.header()?;
-    s.push_str(&kb.b.decls());
-    s.push('\n');
-    for inst in &kb.b.insts {
-        s.push_str(&inst.to_string());
-        s.push('\n');
-    }
-    s.push_str("}\n");
+    let s = kb.entry_text(&entry)?;
     Ok((s, launch))
 }
 

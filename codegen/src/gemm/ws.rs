@@ -86,7 +86,8 @@ impl Operands {
         }
     }
 
-    fn name(self) -> &'static str {
+    /// `bf16` or `e4m3` (the tags' and the tuning cache's name).
+    pub const fn name(self) -> &'static str {
         match self {
             Operands::Bf16 => "bf16",
             Operands::E4m3 => "e4m3",
@@ -124,6 +125,14 @@ impl OutTy {
         match self {
             OutTy::F32 => 4,
             OutTy::Bf16 => 2,
+        }
+    }
+
+    /// `f32` or `bf16` (the tags' and the tuning cache's name).
+    pub const fn name(self) -> &'static str {
+        match self {
+            OutTy::F32 => "f32",
+            OutTy::Bf16 => "bf16",
         }
     }
 }
@@ -254,10 +263,7 @@ impl WsConfig {
             Scaling::Tensorwise { per_token: false } => "s",
             Scaling::Block128 => "b",
         };
-        let out = match self.out {
-            OutTy::F32 => "f32",
-            OutTy::Bf16 => "bf16",
-        };
+        let out = self.out.name();
         let split = if self.split_k > 1 {
             format!("_k{}", self.split_k)
         } else {
@@ -716,15 +722,7 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     k.b.push(Inst::Label(exit));
     k.b.push(Inst::Ret);
 
-    let mut s = entry.header()?;
-    s.push_str(&kb.b.decls());
-    s.push('\n');
-    for inst in &kb.b.insts {
-        s.push_str(&inst.to_string());
-        s.push('\n');
-    }
-    s.push_str("}\n");
-    Ok(s)
+    kb.entry_text(&entry)
 }
 
 /// The producer warpgroup: registers down, then thread 0 walks the tiles and keeps the ring full.
