@@ -28,13 +28,9 @@ impl ActQuant {
     /// the driver's linker and load it. Errors: no driver or another architecture (`NoDriver`), a K
     /// the generator refuses (0, not a multiple of 8, too large: `Codegen`), the JIT's.
     pub fn load(dev: &Device, mode: Mode, k: u32) -> Result<ActQuant> {
-        crate::gemm_ws::hopper_only(dev, "activation quantization")?;
+        crate::device::hopper_only(dev, "activation quantization")?;
         let (ptx, launch) = act_quant::act_quant(mode, k)?;
-        let (cubin, _log) = crate::jit::link_ptx(dev, &launch.entry, &ptx)?;
-        let module = dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(drv("cuModuleLoadData"))?;
+        let module = crate::jit::load_ptx(dev, &launch.entry, &ptx)?;
         let func = module
             .load_function(&launch.entry)
             .map_err(drv("cuModuleGetFunction"))?;

@@ -160,6 +160,22 @@ impl Device {
     }
 }
 
+/// `NoDriver` unless a driver is present and `dev` is Hopper (sm_90a): the check of every loader of
+/// the sm_90a-only kernels (grouped GEMMs, activation quantization, the MoE layer's kernels); `what`
+/// names the kernels in the message.
+pub(crate) fn hopper_only(dev: &Device, what: &str) -> Result<()> {
+    if !driver_present() {
+        return Err(Error::NoDriver(format!("{what} needs the CUDA driver")));
+    }
+    if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
+        return Err(Error::NoDriver(format!(
+            "{what} is sm_90a (Hopper) only; this device is compute capability {:?}",
+            dev.capability
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,23 +37,9 @@ impl GemmBf16V0 {
     /// (Hopper, sm_90a, only) through the driver's linker, load it and allow it its dynamic shared
     /// memory.
     pub fn load(dev: &Device, n: u32, k: u32, stages: u32) -> Result<GemmBf16V0> {
-        if !crate::device::driver_present() {
-            return Err(Error::NoDriver(
-                "the grouped GEMM needs the CUDA driver".into(),
-            ));
-        }
-        if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
-            return Err(Error::NoDriver(format!(
-                "the grouped GEMM v0 is sm_90a (Hopper) only; this device is compute capability {:?}",
-                dev.capability
-            )));
-        }
+        crate::device::hopper_only(dev, "the grouped GEMM v0")?;
         let (ptx, launch) = kernel::grouped_bf16_v0(n, k, stages)?;
-        let (cubin, _log) = crate::jit::link_ptx(dev, kernel::V0_ENTRY, &ptx)?;
-        let module = dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(drv("cuModuleLoadData"))?;
+        let module = crate::jit::load_ptx(dev, kernel::V0_ENTRY, &ptx)?;
         let func = module
             .load_function(kernel::V0_ENTRY)
             .map_err(drv("cuModuleGetFunction"))?;

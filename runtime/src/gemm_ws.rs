@@ -70,21 +70,6 @@ pub fn variant_cubin(
     Ok((cubin, hit, log))
 }
 
-/// `NoDriver` unless a driver is present and `dev` is Hopper (sm_90a); `what` names the kernels in
-/// the message (the GEMM layer's kernels are sm_90a only).
-pub(crate) fn hopper_only(dev: &Device, what: &str) -> Result<()> {
-    if !crate::device::driver_present() {
-        return Err(Error::NoDriver(format!("{what} needs the CUDA driver")));
-    }
-    if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
-        return Err(Error::NoDriver(format!(
-            "{what} is sm_90a (Hopper) only; this device is compute capability {:?}",
-            dev.capability
-        )));
-    }
-    Ok(())
-}
-
 /// One loaded variant.
 pub struct GroupedGemm {
     _module: Arc<CudaModule>,
@@ -149,7 +134,7 @@ impl GroupedGemm {
     /// linker, load it and allow it its dynamic shared memory. No cache: every call compiles
     /// ([`GroupedGemm::load_cached`] goes through the kernel cache).
     pub fn load(dev: &Device, cfg: &WsConfig) -> Result<GroupedGemm> {
-        hopper_only(dev, "the grouped GEMM")?;
+        crate::device::hopper_only(dev, "the grouped GEMM")?;
         let (entry, ptx) = variant_ptx(cfg)?;
         let (cubin, jit_log) = crate::jit::link_ptx(dev, &entry, &ptx)?;
         GroupedGemm::from_cubin(dev, cfg, entry, cubin, jit_log, None)
@@ -165,7 +150,7 @@ impl GroupedGemm {
         cache: &Cache,
         compiler: &Compiler,
     ) -> Result<GroupedGemm> {
-        hopper_only(dev, "the grouped GEMM")?;
+        crate::device::hopper_only(dev, "the grouped GEMM")?;
         let (entry, ptx) = variant_ptx(cfg)?;
         let (cubin, hit, jit_log) = variant_cubin(cache, compiler, Some(dev), &entry, &ptx)?;
         GroupedGemm::from_cubin(dev, cfg, entry, cubin.as_ref().clone(), jit_log, Some(hit))

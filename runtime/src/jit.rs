@@ -106,6 +106,19 @@ pub fn link_ptx(dev: &Device, name: &str, ptx: &str) -> Result<(Vec<u8>, String)
     result
 }
 
+/// JIT `ptx` with the driver's linker ([`link_ptx`]; `name` labels it) and load the module on
+/// `dev`'s context: what every loader of a kernel outside the cache does.
+pub(crate) fn load_ptx(
+    dev: &Device,
+    name: &str,
+    ptx: &str,
+) -> Result<std::sync::Arc<cudarc::driver::CudaModule>> {
+    let (cubin, _log) = link_ptx(dev, name, ptx)?;
+    dev.ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+        .map_err(crate::drv("cuModuleLoadData"))
+}
+
 /// Which compiler turns PTX into cubins, as asked for (the CLI's `MOEFORGE_JIT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum CompilerChoice {

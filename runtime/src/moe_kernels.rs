@@ -19,28 +19,6 @@ use moeforge_codegen::moe::combine::{
 
 use crate::{drv, Device, Error, Result};
 
-/// `NoDriver` unless a driver is present and `dev` is Hopper (sm_90a).
-fn hopper_only(dev: &Device, what: &str) -> Result<()> {
-    if !crate::device::driver_present() {
-        return Err(Error::NoDriver(format!("the {what} needs the CUDA driver")));
-    }
-    if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
-        return Err(Error::NoDriver(format!(
-            "the {what} kernels are sm_90a (Hopper) only; this device is compute capability {:?}",
-            dev.capability
-        )));
-    }
-    Ok(())
-}
-
-/// JIT `ptx` (its first entry `first` names the module) and load it.
-fn load_module(dev: &Device, first: &str, ptx: &str) -> Result<Arc<CudaModule>> {
-    let (cubin, _log) = crate::jit::link_ptx(dev, first, ptx)?;
-    dev.ctx
-        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-        .map_err(drv("cuModuleLoadData"))
-}
-
 fn cfg(grid: u32, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid, 1, 1),
@@ -85,9 +63,9 @@ impl MoeAct {
     /// (`NoDriver`), a width the generator refuses (0, not a multiple of 8, past 16384:
     /// `Codegen`), the JIT's.
     pub fn load(dev: &Device, input: ActIn, output: ActOut, width: u32) -> Result<MoeAct> {
-        hopper_only(dev, "MoE activation")?;
+        crate::device::hopper_only(dev, "the MoE activation kernel")?;
         let (ptx, launch) = act::act_module(input, output, width)?;
-        let module = load_module(dev, ACT_ENTRY, &ptx)?;
+        let module = crate::jit::load_ptx(dev, ACT_ENTRY, &ptx)?;
         let func = module
             .load_function(ACT_ENTRY)
             .map_err(drv("cuModuleGetFunction"))?;
@@ -199,9 +177,9 @@ impl MoeCombine {
     /// load its three kernels. Errors: no driver or another architecture (`NoDriver`), a hidden
     /// size the generator refuses (`Codegen`), the JIT's.
     pub fn load(dev: &Device, hidden: u32) -> Result<MoeCombine> {
-        hopper_only(dev, "MoE combine")?;
+        crate::device::hopper_only(dev, "the MoE combine kernels")?;
         let (ptx, launch) = combine::combine_module(hidden)?;
-        let module = load_module(dev, INVERT_ENTRY, &ptx)?;
+        let module = crate::jit::load_ptx(dev, INVERT_ENTRY, &ptx)?;
         let f = |name: &str| {
             module
                 .load_function(name)
