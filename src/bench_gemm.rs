@@ -212,8 +212,8 @@ pub fn case_seed(model: &str, tokens: usize) -> u64 {
 /// Uniform random top-k routing, as `torch_anchors.py`'s `routing(M, E, k, 0)` (the top k of
 /// i.i.d. normal logits: k distinct experts, every k-subset equally likely): each of `tokens`
 /// tokens picks `top_k` distinct experts of `experts` by a partial Fisher-Yates shuffle. Returns
-/// the rows per expert (summing to `tokens * top_k`). Errors when `top_k` is 0 or above `experts`.
-pub fn routing(tokens: usize, experts: usize, top_k: usize, seed: u64) -> Result<Vec<usize>> {
+/// the chosen experts, `[tokens, top_k]` row-major. Errors when `top_k` is 0 or above `experts`.
+pub fn routing_ids(tokens: usize, experts: usize, top_k: usize, seed: u64) -> Result<Vec<usize>> {
     if top_k == 0 || top_k > experts {
         return Err(Error::Usage(format!(
             "routing: top-{top_k} of {experts} experts (needs 1 <= top_k <= experts)"
@@ -221,13 +221,22 @@ pub fn routing(tokens: usize, experts: usize, top_k: usize, seed: u64) -> Result
     }
     let mut rng = SplitMix(seed);
     let mut ids: Vec<usize> = (0..experts).collect();
-    let mut rows = vec![0usize; experts];
+    let mut out = Vec::with_capacity(tokens * top_k);
     for _ in 0..tokens {
         for j in 0..top_k {
             let r = j + rng.below(experts - j);
             ids.swap(j, r);
-            rows[ids[j]] += 1;
+            out.push(ids[j]);
         }
+    }
+    Ok(out)
+}
+
+/// [`routing_ids`] as rows per expert (summing to `tokens * top_k`).
+pub fn routing(tokens: usize, experts: usize, top_k: usize, seed: u64) -> Result<Vec<usize>> {
+    let mut rows = vec![0usize; experts];
+    for e in routing_ids(tokens, experts, top_k, seed)? {
+        rows[e] += 1;
     }
     Ok(rows)
 }

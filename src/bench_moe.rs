@@ -98,28 +98,19 @@ fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
     }
 }
 
-/// Uniform top-k ids `[tokens, top_k]` (distinct experts per token, partial Fisher-Yates) from
-/// `seed`, and the number of experts that received any.
-pub fn routing_ids(tokens: usize, experts: usize, top_k: usize, seed: u64) -> (Vec<i32>, usize) {
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        state.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    };
-    let mut pool: Vec<usize> = (0..experts).collect();
+/// The case's routing ([`crate::bench_gemm::routing_ids`], the GEMM benchmark's) as `topk_ids`,
+/// and the number of experts that received any.
+fn routing(tokens: usize, experts: usize, top_k: usize, seed: u64) -> Result<(Vec<i32>, usize)> {
+    let ids = crate::bench_gemm::routing_ids(tokens, experts, top_k, seed)?;
     let mut used = vec![false; experts];
-    let mut ids = Vec::with_capacity(tokens * top_k);
-    for _ in 0..tokens {
-        for j in 0..top_k.min(experts) {
-            let r = j + (next() % (experts - j) as u64) as usize;
-            pool.swap(j, r);
-            used[pool[j]] = true;
-            ids.push(pool[j] as i32);
-        }
+    for &e in &ids {
+        used[e] = true;
     }
-    (ids, used.iter().filter(|&&u| u).count())
+    let ids = ids
+        .into_iter()
+        .map(|e| i32::try_from(e).unwrap_or(i32::MAX))
+        .collect();
+    Ok((ids, used.iter().filter(|&&u| u).count()))
 }
 
 /// One timed case.
@@ -277,7 +268,7 @@ pub fn run(opts: &Options) -> Result<String> {
     for model in &opts.selection.models {
         let (e, h, i, k) = (model.experts, model.hidden, model.intermediate, model.top_k);
         for &tokens in &opts.selection.tokens {
-            let (ids, _) = routing_ids(tokens, e, k, case_seed(model.name, tokens));
+            let (ids, _) = routing(tokens, e, k, case_seed(model.name, tokens))?;
             cases.push(json!({
                 "model": model.name, "tokens": tokens, "experts": e, "top_k": k,
                 "hidden": h, "intermediate": i, "ids": ids,
@@ -288,7 +279,7 @@ pub fn run(opts: &Options) -> Result<String> {
             let mut layer = GpuLayer::new(&dev, &ops, &Replicas::identity(e), &opts.settings)?;
             drop(ops);
             for &tokens in &opts.selection.tokens {
-                let (ids, active) = routing_ids(tokens, e, k, case_seed(model.name, tokens));
+                let (ids, active) = routing(tokens, e, k, case_seed(model.name, tokens))?;
                 let mut xb = vec![0u8; 2 * tokens * h];
                 random_bf16(&mut xb, 0x5EED_00A0 ^ tokens as u64);
                 let x: Vec<u16> = xb
