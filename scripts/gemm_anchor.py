@@ -20,65 +20,22 @@ readable cases file it prints one {"error": ...} record and exits 0. Timing: tri
 (median; it clears a 256 MB buffer before each rep, as moeforge flushes L2), or CUDA events with the
 same flush where triton is absent.
 """
-import json
 import sys
 
-
-def emit(**kw):
-    print(json.dumps(kw), flush=True)
+from anchor_common import emit, setup, timer
 
 
 def main(argv):
-    if len(argv) != 2:
-        emit(error="usage: gemm_anchor.py CASES.json")
+    got = setup(argv, "gemm_anchor.py")
+    if got is None:
         return 0
-    try:
-        with open(argv[1]) as f:
-            cases = json.load(f)["cases"]
-    except Exception as e:  # noqa: BLE001 - any unreadable input is reported, not raised
-        emit(error=f"cannot read cases {argv[1]}: {e}"[:300])
-        return 0
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        emit(error=f"torch not importable: {e}"[:300])
-        return 0
-    if not torch.cuda.is_available():
-        emit(error=f"torch {torch.__version__}: no CUDA device")
-        return 0
+    cases, torch = got
     dev = "cuda"
-    torch.manual_seed(0)
 
-    try:
-        from triton.testing import do_bench
-
-        def bench(fn):
-            return do_bench(fn, warmup=5, rep=30, return_mode="median")  # ms
-
-        timer = "triton do_bench"
-    except Exception:  # noqa: BLE001
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-
-        def bench(fn):
-            fn()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(20):
-                flush.zero_()
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b))
-            ts.sort()
-            return ts[len(ts) // 2]
-
-        timer = "CUDA events (triton absent)"
+    bench, timer_name = timer(torch, dev)
 
     props = torch.cuda.get_device_properties(0)
-    emit(what="device", name=props.name, torch=torch.__version__, timer=timer)
+    emit(what="device", name=props.name, torch=torch.__version__, timer=timer_name)
 
     weights = {}  # (E, N, K) -> {"bf16": tensor, "fp8": tensor}
     done = {}  # (model, tokens, kind) -> (us or None, error or None)

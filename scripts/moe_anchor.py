@@ -17,62 +17,20 @@ Prints one JSON object per line: {"what": "device", ...}, then per case {model, 
 {"error": ...} record and exits 0. Timing: triton's do_bench (median, clearing a 256 MB buffer
 before each rep), or CUDA events with the same flush where triton is absent.
 """
-import json
 import sys
 
-
-def emit(**kw):
-    print(json.dumps(kw), flush=True)
+from anchor_common import emit, setup, timer
 
 
 def main(argv):
-    if len(argv) != 2:
-        emit(error="usage: moe_anchor.py CASES.json")
+    got = setup(argv, "moe_anchor.py")
+    if got is None:
         return 0
-    try:
-        with open(argv[1]) as f:
-            cases = json.load(f)["cases"]
-    except Exception as e:  # noqa: BLE001 - any unreadable input is reported, not raised
-        emit(error=f"cannot read cases {argv[1]}: {e}"[:300])
-        return 0
-    try:
-        import torch
-        import torch.nn.functional as F
-    except Exception as e:  # noqa: BLE001
-        emit(error=f"torch not importable: {e}"[:300])
-        return 0
-    if not torch.cuda.is_available():
-        emit(error=f"torch {torch.__version__}: no CUDA device")
-        return 0
+    cases, torch = got
+    F = torch.nn.functional
     dev = "cuda"
-    torch.manual_seed(0)
-    try:
-        from triton.testing import do_bench
-
-        def bench(fn):
-            return do_bench(fn, warmup=5, rep=30, return_mode="median")  # ms
-
-        timer = "triton do_bench"
-    except Exception:  # noqa: BLE001
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-
-        def bench(fn):
-            fn()
-            ts = []
-            for _ in range(20):
-                flush.zero_()
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b))
-            ts.sort()
-            return ts[len(ts) // 2]
-
-        timer = "CUDA events"
-    emit(what="device", name=torch.cuda.get_device_name(0), torch=torch.__version__, timer=timer)
+    bench, timer_name = timer(torch, dev)
+    emit(what="device", name=torch.cuda.get_device_name(0), torch=torch.__version__, timer=timer_name)
     weights = {}
     for c in cases:
         model, t, e, k = c["model"], c["tokens"], c["experts"], c["top_k"]
