@@ -461,6 +461,57 @@ fn a_permuting_placement_changes_no_output_bit() {
     assert_eq!(read(&out).0, read(&plain).0);
 }
 
+/// A recipe that copies f32 weights as they are: the host reads each element as f32 (not as the
+/// high half of a bf16), so the layer's results are those of the bf16 recipe on the same values.
+#[test]
+fn f32_weight_copies_are_read_as_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ins = inputs();
+    let inp = d.join("in.safetensors");
+    write_inputs(&inp, &ins);
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let wide: BTreeMap<String, Tensor> = read(&ck)
+        .0
+        .into_iter()
+        .map(|(n, (_, s, b))| {
+            (
+                n,
+                (
+                    Dtype::F32,
+                    s,
+                    bf16s(&b).iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
+            )
+        })
+        .collect();
+    let ck32 = d.join("ckpt32.safetensors");
+    write(&ck32, &wide);
+    let recipe = d.join("f32_copy.recipe");
+    std::fs::write(
+        &recipe,
+        "recipe f32_copy(E: experts, H, I) {
+  input w13 : f32[E, 2*I, H]
+  input w2  : f32[E, H, I]
+  param w13_weight : f32[E, 2*I, H] = w13
+  param w2_weight  : f32[E, H, I]   = w2
+}
+",
+    )
+    .unwrap();
+    let mut outs = Vec::new();
+    for (r, ck) in [(recipe.to_str().unwrap(), &ck32), ("bf16", &ck)] {
+        let packed = d.join("packed.safetensors");
+        pack(r, ck, &packed);
+        let out = d.join("out.safetensors");
+        let (code, _, err) = moe(&packed, &inp, &out, &["--dump-intermediates"]);
+        assert_eq!(code, 0, "{r}: {err}");
+        outs.push(read(&out).0);
+    }
+    assert_eq!(outs[0], outs[1]);
+}
+
 #[test]
 fn bad_inputs_fail_by_name_with_no_output_file() {
     let dir = tempfile::tempdir().unwrap();
