@@ -569,12 +569,11 @@ impl Scales<'_> {
                 Granule::Block => self.map.offset(&[e, r, j]),
                 Granule::Tile128 => self.map.offset(&[e, r / 128, j]),
             }?;
-            let b = *self.bytes.get(o / 2)?;
             let two = |o: usize| self.bytes.get(2 * o..2 * o + 2).map(|c| [c[0], c[1]]);
             out.push(match self.code {
                 ScaleCode::Bf16 => bf16(&two(o)?),
                 ScaleCode::F16 => crate::pack::f16_to_f32(u16::from_le_bytes(two(o)?)),
-                ScaleCode::U4 => f32::from((b >> (4 * (o % 2))) & 0xF),
+                ScaleCode::U4 => f32::from((*self.bytes.get(o / 2)? >> (4 * (o % 2))) & 0xF),
                 ScaleCode::E4m3 => luts.e4m3[usize::from(*self.bytes.get(o)?)],
                 ScaleCode::E8m0 => luts.e8m0[usize::from(*self.bytes.get(o)?)],
                 ScaleCode::F32 => self
