@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use crate::codegen::addr::StorageMap;
 use crate::codegen::reference as r;
-use crate::dsl::ir::{Fp8Granularity, IndexVec, QuantScheme, TensorId};
+use crate::dsl::ir::{DType, Fp8Granularity, IndexVec, QuantScheme, TensorId};
 use crate::dsl::layout::Swizzle;
 use crate::dsl::ModuleInfo;
 
@@ -50,6 +50,8 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 pub struct Logical {
     /// The scheme; `None` for a copy.
     pub scheme: Option<QuantScheme>,
+    /// The dtype of the param holding the codes (for a copy, the dtype of its elements' bits).
+    pub dtype: DType,
     /// The input's shape `(E, M, K)`.
     pub shape: (usize, usize, usize),
     /// Per element, row-major over `shape`: the code (an E2M1 nibble, an E4M3 or INT8 byte) or,
@@ -70,13 +72,19 @@ impl Logical {
     /// The dequantized value of element `at` (row-major over [`Logical::shape`]) in f64:
     /// `code * block scale * decode scale` (`(code - zero) * scale` for group-wise INT4), the
     /// product taken in f64, where it is exact (every code and scale has few enough significant
-    /// bits). `None` when `at` is out of range.
+    /// bits); a copy's element read as its dtype (bf16, f16 or f32). `None` when `at` is out of
+    /// range, or for a copy of another dtype (its scale, if any, is not part of the copy).
     pub fn value(&self, at: usize) -> Option<f64> {
         let (code, sb) = (*self.codes.get(at)?, *self.scales.get(at)?);
         let (_, m, k) = self.shape;
         let e = at / (m * k).max(1);
         Some(match self.scheme {
-            None => f32::from_bits(code << 16) as f64,
+            None => match self.dtype {
+                DType::Bf16 => f32::from_bits(code << 16) as f64,
+                DType::F16 => crate::pack::f16_to_f32(code as u16) as f64,
+                DType::F32 => f32::from_bits(code) as f64,
+                _ => return None,
+            },
             Some(QuantScheme::Nvfp4 { .. }) => {
                 let dec = f32::from_bits(*self.decode.get(e).or(self.decode.first())?);
                 r::e2m1_to_f32(code as u8) as f64 * r::e4m3_to_f32(sb as u8) as f64 * dec as f64
@@ -251,6 +259,7 @@ pub fn logical_experts(
     }
     Some(Logical {
         scheme,
+        dtype: info.module().tensor(values)?.dtype,
         shape: (ne, mr, k),
         codes,
         scales: scl,
@@ -560,12 +569,11 @@ impl Scales<'_> {
                 Granule::Block => self.map.offset(&[e, r, j]),
                 Granule::Tile128 => self.map.offset(&[e, r / 128, j]),
             }?;
-            let b = *self.bytes.get(o / 2)?;
             let two = |o: usize| self.bytes.get(2 * o..2 * o + 2).map(|c| [c[0], c[1]]);
             out.push(match self.code {
                 ScaleCode::Bf16 => bf16(&two(o)?),
                 ScaleCode::F16 => crate::pack::f16_to_f32(u16::from_le_bytes(two(o)?)),
-                ScaleCode::U4 => f32::from((b >> (4 * (o % 2))) & 0xF),
+                ScaleCode::U4 => f32::from((*self.bytes.get(o / 2)? >> (4 * (o % 2))) & 0xF),
                 ScaleCode::E4m3 => luts.e4m3[usize::from(*self.bytes.get(o)?)],
                 ScaleCode::E8m0 => luts.e8m0[usize::from(*self.bytes.get(o)?)],
                 ScaleCode::F32 => self

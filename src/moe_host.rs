@@ -493,19 +493,14 @@ pub fn forward(
     for tt in 0..t {
         for j in 0..k {
             let id = tokens.ids[tt * k + j];
-            let out_of_range = MoeError::ExpertOutOfRange {
+            let out_of_range = || MoeError::ExpertOutOfRange {
                 token: tt,
                 j,
                 id: id as i64,
                 experts: replicas.experts(),
             };
-            let e = usize::try_from(id).map_err(|_| out_of_range)?;
-            let slot = replicas.slot(e, tt).ok_or(MoeError::ExpertOutOfRange {
-                token: tt,
-                j,
-                id: id as i64,
-                experts: replicas.experts(),
-            })?;
+            let e = usize::try_from(id).map_err(|_| out_of_range())?;
+            let slot = replicas.slot(e, tt).ok_or_else(out_of_range)?;
             if slot >= slots {
                 return Err(MoeError::Placement(format!(
                     "logical expert {e} maps to slot {slot}, but the packed params hold {slots} slots"

@@ -7,40 +7,18 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
-use common::{bf16, run, seed, value};
+use common::{bf16, read_tensors as read, run, seed, value, write_tensors as write, Tensor};
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use moeforge::layout_gen::Rng;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 const E: usize = 4;
 const H: usize = 128;
 const I: usize = 128; // a multiple of int4_g128's groups
 const LAYERS: [usize; 2] = [0, 2];
-
-type Tensor = (Dtype, Vec<usize>, Vec<u8>);
-
-fn write(path: &Path, t: &BTreeMap<String, Tensor>, meta: Option<HashMap<String, String>>) {
-    let views: Vec<(String, TensorView<'_>)> = t
-        .iter()
-        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, meta, path).unwrap();
-}
-
-fn read(path: &Path) -> (BTreeMap<String, Tensor>, HashMap<String, String>) {
-    let bytes = std::fs::read(path).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
-        .collect();
-    (t, meta.metadata().clone().unwrap_or_default())
-}
 
 /// One layer's experts: w13 `[gate; up]` and w2 per expert, and activation scales per expert.
 struct Layer {

@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
-use common::{bf16, run, value};
+use common::{bf16, f32s, read_tensors as read, run, value, write_tensors, Tensor};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -16,7 +16,7 @@ use std::path::Path;
 use moeforge::codegen::gemm::reference as gr;
 use moeforge::codegen::reference as r;
 use moeforge::dsl::ir::QuantScheme;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 const E: usize = 4;
 const H: usize = 128;
@@ -24,28 +24,6 @@ const I: usize = 128; // a multiple of int4_g128's groups
 const LAYER: usize = 1;
 const T: usize = 5;
 const K: usize = 2;
-
-type Tensor = (Dtype, Vec<usize>, Vec<u8>);
-
-fn write(path: &Path, t: &BTreeMap<String, Tensor>) {
-    let views: Vec<(String, TensorView<'_>)> = t
-        .iter()
-        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
-}
-
-fn read(path: &Path) -> (BTreeMap<String, Tensor>, HashMap<String, String>) {
-    let bytes = std::fs::read(path).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
-        .collect();
-    (t, meta.metadata().clone().unwrap_or_default())
-}
 
 fn trunc(x: f32) -> f32 {
     f32::from_bits(x.to_bits() & 0xFFFF_0000)
@@ -90,7 +68,7 @@ fn checkpoint(path: &Path, order: &[usize], scales: bool) {
         t.insert(format!("{p}.w13_input_scale"), (Dtype::F32, vec![n], s13));
         t.insert(format!("{p}.w2_input_scale"), (Dtype::F32, vec![n], s2));
     }
-    write(path, &t);
+    write_tensors(path, &t, None);
 }
 
 fn pack(recipe: &str, input: &Path, output: &Path) {
@@ -140,7 +118,7 @@ fn write_inputs(path: &Path, i: &Inputs) {
             i.w.iter().flat_map(|v| v.to_le_bytes()).collect(),
         ),
     );
-    write(path, &t);
+    write_tensors(path, &t, None);
 }
 
 fn moe(packed: &Path, inp: &Path, out: &Path, extra: &[&str]) -> (i32, String, String) {
@@ -157,12 +135,6 @@ fn moe(packed: &Path, inp: &Path, out: &Path, extra: &[&str]) -> (i32, String, S
     ];
     args.extend_from_slice(extra);
     run(&args)
-}
-
-fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 fn bf16s(b: &[u8]) -> Vec<f32> {
@@ -461,6 +433,57 @@ fn a_permuting_placement_changes_no_output_bit() {
     assert_eq!(read(&out).0, read(&plain).0);
 }
 
+/// A recipe that copies f32 weights as they are: the host reads each element as f32 (not as the
+/// high half of a bf16), so the layer's results are those of the bf16 recipe on the same values.
+#[test]
+fn f32_weight_copies_are_read_as_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ins = inputs();
+    let inp = d.join("in.safetensors");
+    write_inputs(&inp, &ins);
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let wide: BTreeMap<String, Tensor> = read(&ck)
+        .0
+        .into_iter()
+        .map(|(n, (_, s, b))| {
+            (
+                n,
+                (
+                    Dtype::F32,
+                    s,
+                    bf16s(&b).iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
+            )
+        })
+        .collect();
+    let ck32 = d.join("ckpt32.safetensors");
+    write_tensors(&ck32, &wide, None);
+    let recipe = d.join("f32_copy.recipe");
+    std::fs::write(
+        &recipe,
+        "recipe f32_copy(E: experts, H, I) {
+  input w13 : f32[E, 2*I, H]
+  input w2  : f32[E, H, I]
+  param w13_weight : f32[E, 2*I, H] = w13
+  param w2_weight  : f32[E, H, I]   = w2
+}
+",
+    )
+    .unwrap();
+    let mut outs = Vec::new();
+    for (r, ck) in [(recipe.to_str().unwrap(), &ck32), ("bf16", &ck)] {
+        let packed = d.join("packed.safetensors");
+        pack(r, ck, &packed);
+        let out = d.join("out.safetensors");
+        let (code, _, err) = moe(&packed, &inp, &out, &["--dump-intermediates"]);
+        assert_eq!(code, 0, "{r}: {err}");
+        outs.push(read(&out).0);
+    }
+    assert_eq!(outs[0], outs[1]);
+}
+
 #[test]
 fn bad_inputs_fail_by_name_with_no_output_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -560,7 +583,7 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
     ];
     for (what, tensors, want) in cases {
         let inp = d.join("bad.safetensors");
-        write(&inp, &tensors);
+        write_tensors(&inp, &tensors, None);
         let out = d.join("out.safetensors");
         let (code, _, err) = moe(&packed, &inp, &out, &[]);
         assert_ne!(code, 0, "{what}");

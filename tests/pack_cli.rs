@@ -6,9 +6,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
-use common::{bf16, run, value};
+use common::{bf16, f32s, read_tensors as read, run, value};
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
 
@@ -81,29 +81,6 @@ fn hf_layer(t: &mut Tensors, layer: usize, scales: bool) -> (Vec<f32>, Vec<f32>)
         w2.extend(d);
     }
     (w13, w2)
-}
-
-type Packed = (
-    HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
-    HashMap<String, String>,
-);
-
-fn read(path: &Path) -> Packed {
-    let bytes = std::fs::read(path).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
-        .collect();
-    (t, meta.metadata().clone().unwrap_or_default())
-}
-
-fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 #[test]

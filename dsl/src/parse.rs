@@ -617,17 +617,16 @@ fn type_expr(i: In<'_>) -> R<'_, TypeExpr> {
     ))
 }
 
+/// What a statement position expects: each statement keyword, or the recipe's end.
+const STATEMENT: &str =
+    "a statement (`input`, `param`, `view`, `let`, `kernel` or `activation`) or `}`";
+
 fn stmt(i: In<'_>) -> R<'_, Stmt> {
     let i = ws(i);
     let start = off(&i);
     let (r, kw) = match raw_ident(i) {
         Ok(x) => x,
-        Err(_) => {
-            return fail(
-                &i,
-                "a statement (`input`, `param`, `view`, `let` or `kernel`) or `}`",
-            )
-        }
+        Err(_) => return fail(&i, STATEMENT),
     };
     let sp = |r: &In<'_>| Span::new(start, off(r));
     match kw.name.as_str() {
@@ -763,10 +762,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
                 },
             ))
         }
-        _ => fail(
-            &i,
-            "a statement (`input`, `param`, `view`, `let` or `kernel`) or `}`",
-        ),
+        _ => fail(&i, STATEMENT),
     }
 }
 

@@ -170,3 +170,47 @@ pub fn assemble(ptxas: &Path, ptx: &Path, cubin: &Path) -> String {
     assert!(std::fs::metadata(cubin).unwrap().len() > 0);
     report
 }
+
+/// A safetensors tensor as the tests build and read it: dtype, shape, bytes.
+pub type Tensor = (safetensors::tensor::Dtype, Vec<usize>, Vec<u8>);
+
+/// Write `tensors` (name -> tensor) as a safetensors file, with `meta` as its metadata.
+pub fn write_tensors(
+    path: &Path,
+    tensors: &std::collections::BTreeMap<String, Tensor>,
+    meta: Option<std::collections::HashMap<String, String>>,
+) {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, meta, path).unwrap();
+}
+
+/// Read a safetensors file: its tensors (name -> tensor) and its metadata.
+pub fn read_tensors(
+    path: &Path,
+) -> (
+    std::collections::BTreeMap<String, Tensor>,
+    std::collections::HashMap<String, String>,
+) {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect();
+    (t, meta.metadata().clone().unwrap_or_default())
+}
+
+/// Little-endian f32 bytes as values.
+pub fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
