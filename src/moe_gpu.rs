@@ -96,7 +96,19 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     let scheme = l.scheme;
     let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, and FP8 weights (per tensor with per_token or static activation scales, 128x128 blocks with per_token_group = 128)";
     let (operands, scaling) = match (scheme, feed) {
-        (None, Feed::Bf16) => (Operands::Bf16, Scaling::None),
+        (None, Feed::Bf16) if l.dtype == crate::dsl::ir::DType::Bf16 => {
+            (Operands::Bf16, Scaling::None)
+        }
+        (None, _) => {
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}` is a copy of {:?} weights fed as `{}`; the GPU layer's unquantized GEMM takes bf16 weights with bf16 activations",
+                    l.dtype,
+                    feed.describe()
+                ),
+            ))
+        }
         (
             Some(QuantScheme::Fp8 {
                 granularity: Fp8Granularity::Tensor,

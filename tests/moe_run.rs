@@ -482,6 +482,25 @@ fn f32_weight_copies_are_read_as_f32() {
         outs.push(read(&out).0);
     }
     assert_eq!(outs[0], outs[1]);
+    // The GPU layer's unquantized GEMM is bf16: an f32 copy is refused by name before any device
+    // is opened (never fed as bf16 bits), on every machine.
+    let packed = d.join("packed32.safetensors");
+    pack(recipe.to_str().unwrap(), &ck32, &packed);
+    let out = d.join("gpu.safetensors");
+    let (code, _, err) = run(&[
+        "moe",
+        "run",
+        packed.to_str().unwrap(),
+        "--inputs",
+        inp.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--device",
+        "gpu",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("is a copy of F32 weights"), "{err}");
+    assert!(!out.exists());
 }
 
 #[test]

@@ -63,23 +63,9 @@ impl Permute {
     /// (Hopper, sm_90a, only) and load its three kernels. Errors: no driver or another
     /// architecture (`NoDriver`), a shape the generator refuses (`Codegen`), the JIT's.
     pub fn load(dev: &Device, hidden: u32, slots: u32) -> Result<Permute> {
-        if !crate::device::driver_present() {
-            return Err(Error::NoDriver(
-                "the MoE permute needs the CUDA driver".into(),
-            ));
-        }
-        if dev.target() != Some(moeforge_codegen::ptx::Target::Sm90a) {
-            return Err(Error::NoDriver(format!(
-                "the MoE permute kernels are sm_90a (Hopper) only; this device is compute capability {:?}",
-                dev.capability
-            )));
-        }
+        crate::device::hopper_only(dev, "the MoE permute")?;
         let (ptx, launch) = permute::permute_module(hidden, slots)?;
-        let (cubin, _log) = crate::jit::link_ptx(dev, ROUTE_ENTRY, &ptx)?;
-        let module = dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(drv("cuModuleLoadData"))?;
+        let module = crate::jit::load_ptx(dev, ROUTE_ENTRY, &ptx)?;
         let f = |name: &str| {
             module
                 .load_function(name)
