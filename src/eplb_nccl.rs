@@ -256,5 +256,91 @@ pub fn bandwidth(nccl: &'static Nccl, reps: usize, out: &mut String) -> Result<(
         one_way / secs / 1e9,
         2.0 * one_way / secs / 1e9
     );
+    // What NCCL alone moves between the same two GPUs: the same bytes, with no rearrangement
+    // around them, as 1 message, as the rearrangement's 16 (one per expert of each param), and
+    // as 64; the gap between these and the line above is the store's own cost.
+    let w13 = 2 * (2 * i * h);
+    let w2 = 2 * (h * i);
+    for (name, pieces) in [
+        ("1 message", vec![local * per_slot]),
+        (
+            "16 messages (one per expert and param)",
+            std::iter::repeat_n(w13, local)
+                .chain(std::iter::repeat_n(w2, local))
+                .collect(),
+        ),
+        (
+            "64 messages",
+            std::iter::repeat_n(local * per_slot / 64, 64).collect(),
+        ),
+    ] {
+        let secs = nccl_alone(nccl, &pieces, reps.max(1))?;
+        let bytes: usize = pieces.iter().sum();
+        let _ = writeln!(
+            out,
+            "NCCL alone, {:.2} GB each way as {name}: {:.3} ms, {:.1} GB/s one way",
+            bytes as f64 / 1e9,
+            secs * 1e3,
+            bytes as f64 / secs / 1e9
+        );
+    }
     Ok(())
+}
+
+/// Seconds per exchange (the slowest rank's mean over `reps`, after one warm-up) of `pieces`
+/// messages each way between the 2 GPUs of an EP world, in one NCCL group, from one buffer into
+/// another.
+fn nccl_alone(nccl: &'static Nccl, pieces: &[usize], reps: usize) -> Result<f64> {
+    let ids =
+        WorldIds::new(nccl, Topology { ep: 2, moe_tp: 1 }, &[Group::Ep]).map_err(Error::from)?;
+    let ids = &ids;
+    let total: usize = pieces.iter().sum();
+    let run = |rank: usize| -> Result<f64> {
+        let dev = Device::open(rank).map_err(Error::from)?;
+        let world = NcclWorld::init(&dev, ids, rank).map_err(Error::from)?;
+        let comm = world
+            .comm(Group::Ep)
+            .ok_or_else(|| Error::Usage("no EP communicator".into()))?;
+        let drv = crate::runtime::drv::<cudarc::driver::DriverError>;
+        let src = dev.stream.alloc_zeros::<u8>(total).map_err(drv("cuMemAlloc"))?;
+        let mut dst = Vec::with_capacity(pieces.len());
+        for &p in pieces {
+            dst.push(dev.stream.alloc_zeros::<u8>(p).map_err(drv("cuMemAlloc"))?);
+        }
+        let peer = 1 - rank;
+        let mut secs = 0.0;
+        for k in 0..=reps {
+            dev.sync().map_err(Error::from)?;
+            let t0 = std::time::Instant::now();
+            let mut at = 0;
+            let mut sends = Vec::new();
+            for &p in pieces {
+                sends.push((peer, src.slice(at..at + p)));
+                at += p;
+            }
+            let mut recvs: Vec<_> = dst.iter_mut().map(|b| (peer, b.as_view_mut())).collect();
+            comm.send_recv(&dev, &sends, &mut recvs)
+                .map_err(Error::from)?;
+            dev.sync().map_err(Error::from)?;
+            if k > 0 {
+                secs += t0.elapsed().as_secs_f64();
+            }
+        }
+        drop(world);
+        Ok(secs / reps as f64)
+    };
+    let got: Vec<Result<f64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2).map(|k| s.spawn(move || run(k))).collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Usage("a GPU rank panicked".into())))
+            })
+            .collect()
+    });
+    let mut worst: f64 = 0.0;
+    for g in got {
+        worst = worst.max(g?);
+    }
+    Ok(worst)
 }

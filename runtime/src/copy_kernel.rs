@@ -8,8 +8,10 @@
 //! warp's accesses are contiguous) of every expert, loads them from the copy's source and stores
 //! them to its destination. Every thread reads and writes the same byte offsets for every copy, so
 //! a copy that reads what an earlier copy wrote reads the same thread's own store (program order):
-//! no barrier, no cross-thread hazard. The scratch expert of a cycle lives in **registers** (one
-//! column's units per thread) and never touches memory, so breaking a cycle costs no traffic.
+//! no barrier, no cross-thread hazard. The scratch expert of a cycle lives in **shared memory** (one
+//! column's units per thread, each thread's own) and never touches global memory, so breaking a
+//! cycle costs no traffic; keeping it out of registers leaves a thread 32 registers, so 8 CTAs of
+//! 256 threads stay resident and each keeps its 64 bytes in flight.
 //!
 //! The copy list travels as a device array of `u32` pairs `(src, dst)`, one per copy, each a
 //! *code* ([`encode`]):
@@ -18,7 +20,7 @@
 //! |--------------------------|------------------------------------------------------|
 //! | `0x0000_0000 \| p`       | [`Loc::Slot`]`(p)`: `base + p * bytes_per_expert`     |
 //! | `0x4000_0000 \| k`       | [`Loc::Transfer`]`(k)`: `transfer + k * bytes_per_expert` |
-//! | `0x8000_0000`            | [`Loc::Scratch`]: the registers                      |
+//! | `0x8000_0000`            | [`Loc::Scratch`]: the thread's shared-memory scratch |
 //!
 //! (bits 31..30 the kind, bits 29..0 the index, below 2^30.) The list is checked on the host
 //! against the region's slot and transfer counts before it is uploaded: no code the kernel sees
@@ -50,13 +52,25 @@ pub const KIND_TRANSFER: u32 = 1;
 pub const KIND_SCRATCH: u32 = 2;
 /// The index bits of a code (bits 29..0).
 pub const INDEX_MASK: u32 = (1 << 30) - 1;
-/// Units each thread moves per column (and registers of scratch it holds: `4 x width` bytes).
+/// Units each thread moves per column (and units of scratch it holds: `4 x width` bytes).
 pub const UNITS_PER_THREAD: u64 = 4;
 /// Threads of a CTA for an expert of at least one full column (`256 x 4 x 16 B = 16 KiB` per
 /// column at width 16).
 pub const MAX_THREADS: u32 = 256;
-/// Shared memory the copy list may take (8 bytes a copy; the default 48 KiB without opt-in).
+/// Shared memory a launch may take: the copy list (8 bytes a copy, rounded up to 16) and, when the
+/// list uses the scratch, `4 x threads x width` bytes of it (the default 48 KiB without opt-in).
 pub const MAX_LIST_BYTES: u64 = 48 * 1024;
+
+/// Dynamic shared memory of a launch of `copies` copies on geometry `g`.
+pub fn shared_bytes(g: &Geometry, copies: usize, scratch: bool) -> u64 {
+    let list = (8 * copies as u64).div_ceil(16) * 16;
+    let sc = if scratch {
+        UNITS_PER_THREAD * u64::from(g.threads) * g.width
+    } else {
+        0
+    };
+    list + sc
+}
 /// CTAs per SM the grid is capped at (the grid-stride loop takes the remaining columns).
 pub const CTAS_PER_SM: u64 = 8;
 
@@ -180,7 +194,7 @@ pub fn ptx(target: &str) -> String {
         s,
         "// moeforge copy-list kernel: one launch runs a rank's copy list over one param.\n\
          .version 8.7\n.target {target}\n.address_size 64\n\n\
-         .extern .shared .align 8 .b8 moeforge_copy_list_smem[];\n"
+         .extern .shared .align 16 .b8 moeforge_copy_list_smem[];\n"
     );
     for w in [16u32, 4, 1] {
         entry(&mut s, w);
@@ -193,17 +207,17 @@ fn entry(s: &mut String, w: u32) {
     let per = if w == 16 { 4 } else { 1 };
     let nv = 4 * per;
     let shift = w.trailing_zeros();
-    let vals = |j: u32, pre: &str| -> String {
+    let vals = |j: u32| -> String {
         if per == 4 {
             format!(
-                "{{%{pre}{}, %{pre}{}, %{pre}{}, %{pre}{}}}",
+                "{{%v{}, %v{}, %v{}, %v{}}}",
                 4 * j,
                 4 * j + 1,
                 4 * j + 2,
                 4 * j + 3
             )
         } else {
-            format!("%{pre}{j}")
+            format!("%v{j}")
         }
     };
     let ty = match w {
@@ -212,14 +226,16 @@ fn entry(s: &mut String, w: u32) {
         _ => "u8",
     };
     let mut k = String::new();
+    // `.minnctapersm` asks ptxas for the registers of 8 resident CTAs (32 a thread): the bytes a
+    // thread keeps in flight are its value registers, so residency is what bounds bandwidth.
     let _ = writeln!(
         k,
         ".visible .entry moeforge_copy_list_w{w}(\n\
          \t.param .u64 p_base,\n\t.param .u64 p_transfer,\n\t.param .u64 p_list,\n\
          \t.param .u32 p_n,\n\t.param .u64 p_units,\n\t.param .u64 p_stride\n)\n\
-         .maxntid {MAX_THREADS}, 1, 1\n{{\n\
-         \t.reg .pred %p<8>;\n\t.reg .b32 %r<12>;\n\t.reg .b64 %rd<32>;\n\
-         \t.reg .b32 %v<{nv}>;\n\t.reg .b32 %s<{nv}>;\n"
+         .maxntid {MAX_THREADS}, 1, 1\n.minnctapersm {CTAS_PER_SM}\n{{\n\
+         \t.reg .pred %p<8>;\n\t.reg .b32 %r<16>;\n\t.reg .b64 %rd<32>;\n\
+         \t.reg .b32 %v<{nv}>;\n"
     );
     // Parameters: %rd0 base, %rd1 transfer, %rd2 list, %r0 n, %rd3 units, %rd4 stride (bytes).
     k.push_str(
@@ -230,7 +246,7 @@ fn entry(s: &mut String, w: u32) {
          \tld.param.u64 %rd4, [p_stride];\n",
     );
     for i in 0..nv {
-        let _ = writeln!(k, "\tmov.b32 %v{i}, 0;\n\tmov.b32 %s{i}, 0;");
+        let _ = writeln!(k, "\tmov.b32 %v{i}, 0;");
     }
     // The list goes to shared memory once per CTA (every copy then reads its codes at shared-memory
     // latency instead of a dependent global load): %r7 index, %r8 list base in shared memory, %r10
@@ -242,6 +258,14 @@ fn entry(s: &mut String, w: u32) {
          \tld.global.nc.v2.u32 {%r3, %r4}, [%rd23];\n\
          \tmad.lo.u32 %r9, %r7, 8, %r8;\n\tst.shared.v2.u32 [%r9], {%r3, %r4};\n\
          \tadd.u32 %r7, %r7, %r10;\n\tbra.uni LIST;\nLISTED:\n\tbar.sync 0;\n",
+    );
+    // The scratch: after the list (rounded up to 16 bytes), `4 x threads` units, unit `j*T + tid`
+    // the thread's own. %r12 = its unit 0, %r13 = the step between its units (T x width).
+    let _ = writeln!(
+        k,
+        "\tshl.b32 %r12, %r0, 3;\n\tadd.u32 %r12, %r12, 15;\n\tand.b32 %r12, %r12, -16;\n\
+         \tadd.u32 %r12, %r12, %r8;\n\tmov.u32 %r13, %tid.x;\n\
+         \tmad.lo.u32 %r12, %r13, {w}, %r12;\n\tmul.lo.u32 %r13, %r10, {w};"
     );
     // %rd5 column, %rd6 grid, %rd7 tid, %rd8 threads, %rd9 column units, %rd10 columns.
     let _ = writeln!(
@@ -256,18 +280,18 @@ fn entry(s: &mut String, w: u32) {
          COL:\n\
          \tsetp.ge.u64 %p0, %rd5, %rd10;\n\t@%p0 bra.uni DONE;"
     );
-    // Units u_j = col*4T + j*T + tid -> byte offsets %rd11+j, predicates %p1+j.
-    k.push_str("\tmad.lo.u64 %rd15, %rd5, %rd9, %rd7;\n");
+    // Units u_j = col*4T + j*T + tid -> predicates %p1+j; %rd11 the byte offset of unit 0 (unit j
+    // is `j x %rd12` bytes further, %rd12 = T x width).
+    let _ = writeln!(
+        k,
+        "\tmad.lo.u64 %rd15, %rd5, %rd9, %rd7;\n\tshl.b64 %rd11, %rd15, {shift};\n\
+         \tshl.b64 %rd12, %rd8, {shift};"
+    );
     for j in 0..4 {
         if j > 0 {
             let _ = writeln!(k, "\tadd.u64 %rd15, %rd15, %rd8;");
         }
-        let _ = writeln!(
-            k,
-            "\tsetp.lt.u64 %p{}, %rd15, %rd3;\n\tshl.b64 %rd{}, %rd15, {shift};",
-            j + 1,
-            11 + j
-        );
+        let _ = writeln!(k, "\tsetp.lt.u64 %p{}, %rd15, %rd3;", j + 1);
     }
     // Copy loop: %r2 i, %r11 the entry in shared memory; %r3 src code, %r4 dst code.
     k.push_str(
@@ -275,17 +299,28 @@ fn entry(s: &mut String, w: u32) {
          COPY:\n\tsetp.ge.u32 %p5, %r2, %r0;\n\t@%p5 bra.uni NEXT;\n\
          \tld.shared.v2.u32 {%r3, %r4}, [%r11];\n",
     );
-    // Address of a code in %r{c}: %rd17 = (kind == slot ? base : transfer) + idx * stride, then
-    // %rd24+j = %rd17 + offset j.
+    // Address of a code in %r{c}: %rd17 = (kind == slot ? base : transfer) + idx * stride + the
+    // offset of unit 0; unit j at %rd17 + j x %rd12 (%rd24, stepped as the accesses issue).
     let addr = |k: &mut String, c: u32| {
         let _ = writeln!(
             k,
             "\tshr.u32 %r5, %r{c}, 30;\n\tand.b32 %r6, %r{c}, {INDEX_MASK};\n\
              \tsetp.eq.u32 %p6, %r5, {KIND_SLOT};\n\tselp.b64 %rd17, %rd0, %rd1, %p6;\n\
-             \tcvt.u64.u32 %rd18, %r6;\n\tmad.lo.u64 %rd17, %rd18, %rd4, %rd17;"
+             \tcvt.u64.u32 %rd18, %r6;\n\tmad.lo.u64 %rd17, %rd18, %rd4, %rd17;\n\
+             \tadd.u64 %rd24, %rd17, %rd11;"
         );
-        for j in 0..4 {
-            let _ = writeln!(k, "\tadd.u64 %rd{}, %rd17, %rd{};", 24 + j, 11 + j);
+    };
+    let step = |k: &mut String, j: u32| {
+        if j > 0 {
+            let _ = writeln!(k, "\tadd.u64 %rd24, %rd24, %rd12;");
+        }
+    };
+    // The scratch unit j of this thread: %r14 (shared-memory address).
+    let scratch = |k: &mut String, j: u32| {
+        if j == 0 {
+            let _ = writeln!(k, "\tmov.u32 %r14, %r12;");
+        } else {
+            let _ = writeln!(k, "\tadd.u32 %r14, %r14, %r13;");
         }
     };
     // Source.
@@ -295,17 +330,13 @@ fn entry(s: &mut String, w: u32) {
     );
     addr(&mut k, 3);
     for j in 0..4u32 {
-        let _ = writeln!(
-            k,
-            "\t@%p{} ld.global.{ty} {}, [%rd{}];",
-            j + 1,
-            vals(j, "v"),
-            24 + j
-        );
+        step(&mut k, j);
+        let _ = writeln!(k, "\t@%p{} ld.global.{ty} {}, [%rd24];", j + 1, vals(j));
     }
     k.push_str("\tbra.uni DST;\nSRCS:\n");
-    for i in 0..nv {
-        let _ = writeln!(k, "\tmov.b32 %v{i}, %s{i};");
+    for j in 0..4u32 {
+        scratch(&mut k, j);
+        let _ = writeln!(k, "\t@%p{} ld.shared.{ty} {}, [%r14];", j + 1, vals(j));
     }
     // Destination.
     let _ = writeln!(
@@ -314,17 +345,13 @@ fn entry(s: &mut String, w: u32) {
     );
     addr(&mut k, 4);
     for j in 0..4u32 {
-        let _ = writeln!(
-            k,
-            "\t@%p{} st.global.{ty} [%rd{}], {};",
-            j + 1,
-            24 + j,
-            vals(j, "v")
-        );
+        step(&mut k, j);
+        let _ = writeln!(k, "\t@%p{} st.global.{ty} [%rd24], {};", j + 1, vals(j));
     }
     k.push_str("\tbra.uni STEP;\nDSTS:\n");
-    for i in 0..nv {
-        let _ = writeln!(k, "\tmov.b32 %s{i}, %v{i};");
+    for j in 0..4u32 {
+        scratch(&mut k, j);
+        let _ = writeln!(k, "\t@%p{} st.shared.{ty} [%r14], {};", j + 1, vals(j));
     }
     k.push_str(
         "STEP:\n\tadd.u32 %r2, %r2, 1;\n\tadd.u32 %r11, %r11, 8;\n\tbra.uni COPY;\n\
@@ -425,6 +452,7 @@ pub struct Region {
 pub struct CopyList {
     codes: Option<CudaSlice<u32>>,
     copies: usize,
+    scratch: bool,
     slots: usize,
     transfers: usize,
 }
@@ -509,6 +537,7 @@ impl CopyKernel {
         Ok(CopyList {
             codes: dev,
             copies: copies.len(),
+            scratch: copies.iter().any(|c| c.to == Loc::Scratch),
             slots,
             transfers,
         })
@@ -546,16 +575,17 @@ impl CopyKernel {
         };
         let (list_ptr, _sync) = codes.device_ptr(stream);
         let n = list.copies as u32;
-        if u64::from(n) * 8 > MAX_LIST_BYTES {
+        let smem = shared_bytes(&g, list.copies, list.scratch);
+        if smem > MAX_LIST_BYTES {
             return Err(Error::Placement(format!(
-                "a copy list of {n} copies does not fit the kernel's {MAX_LIST_BYTES} bytes of shared memory"
+                "a copy list of {n} copies (and its scratch) needs {smem} bytes of shared memory, over the kernel's {MAX_LIST_BYTES}"
             )));
         }
         let stride = r.bytes_per_expert as u64;
         let cfg = LaunchConfig {
             grid_dim: (g.grid, 1, 1),
             block_dim: (g.threads, 1, 1),
-            shared_mem_bytes: 8 * n,
+            shared_mem_bytes: smem as u32,
         };
         let mut l = stream.launch_builder(f);
         l.arg(&r.base)
