@@ -302,7 +302,10 @@ fn nccl_alone(nccl: &'static Nccl, pieces: &[usize], reps: usize) -> Result<f64>
             .comm(Group::Ep)
             .ok_or_else(|| Error::Usage("no EP communicator".into()))?;
         let drv = crate::runtime::drv::<cudarc::driver::DriverError>;
-        let src = dev.stream.alloc_zeros::<u8>(total).map_err(drv("cuMemAlloc"))?;
+        let src = dev
+            .stream
+            .alloc_zeros::<u8>(total)
+            .map_err(drv("cuMemAlloc"))?;
         let mut dst = Vec::with_capacity(pieces.len());
         for &p in pieces {
             dst.push(dev.stream.alloc_zeros::<u8>(p).map_err(drv("cuMemAlloc"))?);

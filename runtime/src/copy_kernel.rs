@@ -63,6 +63,12 @@ pub const MAX_LIST_BYTES: u64 = 48 * 1024;
 
 /// Dynamic shared memory of a launch of `copies` copies on geometry `g`.
 pub fn shared_bytes(g: &Geometry, copies: usize, scratch: bool) -> u64 {
+    shared_bytes_for(g, copies, scratch, PRODUCTION)
+}
+
+/// [`shared_bytes`] for the form `v` (the scratch takes shared memory only where `v` keeps it there).
+pub fn shared_bytes_for(g: &Geometry, copies: usize, scratch: bool, v: Variant) -> u64 {
+    let scratch = scratch && v.smem_scratch;
     let list = (8 * copies as u64).div_ceil(16) * 16;
     let sc = if scratch {
         UNITS_PER_THREAD * u64::from(g.threads) * g.width
@@ -71,8 +77,10 @@ pub fn shared_bytes(g: &Geometry, copies: usize, scratch: bool) -> u64 {
     };
     list + sc
 }
-/// CTAs per SM the grid is capped at (the grid-stride loop takes the remaining columns).
-pub const CTAS_PER_SM: u64 = 8;
+/// CTAs per SM the grid is capped at (the grid-stride loop takes the remaining columns). Two
+/// stream as fast as eight (`bench --gpu --eplb` on an H200: 3.71-3.75 TB/s at 2, 4 and 8 resident
+/// per SM) and leave the SMs room for an NCCL exchange running beside the copies.
+pub const CTAS_PER_SM: u64 = 2;
 
 /// The code of one location (see the module docs).
 pub fn encode_loc(l: Loc) -> Result<u32> {
@@ -186,8 +194,51 @@ impl Geometry {
     }
 }
 
-/// The PTX module (all three entry points) for `target` (`sm_90a`, `sm_100a`; anything `ptxas`
-/// takes as `-arch`).
+/// One form of the kernel's code: where a cycle's scratch lives and the cache hints of its global
+/// accesses. [`PRODUCTION`] is what [`CopyKernel::run_list`] launches; [`VARIANTS`] are the forms
+/// the self-check also times (`bench --gpu --eplb`), so that the choice stays a measured one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variant {
+    /// Entry-name suffix (empty for the production form).
+    pub suffix: &'static str,
+    /// The scratch in shared memory (32 registers, `.minnctapersm 8`) instead of registers.
+    pub smem_scratch: bool,
+    /// Qualifiers of the global loads (for example `.L1::no_allocate`), empty for none.
+    pub load: &'static str,
+    /// Qualifiers of the global stores (for example `.cs`), empty for none.
+    pub store: &'static str,
+}
+
+/// The form [`CopyKernel::run_list`] launches.
+pub const PRODUCTION: Variant = Variant {
+    suffix: "",
+    smem_scratch: false,
+    load: "",
+    store: "",
+};
+
+/// Forms timed against each other by [`gpu_check`] (the first is [`PRODUCTION`]). On an H200
+/// (`bench --gpu --eplb`, 16 MiB experts) the register scratch streams at 3.71-3.76 TB/s with or
+/// without `.cs` hints; `.L1::no_allocate` loads were slower (3.51-3.65), and the shared-memory
+/// scratch, which needs only 32 registers, much slower (2.36-2.72) at every residency.
+pub const VARIANTS: [Variant; 3] = [
+    PRODUCTION,
+    Variant {
+        suffix: "_cs",
+        smem_scratch: false,
+        load: ".cs",
+        store: ".cs",
+    },
+    Variant {
+        suffix: "_smem",
+        smem_scratch: true,
+        load: "",
+        store: "",
+    },
+];
+
+/// The PTX module (all three entry points of every [`VARIANTS`] form) for `target` (`sm_90a`,
+/// `sm_100a`; anything `ptxas` takes as `-arch`).
 pub fn ptx(target: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -196,46 +247,56 @@ pub fn ptx(target: &str) -> String {
          .version 8.7\n.target {target}\n.address_size 64\n\n\
          .extern .shared .align 16 .b8 moeforge_copy_list_smem[];\n"
     );
-    for w in [16u32, 4, 1] {
-        entry(&mut s, w);
+    for v in VARIANTS {
+        for w in [16u32, 4, 1] {
+            entry(&mut s, w, v);
+        }
     }
     s
 }
 
-fn entry(s: &mut String, w: u32) {
+fn entry(s: &mut String, w: u32, var: Variant) {
+    let sfx = var.suffix;
+    let (ld, st) = (var.load, var.store);
     // Value registers per unit: 4 for a v4 access, 1 otherwise.
     let per = if w == 16 { 4 } else { 1 };
     let nv = 4 * per;
     let shift = w.trailing_zeros();
-    let vals = |j: u32| -> String {
+    let vals_of = |j: u32, pre: &str| -> String {
         if per == 4 {
             format!(
-                "{{%v{}, %v{}, %v{}, %v{}}}",
+                "{{%{pre}{}, %{pre}{}, %{pre}{}, %{pre}{}}}",
                 4 * j,
                 4 * j + 1,
                 4 * j + 2,
                 4 * j + 3
             )
         } else {
-            format!("%v{j}")
+            format!("%{pre}{j}")
         }
     };
+    let vals = |j: u32| vals_of(j, "v");
     let ty = match w {
         16 => "v4.u32",
         4 => "u32",
         _ => "u8",
     };
     let mut k = String::new();
-    // `.minnctapersm` asks ptxas for the registers of 8 resident CTAs (32 a thread): the bytes a
-    // thread keeps in flight are its value registers, so residency is what bounds bandwidth.
+    // With the scratch in shared memory, `.minnctapersm` asks ptxas for the registers of 8
+    // resident CTAs (32 a thread); in registers, the scratch takes `nv` more.
+    let occupancy = if var.smem_scratch {
+        ".minnctapersm 8\n".to_string()
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         k,
-        ".visible .entry moeforge_copy_list_w{w}(\n\
+        ".visible .entry moeforge_copy_list_w{w}{sfx}(\n\
          \t.param .u64 p_base,\n\t.param .u64 p_transfer,\n\t.param .u64 p_list,\n\
          \t.param .u32 p_n,\n\t.param .u64 p_units,\n\t.param .u64 p_stride\n)\n\
-         .maxntid {MAX_THREADS}, 1, 1\n.minnctapersm {CTAS_PER_SM}\n{{\n\
+         .maxntid {MAX_THREADS}, 1, 1\n{occupancy}{{\n\
          \t.reg .pred %p<8>;\n\t.reg .b32 %r<16>;\n\t.reg .b64 %rd<32>;\n\
-         \t.reg .b32 %v<{nv}>;\n"
+         \t.reg .b32 %v<{nv}>;\n\t.reg .b32 %s<{nv}>;\n"
     );
     // Parameters: %rd0 base, %rd1 transfer, %rd2 list, %r0 n, %rd3 units, %rd4 stride (bytes).
     k.push_str(
@@ -246,7 +307,7 @@ fn entry(s: &mut String, w: u32) {
          \tld.param.u64 %rd4, [p_stride];\n",
     );
     for i in 0..nv {
-        let _ = writeln!(k, "\tmov.b32 %v{i}, 0;");
+        let _ = writeln!(k, "\tmov.b32 %v{i}, 0;\n\tmov.b32 %s{i}, 0;");
     }
     // The list goes to shared memory once per CTA (every copy then reads its codes at shared-memory
     // latency instead of a dependent global load): %r7 index, %r8 list base in shared memory, %r10
@@ -331,12 +392,23 @@ fn entry(s: &mut String, w: u32) {
     addr(&mut k, 3);
     for j in 0..4u32 {
         step(&mut k, j);
-        let _ = writeln!(k, "\t@%p{} ld.global.{ty} {}, [%rd24];", j + 1, vals(j));
+        let _ = writeln!(k, "\t@%p{} ld.global{ld}.{ty} {}, [%rd24];", j + 1, vals(j));
     }
     k.push_str("\tbra.uni DST;\nSRCS:\n");
     for j in 0..4u32 {
-        scratch(&mut k, j);
-        let _ = writeln!(k, "\t@%p{} ld.shared.{ty} {}, [%r14];", j + 1, vals(j));
+        if var.smem_scratch {
+            scratch(&mut k, j);
+            let _ = writeln!(k, "\t@%p{} ld.shared.{ty} {}, [%r14];", j + 1, vals(j));
+        } else {
+            let (a, b) = (vals(j), vals_of(j, "s"));
+            for (x, y) in a
+                .trim_matches(['{', '}'])
+                .split(", ")
+                .zip(b.trim_matches(['{', '}']).split(", "))
+            {
+                let _ = writeln!(k, "\tmov.b32 {x}, {y};");
+            }
+        }
     }
     // Destination.
     let _ = writeln!(
@@ -346,12 +418,23 @@ fn entry(s: &mut String, w: u32) {
     addr(&mut k, 4);
     for j in 0..4u32 {
         step(&mut k, j);
-        let _ = writeln!(k, "\t@%p{} st.global.{ty} [%rd24], {};", j + 1, vals(j));
+        let _ = writeln!(k, "\t@%p{} st.global{st}.{ty} [%rd24], {};", j + 1, vals(j));
     }
     k.push_str("\tbra.uni STEP;\nDSTS:\n");
     for j in 0..4u32 {
-        scratch(&mut k, j);
-        let _ = writeln!(k, "\t@%p{} st.shared.{ty} [%r14], {};", j + 1, vals(j));
+        if var.smem_scratch {
+            scratch(&mut k, j);
+            let _ = writeln!(k, "\t@%p{} st.shared.{ty} [%r14], {};", j + 1, vals(j));
+        } else {
+            let (a, b) = (vals(j), vals_of(j, "s"));
+            for (x, y) in a
+                .trim_matches(['{', '}'])
+                .split(", ")
+                .zip(b.trim_matches(['{', '}']).split(", "))
+            {
+                let _ = writeln!(k, "\tmov.b32 {y}, {x};");
+            }
+        }
     }
     k.push_str(
         "STEP:\n\tadd.u32 %r2, %r2, 1;\n\tadd.u32 %r11, %r11, 8;\n\tbra.uni COPY;\n\
@@ -448,6 +531,29 @@ pub struct Region {
     pub bytes_per_expert: usize,
 }
 
+/// How a launch is spread over the GPU: CTAs resident per SM (forced by padding the dynamic shared
+/// memory; at most 8, which the kernel's 32 registers allow) and whether the grid is persistent
+/// (`resident x SMs` CTAs walking the columns) or one CTA per column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// CTAs resident per SM (1..=8).
+    pub resident: u32,
+    /// `resident x SMs` CTAs taking columns grid-stride, or one CTA per column.
+    pub persistent: bool,
+}
+
+/// Shared memory an SM holds for CTAs (H100/H200: 228 KiB, of which each CTA reserves 1 KiB).
+const SM_SHARED: u64 = 228 * 1024;
+
+impl Shape {
+    /// Dynamic shared memory that keeps at most `resident` CTAs on an SM, at least `need`.
+    fn shared(&self, need: u64) -> u64 {
+        let r = u64::from(self.resident.clamp(1, 8));
+        let pad = (SM_SHARED / r - 1024) / 16 * 16;
+        need.max(if r >= 8 { 0 } else { pad })
+    }
+}
+
 /// A copy list uploaded once, for running over every param of a layer.
 pub struct CopyList {
     codes: Option<CudaSlice<u32>>,
@@ -476,9 +582,8 @@ type Uploaded = (Vec<Copy>, usize, usize, Arc<CopyList>, Arc<CudaEvent>);
 /// The copy-list kernel, loaded once per context.
 pub struct CopyKernel {
     _module: Arc<CudaModule>,
-    w16: CudaFunction,
-    w4: CudaFunction,
-    w1: CudaFunction,
+    /// Per [`VARIANTS`] form, its `w16`, `w4` and `w1` entries.
+    fns: Vec<[CudaFunction; 3]>,
     sms: u32,
     /// The last list uploaded by [`CopyKernel::run`], reused while the same copies run over the
     /// next params of a layer (one upload per rearrangement, not one per param).
@@ -499,11 +604,29 @@ impl CopyKernel {
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .map_err(drv("cuModuleLoadData"))?;
-        let f = |n: &str| module.load_function(n).map_err(drv("cuModuleGetFunction"));
+        let f = |n: &str| -> Result<CudaFunction> {
+            let f = module
+                .load_function(n)
+                .map_err(drv("cuModuleGetFunction"))?;
+            // Padded launches ([`Shape`]) take up to one SM's shared memory less the reserve.
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (SM_SHARED - 1024) as i32,
+            )
+            .map_err(drv("cuFuncSetAttribute"))?;
+            Ok(f)
+        };
+        let mut fns = Vec::with_capacity(VARIANTS.len());
+        for v in VARIANTS {
+            let sfx = v.suffix;
+            fns.push([
+                f(&format!("moeforge_copy_list_w16{sfx}"))?,
+                f(&format!("moeforge_copy_list_w4{sfx}"))?,
+                f(&format!("moeforge_copy_list_w1{sfx}"))?,
+            ]);
+        }
         Ok(CopyKernel {
-            w16: f("moeforge_copy_list_w16")?,
-            w4: f("moeforge_copy_list_w4")?,
-            w1: f("moeforge_copy_list_w1")?,
+            fns,
             _module: module,
             sms: dev.sms,
             last: std::sync::Mutex::new(None),
@@ -555,6 +678,26 @@ impl CopyKernel {
         list: &CopyList,
         r: &Region,
     ) -> Result<()> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.run_list_shaped(stream, list, r, None, 0) }
+    }
+
+    /// [`CopyKernel::run_list`] in the form `VARIANTS[variant]`, spread as `shape` says (`None`:
+    /// the default geometry).
+    ///
+    /// # Safety
+    /// As [`CopyKernel::run_list`].
+    pub unsafe fn run_list_shaped(
+        &self,
+        stream: &Arc<CudaStream>,
+        list: &CopyList,
+        r: &Region,
+        shape: Option<Shape>,
+        variant: usize,
+    ) -> Result<()> {
+        let (Some(var), Some(fns)) = (VARIANTS.get(variant), self.fns.get(variant)) else {
+            return Err(Error::Placement(format!("no copy-kernel form {variant}")));
+        };
         if r.slots < list.slots || r.transfers < list.transfers {
             return Err(Error::Placement(format!(
                 "a copy list for {} slots and {} transfer experts run over {} and {}",
@@ -567,19 +710,27 @@ impl CopyKernel {
         if r.bytes_per_expert == 0 {
             return Ok(());
         }
-        let g = self.geometry(r);
+        let mut g = self.geometry(r);
         let f = match g.width {
-            16 => &self.w16,
-            4 => &self.w4,
-            _ => &self.w1,
+            16 => &fns[0],
+            4 => &fns[1],
+            _ => &fns[2],
         };
         let (list_ptr, _sync) = codes.device_ptr(stream);
         let n = list.copies as u32;
-        let smem = shared_bytes(&g, list.copies, list.scratch);
+        let mut smem = shared_bytes_for(&g, list.copies, list.scratch, *var);
         if smem > MAX_LIST_BYTES {
             return Err(Error::Placement(format!(
                 "a copy list of {n} copies (and its scratch) needs {smem} bytes of shared memory, over the kernel's {MAX_LIST_BYTES}"
             )));
+        }
+        if let Some(sh) = shape {
+            smem = sh.shared(smem);
+            g.grid = if sh.persistent {
+                (self.sms * sh.resident.clamp(1, 8)).min(g.columns.min(u64::from(u32::MAX)) as u32)
+            } else {
+                g.columns.clamp(1, u64::from(i32::MAX as u32)) as u32
+            };
         }
         let stride = r.bytes_per_expert as u64;
         let cfg = LaunchConfig {
@@ -672,6 +823,7 @@ impl XorShift {
 
 /// One self-check case: rank 0's copies of a random plan, run at `offset` bytes into the param's
 /// allocation; `Ok(None)` when it matches, `Ok(Some(why))` when not.
+#[allow(clippy::too_many_arguments)]
 fn check_case(
     dev: &Device,
     k: &CopyKernel,
@@ -679,6 +831,8 @@ fn check_case(
     bpe: usize,
     offset: usize,
     rng: &mut XorShift,
+    shape: Option<Shape>,
+    variant: usize,
 ) -> Result<(Option<String>, Geometry, f64)> {
     let rm = plan.rank(0).cloned().unwrap_or_default();
     let local = plan.local_slots();
@@ -707,7 +861,7 @@ fn check_case(
     let list = k.upload(s, &rm.copies, local, transfers)?;
     // SAFETY: `d_main` holds `offset + local * bpe` bytes and `d_tr` `transfers * bpe`, both live
     // until after the synchronisations below; nothing else uses them.
-    unsafe { k.run_list(s, &list, &r) }?;
+    unsafe { k.run_list_shaped(s, &list, &r, shape, variant) }?;
     let got = s.clone_dtoh(&d_main).map_err(drv("cuMemcpyDtoH"))?;
     // The host reference.
     let mut slots: Vec<Vec<u8>> = host[offset..].chunks(bpe).map(|c| c.to_vec()).collect();
@@ -730,7 +884,7 @@ fn check_case(
     let t0 = s.record_event(timing).map_err(drv("cuEventRecord"))?;
     for _ in 0..reps {
         // SAFETY: as above.
-        unsafe { k.run_list(s, &list, &r) }?;
+        unsafe { k.run_list_shaped(s, &list, &r, shape, variant) }?;
     }
     let t1 = s.record_event(timing).map_err(drv("cuEventRecord"))?;
     s.synchronize().map_err(drv("cuStreamSynchronize"))?;
@@ -775,7 +929,7 @@ pub fn gpu_check(dev: &Device) -> Result<String> {
             let new = moves::SlotMap::new(rng.placement(e, r), e)?;
             let plan = moves::MovePlan::new(&old, &new, ranks)?;
             let rm = plan.rank(0).cloned().unwrap_or_default();
-            let (why, g, gbs) = check_case(dev, &k, &plan, bpe, offset, &mut rng)?;
+            let (why, g, gbs) = check_case(dev, &k, &plan, bpe, offset, &mut rng, None, 0)?;
             if let Some(w) = why {
                 ok = false;
                 notes.push(format!("MISMATCH ({ranks} ranks: {w})"));
@@ -803,6 +957,54 @@ pub fn gpu_check(dev: &Device) -> Result<String> {
             notes.join(", ")
         );
         out.push(line);
+    }
+    // How the spread over the GPU moves the bandwidth: 16 MiB experts, a 32-slot one-rank plan
+    // (cycles) and rank 0 of an 8-rank plan, at 1..8 resident CTAs per SM, persistent or one CTA
+    // per column. Each shape's first launch is checked too.
+    let (old1, new1) = (
+        moves::SlotMap::new(rng.placement(32, 32), 32)?,
+        moves::SlotMap::new(rng.placement(32, 32), 32)?,
+    );
+    let (old8, new8) = (
+        moves::SlotMap::new(rng.placement(256, 256), 256)?,
+        moves::SlotMap::new(rng.placement(256, 256), 256)?,
+    );
+    let plans = [
+        moves::MovePlan::new(&old1, &new1, 1)?,
+        moves::MovePlan::new(&old8, &new8, 8)?,
+    ];
+    for (vi, var) in VARIANTS.iter().enumerate() {
+        let mut line = format!(
+            "copy_kernel form w16{} ({} scratch, ld{} st{}), 16 MiB experts:",
+            var.suffix,
+            if var.smem_scratch { "smem" } else { "register" },
+            var.load,
+            var.store,
+        );
+        // 0: the default geometry; else a persistent grid padded to that many CTAs per SM.
+        for resident in [0u32, 2, 8] {
+            let shape = (resident > 0).then_some(Shape {
+                resident,
+                persistent: true,
+            });
+            let mut cell = Vec::new();
+            for plan in &plans {
+                let (why, _, gbs) = check_case(dev, &k, plan, 16 << 20, 0, &mut rng, shape, vi)?;
+                if let Some(w) = why {
+                    all_ok = false;
+                    cell.push(format!("MISMATCH ({w})"));
+                } else {
+                    cell.push(format!("{gbs:.0}"));
+                }
+            }
+            let what = if resident == 0 {
+                "default".to_string()
+            } else {
+                format!("{resident}/SM")
+            };
+            let _ = write!(line, " {what} {}", cell.join("/"));
+        }
+        out.push(format!("{line} GB/s (1-rank/8-rank plan)"));
     }
     out.push(format!(
         "copy_kernel verdict: {}",
@@ -883,9 +1085,9 @@ mod tests {
 
     #[test]
     fn geometry_fits_the_sizes_asked_for() {
-        // An 88 MB bf16 slot: 16-byte units, full CTAs, 8 per SM over 132 SMs.
+        // An 88 MB bf16 slot: 16-byte units, full CTAs, 2 per SM over 132 SMs.
         let g = Geometry::new(1 << 20, 1 << 21, 88 << 20, 132);
-        assert_eq!((g.width, g.threads, g.grid), (16, 256, 1056));
+        assert_eq!((g.width, g.threads, g.grid), (16, 256, 264));
         assert_eq!(g.columns, (88u64 << 20).div_ceil(16 * 1024));
         // A 4-byte alpha: one unit, one warp, one CTA.
         let g = Geometry::new(256, 0, 4, 132);

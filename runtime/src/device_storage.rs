@@ -31,6 +31,9 @@ pub struct DeviceStorage {
     aux: Option<Arc<CudaStream>>,
     /// The event the main stream waits for at [`ExpertStorage::finish`].
     pending: Option<cudarc::driver::CudaEvent>,
+    /// Recorded on the main stream after this param's exchange: its copies then run on the side
+    /// stream from there, overlapping the next params' exchanges instead of queueing behind them.
+    exchanged: std::sync::Mutex<Option<cudarc::driver::CudaEvent>>,
 }
 
 /// Params of at most this many bytes per expert run their copy list on their own stream: below
@@ -49,6 +52,7 @@ impl DeviceStorage {
             spare: std::sync::Mutex::new(None),
             aux: None,
             pending: None,
+            exchanged: std::sync::Mutex::new(None),
         }
     }
 
@@ -71,6 +75,7 @@ impl DeviceStorage {
             spare: std::sync::Mutex::new(None),
             aux: None,
             pending: None,
+            exchanged: std::sync::Mutex::new(None),
         }
     }
 
@@ -256,6 +261,8 @@ impl ExpertStorage for DeviceStorage {
         len: usize,
         tick: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
+        // This move's exchange event, taken first so that no later move can fork from it.
+        let exchanged = self.exchanged.lock().ok().and_then(|mut e| e.take());
         let Some(kernel) = self.kernel.clone() else {
             // One memcpy per copy, the scratch in staging (the trait's default).
             return copy_each(self, st, copies, transfers, len, tick);
@@ -276,20 +283,24 @@ impl ExpertStorage for DeviceStorage {
             transfers,
             bytes_per_expert: len,
         };
-        if len > SMALL_EXPERT_BYTES {
+        if len > SMALL_EXPERT_BYTES && exchanged.is_none() {
             // SAFETY: `base..base + slots*len` is this param's live allocation and `transfer..
             // transfer + transfers*len` the staging buffer's (checked above), two distinct
             // allocations of this context; the launch is ordered on the stream after the exchange
             // that filled the staging.
             return unsafe { kernel.run(&self.stream, &region, copies) };
         }
-        // A small param: fork a side stream after everything queued so far (the exchange), run
-        // there, and let `finish` join it, so it overlaps the large params' launches.
+        // A small param, or one that exchanged experts: fork a side stream after this param's
+        // exchange (else after everything queued so far), run there, and let `finish` join it, so
+        // it overlaps the large params' launches and the later params' exchanges.
         let aux = self.aux()?;
-        let fork = self
-            .stream
-            .record_event(None)
-            .map_err(drv("cuEventRecord"))?;
+        let fork = match exchanged {
+            Some(ev) => ev,
+            None => self
+                .stream
+                .record_event(None)
+                .map_err(drv("cuEventRecord"))?,
+        };
         aux.wait(&fork).map_err(drv("cuStreamWaitEvent"))?;
         // SAFETY: as above; the side stream is ordered after the main stream's work so far (the
         // event), and the main stream waits for it at `finish`, before anything reads the param.
@@ -309,8 +320,8 @@ impl ExpertStorage for DeviceStorage {
         &self,
         st: &mut DeviceStaging,
         t: &dyn DeviceCollective,
-        sends: &[(usize, usize)],
-        recvs: &[(usize, usize)],
+        sends: &[(usize, usize, usize)],
+        recvs: &[(usize, usize, usize)],
         len: usize,
     ) -> Result<()> {
         if sends.is_empty() && recvs.is_empty() {
@@ -321,8 +332,8 @@ impl ExpertStorage for DeviceStorage {
             .as_ref()
             .ok_or(Error::Placement("storage released".into()))?;
         let mut out = Vec::with_capacity(sends.len());
-        for &(peer, off) in sends {
-            let r = range("the param", off, len, main.len())?;
+        for &(peer, off, bytes) in sends {
+            let r = range("the param", off, bytes, main.len())?;
             out.push((peer, main.slice(r)));
         }
         // Each receive fills its own range of the staging buffer, in the order given.
@@ -330,28 +341,43 @@ impl ExpertStorage for DeviceStorage {
         let size = st.len();
         let mut seen = vec![false; st.experts];
         let mut aliases = Aliases(Vec::with_capacity(recvs.len()));
-        for &(_, off) in recvs {
-            let r = range("the staging buffer", off, len, size)?;
-            let k = off / len.max(1);
-            if !off.is_multiple_of(len.max(1)) || seen.get(k).copied().unwrap_or(true) {
+        for &(_, off, bytes) in recvs {
+            let r = range("the staging buffer", off, bytes, size)?;
+            let unit = len.max(1);
+            if !off.is_multiple_of(unit) || !bytes.is_multiple_of(unit) || bytes == 0 {
                 return Err(Error::Placement(
-                    "receives must fill distinct staged experts".into(),
+                    "a receive is not a whole number of staged experts".into(),
                 ));
             }
-            seen[k] = true;
+            for k in off / unit..(off + bytes) / unit {
+                if seen.get(k).copied().unwrap_or(true) {
+                    return Err(Error::Placement(
+                        "receives must fill distinct staged experts".into(),
+                    ));
+                }
+                seen[k] = true;
+            }
             // SAFETY: `base + r.start .. base + r.end` lies inside the live staging allocation
             // (checked by `range`), the ranges of distinct receives are disjoint (checked above),
             // and the alias is leaked, never freed (`Aliases`), once the exchange is queued.
             aliases.0.push(unsafe {
                 self.stream
-                    .upgrade_device_ptr::<u8>(base + r.start as u64, len)
+                    .upgrade_device_ptr::<u8>(base + r.start as u64, bytes)
             });
         }
         let mut recv: Vec<(usize, cudarc::driver::CudaViewMut<'_, u8>)> = recvs
             .iter()
             .zip(aliases.0.iter_mut())
-            .map(|(&(peer, _), a)| (peer, a.as_view_mut()))
+            .map(|(&(peer, _, _), a)| (peer, a.as_view_mut()))
             .collect();
-        t.exchange(Group::Ep, &out, &mut recv, &Device::on_stream(&self.stream))
+        t.exchange(Group::Ep, &out, &mut recv, &Device::on_stream(&self.stream))?;
+        let ev = self
+            .stream
+            .record_event(None)
+            .map_err(drv("cuEventRecord"))?;
+        if let Ok(mut e) = self.exchanged.lock() {
+            *e = Some(ev);
+        }
+        Ok(())
     }
 }

@@ -75,14 +75,16 @@ pub trait ExpertStorage {
     fn finish(&mut self) -> Result<()> {
         Ok(())
     }
-    /// One grouped exchange over `t`'s EP group: `len` bytes from `Main(offset)` to each `(peer,
-    /// offset)` of `sends`, and from each peer of `recvs` into `Staging(offset)`.
+    /// One grouped exchange over `t`'s EP group: for each `(peer, offset, bytes)` of `sends`,
+    /// `bytes` from `Main(offset)` to `peer`; for each of `recvs`, `bytes` from `peer` into
+    /// `Staging(offset)` (disjoint ranges). `len` is the bytes of one expert: every message is a
+    /// whole number of experts ([`crate::moves::MovePlan::messages`]).
     fn exchange(
         &self,
         st: &mut Self::Staging,
         t: &Self::Transport,
-        sends: &[(usize, usize)],
-        recvs: &[(usize, usize)],
+        sends: &[(usize, usize, usize)],
+        recvs: &[(usize, usize, usize)],
         len: usize,
     ) -> Result<()>;
 }
@@ -170,12 +172,12 @@ impl ExpertStorage for Vec<u8> {
         &self,
         st: &mut Vec<u8>,
         t: &dyn Collective,
-        sends: &[(usize, usize)],
-        recvs: &[(usize, usize)],
-        len: usize,
+        sends: &[(usize, usize, usize)],
+        recvs: &[(usize, usize, usize)],
+        _len: usize,
     ) -> Result<()> {
         let mut out = Vec::with_capacity(sends.len());
-        for &(peer, off) in sends {
+        for &(peer, off, len) in sends {
             out.push((peer, &self[range("the param", off, len, Vec::len(self))?]));
         }
         // Split the staging buffer into the receive ranges (ascending, disjoint by construction).
@@ -185,7 +187,7 @@ impl ExpertStorage for Vec<u8> {
         let mut rest: &mut [u8] = st.as_mut_slice();
         let mut at = 0;
         for i in order {
-            let (peer, off) = recvs[i];
+            let (peer, off, len) = recvs[i];
             let skip = off.checked_sub(at).ok_or_else(|| {
                 Error::Placement("receive ranges overlap in the staging buffer".into())
             })?;
@@ -493,6 +495,8 @@ impl<S: ExpertStorage> ParamStore<S> {
             sent: vec![0; self.ranks],
             received: vec![0; self.ranks],
         };
+        // Consecutive experts of one pair of ranks travel as one message.
+        let (msg_sends, msg_recvs) = plan.messages(self.rank)?;
         // Staging for every param before any byte moves (an allocation failure changes nothing).
         let transfer = rm.transfer_experts();
         let scratch = usize::from(
@@ -525,10 +529,14 @@ impl<S: ExpertStorage> ParamStore<S> {
             for (e, st) in self.entries.iter().zip(staging.iter_mut().flatten()) {
                 let st = &mut st.1;
                 let b = e.bytes_per_expert;
-                let sends: Vec<(usize, usize)> =
-                    rm.sends.iter().map(|t| (t.peer, t.at * b)).collect();
-                let recvs: Vec<(usize, usize)> =
-                    rm.recvs.iter().map(|t| (t.peer, t.at * b)).collect();
+                let sends: Vec<(usize, usize, usize)> = msg_sends
+                    .iter()
+                    .map(|m| (m.peer, m.at * b, m.count * b))
+                    .collect();
+                let recvs: Vec<(usize, usize, usize)> = msg_recvs
+                    .iter()
+                    .map(|m| (m.peer, m.at * b, m.count * b))
+                    .collect();
                 tick()?;
                 e.storage.exchange(st, transport, &sends, &recvs, b)?;
             }
