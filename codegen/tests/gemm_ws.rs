@@ -596,7 +596,7 @@ fn check_structure(c: &WsConfig, text: &str) {
             .unwrap_or_else(|| panic!("{tag}: param {p}"));
         at += pos + 1;
     }
-    assert_eq!(count(text, ".param .align 64 .b8 tmap_"), 2, "{tag}");
+    assert_eq!(count(text, ".param .align 64 .b8 tmap_"), 4, "{tag}");
     assert_eq!(
         count(text, ".extern .shared .align 1024 .b8 smem[]"),
         1,
@@ -640,15 +640,40 @@ fn check_structure(c: &WsConfig, text: &str) {
         1,
         "{tag}"
     );
+    // Block-scaled: the k-tile's scales come by TMA on the same barrier (two 1-D boxes: 16 bytes
+    // of weight scales and the tile's token rows of activation scales), and no `cp.async`.
+    let block_tx = if c.scaling == Scaling::Block128 {
+        4 * (ws::BLOCK_SCALE_W_BOX + c.tile_tokens())
+    } else {
+        0
+    };
+    assert_eq!(c.scale_tx_bytes(), block_tx, "{tag}");
     assert!(
         text.lines()
-            .any(|l| l.contains("expect_tx") && l.ends_with(&format!("], {};", c.tx_bytes()))),
+            .any(|l| l.contains("expect_tx")
+                && l.ends_with(&format!("], {};", c.tx_bytes() + block_tx))),
+        "{tag}"
+    );
+    let scale_loads = if block_tx > 0 { 2 } else { 0 };
+    assert_eq!(
+        count(text, "cp.async.bulk.tensor.1d."),
+        scale_loads,
         "{tag}"
     );
     assert_eq!(count(text, "cp.async.bulk.tensor.2d."), 1, "{tag}");
     assert_eq!(count(text, "cp.async.bulk.tensor.3d."), 1, "{tag}");
-    assert_eq!(count(text, "cp.async.bulk.tensor"), 2, "{tag}");
-    assert_eq!(count(text, "prefetch.tensormap"), 2, "{tag}");
+    assert_eq!(
+        count(text, "cp.async.bulk.tensor"),
+        2 + scale_loads,
+        "{tag}"
+    );
+    assert_eq!(count(text, "prefetch.tensormap"), 2 + scale_loads, "{tag}");
+    assert_eq!(
+        count(text, "cp.async.ca") + count(text, "cp.async.mbarrier"),
+        0,
+        "{tag}"
+    );
+    assert!(c.full_arrivals() == 1, "{tag}");
     // The MMA atom: four wgmmas of BN columns per 128-byte k-tile.
     let shape = match c.operands {
         Operands::Bf16 => format!("m64n{}k16.f32.bf16.bf16", c.bn),
@@ -718,27 +743,15 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::Tensorwise { per_token: true } => 1 + token_classes,
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
-    // Block-scaled: the producer warp copies each k-tile's scales into its stage (a 4-byte
-    // cp.async per 32 token rows and the weight scale, then one noinc arrival), and every
-    // promotion reads one activation scale per token class and the weight scale from the stage
-    // (one promotion site with two consumers, four with one: even, odd and the two tails).
-    let (copies, arrivals, shared, fmas) = if block {
+    // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
+    // every promotion reads one activation scale per token class and the weight scale from the
+    // stage (one promotion site with two consumers, four with one: even, odd and the two tails).
+    let (shared, fmas) = if block {
         let sites = if c.consumers == 1 { 4 } else { 1 };
-        (
-            (c.tile_tokens().div_ceil(32) + 1) as usize,
-            1,
-            sites * (token_classes + 1),
-            sites * slots,
-        )
+        (sites * (token_classes + 1), sites * slots)
     } else {
-        (0, 0, 0, 0)
+        (0, 0)
     };
-    assert_eq!(count(text, "cp.async.ca.shared.global"), copies, "{tag}");
-    assert_eq!(
-        count(text, "cp.async.mbarrier.arrive.noinc.shared::cta.b64"),
-        arrivals,
-        "{tag}"
-    );
     // (Split-K adds the last-split flag's one shared store and one shared load.)
     assert_eq!(
         count(text, "ld.shared.f32"),

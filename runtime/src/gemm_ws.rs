@@ -10,7 +10,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfi
 use std::sync::Arc;
 
 use moeforge_codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
-use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WsConfig};
+use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WsConfig, BLOCK_SCALE_W_BOX};
 
 use crate::cache::{Cache, Hit};
 use crate::jit::Compiler;
@@ -323,6 +323,16 @@ impl GroupedGemm {
         .map_err(map_err)?;
         let tmap_x = self.maps.get(&px)?;
         let tmap_w = self.maps.get(&pw)?;
+        // The block scales' 1-D maps (a k-tile's weight-scale box and its token rows of activation
+        // scales); variants without block scales never read these parameters and get the X map.
+        let (tmap_xs, tmap_ws) = if cfg.scaling == Scaling::Block128 {
+            let pxs = TensorMapParams::f32_vector(xs, want_x as u64, x_rows).map_err(map_err)?;
+            let pws = TensorMapParams::f32_vector(ws, want_w as u64, BLOCK_SCALE_W_BOX)
+                .map_err(map_err)?;
+            (self.maps.get(&pxs)?, self.maps.get(&pws)?)
+        } else {
+            (tmap_x, tmap_x)
+        };
         let cfg_l = LaunchConfig {
             grid_dim: (self.grid(t, e), 1, 1),
             block_dim: (cfg.threads(), 1, 1),
@@ -376,15 +386,18 @@ impl GroupedGemm {
             .arg(&e32)
             .arg(&t32)
             .arg(&wsp)
-            .arg(&cntp);
+            .arg(&cntp)
+            .arg(&tmap_xs)
+            .arg(&tmap_ws);
         // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
         // value, the u64 addresses of `y`, `offsets` and the two scale buffers (0 where the variant
         // reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
         // split-K; with it sized for every tile of this launch's bound, the counters zero between
         // launches, and launches of one `GroupedGemm` ordered on its stream: the buffers are
-        // guarded by the lock until queued)). The maps describe `x` ([t, K]) and `w`
-        // ([experts, N, K]), whose sizes were checked; TMA reads only inside them (out-of-bounds
-        // boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
+        // guarded by the lock until queued), and two more 128-byte maps). The maps describe `x`
+        // ([t, K]) and `w` ([experts, N, K]), and with block scales `x_scale` ([KB * t]) and
+        // `w_scale` ([E * NB * KB]), whose sizes were checked; TMA reads only inside them
+        // (out-of-bounds boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
         // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows
         // below `offsets[experts]`, columns below N, inside `y` by the caller's guarantee on the
         // offsets' contents. The buffers' guards live until the launch has been queued.

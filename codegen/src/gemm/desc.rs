@@ -927,6 +927,32 @@ impl TensorMapParams {
         Ok(params)
     }
 
+    /// A rank-1 map of `len` f32 at `global_address` (a scale buffer), boxes of `box_elems`
+    /// elements (a multiple of 4: 16 bytes), no swizzle, zero out-of-bounds fill. The TMA
+    /// coordinate is the first element's index, any value (a box reaching past `len` reads zeros
+    /// there). Validated.
+    pub fn f32_vector(global_address: u64, len: u64, box_elems: u32) -> Result<Self> {
+        let mut global_dim = [1u64; TMA_MAX_RANK];
+        global_dim[0] = len;
+        let mut box_dim = [1u32; TMA_MAX_RANK];
+        box_dim[0] = box_elems;
+        let params = TensorMapParams {
+            data_type: TensorMapDataType::Float32,
+            rank: 1,
+            global_address,
+            global_dim,
+            global_strides: [0; TMA_MAX_RANK - 1],
+            box_dim,
+            element_strides: [1; TMA_MAX_RANK],
+            interleave: TensorMapInterleave::None,
+            swizzle: Swizzle::None,
+            l2_promotion: L2Promotion::None,
+            oob_fill: OobFill::None,
+        };
+        params.validate()?;
+        Ok(params)
+    }
+
     fn k_major_inner(
         dtype: WgmmaDtype,
         swizzle: Swizzle,

@@ -41,11 +41,18 @@
 //!   accumulated on its own (`scale-d` 0 on its first MMA) and promoted into the f32 total with
 //!   `s_x[kb, t] * s_w[e, n / 128, kb]` (`fma`, slices in ascending order). `s_x` is group-major
 //!   `[ceil(K/128), T]` (the activation quantizer's layout), `s_w` `[E, ceil(N/128), ceil(K/128)]`.
+//!   The producer loads a k-tile's scales into its stage by TMA too, completing on the same full
+//!   barrier as A and B (1-D maps over each scale buffer, [`BLOCK_SCALE_W_BOX`] weight scales and the
+//!   tile's token rows of activation scales), so every write into a stage is the async proxy's and
+//!   ordered by the barrier (compute-sanitizer racecheck tracks it; the earlier per-lane `cp.async`
+//!   copies were reported as hazards).
 //!
 //! # Parameters, in order
 //! `tmap_x`, `tmap_w` (`.param .align 64 .b8 [128]`), `y` (u64), `offsets` (u64: i32 `[E + 1]`),
 //! `x_scale` (u64; 0 when unscaled), `w_scale` (u64; 0 when unscaled), `experts` (u32), `tokens`
-//! (u32: `T`, the stride of the group-major activation scales).
+//! (u32: `T`, the stride of the group-major activation scales), `workspace`, `counters` (u64:
+//! split-K), `tmap_xs`, `tmap_ws` (1-D f32 maps of `x_scale` and `w_scale`: read by the block-scaled
+//! variants only; the others take any valid map there).
 
 use crate::ptx::{
     AsyncOp, BinOpcode, Builder, CmpOp, DynamicShared, Entry, Guard, Inst, MaxNReg, Operand, Param,
@@ -175,12 +182,20 @@ impl WsConfig {
         self.bn * 128
     }
 
-    /// Bytes of the block scales of one stage (block-scaled only): the activation scales of the
-    /// tile's token rows and the weight scale, padded to 1 KiB so that the next stage stays
-    /// 1024-byte aligned.
+    /// Bytes of the block scales of one stage (block-scaled only): the weight-scale box at 0, the
+    /// activation scales of the tile's token rows at [`BLOCK_SCALE_X_AT`], padded to whole KiB so
+    /// that the next stage stays 1024-byte aligned.
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
-            Scaling::Block128 => 1024,
+            Scaling::Block128 => (BLOCK_SCALE_X_AT + 4 * self.tile_tokens()).div_ceil(1024) * 1024,
+            _ => 0,
+        }
+    }
+
+    /// TMA bytes of a stage's block scales (0 unless block-scaled): the two boxes.
+    pub const fn scale_tx_bytes(&self) -> u32 {
+        match self.scaling {
+            Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens()),
             _ => 0,
         }
     }
@@ -195,13 +210,10 @@ impl WsConfig {
         self.tx_bytes() + self.scale_stage_bytes()
     }
 
-    /// Arrivals that complete a stage's full barrier: the producer's `expect_tx`, and with block
-    /// scales the 32 producer lanes' `cp.async` arrivals.
+    /// Arrivals that complete a stage's full barrier: the producer's one `expect_tx` (the block
+    /// scales come by TMA on the same barrier).
     pub const fn full_arrivals(&self) -> u32 {
-        match self.scaling {
-            Scaling::Block128 => 33,
-            _ => 1,
-        }
+        1
     }
 
     /// Token rows per tile.
@@ -399,8 +411,15 @@ const DESC_HI: i64 = 0x4000_0040;
 /// The descriptor's low-word LBO field (16 bytes, ignored for swizzled K-major operands).
 const DESC_LBO: i64 = 0x1_0000;
 
+/// Weight scales one TMA box of `tmap_ws` holds (16 bytes: the box's inner extent must be a
+/// multiple of 16 bytes); the consumers read the first.
+pub const BLOCK_SCALE_W_BOX: u32 = 4;
+/// Byte offset of the activation scales in a stage's block-scale area (after the weight-scale box,
+/// 128-byte aligned as a TMA destination).
+pub const BLOCK_SCALE_X_AT: u32 = 128;
+
 /// Parameter names, in launch order.
-pub const PARAMS: [&str; 10] = [
+pub const PARAMS: [&str; 12] = [
     "tmap_x",
     "tmap_w",
     "y",
@@ -411,6 +430,8 @@ pub const PARAMS: [&str; 10] = [
     "tokens",
     "workspace",
     "counters",
+    "tmap_xs",
+    "tmap_ws",
 ];
 
 /// Registers per consumer thread after `setmaxnreg.inc` with two consumer warpgroups (what the
@@ -667,6 +688,8 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
         Param::scalar(PARAMS[7], PtxTy::U32),
         Param::global_ptr(PARAMS[8], 16),
         Param::global_ptr(PARAMS[9], 4),
+        Param::tensor_map(PARAMS[10]),
+        Param::tensor_map(PARAMS[11]),
     ];
     entry.maxntid = Some(cfg.threads());
     entry.dynamic_shared = Some(DynamicShared {
@@ -741,10 +764,10 @@ fn producer(
             count: MaxNReg::new(PRODUCER_REGS)?,
         })?;
     }
-    // One thread issues the TMA loads; with block scales its whole warp copies the scales.
+    // One thread issues every TMA load, the block scales' included.
     let block = cfg.scaling == Scaling::Block128;
     let leader = k.setp(CmpOp::Eq, tid, Operand::Int(0));
-    let idle = k.setp(CmpOp::Ge, tid, Operand::Int(if block { 32 } else { 1 }));
+    let idle = k.setp(CmpOp::Ge, tid, Operand::Int(1));
     k.bra(exit, Some((idle, false)));
     let tmap_x = k.b.tensor_map_addr(PARAMS[0])?;
     let tmap_w = k.b.tensor_map_addr(PARAMS[1])?;
@@ -758,8 +781,11 @@ fn producer(
     )?;
     let s = scan_state(k);
     let scales = if block {
-        let xs = k.global_param(PARAMS[4]);
-        let ws = k.global_param(PARAMS[5]);
+        let xs = k.b.tensor_map_addr(PARAMS[10])?;
+        let ws = k.b.tensor_map_addr(PARAMS[11])?;
+        for tmap in [xs, ws] {
+            k.b.emit_guarded(Guard::when(leader), AsyncOp::PrefetchTensorMap { tmap })?;
+        }
         let tokens = k.reg32();
         k.b.push(Inst::LdParam {
             ty: PtxTy::U32,
@@ -789,7 +815,7 @@ fn producer(
         Guard::when(leader),
         AsyncOp::MbarrierArriveExpectTx {
             bar: fbar,
-            tx_bytes: Operand::Int(cfg.tx_bytes().into()),
+            tx_bytes: Operand::Int((cfg.tx_bytes() + cfg.scale_tx_bytes()).into()),
         },
     )?;
     let b = k.bin(
@@ -828,7 +854,7 @@ fn producer(
         }),
     )?;
     if let Some((xs, ws, tokens)) = scales {
-        copy_block_scales(k, cfg, tid, a, fbar, &s, &f, kt, xs, ws, tokens)?;
+        load_block_scales(k, cfg, leader, a, fbar, &s, &f, kt, xs, ws, tokens)?;
     }
     let more = k.next_ktile(stage, phase, cfg.stages, kt, Operand::Reg(f.ke));
     k.bra(&kloop, Some((more, false)));
@@ -836,15 +862,18 @@ fn producer(
     Ok(())
 }
 
-/// The producer warp's copies of k-tile `kt`'s block scales into the stage at `a` (after A and B):
-/// lane `l` copies the activation scales of the tile's token rows `l, l + 32, ...` (clamped to the
-/// expert's last row; group-major `[KB, T]`), lane 0 also the weight scale `s_w[e, w0 / 128, kt]`;
-/// then every lane arrives on the full barrier when its copies have landed.
+/// The producer's TMA loads of k-tile `kt`'s block scales into the stage at `a` (after A and B),
+/// on the stage's full barrier: the weight scales `s_w[e, w0 / 128, kt ..]` (one
+/// [`BLOCK_SCALE_W_BOX`] box; a decode tile's 64 weight rows sit inside one 128-row block) at the
+/// area's start, and the activation scales of the tile's token rows, `s_x[kt, tok0 ..]`
+/// (group-major `[KB, T]`, flat), at [`BLOCK_SCALE_X_AT`]. Token rows past the expert's end read the
+/// next expert's scales and rows past the buffer read zeros (TMA's out-of-bounds fill): their
+/// results are never stored.
 #[allow(clippy::too_many_arguments)]
-fn copy_block_scales(
+fn load_block_scales(
     k: &mut K,
     cfg: &WsConfig,
-    lane: Reg,
+    leader: Reg,
     a: Reg,
     fbar: Reg,
     s: &Scan,
@@ -860,31 +889,6 @@ fn copy_block_scales(
         a,
         Operand::Int(cfg.tx_bytes().into()),
     );
-    let tm = cfg.tile_tokens();
-    let row_base = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
-    let last = k.bin(BinOpcode::Sub, PtxTy::U32, s.hi, Operand::Int(1));
-    for i in 0..tm.div_ceil(32) {
-        let r = k.bin(
-            BinOpcode::Add,
-            PtxTy::U32,
-            lane,
-            Operand::Int(i64::from(32 * i)),
-        );
-        let tok = k.bin(BinOpcode::Add, PtxTy::U32, r, Operand::Reg(f.tok0));
-        k.bin_to(tok, BinOpcode::Min, PtxTy::U32, tok, Operand::Reg(last));
-        k.bin_to(tok, BinOpcode::Add, PtxTy::U32, tok, Operand::Reg(row_base));
-        let src = k.addr(xs, tok, 4);
-        let dst = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(2));
-        k.bin_to(dst, BinOpcode::Add, PtxTy::U32, dst, Operand::Reg(area));
-        let op = AsyncOp::CpAsync4 { dst, src };
-        if 32 * (i + 1) > tm {
-            let inside = k.setp(CmpOp::Lt, r, Operand::Int(tm.into()));
-            k.b.emit_guarded(Guard::when(inside), op)?;
-        } else {
-            k.b.emit(op)?;
-        }
-    }
-    // s_w[e, w0 / 128, kt] (a decode tile's 64 C weight rows sit inside one 128-row block).
     let nb = cfg.n.div_ceil(128);
     let i = k.bin(
         BinOpcode::MulLo,
@@ -902,16 +906,36 @@ fn copy_block_scales(
         Operand::Int(i64::from(cfg.k_tiles())),
     );
     k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
-    let src = k.addr(ws, i, 4);
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::TmaLoad(TmaLoad {
+            dim: TmaDim::D1,
+            dst: area,
+            tmap: ws,
+            coords: vec![i],
+            bar: fbar,
+            cache_hint: None,
+        }),
+    )?;
+    let x = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
+    k.bin_to(x, BinOpcode::Add, PtxTy::U32, x, Operand::Reg(f.tok0));
     let dst = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
         area,
-        Operand::Int(i64::from(4 * tm)),
+        Operand::Int(BLOCK_SCALE_X_AT.into()),
     );
-    let lane0 = k.setp(CmpOp::Eq, lane, Operand::Int(0));
-    k.b.emit_guarded(Guard::when(lane0), AsyncOp::CpAsync4 { dst, src })?;
-    k.b.emit(AsyncOp::CpAsyncMbarrierArriveNoinc { bar: fbar })
+    k.b.emit_guarded(
+        Guard::when(leader),
+        AsyncOp::TmaLoad(TmaLoad {
+            dim: TmaDim::D1,
+            dst,
+            tmap: xs,
+            coords: vec![x],
+            bar: fbar,
+            cache_hint: None,
+        }),
+    )
 }
 
 /// Per-thread epilogue coordinates: the fragment's row (A side) and column (B side) bases.
@@ -1394,8 +1418,8 @@ struct BlockScales {
     sw: Reg,
 }
 
-/// `ld.shared` of the scales of the slice in stage `r.prev` (the producer warp's copies: the tile's
-/// activation scales by local token row, then the weight scale).
+/// `ld.shared` of the scales of the slice in stage `r.prev` (the producer's TMA boxes: the weight
+/// scale first, the tile's activation scales by local token row at [`BLOCK_SCALE_X_AT`]).
 fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<BlockScales> {
     let (sa, _) = k.stage_addrs(r.prev, cfg.stage_bytes(), r.base, r.full);
     let area = k.bin(
@@ -1417,11 +1441,16 @@ fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<Bloc
         k.bin_to(a4, BinOpcode::Add, PtxTy::U32, a4, Operand::Reg(area));
         vec![(a4, 0), (a4, 32)]
     };
+    let at = i64::from(BLOCK_SCALE_X_AT);
     let sx = offs
         .into_iter()
         .map(|(addr, off)| {
             let d = k.b.reg(RegClass::F32);
-            k.b.push(Inst::LdShared { d, addr, off });
+            k.b.push(Inst::LdShared {
+                d,
+                addr,
+                off: off + at,
+            });
             d
         })
         .collect();
@@ -1429,7 +1458,7 @@ fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<Bloc
     k.b.push(Inst::LdShared {
         d: sw,
         addr: area,
-        off: i64::from(4 * cfg.tile_tokens()),
+        off: 0,
     });
     Ok(BlockScales { sx, sw })
 }
