@@ -643,7 +643,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     // Block-scaled: the k-tile's scales come by TMA on the same barrier (two 1-D boxes: 16 bytes
     // of weight scales and the tile's token rows of activation scales), and no `cp.async`.
     let block_tx = if c.scaling == Scaling::Block128 {
-        4 * (ws::BLOCK_SCALE_W_BOX + c.tile_tokens())
+        4 * (ws::BLOCK_SCALE_W_BOX + c.tile_tokens() + ws::BLOCK_SCALE_PAD)
     } else {
         0
     };

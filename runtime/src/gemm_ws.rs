@@ -326,7 +326,8 @@ impl GroupedGemm {
         // The block scales' 1-D maps (a k-tile's weight-scale box and its token rows of activation
         // scales); variants without block scales never read these parameters and get the X map.
         let (tmap_xs, tmap_ws) = if cfg.scaling == Scaling::Block128 {
-            let pxs = TensorMapParams::f32_vector(xs, want_x as u64, x_rows).map_err(map_err)?;
+            let pxs = TensorMapParams::f32_vector(xs, want_x as u64, x_rows + ws::BLOCK_SCALE_PAD)
+                .map_err(map_err)?;
             let pws = TensorMapParams::f32_vector(ws, want_w as u64, BLOCK_SCALE_W_BOX)
                 .map_err(map_err)?;
             (self.maps.get(&pxs)?, self.maps.get(&pws)?)

@@ -42,10 +42,13 @@
 //!   `s_x[kb, t] * s_w[e, n / 128, kb]` (`fma`, slices in ascending order). `s_x` is group-major
 //!   `[ceil(K/128), T]` (the activation quantizer's layout), `s_w` `[E, ceil(N/128), ceil(K/128)]`.
 //!   The producer loads a k-tile's scales into its stage by TMA too, completing on the same full
-//!   barrier as A and B (1-D maps over each scale buffer, [`BLOCK_SCALE_W_BOX`] weight scales and the
-//!   tile's token rows of activation scales), so every write into a stage is the async proxy's and
-//!   ordered by the barrier (compute-sanitizer racecheck tracks it; the earlier per-lane `cp.async`
-//!   copies were reported as hazards).
+//!   barrier as A and B (1-D maps over each scale buffer: [`BLOCK_SCALE_W_BOX`] weight scales and
+//!   the tile's token rows of activation scales plus [`BLOCK_SCALE_PAD`]), so every write into a
+//!   stage is the async proxy's and ordered by the barrier (compute-sanitizer racecheck tracks it;
+//!   the earlier per-lane `cp.async` copies were reported as hazards). A TMA box must start on 16
+//!   bytes (on an H200 an unaligned first coordinate of a 1-D map is an illegal instruction), so
+//!   each box starts at its first element rounded down to a multiple of 4 and the consumers add the
+//!   remainder (`& 3`), which they compute from the same tile and k-tile.
 //!
 //! # Parameters, in order
 //! `tmap_x`, `tmap_w` (`.param .align 64 .b8 [128]`), `y` (u64), `offsets` (u64: i32 `[E + 1]`),
@@ -187,7 +190,10 @@ impl WsConfig {
     /// that the next stage stays 1024-byte aligned.
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
-            Scaling::Block128 => (BLOCK_SCALE_X_AT + 4 * self.tile_tokens()).div_ceil(1024) * 1024,
+            Scaling::Block128 => {
+                (BLOCK_SCALE_X_AT + 4 * (self.tile_tokens() + BLOCK_SCALE_PAD)).div_ceil(1024)
+                    * 1024
+            }
             _ => 0,
         }
     }
@@ -195,7 +201,7 @@ impl WsConfig {
     /// TMA bytes of a stage's block scales (0 unless block-scaled): the two boxes.
     pub const fn scale_tx_bytes(&self) -> u32 {
         match self.scaling {
-            Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens()),
+            Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens() + BLOCK_SCALE_PAD),
             _ => 0,
         }
     }
@@ -414,6 +420,9 @@ const DESC_LBO: i64 = 0x1_0000;
 /// Weight scales one TMA box of `tmap_ws` holds (16 bytes: the box's inner extent must be a
 /// multiple of 16 bytes); the consumers read the first.
 pub const BLOCK_SCALE_W_BOX: u32 = 4;
+/// Activation scales a stage's box holds past the tile's token rows: the box starts up to 3
+/// elements early (rounded down to 16 bytes).
+pub const BLOCK_SCALE_PAD: u32 = 4;
 /// Byte offset of the activation scales in a stage's block-scale area (after the weight-scale box,
 /// 128-byte aligned as a TMA destination).
 pub const BLOCK_SCALE_X_AT: u32 = 128;
@@ -863,10 +872,11 @@ fn producer(
 }
 
 /// The producer's TMA loads of k-tile `kt`'s block scales into the stage at `a` (after A and B),
-/// on the stage's full barrier: the weight scales `s_w[e, w0 / 128, kt ..]` (one
-/// [`BLOCK_SCALE_W_BOX`] box; a decode tile's 64 weight rows sit inside one 128-row block) at the
-/// area's start, and the activation scales of the tile's token rows, `s_x[kt, tok0 ..]`
-/// (group-major `[KB, T]`, flat), at [`BLOCK_SCALE_X_AT`]. Token rows past the expert's end read the
+/// on the stage's full barrier: the weight scale `s_w[e, w0 / 128, kt]` (in one
+/// [`BLOCK_SCALE_W_BOX`] box from its index rounded down to 4; a decode tile's 64 weight rows sit
+/// inside one 128-row block) at the area's start, and the activation scales of the tile's token
+/// rows, `s_x[kt, tok0 ..]` (group-major `[KB, T]`, flat; the box from that index rounded down to 4,
+/// [`BLOCK_SCALE_PAD`] longer), at [`BLOCK_SCALE_X_AT`]. Token rows past the expert's end read the
 /// next expert's scales and rows past the buffer read zeros (TMA's out-of-bounds fill): their
 /// results are never stored.
 #[allow(clippy::too_many_arguments)]
@@ -906,6 +916,8 @@ fn load_block_scales(
         Operand::Int(i64::from(cfg.k_tiles())),
     );
     k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
+    // Boxes start on 16 bytes: the consumers add the remainder (`block_scale_skew`).
+    k.bin_to(i, BinOpcode::And, PtxTy::B32, i, Operand::Int(-4));
     k.b.emit_guarded(
         Guard::when(leader),
         AsyncOp::TmaLoad(TmaLoad {
@@ -919,6 +931,7 @@ fn load_block_scales(
     )?;
     let x = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
     k.bin_to(x, BinOpcode::Add, PtxTy::U32, x, Operand::Reg(f.tok0));
+    k.bin_to(x, BinOpcode::And, PtxTy::B32, x, Operand::Int(-4));
     let dst = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
@@ -1040,7 +1053,12 @@ fn consumers(
             issue_ktile(k, cfg, &ring, n_mma, &part, None)?;
             k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
             k.mov(prev, Operand::Reg(stage));
-            let sc = stage_scales(k, cfg, &frag, &ring)?;
+            let skew = Skew {
+                s: &s,
+                f: &f,
+                tokens,
+            };
+            let sc = stage_scales(k, cfg, &frag, &ring, &skew, kt)?;
             release(k, &ring, None)?;
             promote(k, cfg, kt, f.ks, &sc, &part, &acc);
             let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
@@ -1050,9 +1068,14 @@ fn consumers(
             // One consumer: two slice accumulators, so that the MMAs of k-tile i run while slice
             // i - 1 is promoted with its scales, which the producer warp copied into its stage.
             let part_b = k.b.accumulator(n_mma);
+            let skew = Skew {
+                s: &s,
+                f: &f,
+                tokens,
+            };
             let promote_at = |k: &mut K, from: &[Reg]| -> Result<()> {
                 let done = k.bin(BinOpcode::Sub, PtxTy::U32, kt, Operand::Int(1));
-                let sc = stage_scales(k, cfg, &frag, &ring)?;
+                let sc = stage_scales(k, cfg, &frag, &ring, &skew, done)?;
                 release(k, &ring, None)?;
                 promote(k, cfg, done, f.ks, &sc, from, &acc);
                 Ok(())
@@ -1418,9 +1441,26 @@ struct BlockScales {
     sw: Reg,
 }
 
-/// `ld.shared` of the scales of the slice in stage `r.prev` (the producer's TMA boxes: the weight
-/// scale first, the tile's activation scales by local token row at [`BLOCK_SCALE_X_AT`]).
-fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<BlockScales> {
+/// What a consumer needs to find k-tile `kt`'s scales in the boxes the producer loaded: the tile
+/// (its expert, first weight row and first token) and `T`.
+struct Skew<'a> {
+    s: &'a Scan,
+    f: &'a Found,
+    tokens: Reg,
+}
+
+/// `ld.shared` of the scales of k-tile `kt`, in stage `r.prev` (the producer's TMA boxes: the
+/// weight scales first, the tile's activation scales by local token row at [`BLOCK_SCALE_X_AT`]),
+/// each box entered at its skew: the element index's remainder mod 4 that the producer rounded
+/// down (`load_block_scales`).
+fn stage_scales(
+    k: &mut K,
+    cfg: &WsConfig,
+    frag: &Frag,
+    r: &Ring,
+    sk: &Skew,
+    kt: Reg,
+) -> Result<BlockScales> {
     let (sa, _) = k.stage_addrs(r.prev, cfg.stage_bytes(), r.base, r.full);
     let area = k.bin(
         BinOpcode::Add,
@@ -1428,6 +1468,34 @@ fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<Bloc
         sa,
         Operand::Int(cfg.tx_bytes().into()),
     );
+    // The weight scale's skew: (((e * NB + w0 / 128) * KT + kt) & 3) elements.
+    let nb = cfg.n.div_ceil(128);
+    let wi = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        sk.s.expert,
+        Operand::Int(i64::from(nb)),
+    );
+    let blk = k.bin(BinOpcode::Shr, PtxTy::U32, sk.f.w0, Operand::Int(7));
+    k.bin_to(wi, BinOpcode::Add, PtxTy::U32, wi, Operand::Reg(blk));
+    k.bin_to(
+        wi,
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        wi,
+        Operand::Int(i64::from(cfg.k_tiles())),
+    );
+    k.bin_to(wi, BinOpcode::Add, PtxTy::U32, wi, Operand::Reg(kt));
+    k.bin_to(wi, BinOpcode::And, PtxTy::B32, wi, Operand::Int(3));
+    k.bin_to(wi, BinOpcode::Shl, PtxTy::B32, wi, Operand::Int(2));
+    let w_at = k.bin(BinOpcode::Add, PtxTy::U32, area, Operand::Reg(wi));
+    // The activation scales' skew: ((kt * T + tok0) & 3) elements.
+    let xi = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(sk.tokens));
+    k.bin_to(xi, BinOpcode::Add, PtxTy::U32, xi, Operand::Reg(sk.f.tok0));
+    k.bin_to(xi, BinOpcode::And, PtxTy::B32, xi, Operand::Int(3));
+    k.bin_to(xi, BinOpcode::Shl, PtxTy::B32, xi, Operand::Int(2));
+    let area_x = k.bin(BinOpcode::Add, PtxTy::U32, area, Operand::Reg(xi));
+    let area = area_x;
     // Local token rows: prefill a_row + 8h; decode b_col + 8j + c.
     let offs: Vec<(Reg, i64)> = if cfg.swap_ab {
         let b4 = k.bin(BinOpcode::Shl, PtxTy::B32, frag.b_col, Operand::Int(2));
@@ -1457,7 +1525,7 @@ fn stage_scales(k: &mut K, cfg: &WsConfig, frag: &Frag, r: &Ring) -> Result<Bloc
     let sw = k.b.reg(RegClass::F32);
     k.b.push(Inst::LdShared {
         d: sw,
-        addr: area,
+        addr: w_at,
         off: 0,
     });
     Ok(BlockScales { sx, sw })
