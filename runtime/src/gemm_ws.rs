@@ -463,6 +463,7 @@ mod tests {
             stages: 4,
             swap_ab: true,
             split_k: 1,
+            pipelined: false,
             n: 256,
             k: 512,
         };
@@ -503,6 +504,7 @@ mod tests {
             stages: 4,
             swap_ab: false,
             split_k: 1,
+            pipelined: false,
             n: 256,
             k: 512,
         };

@@ -168,6 +168,11 @@ pub struct WsConfig {
     /// computed by different CTAs into an f32 workspace; the last of them to finish sums the
     /// partials in split order (deterministic) and runs the epilogue. 1: no split.
     pub split_k: u32,
+    /// Block-scaled with two consumers: two slice accumulators per consumer, so that the MMAs of
+    /// k-tile `i` run while slice `i - 1` is promoted (192 accumulator registers a thread at BN 128:
+    /// they fit the consumers' `setmaxnreg` 232 under ptxas, not the 168 the driver's JIT gives a
+    /// 384-thread CTA, where they spill). One consumer always keeps two; false elsewhere.
+    pub pipelined: bool,
     /// N (compiled in).
     pub n: u32,
     /// K (compiled in).
@@ -282,11 +287,14 @@ impl WsConfig {
             Scaling::Block128 => "b",
         };
         let out = self.out.name();
-        let split = if self.split_k > 1 {
+        let mut split = if self.split_k > 1 {
             format!("_k{}", self.split_k)
         } else {
             String::new()
         };
+        if self.pipelined {
+            split.push_str("_pp");
+        }
         format!(
             "{}{scale}_{}{}x{}_s{}{split}_{out}",
             self.operands.name(),
@@ -340,6 +348,12 @@ impl WsConfig {
                 "a decode token tile of {} (a power of two, 8 to 256)",
                 self.bn
             ));
+        }
+        if self.pipelined && !(self.scaling == Scaling::Block128 && self.consumers == 2) {
+            return bad(
+                "a pipelined promotion without block scales and two consumers (one consumer always pipelines)"
+                    .into(),
+            );
         }
         if self.split_k == 0 || self.split_k > MAX_SPLIT_K {
             return bad(format!("split-K of {} (1 to {MAX_SPLIT_K})", self.split_k));
@@ -1046,7 +1060,7 @@ fn consumers(
     k.b.push(Inst::Label(kloop.clone()));
     let k_end = Operand::Reg(f.ke);
     match (x_scale, w_scale) {
-        (Some(_), Some(_)) if block && cfg.consumers >= 2 => {
+        (Some(_), Some(_)) if block && cfg.consumers >= 2 && !cfg.pipelined => {
             // Two consumers: one slice accumulator (the total and the slice stay within the 168
             // registers that the driver's JIT gives a thread of a 384-thread CTA); the two
             // warpgroups' promotions and MMAs interleave on the tensor core.
@@ -1065,8 +1079,9 @@ fn consumers(
             k.bra(&kloop, Some((more, false)));
         }
         (Some(_), Some(_)) if block => {
-            // One consumer: two slice accumulators, so that the MMAs of k-tile i run while slice
-            // i - 1 is promoted with its scales, which the producer warp copied into its stage.
+            // One consumer, or two pipelined: two slice accumulators, so that the MMAs of k-tile i
+            // run while slice i - 1 is promoted with its scales, which the producer loaded into
+            // its stage.
             let part_b = k.b.accumulator(n_mma);
             let skew = Skew {
                 s: &s,
