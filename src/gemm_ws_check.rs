@@ -111,7 +111,6 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         stages,
         swap_ab,
         split_k: 1,
-        pipelined: false,
         n,
         k,
     };
@@ -128,10 +127,6 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         v(e, ten, OutTy::F32, 2, 128, 6, false),
         v(e, tok, OutTy::Bf16, 1, 32, 8, true),
         v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false),
-        WsConfig {
-            pipelined: true,
-            ..v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false)
-        },
         v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true),
         // Split-K (decode): bf16, per-token FP8 and block-scaled.
         WsConfig {

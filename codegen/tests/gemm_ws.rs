@@ -46,7 +46,6 @@ fn cfg(
         stages,
         swap_ab,
         split_k: 1,
-        pipelined: false,
         n,
         k,
     }
@@ -682,8 +681,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     };
     // Block-scaled with one consumer: two slice accumulators, so the k loop is unrolled by two.
     let block = c.scaling == Scaling::Block128;
-    let two_slices = block && (c.consumers == 1 || c.pipelined);
-    let unroll = if two_slices { 2 } else { 1 };
+    let unroll = if block && c.consumers == 1 { 2 } else { 1 };
     assert_eq!(
         count(text, &format!("wgmma.mma_async.sync.aligned.{shape} ")),
         4 * unroll,
@@ -749,7 +747,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     // every promotion reads one activation scale per token class and the weight scale from the
     // stage (one promotion site with two consumers, four with one: even, odd and the two tails).
     let (shared, fmas) = if block {
-        let sites = if two_slices { 4 } else { 1 };
+        let sites = if c.consumers == 1 { 4 } else { 1 };
         (sites * (token_classes + 1), sites * slots)
     } else {
         (0, 0)

@@ -183,7 +183,6 @@ impl TuneEntry {
                 "stages": c.stages,
                 "swap_ab": c.swap_ab,
                 "split_k": c.split_k,
-                "pipelined": c.pipelined,
                 "n": c.n,
                 "k": c.k,
             },
@@ -207,11 +206,6 @@ impl TuneEntry {
             stages: u32_of(c, "stages")?,
             swap_ab: c.get("swap_ab")?.as_bool()?,
             split_k: u32_of(c, "split_k")?,
-            // Entries written before the field existed are of the unpipelined form.
-            pipelined: c
-                .get("pipelined")
-                .and_then(|p| p.as_bool())
-                .unwrap_or(false),
             n: u32_of(c, "n")?,
             k: u32_of(c, "k")?,
         };

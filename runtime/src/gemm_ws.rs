@@ -463,7 +463,6 @@ mod tests {
             stages: 4,
             swap_ab: true,
             split_k: 1,
-            pipelined: false,
             n: 256,
             k: 512,
         };
@@ -504,7 +503,6 @@ mod tests {
             stages: 4,
             swap_ab: false,
             split_k: 1,
-            pipelined: false,
             n: 256,
             k: 512,
         };

@@ -46,18 +46,8 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
             stages,
             swap_ab,
             split_k,
-            pipelined: false,
             n,
             k,
-        })
-        .flat_map(|c| {
-            // Block-scaled prefill also in its pipelined form (fast where ptxas compiled it, see
-            // `WsConfig::pipelined`; the tuner times both under the compiler in use).
-            let p = (c.scaling == Scaling::Block128 && c.consumers == 2).then_some(WsConfig {
-                pipelined: true,
-                ..c
-            });
-            std::iter::once(c).chain(p)
         })
         .collect()
 }

@@ -168,11 +168,6 @@ pub struct WsConfig {
     /// computed by different CTAs into an f32 workspace; the last of them to finish sums the
     /// partials in split order (deterministic) and runs the epilogue. 1: no split.
     pub split_k: u32,
-    /// Block-scaled with two consumers: two slice accumulators per consumer, so that the MMAs of
-    /// k-tile `i` run while slice `i - 1` is promoted (192 accumulator registers a thread at BN 128:
-    /// they fit the consumers' `setmaxnreg` 232 under ptxas, not the 168 the driver's JIT gives a
-    /// 384-thread CTA, where they spill). One consumer always keeps two; false elsewhere.
-    pub pipelined: bool,
     /// N (compiled in).
     pub n: u32,
     /// K (compiled in).
@@ -287,14 +282,11 @@ impl WsConfig {
             Scaling::Block128 => "b",
         };
         let out = self.out.name();
-        let mut split = if self.split_k > 1 {
+        let split = if self.split_k > 1 {
             format!("_k{}", self.split_k)
         } else {
             String::new()
         };
-        if self.pipelined {
-            split.push_str("_pp");
-        }
         format!(
             "{}{scale}_{}{}x{}_s{}{split}_{out}",
             self.operands.name(),
@@ -348,12 +340,6 @@ impl WsConfig {
                 "a decode token tile of {} (a power of two, 8 to 256)",
                 self.bn
             ));
-        }
-        if self.pipelined && !(self.scaling == Scaling::Block128 && self.consumers == 2) {
-            return bad(
-                "a pipelined promotion without block scales and two consumers (one consumer always pipelines)"
-                    .into(),
-            );
         }
         if self.split_k == 0 || self.split_k > MAX_SPLIT_K {
             return bad(format!("split-K of {} (1 to {MAX_SPLIT_K})", self.split_k));
@@ -1060,7 +1046,7 @@ fn consumers(
     k.b.push(Inst::Label(kloop.clone()));
     let k_end = Operand::Reg(f.ke);
     match (x_scale, w_scale) {
-        (Some(_), Some(_)) if block && cfg.consumers >= 2 && !cfg.pipelined => {
+        (Some(_), Some(_)) if block && cfg.consumers >= 2 => {
             // Two consumers: one slice accumulator (the total and the slice stay within the 168
             // registers that the driver's JIT gives a thread of a 384-thread CTA); the two
             // warpgroups' promotions and MMAs interleave on the tensor core.
@@ -1079,9 +1065,8 @@ fn consumers(
             k.bra(&kloop, Some((more, false)));
         }
         (Some(_), Some(_)) if block => {
-            // One consumer, or two pipelined: two slice accumulators, so that the MMAs of k-tile i
-            // run while slice i - 1 is promoted with its scales, which the producer loaded into
-            // its stage.
+            // One consumer: two slice accumulators, so that the MMAs of k-tile i run while slice
+            // i - 1 is promoted with its scales, which the producer warp copied into its stage.
             let part_b = k.b.accumulator(n_mma);
             let skew = Skew {
                 s: &s,
