@@ -166,7 +166,10 @@ fn run_shape(dev: &Device, s: &Shape, rng: &mut Rng, time: bool) -> Result<Outco
 /// The GEMM self-test: v0 (one line per shape and a timing line), then every v1 variant on every
 /// shape class ([`crate::gemm_ws_check`]; `quick` keeps the small classes, for the sanitizers);
 /// `None` as the verdict without a GPU (the report then says SKIPPED).
-pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
+pub fn selftest(
+    quick: bool,
+    jit: &crate::runtime::jit::JitOptions,
+) -> Result<(String, Option<bool>)> {
     let mut out = String::new();
     let Some(dev) = hopper("grouped-GEMM self-test", &mut out) else {
         return Ok((out, None));
@@ -189,7 +192,14 @@ pub fn selftest(quick: bool) -> Result<(String, Option<bool>)> {
         all &= o.ok;
         let _ = writeln!(out, "{}", o.line);
     }
-    let (v1, ok1) = crate::gemm_ws_check::selftest(&dev, seed, quick)?;
+    let compiler = crate::runtime::jit::Compiler::resolve(jit).map_err(Error::from)?;
+    let _ = writeln!(
+        out,
+        "gemm v1 compiled by {} (MOEFORGE_JIT={})",
+        compiler.describe(),
+        jit.compiler.name()
+    );
+    let (v1, ok1) = crate::gemm_ws_check::selftest(&dev, seed, quick, &compiler)?;
     out.push_str(&v1);
     all &= ok1;
     let _ = writeln!(

@@ -128,6 +128,26 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         v(e, tok, OutTy::Bf16, 1, 32, 8, true),
         v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false),
         v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true),
+        // Int8 weights as register-sourced A (W8A16, decode).
+        v(
+            Operands::I8Bf16,
+            Scaling::PerRow,
+            OutTy::Bf16,
+            1,
+            16,
+            8,
+            true,
+        ),
+        v(Operands::I8Bf16, Scaling::PerRow, OutTy::F32, 1, 8, 8, true),
+        v(
+            Operands::I8Bf16,
+            Scaling::PerRow,
+            OutTy::Bf16,
+            1,
+            64,
+            6,
+            true,
+        ),
         // Split-K (decode): bf16, per-token FP8 and block-scaled.
         WsConfig {
             split_k: 4,
@@ -194,6 +214,7 @@ fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f
         Scaling::Tensorwise { per_token: true } => (v(t), v(e)),
         Scaling::Tensorwise { per_token: false } => (v(1), v(e)),
         Scaling::Block128 => (v(t * kb), v(e * nb * kb)),
+        Scaling::PerRow => (vec![], v(e * cfg.n as usize)),
     }
 }
 
@@ -252,6 +273,28 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                 &op.w[wr],
                                 &op.w_scale[e..e + 1],
                             )
+                        }
+                        (Operands::I8Bf16, _) => {
+                            // Int8 codes times the row scale, against bf16 activations (f64).
+                            let xs: Vec<f64> = op.x[2 * r * k..2 * (r + 1) * k]
+                                .chunks(2)
+                                .map(|c| {
+                                    f64::from(f32::from_bits(
+                                        u32::from(u16::from_le_bytes([c[0], c[1]])) << 16,
+                                    ))
+                                })
+                                .collect();
+                            Ok((0..n)
+                                .map(|j| {
+                                    let row = &op.w[wr.start + j * k..wr.start + (j + 1) * k];
+                                    let dot: f64 = row
+                                        .iter()
+                                        .zip(&xs)
+                                        .map(|(&c, &x)| f64::from(c as i8) * x)
+                                        .sum();
+                                    dot * f64::from(op.w_scale[e * n + j])
+                                })
+                                .collect())
                         }
                         (Operands::E4m3, _) => reference::gemm_fp8_block128(
                             &g,
@@ -327,6 +370,7 @@ fn run_one(
     case: &Case,
     data: &Raw,
     cfg: &WsConfig,
+    compiler: &crate::runtime::jit::Compiler,
 ) -> Result<(bool, String)> {
     let e = case.rows.len();
     let t: usize = case.rows.iter().sum();
@@ -345,13 +389,21 @@ fn run_one(
             x_scale,
             w_scale,
         },
+        // bf16 activations, the e4m3 codes' bytes as int8 codes (every byte is one).
+        Operands::I8Bf16 => Operand {
+            x: &data.x16,
+            w: &data.w8,
+            x_scale,
+            w_scale,
+        },
     };
     let mut starts = vec![0usize];
     for r in &case.rows {
         starts.push(starts[starts.len() - 1] + r);
     }
     let offsets: Vec<i32> = starts.iter().map(|&s| s as i32).collect();
-    let gemm = GroupedGemm::load(dev, cfg)?;
+    // Compiled as the layer's GEMMs are (the settings' compiler), with no cache.
+    let gemm = GroupedGemm::load_cached(dev, cfg, &crate::runtime::Cache::new(None), compiler)?;
     let dx = upload(dev, op.x)?;
     let dw = upload(dev, op.w)?;
     let doff = upload(dev, &offsets)?;
@@ -435,7 +487,12 @@ fn progress(line: &str) {
 
 /// The v1 self-test over every case and variant: report lines and the verdict. Each line also goes
 /// to stderr as it is made.
-pub fn selftest(dev: &Device, seed: u64, quick: bool) -> Result<(String, bool)> {
+pub fn selftest(
+    dev: &Device,
+    seed: u64,
+    quick: bool,
+    compiler: &crate::runtime::jit::Compiler,
+) -> Result<(String, bool)> {
     let mut out = String::new();
     let mut rng = Rng(seed ^ 0x9e37_79b9_7f4a_7c15);
     let mut all = true;
@@ -462,7 +519,7 @@ pub fn selftest(dev: &Device, seed: u64, quick: bool) -> Result<(String, bool)> 
             case.k as usize,
         );
         for cfg in variants(case.n, case.k) {
-            let (ok, line) = run_one(dev, &mut rng, &case, &data, &cfg)?;
+            let (ok, line) = run_one(dev, &mut rng, &case, &data, &cfg, compiler)?;
             progress(&line);
             all &= ok;
             let _ = writeln!(out, "  {line}");

@@ -916,7 +916,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
             let (report, ok) = if gemm {
-                let (g, gok) = moeforge::gemm_check::selftest(quick)?;
+                let (g, gok) = moeforge::gemm_check::selftest(quick, &settings.runtime.jit)?;
                 let (a, aok) = moeforge::act_quant_check::selftest()?;
                 let (pm, pok) = moeforge::permute_check::selftest()?;
                 let (mk, mok) = moeforge::moe_kernels_check::selftest()?;

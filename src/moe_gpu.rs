@@ -156,7 +156,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     for &c in &l.codes {
         match operands {
             Operands::Bf16 => codes.extend_from_slice(&(c as u16).to_le_bytes()),
-            Operands::E4m3 => codes.push(c as u8),
+            Operands::E4m3 | Operands::I8Bf16 => codes.push(c as u8),
         }
     }
     let per_expert = n * k;
@@ -175,6 +175,22 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
                     return Err(unsupported(
                         info,
                         format!("`{name}`: slot {e}'s elements do not share one scale"),
+                    ));
+                }
+                s.push(f32::from_bits(bits));
+            }
+            s
+        }
+        Scaling::PerRow => {
+            // One scale per weight row: every element of a row must carry it.
+            let mut s = Vec::with_capacity(slots * n);
+            for row in 0..slots * n {
+                let all = l.scales.get(row * k..(row + 1) * k).unwrap_or_default();
+                let bits = all.first().copied().unwrap_or(0);
+                if all.iter().any(|&b| b != bits) {
+                    return Err(unsupported(
+                        info,
+                        format!("`{name}`: row {row}'s elements do not share one scale"),
                     ));
                 }
                 s.push(f32::from_bits(bits));

@@ -9,7 +9,7 @@
 //! | `MOEFORGE_MAXNREG` | register cap of one-thread-per-item GPU kernels (ignored unless a number) |
 //! | `MOEFORGE_INDEX64` | `1`: 64-bit index arithmetic in every GPU kernel |
 //! | `MOEFORGE_GPU_MAX_BLOCKS` | grid cap of GPU launches (ignored unless a number) |
-//! | `MOEFORGE_JIT` | PTX -> cubin compiler: `driver` (default), `ptxas`, `auto` |
+//! | `MOEFORGE_JIT` | PTX -> cubin compiler: `auto` (default: ptxas when found, else the driver), `driver`, `ptxas` |
 //! | `MOEFORGE_PTXAS` | the ptxas to use; else one is looked for in `PATH`, `$CUDA_HOME/bin`, `/usr/local/cuda/bin` |
 //! | `MOEFORGE_CACHE_DIR` | kernel cache folder; else `$XDG_CACHE_HOME/moeforge`, else `$HOME/.cache/moeforge` |
 //! | `MOEFORGE_NCCL_SO_PATH` | the NCCL library to try first, before `libnccl.so.2` and `libnccl.so` |
@@ -180,7 +180,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(s.runtime.launch, LaunchOptions::default());
-        assert_eq!(s.runtime.jit.compiler, CompilerChoice::Driver);
+        assert_eq!(s.runtime.jit.compiler, CompilerChoice::Auto);
         let err = from(&[("MOEFORGE_JIT", "nvcc")]).unwrap_err().to_string();
         assert!(err.contains("MOEFORGE_JIT=`nvcc`"), "{err}");
         let err = from(&[("MOEFORGE_CL_OPT", "fast")])

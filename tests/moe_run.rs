@@ -686,6 +686,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
             (Operands::E4m3, Scaling::Tensorwise { .. }) => {
                 r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e] as f64
             }
+            (Operands::I8Bf16, _) => {
+                f64::from(g.codes[at] as i8) * f64::from(g.scales[e * n + row])
+            }
             (Operands::E4m3, _) => {
                 let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
                 r::e4m3_to_f32(g.codes[at]) as f64

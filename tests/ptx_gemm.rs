@@ -316,6 +316,7 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
                     Scaling::None => "bf16",
                     Scaling::Tensorwise { .. } => "tensorwise",
                     Scaling::Block128 => "block128",
+                    Scaling::PerRow => "per_row",
                 };
                 covered.insert((family, c.swap_ab));
             }

@@ -676,7 +676,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     assert!(c.full_arrivals() == 1, "{tag}");
     // The MMA atom: four wgmmas of BN columns per 128-byte k-tile.
     let shape = match c.operands {
-        Operands::Bf16 => format!("m64n{}k16.f32.bf16.bf16", c.bn),
+        Operands::Bf16 | Operands::I8Bf16 => format!("m64n{}k16.f32.bf16.bf16", c.bn),
         Operands::E4m3 => format!("m64n{}k32.f32.e4m3.e4m3", c.bn),
     };
     // Block-scaled with one consumer: two slice accumulators, so the k loop is unrolled by two.
@@ -741,6 +741,8 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::None | Scaling::Block128 => 0,
         Scaling::Tensorwise { per_token: false } => 2,
         Scaling::Tensorwise { per_token: true } => 1 + token_classes,
+        // One row scale per A-side half.
+        Scaling::PerRow => 2,
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
@@ -945,4 +947,82 @@ fn split_k_ranges_cover_the_k_tiles_once_and_are_refused_where_they_cannot_run()
         let msg = refused(&c);
         assert!(msg.contains(why), "{msg}");
     }
+}
+
+/// Int8 weights (W8A16, decode): the weights are wgmma's A from registers, each fragment word
+/// loaded from the unswizzled stage and converted to bf16x2; the stage holds 64-byte A rows; the
+/// epilogue applies a per-row scale; ptxas assembles it with no spill and no serialization.
+#[test]
+fn int8_weights_feed_register_a_and_assemble() {
+    for (bn, stages) in [(8u32, 8u32), (16, 8), (64, 6)] {
+        let c = WsConfig {
+            operands: Operands::I8Bf16,
+            scaling: Scaling::PerRow,
+            out: OutTy::Bf16,
+            consumers: 1,
+            bn,
+            stages,
+            swap_ab: true,
+            split_k: 1,
+            n: 4096,
+            k: 7168,
+        };
+        assert_eq!(c.a_stage_bytes(), 64 * 64, "64 rows of 64 int8 codes");
+        assert_eq!(c.tag(), format!("i8wr_d1x{bn}_s{stages}_bf16"));
+        let text = ws::grouped_ws_module("moeforge_gemm_i8", &c).unwrap();
+        // Four register-A MMAs per k-tile, 16 fragment words (four per MMA), each converted once.
+        let rs = text
+            .lines()
+            .filter(|l| l.contains("wgmma.mma_async") && l.contains("}, {%r"))
+            .count();
+        assert_eq!(rs, 4, "{text}");
+        // (and the epilogue's one per bf16 output slot: BN / 2 in decode)
+        assert_eq!(
+            text.matches("cvt.rn.bf16x2.f32").count(),
+            16 + (bn / 2) as usize
+        );
+        assert_eq!(text.matches("ld.shared.f32").count(), 16);
+        // The register-A k-loop waits for every MMA before the next k-tile rewrites A.
+        assert!(
+            !text.contains("wgmma.wait_group.sync.aligned \t1;"),
+            "{text}"
+        );
+        if let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") {
+            let stem =
+                std::env::temp_dir().join(format!("moeforge_i8_{}_{bn}", std::process::id()));
+            let (src, cubin) = (stem.with_extension("ptx"), stem.with_extension("cubin"));
+            std::fs::write(&src, &text).unwrap();
+            let out = std::process::Command::new(ptxas)
+                .args(["-arch=sm_90a", "-O3", "-v"])
+                .arg(&src)
+                .arg("-o")
+                .arg(&cubin)
+                .output()
+                .unwrap();
+            let _ = (std::fs::remove_file(&src), std::fs::remove_file(&cubin));
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{log}");
+            assert!(!log.contains("serialized"), "{log}");
+            assert!(log.contains(" 0 bytes spill stores"), "{log}");
+        }
+    }
+    // Int8 weights only in the decode form with one consumer, and only with per-row scales.
+    let bad = WsConfig {
+        operands: Operands::I8Bf16,
+        scaling: Scaling::PerRow,
+        out: OutTy::Bf16,
+        consumers: 2,
+        bn: 128,
+        stages: 6,
+        swap_ab: false,
+        split_k: 1,
+        n: 4096,
+        k: 7168,
+    };
+    assert!(ws::grouped_ws_module("x", &bad).is_err());
+    let bad = WsConfig {
+        scaling: Scaling::None,
+        ..bad
+    };
+    assert!(ws::grouped_ws_module("x", &bad).is_err());
 }

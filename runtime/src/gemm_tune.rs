@@ -471,6 +471,7 @@ pub fn scaling_name(s: Scaling) -> &'static str {
         Scaling::Tensorwise { per_token: true } => "tensorwise_per_token",
         Scaling::Tensorwise { per_token: false } => "tensorwise",
         Scaling::Block128 => "block128",
+        Scaling::PerRow => "per_row",
     }
 }
 
@@ -480,6 +481,7 @@ fn scaling_from(s: &str) -> Option<Scaling> {
         Scaling::Tensorwise { per_token: true },
         Scaling::Tensorwise { per_token: false },
         Scaling::Block128,
+        Scaling::PerRow,
     ]
     .into_iter()
     .find(|x| scaling_name(*x) == s)

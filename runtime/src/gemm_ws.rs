@@ -256,8 +256,9 @@ impl GroupedGemm {
         if op.x.len() < t * k * eb {
             return Err(short("x", op.x.len(), t * k * eb));
         }
-        if op.w.len() < e * n * k * eb {
-            return Err(short("w", op.w.len(), e * n * k * eb));
+        let wb = cfg.operands.w_bytes() as usize;
+        if op.w.len() < e * n * k * wb {
+            return Err(short("w", op.w.len(), e * n * k * wb));
         }
         if op.offsets.len() < e + 1 {
             return Err(short("offsets", op.offsets.len(), e + 1));
@@ -271,6 +272,7 @@ impl GroupedGemm {
             Scaling::None => (0, 0),
             Scaling::Tensorwise { per_token } => (if per_token { t } else { 1 }, e),
             Scaling::Block128 => (kb * t, e * nb * kb),
+            Scaling::PerRow => (0, e * n),
         };
         let scale = |s: Option<&CudaSlice<f32>>, what: &str, want: usize| -> Result<u64> {
             match s {
@@ -302,7 +304,7 @@ impl GroupedGemm {
             )));
         }
         let dtype = match cfg.operands {
-            Operands::Bf16 => WgmmaDtype::Bf16,
+            Operands::Bf16 | Operands::I8Bf16 => WgmmaDtype::Bf16,
             Operands::E4m3 => WgmmaDtype::E4m3,
         };
         // The TMA boxes: a tile's token rows of X and its weight rows of W.
@@ -311,16 +313,30 @@ impl GroupedGemm {
         let (wp, _ws) = op.w.device_ptr(&dev.stream);
         let px = TensorMapParams::k_major(dtype, Swizzle::B128, xp, t as u64, k as u64, x_rows)
             .map_err(map_err)?;
-        let pw = TensorMapParams::expert_k_major(
-            dtype,
-            Swizzle::B128,
-            wp,
-            e as u64,
-            n as u64,
-            k as u64,
-            w_rows,
-        )
-        .map_err(map_err)?;
+        let pw = if cfg.operands == Operands::I8Bf16 {
+            // Int8 codes: boxes of a k-tile's bytes per row, unswizzled (the consumers read them
+            // with `ld.shared` into register fragments, not through a descriptor).
+            TensorMapParams::expert_rows_u8(
+                wp,
+                e as u64,
+                n as u64,
+                k as u64,
+                cfg.a_row_bytes(),
+                w_rows,
+            )
+            .map_err(map_err)?
+        } else {
+            TensorMapParams::expert_k_major(
+                dtype,
+                Swizzle::B128,
+                wp,
+                e as u64,
+                n as u64,
+                k as u64,
+                w_rows,
+            )
+            .map_err(map_err)?
+        };
         let tmap_x = self.maps.get(&px)?;
         let tmap_w = self.maps.get(&pw)?;
         // The block scales' 1-D maps (a k-tile's weight-scale box and its token rows of activation

@@ -927,6 +927,43 @@ impl TensorMapParams {
         Ok(params)
     }
 
+    /// A rank-3 map of an expert tensor of bytes `[experts, rows, k]` (int8 weight codes):
+    /// dimensions `{k, rows, experts}`, box `{span, box_rows, 1}` with no swizzle (a box lands
+    /// row-major, `span` bytes a row), zero out-of-bounds fill. TMA coordinates are
+    /// `{k0, row0, expert}`. Validated.
+    pub fn expert_rows_u8(
+        global_address: u64,
+        experts: u64,
+        rows: u64,
+        k: u64,
+        span: u32,
+        box_rows: u32,
+    ) -> Result<Self> {
+        let mut global_dim = [1u64; TMA_MAX_RANK];
+        global_dim[..3].copy_from_slice(&[k, rows, experts]);
+        let mut global_strides = [0u64; TMA_MAX_RANK - 1];
+        global_strides[0] = k;
+        global_strides[1] = k.saturating_mul(rows);
+        let mut box_dim = [1u32; TMA_MAX_RANK];
+        box_dim[0] = span;
+        box_dim[1] = box_rows;
+        let params = TensorMapParams {
+            data_type: TensorMapDataType::Uint8,
+            rank: 3,
+            global_address,
+            global_dim,
+            global_strides,
+            box_dim,
+            element_strides: [1; TMA_MAX_RANK],
+            interleave: TensorMapInterleave::None,
+            swizzle: Swizzle::None,
+            l2_promotion: L2Promotion::B256,
+            oob_fill: OobFill::None,
+        };
+        params.validate()?;
+        Ok(params)
+    }
+
     /// A rank-1 map of `len` f32 at `global_address` (a scale buffer), boxes of `box_elems`
     /// elements (a multiple of 4: 16 bytes), no swizzle, zero out-of-bounds fill. The TMA
     /// coordinate is the first element's index, any value (a box reaching past `len` reads zeros
@@ -1002,6 +1039,26 @@ impl TensorMapParams {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The int8 weight map: `{k, rows, experts}` bytes, unswizzled boxes of `span` bytes by
+    /// `box_rows`; a span off 16 bytes is refused; the 1-D f32 map of a scale buffer.
+    #[test]
+    fn byte_and_vector_maps() -> Result<()> {
+        let m = TensorMapParams::expert_rows_u8(1 << 20, 8, 4096, 7168, 64, 64)?;
+        assert_eq!(
+            (m.rank, m.dims(), m.strides()),
+            (3, &[7168, 4096, 8][..], &[7168, 7168 * 4096][..])
+        );
+        assert_eq!((m.box_dims(), m.swizzle), (&[64, 64, 1][..], Swizzle::None));
+        assert!(TensorMapParams::expert_rows_u8(1 << 20, 8, 4096, 7168, 24, 64).is_err());
+        let v = TensorMapParams::f32_vector(1 << 20, 1000, 132)?;
+        assert_eq!(
+            (v.rank, v.dims(), v.box_dims()),
+            (1, &[1000][..], &[132][..])
+        );
+        assert!(TensorMapParams::f32_vector(1 << 20, 1000, 6).is_err());
+        Ok(())
+    }
 
     // ---- shared-memory descriptor: exact bit patterns -------------------------------------
 

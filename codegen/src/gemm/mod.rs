@@ -5,6 +5,7 @@
 //! epilogue. This module holds the target-independent parts that are checked on the host.
 
 pub mod act_quant;
+pub(crate) mod dequant;
 pub mod desc;
 mod emit;
 pub mod kernel;

@@ -66,41 +66,55 @@ use crate::{Error, Result};
 
 use super::emit::K;
 
-/// The operand type of both X and W.
+/// The operand types of X and W.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Operands {
     /// bf16 x bf16 (HGMMA, k16).
     Bf16,
     /// e4m3 x e4m3 (QGMMA, k32).
     E4m3,
+    /// bf16 activations x int8 weights (W8A16, decode only): the weights are wgmma's A operand
+    /// from registers, each code converted to bf16 (exact: |code| <= 128) as the consumer loads it
+    /// from the stage ([`super::dequant`]); HGMMA k16. Their scale ([`Scaling::PerRow`]) is applied
+    /// to the f32 accumulator.
+    I8Bf16,
 }
 
 impl Operands {
-    /// Bytes per element.
+    /// Bytes per element of X (the activations).
     pub const fn bytes(self) -> u32 {
         match self {
-            Operands::Bf16 => 2,
+            Operands::Bf16 | Operands::I8Bf16 => 2,
             Operands::E4m3 => 1,
         }
     }
 
-    /// K elements per 128-byte k-tile.
+    /// Bytes per element of W (the weights).
+    pub const fn w_bytes(self) -> u32 {
+        match self {
+            Operands::Bf16 => 2,
+            Operands::E4m3 | Operands::I8Bf16 => 1,
+        }
+    }
+
+    /// K elements per k-tile (128 bytes of X).
     pub const fn bk(self) -> u32 {
         128 / self.bytes()
     }
 
     fn wgmma(self) -> WgmmaTy {
         match self {
-            Operands::Bf16 => WgmmaTy::Bf16,
+            Operands::Bf16 | Operands::I8Bf16 => WgmmaTy::Bf16,
             Operands::E4m3 => WgmmaTy::E4m3,
         }
     }
 
-    /// `bf16` or `e4m3` (the tags' and the tuning cache's name).
+    /// `bf16`, `e4m3` or `i8w` (the tags' and the tuning cache's name).
     pub const fn name(self) -> &'static str {
         match self {
             Operands::Bf16 => "bf16",
             Operands::E4m3 => "e4m3",
+            Operands::I8Bf16 => "i8w",
         }
     }
 }
@@ -118,6 +132,9 @@ pub enum Scaling {
     },
     /// Per 128-deep K slice with 1x128 activation groups and 128x128 weight blocks.
     Block128,
+    /// Once in the epilogue, per weight row: `w_scale [E, N]` (weights-only recipes' per-row
+    /// scales, e.g. `int8_per_row`); no activation scale.
+    PerRow,
 }
 
 /// The output element type.
@@ -175,9 +192,17 @@ pub struct WsConfig {
 }
 
 impl WsConfig {
-    /// Bytes of A per stage (`64 C` rows of 128 bytes).
+    /// Bytes of A per stage (`64 C` rows of a k-tile: 128 bytes, or 64 for int8 weights).
     pub const fn a_stage_bytes(&self) -> u32 {
-        64 * self.consumers * 128
+        64 * self.consumers * self.a_row_bytes()
+    }
+
+    /// Bytes of one A row of a k-tile: 128, or `bk` for int8 weights (the decode form's A).
+    pub const fn a_row_bytes(&self) -> u32 {
+        match self.operands {
+            Operands::I8Bf16 => self.operands.bk() * self.operands.w_bytes(),
+            _ => 128,
+        }
     }
 
     /// Bytes of B per stage (`BN` rows of 128 bytes).
@@ -280,6 +305,7 @@ impl WsConfig {
             Scaling::Tensorwise { per_token: true } => "t",
             Scaling::Tensorwise { per_token: false } => "s",
             Scaling::Block128 => "b",
+            Scaling::PerRow => "r",
         };
         let out = self.out.name();
         let split = if self.split_k > 1 {
@@ -384,6 +410,14 @@ impl WsConfig {
         }
         match (self.operands, self.scaling) {
             (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
+            (Operands::I8Bf16, Scaling::PerRow) => {
+                // The register-A form: decode (weights on A), one consumer, no split-K.
+                if !self.swap_ab || self.consumers != 1 || self.split_k != 1 {
+                    return bad(
+                        "int8 weights need the decode form with one consumer and no split-K".into(),
+                    );
+                }
+            }
             (Operands::E4m3, Scaling::Block128) => {
                 // Three accumulators per thread (the total and two slices in flight): BN at most
                 // 128 with two consumers, 64 with one (more spills). A prefill tile must not
@@ -991,8 +1025,15 @@ fn consumers(
     let b_col = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
     k.bin_to(b_col, BinOpcode::Shl, PtxTy::B32, b_col, Operand::Int(1));
     let frag = Frag { a_row, b_col };
-    // This consumer's A rows start 64 c rows (8 KiB) into the stage.
-    let a_off = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(13));
+    // This consumer's A rows start 64 c rows into the stage.
+    let a_off = k.bin(
+        BinOpcode::Shl,
+        PtxTy::B32,
+        cwg,
+        Operand::Int(i64::from((64 * cfg.a_row_bytes()).trailing_zeros())),
+    );
+    let i8 = (cfg.operands == Operands::I8Bf16)
+        .then(|| super::dequant::i8_frag(k, warp, lane, cfg.a_row_bytes()));
 
     let s = scan_state(k);
     let grid = k.special(SpecialReg::NctaidX);
@@ -1041,6 +1082,7 @@ fn consumers(
         desc_hi,
         always,
         lane0,
+        i8,
     };
     let kloop = k.b.label("c_k");
     k.b.push(Inst::Label(kloop.clone()));
@@ -1114,7 +1156,10 @@ fn consumers(
             // k-tile's stage is free once it completes.
             let accumulate = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
-            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
+            // Register-sourced A: the next k-tile rewrites the A registers, so its MMAs must
+            // have read them (wait for all); else one group stays in flight.
+            let in_flight = if ring.i8.is_some() { 0 } else { 1 };
+            k.b.emit(AsyncOp::WgmmaWaitGroup(in_flight))?;
             let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
             release(k, &ring, Some(rel))?;
@@ -1267,6 +1312,8 @@ struct Ring {
     desc_hi: Reg,
     always: Reg,
     lane0: Reg,
+    /// Int8 weights: the per-thread constants of their register-A fragments.
+    i8: Option<super::dequant::I8Frag>,
 }
 
 /// Wait for the current stage, then its four MMAs into `d` (`scale-d` from `accumulate` on the
@@ -1305,6 +1352,13 @@ fn issue_ktile(
         b_lo,
         Operand::Int(DESC_LBO),
     );
+    // Int8 weights: the four steps' A fragments, from the stage into registers, before the fence
+    // (the previous k-tile's MMAs, which read these registers, were waited for).
+    let a_regs: Option<Vec<[Reg; 4]>> = r.i8.as_ref().map(|fr| {
+        (0..4)
+            .map(|step| super::dequant::i8_a_regs(k, fr, a_addr, step, cfg.a_row_bytes()))
+            .collect()
+    });
     let mut descs = Vec::with_capacity(4);
     for step in 0..4i64 {
         let mut pair = [a_lo, b_lo];
@@ -1327,14 +1381,18 @@ fn issue_ktile(
             (0, None) => ScaleD::Imm(false),
             _ => ScaleD::Pred(r.always),
         };
-        k.b.emit(AsyncOp::Wgmma(Wgmma::ss(
-            n_mma,
-            cfg.operands.wgmma(),
-            d.to_vec(),
-            da,
-            db,
-            scale_d,
-        )))?;
+        let mma = match &a_regs {
+            Some(a) => Wgmma::rs(
+                n_mma,
+                cfg.operands.wgmma(),
+                d.to_vec(),
+                a[step],
+                db,
+                scale_d,
+            ),
+            None => Wgmma::ss(n_mma, cfg.operands.wgmma(), d.to_vec(), da, db, scale_d),
+        };
+        k.b.emit(AsyncOp::Wgmma(mma))?;
     }
     k.b.emit(AsyncOp::WgmmaCommitGroup)
 }
@@ -1606,6 +1664,34 @@ fn epilogue(
         _ => None,
     };
     let per_token = matches!(cfg.scaling, Scaling::Tensorwise { per_token: true });
+    // Per weight row (decode: the A side): `w_scale[e, row]` for the fragment's two A-side halves,
+    // rows past N clamped to N - 1 (never stored).
+    let row_factors: Option<[Reg; 2]> = match (cfg.scaling, w_scale) {
+        (Scaling::PerRow, Some(ws)) if cfg.swap_ab => {
+            let mut fs = [frag.a_row; 2];
+            for (h, slot) in fs.iter_mut().enumerate() {
+                let r = k.bin(BinOpcode::Add, PtxTy::U32, frag.a_row, Operand::Reg(f.w0));
+                k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(8 * h as i64));
+                k.bin_to(
+                    r,
+                    BinOpcode::Min,
+                    PtxTy::U32,
+                    r,
+                    Operand::Int(i64::from(cfg.n) - 1),
+                );
+                let i = k.bin(
+                    BinOpcode::MulLo,
+                    PtxTy::U32,
+                    s.expert,
+                    Operand::Int(cfg.n.into()),
+                );
+                k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(r));
+                *slot = ld_f32(k, ws, i);
+            }
+            Some(fs)
+        }
+        _ => None,
+    };
     let n = i64::from(cfg.n);
     let ob = i64::from(cfg.out.bytes());
     // Global (token, weight) of the fragment's base slot.
@@ -1627,6 +1713,10 @@ fn epilogue(
     let mut scaled = Vec::with_capacity(slots as usize);
     for i in 0..slots {
         let v = acc[i as usize];
+        if let Some(fs) = &row_factors {
+            scaled.push(fmul(k, v, fs[((i >> 1) & 1) as usize]));
+            continue;
+        }
         scaled.push(match &factors {
             Some(fs) => {
                 let fc = if per_token {
