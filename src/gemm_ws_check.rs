@@ -534,7 +534,76 @@ pub fn selftest(
             "gemm v1 (warp-specialized): FAILED"
         }
     );
+    if !quick {
+        out.push_str(&decode_timing(dev, compiler)?);
+    }
     Ok((out, all))
+}
+
+/// A figure, not a test: W8A16 against bf16 weights in the decode form on a DeepSeek-V3 EP8 w13
+/// shape (32 experts of N = 4096, K = 7168, one token each), the kernels' times by CUDA events
+/// (20 launches after a warm-up) and the weight bytes streamed per second.
+fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Result<String> {
+    let (e, n, k) = (32usize, 4096usize, 7168usize);
+    let t = e;
+    let offsets: Vec<i32> = (0..=e as i32).collect();
+    let doff = upload(dev, &offsets)?;
+    let dx = upload(dev, &vec![0x3fu8; t * k * 2])?;
+    let dws = upload(dev, &vec![1.0f32 / 64.0; e * n])?;
+    let mut out = String::new();
+    for (operands, scaling, bn) in [
+        (Operands::Bf16, Scaling::None, 8u32),
+        (Operands::I8Bf16, Scaling::PerRow, 8),
+        (Operands::I8Bf16, Scaling::PerRow, 16),
+    ] {
+        let cfg = WsConfig {
+            operands,
+            scaling,
+            out: OutTy::Bf16,
+            consumers: 1,
+            bn,
+            stages: 8,
+            swap_ab: true,
+            split_k: 1,
+            n: n as u32,
+            k: k as u32,
+        };
+        let wbytes = e * n * k * operands.w_bytes() as usize;
+        let dw = upload(dev, &vec![0x11u8; wbytes])?;
+        let gemm =
+            GroupedGemm::load_cached(dev, &cfg, &crate::runtime::Cache::new(None), compiler)?;
+        let mut dy = upload(dev, &vec![0u8; t * n * 2])?;
+        let ops = GemmOperands {
+            x: &dx,
+            w: &dw,
+            offsets: &doff,
+            x_scale: None,
+            w_scale: (scaling == Scaling::PerRow).then_some(&dws),
+            t,
+            experts: e,
+        };
+        let st = &dev.stream;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        // SAFETY: `offsets` is 0..=e: one row per expert, non-decreasing, ending at t.
+        unsafe { gemm.run(dev, &ops, &mut dy) }?;
+        let reps = 20;
+        let a = st.record_event(timing).map_err(drv("cuEventRecord"))?;
+        for _ in 0..reps {
+            // SAFETY: as above.
+            unsafe { gemm.run(dev, &ops, &mut dy) }?;
+        }
+        let b = st.record_event(timing).map_err(drv("cuEventRecord"))?;
+        dev.sync()?;
+        let ms = f64::from(a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?) / reps as f64;
+        let _ = writeln!(
+            out,
+            "gemm decode timing {} (E={e} N={n} K={k}, 1 token per expert, {reps} launches, CUDA events): {:.1} us, weights {:.2} TB/s",
+            cfg.tag(),
+            ms * 1e3,
+            wbytes as f64 / (ms * 1e-3) / 1e12
+        );
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
