@@ -94,7 +94,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     })?;
     let (slots, n, k) = l.shape;
     let scheme = l.scheme;
-    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, and FP8 weights (per tensor with per_token or static activation scales, 128x128 blocks with per_token_group = 128)";
+    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor with per_token or static activation scales, 128x128 blocks with per_token_group = 128), and int8 per-row weights with bf16 activations";
     let (operands, scaling) = match (scheme, feed) {
         (None, Feed::Bf16) if l.dtype == crate::dsl::ir::DType::Bf16 => {
             (Operands::Bf16, Scaling::None)
@@ -123,6 +123,9 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             }),
             Feed::PerTokenGroup128,
         ) => (Operands::E4m3, Scaling::Block128),
+        // Int8 codes with a per-row scale, bf16 activations: W8A16, the weights dequantized into
+        // the GEMM's register-sourced A operand.
+        (Some(QuantScheme::Int8Row), Feed::Bf16) => (Operands::I8Bf16, Scaling::PerRow),
         (
             Some(
                 QuantScheme::Nvfp4 { .. }
@@ -135,7 +138,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             return Err(unsupported(
                 info,
                 format!(
-                    "`{name}` is weights-only quantized ({}); its GPU GEMM dequantizes inside the kernel, which is issue [8], not built (use --device host)",
+                    "`{name}` is weights-only quantized ({}); the GPU GEMM that dequantizes such weights inside the kernel (issue [8]) is built for int8 per-row weights only (use --device host)",
                     scheme.map(|s| format!("{s:?}")).unwrap_or_default()
                 ),
             ))

@@ -277,6 +277,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("fp8_per_tensor", true),
         ("fp8_per_tensor", false),
         ("fp8_block128", false),
+        // Weights-only: int8 codes with per-row scales, bf16 activations (W8A16).
+        ("int8_per_row", false),
     ];
     let cases: [(usize, usize, Routing); 5] = [
         (1, 8, Routing::Uniform),
@@ -359,7 +361,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             };
             let mut line = String::new();
             let mut good = true;
-            let bf16_feed = *recipe == "bf16";
+            // bf16 activations all the way: the act and the output compare with the host's too.
+            let bf16_feed = matches!(*recipe, "bf16" | "int8_per_row");
             for (name, bound) in [
                 ("w13_out", Some(2e-3)),
                 ("act", bf16_feed.then_some(1e-2)),

@@ -489,7 +489,7 @@ impl GpuLayer {
             if !matches!(self.feed13, Feed13::Bf16) {
                 mark("quantize x")?;
             }
-            let scaled13 = self.w13.scaling != Scaling::None;
+            let scaled13 = !matches!(self.w13.scaling, Scaling::None | Scaling::PerRow);
             let g13 = self
                 .gemms
                 .get(&c13)
@@ -518,7 +518,7 @@ impl GpuLayer {
             };
             self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
             mark("silu * up")?;
-            let scaled2 = self.w2.scaling != Scaling::None;
+            let scaled2 = !matches!(self.w2.scaling, Scaling::None | Scaling::PerRow);
             let g2 = self
                 .gemms
                 .get(&c2)
@@ -589,7 +589,8 @@ impl GpuLayer {
                     x,
                     w: &w.w,
                     offsets: &s.offsets,
-                    x_scale: (w.scaling != Scaling::None).then_some(x_scale),
+                    x_scale: (!matches!(w.scaling, Scaling::None | Scaling::PerRow))
+                        .then_some(x_scale),
                     w_scale: w.scale.as_ref(),
                     t: n,
                     experts: r,

@@ -28,15 +28,18 @@ const DECODE: [(u32, u32, u32, bool, u32); 7] = [
 /// Every candidate of the family `(operands, scaling)` at `N = n`, `K = k`, bf16 output: prefill
 /// first, then decode by growing token tile.
 pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
-    let prefill: &[(u32, u32, u32, bool, u32)] = if scaling == Scaling::Block128 {
-        &PREFILL_BLOCK
-    } else {
-        &PREFILL
+    let prefill: &[(u32, u32, u32, bool, u32)] = match (operands, scaling) {
+        // Int8 weights (register-sourced A): the decode form only, unsplit.
+        (Operands::I8Bf16, _) => &[],
+        (_, Scaling::Block128) => &PREFILL_BLOCK,
+        _ => &PREFILL,
     };
+    let int8 = operands == Operands::I8Bf16;
     prefill
         .iter()
         .chain(DECODE.iter())
         .filter(|&&(_, _, _, _, split_k)| split_k <= k.div_ceil(operands.bk()))
+        .filter(|&&(_, _, _, _, split_k)| !int8 || split_k == 1)
         .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
             operands,
             scaling,
@@ -54,13 +57,19 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
 
 /// The default candidate for `rows` token rows over `active` experts that received any (the
 /// untuned choice): decode with the smallest token tile that holds the mean rows per active expert
-/// when that is at most 64, else the first prefill candidate.
+/// when that is at most 64, else the first prefill candidate (else, for a family with none, the
+/// widest decode tile).
 pub fn default_choice(all: &[WsConfig], rows: usize, active: usize) -> Option<&WsConfig> {
     let mean = rows.div_ceil(active.max(1));
     all.iter()
         .filter(|c| c.swap_ab && c.split_k == 1)
         .find(|c| c.bn as usize >= mean)
         .or_else(|| all.iter().find(|c| !c.swap_ab))
+        .or_else(|| {
+            all.iter()
+                .filter(|c| c.swap_ab && c.split_k == 1)
+                .max_by_key(|c| c.bn)
+        })
 }
 
 /// The shape bucket of `rows` token rows (what tuning results are keyed by): the next power of two.
@@ -91,6 +100,16 @@ mod tests {
             let tags: std::collections::BTreeSet<String> = all.iter().map(|c| c.tag()).collect();
             assert_eq!(tags.len(), all.len(), "tags are unique");
         }
+        // Int8 weights: the decode form only (every token count runs it), unsplit.
+        let all = candidates(Operands::I8Bf16, Scaling::PerRow, 4096, 7168);
+        assert_eq!(all.len(), 4);
+        for c in &all {
+            assert!(c.swap_ab && c.split_k == 1 && c.consumers == 1);
+            grouped_ws_entry("k", c).unwrap();
+        }
+        // With no prefill candidate, the default is the decode tile that holds the rows, else
+        // the widest.
+        assert!(default_choice(&all, 10_000, 1).is_some());
     }
 
     #[test]
