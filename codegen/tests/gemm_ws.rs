@@ -970,17 +970,17 @@ fn int8_weights_feed_register_a_and_assemble() {
         assert_eq!(c.a_stage_bytes(), 64 * 64, "64 rows of 64 int8 codes");
         assert_eq!(c.tag(), format!("i8wr_d1x{bn}_s{stages}_bf16"));
         let text = ws::grouped_ws_module("moeforge_gemm_i8", &c).unwrap();
-        // Four register-A MMAs per k-tile, 16 fragment words (four per MMA), each converted once.
+        // Four register-A MMAs per k-tile, 16 fragment words (four per MMA), each converted once
+        // with three byte permutes and no integer-to-float conversion.
         let rs = text
             .lines()
             .filter(|l| l.contains("wgmma.mma_async") && l.contains("}, {%r"))
             .count();
         assert_eq!(rs, 4, "{text}");
-        // (and the epilogue's one per bf16 output slot: BN / 2 in decode)
-        assert_eq!(
-            text.matches("cvt.rn.bf16x2.f32").count(),
-            16 + (bn / 2) as usize
-        );
+        assert_eq!(text.matches("prmt.b32").count(), 3 * 16);
+        assert_eq!(text.matches("cvt.rn.f32.s32").count(), 0);
+        // (the epilogue's one per bf16 output slot: BN / 2 in decode)
+        assert_eq!(text.matches("cvt.rn.bf16x2.f32").count(), (bn / 2) as usize);
         assert_eq!(text.matches("ld.shared.f32").count(), 16);
         // The register-A k-loop waits for every MMA before the next k-tile rewrites A.
         assert!(
