@@ -83,6 +83,26 @@ fn unsupported(info: &ModuleInfo, why: String) -> MoeError {
     }
 }
 
+/// The scale of each of `groups` consecutive runs of `len` elements of `scales` (bits), which all
+/// of a run's elements must share; `Err(i)` names the first run `i` that does not.
+fn shared_scales(
+    scales: &[u32],
+    len: usize,
+    groups: usize,
+) -> std::result::Result<Vec<f32>, usize> {
+    (0..groups)
+        .map(|i| {
+            let all = scales.get(i * len..(i + 1) * len).unwrap_or_default();
+            let bits = all.first().copied().unwrap_or(0);
+            if all.iter().any(|&b| b != bits) {
+                Err(i)
+            } else {
+                Ok(f32::from_bits(bits))
+            }
+        })
+        .collect()
+}
+
 /// The weight operand of input `name` (`w13` or `w2`), fed as `feed`.
 fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     let info = layer.info;
@@ -166,40 +186,19 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     let scale_of = |at: usize| f32::from_bits(l.scales.get(at).copied().unwrap_or(0));
     let scales = match scaling {
         Scaling::None => Vec::new(),
-        Scaling::Tensorwise { .. } => {
-            let mut s = Vec::with_capacity(slots);
-            for e in 0..slots {
-                let all = l
-                    .scales
-                    .get(e * per_expert..(e + 1) * per_expert)
-                    .unwrap_or_default();
-                let bits = all.first().copied().unwrap_or(0);
-                if all.iter().any(|&b| b != bits) {
-                    return Err(unsupported(
-                        info,
-                        format!("`{name}`: slot {e}'s elements do not share one scale"),
-                    ));
-                }
-                s.push(f32::from_bits(bits));
-            }
-            s
-        }
-        Scaling::PerRow => {
-            // One scale per weight row: every element of a row must carry it.
-            let mut s = Vec::with_capacity(slots * n);
-            for row in 0..slots * n {
-                let all = l.scales.get(row * k..(row + 1) * k).unwrap_or_default();
-                let bits = all.first().copied().unwrap_or(0);
-                if all.iter().any(|&b| b != bits) {
-                    return Err(unsupported(
-                        info,
-                        format!("`{name}`: row {row}'s elements do not share one scale"),
-                    ));
-                }
-                s.push(f32::from_bits(bits));
-            }
-            s
-        }
+        // One scale per slot, or per weight row: every element of it must carry that scale.
+        Scaling::Tensorwise { .. } => shared_scales(&l.scales, per_expert, slots).map_err(|e| {
+            unsupported(
+                info,
+                format!("`{name}`: slot {e}'s elements do not share one scale"),
+            )
+        })?,
+        Scaling::PerRow => shared_scales(&l.scales, k, slots * n).map_err(|r| {
+            unsupported(
+                info,
+                format!("`{name}`: row {r}'s elements do not share one scale"),
+            )
+        })?,
         Scaling::Block128 => {
             let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
             let mut s = vec![0f32; slots * nb * kb];

@@ -394,21 +394,33 @@ fn entry(s: &mut String, w: u32, var: Variant) {
         step(&mut k, j);
         let _ = writeln!(k, "\t@%p{} ld.global{ld}.{ty} {}, [%rd24];", j + 1, vals(j));
     }
-    k.push_str("\tbra.uni DST;\nSRCS:\n");
-    for j in 0..4u32 {
+    // Unit j between the values and the scratch (`to_scratch`: values -> scratch): shared memory,
+    // or the `%s` registers.
+    let scratch_move = |k: &mut String, j: u32, to_scratch: bool| {
         if var.smem_scratch {
-            scratch(&mut k, j);
-            let _ = writeln!(k, "\t@%p{} ld.shared.{ty} {}, [%r14];", j + 1, vals(j));
+            scratch(k, j);
+            let _ = if to_scratch {
+                writeln!(k, "\t@%p{} st.shared.{ty} [%r14], {};", j + 1, vals(j))
+            } else {
+                writeln!(k, "\t@%p{} ld.shared.{ty} {}, [%r14];", j + 1, vals(j))
+            };
         } else {
-            let (a, b) = (vals(j), vals_of(j, "s"));
-            for (x, y) in a
-                .trim_matches(['{', '}'])
-                .split(", ")
-                .zip(b.trim_matches(['{', '}']).split(", "))
-            {
-                let _ = writeln!(k, "\tmov.b32 {x}, {y};");
+            let (v, s) = (vals(j), vals_of(j, "s"));
+            let regs = |t: &str| {
+                t.trim_matches(['{', '}'])
+                    .split(", ")
+                    .map(String::from)
+                    .collect::<Vec<_>>()
+            };
+            for (x, y) in regs(&v).into_iter().zip(regs(&s)) {
+                let (d, a) = if to_scratch { (y, x) } else { (x, y) };
+                let _ = writeln!(k, "\tmov.b32 {d}, {a};");
             }
         }
+    };
+    k.push_str("\tbra.uni DST;\nSRCS:\n");
+    for j in 0..4u32 {
+        scratch_move(&mut k, j, false);
     }
     // Destination.
     let _ = writeln!(
@@ -422,19 +434,7 @@ fn entry(s: &mut String, w: u32, var: Variant) {
     }
     k.push_str("\tbra.uni STEP;\nDSTS:\n");
     for j in 0..4u32 {
-        if var.smem_scratch {
-            scratch(&mut k, j);
-            let _ = writeln!(k, "\t@%p{} st.shared.{ty} [%r14], {};", j + 1, vals(j));
-        } else {
-            let (a, b) = (vals(j), vals_of(j, "s"));
-            for (x, y) in a
-                .trim_matches(['{', '}'])
-                .split(", ")
-                .zip(b.trim_matches(['{', '}']).split(", "))
-            {
-                let _ = writeln!(k, "\tmov.b32 {y}, {x};");
-            }
-        }
+        scratch_move(&mut k, j, true);
     }
     k.push_str(
         "STEP:\n\tadd.u32 %r2, %r2, 1;\n\tadd.u32 %r11, %r11, 8;\n\tbra.uni COPY;\n\

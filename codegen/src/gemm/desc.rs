@@ -939,17 +939,53 @@ impl TensorMapParams {
         span: u32,
         box_rows: u32,
     ) -> Result<Self> {
+        Self::unswizzled(
+            TensorMapDataType::Uint8,
+            global_address,
+            &[k, rows, experts],
+            &[span, box_rows, 1],
+            L2Promotion::B256,
+        )
+    }
+
+    /// A rank-1 map of `len` f32 at `global_address` (a scale buffer), boxes of `box_elems`
+    /// elements (a multiple of 4: 16 bytes), no swizzle, zero out-of-bounds fill. The TMA
+    /// coordinate is the first element's index; it must be a multiple of 4 too (a box that starts
+    /// off 16 bytes is an illegal instruction on the H200); a box reaching past `len` reads zeros
+    /// there. Validated.
+    pub fn f32_vector(global_address: u64, len: u64, box_elems: u32) -> Result<Self> {
+        Self::unswizzled(
+            TensorMapDataType::Float32,
+            global_address,
+            &[len],
+            &[box_elems],
+            L2Promotion::None,
+        )
+    }
+
+    /// A dense, unswizzled map of `dims` (innermost first; strides from the element size) with
+    /// boxes `boxes`, element strides 1, zero out-of-bounds fill. Validated.
+    fn unswizzled(
+        data_type: TensorMapDataType,
+        global_address: u64,
+        dims: &[u64],
+        boxes: &[u32],
+        l2_promotion: L2Promotion,
+    ) -> Result<Self> {
+        let eb = data_type.elem_bytes().unwrap_or(1);
         let mut global_dim = [1u64; TMA_MAX_RANK];
-        global_dim[..3].copy_from_slice(&[k, rows, experts]);
+        global_dim[..dims.len()].copy_from_slice(dims);
         let mut global_strides = [0u64; TMA_MAX_RANK - 1];
-        global_strides[0] = k;
-        global_strides[1] = k.saturating_mul(rows);
+        let mut stride = eb;
+        for i in 0..dims.len().saturating_sub(1) {
+            stride = stride.saturating_mul(dims[i]);
+            global_strides[i] = stride;
+        }
         let mut box_dim = [1u32; TMA_MAX_RANK];
-        box_dim[0] = span;
-        box_dim[1] = box_rows;
+        box_dim[..boxes.len()].copy_from_slice(boxes);
         let params = TensorMapParams {
-            data_type: TensorMapDataType::Uint8,
-            rank: 3,
+            data_type,
+            rank: dims.len() as u32,
             global_address,
             global_dim,
             global_strides,
@@ -957,33 +993,7 @@ impl TensorMapParams {
             element_strides: [1; TMA_MAX_RANK],
             interleave: TensorMapInterleave::None,
             swizzle: Swizzle::None,
-            l2_promotion: L2Promotion::B256,
-            oob_fill: OobFill::None,
-        };
-        params.validate()?;
-        Ok(params)
-    }
-
-    /// A rank-1 map of `len` f32 at `global_address` (a scale buffer), boxes of `box_elems`
-    /// elements (a multiple of 4: 16 bytes), no swizzle, zero out-of-bounds fill. The TMA
-    /// coordinate is the first element's index, any value (a box reaching past `len` reads zeros
-    /// there). Validated.
-    pub fn f32_vector(global_address: u64, len: u64, box_elems: u32) -> Result<Self> {
-        let mut global_dim = [1u64; TMA_MAX_RANK];
-        global_dim[0] = len;
-        let mut box_dim = [1u32; TMA_MAX_RANK];
-        box_dim[0] = box_elems;
-        let params = TensorMapParams {
-            data_type: TensorMapDataType::Float32,
-            rank: 1,
-            global_address,
-            global_dim,
-            global_strides: [0; TMA_MAX_RANK - 1],
-            box_dim,
-            element_strides: [1; TMA_MAX_RANK],
-            interleave: TensorMapInterleave::None,
-            swizzle: Swizzle::None,
-            l2_promotion: L2Promotion::None,
+            l2_promotion,
             oob_fill: OobFill::None,
         };
         params.validate()?;
