@@ -324,6 +324,11 @@ impl ExpertStorage for DeviceStorage {
         recvs: &[(usize, usize, usize)],
         len: usize,
     ) -> Result<()> {
+        // An event left by an earlier move (one that failed before its copies ran) must never
+        // order this move's copies: they would not wait for the stream's later work.
+        if let Ok(mut e) = self.exchanged.lock() {
+            *e = None;
+        }
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
