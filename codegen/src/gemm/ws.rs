@@ -1151,39 +1151,15 @@ fn consumers(
             promote_at(k, &part)?;
             k.b.push(Inst::Label(epi));
         }
-        _ if ring.i8.is_some() => {
-            // Register-sourced A (int8 weights): the loop is unrolled by two so that the two
-            // k-tiles in flight have A fragments in different registers: k-tile i's codes are
-            // converted while k-tile i-1's MMAs run, and each stage is released (every lane read
-            // it: `release` with a warp barrier) once the MMAs that read it completed.
-            let accumulate = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
-            issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
-            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
-            let skip = k.b.label("c_i8_first");
-            let first = k.setp(CmpOp::Eq, kt, Operand::Reg(f.ks));
-            k.bra(&skip, Some((first, false)));
-            release(k, &ring, None)?;
-            k.b.push(Inst::Label(skip));
-            k.mov(prev, Operand::Reg(stage));
-            let tail = k.b.label("c_i8_tail");
-            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
-            k.bra(&tail, Some((more, true)));
-            issue_ktile(k, cfg, &ring, n_mma, &acc, Some(always))?;
-            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
-            release(k, &ring, None)?;
-            k.mov(prev, Operand::Reg(stage));
-            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
-            k.bra(&kloop, Some((more, false)));
-            k.b.push(Inst::Label(tail));
-            k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
-            release(k, &ring, None)?;
-        }
         _ => {
             // The first MMA of a tile overwrites; one MMA group stays in flight, and the previous
             // k-tile's stage is free once it completes.
             let accumulate = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
-            k.b.emit(AsyncOp::WgmmaWaitGroup(1))?;
+            // Register-sourced A: the next k-tile rewrites the A registers, so its MMAs must
+            // have read them (wait for all); else one group stays in flight.
+            let in_flight = if ring.i8.is_some() { 0 } else { 1 };
+            k.b.emit(AsyncOp::WgmmaWaitGroup(in_flight))?;
             let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
             release(k, &ring, Some(rel))?;
@@ -1377,7 +1353,7 @@ fn issue_ktile(
         Operand::Int(DESC_LBO),
     );
     // Int8 weights: the four steps' A fragments, from the stage into registers, before the fence
-    // (the MMAs that last read these registers, two k-tiles back, were waited for).
+    // (the previous k-tile's MMAs, which read these registers, were waited for).
     let a_regs: Option<Vec<[Reg; 4]>> = r.i8.as_ref().map(|fr| {
         (0..4)
             .map(|step| super::dequant::i8_a_regs(k, fr, a_addr, step, cfg.a_row_bytes()))
