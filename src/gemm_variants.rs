@@ -103,7 +103,8 @@ pub fn ws_entry(gemm: &str, cfg: &WsConfig) -> String {
 }
 
 /// The registered f32 scale of weight `name` (`[E, N, K]`): its name and scaling, if any param
-/// named `name...` has the shape `[E]` (tensorwise) or `[E, ceil(N/128), ceil(K/128)]` (block).
+/// named `name...` has the shape `[E]` (tensorwise), `[E, ceil(N/128), ceil(K/128)]` (block) or
+/// `[E, N]` (per row: int8 weights).
 fn weight_scale(
     info: &dsl::ModuleInfo,
     name: &str,
@@ -126,6 +127,8 @@ fn weight_scale(
             Scaling::Tensorwise { per_token: true }
         } else if shape == [e, (n + 127) / 128, (k + 127) / 128] {
             Scaling::Block128
+        } else if shape == [e, n] {
+            Scaling::PerRow
         } else {
             return None;
         };
@@ -147,6 +150,19 @@ fn declared_scalings(
     use dsl::ir::{ActDynamic, ActScale};
     if operands == Operands::Bf16 {
         return Ok(vec![weight]);
+    }
+    // Int8 weights take bf16 activations (W8A16): no activation scale.
+    if operands == Operands::I8Bf16 {
+        let act = info.activation();
+        return if info.activation_scales(gemm).is_empty() {
+            Ok(vec![weight])
+        } else {
+            Err(format!(
+                "int8 weights with {} activations (`activation {}`; the int8 GEMM takes bf16)",
+                act.dtype(),
+                act.text(info.module())
+            ))
+        };
     }
     let act = info.activation();
     let scales = info.activation_scales(gemm);
@@ -221,9 +237,13 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
         };
         let family = match t.dtype {
             dsl::ir::DType::Bf16 => Some((Operands::Bf16, Scaling::None, None)),
-            dsl::ir::DType::E4m3 => {
-                weight_scale(info, name, e, n, k).map(|(p, s)| (Operands::E4m3, s, Some(p)))
-            }
+            dsl::ir::DType::E4m3 => weight_scale(info, name, e, n, k)
+                .filter(|(_, s)| *s != Scaling::PerRow)
+                .map(|(p, s)| (Operands::E4m3, s, Some(p))),
+            // W8A16: int8 codes with one f32 scale per row, bf16 activations.
+            dsl::ir::DType::I8 => weight_scale(info, name, e, n, k)
+                .filter(|(_, s)| *s == Scaling::PerRow)
+                .map(|(p, s)| (Operands::I8Bf16, s, Some(p))),
             _ => None,
         };
         let Some((operands, scaling, scale_param)) = family else {
@@ -231,6 +251,7 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 dsl::ir::DType::E4m3 => {
                     " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
                 }
+                dsl::ir::DType::I8 => " without a registered f32 weight scale of shape [E, N]",
                 dsl::ir::DType::U4 => {
                     " (group-wise INT4, W4A16: packed and dequantized on the host, `gemm_int4` is its reference; no GPU kernel)"
                 }

@@ -32,11 +32,13 @@ const MODELS: [(&str, &str); 2] = [
 
 /// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
 /// (tensorwise and 128x128 block scales) at the first.
-const GOLDENS: [(&str, &str, &str); 4] = [
+const GOLDENS: [(&str, &str, &str); 5] = [
     ("bf16", MODELS[0].0, MODELS[0].1),
     ("bf16", MODELS[1].0, MODELS[1].1),
     ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
     ("fp8_block128", MODELS[0].0, MODELS[0].1),
+    // W8A16: the decode form only (register-sourced A).
+    ("int8_per_row", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -318,6 +320,8 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
                     Scaling::Block128 => "block128",
                     Scaling::PerRow => "per_row",
                 };
+                // Int8 weights: the decode form only.
+                assert!(c.scaling != Scaling::PerRow || c.swap_ab);
                 covered.insert((family, c.swap_ab));
             }
         }
@@ -423,6 +427,35 @@ fn the_sass_of_the_bf16_variants_holds_hgmma_and_tma_loads() {
     eprintln!(
         "{} HGMMA in {entries} entries",
         sass.matches("HGMMA.").count()
+    );
+}
+
+/// W8A16: every int8 entry holds bf16 HGMMAs whose A comes from registers (the SASS names the
+/// register; a descriptor A is `gdesc`), at each decode tile width, and the TMA loads.
+#[test]
+fn the_sass_of_the_int8_variants_holds_register_a_hgmma() {
+    let Some(sass) = sass_of("int8_per_row", MODELS[0].0) else {
+        return;
+    };
+    let entries = recipe_plan("int8_per_row", MODELS[0].1).variants.len();
+    assert_eq!(
+        sass.matches("Function : moeforge_gemm_i8wr_").count(),
+        entries
+    );
+    for n in [64, 32, 16, 8] {
+        let m = format!("HGMMA.64x{n}x16.F32.BF16");
+        let lines: Vec<&str> = sass.lines().filter(|l| l.contains(&m)).collect();
+        assert!(lines.len() >= 4, "no {m} in the SASS:\n{sass}");
+        for l in lines {
+            let ops = &l[l.find(&m).unwrap() + m.len()..];
+            let a = ops.split(',').nth(1).unwrap_or("").trim();
+            assert!(a.starts_with('R'), "A from a register: {l}");
+        }
+    }
+    assert!(!sass.contains("QGMMA"));
+    assert!(
+        sass.contains("UTMALDG.2D") && sass.contains("UTMALDG.3D"),
+        "{sass}"
     );
 }
 
@@ -568,10 +601,6 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
     // What `check` accepts and `pack` packs but no GEMM serves yet: `compile --kernels gemm` says so by
     // name, `all` still writes the pack kernels.
     for (recipe, want) in [
-        (
-            "int8_per_row",
-            "no GEMM variant for i8 weights yet (issue [7])",
-        ),
         ("mxfp4", "no GEMM variant for e2m1 weights yet (issue [7])"),
         (
             "int4_g128",
