@@ -43,6 +43,8 @@ pub struct Options {
     pub selection: Selection,
     /// Write the JSON report here.
     pub json: Option<PathBuf>,
+    /// Draw the report as SVG here ([`crate::plot::layer_svg`]).
+    pub plot: Option<PathBuf>,
     /// The torch anchor script; `None`: torch is not measured.
     pub anchor: Option<PathBuf>,
     /// The runtime's settings (kernel cache, JIT).
@@ -370,6 +372,23 @@ pub fn run(opts: &Options) -> Result<String> {
             steps.join(", "),
             r.variants
         );
+    }
+    if let Some(path) = &opts.plot {
+        let points: Vec<crate::plot::LayerPoint> = rows
+            .iter()
+            .map(|r| crate::plot::LayerPoint {
+                model: r.model.to_string(),
+                recipe: r.recipe.name().to_string(),
+                tokens: r.tokens,
+                us: r.us,
+                roofline_us: r.roofline * r.us,
+                torch_us: r.torch_us,
+            })
+            .collect();
+        let title = format!("MoE layer forward on {}", describe(&dev));
+        let svg = crate::plot::layer_svg(&points, &crate::plot::vllm_bf16_w13, &title)?;
+        crate::write_atomic(path, svg.as_bytes())?;
+        let _ = writeln!(report, "plot: {}", path.display());
     }
     if let Some(path) = &opts.json {
         let v = json!({

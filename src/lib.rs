@@ -38,6 +38,7 @@ pub mod moe_kernels_check;
 pub mod moe_run;
 pub mod pack;
 pub mod permute_check;
+pub mod plot;
 pub mod prequant;
 pub mod report;
 mod selftest_util;

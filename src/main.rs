@@ -151,6 +151,9 @@ enum Command {
         /// GEMM and MoE: do not measure torch.
         #[arg(long, conflicts_with = "anchor")]
         no_anchor: bool,
+        /// MoE: also draw the report as SVG here (what `moeforge plot` draws from the JSON).
+        #[arg(long, value_name = "OUT.svg")]
+        plot: Option<std::path::PathBuf>,
     },
     /// GPU self-tests: on-GPU packing byte-identical to the host for every standard recipe.
     Selftest {
@@ -192,6 +195,15 @@ enum Command {
     Moe {
         #[command(subcommand)]
         action: MoeAction,
+    },
+    /// Plot a MoE layer benchmark report (`bench --gpu --moe --json`) as SVG: time against tokens
+    /// per model and recipe, with the rooflines, torch's bf16 layer and vLLM's recorded w13 GEMM.
+    Plot {
+        /// The report (JSON).
+        report: std::path::PathBuf,
+        /// The SVG to write (atomically).
+        #[arg(short = 'o', long = "output", value_name = "OUT.svg")]
+        output: std::path::PathBuf,
     },
     /// Run the main job on an embedded default MoE layer (Qwen3-30B-A3B shaped).
     Demo {
@@ -528,6 +540,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
         | Command::Compile { .. }
         | Command::Inspect { .. }
         | Command::Eplb { .. }
+        | Command::Plot { .. }
         | Command::Moe { .. } => moeforge::Settings::default(),
         _ => moeforge::Settings::from_env()?,
     };
@@ -787,7 +800,13 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             json,
             anchor,
             no_anchor,
+            plot,
         } => {
+            if plot.is_some() && !moe {
+                return Err(moeforge::Error::Usage(
+                    "--plot draws the MoE layer benchmark: pass --moe".into(),
+                ));
+            }
             if !host && !gpu {
                 return Err(moeforge::Error::Usage(
                     "nothing to run: pass --host and/or --gpu".into(),
@@ -820,6 +839,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 let opts = moeforge::bench_moe::Options {
                     selection,
                     json,
+                    plot,
                     anchor: if no_anchor {
                         None
                     } else {
@@ -1092,6 +1112,10 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
         Command::Demo { experts } => {
             let report = moeforge::demo::run(experts, &settings)?;
             write!(out, "{report}").map_err(io)?;
+        }
+        Command::Plot { report, output } => {
+            let said = moeforge::plot::plot_report(&report, &output)?;
+            write!(out, "{said}").map_err(io)?;
         }
     }
     Ok(())

@@ -419,3 +419,50 @@ fn warmup_with_ptxas_fills_cubins_without_a_gpu() {
     assert_eq!(code, 1);
     assert!(err.contains("MOEFORGE_JIT=`nvcc`"), "{err}");
 }
+
+/// `moeforge plot`: the recorded H200 report (docs/) draws every model and recipe; a bad report is
+/// a named error with nothing written; `--plot` belongs to the MoE benchmark.
+#[test]
+fn plot_draws_a_report_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("layer.svg");
+    let (code, out, err) = moeforge(&[
+        "plot",
+        "docs/bench_moe_h200_413c1d4.json",
+        "-o",
+        svg.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("54 rows"), "{out}");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    for label in [
+        "qwen3-30b-a3b",
+        "deepseek-v3-ep8",
+        "mixtral-8x7b",
+        "moeforge fp8_block128",
+        "torch bf16 layer (same call)",
+    ] {
+        assert!(text.contains(label), "{label}");
+    }
+    // The committed plot is this report's.
+    assert_eq!(
+        text,
+        std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/moe_layer_h200.svg")
+        )
+        .unwrap()
+    );
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, r#"{"rows": [{"model": "m"}]}"#).unwrap();
+    let none = dir.path().join("none.svg");
+    let (code, _, err) = moeforge(&["plot", bad.to_str().unwrap(), "-o", none.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("row 0 of the MoE benchmark report"), "{err}");
+    assert!(!none.exists());
+    let (code, _, err) = moeforge(&["bench", "--gpu", "--gemm", "--plot", "x.svg"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--plot draws the MoE layer benchmark"),
+        "{err}"
+    );
+}
