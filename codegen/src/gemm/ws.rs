@@ -75,7 +75,7 @@ pub enum Operands {
     E4m3,
     /// bf16 activations x int8 weights (W8A16, decode only): the weights are wgmma's A operand
     /// from registers, each code converted to bf16 (exact: |code| <= 128) as the consumer loads it
-    /// from the stage ([`super::dequant`]); HGMMA k16. Their scale ([`Scaling::PerRow`]) is applied
+    /// from the stage (`gemm::dequant`); HGMMA k16. Their scale ([`Scaling::PerRow`]) is applied
     /// to the f32 accumulator.
     I8Bf16,
 }

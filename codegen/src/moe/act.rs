@@ -10,7 +10,7 @@
 //!   `silu(g) = g / (1 + exp(-g))`, computed as `e = ex2.approx.ftz(mul.rn(g, -log2(e)))`, then
 //!   `add.rn(e, 1)`, `div.rn(g, .)`, `mul.rn(., u)`. A very negative `g` overflows `e` to `+inf`,
 //!   so `g / inf = -0` and `a = ∓0` (never NaN for finite `u`); a large positive `g` gives `e = 0`
-//!   and `a = g * u`. The host [`reference`] computes the same sequence with `f32::exp2` in place of
+//!   and `a = g * u`. The host [`reference()`] computes the same sequence with `f32::exp2` in place of
 //!   `ex2.approx` (at most 2 ulp of relative error), so its `a` may differ from the kernel's by a
 //!   few ulp: a check compares SiluMul results with a tolerance.
 //! * [`ActIn::Bf16`]: `x` bf16 `[rows, W]`: `a` is the bf16 as f32 (exact; a check compares bit
