@@ -174,6 +174,7 @@ pub fn run(pack_experts: usize, settings: &crate::Settings) -> crate::Result<Str
             );
         }
     }
+    crate::demo_moe::run(&mut out, settings)?;
     crate::demo_eplb::run(&mut out, &settings.host)?;
     let _ = writeln!(
         out,

@@ -20,6 +20,7 @@ pub mod bench_moe;
 pub mod checkpoint;
 pub mod demo;
 pub mod demo_eplb;
+pub mod demo_moe;
 pub mod dequant;
 pub mod eplb_apply;
 pub mod eplb_nccl;

@@ -34,9 +34,23 @@ const H: usize = 256;
 const I: usize = 208;
 const LAYER: u32 = 3;
 
+/// A synthetic layer's sizes: experts, hidden, intermediate.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    /// Experts.
+    pub(crate) e: usize,
+    /// Hidden size H.
+    pub(crate) h: usize,
+    /// Intermediate size I.
+    pub(crate) i: usize,
+}
+
+/// The self-test's layer.
+const DIMS: Dims = Dims { e: E, h: H, i: I };
+
 type Tensor = (Dtype, Vec<usize>, Vec<u8>);
 
-fn write(path: &Path, t: &BTreeMap<String, Tensor>) -> Result<()> {
+pub(crate) fn write(path: &Path, t: &BTreeMap<String, Tensor>) -> Result<()> {
     let views = t
         .iter()
         .map(|(n, (d, s, b))| {
@@ -49,7 +63,8 @@ fn write(path: &Path, t: &BTreeMap<String, Tensor>) -> Result<()> {
         .map_err(|e| Error::Checkpoint(format!("selftest: writing {}: {e}", path.display())))
 }
 
-fn read(path: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
+/// Every tensor of a safetensors file as f32 (bf16 widened; anything else read as f32).
+pub(crate) fn read(path: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
     let bytes = std::fs::read(path).map_err(|e| Error::Io {
         path: path.display().to_string(),
         source: e,
@@ -86,32 +101,33 @@ fn bf16_bytes(rng: &mut Rng, n: usize, scale: f32) -> Vec<u8> {
         .collect()
 }
 
-/// A random checkpoint of one MoE layer, with static activation scales when `scales`.
-fn checkpoint(rng: &mut Rng, path: &Path, scales: bool) -> Result<()> {
+/// A random checkpoint of one MoE layer of sizes `d`, with static activation scales when `scales`.
+pub(crate) fn checkpoint(rng: &mut Rng, path: &Path, scales: bool, d: Dims) -> Result<()> {
+    let Dims { e, h, i } = d;
     let p = format!("model.layers.{LAYER}.mlp.experts");
     let mut t = BTreeMap::new();
     t.insert(
         format!("{p}.w13_weight"),
         (
             Dtype::BF16,
-            vec![E, 2 * I, H],
-            bf16_bytes(rng, E * 2 * I * H, 0.1),
+            vec![e, 2 * i, h],
+            bf16_bytes(rng, e * 2 * i * h, 0.1),
         ),
     );
     t.insert(
         format!("{p}.w2_weight"),
-        (Dtype::BF16, vec![E, H, I], bf16_bytes(rng, E * H * I, 0.1)),
+        (Dtype::BF16, vec![e, h, i], bf16_bytes(rng, e * h * i, 0.1)),
     );
     if scales {
         // Calibrated to cover |x| < 1 and |a| below about 1.5.
-        let s = |v: f32| -> Vec<u8> { (0..E).flat_map(|_| v.to_le_bytes()).collect() };
+        let s = |v: f32| -> Vec<u8> { (0..e).flat_map(|_| v.to_le_bytes()).collect() };
         t.insert(
             format!("{p}.w13_input_scale"),
-            (Dtype::F32, vec![E], s(1.0 / 440.0)),
+            (Dtype::F32, vec![e], s(1.0 / 440.0)),
         );
         t.insert(
             format!("{p}.w2_input_scale"),
-            (Dtype::F32, vec![E], s(1.6 / 440.0)),
+            (Dtype::F32, vec![e], s(1.6 / 440.0)),
         );
     }
     write(path, &t)
@@ -119,21 +135,30 @@ fn checkpoint(rng: &mut Rng, path: &Path, scales: bool) -> Result<()> {
 
 /// How the ids are drawn.
 #[derive(Debug, Clone, Copy)]
-enum Routing {
+pub(crate) enum Routing {
     Uniform,
     /// Most items on two experts; some experts get none.
     Skewed,
 }
 
-fn inputs(rng: &mut Rng, path: &Path, t: usize, k: usize, routing: Routing) -> Result<()> {
+/// Random inputs of `t` tokens with top-`k` routing over a layer of sizes `d`.
+pub(crate) fn inputs(
+    rng: &mut Rng,
+    path: &Path,
+    t: usize,
+    k: usize,
+    routing: Routing,
+    d: Dims,
+) -> Result<()> {
+    let Dims { e: experts, h, .. } = d;
     let mut ids = Vec::with_capacity(t * k);
     for _ in 0..t {
         let mut row: Vec<i32> = Vec::new();
         while row.len() < k {
             let e = match routing {
-                Routing::Uniform => rng.below(E),
+                Routing::Uniform => rng.below(experts),
                 Routing::Skewed if rng.below(4) > 0 && row.len() < 2 => row.len(),
-                Routing::Skewed => rng.below(E),
+                Routing::Skewed => rng.below(experts),
             } as i32;
             if !row.contains(&e) {
                 row.push(e);
@@ -147,7 +172,7 @@ fn inputs(rng: &mut Rng, path: &Path, t: usize, k: usize, routing: Routing) -> R
     let mut m = BTreeMap::new();
     m.insert(
         "hidden_states".to_string(),
-        (Dtype::BF16, vec![t, H], bf16_bytes(rng, t * H, 1.0)),
+        (Dtype::BF16, vec![t, h], bf16_bytes(rng, t * h, 1.0)),
     );
     m.insert(
         "topk_ids".to_string(),
@@ -170,7 +195,7 @@ fn inputs(rng: &mut Rng, path: &Path, t: usize, k: usize, routing: Routing) -> R
 
 /// `||got - want|| / ||want||` (Frobenius), through the GEMM reference's measure; infinite when
 /// the lengths differ.
-fn rel_frobenius(got: &[f32], want: &[f64]) -> f64 {
+pub(crate) fn rel_frobenius(got: &[f32], want: &[f64]) -> f64 {
     crate::codegen::gemm::reference::rel_frobenius(got, want).unwrap_or(f64::INFINITY)
 }
 
@@ -205,7 +230,8 @@ fn logical_w2(packed: &Path, src: &str, path: &str) -> Result<Vec<f64>> {
 }
 
 /// `topk_ids` and `topk_weights` of an inputs file.
-fn read_routing(path: &Path) -> Result<(Vec<i32>, Vec<f32>)> {
+/// The `topk_ids` and `topk_weights` of an inputs file.
+pub(crate) fn read_routing(path: &Path) -> Result<(Vec<i32>, Vec<f32>)> {
     let bytes = std::fs::read(path).map_err(|e| Error::Io {
         path: path.display().to_string(),
         source: e,
@@ -306,7 +332,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
     };
     for (ri, (recipe, scales)) in recipes.iter().enumerate() {
         let ck = d.join(format!("ckpt{ri}.safetensors"));
-        checkpoint(&mut rng, &ck, *scales)?;
+        checkpoint(&mut rng, &ck, *scales, DIMS)?;
         let packed = d.join(format!("{recipe}{ri}.safetensors"));
         let r = crate::kernels::find(recipe)
             .ok_or_else(|| Error::Usage(format!("no standard recipe `{recipe}`")))?;
@@ -328,7 +354,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         for (ci, &(t, k, routing)) in cases.iter().enumerate() {
             let placed = ci == 2;
             let inp = d.join(format!("in{ri}_{ci}.safetensors"));
-            inputs(&mut rng, &inp, t, k, routing)?;
+            inputs(&mut rng, &inp, t, k, routing, DIMS)?;
             let run = |device: Device| -> Result<BTreeMap<String, Vec<f32>>> {
                 let output = d.join(format!("out{ri}_{ci}_{device:?}.safetensors"));
                 moe_run::run(&RunOptions {

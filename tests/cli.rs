@@ -238,6 +238,24 @@ fn demo_checks_every_standard_recipe() {
     assert!(out.contains("E=128, H=2048, I=768"));
     assert!(out.contains("packing a synthetic layer (E=2, H=2048, I=768"));
     assert!(out.contains("nvfp4_cutedsl") && out.contains("max |x-x'| / amax"));
+    // The MoE layer round: every standard recipe's forward through `moe run`, against f64 with the
+    // bf16 weights (bf16 itself within the rounding of its output), and where it ran.
+    let round: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("MoE layer forward (SPEC §9"))
+        .take(2 + moeforge::kernels::STANDARD.len())
+        .collect();
+    assert_eq!(round.len(), 2 + moeforge::kernels::STANDARD.len(), "{out}");
+    for (line, r) in round[2..].iter().zip(moeforge::kernels::STANDARD) {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cols[0], r.name, "{line}");
+        let err: f64 = cols[1].parse().unwrap();
+        let bound = if r.name == "bf16" { 1e-2 } else { 0.25 };
+        assert!(err < bound, "{line}");
+        if !moeforge::runtime::device::driver_present() {
+            assert!(line.ends_with("no Hopper GPU: host only"), "{line}");
+        }
+    }
 }
 
 #[test]
