@@ -972,6 +972,29 @@ impl TensorMapParams {
         boxes: &[u32],
         l2_promotion: L2Promotion,
     ) -> Result<Self> {
+        let params = Self::dense(
+            data_type,
+            global_address,
+            dims,
+            boxes,
+            Swizzle::None,
+            l2_promotion,
+        );
+        params.validate()?;
+        Ok(params)
+    }
+
+    /// A dense map of `dims` (innermost first; each stride the product of the inner dimensions
+    /// and the element size) with boxes `boxes`, element strides 1, no interleave, zero
+    /// out-of-bounds fill. Not validated.
+    fn dense(
+        data_type: TensorMapDataType,
+        global_address: u64,
+        dims: &[u64],
+        boxes: &[u32],
+        swizzle: Swizzle,
+        l2_promotion: L2Promotion,
+    ) -> Self {
         let eb = data_type.elem_bytes().unwrap_or(1);
         let mut global_dim = [1u64; TMA_MAX_RANK];
         global_dim[..dims.len()].copy_from_slice(dims);
@@ -983,7 +1006,7 @@ impl TensorMapParams {
         }
         let mut box_dim = [1u32; TMA_MAX_RANK];
         box_dim[..boxes.len()].copy_from_slice(boxes);
-        let params = TensorMapParams {
+        TensorMapParams {
             data_type,
             rank: dims.len() as u32,
             global_address,
@@ -992,12 +1015,10 @@ impl TensorMapParams {
             box_dim,
             element_strides: [1; TMA_MAX_RANK],
             interleave: TensorMapInterleave::None,
-            swizzle: Swizzle::None,
+            swizzle,
             l2_promotion,
             oob_fill: OobFill::None,
-        };
-        params.validate()?;
-        Ok(params)
+        }
     }
 
     fn k_major_inner(
@@ -1017,31 +1038,14 @@ impl TensorMapParams {
                 "a box of {box_rows} rows is not a positive multiple of 8"
             )));
         }
-        let eb = u64::from(dtype.elem_bytes());
-        let mut global_dim = [1u64; TMA_MAX_RANK];
-        global_dim[..dims.len()].copy_from_slice(dims);
-        let mut global_strides = [0u64; TMA_MAX_RANK - 1];
-        let mut stride = eb;
-        for i in 0..dims.len() - 1 {
-            stride = stride.saturating_mul(dims[i]);
-            global_strides[i] = stride;
-        }
-        let mut box_dim = [1u32; TMA_MAX_RANK];
-        box_dim[0] = span / dtype.elem_bytes();
-        box_dim[1] = box_rows;
-        Ok(TensorMapParams {
-            data_type: dtype.tensor_map_data_type(),
-            rank: dims.len() as u32,
+        Ok(Self::dense(
+            dtype.tensor_map_data_type(),
             global_address,
-            global_dim,
-            global_strides,
-            box_dim,
-            element_strides: [1; TMA_MAX_RANK],
-            interleave: TensorMapInterleave::None,
+            dims,
+            &[span / dtype.elem_bytes(), box_rows],
             swizzle,
-            l2_promotion: L2Promotion::B256,
-            oob_fill: OobFill::None,
-        })
+            L2Promotion::B256,
+        ))
     }
 }
 
