@@ -8,8 +8,6 @@ use std::fmt::Write as _;
 
 use crate::moe_gpu_check::{self as mc, Dims, Routing};
 use crate::moe_run::{self, Device, RunOptions};
-use crate::pack::{self, PackOptions};
-use crate::runtime::collective::Topology;
 use crate::selftest_util::Rng;
 use crate::{Error, Result};
 
@@ -107,20 +105,7 @@ pub fn run(out: &mut String, settings: &crate::Settings) -> Result<()> {
     let mut all = true;
     for r in crate::kernels::STANDARD {
         let packed = d.join(format!("{}.safetensors", r.name));
-        pack::pack(&PackOptions {
-            recipe_src: r.source.to_string(),
-            recipe_path: r.path.to_string(),
-            inputs: vec![ck.clone()],
-            output: packed.clone(),
-            layers: None,
-            threads: 0,
-            progress: false,
-            gpu: false,
-            passthrough: false,
-            allow_nonfinite: false,
-            settings: settings.clone(),
-            topology: Topology::SINGLE,
-        })?;
+        mc::pack_on_host(r, &ck, &packed, settings)?;
         let run = |device: Device| -> Result<(Vec<f32>, f64)> {
             let output = d.join(format!("{}_{device:?}.safetensors", r.name));
             let t0 = std::time::Instant::now();

@@ -193,6 +193,30 @@ pub(crate) fn inputs(
     write(path, &m)
 }
 
+/// Pack checkpoint `ck` with standard recipe `r` on the host into `packed`.
+pub(crate) fn pack_on_host(
+    r: &crate::kernels::StandardRecipe,
+    ck: &Path,
+    packed: &Path,
+    settings: &crate::Settings,
+) -> Result<()> {
+    pack::pack(&PackOptions {
+        recipe_src: r.source.to_string(),
+        recipe_path: r.path.to_string(),
+        inputs: vec![ck.to_path_buf()],
+        output: packed.to_path_buf(),
+        layers: None,
+        threads: 0,
+        progress: false,
+        gpu: false,
+        passthrough: false,
+        allow_nonfinite: false,
+        settings: settings.clone(),
+        topology: Topology::SINGLE,
+    })
+    .map(|_| ())
+}
+
 /// `||got - want|| / ||want||` (Frobenius), through the GEMM reference's measure; infinite when
 /// the lengths differ.
 pub(crate) fn rel_frobenius(got: &[f32], want: &[f64]) -> f64 {
@@ -336,20 +360,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         let packed = d.join(format!("{recipe}{ri}.safetensors"));
         let r = crate::kernels::find(recipe)
             .ok_or_else(|| Error::Usage(format!("no standard recipe `{recipe}`")))?;
-        pack::pack(&PackOptions {
-            recipe_src: r.source.to_string(),
-            recipe_path: r.path.to_string(),
-            inputs: vec![ck],
-            output: packed.clone(),
-            layers: None,
-            threads: 0,
-            progress: false,
-            gpu: false,
-            passthrough: false,
-            allow_nonfinite: false,
-            settings: settings.clone(),
-            topology: Topology::SINGLE,
-        })?;
+        pack_on_host(r, &ck, &packed, settings)?;
         let w2 = logical_w2(&packed, r.source, r.path)?;
         for (ci, &(t, k, routing)) in cases.iter().enumerate() {
             let placed = ci == 2;
