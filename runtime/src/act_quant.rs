@@ -30,10 +30,7 @@ impl ActQuant {
     pub fn load(dev: &Device, mode: Mode, k: u32) -> Result<ActQuant> {
         crate::device::hopper_only(dev, "activation quantization")?;
         let (ptx, launch) = act_quant::act_quant(mode, k)?;
-        let module = crate::jit::load_ptx(dev, &launch.entry, &ptx)?;
-        let func = module
-            .load_function(&launch.entry)
-            .map_err(drv("cuModuleGetFunction"))?;
+        let (module, [func]) = crate::jit::load_entries(dev, &ptx, [launch.entry.as_str()])?;
         Ok(ActQuant {
             _module: module,
             func,

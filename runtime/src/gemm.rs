@@ -39,10 +39,7 @@ impl GemmBf16V0 {
     pub fn load(dev: &Device, n: u32, k: u32, stages: u32) -> Result<GemmBf16V0> {
         crate::device::hopper_only(dev, "the grouped GEMM v0")?;
         let (ptx, launch) = kernel::grouped_bf16_v0(n, k, stages)?;
-        let module = crate::jit::load_ptx(dev, kernel::V0_ENTRY, &ptx)?;
-        let func = module
-            .load_function(kernel::V0_ENTRY)
-            .map_err(drv("cuModuleGetFunction"))?;
+        let (module, [func]) = crate::jit::load_entries(dev, &ptx, [kernel::V0_ENTRY])?;
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             i32::try_from(launch.dynamic_smem_bytes).unwrap_or(i32::MAX),

@@ -119,6 +119,30 @@ pub(crate) fn load_ptx(
         .map_err(crate::drv("cuModuleLoadData"))
 }
 
+/// [`load_ptx`] (labelled with the first name), then the entries `names` of the module, in order.
+pub(crate) fn load_entries<const N: usize>(
+    dev: &Device,
+    ptx: &str,
+    names: [&str; N],
+) -> Result<(
+    std::sync::Arc<cudarc::driver::CudaModule>,
+    [cudarc::driver::CudaFunction; N],
+)> {
+    let module = load_ptx(dev, names.first().copied().unwrap_or("module"), ptx)?;
+    let mut fns = Vec::with_capacity(N);
+    for n in names {
+        fns.push(
+            module
+                .load_function(n)
+                .map_err(crate::drv("cuModuleGetFunction"))?,
+        );
+    }
+    let fns: [cudarc::driver::CudaFunction; N] = fns
+        .try_into()
+        .map_err(|_| Error::Placement("module entries: a count mismatch".into()))?;
+    Ok((module, fns))
+}
+
 /// Which compiler turns PTX into cubins, as asked for (the CLI's `MOEFORGE_JIT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum CompilerChoice {

@@ -65,10 +65,7 @@ impl MoeAct {
     pub fn load(dev: &Device, input: ActIn, output: ActOut, width: u32) -> Result<MoeAct> {
         crate::device::hopper_only(dev, "the MoE activation kernel")?;
         let (ptx, launch) = act::act_module(input, output, width)?;
-        let module = crate::jit::load_ptx(dev, ACT_ENTRY, &ptx)?;
-        let func = module
-            .load_function(ACT_ENTRY)
-            .map_err(drv("cuModuleGetFunction"))?;
+        let (module, [func]) = crate::jit::load_entries(dev, &ptx, [ACT_ENTRY])?;
         Ok(MoeAct {
             _module: module,
             func,
@@ -179,16 +176,12 @@ impl MoeCombine {
     pub fn load(dev: &Device, hidden: u32) -> Result<MoeCombine> {
         crate::device::hopper_only(dev, "the MoE combine kernels")?;
         let (ptx, launch) = combine::combine_module(hidden)?;
-        let module = crate::jit::load_ptx(dev, INVERT_ENTRY, &ptx)?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(drv("cuModuleGetFunction"))
-        };
+        let (module, [invert, row_scales, combine]) =
+            crate::jit::load_entries(dev, &ptx, [INVERT_ENTRY, ROW_SCALES_ENTRY, COMBINE_ENTRY])?;
         Ok(MoeCombine {
-            invert: f(INVERT_ENTRY)?,
-            row_scales: f(ROW_SCALES_ENTRY)?,
-            combine: f(COMBINE_ENTRY)?,
+            invert,
+            row_scales,
+            combine,
             _module: module,
             launch,
         })

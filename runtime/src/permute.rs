@@ -65,16 +65,12 @@ impl Permute {
     pub fn load(dev: &Device, hidden: u32, slots: u32) -> Result<Permute> {
         crate::device::hopper_only(dev, "the MoE permute")?;
         let (ptx, launch) = permute::permute_module(hidden, slots)?;
-        let module = crate::jit::load_ptx(dev, ROUTE_ENTRY, &ptx)?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(drv("cuModuleGetFunction"))
-        };
+        let (module, [route, scan, scatter]) =
+            crate::jit::load_entries(dev, &ptx, [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY])?;
         Ok(Permute {
-            route: f(ROUTE_ENTRY)?,
-            scan: f(SCAN_ENTRY)?,
-            scatter: f(SCATTER_ENTRY)?,
+            route,
+            scan,
+            scatter,
             _module: module,
             launch,
         })
