@@ -34,7 +34,7 @@
 //! aligned), `.param .u64 scales` (f32 `[T]` or `[ceil(K/128), T]`, 4-byte aligned), `.param .u32
 //! rows` (`T`). `K` is compiled in. Grid: [`Launch::grid`] CTAs of [`Launch::threads`].
 
-use super::emit::K;
+use super::emit::{Emit as _, K};
 use super::kernel::module_header;
 use crate::gemm::reference::{self, BLOCK};
 use crate::ptx::{

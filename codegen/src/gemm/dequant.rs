@@ -15,7 +15,7 @@
 
 use crate::ptx::{BinOpcode, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
 
-use super::emit::K;
+use super::emit::{Emit as _, K};
 
 /// Per-thread constants of the int8 fragment loads.
 pub(crate) struct I8Frag {

@@ -5,9 +5,85 @@ use crate::ptx::{
 };
 use crate::Result;
 
+/// The instruction helpers every kernel generator's emitter shares (the GEMMs' [`K`] and the MoE
+/// layer's kernels' `moe::emit::G`): each takes the builder it wraps.
+pub(crate) trait Emit {
+    /// The builder.
+    fn builder(&mut self) -> &mut Builder;
+
+    /// The builder, read only.
+    fn builder_ref(&self) -> &Builder;
+
+    /// `op.ty d, a, b` into an existing register.
+    fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
+        self.builder().push(Inst::Bin {
+            op,
+            ty,
+            d,
+            a: Operand::Reg(a),
+            b,
+        });
+    }
+
+    /// A unary instruction into a fresh register of `class`.
+    fn un(&mut self, op: UnOpcode, class: RegClass, a: Operand) -> Reg {
+        let b = self.builder();
+        let d = b.reg(class);
+        b.push(Inst::Un { op, d, a });
+        d
+    }
+
+    /// A special register (`%tid.x`, ...) into a fresh 32-bit register.
+    fn special(&mut self, name: SpecialReg) -> Reg {
+        let b = self.builder();
+        let d = b.reg(RegClass::B32);
+        b.push(Inst::Special { d, name });
+        d
+    }
+
+    /// The global address in the u64 parameter `name` (`ld.param` then `cvta.to.global`).
+    fn global_param(&mut self, name: &str) -> Reg {
+        let b = self.builder();
+        let p = b.reg(RegClass::B64);
+        b.push(Inst::LdParam {
+            ty: PtxTy::U64,
+            d: p,
+            name: name.into(),
+        });
+        let g = b.reg(RegClass::B64);
+        b.push(Inst::Cvta { d: g, a: p });
+        g
+    }
+
+    /// The text of `entry` with this builder's declarations and instructions as its body (no
+    /// module header).
+    fn entry_text(&self, entry: &Entry) -> Result<String> {
+        let b = self.builder_ref();
+        let mut s = entry.header()?;
+        s.push_str(&b.decls());
+        s.push('\n');
+        for inst in &b.insts {
+            s.push_str(&inst.to_string());
+            s.push('\n');
+        }
+        s.push_str("}\n");
+        Ok(s)
+    }
+}
+
 /// A few instruction helpers over the builder.
 pub(crate) struct K {
     pub(crate) b: Builder,
+}
+
+impl Emit for K {
+    fn builder(&mut self) -> &mut Builder {
+        &mut self.b
+    }
+
+    fn builder_ref(&self) -> &Builder {
+        &self.b
+    }
 }
 
 impl K {
@@ -29,16 +105,6 @@ impl K {
         d
     }
 
-    pub(crate) fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
-        self.b.push(Inst::Bin {
-            op,
-            ty,
-            d,
-            a: Operand::Reg(a),
-            b,
-        });
-    }
-
     pub(crate) fn bin(&mut self, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) -> Reg {
         let class = match ty {
             PtxTy::U64 | PtxTy::B64 | PtxTy::S64 => RegClass::B64,
@@ -48,13 +114,6 @@ impl K {
         };
         let d = self.b.reg(class);
         self.bin_to(d, op, ty, a, b);
-        d
-    }
-
-    /// A unary instruction into a fresh register of `class`.
-    pub(crate) fn un(&mut self, op: UnOpcode, class: RegClass, a: Operand) -> Reg {
-        let d = self.b.reg(class);
-        self.b.push(Inst::Un { op, d, a });
         d
     }
 
@@ -81,24 +140,6 @@ impl K {
             b,
         });
         p
-    }
-
-    pub(crate) fn special(&mut self, name: SpecialReg) -> Reg {
-        let d = self.reg32();
-        self.b.push(Inst::Special { d, name });
-        d
-    }
-
-    pub(crate) fn global_param(&mut self, name: &str) -> Reg {
-        let p = self.b.reg(RegClass::B64);
-        self.b.push(Inst::LdParam {
-            ty: PtxTy::U64,
-            d: p,
-            name: name.into(),
-        });
-        let g = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Cvta { d: g, a: p });
-        g
     }
 
     pub(crate) fn bra(&mut self, label: &str, pred: Option<(Reg, bool)>) {
@@ -189,20 +230,6 @@ impl K {
     pub(crate) fn addr(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
         let off = self.wide(index, scale);
         self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
-    }
-
-    /// The text of `entry` with this builder's declarations and instructions as its body (no module
-    /// header).
-    pub(crate) fn entry_text(&self, entry: &Entry) -> Result<String> {
-        let mut s = entry.header()?;
-        s.push_str(&self.b.decls());
-        s.push('\n');
-        for inst in &self.b.insts {
-            s.push_str(&inst.to_string());
-            s.push('\n');
-        }
-        s.push_str("}\n");
-        Ok(s)
     }
 }
 

@@ -38,7 +38,7 @@
 
 use std::ops::Range;
 
-use super::emit::K;
+use super::emit::{Emit as _, K};
 use crate::ptx::{
     AsyncOp, BinOpcode, Builder, CmpOp, DynamicShared, Entry, Guard, Inst, Operand, Param, PtxTy,
     Reg, RegClass, ScaleD, SharedDecl, SharedTy, SpecialReg, TmaDim, TmaLoad, Wgmma, WgmmaN,

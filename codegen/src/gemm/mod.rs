@@ -7,7 +7,7 @@
 pub mod act_quant;
 pub(crate) mod dequant;
 pub mod desc;
-mod emit;
+pub(crate) mod emit;
 pub mod kernel;
 pub mod reference;
 pub mod schedule;

@@ -64,7 +64,7 @@ use crate::ptx::{
 };
 use crate::{Error, Result};
 
-use super::emit::K;
+use super::emit::{Emit as _, K};
 
 /// The operand types of X and W.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

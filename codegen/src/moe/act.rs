@@ -58,6 +58,7 @@
 //! holds the group's 16 chunks. No dynamic shared memory.
 
 use super::emit::{push_entry, G};
+use crate::gemm::emit::Emit as _;
 use crate::gemm::reference as gemm_ref;
 use crate::ptx::{
     BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SharedDecl, SharedTy,

@@ -32,6 +32,7 @@
 //! [`CombineLaunch::combine_grid`] CTAs of [`CombineLaunch::combine_threads`].
 
 use super::emit::{push_entry, G};
+use crate::gemm::emit::Emit as _;
 use crate::gemm::reference::bf16_from_f32;
 use crate::ptx::{BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SpecialReg};
 use crate::{Error, Result};

@@ -1,9 +1,8 @@
 //! Small instruction helpers over the typed PTX builder, shared by the MoE layer's kernel
 //! generators.
 
-use crate::ptx::{
-    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
-};
+use crate::gemm::emit::Emit;
+use crate::ptx::{BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
 use crate::Result;
 
 /// Instruction helpers over the typed builder, shared by the MoE layer's kernel generators
@@ -16,15 +15,18 @@ pub(super) struct G {
 /// Append one entry (header, declarations, body) to a module's text.
 pub(super) fn push_entry(s: &mut String, e: &Entry, g: &G) -> Result<()> {
     s.push('\n');
-    s.push_str(&e.header()?);
-    s.push_str(&g.b.decls());
-    s.push('\n');
-    for inst in &g.b.insts {
-        s.push_str(&inst.to_string());
-        s.push('\n');
-    }
-    s.push_str("}\n");
+    s.push_str(&g.entry_text(e)?);
     Ok(())
+}
+
+impl Emit for G {
+    fn builder(&mut self) -> &mut Builder {
+        &mut self.b
+    }
+
+    fn builder_ref(&self) -> &Builder {
+        &self.b
+    }
 }
 
 impl G {
@@ -46,22 +48,6 @@ impl G {
             op: UnOpcode::Mov(ty),
             d,
             a,
-        });
-    }
-
-    pub(super) fn un(&mut self, op: UnOpcode, class: RegClass, a: Operand) -> Reg {
-        let d = self.b.reg(class);
-        self.b.push(Inst::Un { op, d, a });
-        d
-    }
-
-    pub(super) fn bin_to(&mut self, d: Reg, op: BinOpcode, ty: PtxTy, a: Reg, b: Operand) {
-        self.b.push(Inst::Bin {
-            op,
-            ty,
-            d,
-            a: Operand::Reg(a),
-            b,
         });
     }
 
@@ -87,24 +73,6 @@ impl G {
             b,
         });
         p
-    }
-
-    pub(super) fn special(&mut self, name: SpecialReg) -> Reg {
-        let d = self.r32();
-        self.b.push(Inst::Special { d, name });
-        d
-    }
-
-    pub(super) fn global_param(&mut self, name: &str) -> Reg {
-        let p = self.b.reg(RegClass::B64);
-        self.b.push(Inst::LdParam {
-            ty: PtxTy::U64,
-            d: p,
-            name: name.into(),
-        });
-        let g = self.b.reg(RegClass::B64);
-        self.b.push(Inst::Cvta { d: g, a: p });
-        g
     }
 
     pub(super) fn u32_param(&mut self, name: &str) -> Reg {

@@ -43,6 +43,7 @@
 //!   `offsets[R]` rows written), then the u32 scalars `n`, `k`.
 
 use super::emit::{push_entry, G};
+use crate::gemm::emit::Emit as _;
 use crate::ptx::{
     BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SharedDecl, SharedTy, SpecialReg,
     PTX_VERSION,
