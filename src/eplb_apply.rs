@@ -312,6 +312,32 @@ pub(crate) type Dims = Vec<(String, i64)>;
 /// The placed layers of a file: layer index -> (param name -> tensor name).
 pub(crate) type Layers = BTreeMap<u32, BTreeMap<String, String>>;
 
+/// The packed MoE layers among tensor names `names`: per layer, each param of `registered` that
+/// the layer's experts hold, with its tensor name (`expert_tensor`); with `canonical`, only the
+/// names pack writes, `model.layers.{L}.mlp.experts.{param}`.
+pub(crate) fn packed_layers(
+    names: &[&str],
+    registered: &BTreeMap<String, TensorId>,
+    canonical: bool,
+) -> Layers {
+    let mut names: Vec<&str> = names.to_vec();
+    names.sort_unstable();
+    let mut layers: Layers = BTreeMap::new();
+    for n in names {
+        if let Some((l, rest)) = expert_tensor(n) {
+            if registered.contains_key(rest)
+                && (!canonical || n.starts_with(&format!("model.layers.{l}.mlp.experts.")))
+            {
+                layers
+                    .entry(l)
+                    .or_default()
+                    .insert(rest.to_string(), n.to_string());
+            }
+        }
+    }
+    layers
+}
+
 /// `model.layers.{L}.<ns>.experts.{rest}` -> `(L, rest)`.
 pub(crate) fn expert_tensor(name: &str) -> Option<(u32, &str)> {
     let rest = name.strip_prefix("model.layers.")?;
@@ -591,19 +617,7 @@ pub fn place(opts: &ApplyOptions) -> Result<(Vec<u8>, ApplyReport)> {
     // The placed layers: every layer with a registered param in its experts.
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
-    let mut layers: Layers = BTreeMap::new();
-    for n in &names {
-        if let Some((l, rest)) = expert_tensor(n) {
-            if registered.contains_key(rest)
-                && n.starts_with(&format!("model.layers.{l}.mlp.experts."))
-            {
-                layers
-                    .entry(l)
-                    .or_default()
-                    .insert(rest.to_string(), n.clone());
-            }
-        }
-    }
+    let layers = packed_layers(&st.names(), &registered, true);
     if layers.is_empty() {
         return Err(Error::Checkpoint(format!(
             "{file}: no packed MoE layer (no tensor `model.layers.{{L}}.mlp.experts.{{param}}` for a param that recipe `{recipe}` registers)"

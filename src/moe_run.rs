@@ -242,19 +242,7 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
         .collect();
 
     // The layer: every layer with a registered param in its experts.
-    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
-    names.sort();
-    let mut layers: eplb_apply::Layers = BTreeMap::new();
-    for n in &names {
-        if let Some((l, rest)) = eplb_apply::expert_tensor(n) {
-            if registered.contains_key(rest) {
-                layers
-                    .entry(l)
-                    .or_default()
-                    .insert(rest.to_string(), n.clone());
-            }
-        }
-    }
+    let layers = eplb_apply::packed_layers(&st.names(), &registered, false);
     let list = || {
         layers
             .keys()
