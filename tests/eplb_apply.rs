@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
-use common::{bf16, read_tensors as read, run, seed, value, write_tensors as write, Tensor};
+use common::{bf16, pack, read_tensors as read, run, seed, value, write_tensors as write, Tensor};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -84,18 +84,6 @@ fn checkpoint(path: &Path, layers: &[Layer], order: &[Vec<usize>]) {
         );
     }
     write(path, &t, None);
-}
-
-fn pack(recipe: &str, input: &Path, output: &Path) {
-    let (code, _, err) = run(&[
-        "pack",
-        recipe,
-        "--input",
-        input.to_str().unwrap(),
-        "--output",
-        output.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "pack {recipe}: {err}");
 }
 
 /// `eplb apply`; `extra` appended.

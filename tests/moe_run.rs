@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
-use common::{bf16, f32s, read_tensors as read, run, value, write_tensors, Tensor};
+use common::{bf16, f32s, pack, read_tensors as read, run, value, write_tensors, Tensor};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -70,18 +70,6 @@ fn checkpoint(path: &Path, order: &[usize], scales: bool) {
         t.insert(format!("{p}.w2_input_scale"), (Dtype::F32, vec![n], s2));
     }
     write_tensors(path, &t, None);
-}
-
-fn pack(recipe: &str, input: &Path, output: &Path) {
-    let (code, _, err) = run(&[
-        "pack",
-        recipe,
-        "--input",
-        input.to_str().unwrap(),
-        "--output",
-        output.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "pack {recipe}: {err}");
 }
 
 struct Inputs {

@@ -214,3 +214,16 @@ pub fn f32s(b: &[u8]) -> Vec<f32> {
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
+
+/// `moeforge pack RECIPE --input INPUT --output OUTPUT`, which must succeed.
+pub fn pack(recipe: &str, input: &Path, output: &Path) {
+    let (code, _, err) = run(&[
+        "pack",
+        recipe,
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "pack {recipe}: {err}");
+}
