@@ -387,20 +387,7 @@ impl GpuLayer {
     /// queue the copies of its inputs to the device. What [`GpuLayer::enqueue`] then runs on.
     pub fn upload(&mut self, dev: &Device, tokens: &Tokens<'_>) -> Result<()> {
         let (t, k, h, r) = (tokens.t, tokens.k, self.h, self.slots);
-        for (name, len, want) in [
-            ("hidden_states", tokens.x.len(), t * h),
-            ("topk_ids", tokens.ids.len(), t * k),
-            ("topk_weights", tokens.weights.len(), t * k),
-        ] {
-            if len != want {
-                return Err(MoeError::InputShape {
-                    name: name.into(),
-                    want: format!("{want} elements (T = {t}, k = {k}, H = {h})"),
-                    got: vec![len],
-                }
-                .into());
-            }
-        }
+        tokens.check_lengths(h)?;
         if t == 0 || k == 0 {
             return Err(MoeError::InputShape {
                 name: "topk_ids".into(),

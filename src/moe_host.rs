@@ -323,6 +323,28 @@ pub struct Tokens<'a> {
     pub k: usize,
 }
 
+impl Tokens<'_> {
+    /// Each input holds `T x H` (`hidden_states`) or `T x k` elements, else `InputShape` naming
+    /// it.
+    pub fn check_lengths(&self, h: usize) -> Result<()> {
+        let (t, k) = (self.t, self.k);
+        for (name, len, want) in [
+            ("hidden_states", self.x.len(), t * h),
+            ("topk_ids", self.ids.len(), t * k),
+            ("topk_weights", self.weights.len(), t * k),
+        ] {
+            if len != want {
+                return Err(MoeError::InputShape {
+                    name: name.into(),
+                    want: format!("{want} elements (T = {t}, k = {k}, H = {h})"),
+                    got: vec![len],
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The forward's results.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Forward {
@@ -471,19 +493,7 @@ pub fn forward(
 ) -> Result<Forward> {
     let (slots, h, i) = dims(layer.info)?;
     let (t, k) = (tokens.t, tokens.k);
-    for (name, len, want) in [
-        ("hidden_states", tokens.x.len(), t * h),
-        ("topk_ids", tokens.ids.len(), t * k),
-        ("topk_weights", tokens.weights.len(), t * k),
-    ] {
-        if len != want {
-            return Err(MoeError::InputShape {
-                name: name.into(),
-                want: format!("{want} elements (T = {t}, k = {k}, H = {h})"),
-                got: vec![len],
-            });
-        }
-    }
+    tokens.check_lengths(h)?;
     let feeds = (
         Feed::of(layer.info, "w13", layer.params)?,
         Feed::of(layer.info, "w2", layer.params)?,
