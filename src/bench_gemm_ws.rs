@@ -142,6 +142,7 @@ impl WsRunner {
             offsets: &o.offsets,
             x_scale: scaled.then_some(&o.x_scale),
             w_scale: scaled.then_some(&o.w_scale),
+            group_scales: None,
             t: o.t,
             experts: o.experts,
         };
@@ -163,7 +164,7 @@ impl WsRunner {
         let mut chunk = vec![0u8; 8 << 20];
         match operands {
             Operands::Bf16 => random_bf16(&mut chunk, 0x5EED_0002),
-            Operands::E4m3 | Operands::I8Bf16 => random_e4m3(&mut chunk, 0x5EED_0003),
+            _ => random_e4m3(&mut chunk, 0x5EED_0003),
         }
         let alloc = |n: usize| {
             dev.stream

@@ -62,7 +62,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
     let mut chunk = vec![0u8; (8 << 20).min(len.max(1))];
     match operands {
         Operands::Bf16 => random_bf16(&mut chunk, seed),
-        Operands::E4m3 | Operands::I8Bf16 => random_e4m3(&mut chunk, seed),
+        _ => random_e4m3(&mut chunk, seed),
     }
     let codes: Vec<u8> = chunk.iter().copied().cycle().take(len).collect();
     let scales = match scaling {
@@ -70,6 +70,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         Scaling::Tensorwise { .. } => vec![1.0 / 256.0; experts],
         Scaling::Block128 => vec![1.0 / 256.0; experts * n.div_ceil(128) * k.div_ceil(128)],
         Scaling::PerRow => vec![1.0 / 256.0; experts * n],
+        Scaling::PerExpert => vec![1.0 / 256.0; experts],
     };
     GemmWeights {
         operands,
@@ -79,6 +80,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         k,
         codes,
         scales,
+        group_scales: Vec::new(),
         relayout: false,
     }
 }

@@ -18,8 +18,16 @@ const DIMS: Dims = Dims {
 };
 const TOKENS: usize = 16;
 const TOP_K: usize = 2;
-/// The recipes the GPU layer serves.
-const ON_GPU: [&str; 4] = ["bf16", "fp8_per_tensor", "fp8_block128", "int8_per_row"];
+/// The recipes the GPU layer serves (every standard one).
+const ON_GPU: [&str; 7] = [
+    "bf16",
+    "fp8_per_tensor",
+    "fp8_block128",
+    "nvfp4_cutedsl",
+    "mxfp4",
+    "int8_per_row",
+    "int4_g128",
+];
 
 /// SPEC §9 in f64 with the checkpoint's weights: `output [T, H]`.
 fn reference(w13: &[f32], w2: &[f32], x: &[f32], ids: &[i32], wts: &[f32]) -> Vec<f64> {

@@ -151,14 +151,15 @@ fn declared_scalings(
     if operands == Operands::Bf16 {
         return Ok(vec![weight]);
     }
-    // Int8 weights take bf16 activations (W8A16): no activation scale.
-    if operands == Operands::I8Bf16 {
+    // Int8 and 4-bit weights take bf16 activations (W8A16, W4A16): no activation scale.
+    if operands.register_a() {
         let act = info.activation();
         return if info.activation_scales(gemm).is_empty() {
             Ok(vec![weight])
         } else {
             Err(format!(
-                "int8 weights with {} activations (`activation {}`; the int8 GEMM takes bf16)",
+                "{} weights with {} activations (`activation {}`; the weights-only GEMMs take bf16)",
+                operands.name(),
                 act.dtype(),
                 act.text(info.module())
             ))
@@ -244,6 +245,15 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             dsl::ir::DType::I8 => weight_scale(info, name, e, n, k)
                 .filter(|(_, s)| *s == Scaling::PerRow)
                 .map(|(p, s)| (Operands::I8Bf16, s, Some(p))),
+            // W4A16: E2M1 or u4 codes with group scales (NVFP4, MXFP4, symmetric INT4), the
+            // format from the input's quantization; the kernel takes the group scales laid out
+            // `[E, K / group, N]` (the layer writes them from the recipe's scale param).
+            dsl::ir::DType::E2m1 | dsl::ir::DType::U4 => info.quantization_of(gemm).and_then(|q| {
+                let w4 = crate::moe_gpu_w4::format(q.scheme).ok()?;
+                let fits = k % 32 == 0 && (n * i128::from(w4.scale.bytes())) % 16 == 0;
+                let scales = module.tensor(q.scales?.param)?.name.clone();
+                fits.then_some((Operands::W4Bf16(w4), Scaling::PerExpert, Some(scales)))
+            }),
             _ => None,
         };
         let Some((operands, scaling, scale_param)) = family else {
@@ -252,8 +262,8 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                     " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
                 }
                 dsl::ir::DType::I8 => " without a registered f32 weight scale of shape [E, N]",
-                dsl::ir::DType::U4 => {
-                    " (group-wise INT4, W4A16: packed and dequantized on the host, `gemm_int4` is its reference; no GPU kernel)"
+                dsl::ir::DType::U4 | dsl::ir::DType::E2m1 => {
+                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two, K a multiple of 32 and N of 16)"
                 }
                 _ => "",
             };

@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 
 use crate::codegen::gemm::act_quant::scales_group_major;
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
-use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use crate::codegen::gemm::ws::{GroupScale, Operands, OutTy, Scaling, W4Codes, WsConfig, W4};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::{drv, Device};
 use crate::selftest_util::Rng;
@@ -46,8 +46,8 @@ pub(crate) fn cases(rng: &mut Rng, quick: bool) -> Vec<Case> {
         Case {
             what: "skewed routing, N and K off the tiles",
             rows: skew,
-            n: 392,
-            k: 1040,
+            n: 400,
+            k: 1056,
         },
         Case {
             what: "M = 1 (qwen3-30b-a3b w13)",
@@ -161,7 +161,72 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             split_k: 2,
             ..v(e, Scaling::Block128, OutTy::Bf16, 1, 32, 8, true)
         },
+        // 4-bit weights as register-sourced A (W4A16, decode): NVFP4's, MXFP4's and INT4 g128's
+        // codes and scales.
+        v(
+            W4_FORMATS[0],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            16,
+            8,
+            true,
+        ),
+        v(W4_FORMATS[1], Scaling::PerExpert, OutTy::F32, 1, 8, 8, true),
+        v(
+            W4_FORMATS[2],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            64,
+            6,
+            true,
+        ),
     ]
+}
+
+/// The 4-bit weight formats of the standard recipes: NVFP4 (E2M1, E4M3 per 16), MXFP4 (E2M1, E8M0
+/// per 32), INT4 g128 (U4, bf16 per 128).
+pub(crate) const W4_FORMATS: [Operands; 3] = [
+    Operands::W4Bf16(W4 {
+        codes: W4Codes::E2m1,
+        scale: GroupScale::E4m3,
+        group: 16,
+    }),
+    Operands::W4Bf16(W4 {
+        codes: W4Codes::E2m1,
+        scale: GroupScale::E8m0,
+        group: 32,
+    }),
+    Operands::W4Bf16(W4 {
+        codes: W4Codes::U4,
+        scale: GroupScale::Bf16,
+        group: 128,
+    }),
+];
+
+/// Random group scales of a 4-bit format, `[E, K / group, N]` bytes: E4M3 of either sign with
+/// subnormals and zero (NaN excluded), E8M0 in `[100, 128]` (with zeros), positive bf16 in
+/// `[2^-9, 2^-1)`.
+fn group_scales(rng: &mut Rng, w: W4, len: usize) -> Vec<u8> {
+    match w.scale {
+        GroupScale::E4m3 => (0..len).map(|_| e4m3_code(rng)).collect(),
+        GroupScale::E8m0 => (0..len)
+            .map(|_| {
+                if rng.below(50) == 0 {
+                    0
+                } else {
+                    100 + rng.below(29) as u8
+                }
+            })
+            .collect(),
+        GroupScale::Bf16 => (0..len)
+            .flat_map(|_| {
+                let v = (2f32).powf(-9.0 + 8.0 * (rng.below(1 << 20) as f32 / (1 << 20) as f32));
+                reference::bf16_from_f32(v).to_le_bytes()
+            })
+            .collect(),
+    }
 }
 
 /// A random e4m3 code that is not NaN (`0x7f`, `0xff`).
@@ -215,6 +280,7 @@ fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f
         Scaling::Tensorwise { per_token: false } => (v(1), v(e)),
         Scaling::Block128 => (v(t * kb), v(e * nb * kb)),
         Scaling::PerRow => (vec![], v(e * cfg.n as usize)),
+        Scaling::PerExpert => (vec![], v(e)),
     }
 }
 
@@ -227,6 +293,8 @@ struct Operand<'a> {
     x_scale: Vec<f32>,
     /// `[E]` or `[E, NB, KB]`.
     w_scale: Vec<f32>,
+    /// 4-bit weights' group scales `[E, K / group, N]` (bytes).
+    group_scales: Vec<u8>,
 }
 
 /// The reference rows `rows` (global row indices, with their experts) of the case.
@@ -276,14 +344,7 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                         }
                         (Operands::I8Bf16, _) => {
                             // Int8 codes times the row scale, against bf16 activations (f64).
-                            let xs: Vec<f64> = op.x[2 * r * k..2 * (r + 1) * k]
-                                .chunks(2)
-                                .map(|c| {
-                                    f64::from(f32::from_bits(
-                                        u32::from(u16::from_le_bytes([c[0], c[1]])) << 16,
-                                    ))
-                                })
-                                .collect();
+                            let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
                             Ok((0..n)
                                 .map(|j| {
                                     let row = &op.w[wr.start + j * k..wr.start + (j + 1) * k];
@@ -293,6 +354,36 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                         .map(|(&c, &x)| f64::from(c as i8) * x)
                                         .sum();
                                     dot * f64::from(op.w_scale[e * n + j])
+                                })
+                                .collect())
+                        }
+                        (Operands::W4Bf16(w4), _) => {
+                            let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
+                            let groups = k.div_ceil(w4.group as usize);
+                            let sb = w4.scale.bytes() as usize;
+                            Ok((0..n)
+                                .map(|j| {
+                                    let row = (e * n + j) * (k / 2);
+                                    let dot: f64 = xs
+                                        .iter()
+                                        .enumerate()
+                                        .map(|(kk, &x)| {
+                                            let code = (op.w[row + kk / 2] >> (4 * (kk % 2))) & 0xF;
+                                            let at = ((e * groups + kk / w4.group as usize) * n
+                                                + j)
+                                                * sb;
+                                            let sc = if sb == 2 {
+                                                u16::from_le_bytes([
+                                                    op.group_scales[at],
+                                                    op.group_scales[at + 1],
+                                                ])
+                                            } else {
+                                                u16::from(op.group_scales[at])
+                                            };
+                                            reference::w4_weight(w4, code, sc) * x
+                                        })
+                                        .sum();
+                                    dot * f64::from(op.w_scale[e])
                                 })
                                 .collect())
                         }
@@ -324,6 +415,13 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
         }
     }
     Ok(out)
+}
+
+/// A row of bf16 bytes as f64.
+fn bf16_row(b: &[u8]) -> Vec<f64> {
+    b.chunks(2)
+        .map(|c| f64::from(reference::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))))
+        .collect()
 }
 
 /// Which rows to compare: all of them when the case is small, else each expert's first and last
@@ -382,12 +480,14 @@ fn run_one(
             w: &data.w16,
             x_scale,
             w_scale,
+            group_scales: Vec::new(),
         },
         Operands::E4m3 => Operand {
             x: &data.x8,
             w: &data.w8,
             x_scale,
             w_scale,
+            group_scales: Vec::new(),
         },
         // bf16 activations, the e4m3 codes' bytes as int8 codes (every byte is one).
         Operands::I8Bf16 => Operand {
@@ -395,6 +495,20 @@ fn run_one(
             w: &data.w8,
             x_scale,
             w_scale,
+            group_scales: Vec::new(),
+        },
+        // bf16 activations, the first half of the e4m3 bytes as two 4-bit codes each (every
+        // nibble is an E2M1 or U4 code), random group scales.
+        Operands::W4Bf16(w4) => Operand {
+            x: &data.x16,
+            w: &data.w8[..e * n * k / 2],
+            x_scale,
+            w_scale,
+            group_scales: group_scales(
+                rng,
+                w4,
+                e * k.div_ceil(w4.group as usize) * n * w4.scale.bytes() as usize,
+            ),
         },
     };
     let mut starts = vec![0usize];
@@ -422,6 +536,11 @@ fn run_one(
     } else {
         Some(upload(dev, &op.w_scale)?)
     };
+    let dgs = if op.group_scales.is_empty() {
+        None
+    } else {
+        Some(upload(dev, &op.group_scales)?)
+    };
     let ob = cfg.out.bytes() as usize;
     // NaN poison: 0xff bytes are NaN in f32 and bf16.
     let mut dy = upload(dev, &vec![0xffu8; t * n * ob])?;
@@ -431,6 +550,7 @@ fn run_one(
         offsets: &doff,
         x_scale: dxs.as_ref(),
         w_scale: dws.as_ref(),
+        group_scales: dgs.as_ref(),
         t,
         experts: e,
     };
@@ -540,9 +660,9 @@ pub fn selftest(
     Ok((out, all))
 }
 
-/// A figure, not a test: W8A16 against bf16 weights in the decode form on a DeepSeek-V3 EP8 w13
+/// A figure, not a test: W8A16 and W4A16 (NVFP4, MXFP4, INT4 g128) against bf16 weights in the decode form on a DeepSeek-V3 EP8 w13
 /// shape (32 experts of N = 4096, K = 7168, one token each), the kernels' times by CUDA events
-/// (20 launches after a warm-up) and the weight bytes streamed per second.
+/// (20 launches after a warm-up) and the weight bytes (codes and group scales) streamed per second.
 fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Result<String> {
     let (e, n, k) = (32usize, 4096usize, 7168usize);
     let t = e;
@@ -551,10 +671,14 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
     let dx = upload(dev, &vec![0x3fu8; t * k * 2])?;
     let dws = upload(dev, &vec![1.0f32 / 64.0; e * n])?;
     let mut out = String::new();
+    let dwe = upload(dev, &vec![1.0f32 / 64.0; e])?;
     for (operands, scaling, bn) in [
         (Operands::Bf16, Scaling::None, 8u32),
         (Operands::I8Bf16, Scaling::PerRow, 8),
         (Operands::I8Bf16, Scaling::PerRow, 16),
+        (W4_FORMATS[0], Scaling::PerExpert, 8),
+        (W4_FORMATS[1], Scaling::PerExpert, 8),
+        (W4_FORMATS[2], Scaling::PerExpert, 8),
     ] {
         let cfg = WsConfig {
             operands,
@@ -568,8 +692,18 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             n: n as u32,
             k: k as u32,
         };
-        let wbytes = e * n * k * operands.w_bytes() as usize;
+        let wbytes = e * n * k * operands.w_bits() as usize / 8;
         let dw = upload(dev, &vec![0x11u8; wbytes])?;
+        // 4-bit weights: their group scales (0x3c: an E4M3 1.5, E8M0 2^-67, bf16 pairs of 2^-7),
+        // counted in the bytes streamed.
+        let dgs = match operands {
+            Operands::W4Bf16(w4) => Some(upload(
+                dev,
+                &vec![0x3cu8; e * k.div_ceil(w4.group as usize) * n * w4.scale.bytes() as usize],
+            )?),
+            _ => None,
+        };
+        let wbytes = wbytes + dgs.as_ref().map_or(0, |g| g.len());
         let gemm =
             GroupedGemm::load_cached(dev, &cfg, &crate::runtime::Cache::new(None), compiler)?;
         let mut dy = upload(dev, &vec![0u8; t * n * 2])?;
@@ -578,7 +712,12 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             w: &dw,
             offsets: &doff,
             x_scale: None,
-            w_scale: (scaling == Scaling::PerRow).then_some(&dws),
+            w_scale: match scaling {
+                Scaling::PerRow => Some(&dws),
+                Scaling::PerExpert => Some(&dwe),
+                _ => None,
+            },
+            group_scales: dgs.as_ref(),
             t,
             experts: e,
         };

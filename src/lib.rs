@@ -34,6 +34,7 @@ pub mod layout_gen;
 pub mod moe_gpu;
 pub mod moe_gpu_check;
 pub mod moe_gpu_layer;
+mod moe_gpu_w4;
 pub mod moe_host;
 pub mod moe_kernels_check;
 pub mod moe_run;

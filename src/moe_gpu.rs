@@ -50,8 +50,12 @@ pub struct GemmWeights {
     pub k: usize,
     /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian or E4M3 bytes).
     pub codes: Vec<u8>,
-    /// The weight scales in the GEMM's layout (empty without scaling).
+    /// The weight scales in the GEMM's layout (empty without scaling); 4-bit weights: one
+    /// factor per slot.
     pub scales: Vec<f32>,
+    /// 4-bit weights' group scales, `[slots, K / group, N]` (E4M3 or E8M0 bytes, or bf16);
+    /// empty for other operands.
+    pub group_scales: Vec<u8>,
     /// Whether the codes differ from the stored param's bytes (a recipe that stores another row
     /// order or layout): the operand is then a re-laid-out copy.
     pub relayout: bool,
@@ -146,6 +150,26 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         // Int8 codes with a per-row scale, bf16 activations: W8A16, the weights dequantized into
         // the GEMM's register-sourced A operand.
         (Some(QuantScheme::Int8Row), Feed::Bf16) => (Operands::I8Bf16, Scaling::PerRow),
+        // 4-bit codes with group scales, bf16 activations: W4A16 (`moe_gpu_w4`).
+        (
+            Some(QuantScheme::Nvfp4 { .. } | QuantScheme::Mxfp4 | QuantScheme::Int4 { .. }),
+            Feed::Bf16,
+        ) => {
+            let w4 = crate::moe_gpu_w4::operand(&l)
+                .map_err(|why| unsupported(info, format!("`{name}`: {why}")))?;
+            let relayout = stored_bytes(info, name, layer.params) != Some(w4.codes.as_slice());
+            return Ok(GemmWeights {
+                operands: w4.operands,
+                scaling: Scaling::PerExpert,
+                slots,
+                n,
+                k,
+                codes: w4.codes,
+                scales: w4.factors,
+                group_scales: w4.group_scales,
+                relayout,
+            });
+        }
         (
             Some(
                 QuantScheme::Nvfp4 { .. }
@@ -158,8 +182,9 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             return Err(unsupported(
                 info,
                 format!(
-                    "`{name}` is weights-only quantized ({}); the GPU GEMM that dequantizes such weights inside the kernel (issue [8]) is built for int8 per-row weights only (use --device host)",
-                    scheme.map(|s| format!("{s:?}")).unwrap_or_default()
+                    "`{name}` is weights-only quantized ({}) and fed as `{}`; the GPU GEMMs that dequantize such weights take bf16 activations",
+                    scheme.map(|s| format!("{s:?}")).unwrap_or_default(),
+                    feed.describe()
                 ),
             ))
         }
@@ -179,7 +204,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     for &c in &l.codes {
         match operands {
             Operands::Bf16 => codes.extend_from_slice(&(c as u16).to_le_bytes()),
-            Operands::E4m3 | Operands::I8Bf16 => codes.push(c as u8),
+            Operands::E4m3 | Operands::I8Bf16 | Operands::W4Bf16(_) => codes.push(c as u8),
         }
     }
     let per_expert = n * k;
@@ -193,6 +218,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
                 format!("`{name}`: slot {e}'s elements do not share one scale"),
             )
         })?,
+        Scaling::PerExpert => Vec::new(),
         Scaling::PerRow => shared_scales(&l.scales, k, slots * n).map_err(|r| {
             unsupported(
                 info,
@@ -233,6 +259,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         k,
         codes,
         scales,
+        group_scales: Vec::new(),
         relayout,
     })
 }

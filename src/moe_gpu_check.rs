@@ -47,6 +47,8 @@ pub(crate) struct Dims {
 
 /// The self-test's layer.
 const DIMS: Dims = Dims { e: E, h: H, i: I };
+/// The 4-bit recipes' layer (I a multiple of 128).
+const DIMS4: Dims = Dims { e: E, h: H, i: 384 };
 
 type Tensor = (Dtype, Vec<usize>, Vec<u8>);
 
@@ -225,7 +227,7 @@ pub(crate) fn rel_frobenius(got: &[f32], want: &[f64]) -> f64 {
 
 /// The packed `w2` read back in f64, `[E, H, I]` in the input's coordinates (logical expert `e`
 /// is slot `e` of the unplaced file).
-fn logical_w2(packed: &Path, src: &str, path: &str) -> Result<Vec<f64>> {
+fn logical_w2(packed: &Path, src: &str, path: &str, d: Dims) -> Result<Vec<f64>> {
     let bytes = std::fs::read(packed).map_err(|e| Error::Io {
         path: packed.display().to_string(),
         source: e,
@@ -241,7 +243,7 @@ fn logical_w2(packed: &Path, src: &str, path: &str) -> Result<Vec<f64>> {
                 .map(|p| (p.to_string(), v.data().to_vec()))
         })
         .collect();
-    let info = crate::verify_source(src, path, Some(&format!("E={E},H={H},I={I}")))?;
+    let info = crate::verify_source(src, path, Some(&format!("E={},H={},I={}", d.e, d.h, d.i)))?;
     let l = crate::dequant::logical(&info, "w2", &params).ok_or_else(|| {
         Error::Checkpoint(format!("{}: w2 cannot be read back", packed.display()))
     })?;
@@ -291,15 +293,17 @@ fn second_gemm(
     weights: &[f32],
     t: usize,
     k: usize,
+    d: Dims,
 ) -> Vec<f64> {
-    let mut out = vec![0f64; t * H];
+    let (e_all, h, i) = (d.e, d.h, d.i);
+    let mut out = vec![0f64; t * h];
     for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
-        let e = usize::try_from(e).unwrap_or(0).min(E - 1);
-        let a = &act[p * I..(p + 1) * I];
-        for c in 0..H {
-            let row = &w2[(e * H + c) * I..(e * H + c + 1) * I];
+        let e = usize::try_from(e).unwrap_or(0).min(e_all - 1);
+        let a = &act[p * i..(p + 1) * i];
+        for c in 0..h {
+            let row = &w2[(e * h + c) * i..(e * h + c + 1) * i];
             let v: f64 = row.iter().zip(a).map(|(w, x)| w * f64::from(*x)).sum();
-            out[(p / k) * H + c] += f64::from(w) * v;
+            out[(p / k) * h + c] += f64::from(w) * v;
         }
     }
     out
@@ -314,7 +318,11 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
     };
     let seed = fresh_seed();
     let mut rng = Rng(seed);
-    let _ = writeln!(out, "moe layer seed {seed:#x} (E = {E}, H = {H}, I = {I})");
+    let _ = writeln!(
+        out,
+        "moe layer seed {seed:#x} (E = {E}, H = {H}, I = {I}; the 4-bit recipes I = {})",
+        DIMS4.i
+    );
     let dir = tempfile::tempdir().map_err(|e| Error::Io {
         path: "a temporary folder".into(),
         source: e,
@@ -329,6 +337,10 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("fp8_block128", false),
         // Weights-only: int8 codes with per-row scales, bf16 activations (W8A16).
         ("int8_per_row", false),
+        // Weights-only 4-bit codes with group scales, bf16 activations (W4A16).
+        ("nvfp4_cutedsl", false),
+        ("mxfp4", false),
+        ("int4_g128", false),
     ];
     let cases: [(usize, usize, Routing); 5] = [
         (1, 8, Routing::Uniform),
@@ -356,16 +368,22 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
     };
     for (ri, (recipe, scales)) in recipes.iter().enumerate() {
         let ck = d.join(format!("ckpt{ri}.safetensors"));
-        checkpoint(&mut rng, &ck, *scales, DIMS)?;
+        // The 4-bit recipes bind I as a multiple of 128 (their groups, nvfp4_cutedsl's interleave).
+        let dims = if matches!(*recipe, "nvfp4_cutedsl" | "mxfp4" | "int4_g128") {
+            DIMS4
+        } else {
+            DIMS
+        };
+        checkpoint(&mut rng, &ck, *scales, dims)?;
         let packed = d.join(format!("{recipe}{ri}.safetensors"));
         let r = crate::kernels::find(recipe)
             .ok_or_else(|| Error::Usage(format!("no standard recipe `{recipe}`")))?;
         pack_on_host(r, &ck, &packed, settings)?;
-        let w2 = logical_w2(&packed, r.source, r.path)?;
+        let w2 = logical_w2(&packed, r.source, r.path, dims)?;
         for (ci, &(t, k, routing)) in cases.iter().enumerate() {
             let placed = ci == 2;
             let inp = d.join(format!("in{ri}_{ci}.safetensors"));
-            inputs(&mut rng, &inp, t, k, routing, DIMS)?;
+            inputs(&mut rng, &inp, t, k, routing, dims)?;
             let run = |device: Device| -> Result<BTreeMap<String, Vec<f32>>> {
                 let output = d.join(format!("out{ri}_{ci}_{device:?}.safetensors"));
                 moe_run::run(&RunOptions {
@@ -399,7 +417,10 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             let mut line = String::new();
             let mut good = true;
             // bf16 activations all the way: the act and the output compare with the host's too.
-            let bf16_feed = matches!(*recipe, "bf16" | "int8_per_row");
+            let bf16_feed = matches!(
+                *recipe,
+                "bf16" | "int8_per_row" | "nvfp4_cutedsl" | "mxfp4" | "int4_g128"
+            );
             for (name, bound) in [
                 ("w13_out", Some(2e-3)),
                 ("act", bf16_feed.then_some(1e-2)),
@@ -422,7 +443,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             match (gpu.get("act"), gpu.get("output")) {
                 (Some(act), Some(o)) => {
                     let (ids, weights) = read_routing(&inp)?;
-                    let want = second_gemm(&w2, act, &ids, &weights, t, k);
+                    let want = second_gemm(&w2, act, &ids, &weights, t, k, dims);
                     let e = rel_frobenius(o, &want);
                     good &= e <= 1e-2;
                     let _ = write!(line, "; output vs f64 of its act {e:.2e}");

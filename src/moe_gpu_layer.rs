@@ -48,6 +48,8 @@ struct DevWeights {
     k: u32,
     w: CudaSlice<u8>,
     scale: Option<CudaSlice<f32>>,
+    /// 4-bit weights' group scales.
+    group_scales: Option<CudaSlice<u8>>,
 }
 
 impl DevWeights {
@@ -70,6 +72,15 @@ impl DevWeights {
                 Some(
                     dev.stream
                         .clone_htod(&g.scales)
+                        .map_err(drv("cuMemcpyHtoD"))?,
+                )
+            },
+            group_scales: if g.group_scales.is_empty() {
+                None
+            } else {
+                Some(
+                    dev.stream
+                        .clone_htod(&g.group_scales)
                         .map_err(drv("cuMemcpyHtoD"))?,
                 )
             },
@@ -476,7 +487,10 @@ impl GpuLayer {
             if !matches!(self.feed13, Feed13::Bf16) {
                 mark("quantize x")?;
             }
-            let scaled13 = !matches!(self.w13.scaling, Scaling::None | Scaling::PerRow);
+            let scaled13 = !matches!(
+                self.w13.scaling,
+                Scaling::None | Scaling::PerRow | Scaling::PerExpert
+            );
             let g13 = self
                 .gemms
                 .get(&c13)
@@ -489,6 +503,7 @@ impl GpuLayer {
                     offsets: &s.offsets,
                     x_scale: scaled13.then_some(&s.s13),
                     w_scale: self.w13.scale.as_ref(),
+                    group_scales: self.w13.group_scales.as_ref(),
                     t: n,
                     experts: r,
                 },
@@ -505,7 +520,10 @@ impl GpuLayer {
             };
             self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
             mark("silu * up")?;
-            let scaled2 = !matches!(self.w2.scaling, Scaling::None | Scaling::PerRow);
+            let scaled2 = !matches!(
+                self.w2.scaling,
+                Scaling::None | Scaling::PerRow | Scaling::PerExpert
+            );
             let g2 = self
                 .gemms
                 .get(&c2)
@@ -518,6 +536,7 @@ impl GpuLayer {
                     offsets: &s.offsets,
                     x_scale: scaled2.then_some(&s.s2),
                     w_scale: self.w2.scale.as_ref(),
+                    group_scales: self.w2.group_scales.as_ref(),
                     t: n,
                     experts: r,
                 },
@@ -576,9 +595,13 @@ impl GpuLayer {
                     x,
                     w: &w.w,
                     offsets: &s.offsets,
-                    x_scale: (!matches!(w.scaling, Scaling::None | Scaling::PerRow))
-                        .then_some(x_scale),
+                    x_scale: (!matches!(
+                        w.scaling,
+                        Scaling::None | Scaling::PerRow | Scaling::PerExpert
+                    ))
+                    .then_some(x_scale),
                     w_scale: w.scale.as_ref(),
+                    group_scales: w.group_scales.as_ref(),
                     t: n,
                     experts: r,
                 };

@@ -32,13 +32,17 @@ const MODELS: [(&str, &str); 2] = [
 
 /// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
 /// (tensorwise and 128x128 block scales) at the first.
-const GOLDENS: [(&str, &str, &str); 5] = [
+const GOLDENS: [(&str, &str, &str); 8] = [
     ("bf16", MODELS[0].0, MODELS[0].1),
     ("bf16", MODELS[1].0, MODELS[1].1),
     ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
     ("fp8_block128", MODELS[0].0, MODELS[0].1),
     // W8A16: the decode form only (register-sourced A).
     ("int8_per_row", MODELS[0].0, MODELS[0].1),
+    // W4A16: NVFP4, MXFP4 and INT4 g128 codes with their group scales, decode only.
+    ("nvfp4_cutedsl", MODELS[0].0, MODELS[0].1),
+    ("mxfp4", MODELS[0].0, MODELS[0].1),
+    ("int4_g128", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -319,9 +323,10 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
                     Scaling::Tensorwise { .. } => "tensorwise",
                     Scaling::Block128 => "block128",
                     Scaling::PerRow => "per_row",
+                    Scaling::PerExpert => "per_expert",
                 };
-                // Int8 weights: the decode form only.
-                assert!(c.scaling != Scaling::PerRow || c.swap_ab);
+                // Int8 and 4-bit weights: the decode form only.
+                assert!(!c.operands.register_a() || c.swap_ab);
                 covered.insert((family, c.swap_ab));
             }
         }
@@ -430,17 +435,31 @@ fn the_sass_of_the_bf16_variants_holds_hgmma_and_tma_loads() {
     );
 }
 
-/// W8A16: every int8 entry holds bf16 HGMMAs whose A comes from registers (the SASS names the
-/// register; a descriptor A is `gdesc`), at each decode tile width, and the TMA loads.
+/// W8A16 and W4A16: every int8 and 4-bit entry holds bf16 HGMMAs whose A comes from registers
+/// (the SASS names the register; a descriptor A is `gdesc`), at each decode tile width, and the
+/// TMA loads.
 #[test]
-fn the_sass_of_the_int8_variants_holds_register_a_hgmma() {
-    let Some(sass) = sass_of("int8_per_row", MODELS[0].0) else {
+fn the_sass_of_the_weights_only_variants_holds_register_a_hgmma() {
+    for (recipe, prefix) in [
+        ("int8_per_row", "i8wr_"),
+        ("nvfp4_cutedsl", "f4eg16x_"),
+        ("mxfp4", "f4mg32x_"),
+        ("int4_g128", "u4bg128x_"),
+    ] {
+        register_a_sass(recipe, prefix);
+    }
+}
+
+fn register_a_sass(recipe: &str, prefix: &str) {
+    let Some(sass) = sass_of(recipe, MODELS[0].0) else {
         return;
     };
-    let entries = recipe_plan("int8_per_row", MODELS[0].1).variants.len();
+    let entries = recipe_plan(recipe, MODELS[0].1).variants.len();
     assert_eq!(
-        sass.matches("Function : moeforge_gemm_i8wr_").count(),
-        entries
+        sass.matches(&format!("Function : moeforge_gemm_{prefix}"))
+            .count(),
+        entries,
+        "{recipe}"
     );
     for n in [64, 32, 16, 8] {
         let m = format!("HGMMA.64x{n}x16.F32.BF16");
@@ -598,15 +617,23 @@ fn compile_cli_gemm_and_all_for_the_fp8_recipes() {
 #[test]
 fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
     let bind = MODELS[0].1;
-    // What `check` accepts and `pack` packs but no GEMM serves yet: `compile --kernels gemm` says so by
-    // name, `all` still writes the pack kernels.
-    for (recipe, want) in [
-        ("mxfp4", "no GEMM variant for e2m1 weights yet (issue [7])"),
-        (
-            "int4_g128",
-            "no GEMM variant for u4 weights (group-wise INT4, W4A16",
-        ),
-    ] {
+    // What `check` accepts and `pack` packs but no GEMM serves: `compile --kernels gemm` says so
+    // by name, `all` still writes the pack kernels. (Every standard recipe has its variants: here,
+    // group-wise INT4 in groups of 8, shorter than the W4A16 kernel's k16 step.)
+    let dir = tempfile::tempdir().unwrap();
+    let g8 = dir.path().join("int4_g8.recipe");
+    let src = moeforge::kernels::find("int4_g128")
+        .unwrap()
+        .source
+        .replace("recipe int4_g128", "recipe int4_g8")
+        .replace("group = 128", "group = 8")
+        .replace("/128]", "/8]");
+    std::fs::write(&g8, src).unwrap();
+    let (recipe, want) = (
+        g8.to_str().unwrap(),
+        "no GEMM variant for u4 weights (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two",
+    );
+    {
         assert_eq!(
             run(&["check", recipe, "--bind", bind]).0,
             Some(0),

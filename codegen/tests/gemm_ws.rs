@@ -647,27 +647,37 @@ fn check_structure(c: &WsConfig, text: &str) {
     } else {
         0
     };
-    assert_eq!(c.scale_tx_bytes(), block_tx, "{tag}");
+    // 4-bit weights: the k-tile's group scales of the tile's 64 rows, one 3-D box.
+    let group_tx = c.group_scale_bytes();
+    assert_eq!(c.scale_tx_bytes(), block_tx + group_tx, "{tag}");
     assert!(
-        text.lines()
-            .any(|l| l.contains("expect_tx")
-                && l.ends_with(&format!("], {};", c.tx_bytes() + block_tx))),
+        text.lines().any(|l| l.contains("expect_tx")
+            && l.ends_with(&format!("], {};", c.tx_bytes() + block_tx + group_tx))),
         "{tag}"
     );
     let scale_loads = if block_tx > 0 { 2 } else { 0 };
+    let group_loads = usize::from(group_tx > 0);
     assert_eq!(
         count(text, "cp.async.bulk.tensor.1d."),
         scale_loads,
         "{tag}"
     );
     assert_eq!(count(text, "cp.async.bulk.tensor.2d."), 1, "{tag}");
-    assert_eq!(count(text, "cp.async.bulk.tensor.3d."), 1, "{tag}");
     assert_eq!(
-        count(text, "cp.async.bulk.tensor"),
-        2 + scale_loads,
+        count(text, "cp.async.bulk.tensor.3d."),
+        1 + group_loads,
         "{tag}"
     );
-    assert_eq!(count(text, "prefetch.tensormap"), 2 + scale_loads, "{tag}");
+    assert_eq!(
+        count(text, "cp.async.bulk.tensor"),
+        2 + scale_loads + group_loads,
+        "{tag}"
+    );
+    assert_eq!(
+        count(text, "prefetch.tensormap"),
+        2 + scale_loads + group_loads,
+        "{tag}"
+    );
     assert_eq!(
         count(text, "cp.async.ca") + count(text, "cp.async.mbarrier"),
         0,
@@ -676,7 +686,9 @@ fn check_structure(c: &WsConfig, text: &str) {
     assert!(c.full_arrivals() == 1, "{tag}");
     // The MMA atom: four wgmmas of BN columns per 128-byte k-tile.
     let shape = match c.operands {
-        Operands::Bf16 | Operands::I8Bf16 => format!("m64n{}k16.f32.bf16.bf16", c.bn),
+        Operands::Bf16 | Operands::I8Bf16 | Operands::W4Bf16(_) => {
+            format!("m64n{}k16.f32.bf16.bf16", c.bn)
+        }
         Operands::E4m3 => format!("m64n{}k32.f32.e4m3.e4m3", c.bn),
     };
     // Block-scaled with one consumer: two slice accumulators, so the k loop is unrolled by two.
@@ -743,6 +755,8 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::Tensorwise { per_token: true } => 1 + token_classes,
         // One row scale per A-side half.
         Scaling::PerRow => 2,
+        // The expert's factor.
+        Scaling::PerExpert => 1,
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
@@ -946,6 +960,163 @@ fn split_k_ranges_cover_the_k_tiles_once_and_are_refused_where_they_cannot_run()
     ] {
         let msg = refused(&c);
         assert!(msg.contains(why), "{msg}");
+    }
+}
+
+/// 4-bit weights (W4A16, decode) in the standard recipes' three formats: the weights are wgmma's
+/// A from registers, each k-tile's two rows of 32 code bytes per thread loaded as four 16-byte
+/// words, the group scales from the stage; the structure of its configuration; ptxas assembles it
+/// with no spill and no serialization. Other pairings are refused by name.
+#[test]
+fn four_bit_weights_feed_register_a_and_assemble() {
+    use ws::{GroupScale, W4Codes, W4};
+    for (w, bn, stages) in [
+        (
+            W4 {
+                codes: W4Codes::E2m1,
+                scale: GroupScale::E4m3,
+                group: 16,
+            },
+            8u32,
+            8u32,
+        ),
+        (
+            W4 {
+                codes: W4Codes::E2m1,
+                scale: GroupScale::E8m0,
+                group: 32,
+            },
+            16,
+            8,
+        ),
+        (
+            W4 {
+                codes: W4Codes::U4,
+                scale: GroupScale::Bf16,
+                group: 128,
+            },
+            64,
+            6,
+        ),
+    ] {
+        let c = WsConfig {
+            operands: Operands::W4Bf16(w),
+            scaling: Scaling::PerExpert,
+            out: OutTy::Bf16,
+            consumers: 1,
+            bn,
+            stages,
+            swap_ab: true,
+            split_k: 1,
+            n: 4096,
+            k: 7168,
+        };
+        assert_eq!(c.a_stage_bytes(), 64 * 32, "64 rows of 64 4-bit codes");
+        assert_eq!(
+            c.group_scale_bytes(),
+            64 * w.scale.bytes() * 64u32.div_ceil(w.group)
+        );
+        let text = ws::grouped_ws_module("moeforge_gemm_w4", &c).unwrap();
+        check_structure(&c, &text);
+        let rs = text
+            .lines()
+            .filter(|l| l.contains("wgmma.mma_async") && l.contains("}, {%r"))
+            .count();
+        assert_eq!(rs, 4, "{text}");
+        assert_eq!(text.matches("ld.shared.v4.b32").count(), 4);
+        // Two scale words per group of the k-tile (rows r and r + 8).
+        let groups = 64u32.div_ceil(w.group) as usize;
+        assert_eq!(text.matches("ld.shared.u32").count(), 2 * groups);
+        // One bf16x2 multiply by the scale per A register (16), and the E4M3 scales' two.
+        let muls = 16
+            + if w.scale == GroupScale::E4m3 {
+                2 * groups
+            } else {
+                0
+            };
+        assert_eq!(text.matches("mul.rn.bf16x2").count(), muls, "{}", c.tag());
+        assert!(!text.contains("wgmma.wait_group.sync.aligned \t1;"));
+        if let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") {
+            let stem =
+                std::env::temp_dir().join(format!("moeforge_w4_{}_{bn}", std::process::id()));
+            let (src, cubin) = (stem.with_extension("ptx"), stem.with_extension("cubin"));
+            std::fs::write(&src, &text).unwrap();
+            let out = std::process::Command::new(ptxas)
+                .args(["-arch=sm_90a", "-O3", "-v"])
+                .arg(&src)
+                .arg("-o")
+                .arg(&cubin)
+                .output()
+                .unwrap();
+            let _ = (std::fs::remove_file(&src), std::fs::remove_file(&cubin));
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{log}");
+            assert!(!log.contains("serialized"), "{log}");
+            assert!(log.contains(" 0 bytes spill stores"), "{log}");
+        }
+    }
+    let ok = WsConfig {
+        operands: Operands::W4Bf16(W4 {
+            codes: W4Codes::E2m1,
+            scale: GroupScale::E4m3,
+            group: 16,
+        }),
+        scaling: Scaling::PerExpert,
+        out: OutTy::Bf16,
+        consumers: 1,
+        bn: 8,
+        stages: 8,
+        swap_ab: true,
+        split_k: 1,
+        n: 4096,
+        k: 7168,
+    };
+    for (c, why) in [
+        (
+            WsConfig {
+                swap_ab: false,
+                bn: 128,
+                ..ok
+            },
+            "decode form",
+        ),
+        (WsConfig { k: 7184, ..ok }, "K a multiple of 32"),
+        (WsConfig { n: 4104, ..ok }, "N of 16"),
+        (
+            WsConfig {
+                operands: Operands::W4Bf16(W4 {
+                    group: 24,
+                    ..W4 {
+                        codes: W4Codes::E2m1,
+                        scale: GroupScale::E4m3,
+                        group: 16,
+                    }
+                }),
+                ..ok
+            },
+            "a power of two",
+        ),
+        (
+            WsConfig {
+                operands: Operands::W4Bf16(W4 {
+                    codes: W4Codes::U4,
+                    scale: GroupScale::E4m3,
+                    group: 16,
+                }),
+                ..ok
+            },
+            "INT4 bf16",
+        ),
+        (
+            WsConfig {
+                scaling: Scaling::PerRow,
+                ..ok
+            },
+            "scaling PerRow",
+        ),
+    ] {
+        let msg = ws::grouped_ws_module("x", &c).unwrap_err().to_string();
+        assert!(msg.contains(why), "{why}: {msg}");
     }
 }
 

@@ -472,6 +472,7 @@ pub fn scaling_name(s: Scaling) -> &'static str {
         Scaling::Tensorwise { per_token: false } => "tensorwise",
         Scaling::Block128 => "block128",
         Scaling::PerRow => "per_row",
+        Scaling::PerExpert => "per_expert",
     }
 }
 
@@ -482,6 +483,7 @@ fn scaling_from(s: &str) -> Option<Scaling> {
         Scaling::Tensorwise { per_token: false },
         Scaling::Block128,
         Scaling::PerRow,
+        Scaling::PerExpert,
     ]
     .into_iter()
     .find(|x| scaling_name(*x) == s)

@@ -113,6 +113,8 @@ pub struct GemmOperands<'a> {
     pub x_scale: Option<&'a CudaSlice<f32>>,
     /// Weight scales: `[experts]` (tensorwise), `[experts, ceil(N/128), ceil(K/128)]` (block128).
     pub w_scale: Option<&'a CudaSlice<f32>>,
+    /// 4-bit weights' group scales, `[experts, K / group, N]` (E4M3 or E8M0 bytes, or bf16).
+    pub group_scales: Option<&'a CudaSlice<u8>>,
     /// Rows of X.
     pub t: usize,
     /// Experts.
@@ -256,10 +258,28 @@ impl GroupedGemm {
         if op.x.len() < t * k * eb {
             return Err(short("x", op.x.len(), t * k * eb));
         }
-        let wb = cfg.operands.w_bytes() as usize;
-        if op.w.len() < e * n * k * wb {
-            return Err(short("w", op.w.len(), e * n * k * wb));
+        let w_len = e * n * k * cfg.operands.w_bits() as usize / 8;
+        if op.w.len() < w_len {
+            return Err(short("w", op.w.len(), w_len));
         }
+        // 4-bit weights' group scales: `[experts, K / group, N]`.
+        let group_scales = match (cfg.operands, op.group_scales) {
+            (Operands::W4Bf16(w4), Some(gs)) => {
+                let groups = k.div_ceil(w4.group as usize);
+                let want = e * groups * n * w4.scale.bytes() as usize;
+                if gs.len() < want {
+                    return Err(short("group_scales", gs.len(), want));
+                }
+                Some((w4, groups, gs.device_ptr(&dev.stream).0))
+            }
+            (Operands::W4Bf16(_), None) => {
+                return Err(Error::Placement(format!(
+                    "grouped GEMM {}: `group_scales` is required",
+                    self.entry
+                )))
+            }
+            _ => None,
+        };
         if op.offsets.len() < e + 1 {
             return Err(short("offsets", op.offsets.len(), e + 1));
         }
@@ -273,6 +293,7 @@ impl GroupedGemm {
             Scaling::Tensorwise { per_token } => (if per_token { t } else { 1 }, e),
             Scaling::Block128 => (kb * t, e * nb * kb),
             Scaling::PerRow => (0, e * n),
+            Scaling::PerExpert => (0, e),
         };
         let scale = |s: Option<&CudaSlice<f32>>, what: &str, want: usize| -> Result<u64> {
             match s {
@@ -304,7 +325,7 @@ impl GroupedGemm {
             )));
         }
         let dtype = match cfg.operands {
-            Operands::Bf16 | Operands::I8Bf16 => WgmmaDtype::Bf16,
+            Operands::Bf16 | Operands::I8Bf16 | Operands::W4Bf16(_) => WgmmaDtype::Bf16,
             Operands::E4m3 => WgmmaDtype::E4m3,
         };
         // The TMA boxes: a tile's token rows of X and its weight rows of W.
@@ -313,14 +334,14 @@ impl GroupedGemm {
         let (wp, _ws) = op.w.device_ptr(&dev.stream);
         let px = TensorMapParams::k_major(dtype, Swizzle::B128, xp, t as u64, k as u64, x_rows)
             .map_err(map_err)?;
-        let pw = if cfg.operands == Operands::I8Bf16 {
-            // Int8 codes: boxes of a k-tile's bytes per row, unswizzled (the consumers read them
-            // with `ld.shared` into register fragments, not through a descriptor).
+        let pw = if cfg.operands.register_a() {
+            // Int8 or 4-bit codes: boxes of a k-tile's bytes per row, unswizzled (the consumers
+            // read them with `ld.shared` into register fragments, not through a descriptor).
             TensorMapParams::expert_rows_u8(
                 wp,
                 e as u64,
                 n as u64,
-                k as u64,
+                (k * cfg.operands.w_bits() as usize / 8) as u64,
                 cfg.a_row_bytes(),
                 w_rows,
             )
@@ -347,6 +368,18 @@ impl GroupedGemm {
             let pws = TensorMapParams::f32_vector(ws, want_w as u64, BLOCK_SCALE_W_BOX)
                 .map_err(map_err)?;
             (self.maps.get(&pxs)?, self.maps.get(&pws)?)
+        } else if let Some((w4, groups, gp)) = group_scales {
+            let pgs = TensorMapParams::expert_group_scales(
+                gp,
+                e as u64,
+                groups as u64,
+                n as u64,
+                w4.scale.bytes(),
+                w4.groups_per_ktile(),
+                w_rows,
+            )
+            .map_err(map_err)?;
+            (tmap_x, self.maps.get(&pgs)?)
         } else {
             (tmap_x, tmap_x)
         };
@@ -413,7 +446,8 @@ impl GroupedGemm {
         // launches, and launches of one `GroupedGemm` ordered on its stream: the buffers are
         // guarded by the lock until queued), and two more 128-byte maps). The maps describe `x`
         // ([t, K]) and `w` ([experts, N, K]), and with block scales `x_scale` ([KB * t]) and
-        // `w_scale` ([E * NB * KB]), whose sizes were checked; TMA reads only inside them
+        // `w_scale` ([E * NB * KB]), with 4-bit weights `group_scales` ([E, K / group, N]), whose
+        // sizes were checked; TMA reads only inside them
         // (out-of-bounds boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
         // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows
         // below `offsets[experts]`, columns below N, inside `y` by the caller's guarantee on the

@@ -16,6 +16,32 @@
 use crate::ptx::{BinOpcode, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
 
 use super::emit::{Emit as _, K};
+use super::ws::{GroupScale, W4Codes, W4};
+
+/// The per-thread constants of a register-A operand's fragments.
+pub(crate) enum RegA {
+    /// Int8 codes.
+    I8(I8Frag),
+    /// 4-bit codes with group scales.
+    W4(W4Frag),
+}
+
+/// The A registers of the four k16 steps of the k-tile whose A starts at shared address `a` (rows
+/// of `row_bytes`) and whose group scales (4-bit codes) start at `scales`.
+pub(crate) fn ktile_a_regs(
+    k: &mut K,
+    fr: &RegA,
+    a: Reg,
+    scales: Reg,
+    row_bytes: u32,
+) -> Vec<[Reg; 4]> {
+    match fr {
+        RegA::I8(f) => (0..4)
+            .map(|step| i8_a_regs(k, f, a, step, row_bytes))
+            .collect(),
+        RegA::W4(f) => w4_a_regs(k, f, a, scales),
+    }
+}
 
 /// Per-thread constants of the int8 fragment loads.
 pub(crate) struct I8Frag {
@@ -97,8 +123,229 @@ pub(crate) fn i8_a_regs(k: &mut K, fr: &I8Frag, a: Reg, step: u32, row_bytes: u3
     out
 }
 
+/// Per-thread constants of the 4-bit fragment loads (see [`w4_a_regs`]).
+pub(crate) struct W4Frag {
+    /// The format.
+    w: W4,
+    /// Byte offset of the thread's row `16 w + l / 4` in a stage's A (rows of 32 bytes).
+    row: Reg,
+    /// `prmt` selector of byte `c = l & 3` of a word into bytes 0-1 (of the first source) and
+    /// 2-3 (of the second): `0x4400 + 0x1111 c`.
+    code_sel: Reg,
+    /// Byte offset of the aligned word holding the scale of row `16 w + l / 4` in a group's row
+    /// of the scale area.
+    scale_word: Reg,
+    /// `prmt` selector that gathers that row's scale (from the first word) and row + 8's (from the
+    /// second) into the two halves (see [`w4_scales`]).
+    scale_sel: Reg,
+}
+
+/// The per-thread constants for lane `lane` of warp `warp`, 4-bit format `w`.
+pub(crate) fn w4_frag(k: &mut K, w: W4, warp: Reg, lane: Reg) -> W4Frag {
+    let r = k.bin(BinOpcode::Shl, PtxTy::B32, warp, Operand::Int(4));
+    let quad = k.bin(BinOpcode::Shr, PtxTy::U32, lane, Operand::Int(2));
+    k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(quad));
+    let row = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(5));
+    let c = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
+    let code_sel = k.bin(BinOpcode::MulLo, PtxTy::U32, c, Operand::Int(0x1111));
+    k.bin_to(
+        code_sel,
+        BinOpcode::Add,
+        PtxTy::U32,
+        code_sel,
+        Operand::Int(0x4400),
+    );
+    let sb = i64::from(w.scale.bytes());
+    let scale_word = k.bin(BinOpcode::MulLo, PtxTy::U32, r, Operand::Int(sb));
+    k.bin_to(
+        scale_word,
+        BinOpcode::And,
+        PtxTy::B32,
+        scale_word,
+        Operand::Int(-4),
+    );
+    let scale_sel = if sb == 1 {
+        // Bytes [q, q, 4 + q, 4 + q], q = r & 3: `0x4400 + 0x1111 q`.
+        let q = k.bin(BinOpcode::And, PtxTy::B32, r, Operand::Int(3));
+        let sel = k.bin(BinOpcode::MulLo, PtxTy::U32, q, Operand::Int(0x1111));
+        k.bin_to(sel, BinOpcode::Add, PtxTy::U32, sel, Operand::Int(0x4400));
+        sel
+    } else {
+        // Halves: bytes [2h, 2h + 1, 4 + 2h, 5 + 2h], h = r & 1: `0x5410 + 0x2222 h`.
+        let h = k.bin(BinOpcode::And, PtxTy::B32, r, Operand::Int(1));
+        let sel = k.bin(BinOpcode::MulLo, PtxTy::U32, h, Operand::Int(0x2222));
+        k.bin_to(sel, BinOpcode::Add, PtxTy::U32, sel, Operand::Int(0x5410));
+        sel
+    };
+    W4Frag {
+        w,
+        row,
+        code_sel,
+        scale_word,
+        scale_sel,
+    }
+}
+
+/// The bf16x2 scales of group `gi` of a k-tile for the thread's two rows: `[s(r), s(r + 8)]`, each
+/// the factor that multiplies a converted code (see [`w4_a_regs`]).
+fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
+    let sb = fr.w.scale.bytes();
+    let at = k.bin(
+        BinOpcode::Add,
+        PtxTy::U32,
+        scales,
+        Operand::Reg(fr.scale_word),
+    );
+    let words = [0u32, 8 * sb].map(|off| {
+        let d = k.b.reg(RegClass::B32);
+        k.b.push(Inst::LdSharedU32 {
+            d,
+            addr: at,
+            off: (gi * 64 * sb + off).into(),
+        });
+        d
+    });
+    let z = k.b.reg(RegClass::B32);
+    k.b.push(Inst::PrmtR {
+        d: z,
+        a: words[0],
+        b: words[1],
+        sel: fr.scale_sel,
+    });
+    match fr.w.scale {
+        GroupScale::Bf16 => z,
+        GroupScale::E4m3 => {
+            // z = [x, x, x8, x8]: each half `x << 8 | x`. The E4M3 bits placed as bf16's (sign at
+            // 15, exponent and mantissa at 10..4) are its value times 2^-120, subnormals
+            // included; then times 2^120 and 2^118 (both exact).
+            let sign = k.bin(BinOpcode::And, PtxTy::B32, z, Operand::Int(0x8000_8000));
+            let mag = k.bin(BinOpcode::Shr, PtxTy::U32, z, Operand::Int(4));
+            k.bin_to(
+                mag,
+                BinOpcode::And,
+                PtxTy::B32,
+                mag,
+                Operand::Int(0x07F0_07F0),
+            );
+            k.bin_to(mag, BinOpcode::Or, PtxTy::B32, mag, Operand::Reg(sign));
+            let p120 = k.imm(0x7B80_7B80);
+            let p118 = k.imm(0x7A80_7A80);
+            let s = k.bin(BinOpcode::MulRn, PtxTy::Bf16x2, mag, Operand::Reg(p120));
+            k.bin_to(s, BinOpcode::MulRn, PtxTy::Bf16x2, s, Operand::Reg(p118));
+            s
+        }
+        GroupScale::E8m0 => {
+            // z = [b, b, b8, b8]: each half's low byte `b`; bf16 exponent `b + 126` is 2^(b - 1),
+            // the scale 2^(b - 127) times 2^126 (the host keeps b <= 128).
+            let e = k.bin(BinOpcode::And, PtxTy::B32, z, Operand::Int(0x00FF_00FF));
+            k.bin_to(e, BinOpcode::Add, PtxTy::U32, e, Operand::Int(0x007E_007E));
+            k.bin_to(e, BinOpcode::Shl, PtxTy::B32, e, Operand::Int(7));
+            e
+        }
+    }
+}
+
+/// The A registers of the four k16 steps of a 4-bit k-tile: A at shared address `a` (64 rows of
+/// 32 bytes, two codes a byte, element `2j` in the low nibble), group scales at `scales`
+/// (`groups x 64` rows, group-major).
+///
+/// The thread's rows `r` and `r + 8` are two 16-byte loads each; step `s`'s `a_j` is byte
+/// `c = l & 3` of word `2 s + (j >> 1)` of row `r + 8 (j & 1)`: the element pair `(K, K + 1)` in
+/// its low and high nibbles. One `prmt` puts the pair's codes into the two halves, and:
+/// * E2M1: the low code at bits 15..12 (of the word shifted left by 4) and the high one at
+///   31..28; sign, exponent and mantissa moved to bf16's sign and exponent-low/mantissa-high bits
+///   (`(y & 0x80008000) | ((y & 0x70007000) >> 6)`) are the values times 2^-126 (the 0.5
+///   subnormal included); times the scale times 2^126 gives `code * scale` (exact: at most 2 + 4
+///   significant bits), or `2^-8` of it for E4M3 scales ([`GroupScale::E4m3`]);
+/// * U4: the codes at bits 3..0 and 19..16 as the mantissa of bf16 128 (`0x4300 | q`), plus
+///   -136 (exact: `q - 8`), times the bf16 scale (rounded once).
+fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
+    let at = k.bin(BinOpcode::Add, PtxTy::U32, a, Operand::Reg(fr.row));
+    // rows[h][i]: word i of row r + 8 h.
+    let mut rows = [[at; 8]; 2];
+    for (h, row) in rows.iter_mut().enumerate() {
+        for half in 0..2 {
+            let d = [0; 4].map(|_| k.b.reg(RegClass::B32));
+            k.b.push(Inst::LdSharedV4 {
+                d,
+                addr: at,
+                off: (256 * h as u32 + 16 * half).into(),
+            });
+            row[4 * half as usize..4 * half as usize + 4].copy_from_slice(&d);
+        }
+    }
+    let mut cache: Vec<(u32, [Reg; 2])> = Vec::new();
+    // bf16x2 -136, the U4 codes' offset (128 + 8).
+    let neg136 = match fr.w.codes {
+        W4Codes::E2m1 => None,
+        W4Codes::U4 => Some(k.imm(0xC308_C308)),
+    };
+    let mut out = Vec::with_capacity(4);
+    for step in 0..4u32 {
+        let gi = 16 * step / fr.w.group.min(64);
+        let sc = match cache.iter().find(|(g, _)| *g == gi) {
+            Some((_, s)) => *s,
+            None => {
+                let both = w4_scales(k, fr, scales, gi);
+                // Each row's scale in both halves (the pair (K, K + 1) shares it).
+                let s = [0x1010, 0x3232].map(|sel| {
+                    let d = k.b.reg(RegClass::B32);
+                    k.b.push(Inst::Prmt {
+                        d,
+                        a: both,
+                        b: both,
+                        sel,
+                    });
+                    d
+                });
+                cache.push((gi, s));
+                s
+            }
+        };
+        let mut regs = [at; 4];
+        for (j, slot) in regs.iter_mut().enumerate() {
+            let w = rows[j & 1][(2 * step) as usize + (j >> 1)];
+            let y = k.b.reg(RegClass::B32);
+            let v = match (fr.w.codes, neg136) {
+                (W4Codes::U4, Some(c136)) => {
+                    let hi = k.bin(BinOpcode::Shr, PtxTy::U32, w, Operand::Int(4));
+                    k.b.push(Inst::PrmtR {
+                        d: y,
+                        a: w,
+                        b: hi,
+                        sel: fr.code_sel,
+                    });
+                    k.bin_to(y, BinOpcode::And, PtxTy::B32, y, Operand::Int(0x000F_000F));
+                    k.bin_to(y, BinOpcode::Or, PtxTy::B32, y, Operand::Int(0x4300_4300));
+                    k.bin(BinOpcode::AddRn, PtxTy::Bf16x2, y, Operand::Reg(c136))
+                }
+                _ => {
+                    let lo = k.bin(BinOpcode::Shl, PtxTy::B32, w, Operand::Int(4));
+                    k.b.push(Inst::PrmtR {
+                        d: y,
+                        a: lo,
+                        b: w,
+                        sel: fr.code_sel,
+                    });
+                    let e = k.bin(BinOpcode::And, PtxTy::B32, y, Operand::Int(0x7000_7000));
+                    k.bin_to(e, BinOpcode::Shr, PtxTy::U32, e, Operand::Int(6));
+                    k.bin_to(y, BinOpcode::And, PtxTy::B32, y, Operand::Int(0x8000_8000));
+                    k.bin_to(y, BinOpcode::Or, PtxTy::B32, y, Operand::Reg(e));
+                    y
+                }
+            };
+            *slot = k.bin(BinOpcode::MulRn, PtxTy::Bf16x2, v, Operand::Reg(sc[j & 1]));
+        }
+        out.push(regs);
+    }
+    out
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
+    use super::super::ws::{GroupScale, W4Codes, W4};
+
     /// `prmt.b32` (default mode): byte `i` of the result is byte `sel[4i..4i+4]` of `{b, a}`.
     fn prmt(a: u32, b: u32, sel: u32) -> u32 {
         let bytes = (u64::from(b) << 32 | u64::from(a)).to_le_bytes();
@@ -117,6 +364,85 @@ mod tests {
             (f32::from_bits(m) - 8_388_736.0).to_bits()
         };
         prmt(half(0), half(1), 0x7632)
+    }
+
+    /// `mul.rn.bf16x2` on one half: the exact product (two bf16 fit an f32's 24 bits) rounded
+    /// to bf16 (bits).
+    fn mul_bf16(a: u16, b: u16) -> u16 {
+        use crate::gemm::reference::{bf16_from_f32, bf16_to_f32};
+        bf16_from_f32(bf16_to_f32(a) * bf16_to_f32(b))
+    }
+
+    /// The E2M1 conversion `w4_a_regs` emits, on one half: the code's sign to bit 15, exponent
+    /// and mantissa to bits 8..6 (the value times 2^-126).
+    fn e2m1_bits(code: u8) -> u16 {
+        let y = u16::from(code) << 12;
+        (y & 0x8000) | ((y & 0x7000) >> 6)
+    }
+
+    /// The group scale factors `w4_scales` forms from a scale byte (one half).
+    fn scale_bits(scale: GroupScale, x: u8) -> u16 {
+        match scale {
+            GroupScale::E4m3 => {
+                let half = u16::from(x) << 8 | u16::from(x);
+                let raw = (half & 0x8000) | ((half >> 4) & 0x07F0);
+                mul_bf16(mul_bf16(raw, 0x7B80), 0x7A80)
+            }
+            GroupScale::E8m0 => ((u16::from(x) + 0x7E) & 0xFF) << 7,
+            GroupScale::Bf16 => u16::from(x),
+        }
+    }
+
+    /// Every E2M1 code with every E4M3 scale (NaN excluded) and every E8M0 scale up to 128
+    /// converts to exactly the weight `reference::w4_weight` defines.
+    #[test]
+    fn every_e2m1_code_and_scale_is_exact() {
+        use crate::gemm::reference::{bf16_to_f32, w4_weight};
+        for (scale, group, bytes) in [
+            (
+                GroupScale::E4m3,
+                16,
+                (0..=255u8).filter(|b| b & 0x7F != 0x7F).collect::<Vec<_>>(),
+            ),
+            (GroupScale::E8m0, 32, (0..=128u8).collect()),
+        ] {
+            let w = W4 {
+                codes: W4Codes::E2m1,
+                scale,
+                group,
+            };
+            for &x in &bytes {
+                let s = scale_bits(scale, x);
+                for code in 0..16u8 {
+                    let got = bf16_to_f32(mul_bf16(e2m1_bits(code), s));
+                    assert_eq!(
+                        f64::from(got),
+                        w4_weight(w, code, u16::from(x)),
+                        "{scale:?} {x:#x} {code}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every U4 code (`0x4300 | q`, plus -136) times bf16 scales is `(q - 8) * s` rounded once.
+    #[test]
+    fn every_u4_code_is_its_offset_value_times_the_scale() {
+        use crate::gemm::reference::{bf16_from_f32, bf16_to_f32, w4_weight};
+        let w = W4 {
+            codes: W4Codes::U4,
+            scale: GroupScale::Bf16,
+            group: 128,
+        };
+        for s in [0x3C01u16, 0x3E4D, 0x3B80, 0x0001, 0x7F00, 0xBF3F] {
+            for q in 0..16u8 {
+                let t = 0x4300 | u16::from(q);
+                let v = bf16_from_f32(bf16_to_f32(t) + bf16_to_f32(0xC308));
+                assert_eq!(bf16_to_f32(v), f32::from(q) - 8.0);
+                let got = bf16_to_f32(mul_bf16(v, s));
+                assert_eq!(f64::from(got), w4_weight(w, q, s), "{s:#x} {q}");
+            }
+        }
     }
 
     /// Every pair of int8 codes converts to the exact bf16 pair, K in the low half.

@@ -948,6 +948,33 @@ impl TensorMapParams {
         )
     }
 
+    /// A rank-3 map of an expert tensor of group scales `[experts, groups, rows]` (4-bit weights'
+    /// scales, `elem_bytes` 1 or 2 each, weight rows innermost): dimensions `{rows, groups,
+    /// experts}`, box `{box_rows, box_groups, 1}` with no swizzle (a box lands group-major), zero
+    /// out-of-bounds fill. TMA coordinates are `{row0, group0, expert}`. Validated.
+    pub fn expert_group_scales(
+        global_address: u64,
+        experts: u64,
+        groups: u64,
+        rows: u64,
+        elem_bytes: u32,
+        box_groups: u32,
+        box_rows: u32,
+    ) -> Result<Self> {
+        let data_type = if elem_bytes == 2 {
+            TensorMapDataType::Uint16
+        } else {
+            TensorMapDataType::Uint8
+        };
+        Self::unswizzled(
+            data_type,
+            global_address,
+            &[rows, groups, experts],
+            &[box_rows, box_groups, 1],
+            L2Promotion::B256,
+        )
+    }
+
     /// A rank-1 map of `len` f32 at `global_address` (a scale buffer), boxes of `box_elems`
     /// elements (a multiple of 4: 16 bytes), no swizzle, zero out-of-bounds fill. The TMA
     /// coordinate is the first element's index; it must be a multiple of 4 too (a box that starts

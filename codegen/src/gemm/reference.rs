@@ -214,6 +214,31 @@ pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
+/// One weight of the W4A16 GEMM's operand ([`super::ws::Operands::W4Bf16`]) as its kernel
+/// multiplies it, before the per-expert factor: `code` (a nibble) with its group's `scale` bits (an
+/// E4M3 or E8M0 byte, or bf16 bits):
+/// * E2M1 with E4M3: `e2m1(code) * e4m3(scale) * 2^-8` (exact; the factor carries the `2^8`);
+/// * E2M1 with E8M0: `e2m1(code) * 2^(scale - 127)` (exact for bytes up to 128);
+/// * U4 with bf16: `(code - 8) * s` rounded to bf16 (once).
+pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
+    use super::ws::{GroupScale, W4Codes};
+    match (w.codes, w.scale) {
+        (W4Codes::E2m1, GroupScale::E4m3) => {
+            f64::from(crate::reference::e2m1_to_f32(code))
+                * f64::from(crate::reference::e4m3_to_f32(scale as u8))
+                / 256.0
+        }
+        (W4Codes::E2m1, _) => {
+            f64::from(crate::reference::e2m1_to_f32(code))
+                * 2f64.powi(i32::from(scale & 0xFF) - 127)
+        }
+        (W4Codes::U4, _) => {
+            let v = (f32::from(code & 0xF) - 8.0) * bf16_to_f32(scale);
+            f64::from(bf16_to_f32(bf16_from_f32(v)))
+        }
+    }
+}
+
 /// (a) bf16 x bf16: `Y[t, c] = sum_k X[t, k] W[e, c, k]` in f64. `x` is `[T, K]` and `w` `[E, N, K]`,
 /// as bf16 bits. The GPU's f32 output is compared against this; its bf16 output against
 /// [`to_bf16`] of it.

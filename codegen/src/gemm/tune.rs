@@ -29,12 +29,12 @@ const DECODE: [(u32, u32, u32, bool, u32); 7] = [
 /// first, then decode by growing token tile.
 pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
     let prefill: &[(u32, u32, u32, bool, u32)] = match (operands, scaling) {
-        // Int8 weights (register-sourced A): the decode form only, unsplit.
-        (Operands::I8Bf16, _) => &[],
+        // Int8 and 4-bit weights (register-sourced A): the decode form only, unsplit.
+        (Operands::I8Bf16 | Operands::W4Bf16(_), _) => &[],
         (_, Scaling::Block128) => &PREFILL_BLOCK,
         _ => &PREFILL,
     };
-    let int8 = operands == Operands::I8Bf16;
+    let int8 = operands.register_a();
     prefill
         .iter()
         .chain(DECODE.iter())

@@ -78,23 +78,89 @@ pub enum Operands {
     /// from the stage (`gemm::dequant`); HGMMA k16. Their scale ([`Scaling::PerRow`]) is applied
     /// to the f32 accumulator.
     I8Bf16,
+    /// bf16 activations x 4-bit weights with a scale per group of K (W4A16, decode only): as
+    /// [`Operands::I8Bf16`], each code times its group scale converted to bf16 as the consumer
+    /// loads it (`gemm::dequant`); the stage also holds the tile's group scales (by TMA). A
+    /// per-expert factor ([`Scaling::PerExpert`]) is applied to the f32 accumulator.
+    W4Bf16(W4),
+}
+
+/// The codes of 4-bit weights, two per byte, element `2j` in the low nibble.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum W4Codes {
+    /// E2M1 (NVFP4, MXFP4): sign, two exponent bits, one mantissa bit.
+    E2m1,
+    /// Unsigned `q` standing for `q - 8` (symmetric group-wise INT4).
+    U4,
+}
+
+/// The element type of a 4-bit weight's group scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupScale {
+    /// E4M3 bytes (NVFP4), times `2^118` in the kernel; the accumulator is `2^-8` of the true
+    /// sum, which the per-expert factor restores (the host folds `2^8` into it).
+    E4m3,
+    /// E8M0 exponent bytes `b`: the group scale is `2^(b - 127)`, and the kernel forms
+    /// `2^(b - 1)` (bf16 exponent `b + 126`): bytes past 128 are refused by the host, which may
+    /// lower an expert's bytes by `c` and fold `2^c` into the per-expert factor.
+    E8m0,
+    /// bf16 scales (group-wise INT4): `(q - 8) * s` rounded once to bf16.
+    Bf16,
+}
+
+impl GroupScale {
+    /// Bytes per scale.
+    pub const fn bytes(self) -> u32 {
+        match self {
+            GroupScale::E4m3 | GroupScale::E8m0 => 1,
+            GroupScale::Bf16 => 2,
+        }
+    }
+}
+
+/// A 4-bit weight format: codes, group scales and the group's length along K.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct W4 {
+    /// The codes.
+    pub codes: W4Codes,
+    /// The scales' type.
+    pub scale: GroupScale,
+    /// Elements of K per scale: a power of two, at least 16.
+    pub group: u32,
+}
+
+impl W4 {
+    /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
+    pub const fn groups_per_ktile(self) -> u32 {
+        if self.group >= 64 {
+            1
+        } else {
+            64 / self.group
+        }
+    }
 }
 
 impl Operands {
     /// Bytes per element of X (the activations).
     pub const fn bytes(self) -> u32 {
         match self {
-            Operands::Bf16 | Operands::I8Bf16 => 2,
+            Operands::Bf16 | Operands::I8Bf16 | Operands::W4Bf16(_) => 2,
             Operands::E4m3 => 1,
         }
     }
 
-    /// Bytes per element of W (the weights).
-    pub const fn w_bytes(self) -> u32 {
+    /// Bits per element of W (the weights).
+    pub const fn w_bits(self) -> u32 {
         match self {
-            Operands::Bf16 => 2,
-            Operands::E4m3 | Operands::I8Bf16 => 1,
+            Operands::Bf16 => 16,
+            Operands::E4m3 | Operands::I8Bf16 => 8,
+            Operands::W4Bf16(_) => 4,
         }
+    }
+
+    /// Whether W is wgmma's register-sourced A operand (weights converted by the consumers).
+    pub const fn register_a(self) -> bool {
+        matches!(self, Operands::I8Bf16 | Operands::W4Bf16(_))
     }
 
     /// K elements per k-tile (128 bytes of X).
@@ -104,17 +170,31 @@ impl Operands {
 
     fn wgmma(self) -> WgmmaTy {
         match self {
-            Operands::Bf16 | Operands::I8Bf16 => WgmmaTy::Bf16,
+            Operands::Bf16 | Operands::I8Bf16 | Operands::W4Bf16(_) => WgmmaTy::Bf16,
             Operands::E4m3 => WgmmaTy::E4m3,
         }
     }
 
-    /// `bf16`, `e4m3` or `i8w` (the tags' and the tuning cache's name).
-    pub const fn name(self) -> &'static str {
+    /// `bf16`, `e4m3`, `i8w` or a 4-bit format's `f4e` (E2M1 codes, E4M3 scales), `f4m` (E2M1,
+    /// E8M0) or `u4b` (INT4, bf16), then `g` and the group, e.g. `f4eg16` (the tags' and the
+    /// tuning cache's name).
+    pub fn name(self) -> String {
         match self {
-            Operands::Bf16 => "bf16",
-            Operands::E4m3 => "e4m3",
-            Operands::I8Bf16 => "i8w",
+            Operands::Bf16 => "bf16".into(),
+            Operands::E4m3 => "e4m3".into(),
+            Operands::I8Bf16 => "i8w".into(),
+            Operands::W4Bf16(w) => {
+                let c = match w.codes {
+                    W4Codes::E2m1 => "f4",
+                    W4Codes::U4 => "u4",
+                };
+                let s = match w.scale {
+                    GroupScale::E4m3 => "e",
+                    GroupScale::E8m0 => "m",
+                    GroupScale::Bf16 => "b",
+                };
+                format!("{c}{s}g{}", w.group)
+            }
         }
     }
 }
@@ -135,6 +215,9 @@ pub enum Scaling {
     /// Once in the epilogue, per weight row: `w_scale [E, N]` (weights-only recipes' per-row
     /// scales, e.g. `int8_per_row`); no activation scale.
     PerRow,
+    /// Once in the epilogue, per expert: `w_scale [E]` (4-bit weights' factor: NVFP4's global
+    /// scale, the powers of two the group scales' conversion left out); no activation scale.
+    PerExpert,
 }
 
 /// The output element type.
@@ -199,9 +282,19 @@ impl WsConfig {
 
     /// Bytes of one A row of a k-tile: 128, or `bk` for int8 weights (the decode form's A).
     pub const fn a_row_bytes(&self) -> u32 {
+        if self.operands.register_a() {
+            self.operands.bk() * self.operands.w_bits() / 8
+        } else {
+            128
+        }
+    }
+
+    /// Bytes of a 4-bit tile's group scales in a stage (0 for other operands): the k-tile's
+    /// groups, each the tile's 64 weight rows (group-major, as the TMA box lands).
+    pub const fn group_scale_bytes(&self) -> u32 {
         match self.operands {
-            Operands::I8Bf16 => self.operands.bk() * self.operands.w_bytes(),
-            _ => 128,
+            Operands::W4Bf16(w) => w.groups_per_ktile() * 64 * w.scale.bytes(),
+            _ => 0,
         }
     }
 
@@ -219,7 +312,7 @@ impl WsConfig {
                 (BLOCK_SCALE_X_AT + 4 * (self.tile_tokens() + BLOCK_SCALE_PAD)).div_ceil(1024)
                     * 1024
             }
-            _ => 0,
+            _ => self.group_scale_bytes().div_ceil(1024) * 1024,
         }
     }
 
@@ -227,7 +320,7 @@ impl WsConfig {
     pub const fn scale_tx_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens() + BLOCK_SCALE_PAD),
-            _ => 0,
+            _ => self.group_scale_bytes(),
         }
     }
 
@@ -306,6 +399,7 @@ impl WsConfig {
             Scaling::Tensorwise { per_token: false } => "s",
             Scaling::Block128 => "b",
             Scaling::PerRow => "r",
+            Scaling::PerExpert => "x",
         };
         let out = self.out.name();
         let split = if self.split_k > 1 {
@@ -416,6 +510,39 @@ impl WsConfig {
                     return bad(
                         "int8 weights need the decode form with one consumer and no split-K".into(),
                     );
+                }
+            }
+            (Operands::W4Bf16(w), Scaling::PerExpert) => {
+                if !self.swap_ab || self.consumers != 1 || self.split_k != 1 {
+                    return bad(
+                        "4-bit weights need the decode form with one consumer and no split-K"
+                            .into(),
+                    );
+                }
+                // A k16 step lies inside one group; a k-tile holds whole groups or lies inside one.
+                let g = w.group;
+                if w.codes == W4Codes::U4 && w.scale != GroupScale::Bf16
+                    || w.codes == W4Codes::E2m1 && w.scale == GroupScale::Bf16
+                {
+                    return bad(format!(
+                        "4-bit codes {:?} with {:?} scales (E2M1 takes E4M3 or E8M0, INT4 bf16)",
+                        w.codes, w.scale
+                    ));
+                }
+                if g < 16 || !g.is_power_of_two() {
+                    return bad(format!(
+                        "a scale group of {g} (a power of two, at least 16)"
+                    ));
+                }
+                // TMA: a code row's pitch (K / 2 bytes) and a scale row's (N scales) are multiples
+                // of 16 bytes.
+                if !self.k.is_multiple_of(32) || !(self.n * w.scale.bytes()).is_multiple_of(16) {
+                    return bad(format!(
+                        "4-bit weights with N = {}, K = {} (K a multiple of 32, N of {})",
+                        self.n,
+                        self.k,
+                        16 / w.scale.bytes()
+                    ));
                 }
             }
             (Operands::E4m3, Scaling::Block128) => {
@@ -839,6 +966,14 @@ fn producer(
     } else {
         None
     };
+    // 4-bit weights: their group scales' map (`tmap_ws`).
+    let group_scales = if matches!(cfg.operands, Operands::W4Bf16(_)) {
+        let gs = k.b.tensor_map_addr(PARAMS[11])?;
+        k.b.emit_guarded(Guard::when(leader), AsyncOp::PrefetchTensorMap { tmap: gs })?;
+        Some(gs)
+    } else {
+        None
+    };
     let grid = k.special(SpecialReg::NctaidX);
     let stage = k.imm(0);
     let phase = k.imm(0);
@@ -885,19 +1020,60 @@ fn producer(
             cache_hint: None,
         }),
     )?;
+    // The weights' first coordinate is in bytes of codes: half of K for 4-bit codes.
+    let w_k0 = match cfg.operands {
+        Operands::W4Bf16(_) => k.bin(BinOpcode::Shr, PtxTy::U32, k0, Operand::Int(1)),
+        _ => k0,
+    };
     k.b.emit_guarded(
         Guard::when(leader),
         AsyncOp::TmaLoad(TmaLoad {
             dim: TmaDim::D3,
             dst: w_dst,
             tmap: tmap_w,
-            coords: vec![k0, f.w0, s.expert],
+            coords: vec![w_k0, f.w0, s.expert],
             bar: fbar,
             cache_hint: None,
         }),
     )?;
     if let Some((xs, ws, tokens)) = scales {
         load_block_scales(k, cfg, leader, a, fbar, &s, &f, kt, xs, ws, tokens)?;
+    }
+    if let (Operands::W4Bf16(w), Some(gs)) = (cfg.operands, group_scales) {
+        // The k-tile's groups of the tile's weight rows: `[E, K / group, N]`, box {64 rows,
+        // groups per k-tile, 1} at {w0, first group, expert}, after A and B.
+        let g0 = if w.group >= 64 {
+            k.bin(
+                BinOpcode::Shr,
+                PtxTy::U32,
+                kt,
+                Operand::Int(log2(w.group / 64)),
+            )
+        } else {
+            k.bin(
+                BinOpcode::Shl,
+                PtxTy::B32,
+                kt,
+                Operand::Int(log2(64 / w.group)),
+            )
+        };
+        let dst = k.bin(
+            BinOpcode::Add,
+            PtxTy::U32,
+            a,
+            Operand::Int(cfg.tx_bytes().into()),
+        );
+        k.b.emit_guarded(
+            Guard::when(leader),
+            AsyncOp::TmaLoad(TmaLoad {
+                dim: TmaDim::D3,
+                dst,
+                tmap: gs,
+                coords: vec![f.w0, g0, s.expert],
+                bar: fbar,
+                cache_hint: None,
+            }),
+        )?;
     }
     let more = k.next_ktile(stage, phase, cfg.stages, kt, Operand::Reg(f.ke));
     k.bra(&kloop, Some((more, false)));
@@ -1032,8 +1208,18 @@ fn consumers(
         cwg,
         Operand::Int(i64::from((64 * cfg.a_row_bytes()).trailing_zeros())),
     );
-    let i8 = (cfg.operands == Operands::I8Bf16)
-        .then(|| super::dequant::i8_frag(k, warp, lane, cfg.a_row_bytes()));
+    let rega = match cfg.operands {
+        Operands::I8Bf16 => Some(super::dequant::RegA::I8(super::dequant::i8_frag(
+            k,
+            warp,
+            lane,
+            cfg.a_row_bytes(),
+        ))),
+        Operands::W4Bf16(w) => Some(super::dequant::RegA::W4(super::dequant::w4_frag(
+            k, w, warp, lane,
+        ))),
+        _ => None,
+    };
 
     let s = scan_state(k);
     let grid = k.special(SpecialReg::NctaidX);
@@ -1082,7 +1268,7 @@ fn consumers(
         desc_hi,
         always,
         lane0,
-        i8,
+        rega,
     };
     let kloop = k.b.label("c_k");
     k.b.push(Inst::Label(kloop.clone()));
@@ -1158,7 +1344,7 @@ fn consumers(
             issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
             // Register-sourced A: the next k-tile rewrites the A registers, so its MMAs must
             // have read them (wait for all); else one group stays in flight.
-            let in_flight = if ring.i8.is_some() { 0 } else { 1 };
+            let in_flight = if ring.rega.is_some() { 0 } else { 1 };
             k.b.emit(AsyncOp::WgmmaWaitGroup(in_flight))?;
             let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
@@ -1312,8 +1498,8 @@ struct Ring {
     desc_hi: Reg,
     always: Reg,
     lane0: Reg,
-    /// Int8 weights: the per-thread constants of their register-A fragments.
-    i8: Option<super::dequant::I8Frag>,
+    /// Int8 or 4-bit weights: the per-thread constants of their register-A fragments.
+    rega: Option<super::dequant::RegA>,
 }
 
 /// Wait for the current stage, then its four MMAs into `d` (`scale-d` from `accumulate` on the
@@ -1354,11 +1540,24 @@ fn issue_ktile(
     );
     // Int8 weights: the four steps' A fragments, from the stage into registers, before the fence
     // (the previous k-tile's MMAs, which read these registers, were waited for).
-    let a_regs: Option<Vec<[Reg; 4]>> = r.i8.as_ref().map(|fr| {
-        (0..4)
-            .map(|step| super::dequant::i8_a_regs(k, fr, a_addr, step, cfg.a_row_bytes()))
-            .collect()
-    });
+    let a_regs: Option<Vec<[Reg; 4]>> = match r.rega.as_ref() {
+        Some(fr) => {
+            let scales = k.bin(
+                BinOpcode::Add,
+                PtxTy::U32,
+                sa,
+                Operand::Int(cfg.tx_bytes().into()),
+            );
+            Some(super::dequant::ktile_a_regs(
+                k,
+                fr,
+                a_addr,
+                scales,
+                cfg.a_row_bytes(),
+            ))
+        }
+        None => None,
+    };
     let mut descs = Vec::with_capacity(4);
     for step in 0..4i64 {
         let mut pair = [a_lo, b_lo];
@@ -1651,6 +1850,7 @@ fn epilogue(
 ) -> Result<()> {
     // Tensorwise scales: one factor per token class.
     let factors: Option<Vec<Reg>> = match (cfg.scaling, x_scale, w_scale) {
+        (Scaling::PerExpert, _, Some(ws)) => Some(vec![ld_f32(k, ws, s.expert)]),
         (Scaling::Tensorwise { per_token }, Some(xs), Some(ws)) => {
             let sw = ld_f32(k, ws, s.expert);
             let toks = if per_token {

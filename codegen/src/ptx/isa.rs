@@ -475,6 +475,26 @@ pub enum Inst {
         /// Selector (one nibble per destination byte).
         sel: i64,
     },
+    /// `prmt.b32 d, a, b, sel` with the selector in a register (a per-thread byte choice).
+    PrmtR {
+        /// Destination.
+        d: Reg,
+        /// Bytes 0-3.
+        a: Reg,
+        /// Bytes 4-7.
+        b: Reg,
+        /// Selector register (one nibble per destination byte).
+        sel: Reg,
+    },
+    /// `ld.shared.v4.b32 {d0, d1, d2, d3}, [addr+off]` (16 aligned bytes).
+    LdSharedV4 {
+        /// Destinations (32-bit), the lowest address first.
+        d: [Reg; 4],
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
     /// `fma.rn.f32 d, a, b, c`.
     Fma {
         /// Destination.
@@ -719,6 +739,12 @@ impl fmt::Display for Inst {
             Inst::BarSync => write!(f, "\tbar.sync \t0;"),
             Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
+            Inst::PrmtR { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel};"),
+            Inst::LdSharedV4 { d, addr, off } => write!(
+                f,
+                "\tld.shared.v4.b32 \t{{{}, {}, {}, {}}}, [{addr}+{off}];",
+                d[0], d[1], d[2], d[3]
+            ),
             Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
             Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
             Inst::MovSym { d, sym } => write!(f, "\tmov.u32 \t{d}, {sym};"),

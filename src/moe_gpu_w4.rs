@@ -1,0 +1,205 @@
+//! The W4A16 GEMM's operand (`codegen::gemm::ws::Operands::W4Bf16`) from a weights-only 4-bit
+//! recipe's params (issue \[8\]): NVFP4 (E2M1 codes, E4M3 scales per 16, a per-expert decode
+//! scale), MXFP4 (E2M1, E8M0 per 32) and symmetric group-wise INT4 (u4 codes, bf16 scales per
+//! group). Read in the input's coordinates through the verified storage maps
+//! ([`crate::dequant::Logical`]); written as the kernel takes them:
+//! * codes `[slots, N, K / 2]`, two per byte, element `2j` in the low nibble (the recipes' own
+//!   packing: for a recipe that stores the input's row order the bytes are the param's);
+//! * group scales `[slots, K / group, N]` (group-major: one TMA box is a k-tile's groups of the
+//!   tile's 64 rows), as the recipe stores each (E4M3, E8M0 or bf16 bits), every element of a
+//!   group carrying the same (checked);
+//! * one f32 factor per slot for the accumulator: NVFP4's decode scale times `2^8` (the kernel
+//!   forms E4M3 scales times `2^118`, so its products are `2^-8` of the weights'), MXFP4's `2^c`
+//!   where an expert's scale bytes were lowered by `c` to keep them at most 128 (the kernel's
+//!   `2^(b - 1)` must be a finite bf16), 1 for INT4.
+//!
+//! Exactness: `code * scale` is exact in bf16 for E2M1 with E4M3 or E8M0 (at most 2 + 4
+//! significant bits, normal range), so NVFP4 and MXFP4 layers accumulate the same products as the
+//! f64 reference; INT4's `(q - 8) * s` (up to 4 + 8 significant bits) is rounded once to bf16, a
+//! relative error of at most 2^-8 (bf16's unit roundoff) per weight (README, "Group-wise INT4").
+
+use crate::codegen::gemm::ws::{GroupScale, Operands, W4Codes, W4};
+use crate::dequant::Logical;
+use crate::dsl::ir::{DType, QuantScheme};
+
+/// The operand: its format, codes, group scales and per-slot factors.
+pub(crate) struct W4Operand {
+    /// The format.
+    pub(crate) operands: Operands,
+    /// `[slots, N, K / 2]` bytes.
+    pub(crate) codes: Vec<u8>,
+    /// `[slots, K / group, N]` scales (1 or 2 bytes each, little-endian).
+    pub(crate) group_scales: Vec<u8>,
+    /// One factor per slot.
+    pub(crate) factors: Vec<f32>,
+}
+
+/// The 4-bit format of a scheme, or why it has none.
+pub(crate) fn format(scheme: QuantScheme) -> Result<W4, String> {
+    match scheme {
+        QuantScheme::Nvfp4 { .. } => Ok(W4 {
+            codes: W4Codes::E2m1,
+            scale: GroupScale::E4m3,
+            group: 16,
+        }),
+        QuantScheme::Mxfp4 => Ok(W4 {
+            codes: W4Codes::E2m1,
+            scale: GroupScale::E8m0,
+            group: 32,
+        }),
+        QuantScheme::Int4 {
+            group,
+            zero_point: false,
+            scale,
+        } => {
+            let g = u32::try_from(group)
+                .ok()
+                .filter(|g| *g >= 16 && g.is_power_of_two());
+            match (g, scale) {
+                (Some(group), DType::Bf16 | DType::F16 | DType::F32) => Ok(W4 {
+                    codes: W4Codes::U4,
+                    scale: GroupScale::Bf16,
+                    group,
+                }),
+                _ => Err(format!(
+                    "group-wise INT4 with groups of {group}: the GPU GEMM takes groups of a power of two, at least 16"
+                )),
+            }
+        }
+        QuantScheme::Int4 {
+            zero_point: true, ..
+        } => Err(
+            "asymmetric group-wise INT4 (zero points): the GPU GEMM takes symmetric INT4 only"
+                .into(),
+        ),
+        other => Err(format!("{} is not a 4-bit scheme", other.name())),
+    }
+}
+
+/// The bf16 bits of an INT4 scale stored as `dtype` (`bits` as [`Logical::scales`] holds them),
+/// where bf16 holds it exactly.
+fn int4_scale_bf16(dtype: DType, bits: u32) -> Option<u16> {
+    let v = match dtype {
+        DType::Bf16 => return u16::try_from(bits).ok(),
+        DType::F16 => crate::pack::f16_to_f32(bits as u16),
+        _ => f32::from_bits(bits),
+    };
+    let b = crate::codegen::gemm::reference::bf16_from_f32(v);
+    (crate::codegen::gemm::reference::bf16_to_f32(b).to_bits() == v.to_bits()).then_some(b)
+}
+
+/// The operand of the weights `l` (`[slots, N, K]` in the input's coordinates). Errors name what
+/// the GEMM cannot take: a scheme without a 4-bit form, a group whose elements do not share one
+/// scale, an INT4 scale that bf16 does not hold, an MXFP4 expert whose scales span more than the
+/// kernel's exponent range.
+pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
+    let scheme = l.scheme.ok_or("the weights are not quantized")?;
+    let w = format(scheme)?;
+    let (slots, n, k) = l.shape;
+    let g = w.group as usize;
+    if !k.is_multiple_of(32) || !(n * w.scale.bytes() as usize).is_multiple_of(16) {
+        return Err(format!(
+            "[{slots}, {n}, {k}] 4-bit weights: the GEMM's TMA needs K a multiple of 32 and N of {}",
+            16 / w.scale.bytes()
+        ));
+    }
+    let groups = k.div_ceil(g);
+    let mut codes = vec![0u8; slots * n * k / 2];
+    for (i, &c) in l.codes.iter().enumerate() {
+        codes[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
+    }
+    let sb = w.scale.bytes() as usize;
+    let mut group_scales = vec![0u8; slots * groups * n * sb];
+    let mut factors = vec![1f32; slots];
+    for (e, factor) in factors.iter_mut().enumerate() {
+        // The scale bits of each (row, group), checked shared by the group's elements.
+        let mut bits = vec![0u32; n * groups];
+        for j in 0..n {
+            for q in 0..groups {
+                let at = (e * n + j) * k + q * g;
+                let all = &l.scales[at..at + g.min(k - q * g)];
+                if all.iter().any(|&b| b != all[0]) {
+                    return Err(format!(
+                        "slot {e}, row {j}: the elements of scale group {q} do not share one scale"
+                    ));
+                }
+                bits[j * groups + q] = all[0];
+            }
+        }
+        match w.scale {
+            GroupScale::E4m3 => {
+                let dec = f32::from_bits(
+                    *l.decode
+                        .get(e)
+                        .or(l.decode.first())
+                        .ok_or("no decode scale")?,
+                );
+                *factor = dec * 256.0;
+                if !factor.is_finite() {
+                    return Err(format!(
+                        "slot {e}: decode scale {dec} times 2^8 is not finite"
+                    ));
+                }
+            }
+            GroupScale::E8m0 => {
+                // Lower every byte of the expert by c (its largest past 128) and fold 2^c into the
+                // factor; a group with a nonzero code must stay at a byte >= 0.
+                let nonzero = |j: usize, q: usize| {
+                    let at = (e * n + j) * k + q * g;
+                    l.codes[at..at + g.min(k - q * g)]
+                        .iter()
+                        .any(|&c| c & 7 != 0)
+                };
+                let top = (0..n * groups)
+                    .filter(|&i| nonzero(i / groups, i % groups))
+                    .map(|i| bits[i])
+                    .max()
+                    .unwrap_or(0);
+                let c = top.saturating_sub(128);
+                for (i, b) in bits.iter_mut().enumerate() {
+                    if *b < c {
+                        if nonzero(i / groups, i % groups) {
+                            return Err(format!(
+                                "slot {e}: its E8M0 scales span 2^{} to 2^{}, past the GEMM's range of 2^253",
+                                i64::from(*b) - 127,
+                                i64::from(top) - 127
+                            ));
+                        }
+                        *b = 0;
+                    } else {
+                        *b -= c;
+                    }
+                }
+                *factor = 2f32.powi(c as i32);
+            }
+            GroupScale::Bf16 => {
+                let QuantScheme::Int4 { scale, .. } = scheme else {
+                    return Err("bf16 group scales come from INT4 only".into());
+                };
+                for b in bits.iter_mut() {
+                    *b = u32::from(int4_scale_bf16(scale, *b).ok_or_else(|| {
+                        format!(
+                            "slot {e}: an INT4 scale stored as {scale:?} that bf16 does not hold"
+                        )
+                    })?);
+                }
+            }
+        }
+        for j in 0..n {
+            for q in 0..groups {
+                let at = ((e * groups + q) * n + j) * sb;
+                let b = bits[j * groups + q];
+                group_scales[at] = b as u8;
+                if sb == 2 {
+                    group_scales[at + 1] = (b >> 8) as u8;
+                }
+            }
+        }
+    }
+    Ok(W4Operand {
+        operands: Operands::W4Bf16(w),
+        codes,
+        group_scales,
+        factors,
+    })
+}
