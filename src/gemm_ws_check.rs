@@ -672,13 +672,15 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
     let dws = upload(dev, &vec![1.0f32 / 64.0; e * n])?;
     let mut out = String::new();
     let dwe = upload(dev, &vec![1.0f32 / 64.0; e])?;
-    for (operands, scaling, bn) in [
-        (Operands::Bf16, Scaling::None, 8u32),
-        (Operands::I8Bf16, Scaling::PerRow, 8),
-        (Operands::I8Bf16, Scaling::PerRow, 16),
-        (W4_FORMATS[0], Scaling::PerExpert, 8),
-        (W4_FORMATS[1], Scaling::PerExpert, 8),
-        (W4_FORMATS[2], Scaling::PerExpert, 8),
+    for (operands, scaling, bn, stages) in [
+        (Operands::Bf16, Scaling::None, 8u32, 8u32),
+        (Operands::I8Bf16, Scaling::PerRow, 8, 8),
+        (Operands::I8Bf16, Scaling::PerRow, 8, 4),
+        (Operands::I8Bf16, Scaling::PerRow, 16, 8),
+        (W4_FORMATS[0], Scaling::PerExpert, 8, 8),
+        (W4_FORMATS[0], Scaling::PerExpert, 8, 4),
+        (W4_FORMATS[1], Scaling::PerExpert, 8, 8),
+        (W4_FORMATS[2], Scaling::PerExpert, 8, 8),
     ] {
         let cfg = WsConfig {
             operands,
@@ -686,7 +688,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             out: OutTy::Bf16,
             consumers: 1,
             bn,
-            stages: 8,
+            stages,
             swap_ab: true,
             split_k: 1,
             n: n as u32,

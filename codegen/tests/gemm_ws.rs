@@ -568,12 +568,18 @@ fn count(text: &str, pat: &str) -> usize {
 fn check_structure(c: &WsConfig, text: &str) {
     let tag = c.tag();
     // Threads: the producer warpgroup and the consumers.
+    // (Register-sourced A: the consumers, then a producer warp.)
+    let threads = if c.operands.register_a() {
+        128 * c.consumers + 32
+    } else {
+        128 * (1 + c.consumers)
+    };
     assert_eq!(
-        count(text, &format!(".maxntid {}, 1, 1", 128 * (1 + c.consumers))),
+        count(text, &format!(".maxntid {threads}, 1, 1")),
         1,
         "{tag}"
     );
-    assert_eq!(c.threads(), 128 * (1 + c.consumers));
+    assert_eq!(c.threads(), threads);
     // Register reallocation only with two consumers.
     let (dec, inc) = (
         count(

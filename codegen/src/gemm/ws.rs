@@ -17,7 +17,9 @@
 //! * **Warp specialization**: warpgroup 0 is the producer (one thread issues every TMA), warpgroups
 //!   `1..=C` are consumers that share each tile; with two consumers the producer gives registers
 //!   back (`setmaxnreg.dec` to 40) and the consumers take them (`setmaxnreg.inc` to 232)
-//!   (cooperative): consumer `c` owns the A rows `64c .. 64c + 63` of the tile.
+//!   (cooperative): consumer `c` owns the A rows `64c .. 64c + 63` of the tile. With register-
+//!   sourced A (int8 and 4-bit weights, one consumer) the producer is instead one warp after the
+//!   consumer warpgroup (160 threads a CTA, so more CTAs fit an SM).
 //! * **Tile scheduler**: persistent CTAs; CTA `b` takes tiles `b, b + G, b + 2G, ...` (`G` =
 //!   `%nctaid.x`) of the raster order (experts in order; inside an expert, groups of
 //!   [`WsConfig::raster_group`] weight tiles with the token tile major inside a group, for L2
@@ -380,9 +382,32 @@ impl WsConfig {
         self.k.div_ceil(self.operands.bk())
     }
 
-    /// Threads per CTA: a producer warpgroup and the consumers.
+    /// Threads per CTA: a producer warpgroup and the consumers, or for register-sourced A (int8
+    /// and 4-bit weights: one consumer, no `setmaxnreg`) the consumers first and a producer warp
+    /// after them ([`WsConfig::producer_warp`]).
     pub const fn threads(&self) -> u32 {
-        128 * (1 + self.consumers)
+        if self.producer_warp() {
+            128 * self.consumers + 32
+        } else {
+            128 * (1 + self.consumers)
+        }
+    }
+
+    /// Whether the producer is one warp after the consumer warpgroups (register-sourced A), not a
+    /// warpgroup before them: its other 96 threads would only hold registers, and a CTA of 160
+    /// threads leaves room for more CTAs per SM (a wgmma warpgroup must start at a warp index that
+    /// is a multiple of 4, hence the consumers first).
+    pub const fn producer_warp(&self) -> bool {
+        self.operands.register_a()
+    }
+
+    /// The first thread of the producer.
+    pub const fn producer_tid(&self) -> u32 {
+        if self.producer_warp() {
+            128 * self.consumers
+        } else {
+            0
+        }
     }
 
     /// Dynamic shared memory per CTA (stages plus 1 KiB of alignment slack).
@@ -902,7 +927,11 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     // The stage buffers: the dynamic base rounded up to 1024 bytes.
     let base = k.aligned_shared_base("smem", SMEM_ALIGN_SLACK);
     let wg = k.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(7));
-    let is_consumer = k.setp(CmpOp::Ne, wg, Operand::Int(0));
+    let is_consumer = if cfg.producer_warp() {
+        k.setp(CmpOp::Lt, wg, Operand::Int(cfg.consumers.into()))
+    } else {
+        k.setp(CmpOp::Ne, wg, Operand::Int(0))
+    };
     let consumer = k.b.label("consumer");
     let exit = k.b.label("exit");
     k.bra(&consumer, Some((is_consumer, false)));
@@ -936,8 +965,9 @@ fn producer(
     }
     // One thread issues every TMA load, the block scales' included.
     let block = cfg.scaling == Scaling::Block128;
-    let leader = k.setp(CmpOp::Eq, tid, Operand::Int(0));
-    let idle = k.setp(CmpOp::Ge, tid, Operand::Int(1));
+    let first = i64::from(cfg.producer_tid());
+    let leader = k.setp(CmpOp::Eq, tid, Operand::Int(first));
+    let idle = k.setp(CmpOp::Ne, tid, Operand::Int(first));
     k.bra(exit, Some((idle, false)));
     let tmap_x = k.b.tensor_map_addr(PARAMS[0])?;
     let tmap_w = k.b.tensor_map_addr(PARAMS[1])?;
@@ -1187,7 +1217,9 @@ fn consumers(
             count: MaxNReg::new(CONSUMER_REGS)?,
         })?;
     }
-    let cwg = k.bin(BinOpcode::Sub, PtxTy::U32, wg, Operand::Int(1));
+    // The consumer's index: warpgroups 0.. when the producer is a warp after them, else 1...
+    let first_wg = if cfg.producer_warp() { 0 } else { 1 };
+    let cwg = k.bin(BinOpcode::Sub, PtxTy::U32, wg, Operand::Int(first_wg));
     let lane = k.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
     let warp = k.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
     k.bin_to(warp, BinOpcode::And, PtxTy::B32, warp, Operand::Int(3));
