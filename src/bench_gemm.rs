@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 
+use crate::codegen::gemm::ws::{Operands, Scaling};
 use crate::runtime::{drv, Device};
 use crate::{Error, Result};
 
@@ -93,11 +94,29 @@ pub enum Recipe {
     Fp8PerTensor,
     /// e4m3 weights with an f32 scale per 128x128 block.
     Fp8Block128,
+    /// Weights-only NVFP4 (`nvfp4_cutedsl`): E2M1 codes, an E4M3 scale per 16, bf16 activations
+    /// (the W4A16 GEMM).
+    Nvfp4,
+    /// Weights-only MXFP4: E2M1 codes, an E8M0 scale per 32, bf16 activations.
+    Mxfp4,
+    /// Weights-only INT8 with an f32 scale per row (`int8_per_row`, the W8A16 GEMM).
+    Int8Row,
+    /// Weights-only group-wise INT4 (`int4_g128`): u4 codes, a bf16 scale per 128.
+    Int4G128,
 }
 
 impl Recipe {
-    /// Every recipe, in table order.
+    /// Every recipe with bf16 or FP8 activations, in table order (what `all` selects).
     pub const ALL: [Recipe; 3] = [Recipe::Bf16, Recipe::Fp8PerTensor, Recipe::Fp8Block128];
+
+    /// The weights-only recipes (bf16 activations, the weights dequantized in the GEMM; decode
+    /// form only): what `weights_only` selects.
+    pub const WEIGHTS_ONLY: [Recipe; 4] = [
+        Recipe::Nvfp4,
+        Recipe::Mxfp4,
+        Recipe::Int8Row,
+        Recipe::Int4G128,
+    ];
 
     /// The standard recipe's name.
     pub fn name(self) -> &'static str {
@@ -105,17 +124,45 @@ impl Recipe {
             Recipe::Bf16 => "bf16",
             Recipe::Fp8PerTensor => "fp8_per_tensor",
             Recipe::Fp8Block128 => "fp8_block128",
+            Recipe::Nvfp4 => "nvfp4_cutedsl",
+            Recipe::Mxfp4 => "mxfp4",
+            Recipe::Int8Row => "int8_per_row",
+            Recipe::Int4G128 => "int4_g128",
         }
     }
 
-    /// The recipe named `s`, if it is one of the three.
+    /// The recipe named `s`, if it is one of the seven.
     pub fn from_name(s: &str) -> Option<Recipe> {
-        Recipe::ALL.into_iter().find(|r| r.name() == s)
+        Recipe::ALL
+            .into_iter()
+            .chain(Recipe::WEIGHTS_ONLY)
+            .find(|r| r.name() == s)
     }
 
-    /// Whether the weights are fp8.
+    /// Whether the weights and activations are fp8.
     pub fn is_fp8(self) -> bool {
-        self != Recipe::Bf16
+        matches!(self, Recipe::Fp8PerTensor | Recipe::Fp8Block128)
+    }
+
+    /// The GEMM family of the recipe's weights: operands and accumulator scaling.
+    pub fn family(self) -> (Operands, Scaling) {
+        use crate::codegen::gemm::ws::{GroupScale, W4Codes, W4};
+        let w4 = |codes, scale, group| {
+            Operands::W4Bf16(W4 {
+                codes,
+                scale,
+                group,
+            })
+        };
+        match self {
+            Recipe::Bf16 => (Operands::Bf16, Scaling::None),
+            Recipe::Fp8PerTensor => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+            Recipe::Fp8Block128 => (Operands::E4m3, Scaling::Block128),
+            Recipe::Nvfp4 => (w4(W4Codes::E2m1, GroupScale::E4m3, 16), Scaling::PerExpert),
+            Recipe::Mxfp4 => (w4(W4Codes::E2m1, GroupScale::E8m0, 32), Scaling::PerExpert),
+            Recipe::Int8Row => (Operands::I8Bf16, Scaling::PerRow),
+            Recipe::Int4G128 => (w4(W4Codes::U4, GroupScale::Bf16, 128), Scaling::PerExpert),
+        }
     }
 
     /// The bytes one expert's w13 occupies (`N x K` values and their scales).
@@ -125,6 +172,10 @@ impl Recipe {
             Recipe::Bf16 => n * k * 2,
             Recipe::Fp8PerTensor => n * k + 4,
             Recipe::Fp8Block128 => n * k + n.div_ceil(128) * k.div_ceil(128) * 4,
+            Recipe::Nvfp4 => n * k / 2 + n * k.div_ceil(16) + 4,
+            Recipe::Mxfp4 => n * k / 2 + n * k.div_ceil(32),
+            Recipe::Int8Row => n * k + 4 * n,
+            Recipe::Int4G128 => n * k / 2 + 2 * n * k.div_ceil(128),
         }
     }
 
@@ -299,12 +350,13 @@ impl Selection {
         };
         let recipes = match recipe.map(str::trim) {
             None | Some("all") => Recipe::ALL.to_vec(),
+            Some("weights_only") => Recipe::WEIGHTS_ONLY.to_vec(),
             Some(list) => {
                 let mut v = Vec::new();
                 for name in list.split(',').map(str::trim) {
                     let r = Recipe::from_name(name).ok_or_else(|| {
                         Error::Usage(format!(
-                            "unknown --recipe `{name}` for the grouped GEMM (expected bf16, fp8_per_tensor, fp8_block128 or all)"
+                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, or all, or weights_only)"
                         ))
                     })?;
                     if !v.contains(&r) {

@@ -35,6 +35,8 @@ struct Operands_ {
     w: CudaSlice<u8>,
     x_scale: CudaSlice<f32>,
     w_scale: CudaSlice<f32>,
+    /// 4-bit weights' group scales.
+    group_scales: Option<CudaSlice<u8>>,
     y: CudaSlice<u8>,
     offsets: CudaSlice<i32>,
     t: usize,
@@ -77,11 +79,7 @@ impl Default for WsRunner {
 
 /// The kernel family of a recipe.
 pub fn family(recipe: Recipe) -> (Operands, Scaling) {
-    match recipe {
-        Recipe::Bf16 => (Operands::Bf16, Scaling::None),
-        Recipe::Fp8PerTensor => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
-        Recipe::Fp8Block128 => (Operands::E4m3, Scaling::Block128),
-    }
+    recipe.family()
 }
 
 impl WsRunner {
@@ -142,7 +140,7 @@ impl WsRunner {
             offsets: &o.offsets,
             x_scale: scaled.then_some(&o.x_scale),
             w_scale: scaled.then_some(&o.w_scale),
-            group_scales: None,
+            group_scales: o.group_scales.as_ref(),
             t: o.t,
             experts: o.experts,
         };
@@ -178,7 +176,18 @@ impl WsRunner {
         let y = alloc(t * case.n * 2)?;
         let (kb, nb) = (case.k.div_ceil(128), case.n.div_ceil(128));
         let xs = vec![1.0f32 / 64.0; (kb * t).max(1)];
-        let ws = vec![1.0f32 / 256.0; (case.experts * nb * kb).max(1)];
+        // Enough weight scales for every family (per expert, per block, per row).
+        let ws = vec![1.0f32 / 256.0; (case.experts * (nb * kb).max(case.n)).max(1)];
+        // 4-bit weights' group scales, enough for groups of 16 of bf16 (0x3c bytes: E4M3 1.5,
+        // E8M0 2^-67, bf16 2^-7 pairs).
+        let group_scales = match operands {
+            Operands::W4Bf16(_) => {
+                let mut g = alloc(case.experts * case.k.div_ceil(16) * case.n * 2)?;
+                fill_device(dev, &mut g, &[0x3c; 4096])?;
+                Some(g)
+            }
+            _ => None,
+        };
         let x_scale = dev.stream.clone_htod(&xs).map_err(drv("cuMemcpyHtoD"))?;
         let w_scale = dev.stream.clone_htod(&ws).map_err(drv("cuMemcpyHtoD"))?;
         let offsets: Vec<i32> = case
@@ -196,6 +205,7 @@ impl WsRunner {
             w,
             x_scale,
             w_scale,
+            group_scales,
             y,
             offsets,
             t,

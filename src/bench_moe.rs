@@ -53,12 +53,8 @@ pub struct Options {
 
 /// A weight operand of random bytes for `recipe`: `[experts, n, k]`.
 fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64) -> GemmWeights {
-    let (operands, scaling) = match recipe {
-        Recipe::Bf16 => (Operands::Bf16, Scaling::None),
-        Recipe::Fp8PerTensor => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
-        Recipe::Fp8Block128 => (Operands::E4m3, Scaling::Block128),
-    };
-    let len = experts * n * k * operands.bytes() as usize;
+    let (operands, scaling) = recipe.family();
+    let len = experts * n * k * operands.w_bits() as usize / 8;
     let mut chunk = vec![0u8; (8 << 20).min(len.max(1))];
     match operands {
         Operands::Bf16 => random_bf16(&mut chunk, seed),
@@ -80,7 +76,13 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         k,
         codes,
         scales,
-        group_scales: Vec::new(),
+        // 4-bit weights: group scales of 0x3c bytes (an E4M3 1.5, an E8M0 2^-67, bf16 2^-7).
+        group_scales: match operands {
+            Operands::W4Bf16(w) => {
+                vec![0x3c; experts * k.div_ceil(w.group as usize) * n * w.scale.bytes() as usize]
+            }
+            _ => Vec::new(),
+        },
         relayout: false,
     }
 }
@@ -88,9 +90,10 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
 fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
     let (e, h, i) = (model.experts, model.hidden, model.intermediate);
     let feed = match recipe {
-        Recipe::Bf16 => Feed::Bf16,
         Recipe::Fp8PerTensor => Feed::PerToken,
         Recipe::Fp8Block128 => Feed::PerTokenGroup128,
+        // bf16 activations: bf16 weights, and the weights-only recipes.
+        _ => Feed::Bf16,
     };
     LayerOperands {
         w13: random_weights(recipe, e, 2 * i, h, 0x5EED_0013),

@@ -125,8 +125,9 @@ enum Command {
         #[arg(long, conflicts_with = "layouts")]
         eplb: bool,
         /// Only the grouped-GEMM benchmark (with --gpu): the MoE w13 GEMM at the anchor shapes
-        /// against torch (measured now by --anchor) and vLLM (recorded); --recipe is then bf16,
-        /// fp8_per_tensor, fp8_block128 or all (a comma-separated list also works).
+        /// against torch (measured now by --anchor) and vLLM (recorded); --recipe is then a
+        /// comma-separated list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4,
+        /// int8_per_row, int4_g128, or all (the first three) or weights_only (the last four).
         #[arg(long, conflicts_with_all = ["layouts", "eplb"])]
         gemm: bool,
         /// Only the MoE layer benchmark (with --gpu): the whole forward (permute, both GEMMs,
@@ -309,8 +310,9 @@ enum CacheAction {
         /// and w2: qwen3-30b-a3b, deepseek-v3-ep8, mixtral-8x7b or all.
         #[arg(long, conflicts_with_all = ["bind", "replay", "manifest"])]
         model: Option<String>,
-        /// With --model: bf16, fp8_per_tensor, fp8_block128 or all (a comma-separated list also
-        /// works; default all).
+        /// With --model: a comma-separated list of bf16, fp8_per_tensor, fp8_block128,
+        /// nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, or all (the first three; the default) or
+        /// weights_only (the last four).
         #[arg(long, requires = "model")]
         recipe: Option<String>,
         /// With --model: the token counts tuned, comma-separated (default:
