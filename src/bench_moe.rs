@@ -87,7 +87,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
     }
 }
 
-fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
+pub(crate) fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
     let (e, h, i) = (model.experts, model.hidden, model.intermediate);
     let feed = match recipe {
         Recipe::Fp8PerTensor => Feed::PerToken,

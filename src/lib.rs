@@ -35,6 +35,7 @@ pub mod moe_gpu;
 pub mod moe_gpu_check;
 pub mod moe_gpu_layer;
 mod moe_gpu_w4;
+mod moe_graph_check;
 pub mod moe_host;
 pub mod moe_kernels_check;
 pub mod moe_run;

@@ -176,8 +176,10 @@ enum Command {
         #[arg(long, requires = "gpu", conflicts_with = "nccl")]
         gemm: bool,
         /// Instead: the MoE layer forward on the GPU against the host path, through `moe run`, for
-        /// every recipe the GPU layer runs (bf16, FP8 per tensor static and dynamic, FP8 128x128
-        /// blocks) over several routings and a placement with replicas (fresh seed, printed).
+        /// every standard recipe (bf16, FP8 per tensor static and dynamic, FP8 128x128 blocks, and
+        /// the weights-only NVFP4, MXFP4, INT8 and INT4) over several routings and a placement
+        /// with replicas (fresh seed, printed); then the forward captured in a CUDA graph and
+        /// replayed (the same bits).
         #[arg(long, requires = "gpu", conflicts_with_all = ["nccl", "gemm"])]
         moe: bool,
     },

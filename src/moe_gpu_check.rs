@@ -313,7 +313,7 @@ fn second_gemm(
 /// skipped without a Hopper GPU).
 pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Option<bool>)> {
     let mut out = String::new();
-    let Some(_dev) = hopper("GPU MoE layer self-test", &mut out) else {
+    let Some(dev) = hopper("GPU MoE layer self-test", &mut out) else {
         return Ok((out, None));
     };
     let seed = fresh_seed();
@@ -454,6 +454,9 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             let _ = writeln!(out, "{label}:{line}: {}", if good { "ok" } else { "FAIL" });
         }
     }
+    let (g, gok) = crate::moe_graph_check::graph_check(&dev, &mut rng, &settings.runtime)?;
+    out.push_str(&g);
+    ok &= gok;
     let _ = writeln!(
         out,
         "moe layer: {}",

@@ -639,6 +639,42 @@ impl GpuLayer {
         self.current.map(|c| (c.c13, c.c2))
     }
 
+    /// Capture the forward of the uploaded tokens ([`GpuLayer::enqueue`], no marks) into a CUDA
+    /// graph on `dev.stream`: replaying it ([`cudarc::driver::CudaGraph::launch`]) computes the
+    /// forward of whatever tokens of the same `(T, k)` were last uploaded into the layer's scratch
+    /// (the graph holds device pointers, and nothing in the forward reads the host), then
+    /// [`GpuLayer::finish`] reads it back. Run one forward first: the GEMM variants, tensor maps and
+    /// split-K buffers are made on the first run, and a capture must not allocate. Errors: nothing
+    /// uploaded, or the driver refusing the capture (the stream's capture is ended either way).
+    pub fn capture(&mut self, dev: &Device) -> Result<cudarc::driver::CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if self.current.is_none() {
+            return Err(Error::Usage("MoE layer: capture before upload".into()));
+        }
+        dev.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("cuStreamBeginCapture"))?;
+        let queued = self.enqueue(dev, None);
+        // End the capture whatever happened, so that the stream is usable again.
+        let graph = dev
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(drv("cuStreamEndCapture"));
+        queued?;
+        graph?.ok_or_else(|| Error::Usage("MoE layer: the capture recorded no graph".into()))
+    }
+
+    /// Zero the output buffer (a check that a replayed graph writes it again).
+    pub fn clear_output(&mut self, dev: &Device) -> Result<()> {
+        let Some(s) = self.scratch.as_mut() else {
+            return Err(Error::Usage("MoE layer: no scratch".into()));
+        };
+        dev.stream
+            .memset_zeros(&mut s.out)
+            .map_err(drv("cuMemsetD8"))?;
+        Ok(())
+    }
+
     /// Wait for the queued forward and read its result back (see [`GpuLayer::forward`]). Errors:
     /// items the permute skipped (an id out of range or without a replica on the device).
     pub fn finish(&mut self, dev: &Device, dump: bool) -> Result<Forward> {
