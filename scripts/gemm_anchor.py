@@ -7,7 +7,8 @@ CASES.json is what the benchmark writes: {"cases": [{model, recipe, tokens, expe
 rows}, ...]}, the row counts per expert of each case (the benchmark's seeded uniform top-k routing),
 so that torch runs exactly the shapes moeforge ran. For each case it times, with the same row counts:
 
-* recipe bf16: torch._grouped_mm, bf16 x bf16 -> bf16, weights [E, N, K] transposed as in
+* recipe bf16 and the weights-only recipes (nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, whose
+  peers are bf16): torch._grouped_mm, bf16 x bf16 -> bf16, weights [E, N, K] transposed as in
   ../shared/anchors/torch_anchors.py;
 * recipes fp8_per_tensor and fp8_block128: torch._scaled_grouped_mm fp8 rowwise (e4m3, f32 scales
   per row and per weight column). torch has no blockwise (128x128) grouped GEMM, so fp8_block128 is
@@ -43,7 +44,7 @@ def main(argv):
         key = (c["model"], c["recipe"], c["tokens"])
         try:
             E, N, K, rows = c["experts"], c["n"], c["k"], c["rows"]
-            kind = "bf16" if c["recipe"] == "bf16" else "fp8"
+            kind = "fp8" if c["recipe"] in ("fp8_per_tensor", "fp8_block128") else "bf16"
             shape = (E, N, K)
             if shape not in weights:
                 weights.clear()

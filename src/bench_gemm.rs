@@ -1061,7 +1061,7 @@ pub fn render(device: &str, rows: &[Row], torch: &TorchResults) -> String {
             let _ = writeln!(out, "torch: not measured ({why})");
         }
         (_, Some(v)) => {
-            let _ = writeln!(out, "torch: measured now ({v}), same row counts; bf16: torch._grouped_mm; fp8 recipes: torch._scaled_grouped_mm fp8 rowwise (torch has no blockwise grouped GEMM, so fp8_block128 is compared with rowwise)");
+            let _ = writeln!(out, "torch: measured now ({v}), same row counts; bf16 and the weights-only recipes: torch._grouped_mm bf16; fp8 recipes: torch._scaled_grouped_mm fp8 rowwise (torch has no blockwise grouped GEMM, so fp8_block128 is compared with rowwise)");
         }
         _ => {
             let _ = writeln!(out, "torch: measured now, same row counts");
