@@ -175,7 +175,7 @@ pub fn run(pack_experts: usize, settings: &crate::Settings) -> crate::Result<Str
         }
     }
     crate::demo_moe::run(&mut out, settings)?;
-    crate::demo_eplb::run(&mut out, &settings.host)?;
+    crate::demo_eplb::run(&mut out, &settings.host, &settings.runtime)?;
     let _ = writeln!(
         out,
         "\nDetails of one recipe: moeforge check kernels/nvfp4_cutedsl.recipe --bind E=128,H=2048,I=768"

@@ -23,7 +23,11 @@ fn pack(
 }
 
 /// Run the round and append its report.
-pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()> {
+pub fn run(
+    out: &mut String,
+    host: &crate::codegen::host::Options,
+    runtime: &crate::runtime::Settings,
+) -> Result<()> {
     let (e, r, ranks, h, i) = (16usize, 20usize, 4usize, 2048usize, 768usize);
     let local = r / ranks;
     let rec = crate::kernels::find("nvfp4_cutedsl")
@@ -146,7 +150,15 @@ pub fn run(out: &mut String, host: &crate::codegen::host::Options) -> Result<()>
     if !ok {
         return Err(Error::Usage("the EPLB round broke the contract".into()));
     }
-    gpu_round(out, &full, &old_packed, &want, &start_map, &new_map)?;
+    gpu_round(
+        out,
+        &full,
+        &old_packed,
+        &want,
+        &start_map,
+        &new_map,
+        runtime,
+    )?;
     Ok(())
 }
 
@@ -162,6 +174,7 @@ fn gpu_round(
     want: &Params,
     start: &SlotMap,
     new: &SlotMap,
+    runtime: &crate::runtime::Settings,
 ) -> Result<()> {
     let Ok(dev) = crate::gpu::open() else {
         let _ = writeln!(
@@ -213,6 +226,24 @@ fn gpu_round(
     );
     if !ok {
         return Err(Error::Usage("the GPU EPLB round broke the contract".into()));
+    }
+    // The generated MoE layer itself (Hopper only): a skewed routing counted by its device load
+    // counters, `GpuLayer::rebalance` in place, the same tokens' forward.
+    if dev.target() == Some(crate::codegen::ptx::Target::Sm90a) {
+        let _ = writeln!(
+            out,
+            "  the GPU MoE layer (E=8, H=256, I=384, random weights, 96 tokens top-2 mostly on experts 0 and 1, 2 EP ranks for the policy): rebalance() from its load counters, then the same tokens' forward:"
+        );
+        let mut rng = crate::selftest_util::Rng(0x5EED_E91B);
+        let (lines, ok) = crate::moe_eplb_check::eplb_check(&dev, &mut rng, runtime)?;
+        for l in lines.lines() {
+            let _ = writeln!(out, "    {}", l.trim_start_matches("moe layer eplb "));
+        }
+        if !ok {
+            return Err(Error::Usage(
+                "the GPU MoE layer's EPLB round changed an output bit".into(),
+            ));
+        }
     }
     Ok(())
 }

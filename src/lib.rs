@@ -31,6 +31,7 @@ pub mod gemm_ws_check;
 pub mod gpu;
 pub mod gpu_shards;
 pub mod layout_gen;
+mod moe_eplb_check;
 pub mod moe_gpu;
 pub mod moe_gpu_check;
 pub mod moe_gpu_layer;

@@ -457,6 +457,9 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
     let (g, gok) = crate::moe_graph_check::graph_check(&dev, &mut rng, &settings.runtime)?;
     out.push_str(&g);
     ok &= gok;
+    let (g, gok) = crate::moe_eplb_check::eplb_check(&dev, &mut rng, &settings.runtime)?;
+    out.push_str(&g);
+    ok &= gok;
     let _ = writeln!(
         out,
         "moe layer: {}",

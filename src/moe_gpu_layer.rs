@@ -32,13 +32,17 @@ use crate::moe_gpu::{GemmWeights, LayerOperands};
 use crate::moe_host::{Feed, Forward, MoeError, Replicas, Tokens};
 use crate::runtime::act_quant::ActQuant;
 use crate::runtime::cache::Cache;
+use crate::runtime::eplb_state::{EplbLayerState, Policy};
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::jit::Compiler;
 use crate::runtime::moe_kernels::{MoeAct, MoeCombine};
+use crate::runtime::moves::{MovePlan, SlotMap};
 use crate::runtime::permute::{Buffers, Permute};
+use crate::runtime::slot_moves::{self, SlotBuffer};
 use crate::runtime::{drv, Device};
 use crate::{Error, Result};
+use cudarc::driver::DevicePtr as _;
 
 /// One GEMM's weights on the device.
 struct DevWeights {
@@ -208,6 +212,23 @@ pub struct GpuLayer {
     compiler: Compiler,
     scratch: Option<Scratch>,
     current: Option<Current>,
+    /// The placement the layer's buffers hold (`phy2log`).
+    placement: SlotMap,
+    /// The layer's EPLB state; `None` means EPLB is off.
+    eplb: Option<EplbLayerState>,
+    /// The device load counters as the last [`GpuLayer::record_load`] read them.
+    load_seen: Vec<u32>,
+}
+
+/// What [`GpuLayer::rebalance`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuRebalance {
+    /// Balancedness of the window's loads before and after.
+    pub balance: (f32, f32),
+    /// Slots whose expert changed.
+    pub changed_slots: usize,
+    /// Bytes the copies read and wrote.
+    pub bytes: u64,
 }
 
 impl std::fmt::Debug for GpuLayer {
@@ -236,6 +257,22 @@ fn replica_table(replicas: &Replicas) -> (Vec<i32>, Vec<i32>, usize) {
         .map(|r| i32::try_from(r.len()).unwrap_or(0))
         .collect();
     (l2p, cnt, max)
+}
+
+/// The placement (`phy2log`) of `replicas` over `slots` slots: every slot must hold an expert.
+fn placement_of(replicas: &Replicas, slots: usize) -> Result<SlotMap> {
+    let mut phy2log = vec![usize::MAX; slots];
+    for e in 0..replicas.experts() {
+        for &p in replicas.replicas_of(e) {
+            if let Some(x) = phy2log.get_mut(p) {
+                *x = e;
+            }
+        }
+    }
+    if let Some(p) = phy2log.iter().position(|&e| e == usize::MAX) {
+        return Err(MoeError::Placement(format!("slot {p} of the layer holds no expert")).into());
+    }
+    Ok(SlotMap::new(phy2log, replicas.experts())?)
 }
 
 fn u32_of(x: usize, what: &str) -> Result<u32> {
@@ -274,6 +311,7 @@ impl GpuLayer {
             _ => None,
         };
         let (l2p, cnt, max_replicas) = replica_table(replicas);
+        let placement = placement_of(replicas, ops.slots)?;
         Ok(GpuLayer {
             slots: ops.slots,
             h: ops.h,
@@ -300,6 +338,114 @@ impl GpuLayer {
             compiler: Compiler::resolve(&settings.jit)?,
             scratch: None,
             current: None,
+            placement,
+            eplb: None,
+            load_seen: vec![0; ops.slots],
+        })
+    }
+
+    /// The placement the layer's buffers hold.
+    pub fn placement(&self) -> &SlotMap {
+        &self.placement
+    }
+
+    /// Turn EPLB on with `state` (over the layer's current placement), or off with `None`.
+    pub fn set_eplb(&mut self, state: Option<EplbLayerState>) -> Result<()> {
+        if let Some(s) = &state {
+            if s.map() != &self.placement {
+                return Err(MoeError::Placement(
+                    "the EPLB state's map is not the layer's placement".into(),
+                )
+                .into());
+            }
+        }
+        self.eplb = state;
+        Ok(())
+    }
+
+    /// The layer's EPLB state (`None`: off).
+    pub fn eplb(&self) -> Option<&EplbLayerState> {
+        self.eplb.as_ref()
+    }
+
+    /// Count the forwards since the last call as one step of the EPLB window: the device load
+    /// counters' growth per slot (they accumulate on the device, wrapping at 2^32). Errors: EPLB
+    /// off.
+    pub fn record_load(&mut self, dev: &Device) -> Result<()> {
+        let now = self.load_counters(dev)?;
+        let state = self
+            .eplb
+            .as_mut()
+            .ok_or_else(|| Error::from(MoeError::Placement("EPLB is off for this layer".into())))?;
+        let step: Vec<u64> = now
+            .iter()
+            .zip(&self.load_seen)
+            .map(|(&n, &o)| u64::from(n.wrapping_sub(o)))
+            .collect();
+        state.record(&step)?;
+        self.load_seen = now;
+        Ok(())
+    }
+
+    /// Plan a new placement from the EPLB window (SPEC §6's policy) and move every per-slot buffer
+    /// of the layer to it in place, between forwards: both GEMMs' codes, weight scales and group
+    /// scales, and the static activation scales, with one plan (`runtime::slot_moves`), then the
+    /// replica table the permute routes by. The layer then serves the new placement; a CUDA graph
+    /// captured before must be captured again (it holds the old replica table's address). Moving
+    /// experts without changing replica counts changes no output bit (SPEC §9). Errors: EPLB off, a
+    /// policy for another GPU count, a device error (the layer is then not usable: re-create it).
+    pub fn rebalance(&mut self, dev: &Device, policy: Policy) -> Result<GpuRebalance> {
+        let state = self
+            .eplb
+            .as_ref()
+            .ok_or_else(|| Error::from(MoeError::Placement("EPLB is off for this layer".into())))?;
+        let new = state.plan(policy)?;
+        let plan = MovePlan::new(&self.placement, &new, 1)?;
+        dev.sync()?;
+        let mut bufs = Vec::new();
+        {
+            let st = &dev.stream;
+            let mut add = |ptr: u64, len: usize| bufs.push(SlotBuffer { ptr, len });
+            for w in [&self.w13, &self.w2] {
+                add(w.w.device_ptr(st).0, w.w.len());
+                if let Some(sc) = &w.scale {
+                    add(sc.device_ptr(st).0, 4 * sc.len());
+                }
+                if let Some(g) = &w.group_scales {
+                    add(g.device_ptr(st).0, g.len());
+                }
+            }
+            if let Feed13::Static(_, v) = &self.feed13 {
+                add(v.device_ptr(st).0, 4 * v.len());
+            }
+            if let Some(v) = &self.static2 {
+                add(v.device_ptr(st).0, 4 * v.len());
+            }
+        }
+        // SAFETY: every buffer is one of this layer's live allocations on `dev`'s context; the
+        // layer is borrowed mutably, so no forward runs meanwhile, and the copies are queued on
+        // `dev.stream` and waited for below, before the buffers are used again.
+        let bytes = unsafe { slot_moves::rearrange(&dev.stream, &bufs, &plan) }?;
+        let replicas = Replicas::from_phy2log(new.phy2log(), self.experts)?;
+        let (l2p, cnt, max_replicas) = replica_table(&replicas);
+        self.log2phy = dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?;
+        self.logcnt = dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?;
+        self.max_replicas = max_replicas;
+        dev.stream
+            .memset_zeros(&mut self.load)
+            .map_err(drv("cuMemsetD8"))?;
+        dev.sync()?;
+        self.load_seen = vec![0; self.slots];
+        let changed_slots = plan.changed_slots();
+        self.placement = new.clone();
+        let balance = match self.eplb.as_mut() {
+            Some(s) => s.moved_to(new)?,
+            None => (0.0, 0.0),
+        };
+        Ok(GpuRebalance {
+            balance,
+            changed_slots,
+            bytes,
         })
     }
 
@@ -764,4 +910,24 @@ pub fn forward(
     let dev = Device::open(0)?;
     let mut l = GpuLayer::new(&dev, ops, replicas, settings)?;
     l.forward(&dev, tokens, dump)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The layer's placement comes from its replica table: every slot holds the expert whose
+    /// replica it is; a slot without one is refused.
+    #[test]
+    fn the_placement_follows_the_replicas() {
+        let p = placement_of(&Replicas::identity(4), 4).unwrap();
+        assert_eq!(p, SlotMap::identity(4));
+        let r = Replicas::from_phy2log(&[2, 0, 1, 2, 0], 3).unwrap();
+        assert_eq!(placement_of(&r, 5).unwrap().phy2log(), &[2, 0, 1, 2, 0]);
+        assert!(placement_of(&Replicas::identity(3), 4).is_err());
+        let (l2p, cnt, max) = replica_table(&r);
+        assert_eq!((cnt, max), (vec![2, 1, 2], 2));
+        assert_eq!(l2p, vec![1, 4, 2, -1, 0, 3]);
+    }
 }

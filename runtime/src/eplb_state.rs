@@ -162,6 +162,25 @@ impl EplbLayerState {
         SlotMap::new(row, self.map.experts())
     }
 
+    /// Record that the layer now holds `map` (same slots and experts), after every per-slot buffer
+    /// it serves from moved to it: a layer whose buffers are not a [`ParamStore`] (a GPU layer's
+    /// GEMM operands) calls this once its own rearrangement succeeded. Returns the balancedness of
+    /// the window's loads before and after; the counters restart.
+    pub fn moved_to(&mut self, map: SlotMap) -> Result<(f32, f32)> {
+        if map.slots() != self.map.slots() || map.experts() != self.map.experts() {
+            return Err(Error::Placement(format!(
+                "a map of {} slots over {} experts for a layer of {} over {}",
+                map.slots(),
+                map.experts(),
+                self.map.slots(),
+                self.map.experts()
+            )));
+        }
+        let before = self.balancedness();
+        self.switch(map, before);
+        Ok(self.balance.unwrap_or((before, before)))
+    }
+
     /// Switch to `map` (after every param moved): the counters restart, since they counted the
     /// old slots.
     fn switch(&mut self, map: SlotMap, before: f32) {

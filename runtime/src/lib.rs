@@ -26,6 +26,7 @@ pub mod moe_kernels;
 pub mod moves;
 pub mod nccl;
 pub mod permute;
+pub mod slot_moves;
 pub mod staged;
 pub mod store;
 pub mod tma;
