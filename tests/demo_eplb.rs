@@ -6,7 +6,7 @@
 #[test]
 fn the_eplb_round_improves_balance_and_keeps_the_contract() {
     let mut out = String::new();
-    moeforge::demo_eplb::run(&mut out, &Default::default()).unwrap();
+    moeforge::demo_eplb::run(&mut out, &Default::default(), &Default::default()).unwrap();
     assert!(
         out.contains("== packing the checkpoint placed as the new placement"),
         "{out}"
