@@ -1,4 +1,5 @@
-//! EPLB on the GPU MoE layer (issue \[9\] items 2 and 5): a skewed routing's load counted by the
+//! EPLB on the GPU MoE layer (issue \[9\] items 2 and 5), on the graph check's synthetic layer (8
+//! experts on 8 slots, split over 2 virtual EP ranks for the policy): a skewed routing's load counted by the
 //! layer's device counters, `GpuLayer::rebalance` planning from them (SPEC §6) and moving every
 //! per-slot buffer in place, then the same tokens' forward: bit-identical to the forward before,
 //! since the rebalance only moved experts (SPEC §9). Part of `moeforge selftest --gpu --moe`; GPU
@@ -6,52 +7,14 @@
 
 use std::fmt::Write as _;
 
-use crate::bench_gemm::{Model, Recipe};
 use crate::moe_gpu_layer::GpuLayer;
+use crate::moe_graph_check::{random_tokens, MODEL, RECIPES};
 use crate::moe_host::{Replicas, Tokens};
 use crate::runtime::eplb_state::{EplbLayerState, Policy};
 use crate::runtime::moves::SlotMap;
 use crate::runtime::Device;
 use crate::selftest_util::Rng;
 use crate::Result;
-
-/// The synthetic layer: 8 experts on 8 slots, split over 2 (virtual) EP ranks for the policy.
-const MODEL: Model = Model {
-    name: "eplb-check",
-    experts: 8,
-    top_k: 2,
-    hidden: 256,
-    intermediate: 384,
-};
-
-/// Tokens routed mostly to experts 0 and 1 (both on the first rank's slots), every expert at least
-/// once.
-fn skewed(rng: &mut Rng, t: usize) -> (Vec<u16>, Vec<i32>, Vec<f32>) {
-    let (h, e, k) = (MODEL.hidden, MODEL.experts, MODEL.top_k);
-    let x = (0..t * h).map(|_| rng.bf16_exp(120..130)).collect();
-    let mut ids = Vec::with_capacity(t * k);
-    for i in 0..t {
-        let mut chosen: Vec<i32> = Vec::with_capacity(k);
-        if i < e {
-            chosen.push(i as i32);
-        }
-        while chosen.len() < k {
-            let c = if rng.below(10) < 8 {
-                rng.below(2)
-            } else {
-                rng.below(e)
-            } as i32;
-            if !chosen.contains(&c) {
-                chosen.push(c);
-            }
-        }
-        ids.extend(chosen);
-    }
-    let w = (0..t * k)
-        .map(|_| (rng.below(1 << 20) as f32 + 1.0) / (1 << 20) as f32)
-        .collect();
-    (x, ids, w)
-}
 
 /// The check's lines and verdict.
 pub(crate) fn eplb_check(
@@ -67,17 +30,12 @@ pub(crate) fn eplb_check(
         nodes: 1,
         gpus: 2,
     };
-    for recipe in [
-        Recipe::Bf16,
-        Recipe::Fp8Block128,
-        Recipe::Nvfp4,
-        Recipe::Int8Row,
-    ] {
+    for recipe in RECIPES {
         let ops = crate::bench_moe::operands(&MODEL, recipe);
         let e = MODEL.experts;
         let mut layer = GpuLayer::new(dev, &ops, &Replicas::identity(e), settings)?;
         layer.set_eplb(Some(EplbLayerState::new(SlotMap::identity(e), 2, 10)?))?;
-        let (x, ids, w) = skewed(rng, t);
+        let (x, ids, w) = random_tokens(rng, t, true);
         let tok = Tokens {
             x: &x,
             ids: &ids,

@@ -17,24 +17,34 @@ use crate::runtime::{drv, Device};
 use crate::selftest_util::Rng;
 use crate::Result;
 
-/// The synthetic layer: 8 experts, H = 256, I = 384 (a multiple of every 4-bit group), top-2.
-const MODEL: Model = Model {
-    name: "graph-check",
+/// The synthetic layer of the GPU layer's checks: 8 experts, H = 256, I = 384 (a multiple of every
+/// 4-bit group), top-2.
+pub(crate) const MODEL: Model = Model {
+    name: "layer-check",
     experts: 8,
     top_k: 2,
     hidden: 256,
     intermediate: 384,
 };
 
-/// Random tokens: bf16 `x` (bits), distinct expert ids per token, weights in `(0, 1)`.
-fn tokens(rng: &mut Rng, t: usize) -> (Vec<u16>, Vec<i32>, Vec<f32>) {
+/// Random tokens of [`MODEL`]: bf16 `x` (bits), distinct expert ids per token, weights in `(0, 1)`.
+/// With `hot`, token `i < E` takes expert `i` first (every expert is used) and the other choices go
+/// to experts 0 and 1 eight times in ten (a skewed load).
+pub(crate) fn random_tokens(rng: &mut Rng, t: usize, hot: bool) -> (Vec<u16>, Vec<i32>, Vec<f32>) {
     let (h, e, k) = (MODEL.hidden, MODEL.experts, MODEL.top_k);
     let x = (0..t * h).map(|_| rng.bf16_exp(120..130)).collect();
     let mut ids = Vec::with_capacity(t * k);
-    for _ in 0..t {
+    for i in 0..t {
         let mut chosen: Vec<i32> = Vec::with_capacity(k);
+        if hot && i < e {
+            chosen.push(i as i32);
+        }
         while chosen.len() < k {
-            let c = rng.below(e) as i32;
+            let c = if hot && rng.below(10) < 8 {
+                rng.below(2)
+            } else {
+                rng.below(e)
+            } as i32;
             if !chosen.contains(&c) {
                 chosen.push(c);
             }
@@ -47,6 +57,15 @@ fn tokens(rng: &mut Rng, t: usize) -> (Vec<u16>, Vec<i32>, Vec<f32>) {
     (x, ids, w)
 }
 
+/// The recipe families the GPU layer's graph and EPLB checks run: bf16, FP8 128x128 blocks, and the
+/// W4A16 (NVFP4) and W8A16 GEMMs.
+pub(crate) const RECIPES: [Recipe; 4] = [
+    Recipe::Bf16,
+    Recipe::Fp8Block128,
+    Recipe::Nvfp4,
+    Recipe::Int8Row,
+];
+
 /// The check's lines and verdict.
 pub(crate) fn graph_check(
     dev: &Device,
@@ -56,15 +75,10 @@ pub(crate) fn graph_check(
     let mut out = String::new();
     let mut all = true;
     let t = 37;
-    for recipe in [
-        Recipe::Bf16,
-        Recipe::Fp8Block128,
-        Recipe::Nvfp4,
-        Recipe::Int8Row,
-    ] {
+    for recipe in RECIPES {
         let ops = crate::bench_moe::operands(&MODEL, recipe);
         let mut layer = GpuLayer::new(dev, &ops, &Replicas::identity(MODEL.experts), settings)?;
-        let (x, ids, w) = tokens(rng, t);
+        let (x, ids, w) = random_tokens(rng, t, false);
         let a = Tokens {
             x: &x,
             ids: &ids,
@@ -79,7 +93,7 @@ pub(crate) fn graph_check(
         graph.launch().map_err(drv("cuGraphLaunch"))?;
         let replay = layer.finish(dev, false)?.output;
         // New tokens into the same buffers, replay, against a plain forward of them.
-        let (x2, ids2, w2) = tokens(rng, t);
+        let (x2, ids2, w2) = random_tokens(rng, t, false);
         let b = Tokens {
             x: &x2,
             ids: &ids2,

@@ -627,12 +627,7 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
     }
     // Weights the GPU GEMMs do not take (INT4 in groups of 8: the W4A16 kernel's groups are at
     // least 16 long) are refused by name before any device is opened, on every machine.
-    let src = moeforge::kernels::find("int4_g128")
-        .unwrap()
-        .source
-        .replace("recipe int4_g128", "recipe int4_g8")
-        .replace("group = 128", "group = 8")
-        .replace("/128]", "/8]");
+    let src = common::int4_g8_source();
     let g8 = d.join("int4_g8.recipe");
     std::fs::write(&g8, src).unwrap();
     let nv = d.join("int4_g8.safetensors");

@@ -622,12 +622,7 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
     // group-wise INT4 in groups of 8, shorter than the W4A16 kernel's k16 step.)
     let dir = tempfile::tempdir().unwrap();
     let g8 = dir.path().join("int4_g8.recipe");
-    let src = moeforge::kernels::find("int4_g128")
-        .unwrap()
-        .source
-        .replace("recipe int4_g128", "recipe int4_g8")
-        .replace("group = 128", "group = 8")
-        .replace("/128]", "/8]");
+    let src = common::int4_g8_source();
     std::fs::write(&g8, src).unwrap();
     let (recipe, want) = (
         g8.to_str().unwrap(),

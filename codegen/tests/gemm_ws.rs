@@ -559,6 +559,29 @@ fn the_same_configuration_gives_the_same_text() {
     assert_eq!(texts.len(), count);
 }
 
+/// With `MOEFORGE_PTXAS` set, `text` assembles for sm_90a with no "serialized" wgmma report and no
+/// spill (`tag` names the temporary files).
+fn assembles_clean(text: &str, tag: &str) {
+    let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") else {
+        return;
+    };
+    let stem = std::env::temp_dir().join(format!("moeforge_{tag}_{}", std::process::id()));
+    let (src, cubin) = (stem.with_extension("ptx"), stem.with_extension("cubin"));
+    std::fs::write(&src, text).unwrap();
+    let out = std::process::Command::new(ptxas)
+        .args(["-arch=sm_90a", "-O3", "-v"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&cubin)
+        .output()
+        .unwrap();
+    let _ = (std::fs::remove_file(&src), std::fs::remove_file(&cubin));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("serialized"), "{log}");
+    assert!(log.contains(" 0 bytes spill stores"), "{log}");
+}
+
 /// Lines of `text` that contain `pat`.
 fn count(text: &str, pat: &str) -> usize {
     text.lines().filter(|l| l.contains(pat)).count()
@@ -1042,24 +1065,7 @@ fn four_bit_weights_feed_register_a_and_assemble() {
             };
         assert_eq!(text.matches("mul.rn.bf16x2").count(), muls, "{}", c.tag());
         assert!(!text.contains("wgmma.wait_group.sync.aligned \t1;"));
-        if let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") {
-            let stem =
-                std::env::temp_dir().join(format!("moeforge_w4_{}_{bn}", std::process::id()));
-            let (src, cubin) = (stem.with_extension("ptx"), stem.with_extension("cubin"));
-            std::fs::write(&src, &text).unwrap();
-            let out = std::process::Command::new(ptxas)
-                .args(["-arch=sm_90a", "-O3", "-v"])
-                .arg(&src)
-                .arg("-o")
-                .arg(&cubin)
-                .output()
-                .unwrap();
-            let _ = (std::fs::remove_file(&src), std::fs::remove_file(&cubin));
-            let log = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{log}");
-            assert!(!log.contains("serialized"), "{log}");
-            assert!(log.contains(" 0 bytes spill stores"), "{log}");
-        }
+        assembles_clean(&text, &format!("w4_{bn}"));
     }
     let ok = WsConfig {
         operands: Operands::W4Bf16(W4 {
@@ -1164,24 +1170,7 @@ fn int8_weights_feed_register_a_and_assemble() {
             !text.contains("wgmma.wait_group.sync.aligned \t1;"),
             "{text}"
         );
-        if let Some(ptxas) = std::env::var_os("MOEFORGE_PTXAS") {
-            let stem =
-                std::env::temp_dir().join(format!("moeforge_i8_{}_{bn}", std::process::id()));
-            let (src, cubin) = (stem.with_extension("ptx"), stem.with_extension("cubin"));
-            std::fs::write(&src, &text).unwrap();
-            let out = std::process::Command::new(ptxas)
-                .args(["-arch=sm_90a", "-O3", "-v"])
-                .arg(&src)
-                .arg("-o")
-                .arg(&cubin)
-                .output()
-                .unwrap();
-            let _ = (std::fs::remove_file(&src), std::fs::remove_file(&cubin));
-            let log = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{log}");
-            assert!(!log.contains("serialized"), "{log}");
-            assert!(log.contains(" 0 bytes spill stores"), "{log}");
-        }
+        assembles_clean(&text, &format!("i8_{bn}"));
     }
     // Int8 weights only in the decode form with one consumer, and only with per-row scales.
     let bad = WsConfig {

@@ -227,3 +227,14 @@ pub fn pack(recipe: &str, input: &Path, output: &Path) {
     ]);
     assert_eq!(code, 0, "pack {recipe}: {err}");
 }
+
+/// `int4_g128`'s source as a recipe `int4_g8` that groups INT4 by 8 along K: packs, but no GPU GEMM
+/// takes groups shorter than 16 (the W4A16 kernel's k16 step).
+pub fn int4_g8_source() -> String {
+    moeforge::kernels::find("int4_g128")
+        .unwrap()
+        .source
+        .replace("recipe int4_g128", "recipe int4_g8")
+        .replace("group = 128", "group = 8")
+        .replace("/128]", "/8]")
+}

@@ -54,12 +54,18 @@ pub(crate) struct I8Frag {
     magic: Reg,
 }
 
-/// The per-thread constants for lane `lane` of warp `warp` (in its warpgroup), rows of
-/// `row_bytes` bytes.
-pub(crate) fn i8_frag(k: &mut K, warp: Reg, lane: Reg, row_bytes: u32) -> I8Frag {
+/// The fragment row `16 w + l / 4` of lane `lane` of warp `warp` (GEMM.md §1.6).
+fn frag_row(k: &mut K, warp: Reg, lane: Reg) -> Reg {
     let row = k.bin(BinOpcode::Shl, PtxTy::B32, warp, Operand::Int(4));
     let quad = k.bin(BinOpcode::Shr, PtxTy::U32, lane, Operand::Int(2));
     k.bin_to(row, BinOpcode::Add, PtxTy::U32, row, Operand::Reg(quad));
+    row
+}
+
+/// The per-thread constants for lane `lane` of warp `warp` (in its warpgroup), rows of
+/// `row_bytes` bytes.
+pub(crate) fn i8_frag(k: &mut K, warp: Reg, lane: Reg, row_bytes: u32) -> I8Frag {
+    let row = frag_row(k, warp, lane);
     let base = k.bin(
         BinOpcode::MulLo,
         PtxTy::U32,
@@ -142,9 +148,7 @@ pub(crate) struct W4Frag {
 
 /// The per-thread constants for lane `lane` of warp `warp`, 4-bit format `w`.
 pub(crate) fn w4_frag(k: &mut K, w: W4, warp: Reg, lane: Reg) -> W4Frag {
-    let r = k.bin(BinOpcode::Shl, PtxTy::B32, warp, Operand::Int(4));
-    let quad = k.bin(BinOpcode::Shr, PtxTy::U32, lane, Operand::Int(2));
-    k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(quad));
+    let r = frag_row(k, warp, lane);
     let row = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(5));
     let c = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
     let code_sel = k.bin(BinOpcode::MulLo, PtxTy::U32, c, Operand::Int(0x1111));

@@ -967,7 +967,11 @@ fn producer(
     let block = cfg.scaling == Scaling::Block128;
     let first = i64::from(cfg.producer_tid());
     let leader = k.setp(CmpOp::Eq, tid, Operand::Int(first));
-    let idle = k.setp(CmpOp::Ne, tid, Operand::Int(first));
+    let idle = if cfg.producer_warp() {
+        k.setp(CmpOp::Ne, tid, Operand::Int(first))
+    } else {
+        k.setp(CmpOp::Ge, tid, Operand::Int(1))
+    };
     k.bra(exit, Some((idle, false)));
     let tmap_x = k.b.tensor_map_addr(PARAMS[0])?;
     let tmap_w = k.b.tensor_map_addr(PARAMS[1])?;
