@@ -2,8 +2,8 @@
 //! experts on 8 slots, split over 2 virtual EP ranks for the policy): a skewed routing's load counted by the
 //! layer's device counters, `GpuLayer::rebalance` planning from them (SPEC §6) and moving every
 //! per-slot buffer in place, then the same tokens' forward: bit-identical to the forward before,
-//! since the rebalance only moved experts (SPEC §9). Part of `moeforge selftest --gpu --moe`; GPU
-//! only.
+//! since the rebalance only moved experts (SPEC §9), and a graph captured before the rebalance
+//! replays the new placement with the same bits. Part of `moeforge selftest --gpu --moe`; GPU only.
 
 use std::fmt::Write as _;
 
@@ -34,7 +34,7 @@ pub(crate) fn eplb_check(
         let ops = crate::bench_moe::operands(&MODEL, recipe);
         let e = MODEL.experts;
         let mut layer = GpuLayer::new(dev, &ops, &Replicas::identity(e), settings)?;
-        layer.set_eplb(Some(EplbLayerState::new(SlotMap::identity(e), 2, 10)?))?;
+        layer.set_eplb(dev, Some(EplbLayerState::new(SlotMap::identity(e), 2, 10)?))?;
         let (x, ids, w) = random_tokens(rng, t, true);
         let tok = Tokens {
             x: &x,
@@ -44,15 +44,24 @@ pub(crate) fn eplb_check(
             k: MODEL.top_k,
         };
         let before = layer.forward(dev, &tok, false)?.output;
+        // A graph captured before the rebalance replays the new placement after it.
+        let graph = layer.capture(dev)?;
         layer.record_load(dev)?;
         let r = layer.rebalance(dev, policy)?;
         let after = layer.forward(dev, &tok, false)?.output;
+        layer.clear_output(dev)?;
+        layer.replay(&graph)?;
+        let replayed = layer.finish(dev, false)?.output;
         let moved = layer.placement() != &SlotMap::identity(e);
-        let ok = after == before && moved && r.changed_slots > 0 && r.balance.1 > r.balance.0;
+        let ok = after == before
+            && replayed == after
+            && moved
+            && r.changed_slots > 0
+            && r.balance.1 > r.balance.0;
         all &= ok;
         let _ = writeln!(
             out,
-            "moe layer eplb {:<14} T={t} k={}: balancedness {:.3} -> {:.3}, {} slots changed ({} bytes copied), placement {:?}; forward after == before ({}): {}",
+            "moe layer eplb {:<14} T={t} k={}: balancedness {:.3} -> {:.3}, {} slots changed ({} bytes copied), placement {:?}; forward after == before ({}), a graph captured before replays it ({}): {}",
             recipe.name(),
             MODEL.top_k,
             r.balance.0,
@@ -61,6 +70,7 @@ pub(crate) fn eplb_check(
             r.bytes,
             layer.placement().phy2log(),
             if after == before { "same bits" } else { "DIFFERENT" },
+            if replayed == after { "same bits" } else { "DIFFERENT" },
             if ok { "ok" } else { "FAIL" }
         );
     }

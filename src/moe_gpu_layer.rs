@@ -218,6 +218,18 @@ pub struct GpuLayer {
     eplb: Option<EplbLayerState>,
     /// The device load counters as the last [`GpuLayer::record_load`] read them.
     load_seen: Vec<u32>,
+    /// False after a rebalance failed part-way: the buffers may mix two placements.
+    usable: bool,
+    /// Bumped whenever the scratch is reallocated (a captured graph holds its addresses).
+    generation: u64,
+}
+
+/// A forward captured in a CUDA graph ([`GpuLayer::capture`]), replayed by [`GpuLayer::replay`].
+pub struct LayerGraph {
+    graph: cudarc::driver::CudaGraph,
+    generation: u64,
+    t: usize,
+    k: usize,
 }
 
 /// What [`GpuLayer::rebalance`] did.
@@ -241,11 +253,19 @@ impl std::fmt::Debug for GpuLayer {
     }
 }
 
-/// The replica table of `replicas`: `log2phy [E, max_replicas]` (`-1` padded), `logcnt [E]`.
-fn replica_table(replicas: &Replicas) -> (Vec<i32>, Vec<i32>, usize) {
+/// The replica table of `replicas` with rows of `width` (at least the most replicas of an expert;
+/// the layer uses its slot count, so that the table keeps its size and address across rebalances):
+/// `log2phy [E, width]` (`-1` padded), `logcnt [E]`, and the width used.
+fn replica_table(replicas: &Replicas, width: usize) -> (Vec<i32>, Vec<i32>, usize) {
     let e = replicas.experts();
     let rows: Vec<Vec<usize>> = (0..e).map(|x| replicas.replicas_of(x).to_vec()).collect();
-    let max = rows.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let max = rows
+        .iter()
+        .map(Vec::len)
+        .max()
+        .unwrap_or(1)
+        .max(width)
+        .max(1);
     let mut l2p = vec![-1i32; e * max];
     for (x, row) in rows.iter().enumerate() {
         for (j, &p) in row.iter().enumerate() {
@@ -310,7 +330,7 @@ impl GpuLayer {
             Feed::Static { values: v, .. } => Some(up(v)?),
             _ => None,
         };
-        let (l2p, cnt, max_replicas) = replica_table(replicas);
+        let (l2p, cnt, max_replicas) = replica_table(replicas, ops.slots);
         let placement = placement_of(replicas, ops.slots)?;
         Ok(GpuLayer {
             slots: ops.slots,
@@ -341,7 +361,20 @@ impl GpuLayer {
             placement,
             eplb: None,
             load_seen: vec![0; ops.slots],
+            usable: true,
+            generation: 0,
         })
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if self.usable {
+            Ok(())
+        } else {
+            Err(MoeError::Placement(
+                "a rebalance failed part-way; the layer's buffers may mix two placements (create it again)".into(),
+            )
+            .into())
+        }
     }
 
     /// The placement the layer's buffers hold.
@@ -349,8 +382,9 @@ impl GpuLayer {
         &self.placement
     }
 
-    /// Turn EPLB on with `state` (over the layer's current placement), or off with `None`.
-    pub fn set_eplb(&mut self, state: Option<EplbLayerState>) -> Result<()> {
+    /// Turn EPLB on with `state` (over the layer's current placement), or off with `None`. The
+    /// window's first step counts the forwards after this call.
+    pub fn set_eplb(&mut self, dev: &Device, state: Option<EplbLayerState>) -> Result<()> {
         if let Some(s) = &state {
             if s.map() != &self.placement {
                 return Err(MoeError::Placement(
@@ -359,6 +393,7 @@ impl GpuLayer {
                 .into());
             }
         }
+        self.load_seen = self.load_counters(dev)?;
         self.eplb = state;
         Ok(())
     }
@@ -390,11 +425,13 @@ impl GpuLayer {
     /// Plan a new placement from the EPLB window (SPEC §6's policy) and move every per-slot buffer
     /// of the layer to it in place, between forwards: both GEMMs' codes, weight scales and group
     /// scales, and the static activation scales, with one plan (`runtime::slot_moves`), then the
-    /// replica table the permute routes by. The layer then serves the new placement; a CUDA graph
-    /// captured before must be captured again (it holds the old replica table's address). Moving
+    /// replica table the permute routes by (in place: a captured graph stays valid). The layer then
+    /// serves the new placement. Moving
     /// experts without changing replica counts changes no output bit (SPEC §9). Errors: EPLB off, a
-    /// policy for another GPU count, a device error (the layer is then not usable: re-create it).
+    /// policy for another GPU count, a device error (the layer then refuses every later call:
+    /// create it again).
     pub fn rebalance(&mut self, dev: &Device, policy: Policy) -> Result<GpuRebalance> {
+        self.check_usable()?;
         let state = self
             .eplb
             .as_ref()
@@ -422,15 +459,22 @@ impl GpuLayer {
                 add(v.device_ptr(st).0, 4 * v.len());
             }
         }
+        // Unusable until every buffer and the replica table have moved.
+        self.usable = false;
         // SAFETY: every buffer is one of this layer's live allocations on `dev`'s context; the
         // layer is borrowed mutably, so no forward runs meanwhile, and the copies are queued on
         // `dev.stream` and waited for below, before the buffers are used again.
         let bytes = unsafe { slot_moves::rearrange(&dev.stream, &bufs, &plan) }?;
         let replicas = Replicas::from_phy2log(new.phy2log(), self.experts)?;
-        let (l2p, cnt, max_replicas) = replica_table(&replicas);
-        self.log2phy = dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?;
-        self.logcnt = dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?;
-        self.max_replicas = max_replicas;
+        // The same table size (rows of the slot count): the new table goes into the same buffers,
+        // so that a graph captured before stays valid.
+        let (l2p, cnt, _) = replica_table(&replicas, self.max_replicas);
+        dev.stream
+            .memcpy_htod(&l2p, &mut self.log2phy)
+            .map_err(drv("cuMemcpyHtoD"))?;
+        dev.stream
+            .memcpy_htod(&cnt, &mut self.logcnt)
+            .map_err(drv("cuMemcpyHtoD"))?;
         dev.stream
             .memset_zeros(&mut self.load)
             .map_err(drv("cuMemsetD8"))?;
@@ -438,6 +482,7 @@ impl GpuLayer {
         self.load_seen = vec![0; self.slots];
         let changed_slots = plan.changed_slots();
         self.placement = new.clone();
+        self.usable = true;
         let balance = match self.eplb.as_mut() {
             Some(s) => s.moved_to(new)?,
             None => (0.0, 0.0),
@@ -467,6 +512,7 @@ impl GpuLayer {
             return Ok(());
         }
         self.scratch = None;
+        self.generation += 1;
         let (h, i, r) = (self.h, self.i, self.slots);
         let n = (t * k).max(1);
         let kb = |w: usize| w.div_ceil(128);
@@ -543,6 +589,7 @@ impl GpuLayer {
     /// Check `tokens` against the layer, size the scratch, load the GEMM variants for its rows and
     /// queue the copies of its inputs to the device. What [`GpuLayer::enqueue`] then runs on.
     pub fn upload(&mut self, dev: &Device, tokens: &Tokens<'_>) -> Result<()> {
+        self.check_usable()?;
         let (t, k, h, r) = (tokens.t, tokens.k, self.h, self.slots);
         tokens.check_lengths(h)?;
         if t == 0 || k == 0 {
@@ -577,6 +624,7 @@ impl GpuLayer {
     /// `marks`, an event is recorded after each step, named (for the per-kernel times of the
     /// benchmark).
     pub fn enqueue(&mut self, dev: &Device, mut marks: Option<&mut Marks>) -> Result<()> {
+        self.check_usable()?;
         let Some(Current { t, k, c13, c2 }) = self.current else {
             return Err(Error::Usage("MoE layer: enqueue before upload".into()));
         };
@@ -792,11 +840,13 @@ impl GpuLayer {
     /// [`GpuLayer::finish`] reads it back. Run one forward first: the GEMM variants, tensor maps and
     /// split-K buffers are made on the first run, and a capture must not allocate. Errors: nothing
     /// uploaded, or the driver refusing the capture (the stream's capture is ended either way).
-    pub fn capture(&mut self, dev: &Device) -> Result<cudarc::driver::CudaGraph> {
+    /// The graph stays valid across [`GpuLayer::rebalance`] (the replica table is rewritten in
+    /// place) and across uploads of the same shape.
+    pub fn capture(&mut self, dev: &Device) -> Result<LayerGraph> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        if self.current.is_none() {
+        let Some(Current { t, k, .. }) = self.current else {
             return Err(Error::Usage("MoE layer: capture before upload".into()));
-        }
+        };
         dev.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(drv("cuStreamBeginCapture"))?;
@@ -807,7 +857,32 @@ impl GpuLayer {
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(drv("cuStreamEndCapture"));
         queued?;
-        graph?.ok_or_else(|| Error::Usage("MoE layer: the capture recorded no graph".into()))
+        let graph = graph?
+            .ok_or_else(|| Error::Usage("MoE layer: the capture recorded no graph".into()))?;
+        Ok(LayerGraph {
+            graph,
+            generation: self.generation,
+            t,
+            k,
+        })
+    }
+
+    /// Replay `g` (queued on the stream it was captured on, the device's; read the result with
+    /// [`GpuLayer::finish`]): the forward
+    /// of the tokens last uploaded, which must have `g`'s `(T, k)`. Errors: a graph of another
+    /// shape, or one captured before the scratch was reallocated (an upload of more tokens or
+    /// another `k`: its addresses are gone; capture again), a layer left unusable.
+    pub fn replay(&mut self, g: &LayerGraph) -> Result<()> {
+        self.check_usable()?;
+        let now = self.current.map(|c| (c.t, c.k));
+        if g.generation != self.generation || now != Some((g.t, g.k)) {
+            return Err(Error::Usage(format!(
+                "MoE layer: a graph captured for T = {}, k = {} on other scratch buffers; capture again",
+                g.t, g.k
+            )));
+        }
+        g.graph.launch().map_err(drv("cuGraphLaunch"))?;
+        Ok(())
     }
 
     /// Zero the output buffer (a check that a replayed graph writes it again).
@@ -926,8 +1001,12 @@ mod tests {
         let r = Replicas::from_phy2log(&[2, 0, 1, 2, 0], 3).unwrap();
         assert_eq!(placement_of(&r, 5).unwrap().phy2log(), &[2, 0, 1, 2, 0]);
         assert!(placement_of(&Replicas::identity(3), 4).is_err());
-        let (l2p, cnt, max) = replica_table(&r);
+        let (l2p, cnt, max) = replica_table(&r, 2);
         assert_eq!((cnt, max), (vec![2, 1, 2], 2));
         assert_eq!(l2p, vec![1, 4, 2, -1, 0, 3]);
+        // Rows as wide as the slots (the layer's table keeps its size across rebalances).
+        let (l2p, _, max) = replica_table(&r, 5);
+        assert_eq!(max, 5);
+        assert_eq!(&l2p[..5], &[1, 4, -1, -1, -1]);
     }
 }

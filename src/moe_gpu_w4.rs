@@ -104,7 +104,15 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
         ));
     }
     let groups = k.div_ceil(g);
-    let mut codes = vec![0u8; slots * n * k / 2];
+    let elems = slots * n * k;
+    if l.codes.len() != elems || l.scales.len() != elems {
+        return Err(format!(
+            "[{slots}, {n}, {k}] weights read back as {} codes and {} scales",
+            l.codes.len(),
+            l.scales.len()
+        ));
+    }
+    let mut codes = vec![0u8; elems / 2];
     for (i, &c) in l.codes.iter().enumerate() {
         codes[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
     }
@@ -160,14 +168,15 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
                     if *b < c {
                         if nonzero(i / groups, i % groups) {
                             return Err(format!(
-                                "slot {e}: its E8M0 scales span 2^{} to 2^{}, past the GEMM's range of 2^253",
+                                "slot {e}: its E8M0 scales span 2^{} to 2^{}, more than the GEMM's 2^128 within one expert",
                                 i64::from(*b) - 127,
                                 i64::from(top) - 127
                             ));
                         }
                         *b = 0;
                     } else {
-                        *b -= c;
+                        // (A group of zero codes may sit above the top: any scale <= 128 serves it.)
+                        *b = (*b - c).min(128);
                     }
                 }
                 *factor = 2f32.powi(c as i32);

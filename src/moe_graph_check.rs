@@ -6,14 +6,15 @@
 //! small synthetic layer with random weights ([`crate::bench_moe`]'s operands): one forward of
 //! random tokens; the graph captured from it; the output buffer cleared and the graph replayed
 //! (the same bits as the forward); new tokens of the same shape uploaded and the graph replayed
-//! (the same bits as a plain forward of them).
+//! (the same bits as a plain forward of them); then more tokens uploaded (the scratch reallocated):
+//! the replay is refused.
 
 use std::fmt::Write as _;
 
 use crate::bench_gemm::{Model, Recipe};
 use crate::moe_gpu_layer::GpuLayer;
 use crate::moe_host::{Replicas, Tokens};
-use crate::runtime::{drv, Device};
+use crate::runtime::Device;
 use crate::selftest_util::Rng;
 use crate::Result;
 
@@ -90,7 +91,7 @@ pub(crate) fn graph_check(
         let graph = layer.capture(dev)?;
         // Clear the output, replay: the graph recomputes it.
         layer.clear_output(dev)?;
-        graph.launch().map_err(drv("cuGraphLaunch"))?;
+        layer.replay(&graph)?;
         let replay = layer.finish(dev, false)?.output;
         // New tokens into the same buffers, replay, against a plain forward of them.
         let (x2, ids2, w2) = random_tokens(rng, t, false);
@@ -102,21 +103,34 @@ pub(crate) fn graph_check(
             k: MODEL.top_k,
         };
         layer.upload(dev, &b)?;
-        graph.launch().map_err(drv("cuGraphLaunch"))?;
+        layer.replay(&graph)?;
         let replay2 = layer.finish(dev, false)?.output;
         let plain2 = layer.forward(dev, &b, false)?.output;
+        // More tokens than the graph's: the scratch is reallocated and the graph refused.
+        let (x3, ids3, w3) = random_tokens(rng, 2 * t, false);
+        let c = Tokens {
+            x: &x3,
+            ids: &ids3,
+            weights: &w3,
+            t: 2 * t,
+            k: MODEL.top_k,
+        };
+        layer.upload(dev, &c)?;
+        let refused = layer.replay(&graph).is_err();
         let ok = replay == plain
             && replay2 == plain2
+            && refused
             && plain != plain2
             && plain.iter().any(|&v| v & 0x7FFF != 0);
         all &= ok;
         let _ = writeln!(
             out,
-            "moe layer graph {:<14} T={t} k={}: capture, replay == forward ({}), new tokens replayed == their forward ({}): {}",
+            "moe layer graph {:<14} T={t} k={}: capture, replay == forward ({}), new tokens replayed == their forward ({}), refused after a larger upload ({}): {}",
             recipe.name(),
             MODEL.top_k,
             if replay == plain { "same bits" } else { "DIFFERENT" },
             if replay2 == plain2 { "same bits" } else { "DIFFERENT" },
+            if refused { "yes" } else { "NO" },
             if ok { "ok" } else { "FAIL" }
         );
     }

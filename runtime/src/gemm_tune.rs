@@ -459,9 +459,7 @@ fn u32_of(v: &Value, name: &str) -> Option<u32> {
 }
 
 fn operands_from(s: &str) -> Option<Operands> {
-    [Operands::Bf16, Operands::E4m3]
-        .into_iter()
-        .find(|o| o.name() == s)
+    Operands::from_name(s)
 }
 
 /// `none`, `tensorwise_per_token`, `tensorwise` or `block128`.
@@ -575,6 +573,50 @@ mod tests {
         forged.gpu = "NVIDIA H200\"\ndriver=1".into();
         assert_ne!(forged.hash(), k.hash());
         assert_eq!(TuneKey::from_json(&k.to_json()), Some(k));
+    }
+
+    /// Keys of the weights-only families (int8, and every 4-bit format of the standard recipes)
+    /// read back from JSON: their results are found by a later process.
+    #[test]
+    fn weights_only_keys_round_trip() {
+        use moeforge_codegen::gemm::ws::{GroupScale, W4Codes, W4};
+        for (operands, scaling) in [
+            (Operands::I8Bf16, Scaling::PerRow),
+            (
+                Operands::W4Bf16(W4 {
+                    codes: W4Codes::E2m1,
+                    scale: GroupScale::E4m3,
+                    group: 16,
+                }),
+                Scaling::PerExpert,
+            ),
+            (
+                Operands::W4Bf16(W4 {
+                    codes: W4Codes::E2m1,
+                    scale: GroupScale::E8m0,
+                    group: 32,
+                }),
+                Scaling::PerExpert,
+            ),
+            (
+                Operands::W4Bf16(W4 {
+                    codes: W4Codes::U4,
+                    scale: GroupScale::Bf16,
+                    group: 128,
+                }),
+                Scaling::PerExpert,
+            ),
+        ] {
+            let k = TuneKey {
+                operands,
+                scaling,
+                ..key()
+            };
+            assert_eq!(TuneKey::from_json(&k.to_json()), Some(k.clone()));
+            assert_eq!(Operands::from_name(&operands.name()), Some(operands));
+        }
+        assert_eq!(Operands::from_name("f4eg24"), None);
+        assert_eq!(Operands::from_name("f4xg16"), None);
     }
 
     #[test]

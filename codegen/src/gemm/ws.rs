@@ -56,8 +56,9 @@
 //! `tmap_x`, `tmap_w` (`.param .align 64 .b8 [128]`), `y` (u64), `offsets` (u64: i32 `[E + 1]`),
 //! `x_scale` (u64; 0 when unscaled), `w_scale` (u64; 0 when unscaled), `experts` (u32), `tokens`
 //! (u32: `T`, the stride of the group-major activation scales), `workspace`, `counters` (u64:
-//! split-K), `tmap_xs`, `tmap_ws` (1-D f32 maps of `x_scale` and `w_scale`: read by the block-scaled
-//! variants only; the others take any valid map there).
+//! split-K), `tmap_xs`, `tmap_ws` (1-D f32 maps of `x_scale` and `w_scale` for the block-scaled
+//! variants; for 4-bit weights `tmap_ws` is the 3-D map of the group scales `[E, K/group, N]`; the
+//! others read neither and take any valid map there).
 
 use crate::ptx::{
     AsyncOp, BinOpcode, Builder, CmpOp, DynamicShared, Entry, Guard, Inst, MaxNReg, Operand, Param,
@@ -103,8 +104,8 @@ pub enum GroupScale {
     /// sum, which the per-expert factor restores (the host folds `2^8` into it).
     E4m3,
     /// E8M0 exponent bytes `b`: the group scale is `2^(b - 127)`, and the kernel forms
-    /// `2^(b - 1)` (bf16 exponent `b + 126`): bytes past 128 are refused by the host, which may
-    /// lower an expert's bytes by `c` and fold `2^c` into the per-expert factor.
+    /// `2^(b - 1)` (bf16 exponent `b + 126`), which needs `b <= 128`: the host lowers an expert's
+    /// bytes by `c` (its largest past 128) and folds `2^c` into the per-expert factor.
     E8m0,
     /// bf16 scales (group-wise INT4): `(q - 8) * s` rounded once to bf16.
     Bf16,
@@ -134,10 +135,10 @@ pub struct W4 {
 impl W4 {
     /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
     pub const fn groups_per_ktile(self) -> u32 {
-        if self.group >= 64 {
-            1
-        } else {
-            64 / self.group
+        // (A group of 0 is refused by the configuration check; 1 here, no division by zero.)
+        match 64u32.checked_div(self.group) {
+            Some(q) if q > 0 => q,
+            _ => 1,
         }
     }
 }
@@ -175,6 +176,30 @@ impl Operands {
             Operands::Bf16 | Operands::I8Bf16 | Operands::W4Bf16(_) => WgmmaTy::Bf16,
             Operands::E4m3 => WgmmaTy::E4m3,
         }
+    }
+
+    /// The operands named `s` ([`Operands::name`]'s inverse; a 4-bit name with a group that is
+    /// not a power of two of at least 16 is none).
+    pub fn from_name(s: &str) -> Option<Operands> {
+        match s {
+            "bf16" => return Some(Operands::Bf16),
+            "e4m3" => return Some(Operands::E4m3),
+            "i8w" => return Some(Operands::I8Bf16),
+            _ => {}
+        }
+        let (head, group) = s.split_once('g')?;
+        let group: u32 = group.parse().ok()?;
+        let (codes, scale) = match head {
+            "f4e" => (W4Codes::E2m1, GroupScale::E4m3),
+            "f4m" => (W4Codes::E2m1, GroupScale::E8m0),
+            "u4b" => (W4Codes::U4, GroupScale::Bf16),
+            _ => return None,
+        };
+        (group >= 16 && group.is_power_of_two()).then_some(Operands::W4Bf16(W4 {
+            codes,
+            scale,
+            group,
+        }))
     }
 
     /// `bf16`, `e4m3`, `i8w` or a 4-bit format's `f4e` (E2M1 codes, E4M3 scales), `f4m` (E2M1,
@@ -277,12 +302,14 @@ pub struct WsConfig {
 }
 
 impl WsConfig {
-    /// Bytes of A per stage (`64 C` rows of a k-tile: 128 bytes, or 64 for int8 weights).
+    /// Bytes of A per stage (`64 C` rows of a k-tile: 128 bytes, 64 for int8 weights, 32 for
+    /// 4-bit ones).
     pub const fn a_stage_bytes(&self) -> u32 {
         64 * self.consumers * self.a_row_bytes()
     }
 
-    /// Bytes of one A row of a k-tile: 128, or `bk` for int8 weights (the decode form's A).
+    /// Bytes of one A row of a k-tile: 128, or `bk` times the weight's bits over 8 for
+    /// register-sourced A (int8: 64, 4-bit: 32).
     pub const fn a_row_bytes(&self) -> u32 {
         if self.operands.register_a() {
             self.operands.bk() * self.operands.w_bits() / 8
@@ -305,9 +332,10 @@ impl WsConfig {
         self.bn * 128
     }
 
-    /// Bytes of the block scales of one stage (block-scaled only): the weight-scale box at 0, the
-    /// activation scales of the tile's token rows at [`BLOCK_SCALE_X_AT`], padded to whole KiB so
-    /// that the next stage stays 1024-byte aligned.
+    /// Bytes of the scales of one stage, padded to whole KiB so that the next stage stays
+    /// 1024-byte aligned: block-scaled, the weight-scale box at 0 and the activation scales of the
+    /// tile's token rows at [`BLOCK_SCALE_X_AT`]; 4-bit weights, the k-tile's group scales
+    /// ([`WsConfig::group_scale_bytes`]); 0 otherwise.
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => {
@@ -318,7 +346,8 @@ impl WsConfig {
         }
     }
 
-    /// TMA bytes of a stage's block scales (0 unless block-scaled): the two boxes.
+    /// TMA bytes of a stage's scales: block-scaled, the two boxes; 4-bit weights, the group-scale
+    /// box; 0 otherwise.
     pub const fn scale_tx_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens() + BLOCK_SCALE_PAD),
@@ -947,7 +976,9 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     kb.entry_text(&entry)
 }
 
-/// The producer warpgroup: registers down, then thread 0 walks the tiles and keeps the ring full.
+/// The producer (a warpgroup, or a warp after the consumers with register-sourced A): registers
+/// down with two consumers, then its first thread ([`WsConfig::producer_tid`]) walks the tiles and
+/// keeps the ring full.
 fn producer(
     k: &mut K,
     cfg: &WsConfig,
@@ -1421,7 +1452,10 @@ fn split_reduce(
     let sk = i64::from(cfg.split_k);
     let workspace = k.global_param(PARAMS[8]);
     let counters = k.global_param(PARAMS[9]);
-    let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(128));
+    // The consumers' first thread (split-K runs with a producer warpgroup first; register-A
+    // operands, whose producer is a warp after the consumers, refuse split-K).
+    let first = if cfg.producer_warp() { 0 } else { 128 };
+    let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first));
     // The slot of (tile, split): ((tile_key * S + split) * P + ctid) * 4.
     let slot_of = |k: &mut K, split: Operand| -> Reg {
         let i = k.bin(BinOpcode::MulLo, PtxTy::U32, f.tile_key, Operand::Int(sk));
