@@ -212,3 +212,107 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
         factors,
     })
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::codegen::gemm::reference::w4_weight;
+
+    /// A `[1, n, k]` MXFP4 operand: codes `c(j, x)`, one E8M0 byte per (row, group of 32).
+    fn mxfp4(
+        n: usize,
+        k: usize,
+        code: impl Fn(usize, usize) -> u32,
+        byte: impl Fn(usize, usize) -> u32,
+    ) -> Logical {
+        let mut codes = Vec::new();
+        let mut scales = Vec::new();
+        for j in 0..n {
+            for x in 0..k {
+                codes.push(code(j, x));
+                scales.push(byte(j, x / 32));
+            }
+        }
+        Logical {
+            scheme: Some(QuantScheme::Mxfp4),
+            dtype: DType::E2m1,
+            shape: (1, n, k),
+            codes,
+            scales,
+            decode: Vec::new(),
+            zeros: Vec::new(),
+        }
+    }
+
+    /// The operand's weight `(j, x)` times the slot's factor.
+    fn weight(o: &W4Operand, n: usize, k: usize, j: usize, x: usize) -> f64 {
+        let Operands::W4Bf16(w) = o.operands else {
+            panic!("a 4-bit operand")
+        };
+        let code = (o.codes[(j * k + x) / 2] >> (4 * ((j * k + x) % 2))) & 0xF;
+        let s = o.group_scales[(x / w.group as usize) * n + j];
+        w4_weight(w, code, u16::from(s)) * f64::from(o.factors[0])
+    }
+
+    /// E8M0 bytes past 128 (weights of magnitude 8 and more) are lowered by the expert's largest
+    /// excess and the factor carries it: every weight is still `e2m1(code) * 2^(b - 127)` exactly;
+    /// a group of zero codes may keep any byte (clamped to 128).
+    #[test]
+    fn e8m0_bytes_past_128_are_lowered_into_the_factor() {
+        let (n, k) = (16, 64);
+        let l = mxfp4(
+            n,
+            k,
+            |j, x| if j == 3 { 0 } else { ((j + x) % 16) as u32 },
+            |j, g| {
+                if j == 3 {
+                    250
+                } else {
+                    120 + (j + g) as u32 % 14
+                }
+            },
+        );
+        let o = operand(&l).unwrap();
+        assert_eq!(
+            o.factors[0],
+            2f32.powi(5),
+            "the largest byte with codes is 133"
+        );
+        for j in 0..n {
+            for x in 0..k {
+                let want = f64::from(crate::codegen::reference::e2m1_to_f32(
+                    l.codes[j * k + x] as u8,
+                )) * 2f64.powi(l.scales[j * k + x] as i32 - 127);
+                assert_eq!(weight(&o, n, k, j, x), want, "{j} {x}");
+            }
+        }
+        assert!(o.group_scales.iter().all(|&b| b <= 128));
+        // Bytes whose codes are not zero and sit more than 128 below the top: refused.
+        let far = mxfp4(n, k, |_, _| 1, |j, _| if j == 0 { 200 } else { 10 });
+        let err = operand(&far).err().unwrap();
+        assert!(err.contains("2^128"), "{err}");
+        // A group whose elements carry different scales: refused by name.
+        let mut mixed = mxfp4(n, k, |_, _| 1, |j, g| 120 + (j + g) as u32 % 2);
+        mixed.scales[5] = 7;
+        assert!(operand(&mixed)
+            .err()
+            .unwrap()
+            .contains("do not share one scale"));
+        // Lengths that do not match the shape: refused, never indexed past.
+        let mut short = mxfp4(n, k, |_, _| 1, |_, _| 127);
+        short.codes.pop();
+        assert!(operand(&short).is_err());
+    }
+
+    /// INT4 scales stored as f16 or f32 take bf16 where it holds them exactly, and are refused
+    /// where it does not.
+    #[test]
+    fn int4_scales_must_be_bf16_values() {
+        assert_eq!(int4_scale_bf16(DType::Bf16, 0x3C00), Some(0x3C00));
+        assert_eq!(int4_scale_bf16(DType::F32, 0.5f32.to_bits()), Some(0x3F00));
+        assert_eq!(int4_scale_bf16(DType::F32, 0.1f32.to_bits()), None);
+        assert_eq!(int4_scale_bf16(DType::F16, 0x3800), Some(0x3F00));
+        assert_eq!(int4_scale_bf16(DType::F16, 0x3801), None);
+    }
+}
