@@ -7,9 +7,7 @@
 
 use std::fmt::Write as _;
 
-use crate::moe_gpu_layer::GpuLayer;
-use crate::moe_graph_check::{random_tokens, MODEL, RECIPES};
-use crate::moe_host::{Replicas, Tokens};
+use crate::moe_graph_check::{layer, random_tokens, MODEL, RECIPES};
 use crate::runtime::eplb_state::{EplbLayerState, Policy};
 use crate::runtime::moves::SlotMap;
 use crate::runtime::Device;
@@ -31,18 +29,11 @@ pub(crate) fn eplb_check(
         gpus: 2,
     };
     for recipe in RECIPES {
-        let ops = crate::bench_moe::operands(&MODEL, recipe);
         let e = MODEL.experts;
-        let mut layer = GpuLayer::new(dev, &ops, &Replicas::identity(e), settings)?;
+        let mut layer = layer(dev, recipe, settings)?;
         layer.set_eplb(dev, Some(EplbLayerState::new(SlotMap::identity(e), 2, 10)?))?;
-        let (x, ids, w) = random_tokens(rng, t, true);
-        let tok = Tokens {
-            x: &x,
-            ids: &ids,
-            weights: &w,
-            t,
-            k: MODEL.top_k,
-        };
+        let owned = random_tokens(rng, t, true);
+        let tok = owned.tokens();
         let before = layer.forward(dev, &tok, false)?.output;
         // A graph captured before the rebalance replays the new placement after it.
         let graph = layer.capture(dev)?;

@@ -31,7 +31,7 @@ pub(crate) const MODEL: Model = Model {
 /// Random tokens of [`MODEL`]: bf16 `x` (bits), distinct expert ids per token, weights in `(0, 1)`.
 /// With `hot`, token `i < E` takes expert `i` first (every expert is used) and the other choices go
 /// to experts 0 and 1 eight times in ten (a skewed load).
-pub(crate) fn random_tokens(rng: &mut Rng, t: usize, hot: bool) -> (Vec<u16>, Vec<i32>, Vec<f32>) {
+pub(crate) fn random_tokens(rng: &mut Rng, t: usize, hot: bool) -> OwnedTokens {
     let (h, e, k) = (MODEL.hidden, MODEL.experts, MODEL.top_k);
     let x = (0..t * h).map(|_| rng.bf16_exp(120..130)).collect();
     let mut ids = Vec::with_capacity(t * k);
@@ -55,7 +55,38 @@ pub(crate) fn random_tokens(rng: &mut Rng, t: usize, hot: bool) -> (Vec<u16>, Ve
     let w = (0..t * k)
         .map(|_| (rng.below(1 << 20) as f32 + 1.0) / (1 << 20) as f32)
         .collect();
-    (x, ids, w)
+    OwnedTokens { x, ids, w, t }
+}
+
+/// Tokens of [`MODEL`] held by the checks.
+pub(crate) struct OwnedTokens {
+    x: Vec<u16>,
+    ids: Vec<i32>,
+    w: Vec<f32>,
+    t: usize,
+}
+
+impl OwnedTokens {
+    /// The layer's view of them.
+    pub(crate) fn tokens(&self) -> Tokens<'_> {
+        Tokens {
+            x: &self.x,
+            ids: &self.ids,
+            weights: &self.w,
+            t: self.t,
+            k: MODEL.top_k,
+        }
+    }
+}
+
+/// A GPU layer of [`MODEL`] with `recipe`'s random weights, every expert on its own slot.
+pub(crate) fn layer(
+    dev: &Device,
+    recipe: Recipe,
+    settings: &crate::runtime::Settings,
+) -> Result<GpuLayer> {
+    let ops = crate::bench_moe::operands(&MODEL, recipe);
+    GpuLayer::new(dev, &ops, &Replicas::identity(MODEL.experts), settings)
 }
 
 /// The recipe families the GPU layer's graph and EPLB checks run: bf16, FP8 128x128 blocks, and the
@@ -77,16 +108,9 @@ pub(crate) fn graph_check(
     let mut all = true;
     let t = 37;
     for recipe in RECIPES {
-        let ops = crate::bench_moe::operands(&MODEL, recipe);
-        let mut layer = GpuLayer::new(dev, &ops, &Replicas::identity(MODEL.experts), settings)?;
-        let (x, ids, w) = random_tokens(rng, t, false);
-        let a = Tokens {
-            x: &x,
-            ids: &ids,
-            weights: &w,
-            t,
-            k: MODEL.top_k,
-        };
+        let mut layer = layer(dev, recipe, settings)?;
+        let first = random_tokens(rng, t, false);
+        let a = first.tokens();
         let plain = layer.forward(dev, &a, false)?.output;
         let graph = layer.capture(dev)?;
         // Clear the output, replay: the graph recomputes it.
@@ -94,27 +118,15 @@ pub(crate) fn graph_check(
         layer.replay(&graph)?;
         let replay = layer.finish(dev, false)?.output;
         // New tokens into the same buffers, replay, against a plain forward of them.
-        let (x2, ids2, w2) = random_tokens(rng, t, false);
-        let b = Tokens {
-            x: &x2,
-            ids: &ids2,
-            weights: &w2,
-            t,
-            k: MODEL.top_k,
-        };
+        let second = random_tokens(rng, t, false);
+        let b = second.tokens();
         layer.upload(dev, &b)?;
         layer.replay(&graph)?;
         let replay2 = layer.finish(dev, false)?.output;
         let plain2 = layer.forward(dev, &b, false)?.output;
         // More tokens than the graph's: the scratch is reallocated and the graph refused.
-        let (x3, ids3, w3) = random_tokens(rng, 2 * t, false);
-        let c = Tokens {
-            x: &x3,
-            ids: &ids3,
-            weights: &w3,
-            t: 2 * t,
-            k: MODEL.top_k,
-        };
+        let third = random_tokens(rng, 2 * t, false);
+        let c = third.tokens();
         layer.upload(dev, &c)?;
         let refused = layer.replay(&graph).is_err();
         let ok = replay == plain
