@@ -1031,14 +1031,9 @@ fn four_bit_weights_feed_register_a_and_assemble() {
         let c = WsConfig {
             operands: Operands::W4Bf16(w),
             scaling: Scaling::PerExpert,
-            out: OutTy::Bf16,
-            consumers: 1,
             bn,
             stages,
-            swap_ab: true,
-            split_k: 1,
-            n: 4096,
-            k: 7168,
+            ..decode()
         };
         assert_eq!(c.a_stage_bytes(), 64 * 32, "64 rows of 64 4-bit codes");
         assert_eq!(
@@ -1074,14 +1069,8 @@ fn four_bit_weights_feed_register_a_and_assemble() {
             group: 16,
         }),
         scaling: Scaling::PerExpert,
-        out: OutTy::Bf16,
-        consumers: 1,
         bn: 8,
-        stages: 8,
-        swap_ab: true,
-        split_k: 1,
-        n: 4096,
-        k: 7168,
+        ..decode()
     };
     for (c, why) in [
         (
@@ -1141,14 +1130,9 @@ fn int8_weights_feed_register_a_and_assemble() {
         let c = WsConfig {
             operands: Operands::I8Bf16,
             scaling: Scaling::PerRow,
-            out: OutTy::Bf16,
-            consumers: 1,
             bn,
             stages,
-            swap_ab: true,
-            split_k: 1,
-            n: 4096,
-            k: 7168,
+            ..decode()
         };
         assert_eq!(c.a_stage_bytes(), 64 * 64, "64 rows of 64 int8 codes");
         assert_eq!(c.tag(), format!("i8wr_d1x{bn}_s{stages}_bf16"));
