@@ -768,3 +768,49 @@ fn what_check_accepts_gets_gemm_variants_that_assemble_at_the_binding_extremes()
         assert!(p.is_empty(), "{recipe} {bind}: {p:?}\n{report}");
     }
 }
+
+/// `check` and the GEMM plan agree: for every standard recipe that declares `on sm_90a` kernel
+/// bindings, every param a planned GEMM variant reads (its weight and, where scaled, its weight
+/// scale) is read by one of those bindings, so what `check` lists for the Hopper GEMMs is what the
+/// generated GEMMs take; and every standard recipe has variants for both GEMMs.
+#[test]
+fn the_sm90a_bindings_cover_what_the_planned_gemms_read() {
+    use moeforge::dsl::ir::Target;
+    let bind = MODELS[0].1;
+    for r in moeforge::kernels::STANDARD {
+        let info = moeforge::verify_source(r.source, r.path, Some(bind)).unwrap();
+        let m = info.module();
+        let hopper: Vec<Vec<String>> = m
+            .kernels
+            .iter()
+            .filter(|k| k.targets.contains(&Target::Sm90a))
+            .map(|k| {
+                k.operands
+                    .iter()
+                    .map(|(id, _)| m.tensor(*id).unwrap().name.clone())
+                    .collect()
+            })
+            .collect();
+        let plan = recipe_plan(r.name, bind);
+        assert!(plan.missing.is_empty(), "{}: {:?}", r.name, plan.missing);
+        for gemm in ["w13", "w2"] {
+            assert!(
+                plan.variants.iter().any(|v| v.gemm == gemm),
+                "{}: no {gemm} variant",
+                r.name
+            );
+        }
+        if hopper.is_empty() {
+            continue;
+        }
+        for v in &plan.variants {
+            let reads: Vec<&String> = std::iter::once(&v.param).chain(&v.scale_param).collect();
+            assert!(
+                hopper.iter().any(|b| reads.iter().all(|p| b.contains(*p))),
+                "{}: {} reads {reads:?}, no sm_90a binding reads them all: {hopper:?}",
+                r.name,
+                v.entry
+            );
+        }
+    }
+}
