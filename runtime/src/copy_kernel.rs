@@ -61,12 +61,8 @@ pub const MAX_THREADS: u32 = 256;
 /// list uses the scratch, `4 x threads x width` bytes of it (the default 48 KiB without opt-in).
 pub const MAX_LIST_BYTES: u64 = 48 * 1024;
 
-/// Dynamic shared memory of a launch of `copies` copies on geometry `g`.
-pub fn shared_bytes(g: &Geometry, copies: usize, scratch: bool) -> u64 {
-    shared_bytes_for(g, copies, scratch, PRODUCTION)
-}
-
-/// [`shared_bytes`] for the form `v` (the scratch takes shared memory only where `v` keeps it there).
+/// Dynamic shared memory of a launch of `copies` copies on geometry `g` in the form `v` (the
+/// scratch takes shared memory only where `v` keeps it there).
 pub fn shared_bytes_for(g: &Geometry, copies: usize, scratch: bool, v: Variant) -> u64 {
     let scratch = scratch && v.smem_scratch;
     let list = (8 * copies as u64).div_ceil(16) * 16;
@@ -184,14 +180,6 @@ impl Geometry {
         }
     }
 
-    /// The entry point for this width.
-    pub fn entry(&self) -> &'static str {
-        match self.width {
-            16 => "moeforge_copy_list_w16",
-            4 => "moeforge_copy_list_w4",
-            _ => "moeforge_copy_list_w1",
-        }
-    }
 }
 
 /// One form of the kernel's code: where a cycle's scratch lives and the cache hints of its global

@@ -365,7 +365,8 @@ impl MovePlan {
             for i in 0..s.len() {
                 match out.last_mut() {
                     Some((first, n))
-                        if s[i] == s[i - 1] + 1 && r[i] == r[i - 1] + 1 && *first + *n == i =>
+                        // (The last run always ends at `i`: runs cover `0..i`.)
+                        if s[i] == s[i - 1] + 1 && r[i] == r[i - 1] + 1 =>
                     {
                         *n += 1
                     }
