@@ -146,22 +146,15 @@ impl Recipe {
 
     /// The GEMM family of the recipe's weights: operands and accumulator scaling.
     pub fn family(self) -> (Operands, Scaling) {
-        use crate::codegen::gemm::ws::{GroupScale, W4Codes, W4};
-        let w4 = |codes, scale, group| {
-            Operands::W4Bf16(W4 {
-                codes,
-                scale,
-                group,
-            })
-        };
+        use crate::codegen::gemm::ws::W4;
         match self {
             Recipe::Bf16 => (Operands::Bf16, Scaling::None),
             Recipe::Fp8PerTensor => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
             Recipe::Fp8Block128 => (Operands::E4m3, Scaling::Block128),
-            Recipe::Nvfp4 => (w4(W4Codes::E2m1, GroupScale::E4m3, 16), Scaling::PerExpert),
-            Recipe::Mxfp4 => (w4(W4Codes::E2m1, GroupScale::E8m0, 32), Scaling::PerExpert),
+            Recipe::Nvfp4 => (Operands::W4Bf16(W4::NVFP4), Scaling::PerExpert),
+            Recipe::Mxfp4 => (Operands::W4Bf16(W4::MXFP4), Scaling::PerExpert),
             Recipe::Int8Row => (Operands::I8Bf16, Scaling::PerRow),
-            Recipe::Int4G128 => (w4(W4Codes::U4, GroupScale::Bf16, 128), Scaling::PerExpert),
+            Recipe::Int4G128 => (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
         }
     }
 

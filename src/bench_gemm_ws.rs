@@ -77,11 +77,6 @@ impl Default for WsRunner {
     }
 }
 
-/// The kernel family of a recipe.
-pub fn family(recipe: Recipe) -> (Operands, Scaling) {
-    recipe.family()
-}
-
 impl WsRunner {
     /// A runner with nothing loaded, its kernel and tuning caches in memory only, compiling with
     /// the driver's JIT.
@@ -157,7 +152,7 @@ impl WsRunner {
             return Ok(());
         }
         self.ops = None;
-        let (operands, _) = family(case.recipe);
+        let (operands, _) = case.recipe.family();
         let eb = operands.bytes() as usize;
         let mut chunk = vec![0u8; 8 << 20];
         match operands {
@@ -263,7 +258,7 @@ impl WsRunner {
                 )))
             }
         };
-        let (operands, scaling) = family(case.recipe);
+        let (operands, scaling) = case.recipe.family();
         let all = tune::candidates(operands, scaling, n, k);
         let out = all.first().map_or(OutTy::Bf16, |c| c.out);
         let key = TuneKey::for_device(dev, operands, scaling, out, n, k, e, case.rows_total());
@@ -315,7 +310,7 @@ impl GemmRunner for WsRunner {
         self.prepare_operands(dev, case)?;
         self.build(dev, &cfg)?;
         self.chosen = Some(cfg);
-        let (operands, scaling) = family(case.recipe);
+        let (operands, scaling) = case.recipe.family();
         let how = match source {
             TuneSource::Cached => "cached tuning".to_string(),
             TuneSource::Tuned => format!(

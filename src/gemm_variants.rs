@@ -250,7 +250,8 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             // `[E, K / group, N]` (the layer writes them from the recipe's scale param).
             dsl::ir::DType::E2m1 | dsl::ir::DType::U4 => info.quantization_of(gemm).and_then(|q| {
                 let w4 = crate::moe_gpu_w4::format(q.scheme).ok()?;
-                let fits = k % 32 == 0 && (n * i128::from(w4.scale.bytes())) % 16 == 0;
+                let fits =
+                    matches!((u64::try_from(n), u64::try_from(k)), (Ok(n), Ok(k)) if w4.fits(n, k));
                 let scales = module.tensor(q.scales?.param)?.name.clone();
                 fits.then_some((Operands::W4Bf16(w4), Scaling::PerExpert, Some(scales)))
             }),

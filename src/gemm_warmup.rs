@@ -13,7 +13,7 @@
 use std::fmt::Write as _;
 
 use crate::bench_gemm::{case_seed, routing, GemmCase, Selection};
-use crate::bench_gemm_ws::{family, WsRunner};
+use crate::bench_gemm_ws::WsRunner;
 use crate::codegen::gemm::tune;
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gemm_tune::TuneSource;
@@ -87,7 +87,7 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
                 }
             };
             for &recipe in &sel.recipes {
-                let (operands, scaling) = family(recipe);
+                let (operands, scaling) = recipe.family();
                 let all = tune::candidates(operands, scaling, n32, k32);
                 let (mut built, mut hits) = (0, 0);
                 for cfg in &all {

@@ -681,10 +681,7 @@ impl GpuLayer {
             if !matches!(self.feed13, Feed13::Bf16) {
                 mark("quantize x")?;
             }
-            let scaled13 = !matches!(
-                self.w13.scaling,
-                Scaling::None | Scaling::PerRow | Scaling::PerExpert
-            );
+            let scaled13 = self.w13.scaling.takes_x_scale();
             let g13 = self
                 .gemms
                 .get(&c13)
@@ -714,10 +711,7 @@ impl GpuLayer {
             };
             self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
             mark("silu * up")?;
-            let scaled2 = !matches!(
-                self.w2.scaling,
-                Scaling::None | Scaling::PerRow | Scaling::PerExpert
-            );
+            let scaled2 = self.w2.scaling.takes_x_scale();
             let g2 = self
                 .gemms
                 .get(&c2)
@@ -789,11 +783,7 @@ impl GpuLayer {
                     x,
                     w: &w.w,
                     offsets: &s.offsets,
-                    x_scale: (!matches!(
-                        w.scaling,
-                        Scaling::None | Scaling::PerRow | Scaling::PerExpert
-                    ))
-                    .then_some(x_scale),
+                    x_scale: (w.scaling.takes_x_scale()).then_some(x_scale),
                     w_scale: w.scale.as_ref(),
                     group_scales: w.group_scales.as_ref(),
                     t: n,

@@ -37,16 +37,8 @@ pub(crate) struct W4Operand {
 /// The 4-bit format of a scheme, or why it has none.
 pub(crate) fn format(scheme: QuantScheme) -> Result<W4, String> {
     match scheme {
-        QuantScheme::Nvfp4 { .. } => Ok(W4 {
-            codes: W4Codes::E2m1,
-            scale: GroupScale::E4m3,
-            group: 16,
-        }),
-        QuantScheme::Mxfp4 => Ok(W4 {
-            codes: W4Codes::E2m1,
-            scale: GroupScale::E8m0,
-            group: 32,
-        }),
+        QuantScheme::Nvfp4 { .. } => Ok(W4::NVFP4),
+        QuantScheme::Mxfp4 => Ok(W4::MXFP4),
         QuantScheme::Int4 {
             group,
             zero_point: false,
@@ -97,7 +89,7 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
     let w = format(scheme)?;
     let (slots, n, k) = l.shape;
     let g = w.group as usize;
-    if !k.is_multiple_of(32) || !(n * w.scale.bytes() as usize).is_multiple_of(16) {
+    if !w.fits(n as u64, k as u64) {
         return Err(format!(
             "[{slots}, {n}, {k}] 4-bit weights: the GEMM's TMA needs K a multiple of 32 and N of {}",
             16 / w.scale.bytes()

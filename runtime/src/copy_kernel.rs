@@ -179,7 +179,6 @@ impl Geometry {
             grid,
         }
     }
-
 }
 
 /// One form of the kernel's code: where a cycle's scratch lives and the cache hints of its global

@@ -133,6 +133,31 @@ pub struct W4 {
 }
 
 impl W4 {
+    /// NVFP4 (`nvfp4_cutedsl`): E2M1 codes, an E4M3 scale per 16.
+    pub const NVFP4: W4 = W4 {
+        codes: W4Codes::E2m1,
+        scale: GroupScale::E4m3,
+        group: 16,
+    };
+    /// MXFP4: E2M1 codes, an E8M0 scale per 32.
+    pub const MXFP4: W4 = W4 {
+        codes: W4Codes::E2m1,
+        scale: GroupScale::E8m0,
+        group: 32,
+    };
+    /// Symmetric group-wise INT4 (`int4_g128`): u4 codes, a bf16 scale per 128.
+    pub const INT4_G128: W4 = W4 {
+        codes: W4Codes::U4,
+        scale: GroupScale::Bf16,
+        group: 128,
+    };
+
+    /// Whether an `N x K` weight fits the kernel's TMA boxes: K a multiple of 32 (a code row's
+    /// pitch, K / 2 bytes, a multiple of 16) and a scale row (N scales) a multiple of 16 bytes.
+    pub const fn fits(self, n: u64, k: u64) -> bool {
+        k.is_multiple_of(32) && (n * self.scale.bytes() as u64).is_multiple_of(16)
+    }
+
     /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
     pub const fn groups_per_ktile(self) -> u32 {
         // (A group of 0 is refused by the configuration check; 1 here, no division by zero.)
@@ -245,6 +270,13 @@ pub enum Scaling {
     /// Once in the epilogue, per expert: `w_scale [E]` (4-bit weights' factor: NVFP4's global
     /// scale, the powers of two the group scales' conversion left out); no activation scale.
     PerExpert,
+}
+
+impl Scaling {
+    /// Whether the kernel reads activation scales (`x_scale`): the FP8 families.
+    pub const fn takes_x_scale(self) -> bool {
+        matches!(self, Scaling::Tensorwise { .. } | Scaling::Block128)
+    }
 }
 
 /// The output element type.
@@ -590,7 +622,7 @@ impl WsConfig {
                 }
                 // TMA: a code row's pitch (K / 2 bytes) and a scale row's (N scales) are multiples
                 // of 16 bytes.
-                if !self.k.is_multiple_of(32) || !(self.n * w.scale.bytes()).is_multiple_of(16) {
+                if !w.fits(self.n as u64, self.k as u64) {
                     return bad(format!(
                         "4-bit weights with N = {}, K = {} (K a multiple of 32, N of {})",
                         self.n,
