@@ -274,6 +274,22 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             ));
             continue;
         };
+        // The recipe's `on sm_90a` kernel bindings say what its Hopper GEMMs may read: a weight
+        // (and weight scale) no such binding reads gets no variant.
+        let reads: Vec<&str> = std::iter::once(name)
+            .chain(scale_param.as_deref())
+            .collect();
+        if crate::codegen::bindings::reading(info, dsl::ir::Target::Sm90a, &reads).is_none() {
+            plan.missing.push(format!(
+                "no GEMM variant for `{gemm}`: no `on sm_90a` kernel binding reads {}",
+                reads
+                    .iter()
+                    .map(|r| format!("`{r}`"))
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            ));
+            continue;
+        }
         if t.declared_layout.is_some() {
             plan.missing.push(format!(
                 "no GEMM variant for a declared storage layout yet (issue [7]): {described} with a `layout`; the GEMMs read row-major [E, N, K]"

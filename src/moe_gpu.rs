@@ -157,6 +157,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         ) => {
             let w4 = crate::moe_gpu_w4::operand(&l)
                 .map_err(|why| unsupported(info, format!("`{name}`: {why}")))?;
+            hopper_binding(info, name)?;
             let relayout = stored_bytes(info, name, layer.params) != Some(w4.codes.as_slice());
             return Ok(GemmWeights {
                 operands: w4.operands,
@@ -199,6 +200,8 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             ))
         }
     };
+    // (After the refusals of weights the GPU layer has no GEMM for, which name the form.)
+    hopper_binding(info, name)?;
     let elem = operands.bytes() as usize;
     let mut codes = Vec::with_capacity(l.codes.len() * elem);
     for &c in &l.codes {
@@ -262,6 +265,40 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         group_scales: Vec::new(),
         relayout,
     })
+}
+
+/// The params holding input `name`'s codes and scales must be read by one of the recipe's
+/// `on sm_90a` kernel bindings, as the GEMM plan requires (`gemm_variants::plan`): the GPU layer
+/// runs Hopper GEMMs only where the recipe says they may read those params.
+fn hopper_binding(info: &ModuleInfo, name: &str) -> Result<()> {
+    let m = info.module();
+    let ids: Vec<_> = match info.quantization_of(name) {
+        Some(q) => q
+            .values
+            .into_iter()
+            .chain(q.scales)
+            .map(|o| o.param)
+            .collect(),
+        None => info.copy_of(name).map(|c| c.param).into_iter().collect(),
+    };
+    let names: Vec<&str> = ids
+        .iter()
+        .filter_map(|&id| m.tensor(id).map(|t| t.name.as_str()))
+        .collect();
+    if crate::codegen::bindings::reading(info, crate::dsl::ir::Target::Sm90a, &names).is_some() {
+        return Ok(());
+    }
+    Err(unsupported(
+        info,
+        format!(
+            "`{name}`: no `on sm_90a` kernel binding reads {}",
+            names
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        ),
+    ))
 }
 
 /// The stored bytes of the param holding input `name`'s codes.

@@ -779,6 +779,8 @@ recipe nvfp4_linear(E: experts, H, I) where I % 64 == 0, H % 64 == 0, H <= 16384
   param g1_alphas : f32[E] = w13_weight_scale_2 * a13
   param g2_alphas : f32[E] = w2_weight_scale_2 * a2
   activation bf16
+  kernel moe_gemm1(w13_weight, w13_weight_scale, w13_weight_scale_2) on sm_90a index i32
+  kernel moe_gemm2(w2_weight, w2_weight_scale, w2_weight_scale_2) on sm_90a index i32
 }
 ";
 
@@ -897,4 +899,38 @@ fn fp8_per_channel_interleaved_by_8_gives_the_same_layer_output() {
     }
     assert_ne!(stored[0], stored[1], "the storage orders differ");
     assert_eq!(outs[0], outs[1]);
+}
+
+/// The GPU layer follows the recipe's kernel bindings as the GEMM plan does: `nvfp4_cutedsl`
+/// without its `on sm_90a` bindings is refused by name (its Blackwell bindings read other params).
+#[test]
+fn the_gpu_layer_needs_a_hopper_binding_for_its_weights() {
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let src: String = r
+        .source
+        .lines()
+        .filter(|l| !l.contains("_sm90("))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let path = d.join("no_sm90.recipe");
+    std::fs::write(&path, &src).unwrap();
+    let packed = d.join("p.safetensors");
+    pack(path.to_str().unwrap(), &ck, &packed);
+    let bind = format!("E={E},H={H},I={I}");
+    let info = moeforge::verify_source(&src, path.to_str().unwrap(), Some(&bind)).unwrap();
+    let params = params_of(&packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let err = operands(&layer).unwrap_err().to_string();
+    assert!(
+        err.contains("no `on sm_90a` kernel binding reads `w13_weight` and `w13_weight_scale`"),
+        "{err}"
+    );
 }

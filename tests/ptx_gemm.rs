@@ -814,3 +814,45 @@ fn the_sm90a_bindings_cover_what_the_planned_gemms_read() {
         }
     }
 }
+
+/// The GEMM plan follows the recipe's kernel bindings: `nvfp4_cutedsl` without its `on sm_90a`
+/// bindings (only the Blackwell ones, which read the MMA scale view and the alphas) gets no Hopper
+/// GEMM, and `compile --kernels gemm` says which param no binding reads, writing nothing.
+#[test]
+fn a_recipe_without_hopper_bindings_gets_no_hopper_gemm() {
+    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let src: String = r
+        .source
+        .lines()
+        .filter(|l| !l.contains("_sm90("))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(src, r.source);
+    let bind = MODELS[0].1;
+    let plan = plan_of(&src, "no_sm90.recipe", bind);
+    assert!(plan.variants.is_empty(), "{:?}", plan.variants.len());
+    assert_eq!(plan.missing.len(), 2, "{:?}", plan.missing);
+    assert!(
+        plan.missing[0]
+            .contains("no `on sm_90a` kernel binding reads `w13_weight` and `w13_weight_scale`"),
+        "{:?}",
+        plan.missing
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("no_sm90.recipe");
+    std::fs::write(&path, &src).unwrap();
+    let target = dir.path().join("gemm.ptx");
+    let (code, _, err) = run(&[
+        "compile",
+        path.to_str().unwrap(),
+        "--bind",
+        bind,
+        "--kernels",
+        "gemm",
+        "-o",
+        target.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("no `on sm_90a` kernel binding"), "{err}");
+    assert!(!target.exists());
+}

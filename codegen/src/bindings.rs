@@ -1,6 +1,6 @@
 //! Kernel bindings (`kernel NAME(OPERANDS) on TARGETS index W`): what a generated kernel may read
-//! and where it may run. The GEMM generator asks here before it generates a binding's kernel; the
-//! answer is fail-closed: a target the binding's `on` list does not name is refused, as is a name
+//! and where it may run. The GEMM plan and the GPU layer ask here ([`reading`]) before they use a
+//! weight on Hopper; the answer is fail-closed: a target the binding's `on` list does not name is refused, as is a name
 //! no binding has. (The pack program is not a binding: it runs on every target a recipe is compiled
 //! for.)
 
@@ -8,6 +8,25 @@ use moeforge_dsl::ir::{KernelBinding, Target};
 use moeforge_dsl::ModuleInfo;
 
 use crate::{Error, Result};
+
+/// The first binding of a verified module that may be generated for `target` and reads every
+/// param named in `reads` (what a generated kernel of that target needs in order to read them);
+/// `None` when no binding does.
+pub fn reading<'a>(
+    info: &'a ModuleInfo,
+    target: Target,
+    reads: &[&str],
+) -> Option<&'a KernelBinding> {
+    let m = info.module();
+    m.kernels.iter().find(|k| {
+        for_target(info, &k.name, target).is_ok()
+            && reads.iter().all(|name| {
+                k.operands
+                    .iter()
+                    .any(|(id, _)| m.tensor(*id).is_some_and(|t| t.name == *name))
+            })
+    })
+}
 
 /// The binding `name` of a verified module, if it may be generated for `target`.
 pub fn for_target<'a>(
