@@ -264,7 +264,7 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 }
                 dsl::ir::DType::I8 => " without a registered f32 weight scale of shape [E, N]",
                 dsl::ir::DType::U4 | dsl::ir::DType::E2m1 => {
-                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two, K a multiple of 32 and N of 16)"
+                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two, K a multiple of 64 and N of 16)"
                 }
                 _ => "",
             };

@@ -78,12 +78,13 @@ pub(crate) fn cases(rng: &mut Rng, quick: bool) -> Vec<Case> {
         }
         rows
     };
-    // The 4-bit kernels need K a multiple of 32 and N of 16 (TMA): their case off the tiles.
+    // The 4-bit kernels need K a multiple of 64 (the codes' kernel order) and N of 16 (TMA): their
+    // case off the tiles.
     v.push(Case {
         what: "skewed routing, N and K off the tiles as far as 4-bit weights allow",
         rows: skew,
         n: 400,
-        k: 1056,
+        k: 1088,
     });
     v.push(Case {
         what: "qwen3-30b-a3b w13, 16 tokens, uniform top-8",
@@ -365,12 +366,12 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                             let sb = w4.scale.bytes() as usize;
                             Ok((0..n)
                                 .map(|j| {
-                                    let row = (e * n + j) * (k / 2);
                                     let dot: f64 = xs
                                         .iter()
                                         .enumerate()
                                         .map(|(kk, &x)| {
-                                            let code = (op.w[row + kk / 2] >> (4 * (kk % 2))) & 0xF;
+                                            let code =
+                                                reference::w4_kernel_code(op.w, e * n + j, kk, k);
                                             let at = ((e * groups + kk / w4.group as usize) * n
                                                 + j)
                                                 * sb;

@@ -3,8 +3,9 @@
 //! scale), MXFP4 (E2M1, E8M0 per 32) and symmetric group-wise INT4 (u4 codes, bf16 scales per
 //! group). Read in the input's coordinates through the verified storage maps
 //! ([`crate::dequant::Logical`]); written as the kernel takes them:
-//! * codes `[slots, N, K / 2]`, two per byte, element `2j` in the low nibble (the recipes' own
-//!   packing: for a recipe that stores the input's row order the bytes are the param's);
+//! * codes `[slots, N, K / 2]`, two per byte, in the kernel's order within each 64-deep k-tile of a
+//!   row (`codegen::gemm::reference::w4_kernel_place`: each fragment thread's codes in one 8-byte
+//!   word pair, each pair of elements at nibbles `3 - p` and `7 - p`), K a multiple of 64;
 //! * group scales `[slots, K / group, N]` (group-major: one TMA box is a k-tile's groups of the
 //!   tile's 64 rows), as the recipe stores each (E4M3, E8M0 or bf16 bits), every element of a
 //!   group carrying the same (checked);
@@ -91,7 +92,7 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
     let g = w.group as usize;
     if !w.fits(n as u64, k as u64) {
         return Err(format!(
-            "[{slots}, {n}, {k}] 4-bit weights: the GEMM's TMA needs K a multiple of 32 and N of {}",
+            "[{slots}, {n}, {k}] 4-bit weights: the GEMM needs K a multiple of 64 and N of {}",
             16 / w.scale.bytes()
         ));
     }
@@ -104,10 +105,11 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
             l.scales.len()
         ));
     }
-    let mut codes = vec![0u8; elems / 2];
+    let mut row_major = vec![0u8; elems / 2];
     for (i, &c) in l.codes.iter().enumerate() {
-        codes[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
+        row_major[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
     }
+    let codes = crate::codegen::gemm::reference::w4_kernel_order(&row_major, slots * n, k);
     let sb = w.scale.bytes() as usize;
     let mut group_scales = vec![0u8; slots * groups * n * sb];
     let mut factors = vec![1f32; slots];
@@ -242,7 +244,7 @@ mod tests {
         let Operands::W4Bf16(w) = o.operands else {
             panic!("a 4-bit operand")
         };
-        let code = (o.codes[(j * k + x) / 2] >> (4 * ((j * k + x) % 2))) & 0xF;
+        let code = crate::codegen::gemm::reference::w4_kernel_code(&o.codes, j, x, k);
         let s = o.group_scales[(x / w.group as usize) * n + j];
         w4_weight(w, code, u16::from(s)) * f64::from(o.factors[0])
     }

@@ -689,7 +689,7 @@ fn gpu_operands_equal_the_dequantized_weights() {
             }
             (Operands::W4Bf16(w), _) => {
                 // Codes [E, N, K / 2], group scales [E, K / group, N], a factor per slot.
-                let code = (g.codes[at / 2] >> (4 * (at % 2))) & 0xF;
+                let code = gr::w4_kernel_code(&g.codes, e * n + row, col, k);
                 let sb = w.scale.bytes() as usize;
                 let groups = k.div_ceil(w.group as usize);
                 let s = ((e * groups + col / w.group as usize) * n + row) * sb;
@@ -720,11 +720,12 @@ fn gpu_operands_equal_the_dequantized_weights() {
             assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
             for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
                 assert_eq!((g.slots, g.n, g.k), (E, n, k), "{name} {input}");
-                // nvfp4_cutedsl stores w13's rows [up; gate] interleaved by 64: its operand is a
-                // re-laid-out copy; every other standard recipe stores the input's order.
+                // nvfp4_cutedsl stores w13's rows [up; gate] interleaved by 64, and 4-bit codes go
+                // to the GEMM in its kernel order: those operands are re-laid-out copies; every
+                // other standard recipe's are the stored bytes.
                 assert_eq!(
                     g.relayout,
-                    name == "nvfp4_cutedsl" && input == "w13",
+                    matches!(name, "nvfp4_cutedsl" | "mxfp4" | "int4_g128"),
                     "{name} {input}"
                 );
                 let want = dequantized(&info, input, &params);
@@ -830,7 +831,10 @@ fn layouts_are_programs_the_gpu_operands_do_not_depend_on_the_storage() {
         assert_eq!(x.group_scales, y.group_scales, "{name} group scales");
         assert_eq!(x.scales, y.scales, "{name} factors");
     }
-    assert!(a.w13.relayout && !b.w13.relayout && !b.w2.relayout);
+    assert!(
+        a.w13.relayout && b.w13.relayout && b.w2.relayout,
+        "4-bit codes go in the kernel's order"
+    );
     // The stored bytes differ (another row order and scale layout), the outputs do not.
     assert_ne!(
         params_of(&d.join("0.safetensors"))["w13_weight_scale"],

@@ -133,11 +133,9 @@ pub(crate) fn i8_a_regs(k: &mut K, fr: &I8Frag, a: Reg, step: u32, row_bytes: u3
 pub(crate) struct W4Frag {
     /// The format.
     w: W4,
-    /// Byte offset of the thread's row `16 w + l / 4` in a stage's A (rows of 32 bytes).
+    /// Byte offset of the thread's 8 bytes of its row `16 w + l / 4` in a stage's A (rows of 32
+    /// bytes, the thread's at `8 (l & 3)`).
     row: Reg,
-    /// `prmt` selector of byte `c = l & 3` of a word into bytes 0-1 (of the first source) and
-    /// 2-3 (of the second): `0x4400 + 0x1111 c`.
-    code_sel: Reg,
     /// Byte offset of the aligned word holding the scale of row `16 w + l / 4` in a group's row
     /// of the scale area.
     scale_word: Reg,
@@ -151,14 +149,8 @@ pub(crate) fn w4_frag(k: &mut K, w: W4, warp: Reg, lane: Reg) -> W4Frag {
     let r = frag_row(k, warp, lane);
     let row = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(5));
     let c = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
-    let code_sel = k.bin(BinOpcode::MulLo, PtxTy::U32, c, Operand::Int(0x1111));
-    k.bin_to(
-        code_sel,
-        BinOpcode::Add,
-        PtxTy::U32,
-        code_sel,
-        Operand::Int(0x4400),
-    );
+    let c8 = k.bin(BinOpcode::Shl, PtxTy::B32, c, Operand::Int(3));
+    k.bin_to(row, BinOpcode::Add, PtxTy::U32, row, Operand::Reg(c8));
     let sb = i64::from(w.scale.bytes());
     let scale_word = k.bin(BinOpcode::MulLo, PtxTy::U32, r, Operand::Int(sb));
     k.bin_to(
@@ -184,7 +176,6 @@ pub(crate) fn w4_frag(k: &mut K, w: W4, warp: Reg, lane: Reg) -> W4Frag {
     W4Frag {
         w,
         row,
-        code_sel,
         scale_word,
         scale_sel,
     }
@@ -250,34 +241,31 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
 }
 
 /// The A registers of the four k16 steps of a 4-bit k-tile: A at shared address `a` (64 rows of
-/// 32 bytes, two codes a byte, element `2j` in the low nibble), group scales at `scales`
-/// (`groups x 64` rows, group-major).
+/// 32 bytes in the kernel's order, [`crate::gemm::reference::w4_kernel_place`]), group scales at
+/// `scales` (`groups x 64` rows, group-major).
 ///
-/// The thread's rows `r` and `r + 8` are two 16-byte loads each; step `s`'s `a_j` is byte
-/// `c = l & 3` of word `2 s + (j >> 1)` of row `r + 8 (j & 1)`: the element pair `(K, K + 1)` in
-/// its low and high nibbles. One `prmt` puts the pair's codes into the two halves, and:
-/// * E2M1: the low code at bits 15..12 (of the word shifted left by 4) and the high one at
-///   31..28; sign, exponent and mantissa moved to bf16's sign and exponent-low/mantissa-high bits
-///   (`(y & 0x80008000) | ((y & 0x70007000) >> 6)`) are the values times 2^-126 (the 0.5
+/// Thread `c = l & 3` reads its 8 bytes of rows `r` and `r + 8` (one 8-byte load each): word `w`
+/// holds steps `2w` and `2w + 1`, and pair `p = 2 (s % 2) + h` of it (`a_j`: row `r + 8 (j & 1)`,
+/// `h = j >> 1`) has its two codes in nibbles `3 - p` and `7 - p`. Then:
+/// * E2M1: the word shifted left by `4p` puts them at bits 15..12 and 31..28; sign, exponent and
+///   mantissa moved to bf16's sign and exponent-low/mantissa-high bits
+///   (`(t & 0x80008000) | ((t & 0x70007000) >> 6)`) are the values times 2^-126 (the 0.5
 ///   subnormal included); times the scale times 2^126 gives `code * scale` (exact: at most 2 + 4
 ///   significant bits), or `2^-8` of it for E4M3 scales ([`GroupScale::E4m3`]);
-/// * U4: the codes at bits 3..0 and 19..16 as the mantissa of bf16 128 (`0x4300 | q`), plus
-///   -136 (exact: `q - 8`), times the bf16 scale (rounded once).
+/// * U4: the word shifted right by `4 (3 - p)` puts them at bits 3..0 and 19..16, the mantissa of
+///   bf16 128 (`0x4300 | q`); plus -136 (exact: `q - 8`), times the bf16 scale (rounded once).
 fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
     let at = k.bin(BinOpcode::Add, PtxTy::U32, a, Operand::Reg(fr.row));
-    // rows[h][i]: word i of row r + 8 h.
-    let mut rows = [[at; 8]; 2];
-    for (h, row) in rows.iter_mut().enumerate() {
-        for half in 0..2 {
-            let d = [0; 4].map(|_| k.b.reg(RegClass::B32));
-            k.b.push(Inst::LdSharedV4 {
-                d,
-                addr: at,
-                off: (256 * h as u32 + 16 * half).into(),
-            });
-            row[4 * half as usize..4 * half as usize + 4].copy_from_slice(&d);
-        }
-    }
+    // words[h][w]: word w of the thread's bytes of row r + 8 h.
+    let words = [0u32, 1].map(|h| {
+        let d = [0; 2].map(|_| k.b.reg(RegClass::B32));
+        k.b.push(Inst::LdSharedV2 {
+            d,
+            addr: at,
+            off: (256 * h).into(),
+        });
+        d
+    });
     let mut cache: Vec<(u32, [Reg; 2])> = Vec::new();
     // bf16x2 -136, the U4 codes' offset (128 + 8).
     let neg136 = match fr.w.codes {
@@ -308,32 +296,33 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
         };
         let mut regs = [at; 4];
         for (j, slot) in regs.iter_mut().enumerate() {
-            let w = rows[j & 1][(2 * step) as usize + (j >> 1)];
-            let y = k.b.reg(RegClass::B32);
+            let q = words[j & 1][(step / 2) as usize];
+            let p = 2 * (step % 2) + (j as u32 >> 1);
             let v = match (fr.w.codes, neg136) {
                 (W4Codes::U4, Some(c136)) => {
-                    let hi = k.bin(BinOpcode::Shr, PtxTy::U32, w, Operand::Int(4));
-                    k.b.push(Inst::PrmtR {
-                        d: y,
-                        a: w,
-                        b: hi,
-                        sel: fr.code_sel,
-                    });
-                    k.bin_to(y, BinOpcode::And, PtxTy::B32, y, Operand::Int(0x000F_000F));
+                    let t = if p == 3 {
+                        q
+                    } else {
+                        k.bin(
+                            BinOpcode::Shr,
+                            PtxTy::U32,
+                            q,
+                            Operand::Int((4 * (3 - p)).into()),
+                        )
+                    };
+                    let y = k.bin(BinOpcode::And, PtxTy::B32, t, Operand::Int(0x000F_000F));
                     k.bin_to(y, BinOpcode::Or, PtxTy::B32, y, Operand::Int(0x4300_4300));
                     k.bin(BinOpcode::AddRn, PtxTy::Bf16x2, y, Operand::Reg(c136))
                 }
                 _ => {
-                    let lo = k.bin(BinOpcode::Shl, PtxTy::B32, w, Operand::Int(4));
-                    k.b.push(Inst::PrmtR {
-                        d: y,
-                        a: lo,
-                        b: w,
-                        sel: fr.code_sel,
-                    });
-                    let e = k.bin(BinOpcode::And, PtxTy::B32, y, Operand::Int(0x7000_7000));
+                    let t = if p == 0 {
+                        q
+                    } else {
+                        k.bin(BinOpcode::Shl, PtxTy::B32, q, Operand::Int((4 * p).into()))
+                    };
+                    let e = k.bin(BinOpcode::And, PtxTy::B32, t, Operand::Int(0x7000_7000));
                     k.bin_to(e, BinOpcode::Shr, PtxTy::U32, e, Operand::Int(6));
-                    k.bin_to(y, BinOpcode::And, PtxTy::B32, y, Operand::Int(0x8000_8000));
+                    let y = k.bin(BinOpcode::And, PtxTy::B32, t, Operand::Int(0x8000_8000));
                     k.bin_to(y, BinOpcode::Or, PtxTy::B32, y, Operand::Reg(e));
                     y
                 }

@@ -239,6 +239,52 @@ pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
     }
 }
 
+/// Where the W4A16 GEMM's operand keeps the code of element `x` of a row (K a multiple of 64): its
+/// byte offset in the row and its nibble (0 = bits 3..0). The kernel's order: each 64-deep k-tile
+/// of a row is 32 bytes; fragment thread `c` (`l & 3`) reads bytes `8c..8c+8` as two words, word
+/// `w` holding k16 steps `2w` and `2w + 1`; pair `p = 2 (s % 2) + h` of a word (`h` = 0 for K
+/// `16s + 2c`, 1 for `16s + 8 + 2c`) has its low element's code in nibble `3 - p` and its high
+/// element's in nibble `7 - p`, so that the kernel extracts pair `p` from the word shifted by `4p`
+/// with one mask and one shift.
+pub fn w4_kernel_place(x: usize) -> (usize, u32) {
+    let (tile, e) = (x / 64, x % 64);
+    let (s, r) = (e / 16, e % 16);
+    let (h, r) = (r / 8, r % 8);
+    let (c, hi) = (r / 2, r % 2);
+    let (w, p) = (s / 2, 2 * (s % 2) + h);
+    let byte_in_word = if hi == 0 { (3 - p) / 2 } else { (7 - p) / 2 };
+    let nib = if hi == 0 { 3 - p } else { 7 - p };
+    (32 * tile + 8 * c + 4 * w + byte_in_word, (nib % 2) as u32)
+}
+
+/// `rows` rows of `k` 4-bit codes stored row-major (element `2j` in the low nibble of byte `j`)
+/// rewritten in the kernel's order ([`w4_kernel_place`]); `k` a multiple of 64.
+pub fn w4_kernel_order(codes: &[u8], rows: usize, k: usize) -> Vec<u8> {
+    let rb = k / 2;
+    let mut out = vec![0u8; rows * rb];
+    for r in 0..rows {
+        for x in 0..k {
+            let Some(&b) = codes.get(r * rb + x / 2) else {
+                continue;
+            };
+            let code = (b >> (4 * (x % 2))) & 0xF;
+            let (at, nib) = w4_kernel_place(x);
+            if let Some(o) = out.get_mut(r * rb + at) {
+                *o |= code << (4 * nib);
+            }
+        }
+    }
+    out
+}
+
+/// The code of element `x` of row `r` of a kernel-order operand of rows of `k` codes.
+pub fn w4_kernel_code(codes: &[u8], r: usize, x: usize, k: usize) -> u8 {
+    let (at, nib) = w4_kernel_place(x);
+    codes
+        .get(r * (k / 2) + at)
+        .map_or(0, |b| (b >> (4 * nib)) & 0xF)
+}
+
 /// (a) bf16 x bf16: `Y[t, c] = sum_k X[t, k] W[e, c, k]` in f64. `x` is `[T, K]` and `w` `[E, N, K]`,
 /// as bf16 bits. The GPU's f32 output is compared against this; its bf16 output against
 /// [`to_bf16`] of it.
@@ -418,6 +464,32 @@ pub fn within_bound(out: &[f32], reference: &[f64]) -> Result<bool> {
 
 #[cfg(test)]
 mod tests {
+    /// The kernel order is a permutation of every k-tile's nibbles, and reading it back gives
+    /// every code; a thread's 8 bytes hold exactly its fragment elements.
+    #[test]
+    fn the_kernel_order_permutes_and_reads_back() {
+        let k = 192;
+        let mut places: Vec<(usize, u32)> = (0..k).map(w4_kernel_place).collect();
+        places.sort_unstable();
+        places.dedup();
+        assert_eq!(places.len(), k);
+        assert!(places.iter().all(|&(b, n)| b < k / 2 && n < 2));
+        let rows = 3;
+        let codes: Vec<u8> = (0..rows * k / 2).map(|i| (i * 37 + 11) as u8).collect();
+        let ko = w4_kernel_order(&codes, rows, k);
+        for r in 0..rows {
+            for x in 0..k {
+                let want = (codes[r * k / 2 + x / 2] >> (4 * (x % 2))) & 0xF;
+                assert_eq!(w4_kernel_code(&ko, r, x, k), want, "{r} {x}");
+            }
+        }
+        // Thread c's bytes 8c..8c+8 of a tile: K = 16s + 8h + 2c (+1) for every s, h.
+        for x in 0..64 {
+            let c = (x % 8) / 2;
+            assert_eq!(w4_kernel_place(x).0 / 8, c, "{x}");
+        }
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -152,10 +152,11 @@ impl W4 {
         group: 128,
     };
 
-    /// Whether an `N x K` weight fits the kernel's TMA boxes: K a multiple of 32 (a code row's
-    /// pitch, K / 2 bytes, a multiple of 16) and a scale row (N scales) a multiple of 16 bytes.
+    /// Whether an `N x K` weight fits the kernel: K a multiple of 64 (the codes' kernel order is
+    /// per 64-deep k-tile, and a code row's pitch, K / 2 bytes, is a multiple of 16 for TMA) and a
+    /// scale row (N scales) a multiple of 16 bytes.
     pub const fn fits(self, n: u64, k: u64) -> bool {
-        k.is_multiple_of(32) && (n * self.scale.bytes() as u64).is_multiple_of(16)
+        k.is_multiple_of(64) && (n * self.scale.bytes() as u64).is_multiple_of(16)
     }
 
     /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
@@ -620,11 +621,11 @@ impl WsConfig {
                         "a scale group of {g} (a power of two, at least 16)"
                     ));
                 }
-                // TMA: a code row's pitch (K / 2 bytes) and a scale row's (N scales) are multiples
-                // of 16 bytes.
+                // The codes' kernel order is per 64-deep k-tile (and TMA wants a code row's pitch,
+                // K / 2 bytes, and a scale row's, N scales, in multiples of 16 bytes).
                 if !w.fits(self.n as u64, self.k as u64) {
                     return bad(format!(
-                        "4-bit weights with N = {}, K = {} (K a multiple of 32, N of {})",
+                        "4-bit weights with N = {}, K = {} (K a multiple of 64, N of {})",
                         self.n,
                         self.k,
                         16 / w.scale.bytes()

@@ -486,6 +486,15 @@ pub enum Inst {
         /// Selector register (one nibble per destination byte).
         sel: Reg,
     },
+    /// `ld.shared.v2.b32 {d0, d1}, [addr+off]` (8 aligned bytes).
+    LdSharedV2 {
+        /// Destinations (32-bit), the lowest address first.
+        d: [Reg; 2],
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
     /// `ld.shared.v4.b32 {d0, d1, d2, d3}, [addr+off]` (16 aligned bytes).
     LdSharedV4 {
         /// Destinations (32-bit), the lowest address first.
@@ -740,6 +749,11 @@ impl fmt::Display for Inst {
             Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
             Inst::PrmtR { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel};"),
+            Inst::LdSharedV2 { d, addr, off } => write!(
+                f,
+                "\tld.shared.v2.b32 \t{{{}, {}}}, [{addr}+{off}];",
+                d[0], d[1]
+            ),
             Inst::LdSharedV4 { d, addr, off } => write!(
                 f,
                 "\tld.shared.v4.b32 \t{{{}, {}, {}, {}}}, [{addr}+{off}];",
