@@ -15,7 +15,7 @@ use crate::bench_gemm::{
     fill_device, random_bf16, random_e4m3, GemmCase, GemmRunner, Prepared, Recipe,
 };
 use crate::codegen::gemm::tune;
-use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
@@ -261,7 +261,17 @@ impl WsRunner {
         let (operands, scaling) = case.recipe.family();
         let all = tune::candidates(operands, scaling, n, k);
         let out = all.first().map_or(OutTy::Bf16, |c| c.out);
-        let key = TuneKey::for_device(dev, operands, scaling, out, n, k, e, case.rows_total());
+        let key = TuneKey::for_device(
+            dev,
+            operands,
+            scaling,
+            out,
+            Epilogue::Store,
+            n,
+            k,
+            e,
+            case.rows_total(),
+        );
         let label = format!("{} {} {}", case.model, case.recipe.name(), case.tokens);
         let cache = Arc::clone(&self.tune);
         let mut prepared = false;

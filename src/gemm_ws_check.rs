@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 
 use crate::codegen::gemm::act_quant::scales_group_major;
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
-use crate::codegen::gemm::ws::{GroupScale, Operands, OutTy, Scaling, WsConfig, W4};
+use crate::codegen::gemm::ws::{Epilogue, GroupScale, Operands, OutTy, Scaling, WsConfig, W4};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::{drv, Device};
 use crate::selftest_util::Rng;
@@ -114,6 +114,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         operands,
         scaling,
         out,
+        epilogue: Epilogue::Store,
         consumers,
         bn,
         stages,
@@ -125,7 +126,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
     let tok = Scaling::Tensorwise { per_token: true };
     let ten = Scaling::Tensorwise { per_token: false };
     let (b, e) = (Operands::Bf16, Operands::E4m3);
-    vec![
+    let plain = vec![
         v(b, Scaling::None, OutTy::Bf16, 2, 128, 6, false),
         v(b, Scaling::None, OutTy::Bf16, 2, 256, 4, false),
         v(b, Scaling::None, OutTy::F32, 1, 128, 4, false),
@@ -190,14 +191,61 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             6,
             true,
         ),
+    ];
+    // The fused SiLU epilogue (the layer's first GEMM): prefill and decode, split-K, every family.
+    let silu = [
+        (b, Scaling::None, OutTy::Bf16, 2, 128, 6, false, 1),
+        (b, Scaling::None, OutTy::F32, 1, 16, 8, true, 1),
+        (e, tok, OutTy::Bf16, 2, 256, 4, false, 1),
+        (e, tok, OutTy::F32, 1, 16, 8, true, 3),
+        (e, Scaling::Block128, OutTy::F32, 1, 16, 8, true, 1),
+        (
+            Operands::I8Bf16,
+            Scaling::PerRow,
+            OutTy::Bf16,
+            1,
+            16,
+            8,
+            true,
+            1,
+        ),
+        (
+            W4_FORMATS[0],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            8,
+            8,
+            true,
+            1,
+        ),
+        (
+            W4_FORMATS[2],
+            Scaling::PerExpert,
+            OutTy::F32,
+            1,
+            16,
+            8,
+            true,
+            1,
+        ),
     ]
-    .into_iter()
-    // 4-bit weights only where their TMA boxes fit the shape.
-    .filter(|c| match c.operands {
-        Operands::W4Bf16(w) => w.fits(u64::from(n), u64::from(k)),
-        _ => true,
-    })
-    .collect()
+    .map(|(o, sc, out, c, bn, st, swap, split_k)| WsConfig {
+        epilogue: Epilogue::SiluMul,
+        split_k,
+        ..v(o, sc, out, c, bn, st, swap)
+    });
+    plain
+        .into_iter()
+        .chain(silu)
+        // 4-bit weights only where their TMA boxes fit the shape; the fused epilogue where gate
+        // and up rows pair (N a multiple of 16).
+        .filter(|c| match c.operands {
+            Operands::W4Bf16(w) => w.fits(u64::from(n), u64::from(k)),
+            _ => true,
+        })
+        .filter(|c| c.epilogue == Epilogue::Store || n.is_multiple_of(16))
+        .collect()
 }
 
 /// The 4-bit weight formats of the standard recipes: NVFP4 (E2M1, E4M3 per 16), MXFP4 (E2M1, E8M0
@@ -544,9 +592,9 @@ fn run_one(
     } else {
         Some(upload(dev, &op.group_scales)?)
     };
-    let ob = cfg.out.bytes() as usize;
+    let (ob, cols) = (cfg.out.bytes() as usize, cfg.out_cols() as usize);
     // NaN poison: 0xff bytes are NaN in f32 and bf16.
-    let mut dy = upload(dev, &vec![0xffu8; t * n * ob])?;
+    let mut dy = upload(dev, &vec![0xffu8; t * cols * ob])?;
     let ops = GemmOperands {
         x: &dx,
         w: &dw,
@@ -575,9 +623,23 @@ fn run_one(
     let nan = y.iter().filter(|v| v.is_nan()).count();
     let sample = sample_rows(rng, &starts, n, k);
     let want = reference_rows(cfg, &op, &sample)?;
+    // The fused epilogue: silu(gate) * up of the rows' paired weight rows, in f64.
+    let want = match cfg.epilogue {
+        Epilogue::Store => want,
+        Epilogue::SiluMul => want
+            .chunks(n)
+            .flat_map(|row| {
+                (0..cols).map(move |o| {
+                    let g = row[(o / 8) * 16 + o % 8];
+                    let u = row[(o / 8) * 16 + 8 + o % 8];
+                    g / (1.0 + (-g).exp()) * u
+                })
+            })
+            .collect(),
+    };
     let got: Vec<f32> = sample
         .iter()
-        .flat_map(|&(r, _)| y[r * n..(r + 1) * n].iter().copied())
+        .flat_map(|&(r, _)| y[r * cols..(r + 1) * cols].iter().copied())
         .collect();
     let rel = if want.is_empty() {
         0.0
@@ -689,6 +751,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             operands,
             scaling,
             out: OutTy::Bf16,
+            epilogue: Epilogue::Store,
             consumers: 1,
             bn,
             stages,

@@ -80,6 +80,61 @@ pub struct LayerOperands {
     pub i: usize,
 }
 
+impl GemmWeights {
+    /// The same weights with their rows in the fused SiLU epilogue's paired order
+    /// ([`crate::codegen::gemm::ws::glu_row`]: per 16 rows, 8 gate rows then the 8 up rows of the
+    /// same outputs), for a first GEMM of `[gate; up]` rows: the codes, per-row scales and 4-bit
+    /// group scales move with their rows (per-expert scales stay). `None` where that cannot be:
+    /// N not a multiple of 16, or 128x128 block scales (a 128-row block would mix gate and up
+    /// rows of different blocks).
+    pub fn paired(&self) -> Option<GemmWeights> {
+        let (slots, n) = (self.slots, self.n);
+        if !n.is_multiple_of(16) || self.scaling == Scaling::Block128 || slots * n == 0 {
+            return None;
+        }
+        let half = n / 2;
+        // Rows of `bytes` bytes each, `runs` runs of N rows: each run's rows re-ordered.
+        let permute = |v: &[u8], runs: usize| -> Option<Vec<u8>> {
+            let row = v.len().checked_div(runs * n)?;
+            if row * runs * n != v.len() {
+                return None;
+            }
+            let mut out = Vec::with_capacity(v.len());
+            for run in v.chunks_exact(n * row) {
+                for r in 0..n {
+                    let from = crate::codegen::gemm::ws::glu_row(r, half);
+                    out.extend_from_slice(&run[from * row..(from + 1) * row]);
+                }
+            }
+            Some(out)
+        };
+        let scales = match self.scaling {
+            Scaling::PerRow => {
+                let b: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                permute(&b, slots)?
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            }
+            _ => self.scales.clone(),
+        };
+        let group_scales = match self.operands {
+            Operands::W4Bf16(w) => {
+                let groups = self.k.div_ceil(w.group as usize);
+                permute(&self.group_scales, slots * groups)?
+            }
+            _ => self.group_scales.clone(),
+        };
+        Some(GemmWeights {
+            codes: permute(&self.codes, slots)?,
+            scales,
+            group_scales,
+            relayout: true,
+            ..self.clone()
+        })
+    }
+}
+
 fn unsupported(info: &ModuleInfo, why: String) -> MoeError {
     MoeError::Unsupported {
         recipe: info.module().name.clone(),

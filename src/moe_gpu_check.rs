@@ -9,7 +9,10 @@
 //!   the GPU's own `act` (SPEC §9's bound is against the same quantized operands: where `a` is
 //!   quantized to E4M3, a GPU `a` a few ulp off the host's can round to the neighbouring code, so
 //!   the two paths' `act` legitimately differ by whole E4M3 steps in a few elements);
-//! * with bf16 activations (no such rounding), `output` and `act` also within 1e-2 of the host's.
+//! * with bf16 activations (no such rounding), `output` and `act` also within 1e-2 of the host's;
+//!   and the fused layer (`silu(gate) * up` in the first GEMM's epilogue, what runs without
+//!   `--dump-intermediates`) gives the unfused output (the bits are printed as the same or not;
+//!   within 1e-3 passes).
 //!
 //! The GPU-vs-host differences of `act` and `output` are printed for every recipe. Routings: uniform
 //! and skewed (empty experts), T = 1, T not a multiple of any tile, top-k 1, 2 and 8, and a
@@ -384,8 +387,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             let placed = ci == 2;
             let inp = d.join(format!("in{ri}_{ci}.safetensors"));
             inputs(&mut rng, &inp, t, k, routing, dims)?;
-            let run = |device: Device| -> Result<BTreeMap<String, Vec<f32>>> {
-                let output = d.join(format!("out{ri}_{ci}_{device:?}.safetensors"));
+            let run_as = |device: Device, dump: bool| -> Result<BTreeMap<String, Vec<f32>>> {
+                let output = d.join(format!("out{ri}_{ci}_{device:?}_{dump}.safetensors"));
                 moe_run::run(&RunOptions {
                     packed: packed.clone(),
                     inputs: inp.clone(),
@@ -393,13 +396,14 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
                     layer: None,
                     device,
                     placement: placed.then(|| placement.clone()),
-                    dump_intermediates: true,
+                    dump_intermediates: dump,
                     recipe: None,
                     threads: 0,
                     settings: settings.runtime.clone(),
                 })?;
                 read(&output)
             };
+            let run = |device: Device| run_as(device, true);
             let label = format!(
                 "moe layer {recipe:<15}{} T={t:<4} k={k} {routing:?}{}",
                 if *scales { " static" } else { "       " },
@@ -437,6 +441,37 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
                 let _ = write!(line, " {name} {e:.2e}");
                 if nan > 0 {
                     let _ = write!(line, " ({nan} non-finite)");
+                }
+            }
+            // Without intermediates the GPU layer fuses `silu(gate) * up` into the first GEMM
+            // where the second takes bf16: the same output as the unfused path (the same f32
+            // values through the same instructions; the bits match when both ran the same tile
+            // variant, which the tuning cache may make differ).
+            if bf16_feed {
+                match (run_as(Device::Gpu, false), gpu.get("output")) {
+                    (Ok(fused), Some(plain)) => match fused.get("output") {
+                        Some(f) => {
+                            let same = f.len() == plain.len()
+                                && f.iter().zip(plain).all(|(a, b)| a.to_bits() == b.to_bits());
+                            let want: Vec<f64> = plain.iter().map(|&v| f64::from(v)).collect();
+                            let e = rel_frobenius(f, &want);
+                            good &= e <= 1e-3;
+                            if same {
+                                let _ = write!(line, "; fused: same bits");
+                            } else {
+                                let _ = write!(line, "; fused vs unfused {e:.2e}");
+                            }
+                        }
+                        None => {
+                            good = false;
+                            let _ = write!(line, "; fused: no output");
+                        }
+                    },
+                    (Err(e), _) => {
+                        good = false;
+                        let _ = write!(line, "; fused: {e}");
+                    }
+                    (_, None) => good = false,
                 }
             }
             // The second GEMM and the combine in f64 with the GPU's own `act`.

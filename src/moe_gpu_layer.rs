@@ -9,7 +9,10 @@
 //!    scales (`runtime::act_quant`), or with each row's slot's static scale (`moe_kernels`);
 //! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
 //! 4. `a = silu(gate) * up` in f32, fed to the second GEMM as the recipe declares (bf16, or E4M3
-//!    per token / per 1x128 group / static);
+//!    per token / per 1x128 group / static). Where the second GEMM takes bf16 (bf16 and the
+//!    weights-only recipes), steps 3 and 4 are one kernel by default: the first GEMM's fused
+//!    epilogue (`codegen::gemm::ws::Epilogue::SiluMul`, weight rows uploaded in its paired
+//!    order) writes `a` in bf16, with the same bits ([`GpuLayer::with_fusion`]);
 //! 5. `w2` grouped GEMM, f32 out `[n, H]`;
 //! 6. combine: each token's `k` rows weighted by `topk_weights`, summed in `j` order in f32
 //!    (`acc = acc + w * y`, two roundings, as the host), rounded to bf16 once.
@@ -25,7 +28,7 @@ use cudarc::driver::CudaSlice;
 
 use crate::codegen::gemm::act_quant::Mode;
 use crate::codegen::gemm::tune;
-use crate::codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
 use crate::codegen::reference as r;
 use crate::moe_gpu::{GemmWeights, LayerOperands};
@@ -48,6 +51,10 @@ use cudarc::driver::DevicePtr as _;
 struct DevWeights {
     operands: Operands,
     scaling: Scaling,
+    /// The output type and epilogue of its variants: f32 `y` for the plain path, or the fused
+    /// first GEMM's bf16 `a`.
+    out: OutTy,
+    epilogue: Epilogue,
     n: u32,
     k: u32,
     w: CudaSlice<u8>,
@@ -57,13 +64,18 @@ struct DevWeights {
 }
 
 impl DevWeights {
-    fn upload(dev: &Device, g: &GemmWeights) -> Result<DevWeights> {
+    fn upload(dev: &Device, g: &GemmWeights, epilogue: Epilogue) -> Result<DevWeights> {
         let dim = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
         };
         Ok(DevWeights {
             operands: g.operands,
             scaling: g.scaling,
+            out: match epilogue {
+                Epilogue::Store => OutTy::F32,
+                Epilogue::SiluMul => OutTy::Bf16,
+            },
+            epilogue,
             n: dim(g.n, "N")?,
             k: dim(g.k, "K")?,
             w: dev
@@ -91,14 +103,16 @@ impl DevWeights {
         })
     }
 
-    /// The candidates, f32 out.
+    /// The candidates, with this GEMM's output and epilogue (those the epilogue can run).
     fn candidates(&self) -> Vec<WsConfig> {
         tune::candidates(self.operands, self.scaling, self.n, self.k)
             .into_iter()
             .map(|c| WsConfig {
-                out: OutTy::F32,
+                out: self.out,
+                epilogue: self.epilogue,
                 ..c
             })
+            .filter(|c| c.epilogue == Epilogue::Store || c.tile_weights().is_multiple_of(16))
             .collect()
     }
 
@@ -108,7 +122,8 @@ impl DevWeights {
             dev,
             self.operands,
             self.scaling,
-            OutTy::F32,
+            self.out,
+            self.epilogue,
             self.n,
             self.k,
             u32::try_from(slots).unwrap_or(u32::MAX),
@@ -117,7 +132,7 @@ impl DevWeights {
     }
 
     /// The variant for `rows` rows over at most `slots` experts: the tuning cache's choice for
-    /// the row bucket when it has one ([`GpuLayer::tune`]), else the untuned default; f32 out.
+    /// the row bucket when it has one ([`GpuLayer::tune`]), else the untuned default.
     fn variant(
         &self,
         dev: &Device,
@@ -196,7 +211,9 @@ pub struct GpuLayer {
     feed2: Feed,
     permute: Permute,
     feed13: Feed13,
-    act: MoeAct,
+    /// The activation kernel between the GEMMs; `None` when the first GEMM's epilogue computes
+    /// `silu(gate) * up` itself (fused).
+    act: Option<MoeAct>,
     static2: Option<CudaSlice<f32>>,
     combine: MoeCombine,
     w13: DevWeights,
@@ -301,12 +318,30 @@ fn u32_of(x: usize, what: &str) -> Result<u32> {
 
 impl GpuLayer {
     /// Upload `ops` to `dev` (Hopper), load the layer's kernels (through the kernel cache of
-    /// `settings`) and route through `replicas`.
+    /// `settings`) and route through `replicas`; the first GEMM fuses `silu(gate) * up` where it
+    /// can ([`GpuLayer::with_fusion`]).
     pub fn new(
         dev: &Device,
         ops: &LayerOperands,
         replicas: &Replicas,
         settings: &crate::runtime::Settings,
+    ) -> Result<GpuLayer> {
+        GpuLayer::with_fusion(dev, ops, replicas, settings, true)
+    }
+
+    /// [`GpuLayer::new`], choosing the path between the GEMMs. With `fuse`, where the second
+    /// GEMM takes bf16 and the first GEMM's weights can be paired
+    /// ([`GemmWeights::paired`]: no 128x128 block scales, `I` a multiple of 8), the first GEMM's
+    /// epilogue computes `a = silu(gate) * up` and writes it in bf16 (its weight rows uploaded in
+    /// the paired order; the same bits as the unfused path, which computes the same f32 values
+    /// with the same instructions); else (and always without `fuse`) it writes `w13_out` in f32
+    /// and the activation kernel makes `a`, the path `--dump-intermediates` needs.
+    pub fn with_fusion(
+        dev: &Device,
+        ops: &LayerOperands,
+        replicas: &Replicas,
+        settings: &crate::runtime::Settings,
+        fuse: bool,
     ) -> Result<GpuLayer> {
         let (h, i) = (u32_of(ops.h, "H")?, u32_of(ops.i, "I")?);
         let slots = u32_of(ops.slots, "slots")?;
@@ -330,6 +365,17 @@ impl GpuLayer {
             Feed::Static { values: v, .. } => Some(up(v)?),
             _ => None,
         };
+        let paired = match ops.feed2 {
+            Feed::Bf16 if fuse => ops.w13.paired(),
+            _ => None,
+        };
+        let (w13, act) = match &paired {
+            Some(p) => (DevWeights::upload(dev, p, Epilogue::SiluMul)?, None),
+            None => (
+                DevWeights::upload(dev, &ops.w13, Epilogue::Store)?,
+                Some(MoeAct::load(dev, ActIn::SiluMul, out2, i)?),
+            ),
+        };
         let (l2p, cnt, max_replicas) = replica_table(replicas, ops.slots);
         let placement = placement_of(replicas, ops.slots)?;
         Ok(GpuLayer {
@@ -339,11 +385,11 @@ impl GpuLayer {
             feed2: ops.feed2.clone(),
             permute: Permute::load(dev, h, slots)?,
             feed13,
-            act: MoeAct::load(dev, ActIn::SiluMul, out2, i)?,
+            act,
             static2,
             combine: MoeCombine::load(dev, h)?,
-            w13: DevWeights::upload(dev, &ops.w13)?,
-            w2: DevWeights::upload(dev, &ops.w2)?,
+            w13,
+            w2: DevWeights::upload(dev, &ops.w2, Epilogue::Store)?,
             log2phy: dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?,
             logcnt: dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?,
             experts: replicas.experts(),
@@ -375,6 +421,12 @@ impl GpuLayer {
             )
             .into())
         }
+    }
+
+    /// Whether the first GEMM's epilogue computes `silu(gate) * up` (no `w13_out`, no activation
+    /// kernel): see [`GpuLayer::with_fusion`].
+    pub fn fused(&self) -> bool {
+        self.act.is_none()
     }
 
     /// The placement the layer's buffers hold.
@@ -549,7 +601,8 @@ impl GpuLayer {
             xs: z!(u8, 2 * n * h),
             q13: z!(u8, n * h),
             s13: z!(f32, s13_len),
-            h13: z!(u8, 4 * n * 2 * i),
+            // (the fused path writes `a` directly: no `w13_out`)
+            h13: z!(u8, if self.act.is_some() { 4 * n * 2 * i } else { 1 }),
             a: z!(u8, e2 * n * i),
             s2: z!(f32, s2_len),
             y: z!(u8, 4 * n * h),
@@ -569,7 +622,7 @@ impl GpuLayer {
 
     /// One forward of `tokens` (see the module docs): [`GpuLayer::upload`], [`GpuLayer::enqueue`],
     /// [`GpuLayer::finish`]. The result is in the host forward's form, with `w13_out` and `act`
-    /// filled when `dump` (else empty).
+    /// filled when `dump` (else empty; a fused layer refuses `dump`: it has no `w13_out`).
     pub fn forward(&mut self, dev: &Device, tokens: &Tokens<'_>, dump: bool) -> Result<Forward> {
         if (tokens.t == 0 || tokens.k == 0) && tokens.x.len() == tokens.t * self.h {
             // Nothing routed: every output is the empty sum, 0 (as on the host).
@@ -698,19 +751,30 @@ impl GpuLayer {
                     t: n,
                     experts: r,
                 },
-                &mut s.h13,
+                // Fused: `a` itself.
+                if self.act.is_some() {
+                    &mut s.h13
+                } else {
+                    &mut s.a
+                },
             )?;
-            mark("w13 GEMM")?;
+            mark(if self.act.is_some() {
+                "w13 GEMM"
+            } else {
+                "w13 GEMM + silu * up"
+            })?;
             if let Some(values) = &self.static2 {
                 self.combine
                     .row_scales(dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s2, r, n)?;
             }
-            let s2 = match self.feed2 {
-                Feed::Bf16 => None,
-                _ => Some(&mut s.s2),
-            };
-            self.act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
-            mark("silu * up")?;
+            if let Some(act) = &self.act {
+                let s2 = match self.feed2 {
+                    Feed::Bf16 => None,
+                    _ => Some(&mut s.s2),
+                };
+                act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
+                mark("silu * up")?;
+            }
             let scaled2 = self.w2.scaling.takes_x_scale();
             let g2 = self
                 .gemms
@@ -767,13 +831,20 @@ impl GpuLayer {
             } else {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
-            let x: &CudaSlice<u8> = match (which, &self.feed13) {
-                (13, Feed13::Bf16) => &s.xs,
-                (13, _) => &s.q13,
-                _ => &s.a,
+            let fused = self.act.is_none();
+            let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match (which, &self.feed13) {
+                (13, f) => (
+                    if matches!(f, Feed13::Bf16) {
+                        &s.xs
+                    } else {
+                        &s.q13
+                    },
+                    // Fused: the first GEMM writes `a`.
+                    if fused { &mut s.a } else { &mut s.h13 },
+                ),
+                _ => (&s.a, &mut s.y),
             };
             let x_scale = if which == 13 { &s.s13 } else { &s.s2 };
-            let out = if which == 13 { &mut s.h13 } else { &mut s.y };
             let gemms = &self.gemms;
             let (entry, source) = gemm_tune::tune(&self.tuned, &key, all, 3, |cfg| {
                 let g = gemms
@@ -910,6 +981,11 @@ impl GpuLayer {
         let mut output = st.clone_dtoh(&s.out).map_err(dl)?;
         output.truncate(t * h);
         let (mut w13_out, mut act) = (Vec::new(), Vec::new());
+        if dump && self.fused() {
+            return Err(Error::Usage(
+                "MoE layer: the fused layer keeps no w13_out to dump (build it with GpuLayer::with_fusion(.., false))".into(),
+            ));
+        }
         if dump {
             let offsets = st.clone_dtoh(&s.offsets).map_err(dl)?;
             let rows = usize::try_from(offsets.get(r).copied().unwrap_or(0))
@@ -964,7 +1040,7 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 }
 
 /// Run one forward of `tokens` on GPU 0 (see [`GpuLayer::forward`]) with the operands `ops`,
-/// routed through `replicas`.
+/// routed through `replicas`: fused where it can be, unfused when `dump`.
 pub fn forward(
     ops: &LayerOperands,
     tokens: &Tokens<'_>,
@@ -973,7 +1049,8 @@ pub fn forward(
     dump: bool,
 ) -> Result<Forward> {
     let dev = Device::open(0)?;
-    let mut l = GpuLayer::new(&dev, ops, replicas, settings)?;
+    // The intermediates exist on the unfused path only.
+    let mut l = GpuLayer::with_fusion(&dev, ops, replicas, settings, !dump)?;
     l.forward(&dev, tokens, dump)
 }
 

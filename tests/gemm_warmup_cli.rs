@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use moeforge::codegen::gemm::tune::candidates;
-use moeforge::codegen::gemm::ws::{Operands, OutTy, Scaling};
+use moeforge::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling};
 use moeforge::runtime::gemm_tune::{TuneCache, TuneEntry, TuneKey};
 
 fn run(cache: &Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (i32, String, String) {
@@ -187,6 +187,7 @@ fn cache_ls_and_clear_handle_tuning_entries() {
         operands: Operands::Bf16,
         scaling: Scaling::None,
         out: OutTy::Bf16,
+        epilogue: Epilogue::Store,
         n: 1536,
         k: 2048,
         experts: 128,

@@ -744,6 +744,20 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     assert_eq!(have, want, "{name} {input}");
                 }
             }
+            // The fused SiLU epilogue's w13 (`paired`): kernel row r holds `[gate; up]` row
+            // `glu_row(r, I)`, its scales with it; none for 128x128 block scales.
+            match ops.w13.paired() {
+                None => assert_eq!(name, "fp8_block128"),
+                Some(p) => {
+                    assert!(p.relayout && name != "fp8_block128", "{name}");
+                    let (n, k) = (2 * I, H);
+                    for at in 0..E * n * k {
+                        let (e, row, col) = (at / (n * k), at / k % n, at % k);
+                        let from = (e * n + moeforge::codegen::gemm::ws::glu_row(row, I)) * k + col;
+                        assert_eq!(value(&p, at), value(&ops.w13, from), "{name} {at}");
+                    }
+                }
+            }
             let want_feed = |which: usize| match act_of(name, which, &params) {
                 Act::Bf16 => Feed::Bf16,
                 Act::PerToken => Feed::PerToken,

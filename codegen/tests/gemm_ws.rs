@@ -12,7 +12,8 @@ use std::collections::BTreeSet;
 
 use moeforge_codegen::gemm::tune;
 use moeforge_codegen::gemm::ws::{
-    self, grouped_ws_entry, grouped_ws_module, tile_of, Operands, OutTy, Scaling, WsConfig, WsTile,
+    self, grouped_ws_entry, grouped_ws_module, tile_of, Epilogue, Operands, OutTy, Scaling,
+    WsConfig, WsTile,
 };
 use moeforge_codegen::ptx::PTX_VERSION;
 use proptest::prelude::*;
@@ -41,6 +42,7 @@ fn cfg(
         operands,
         scaling,
         out,
+        epilogue: Epilogue::Store,
         consumers,
         bn,
         stages,
@@ -511,6 +513,7 @@ fn the_configurations_ws_refuses() {
         },
         WsConfig {
             out: OutTy::F32,
+            epilogue: Epilogue::Store,
             ..e4m3
         },
     ] {
@@ -879,6 +882,7 @@ fn the_text_has_the_structure_of_its_configuration() {
         },
         WsConfig {
             out: OutTy::F32,
+            epilogue: Epilogue::Store,
             bn: 64,
             consumers: 1,
             ..base()
@@ -1162,6 +1166,7 @@ fn int8_weights_feed_register_a_and_assemble() {
         operands: Operands::I8Bf16,
         scaling: Scaling::PerRow,
         out: OutTy::Bf16,
+        epilogue: Epilogue::Store,
         consumers: 2,
         bn: 128,
         stages: 6,
@@ -1176,4 +1181,128 @@ fn int8_weights_feed_register_a_and_assemble() {
         ..bad
     };
     assert!(ws::grouped_ws_module("x", &bad).is_err());
+}
+
+/// The fused SiLU epilogue (`Epilogue::SiluMul`): every fragment thread pairs its own gate and up
+/// slots, one `silu` (an `ex2.approx`) per output slot pair, `BN / 4` outputs per thread in both
+/// forms, stored as `a [T, N / 2]` (prefill bf16: two adjacent outputs per b32); ptxas assembles
+/// every form with no spill and no serialization; N or a tile's weight rows off 16 are refused.
+#[test]
+fn the_fused_silu_epilogue_pairs_within_threads_and_assembles() {
+    let forms = [
+        (
+            "prefill bf16",
+            WsConfig {
+                epilogue: Epilogue::SiluMul,
+                ..base()
+            },
+        ),
+        (
+            "prefill f32",
+            WsConfig {
+                epilogue: Epilogue::SiluMul,
+                out: OutTy::F32,
+                consumers: 1,
+                ..base()
+            },
+        ),
+        (
+            "decode bf16",
+            WsConfig {
+                epilogue: Epilogue::SiluMul,
+                ..decode()
+            },
+        ),
+        (
+            "decode e4m3 split-K f32",
+            WsConfig {
+                epilogue: Epilogue::SiluMul,
+                operands: Operands::E4m3,
+                scaling: Scaling::Tensorwise { per_token: true },
+                out: OutTy::F32,
+                split_k: 3,
+                ..decode()
+            },
+        ),
+        (
+            "decode int8",
+            WsConfig {
+                epilogue: Epilogue::SiluMul,
+                operands: Operands::I8Bf16,
+                scaling: Scaling::PerRow,
+                ..decode()
+            },
+        ),
+        (
+            "decode nvfp4",
+            WsConfig {
+                epilogue: Epilogue::SiluMul,
+                operands: Operands::W4Bf16(ws::W4::NVFP4),
+                scaling: Scaling::PerExpert,
+                bn: 8,
+                ..decode()
+            },
+        ),
+    ];
+    for (what, c) in forms {
+        assert!(
+            c.tag().ends_with(&format!("_silu_{}", c.out.name())),
+            "{what}"
+        );
+        assert_eq!(c.out_cols(), c.n / 2);
+        let text = ws::grouped_ws_module("moeforge_gemm_silu", &c).unwrap();
+        let pairs = (c.bn / 4) as usize;
+        assert_eq!(count(&text, "ex2.approx.ftz.f32"), pairs, "{what}");
+        assert_eq!(count(&text, "div.rn.f32"), pairs, "{what}");
+        let stores = if !c.swap_ab && c.out == OutTy::Bf16 {
+            assert_eq!(count(&text, "st.global.b32"), pairs / 2, "{what}");
+            pairs / 2
+        } else {
+            pairs
+        };
+        let st = count(&text, "st.global.f32")
+            + count(&text, "st.global.u16")
+            + count(&text, "st.global.b32");
+        // (split-K's partial stores to the workspace are f32 too: v4 or scalar, counted apart)
+        if c.split_k == 1 {
+            assert_eq!(st, stores, "{what}: {text}");
+        }
+        assembles_clean(&text, &format!("silu_{}", what.replace(' ', "_")));
+    }
+    // The same configuration with the plain epilogue stores N columns and no silu.
+    let plain = ws::grouped_ws_module("moeforge_gemm_plain", &decode()).unwrap();
+    assert_eq!(count(&plain, "ex2.approx"), 0);
+    for bad in [
+        WsConfig {
+            epilogue: Epilogue::SiluMul,
+            n: 4088,
+            ..decode()
+        },
+        WsConfig {
+            epilogue: Epilogue::SiluMul,
+            bn: 8,
+            consumers: 1,
+            ..base()
+        },
+    ] {
+        let why = refused(&bad);
+        assert!(why.contains("fused SiLU"), "{why}");
+    }
+}
+
+/// The paired row order is a bijection onto `[gate; up]` that keeps each 16-row block's 8 gate
+/// rows and their 8 up rows together.
+#[test]
+fn the_paired_row_order_is_a_bijection() {
+    for i in [8usize, 16, 24, 768, 2048] {
+        let mut seen = vec![false; 2 * i];
+        for r in 0..2 * i {
+            let l = ws::glu_row(r, i);
+            assert!(!seen[l], "row {r} of I = {i}");
+            seen[l] = true;
+            if r % 16 < 8 {
+                assert_eq!(ws::glu_row(r + 8, i), l + i, "the up row of gate row {r}");
+            }
+        }
+    }
 }

@@ -17,13 +17,13 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use moeforge_codegen::gemm::ws::{Operands, OutTy, Scaling, WsConfig};
+use moeforge_codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use serde_json::{json, Value};
 
 use crate::{Device, Error, Result};
 
 /// The format named in every entry (a change of the layout changes it, so old files are ignored).
-pub const FORMAT: &str = "moeforge-gemm-tune 1";
+pub const FORMAT: &str = "moeforge-gemm-tune 2";
 
 /// What a tuning result is keyed by.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -43,6 +43,8 @@ pub struct TuneKey {
     pub scaling: Scaling,
     /// Output type.
     pub out: OutTy,
+    /// What the epilogue stores (the fused SiLU variants are timed apart).
+    pub epilogue: Epilogue,
     /// N.
     pub n: u32,
     /// K.
@@ -62,6 +64,7 @@ impl TuneKey {
         operands: Operands,
         scaling: Scaling,
         out: OutTy,
+        epilogue: Epilogue,
         n: u32,
         k: u32,
         experts: u32,
@@ -75,6 +78,7 @@ impl TuneKey {
             operands,
             scaling,
             out,
+            epilogue,
             n,
             k,
             experts,
@@ -93,6 +97,7 @@ impl TuneKey {
             "operands": self.operands.name(),
             "scaling": scaling_name(self.scaling),
             "out": self.out.name(),
+            "epilogue": self.epilogue.name(),
             "n": self.n,
             "k": self.k,
             "experts": self.experts,
@@ -104,7 +109,7 @@ impl TuneKey {
     /// (the GPU name is JSON-quoted, so no name can make two keys encode alike).
     pub fn encode(&self) -> String {
         format!(
-            "{FORMAT}\ngpu={}\ndriver={}\nversion={}\ncodegen={}\noperands={}\nscaling={}\nout={}\nn={}\nk={}\nexperts={}\nbucket={}\n",
+            "{FORMAT}\ngpu={}\ndriver={}\nversion={}\ncodegen={}\noperands={}\nscaling={}\nout={}\nepilogue={}\nn={}\nk={}\nexperts={}\nbucket={}\n",
             Value::from(self.gpu.as_str()),
             self.driver,
             Value::from(self.version.as_str()),
@@ -112,6 +117,7 @@ impl TuneKey {
             self.operands.name(),
             scaling_name(self.scaling),
             self.out.name(),
+            self.epilogue.name(),
             self.n,
             self.k,
             self.experts,
@@ -127,13 +133,14 @@ impl TuneKey {
     /// A one-line description (for `cache ls`).
     pub fn describe(&self) -> String {
         format!(
-            "{} (driver {}, moeforge {}) {}/{}/{} N={} K={} E={} rows<={}",
+            "{} (driver {}, moeforge {}) {}/{}/{}/{} N={} K={} E={} rows<={}",
             self.gpu,
             self.driver,
             self.version,
             self.operands.name(),
             scaling_name(self.scaling),
             self.out.name(),
+            self.epilogue.name(),
             self.n,
             self.k,
             self.experts,
@@ -150,6 +157,7 @@ impl TuneKey {
             operands: operands_from(v.get("operands")?.as_str()?)?,
             scaling: scaling_from(v.get("scaling")?.as_str()?)?,
             out: out_from(v.get("out")?.as_str()?)?,
+            epilogue: epilogue_from(v.get("epilogue")?.as_str()?)?,
             n: u32_of(v, "n")?,
             k: u32_of(v, "k")?,
             experts: u32_of(v, "experts")?,
@@ -178,6 +186,7 @@ impl TuneEntry {
                 "operands": c.operands.name(),
                 "scaling": scaling_name(c.scaling),
                 "out": c.out.name(),
+                "epilogue": c.epilogue.name(),
                 "consumers": c.consumers,
                 "bn": c.bn,
                 "stages": c.stages,
@@ -201,6 +210,7 @@ impl TuneEntry {
             operands: operands_from(c.get("operands")?.as_str()?)?,
             scaling: scaling_from(c.get("scaling")?.as_str()?)?,
             out: out_from(c.get("out")?.as_str()?)?,
+            epilogue: epilogue_from(c.get("epilogue")?.as_str()?)?,
             consumers: u32_of(c, "consumers")?,
             bn: u32_of(c, "bn")?,
             stages: u32_of(c, "stages")?,
@@ -487,6 +497,12 @@ fn scaling_from(s: &str) -> Option<Scaling> {
     .find(|x| scaling_name(*x) == s)
 }
 
+fn epilogue_from(s: &str) -> Option<Epilogue> {
+    [Epilogue::Store, Epilogue::SiluMul]
+        .into_iter()
+        .find(|e| e.name() == s)
+}
+
 fn out_from(s: &str) -> Option<OutTy> {
     [OutTy::Bf16, OutTy::F32]
         .into_iter()
@@ -508,6 +524,7 @@ mod tests {
             operands: Operands::E4m3,
             scaling: Scaling::Block128,
             out: OutTy::Bf16,
+            epilogue: Epilogue::Store,
             n: 1536,
             k: 2048,
             experts: 128,
@@ -533,7 +550,7 @@ mod tests {
         let k = key();
         assert_eq!(
             k.encode(),
-            "moeforge-gemm-tune 1\ngpu=\"NVIDIA H200\"\ndriver=13000\nversion=\"0.1.0\"\ncodegen=\"fp\"\noperands=e4m3\nscaling=block128\nout=bf16\nn=1536\nk=2048\nexperts=128\nbucket=512\n"
+            "moeforge-gemm-tune 2\ngpu=\"NVIDIA H200\"\ndriver=13000\nversion=\"0.1.0\"\ncodegen=\"fp\"\noperands=e4m3\nscaling=block128\nout=bf16\nepilogue=store\nn=1536\nk=2048\nexperts=128\nbucket=512\n"
         );
         assert_eq!(
             k.hash(),
@@ -542,7 +559,7 @@ mod tests {
         // Pinned: a change of the encoding must be deliberate (and change FORMAT).
         assert_eq!(
             k.hash(),
-            "67ffbc45e66e7f118f3beca22edfaf63f9ab50c91980cc9977b9829eab2bc456",
+            "0516315fe6f299b4b3343cb99206db35cf30d5bb0463f3c669746a01ba17049b",
             "update the pinned hash only together with FORMAT"
         );
         // 500 and 512 rows are one bucket; every field is part of the key.
@@ -557,6 +574,7 @@ mod tests {
             |k: &mut TuneKey| k.operands = Operands::Bf16,
             |k: &mut TuneKey| k.scaling = Scaling::Tensorwise { per_token: true },
             |k: &mut TuneKey| k.out = OutTy::F32,
+            |k: &mut TuneKey| k.epilogue = Epilogue::SiluMul,
             |k: &mut TuneKey| k.n += 1,
             |k: &mut TuneKey| k.k += 1,
             |k: &mut TuneKey| k.experts += 1,

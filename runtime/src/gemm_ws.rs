@@ -284,9 +284,9 @@ impl GroupedGemm {
         if op.offsets.len() < e + 1 {
             return Err(short("offsets", op.offsets.len(), e + 1));
         }
-        let ob = cfg.out.bytes() as usize;
-        if y.len() < t * n * ob {
-            return Err(short("y", y.len(), t * n * ob));
+        let (ob, cols) = (cfg.out.bytes() as usize, cfg.out_cols() as usize);
+        if y.len() < t * cols * ob {
+            return Err(short("y", y.len(), t * cols * ob));
         }
         let (kb, nb) = (k.div_ceil(128), n.div_ceil(128));
         let (want_x, want_w) = match cfg.scaling {
@@ -491,7 +491,7 @@ pub fn jit_registers_and_spills(log: &str) -> (Option<u32>, Option<u64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use moeforge_codegen::gemm::ws::OutTy;
+    use moeforge_codegen::gemm::ws::{Epilogue, OutTy};
 
     #[test]
     fn the_jit_log_gives_registers_and_spills() {
@@ -509,6 +509,7 @@ mod tests {
             operands: Operands::Bf16,
             scaling: Scaling::None,
             out: OutTy::Bf16,
+            epilogue: Epilogue::Store,
             consumers: 1,
             bn: 16,
             stages: 4,
@@ -549,6 +550,7 @@ mod tests {
             operands: Operands::Bf16,
             scaling: Scaling::None,
             out: OutTy::Bf16,
+            epilogue: Epilogue::Store,
             consumers: 2,
             bn: 128,
             stages: 4,

@@ -33,6 +33,45 @@ pub(crate) trait Emit {
         d
     }
 
+    /// `silu(gate) * up` in f32, the one sequence both the activation kernel and the GEMMs' fused
+    /// epilogue emit (so that they give the same bits): `e = ex2.approx.ftz(mul.rn(g, -log2 e))`,
+    /// `add.rn(e, 1)`, `div.rn(g, .)`, `mul.rn(., up)` (`crate::moe::act::silu_mul` on the host).
+    fn silu_mul(&mut self, gate: Reg, up: Reg) -> Reg {
+        let b = self.builder();
+        let t = b.reg(RegClass::F32);
+        b.push(Inst::Bin {
+            op: BinOpcode::MulRn,
+            ty: PtxTy::F32,
+            d: t,
+            a: Operand::Reg(gate),
+            b: Operand::F32(-std::f32::consts::LOG2_E),
+        });
+        let e = self.un(
+            UnOpcode::Ex2ApproxFtz(PtxTy::F32),
+            RegClass::F32,
+            Operand::Reg(t),
+        );
+        self.bin_to(e, BinOpcode::AddRn, PtxTy::F32, e, Operand::F32(1.0));
+        let b = self.builder();
+        let q = b.reg(RegClass::F32);
+        b.push(Inst::Bin {
+            op: BinOpcode::DivRn,
+            ty: PtxTy::F32,
+            d: q,
+            a: Operand::Reg(gate),
+            b: Operand::Reg(e),
+        });
+        let d = b.reg(RegClass::F32);
+        b.push(Inst::Bin {
+            op: BinOpcode::MulRn,
+            ty: PtxTy::F32,
+            d,
+            a: Operand::Reg(q),
+            b: Operand::Reg(up),
+        });
+        d
+    }
+
     /// A special register (`%tid.x`, ...) into a fresh 32-bit register.
     fn special(&mut self, name: SpecialReg) -> Reg {
         let b = self.builder();

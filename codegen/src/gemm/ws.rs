@@ -27,7 +27,12 @@
 //!   by scanning the device-resident offsets, resuming where its previous tile's scan stopped (tile
 //!   ids only grow). Producer and consumers scan alike; [`tile_of`] is the same walk on the host.
 //! * **Epilogue**: the accumulator fragment (GEMM.md §1.6) -> scale -> convert -> masked global
-//!   stores (rows past the expert's end and columns past N are not stored).
+//!   stores (rows past the expert's end and columns past N are not stored). With
+//!   [`Epilogue::SiluMul`] (the MoE layer's first GEMM, fused) it stores `a [T, N / 2]`, `silu(gate)
+//!   times up`, instead: the weight rows are in the paired order of [`glu_row`] (8 gate rows, then the
+//!   8 up rows of the same outputs), so each thread's fragment holds both halves of its outputs
+//!   and no data crosses threads. `silu` is the activation kernel's sequence, so the fused and the
+//!   unfused paths give the same bits.
 //!
 //! # Prefill and decode
 //! * Prefill (`swap_ab = false`): A = `X` (`64 C` token rows), B = `W[e]` (`BN` weight rows); the
@@ -307,6 +312,41 @@ impl OutTy {
     }
 }
 
+/// What the epilogue stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// `y [T, N]`: the scaled accumulator.
+    Store,
+    /// `a [T, N / 2]`: `silu(gate) * up` of the scaled accumulator's row pairs (the MoE layer's
+    /// first GEMM, fused). The weight rows are in the *paired order*: within each 16 rows, 8 gate
+    /// rows then the 8 up rows of the same outputs ([`glu_row`]), so that every fragment thread
+    /// holds both halves of its outputs (decode: the A-side halves `h = 0, 1`; prefill: the B-side
+    /// column blocks `j` even and odd). N a multiple of 16.
+    SiluMul,
+}
+
+impl Epilogue {
+    /// `store` or `silu_mul` (the tuning cache's name).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Epilogue::Store => "store",
+            Epilogue::SiluMul => "silu_mul",
+        }
+    }
+}
+
+/// The logical row of the fused epilogue's weight row `r` in `[gate; up]` order with `i` outputs
+/// (`N = 2i`): rows `16q .. 16q + 8` are gate rows `8q ..`, rows `16q + 8 .. 16q + 16` the up rows
+/// `i + 8q ..` ([`Epilogue::SiluMul`]).
+pub const fn glu_row(r: usize, i: usize) -> usize {
+    let out = (r / 16) * 8 + r % 8;
+    if r % 16 < 8 {
+        out
+    } else {
+        i + out
+    }
+}
+
 /// One variant of the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WsConfig {
@@ -316,6 +356,8 @@ pub struct WsConfig {
     pub scaling: Scaling,
     /// Output type.
     pub out: OutTy,
+    /// What the epilogue stores: the product, or the fused `silu(gate) * up`.
+    pub epilogue: Epilogue,
     /// Consumer warpgroups (1 or 2): the A side of a tile is `64 * consumers` rows.
     pub consumers: u32,
     /// The B side of a tile (the wgmma N): weight rows (prefill) or token rows (decode).
@@ -434,6 +476,14 @@ impl WsConfig {
         }
     }
 
+    /// Columns of the output: N, or N / 2 for the fused SiLU epilogue.
+    pub const fn out_cols(&self) -> u32 {
+        match self.epilogue {
+            Epilogue::Store => self.n,
+            Epilogue::SiluMul => self.n / 2,
+        }
+    }
+
     /// Weight tiles per token tile: `ceil(N / tile_weights)`.
     pub const fn weight_tiles(&self) -> u32 {
         self.n.div_ceil(self.tile_weights())
@@ -478,7 +528,8 @@ impl WsConfig {
     }
 
     /// A short name of the variant (what the tables and the entry names use), e.g.
-    /// `bf16_p2x128_s4` (prefill, 2 consumers, BN 128, 4 stages) or `e4m3b_d1x16_s8_bf16`.
+    /// `bf16_p2x128_s4` (prefill, 2 consumers, BN 128, 4 stages) or `e4m3b_d1x16_s8_bf16`; the
+    /// fused SiLU epilogue adds `_silu` before the output type.
     pub fn tag(&self) -> String {
         let scale = match self.scaling {
             Scaling::None => "",
@@ -489,13 +540,17 @@ impl WsConfig {
             Scaling::PerExpert => "x",
         };
         let out = self.out.name();
+        let silu = match self.epilogue {
+            Epilogue::Store => "",
+            Epilogue::SiluMul => "_silu",
+        };
         let split = if self.split_k > 1 {
             format!("_k{}", self.split_k)
         } else {
             String::new()
         };
         format!(
-            "{}{scale}_{}{}x{}_s{}{split}_{out}",
+            "{}{scale}_{}{}x{}_s{}{split}{silu}_{out}",
             self.operands.name(),
             if self.swap_ab { "d" } else { "p" },
             self.consumers,
@@ -581,6 +636,15 @@ impl WsConfig {
             return bad(format!(
                 "N = {}, K = {} (positive, N even, K a multiple of {align})",
                 self.n, self.k
+            ));
+        }
+        if self.epilogue == Epilogue::SiluMul
+            && (!self.n.is_multiple_of(16) || !self.tile_weights().is_multiple_of(16))
+        {
+            return bad(format!(
+                "the fused SiLU epilogue with N = {} and {} weight rows per tile (multiples of 16: gate and up rows pair within 16)",
+                self.n,
+                self.tile_weights()
             ));
         }
         if self.n > (1 << 24) || self.k > (1 << 24) {
@@ -1995,6 +2059,63 @@ fn epilogue(
         }
         _ => None,
     };
+    let sc = SlotScales {
+        factors,
+        row_factors,
+        per_token,
+    };
+    match cfg.epilogue {
+        Epilogue::Store => store(k, cfg, frag, f, s, y, acc, &sc),
+        Epilogue::SiluMul => store_silu(k, cfg, frag, f, s, y, acc, &sc),
+    }
+}
+
+/// The factors the epilogue scales the accumulator slots by.
+struct SlotScales {
+    /// Per token class (or one for all).
+    factors: Option<Vec<Reg>>,
+    /// Per A-side half (decode, per weight row).
+    row_factors: Option<[Reg; 2]>,
+    per_token: bool,
+}
+
+/// The accumulator slots, scaled. Slot i = 4j + 2h + c sits at A-side offset 8h and B-side offset
+/// 8j + c.
+fn scale_slots(k: &mut K, cfg: &WsConfig, acc: &[Reg], sc: &SlotScales) -> Vec<Reg> {
+    let mut scaled = Vec::with_capacity((cfg.bn / 2) as usize);
+    for i in 0..cfg.bn / 2 {
+        let v = acc[i as usize];
+        if let Some(fs) = &sc.row_factors {
+            scaled.push(fmul(k, v, fs[((i >> 1) & 1) as usize]));
+            continue;
+        }
+        scaled.push(match &sc.factors {
+            Some(fs) => {
+                let fc = if sc.per_token {
+                    fs[token_class(cfg, i)]
+                } else {
+                    fs[0]
+                };
+                fmul(k, v, fc)
+            }
+            None => v,
+        });
+    }
+    scaled
+}
+
+/// [`Epilogue::Store`]: the scaled slots to `y [T, N]`.
+#[allow(clippy::too_many_arguments)]
+fn store(
+    k: &mut K,
+    cfg: &WsConfig,
+    frag: &Frag,
+    f: &Found,
+    s: &Scan,
+    y: Reg,
+    acc: &[Reg],
+    sc: &SlotScales,
+) -> Result<()> {
     let n = i64::from(cfg.n);
     let ob = i64::from(cfg.out.bytes());
     // Global (token, weight) of the fragment's base slot.
@@ -2011,27 +2132,7 @@ fn epilogue(
     };
     let row = k.addr(y, tok, ob * n);
     let addr = k.addr(row, wrow, ob);
-    // Slot i = 4j + 2h + c sits at A-side offset 8h and B-side offset 8j + c.
-    let slots = cfg.bn / 2;
-    let mut scaled = Vec::with_capacity(slots as usize);
-    for i in 0..slots {
-        let v = acc[i as usize];
-        if let Some(fs) = &row_factors {
-            scaled.push(fmul(k, v, fs[((i >> 1) & 1) as usize]));
-            continue;
-        }
-        scaled.push(match &factors {
-            Some(fs) => {
-                let fc = if per_token {
-                    fs[token_class(cfg, i)]
-                } else {
-                    fs[0]
-                };
-                fmul(k, v, fc)
-            }
-            None => v,
-        });
-    }
+    let scaled = scale_slots(k, cfg, acc, sc);
     // Masks: token < hi, weight row < N, per A-side half h and B-side column 8j + c.
     let mut a_ok = Vec::new();
     for h in 0..2u32 {
@@ -2130,6 +2231,134 @@ fn epilogue(
                         });
                     }
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`Epilogue::SiluMul`]: `a [T, N / 2]` from the scaled slots' gate/up pairs (weight rows in
+/// the paired order of [`glu_row`]; tiles start on 16 weight rows).
+/// * Decode: the thread's A-side row `r = w0 + a_row` is a gate row (`a_row % 16 < 8`) and
+///   `r + 8` its up row: slot `4j + c` pairs with `4j + 2 + c`, for token `8j + c`, output
+///   `(r / 16) * 8 + r % 8`.
+/// * Prefill: the B-side columns `w0 + b_col + 8j` are gate rows for even `j` and the up rows of
+///   the same outputs for `j + 1`: slot `4j + 2h + c` pairs with `4(j + 1) + 2h + c`, for token
+///   row `8h`, output `w0 / 2 + b_col + 8 (j / 2) + c`.
+#[allow(clippy::too_many_arguments)]
+fn store_silu(
+    k: &mut K,
+    cfg: &WsConfig,
+    frag: &Frag,
+    f: &Found,
+    s: &Scan,
+    y: Reg,
+    acc: &[Reg],
+    sc: &SlotScales,
+) -> Result<()> {
+    let n = i64::from(cfg.n);
+    let half = n / 2;
+    let ob = i64::from(cfg.out.bytes());
+    // The thread's base token, its first output and the mask of its weight rows (decode).
+    let (tok, out0) = if cfg.swap_ab {
+        let tok = k.bin(BinOpcode::Add, PtxTy::U32, frag.b_col, Operand::Reg(f.tok0));
+        let r = k.bin(BinOpcode::Add, PtxTy::U32, frag.a_row, Operand::Reg(f.w0));
+        let q = k.bin(BinOpcode::Shr, PtxTy::U32, r, Operand::Int(4));
+        k.bin_to(q, BinOpcode::Shl, PtxTy::B32, q, Operand::Int(3));
+        let lo = k.bin(BinOpcode::And, PtxTy::B32, r, Operand::Int(7));
+        k.bin_to(q, BinOpcode::Add, PtxTy::U32, q, Operand::Reg(lo));
+        (tok, q)
+    } else {
+        let tok = k.bin(BinOpcode::Add, PtxTy::U32, frag.a_row, Operand::Reg(f.tok0));
+        let o = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(1));
+        k.bin_to(o, BinOpcode::Add, PtxTy::U32, o, Operand::Reg(frag.b_col));
+        (tok, o)
+    };
+    let row = k.addr(y, tok, ob * half);
+    let addr = k.addr(row, out0, ob);
+    let scaled = scale_slots(k, cfg, acc, sc);
+    // (gate slot, token offset, output offset) of every pair; the up slot is the gate's + 2
+    // (decode) or + 4 (prefill).
+    let mut pairs = Vec::new();
+    if cfg.swap_ab {
+        for j in 0..cfg.bn / 8 {
+            for c in 0..2u32 {
+                pairs.push((4 * j + c, i64::from(8 * j + c), 0i64));
+            }
+        }
+    } else {
+        for j in (0..cfg.bn / 8).step_by(2) {
+            for h in 0..2u32 {
+                for c in 0..2u32 {
+                    pairs.push((4 * j + 2 * h + c, i64::from(8 * h), i64::from(4 * j + c)));
+                }
+            }
+        }
+    }
+    let up_at = if cfg.swap_ab { 2 } else { 4 };
+    let vals: Vec<Reg> = pairs
+        .iter()
+        .map(|&(g, _, _)| k.silu_mul(scaled[g as usize], scaled[(g + up_at) as usize]))
+        .collect();
+    // Masks. Decode: the output row (gate row < N, so its up row too) and the token column;
+    // prefill: the token row (per h) and the output column (per j / 2).
+    let out_ok = if cfg.swap_ab {
+        Some(k.setp(CmpOp::Lt, out0, Operand::Int(half)))
+    } else {
+        None
+    };
+    let prefill_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
+    let pair_store = !cfg.swap_ab && cfg.out == OutTy::Bf16;
+    for (p, &(_, dt, dout)) in pairs.iter().enumerate() {
+        // Prefill bf16: the output pair (c = 0, 1) as one b32, at the even c.
+        if pair_store && dout % 2 == 1 {
+            continue;
+        }
+        let tok_ok = {
+            let t = k.bin(BinOpcode::Add, PtxTy::U32, tok, Operand::Int(dt));
+            k.setp(CmpOp::Lt, t, Operand::Reg(s.hi))
+        };
+        let pred = match out_ok {
+            Some(o) => k.bin(BinOpcode::And, PtxTy::Pred, tok_ok, Operand::Reg(o)),
+            None if prefill_full => tok_ok,
+            None => {
+                let o = k.bin(BinOpcode::Add, PtxTy::U32, out0, Operand::Int(dout));
+                let ok = k.setp(CmpOp::Lt, o, Operand::Int(half));
+                k.bin(BinOpcode::And, PtxTy::Pred, tok_ok, Operand::Reg(ok))
+            }
+        };
+        let off = dt * ob * half + dout * ob;
+        match cfg.out {
+            OutTy::F32 => k.b.push(Inst::StGuarded {
+                pred,
+                negate: false,
+                ty: PtxTy::F32,
+                addr,
+                off,
+                v: vals[p],
+            }),
+            OutTy::Bf16 => {
+                let (hi, ty) = if pair_store {
+                    (vals[p + 1], PtxTy::B32)
+                } else {
+                    (vals[p], PtxTy::U16)
+                };
+                let w = k.reg32();
+                k.b.push(Inst::Bin {
+                    op: BinOpcode::CvtRnBf16x2,
+                    ty: PtxTy::F32,
+                    d: w,
+                    a: Operand::Reg(hi),
+                    b: Operand::Reg(vals[p]),
+                });
+                k.b.push(Inst::StGuarded {
+                    pred,
+                    negate: false,
+                    ty,
+                    addr,
+                    off,
+                    v: w,
+                });
             }
         }
     }

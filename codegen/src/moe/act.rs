@@ -299,16 +299,7 @@ fn load_values(
             }
             let mut out = [vals[0]; 8];
             for (c, o) in out.iter_mut().enumerate() {
-                let (gate, up) = (vals[c], vals[8 + c]);
-                let t = g.bin(BinOpcode::MulRn, PtxTy::F32, gate, Operand::F32(-LOG2_E));
-                let e = g.un(
-                    UnOpcode::Ex2ApproxFtz(PtxTy::F32),
-                    RegClass::F32,
-                    Operand::Reg(t),
-                );
-                g.bin_to(e, BinOpcode::AddRn, PtxTy::F32, e, Operand::F32(1.0));
-                let s = g.bin(BinOpcode::DivRn, PtxTy::F32, gate, Operand::Reg(e));
-                *o = g.bin(BinOpcode::MulRn, PtxTy::F32, s, Operand::Reg(up));
+                *o = g.silu_mul(vals[c], vals[8 + c]);
             }
             out
         }
