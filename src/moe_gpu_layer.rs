@@ -4,7 +4,7 @@
 //!
 //! 1. route + permute (`runtime::permute`): logical ids to EPLB slots (`log2phy[e, t mod
 //!    logcnt[e]]`), per-slot counts (the layer's EPLB load counters accumulate too), row offsets,
-//!    expert-sorted rows of `x`;
+//!    expert-sorted rows of `x`, and each item's row (`pos_of`, what the combine reads);
 //! 2. the first GEMM's feed: the rows as they are (bf16), or E4M3 with per-token or 1x128 dynamic
 //!    scales (`runtime::act_quant`), or with each row's slot's static scale (`moe_kernels`);
 //! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
@@ -594,7 +594,8 @@ impl GpuLayer {
             weights: z!(f32, t * k),
             slot: z!(i32, n),
             counts: z!(u32, r),
-            errors: z!(u32, 1),
+            // [the permute's running count, this forward's skipped items]
+            errors: z!(u32, 2),
             offsets: z!(i32, r + 1),
             cursor: z!(u32, r),
             row_of: z!(i32, n),
@@ -709,6 +710,7 @@ impl GpuLayer {
             cursor: &mut s.cursor,
             row_of: &mut s.row_of,
             xs: &mut s.xs,
+            pos_of: &mut s.pos_of,
         };
         // SAFETY: every launch of this forward is on `dev.stream`, in order; no other stream
         // touches the layer's buffers. Sizes are checked by each `run`; the row offsets the later
@@ -795,8 +797,7 @@ impl GpuLayer {
                 &mut s.y,
             )?;
             mark("w2 GEMM")?;
-            self.combine
-                .invert(dev, &s.row_of, &s.offsets, &mut s.pos_of, r, n)?;
+            // (`pos_of`, each item's row, is the permute's.)
             self.combine
                 .combine(dev, &s.y, &s.pos_of, &s.weights, &mut s.out, t, k, n)?;
             mark("combine")?;
@@ -971,7 +972,7 @@ impl GpuLayer {
         dev.sync()?;
         let dl = |e| drv("cuMemcpyDtoH")(e);
         let errors = st.clone_dtoh(&s.errors).map_err(dl)?;
-        if let Some(&bad) = errors.first().filter(|&&e| e > 0) {
+        if let Some(&bad) = errors.get(1).filter(|&&e| e > 0) {
             return Err(MoeError::Placement(format!(
                 "{bad} (token, choice) pairs had an expert id outside [0, {}) or no replica on the device",
                 self.experts

@@ -278,7 +278,8 @@ fn routing(rng: &mut Rng, n: usize, slots: usize) -> (Vec<i32>, Vec<i32>, Vec<i3
     (slot, row_of, offs)
 }
 
-/// One invert + row scales + combine case: the report line and whether it passed.
+/// One row scales + combine case (`pos_of` the host's inverse of `row_of`, as the permute writes
+/// it): the report line and whether it passed.
 fn combine_case(
     dev: &Device,
     t: usize,
@@ -309,22 +310,19 @@ fn combine_case(
     let y_bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
     let d_y = up(dev, &y_bytes)?;
     let d_w = up(dev, &weights)?;
-    let mut d_pos = up(dev, &vec![0x5EEDi32; n])?;
+    let d_pos = up(dev, &want_pos)?;
     let mut d_rs = up(dev, &vec![f32::from_bits(SCALE_POISON); n])?;
     let mut d_out = up(dev, &vec![0xFFFFu16; t * h])?;
     // SAFETY: one stream only; the sizes are checked by each launch.
     unsafe {
-        c.invert(dev, &d_row_of, &d_offs, &mut d_pos, slots, n)?;
         c.row_scales(
             dev, &d_row_of, &d_slot, &d_values, &d_offs, &mut d_rs, slots, n,
         )?;
         c.combine(dev, &d_y, &d_pos, &d_w, &mut d_out, t, k, n)?;
     }
     dev.sync()?;
-    let pos = down(dev, &d_pos)?;
     let rs = down(dev, &d_rs)?;
     let out = down(dev, &d_out)?;
-    let bad_pos = pos.iter().zip(&want_pos).filter(|(a, b)| a != b).count();
     let bad_rs = (0..n)
         .filter(|&r| {
             let want = want_rs.get(r).map_or(SCALE_POISON, |v| v.to_bits());
@@ -333,9 +331,9 @@ fn combine_case(
         .count();
     let bad_out = out.iter().zip(&want_out).filter(|(a, b)| a != b).count();
     let absent = want_pos.iter().filter(|&&p| p < 0).count();
-    let ok = bad_pos == 0 && bad_rs == 0 && bad_out == 0;
+    let ok = bad_rs == 0 && bad_out == 0;
     let mut line = format!(
-        "moe invert/row scales/combine T={t} k={k} H={h}: {total} rows, {absent} items without a row; pos_of mismatches {bad_pos}/{n}, row-scale mismatches {bad_rs}/{n}, output mismatches {bad_out}/{}",
+        "moe row scales/combine T={t} k={k} H={h}: {total} rows, {absent} items without a row; row-scale mismatches {bad_rs}/{n}, output mismatches {bad_out}/{}",
         t * h
     );
     line.push_str(if ok { ": ok" } else { ": FAIL" });

@@ -97,6 +97,7 @@ struct Dev {
     cursor: cudarc::driver::CudaSlice<u32>,
     row_of: cudarc::driver::CudaSlice<i32>,
     xs: cudarc::driver::CudaSlice<u8>,
+    pos_of: cudarc::driver::CudaSlice<i32>,
 }
 
 impl Dev {
@@ -112,12 +113,14 @@ impl Dev {
             logcnt: up_i(&map.logcnt)?,
             x: st.clone_htod(x).map_err(drv("cuMemcpyHtoD"))?,
             slot: up_i(&vec![0x5EED; n])?,
-            counts: up_u(&vec![0xDEAD; r])?,
+            // Zero on entry (the permute's precondition); `errors[1]` poisoned.
+            counts: up_u(&vec![0; r])?,
             load: up_u(&vec![0; r])?,
-            errors: up_u(&[77])?,
+            errors: up_u(&[0, 77])?,
             offsets: up_i(&vec![-7; r + 1])?,
             cursor: up_u(&vec![0xBAD; r])?,
             row_of: up_i(&vec![-9; n])?,
+            pos_of: up_i(&vec![-5; n])?,
             xs: st
                 .clone_htod(&vec![0xFFu8; 2 * n * hidden])
                 .map_err(drv("cuMemcpyHtoD"))?,
@@ -147,33 +150,76 @@ impl Dev {
             cursor: &mut self.cursor,
             row_of: &mut self.row_of,
             xs: &mut self.xs,
+            pos_of: &mut self.pos_of,
         };
         // SAFETY: the caller's promise: one stream only; sizes are checked by `run`.
         unsafe { p.run(dev, b, t, k, map.experts(), map.max_replicas) }?;
         Ok(())
     }
 
-    fn read(&self, dev: &Device, n: usize) -> Result<(Permuted, Vec<u32>)> {
+    /// The run's outputs in the reference's form, the load counters, and the checks the reference
+    /// does not make: `counts` and `errors[0]` left zero for the next run, and `pos_of` the inverse
+    /// of `row_of` (`-1` for a skipped item).
+    fn read(
+        &self,
+        dev: &Device,
+        n: usize,
+    ) -> Result<(Permuted, Vec<u32>, std::result::Result<(), String>)> {
         let st = &dev.stream;
         dev.sync()?;
-        let mut slot = st.clone_dtoh(&self.slot).map_err(drv("cuMemcpyDtoH"))?;
+        let get_i =
+            |b: &cudarc::driver::CudaSlice<i32>| st.clone_dtoh(b).map_err(drv("cuMemcpyDtoH"));
+        let get_u =
+            |b: &cudarc::driver::CudaSlice<u32>| st.clone_dtoh(b).map_err(drv("cuMemcpyDtoH"));
+        let mut slot = get_i(&self.slot)?;
         slot.truncate(n);
-        let errors = st.clone_dtoh(&self.errors).map_err(drv("cuMemcpyDtoH"))?;
+        let errors = get_u(&self.errors)?;
+        let offsets = get_i(&self.offsets)?;
+        let row_of = get_i(&self.row_of)?;
+        let pos_of = get_i(&self.pos_of)?;
+        let left = get_u(&self.counts)?;
+        let extra = if let Some(s) = left.iter().position(|&c| c != 0) {
+            Err(format!("counts[{s}] left {} (not zero)", left[s]))
+        } else if errors.first() != Some(&0) {
+            Err(format!("errors[0] left {:?} (not zero)", errors.first()))
+        } else {
+            (0..n)
+                .find(|&i| {
+                    let p = pos_of[i];
+                    if slot[i] < 0 {
+                        p != -1
+                    } else {
+                        usize::try_from(p)
+                            .ok()
+                            .and_then(|p| row_of.get(p))
+                            .is_none_or(|&r| r != i as i32)
+                    }
+                })
+                .map_or(Ok(()), |i| {
+                    Err(format!("pos_of[{i}] = {} is not its row", pos_of[i]))
+                })
+        };
+        // The counts are the offsets' differences (the device's are zero again).
+        let counts = offsets
+            .windows(2)
+            .map(|w| w[1].wrapping_sub(w[0]) as u32)
+            .collect();
         Ok((
             Permuted {
                 slot,
-                counts: st.clone_dtoh(&self.counts).map_err(drv("cuMemcpyDtoH"))?,
-                offsets: st.clone_dtoh(&self.offsets).map_err(drv("cuMemcpyDtoH"))?,
-                row_of: st.clone_dtoh(&self.row_of).map_err(drv("cuMemcpyDtoH"))?,
+                counts,
+                offsets,
+                row_of,
                 xs: st
                     .clone_dtoh(&self.xs)
                     .map_err(drv("cuMemcpyDtoH"))?
                     .chunks_exact(2)
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
                     .collect(),
-                errors: errors.first().copied().unwrap_or(u32::MAX),
+                errors: errors.get(1).copied().unwrap_or(u32::MAX),
             },
-            st.clone_dtoh(&self.load).map_err(drv("cuMemcpyDtoH"))?,
+            get_u(&self.load)?,
+            extra,
         ))
     }
 }
@@ -194,13 +240,13 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
     let mut d = Dev::new(dev, &ids, &map, &x, c.hidden)?;
     // SAFETY: one stream only.
     unsafe { d.run(dev, &p, c.t, c.k, &map) }?;
-    let (got, _) = d.read(dev, n)?;
-    let first = reference::check(&want, &got, &x, c.hidden, c.k);
+    let (got, _, extra1) = d.read(dev, n)?;
+    let first = reference::check(&want, &got, &x, c.hidden, c.k).and(extra1);
     // A second run: same outputs, load counters doubled.
     // SAFETY: one stream only.
     unsafe { d.run(dev, &p, c.t, c.k, &map) }?;
-    let (got2, load) = d.read(dev, n)?;
-    let second = reference::check(&want, &got2, &x, c.hidden, c.k);
+    let (got2, load, extra2) = d.read(dev, n)?;
+    let second = reference::check(&want, &got2, &x, c.hidden, c.k).and(extra2);
     let twice: Vec<u32> = want_load.iter().map(|l| 2 * l).collect();
     let load_ok = load == twice;
     let ok = first.is_ok() && second.is_ok() && load_ok;
@@ -235,7 +281,7 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
 }
 
 /// Timed at `T = 1` and `T = 8192` (H = 7168, k = 8, E = 32, identity map) with CUDA events: the
-/// report lines (the whole run: two memsets and three kernels).
+/// report lines (the whole run: three kernels, no memset).
 fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
     let (h, k, e) = (7168usize, 8usize, 32usize);
     let p = Permute::load(dev, h as u32, e as u32)?;

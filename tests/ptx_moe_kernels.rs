@@ -106,7 +106,7 @@ fn ptxas_assembles_the_combine_kernels_without_spills() {
     for h in HIDDEN {
         let (ptx, l) = combine_module(h).unwrap();
         let name = format!("combine_{h}");
-        let report = assemble(&ptxas, dir.path(), &name, &ptx, 3);
+        let report = assemble(&ptxas, dir.path(), &name, &ptx, 2);
         eprintln!(
             "{name}: {} combine threads, registers {:?}",
             l.combine_threads,

@@ -1,21 +1,17 @@
 //! The MoE layer's activation and combine kernels on the device (`codegen::moe::act`,
 //! `codegen::moe::combine`): between the grouped GEMMs, [`MoeAct`] turns the first GEMM's f32
 //! output (or bf16 rows) into the second GEMM's input (bf16, or E4M3 codes with per-token, per
-//! 1x128-group or static per-row scales); after them, [`MoeCombine`] inverts the permute's row
-//! order, gathers per-row scales and sums each token's rows with its top-k weights. `load` JITs a
+//! 1x128-group or static per-row scales); after them, [`MoeCombine`] gathers per-row scales and
+//! sums each token's rows with its top-k weights (finding them through the permute's `pos_of`). `load` JITs a
 //! module through the driver's linker; every launch checks the buffers' sizes first and is queued
 //! on `dev.stream` with no host synchronization (row counts are read on the device from the
 //! grouped GEMM's offsets).
 
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 use moeforge_codegen::moe::act::{self, ActIn, ActLaunch, ActOut, ACT_ENTRY};
-use moeforge_codegen::moe::combine::{
-    self, CombineLaunch, COMBINE_ENTRY, INVERT_ENTRY, ROW_SCALES_ENTRY,
-};
+use moeforge_codegen::moe::combine::{self, CombineLaunch, COMBINE_ENTRY, ROW_SCALES_ENTRY};
 
 use crate::{drv, Device, Error, Result};
 
@@ -154,10 +150,9 @@ impl MoeAct {
     }
 }
 
-/// The loaded invert, row-scales and combine kernels for one hidden size.
+/// The loaded row-scales and combine kernels for one hidden size.
 pub struct MoeCombine {
     _module: Arc<CudaModule>,
-    invert: CudaFunction,
     row_scales: CudaFunction,
     combine: CudaFunction,
     launch: CombineLaunch,
@@ -171,15 +166,14 @@ impl std::fmt::Debug for MoeCombine {
 
 impl MoeCombine {
     /// Generate the module for hidden size `hidden`, JIT it for `dev` (Hopper, sm_90a, only) and
-    /// load its three kernels. Errors: no driver or another architecture (`NoDriver`), a hidden
+    /// load its two kernels. Errors: no driver or another architecture (`NoDriver`), a hidden
     /// size the generator refuses (`Codegen`), the JIT's.
     pub fn load(dev: &Device, hidden: u32) -> Result<MoeCombine> {
         crate::device::hopper_only(dev, "the MoE combine kernels")?;
         let (ptx, launch) = combine::combine_module(hidden)?;
-        let (module, [invert, row_scales, combine]) =
-            crate::jit::load_entries(dev, &ptx, [INVERT_ENTRY, ROW_SCALES_ENTRY, COMBINE_ENTRY])?;
+        let (module, [row_scales, combine]) =
+            crate::jit::load_entries(dev, &ptx, [ROW_SCALES_ENTRY, COMBINE_ENTRY])?;
         Ok(MoeCombine {
-            invert,
             row_scales,
             combine,
             _module: module,
@@ -190,59 +184,6 @@ impl MoeCombine {
     /// The launch shapes (H, threads).
     pub fn launch(&self) -> &CombineLaunch {
         &self.launch
-    }
-
-    /// `pos_of[i]` = the row of item `i` (`-1` where none): fills the first `n` of `pos_of` with
-    /// `-1` (a byte memset of 0xFF), then `pos_of[row_of[r]] = r` for the rows `r <
-    /// min(offsets[slots], n)`. Queued on `dev.stream`. Errors (`Placement`): a buffer too small,
-    /// `slots` or `n` past 32 bits; the memset's and the launch's.
-    ///
-    /// # Safety
-    /// As [`MoeAct::run`]: no other stream may write `row_of` or `offsets`, nor touch `pos_of`,
-    /// until this stream reaches the kernel's end. Sizes are checked, and the kernel writes only
-    /// items in `[0, n)`.
-    pub unsafe fn invert(
-        &self,
-        dev: &Device,
-        row_of: &CudaSlice<i32>,
-        offsets: &CudaSlice<i32>,
-        pos_of: &mut CudaSlice<i32>,
-        slots: usize,
-        n: usize,
-    ) -> Result<()> {
-        let (slots32, n32) = (to_u32("slots", slots)?, to_u32("n", n)?);
-        check_sizes(
-            "moe invert",
-            &[
-                ("row_of", row_of.len(), n),
-                ("offsets", offsets.len(), slots + 1),
-                ("pos_of", pos_of.len(), n),
-            ],
-        )?;
-        dev.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        {
-            let (ptr, _sync) = pos_of.device_ptr_mut(&dev.stream);
-            // SAFETY: `ptr` is `pos_of`'s device address, which holds at least `n` i32 (checked),
-            // so the `4 n` bytes lie inside it; the memset is ordered on `dev.stream`, after every
-            // earlier use of `pos_of` (`device_ptr_mut` makes the stream wait for them).
-            unsafe {
-                cudarc::driver::result::memset_d8_async(ptr, 0xFF, 4 * n, dev.stream.cu_stream())
-            }
-            .map_err(drv("cuMemsetD8Async"))?;
-        }
-        let mut b = dev.stream.launch_builder(&self.invert);
-        b.arg(row_of)
-            .arg(offsets)
-            .arg(&mut *pos_of)
-            .arg(&slots32)
-            .arg(&n32);
-        // SAFETY: the arguments match the invert kernel's parameters in order (three u64
-        // pointers, two u32). It reads `offsets[slots]` (>= slots + 1 checked) and `row_of` below
-        // `min(offsets[slots], n)` (>= n checked), and writes `pos_of[i]` only for `i` in `[0, n)`
-        // (>= n checked). The caller keeps other streams off the buffers.
-        unsafe { b.launch(cfg(self.launch.index_grid(n32), self.launch.index_threads)) }
-            .map_err(drv("cuLaunchKernel"))?;
-        Ok(())
     }
 
     /// `out[r] = values[slot[row_of[r]]]` (1.0 where an index is out of range) for the rows `r <

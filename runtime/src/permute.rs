@@ -1,8 +1,9 @@
 //! The MoE layer's route + permute on the device (`codegen::moe::permute`): logical `topk_ids` to
 //! EPLB slots, per-slot counts (and the EPLB load counters), row offsets, expert-sorted row indices
 //! and gathered activations. [`Permute::load`] JITs the module's three kernels through the driver's
-//! linker; [`Permute::run`] checks the buffers' sizes and queues two memsets and the three kernels
-//! on `dev.stream`, with no host synchronization between them.
+//! linker; [`Permute::run`] checks the buffers' sizes and queues the three kernels on `dev.stream`,
+//! with no host synchronization between them and no memset: the scan leaves `counts` and
+//! `errors[0]` zero for the next run.
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -41,11 +42,13 @@ pub struct Buffers<'a> {
     pub x: &'a CudaSlice<u16>,
     /// Written: each item's slot (`-1` for an out-of-range one), i32 `[n]`.
     pub slot: &'a mut CudaSlice<i32>,
-    /// Written: this run's items per slot, u32 `[R]` (zeroed first).
+    /// Scratch: this run's items per slot, u32 `[R]`: zero on entry (a zeroed allocation, or as
+    /// the previous run left it), zero again after the run (the offsets keep the counts).
     pub counts: &'a mut CudaSlice<u32>,
     /// Accumulated: the EPLB window's load counters, u32 `[R]` (never zeroed here).
     pub load: &'a mut CudaSlice<u32>,
-    /// Written: items skipped as out of range, u32 `[1]` (zeroed first).
+    /// u32 `[2]`: `errors[0]` zero on entry (as for `counts`) and after; written: `errors[1]`, the
+    /// items this run skipped as out of range.
     pub errors: &'a mut CudaSlice<u32>,
     /// Written: row offsets, i32 `[R + 1]`.
     pub offsets: &'a mut CudaSlice<i32>,
@@ -56,6 +59,9 @@ pub struct Buffers<'a> {
     /// Written: gathered rows, bf16 `[n, H]` as bytes (the first `offsets[R]`), what the grouped
     /// GEMM and the activation quantizer read.
     pub xs: &'a mut CudaSlice<u8>,
+    /// Written: each item's expert-sorted row (`row_of`'s inverse), `-1` for a skipped item, i32
+    /// `[n]`: what the combine reads.
+    pub pos_of: &'a mut CudaSlice<i32>,
 }
 
 impl Permute {
@@ -82,16 +88,17 @@ impl Permute {
     }
 
     /// Route and permute `t` tokens of `k` choices over `experts` logical experts whose map rows
-    /// hold `max_replicas` replicas. Queued on `dev.stream` (memsets of `counts` and `errors`,
-    /// then the three kernels); returns without waiting. Errors (`Placement`): a buffer too
-    /// small, `k` or `max_replicas` of 0, `t * k` or `E * max_replicas` past 32 bits; the
-    /// launches'.
+    /// hold `max_replicas` replicas. Queued on `dev.stream` (the three kernels); returns without
+    /// waiting. Errors (`Placement`): a buffer too small, `k` or `max_replicas` of 0, `t * k` or
+    /// `E * max_replicas` past 32 bits; the launches'.
     ///
     /// # Safety
     /// The launches are asynchronous: no work on another stream may write the inputs, nor read or
     /// write the outputs and scratch, until this stream reaches the last kernel's end. Sizes are
     /// checked here, and every index the kernels form from the map is checked on the device, so
-    /// they touch nothing outside the buffers.
+    /// they touch nothing outside the buffers. `counts` and `errors[0]` must be zero (see
+    /// [`Buffers`]: zeroed when allocated, and left so by every completed run); else the offsets
+    /// are wrong (the scatter still writes no position past `n`).
     pub unsafe fn run(
         &self,
         dev: &Device,
@@ -128,11 +135,12 @@ impl Permute {
             ("slot", b.slot.len(), nz),
             ("counts", b.counts.len(), slots),
             ("load", b.load.len(), slots),
-            ("errors", b.errors.len(), 1),
+            ("errors", b.errors.len(), 2),
             ("offsets", b.offsets.len(), slots + 1),
             ("cursor", b.cursor.len(), slots),
             ("row_of", b.row_of.len(), nz),
             ("xs (bytes)", b.xs.len(), 2 * rows),
+            ("pos_of", b.pos_of.len(), nz),
         ];
         for (what, got, want) in need {
             if got < want {
@@ -142,12 +150,6 @@ impl Permute {
             }
         }
         let (k32, e32, m32) = (k as u32, experts as u32, max_replicas as u32);
-        dev.stream
-            .memset_zeros(b.counts)
-            .map_err(drv("cuMemsetD8"))?;
-        dev.stream
-            .memset_zeros(b.errors)
-            .map_err(drv("cuMemsetD8"))?;
         let cfg = |grid: u32, threads: u32| LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (threads, 1, 1),
@@ -174,10 +176,13 @@ impl Permute {
         unsafe { l.launch(cfg(self.launch.route_grid(n), ROUTE_THREADS)) }
             .map_err(drv("cuLaunchKernel"))?;
         let mut l = dev.stream.launch_builder(&self.scan);
-        l.arg(&*b.counts).arg(&mut *b.offsets).arg(&mut *b.cursor);
-        // SAFETY: kernel B's parameters are three u64 pointers, in this order; it reads `counts`
-        // and zeroes `cursor` below R and writes `offsets` below R + 1 (sizes checked above), in
-        // one CTA of `scan_threads` threads (its `.maxntid`).
+        l.arg(&mut *b.counts)
+            .arg(&mut *b.offsets)
+            .arg(&mut *b.cursor)
+            .arg(&mut *b.errors);
+        // SAFETY: kernel B's parameters are four u64 pointers, in this order; it reads and zeroes
+        // `counts` and zeroes `cursor` below R, writes `offsets` below R + 1 and `errors[0..2]`
+        // (sizes checked above), in one CTA of `scan_threads` threads (its `.maxntid`).
         unsafe { l.launch(cfg(1, self.launch.scan_threads)) }.map_err(drv("cuLaunchKernel"))?;
         let mut l = dev.stream.launch_builder(&self.scatter);
         l.arg(&*b.slot)
@@ -186,16 +191,18 @@ impl Permute {
             .arg(b.x)
             .arg(&mut *b.row_of)
             .arg(&mut *b.xs)
+            .arg(&mut *b.pos_of)
             .arg(&n)
             .arg(&k32);
-        // SAFETY: the arguments match kernel C's parameters in order (six u64 pointers, then two
+        // SAFETY: the arguments match kernel C's parameters in order (seven u64 pointers, then two
         // u32). It reads `slot` below `n`, and for slots in [0, R) (kernel A wrote only those or
-        // -1) `offsets` and `cursor` below R; positions `offsets[s] + cursor` stay below
-        // `offsets[R] <= n` because each slot's cursor counts exactly that slot's items, so
-        // `row_of` (>= n) and `xs` (>= 2 n H bytes) are written in bounds; `x` is read at rows
-        // `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte aligned, more than the
-        // 16 bytes of the row copies (rows of 2H bytes, H a multiple of 8). The caller keeps other
-        // streams off the buffers.
+        // -1) `offsets` and `cursor` below R; it writes `pos_of` below `n` (>= n checked), and
+        // `row_of` (>= n) and `xs` (>= 2 n H bytes) only at positions below `n` (checked on the
+        // device; with zero counts on entry, positions `offsets[s] + cursor` stay below
+        // `offsets[R] <= n` anyway, because each slot's cursor counts exactly that slot's items);
+        // `x` is read at rows `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte
+        // aligned, more than the 16 bytes of the row copies (rows of 2H bytes, H a multiple of 8).
+        // The caller keeps other streams off the buffers.
         unsafe { l.launch(cfg(self.launch.scatter_grid(n), SCATTER_THREADS)) }
             .map_err(drv("cuLaunchKernel"))?;
         Ok(())

@@ -1,13 +1,12 @@
 //! The generated kernels around the MoE layer's second grouped GEMM (issue \[9\]), PTX for
-//! `sm_90a` through the typed builder: three entries in one module, launched on one stream with no
+//! `sm_90a` through the typed builder: two entries in one module, launched on one stream with no
 //! host synchronization (the row count `offsets[slots]` is read on the device).
 //!
 //! With `n = T * k` items `i = t * k + j`, the permute's `row_of` (i32 `[n]`: the item of each
 //! expert-sorted row, its first `offsets[slots]` valid) and the grouped GEMM's row offsets
-//! (`offsets`, i32 `[slots + 1]`), every kernel handles the rows `r < min(offsets[slots], n)`:
-//! * [`INVERT_ENTRY`], a grid-stride loop of one thread per row: `i = row_of[r]`; for `0 <= i < n`,
-//!   `pos_of[i] = r` (the caller fills `pos_of` with `-1` first, so items without a row stay `-1`).
-//! * [`ROW_SCALES_ENTRY`], a grid-stride loop of one thread per row: `out[r] =
+//! (`offsets`, i32 `[slots + 1]`), and `pos_of` (i32 `[n]`, each item's row or `-1`: the permute's
+//! scatter writes it, [`invert_reference`] is its host form):
+//! * [`ROW_SCALES_ENTRY`], a grid-stride loop of one thread per row `r < min(offsets[slots], n)`: `out[r] =
 //!   values[slot[row_of[r]]]` (a per-slot value, e.g. a static activation scale, gathered per
 //!   row); `1.0` where `row_of[r]` is outside `[0, n)` or the slot outside `[0, slots)`.
 //! * [`COMBINE_ENTRY`], a grid-stride loop of one CTA per token: `out[t, c] = bf16_rne(acc)` with
@@ -18,8 +17,6 @@
 //!   (at most 4): two 16-byte loads of `y` per chunk and choice, one 16-byte store of bf16.
 //!
 //! # Parameters, in order
-//! * invert ([`INVERT_PARAMS`]): `.u64 row_of`, `.u64 offsets`, `.u64 pos_of` (i32 `[n]`,
-//!   written), `.u32 slots`, `.u32 n`.
 //! * row scales ([`ROW_SCALES_PARAMS`]): `.u64 row_of`, `.u64 slot` (i32 `[n]`: each item's
 //!   physical slot or `-1`), `.u64 values` (f32 `[slots]`), `.u64 offsets`, `.u64 out` (f32 `[n]`,
 //!   its first `min(offsets[slots], n)` written), `.u32 slots`, `.u32 n`.
@@ -28,7 +25,7 @@
 //!   `.u32 k`, `.u32 n`.
 //!
 //! # Launch shapes
-//! Invert and row scales: [`CombineLaunch::index_grid`] CTAs of [`INDEX_THREADS`]. Combine:
+//! Row scales: [`CombineLaunch::index_grid`] CTAs of [`INDEX_THREADS`]. Combine:
 //! [`CombineLaunch::combine_grid`] CTAs of [`CombineLaunch::combine_threads`].
 
 use super::emit::{push_entry, G};
@@ -37,20 +34,10 @@ use crate::gemm::reference::bf16_from_f32;
 use crate::ptx::{BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SpecialReg};
 use crate::{Error, Result};
 
-/// The invert kernel's entry name.
-pub const INVERT_ENTRY: &str = "moeforge_moe_invert";
 /// The row-scales kernel's entry name.
 pub const ROW_SCALES_ENTRY: &str = "moeforge_moe_row_scales";
 /// The combine kernel's entry name.
 pub const COMBINE_ENTRY: &str = "moeforge_moe_combine";
-/// The invert kernel's parameter names, in order.
-pub const INVERT_PARAMS: [&str; 5] = [
-    "inv_row_of",
-    "inv_offsets",
-    "inv_pos_of",
-    "inv_slots",
-    "inv_n",
-];
 /// The row-scales kernel's parameter names, in order.
 pub const ROW_SCALES_PARAMS: [&str; 7] = [
     "rs_row_of",
@@ -73,9 +60,9 @@ pub const COMBINE_PARAMS: [&str; 7] = [
 ];
 /// The largest hidden size (4 chunks of 8 columns for each of 512 threads).
 pub const MAX_HIDDEN: u32 = 16384;
-/// Threads per CTA of the invert and row-scales kernels.
+/// Threads per CTA of the row-scales kernel.
 pub const INDEX_THREADS: u32 = 256;
-/// The most CTAs of the invert and row-scales kernels.
+/// The most CTAs of the row-scales kernel.
 pub const INDEX_MAX_CTAS: u32 = 1024;
 /// The most threads per CTA of the combine kernel.
 pub const COMBINE_MAX_THREADS: u32 = 512;
@@ -89,12 +76,12 @@ pub struct CombineLaunch {
     pub hidden: u32,
     /// Threads per CTA of the combine kernel (a multiple of 32).
     pub combine_threads: u32,
-    /// Threads per CTA of the invert and row-scales kernels ([`INDEX_THREADS`]).
+    /// Threads per CTA of the row-scales kernel ([`INDEX_THREADS`]).
     pub index_threads: u32,
 }
 
 impl CombineLaunch {
-    /// CTAs of the invert and row-scales kernels for `n` rows (at least 1).
+    /// CTAs of the row-scales kernel for `n` rows (at least 1).
     pub fn index_grid(&self, n: u32) -> u32 {
         n.div_ceil(self.index_threads).clamp(1, INDEX_MAX_CTAS)
     }
@@ -132,15 +119,15 @@ pub fn combine_launch(hidden: u32) -> Result<CombineLaunch> {
     })
 }
 
-/// The module: PTX (`.version`, `.target sm_90a`, the entries [`INVERT_ENTRY`],
-/// [`ROW_SCALES_ENTRY`], [`COMBINE_ENTRY`]) and its launch shapes. Errors: as [`combine_launch`].
+/// The module: PTX (`.version`, `.target sm_90a`, the entries [`ROW_SCALES_ENTRY`],
+/// [`COMBINE_ENTRY`]) and its launch shapes. Errors: as [`combine_launch`].
 pub fn combine_module(hidden: u32) -> Result<(String, CombineLaunch)> {
     let l = combine_launch(hidden)?;
     let mut s = format!(
         ".version {}\n.target sm_90a\n.address_size 64\n",
         crate::ptx::PTX_VERSION
     );
-    for (e, g) in [invert(), row_scales(), combine(&l)] {
+    for (e, g) in [row_scales(), combine(&l)] {
         push_entry(&mut s, &e, &g)?;
     }
     Ok((s, l))
@@ -170,42 +157,6 @@ fn grid_stride(g: &mut G) -> (Reg, Reg) {
     g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(tid));
     let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(ntid));
     (i, step)
-}
-
-fn invert() -> (Entry, G) {
-    let mut e = Entry::new(INVERT_ENTRY);
-    e.params = params(&INVERT_PARAMS, 3, |_| 4);
-    e.maxntid = Some(INDEX_THREADS);
-    let mut g = G::default();
-    let [row_of, offsets, pos_of] = [0, 1, 2].map(|k| g.global_param(INVERT_PARAMS[k]));
-    let [slots, n] = [3, 4].map(|k| g.u32_param(INVERT_PARAMS[k]));
-    let rows = g.filled_rows(offsets, slots, n);
-    let (r, step) = grid_stride(&mut g);
-    let (top, next, done) = (
-        g.b.label("inv_row"),
-        g.b.label("inv_next"),
-        g.b.label("inv_done"),
-    );
-    g.label(&top);
-    let past = g.setp(CmpOp::Ge, PtxTy::U32, r, Operand::Reg(rows));
-    g.bra(&done, Some((past, false)));
-    let a = g.elem(row_of, r, 4);
-    let i = g.ld(PtxTy::S32, a);
-    // Unsigned: a negative item is past n too.
-    let out = g.setp(CmpOp::Ge, PtxTy::U32, i, Operand::Reg(n));
-    g.bra(&next, Some((out, false)));
-    let a = g.elem(pos_of, i, 4);
-    g.b.push(Inst::St {
-        ty: PtxTy::U32,
-        addr: a,
-        v: r,
-    });
-    g.label(&next);
-    g.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(step));
-    g.bra(&top, None);
-    g.label(&done);
-    g.b.push(Inst::Ret);
-    (e, g)
 }
 
 fn row_scales() -> (Entry, G) {
@@ -380,9 +331,9 @@ fn filled(offsets: &[i32], slots: usize, n: usize) -> Result<usize> {
     Ok((offsets[slots].max(0) as usize).min(n))
 }
 
-/// The invert kernel on the host: `pos_of` (i32 `[n]`, `-1` where no row holds the item) of the
-/// first `min(offsets[slots], n)` rows of `row_of`. Where two rows name one item (never after the
-/// permute) the later row wins here, either on the device. Errors: `offsets` or `row_of` too
+/// `pos_of` on the host (what the permute's scatter writes beside `row_of`): i32 `[n]`, `-1` where
+/// no row holds the item, from the first `min(offsets[slots], n)` rows of `row_of`. Where two rows
+/// name one item (never after the permute) the later row wins. Errors: `offsets` or `row_of` too
 /// short.
 pub fn invert_reference(
     row_of: &[i32],
@@ -494,10 +445,11 @@ mod tests {
     }
 
     #[test]
-    fn module_has_three_entries_and_is_deterministic() {
+    fn module_has_two_entries_and_is_deterministic() {
         let (a, l) = combine_module(7168).unwrap();
         assert_eq!(a, combine_module(7168).unwrap().0);
-        for e in [INVERT_ENTRY, ROW_SCALES_ENTRY, COMBINE_ENTRY] {
+        assert_eq!(a.matches(".visible .entry ").count(), 2);
+        for e in [ROW_SCALES_ENTRY, COMBINE_ENTRY] {
             assert_eq!(a.matches(&format!(".visible .entry {e}(")).count(), 1);
         }
         let n = l.chunks_per_thread() as usize;

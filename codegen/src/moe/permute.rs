@@ -7,19 +7,26 @@
 //! physical slots:
 //! * [`ROUTE_ENTRY`] (kernel A), a grid-stride loop of one thread per item: `e = topk_ids[i]`;
 //!   an `e` outside `[0, E)`, a `logcnt[e]` outside `[1, max_replicas]` or a map entry outside
-//!   `[0, R)` (a `-1` pad) counts one into `errors` and gives `slot[i] = -1`. Otherwise
+//!   `[0, R)` (a `-1` pad) counts one into `errors[0]` and gives `slot[i] = -1`. Otherwise
 //!   `slot[i] = log2phy[e * max_replicas + (t mod logcnt[e])]` (SPEC §9's replica choice) and the
-//!   slot's `counts` (this launch's, zeroed by the caller) and `load` (the EPLB window's running
+//!   slot's `counts` (this run's, zero on entry) and `load` (the EPLB window's running
 //!   load counters, accumulated across launches, `u32`) each count one (`red.global.add.u32`).
 //!   Without EPLB, `log2phy` is the identity, `logcnt` all ones and `max_replicas` 1.
 //! * [`SCAN_ENTRY`] (kernel B), one CTA: `offsets[s] = sum(counts[..s])` for `s` in `0..=R`
-//!   (`i32`, the grouped GEMM's row offsets), and `cursor[..R] = 0`. Each thread holds
+//!   (`i32`, the grouped GEMM's row offsets), and `cursor[..R] = 0`. It leaves the next run's
+//!   zeros behind: `counts[..R] = 0` once read, and `errors[1] = errors[0]` (this run's count of
+//!   skipped items, what the host reads), `errors[0] = 0`. So a run needs no memset: `counts` and
+//!   `errors[0]` are zero on entry when the buffers were allocated zeroed, or when the previous run
+//!   on them completed. Each thread holds
 //!   [`Launch::scan_chunk`] consecutive counts; warps scan with `shfl.sync.up`, the warps' totals
 //!   are scanned by warp 0 through shared memory. `R` is compiled in, at most [`MAX_SLOTS`].
 //! * [`SCATTER_ENTRY`] (kernel C), a grid-stride loop of one warp per item: lane 0 takes
 //!   `pos = offsets[slot] + atom.add(cursor[slot], 1)` and writes `row_of[pos] = i`; the warp copies
 //!   row `t` of `x` (bf16 `[T, H]`, `H` compiled in) to row `pos` of `xs` with 16-byte vector loads
-//!   and stores (lane `l` moves chunks `l, l + 32, ...`). Items with `slot < 0` are skipped.
+//!   and stores (lane `l` moves chunks `l, l + 32, ...`). Lane 0 also writes `pos_of[i] = pos`, the
+//!   inverse of `row_of` that the combine reads (so the layer needs no inverting kernel). Items
+//!   with `slot < 0` are skipped, with `pos_of[i] = -1`; so is a `pos` past `n`, which only counts
+//!   not zero on entry could make (nothing is written there).
 //!
 //! # Row order within a slot
 //! The order of a slot's rows in `xs` and `row_of` is the order in which the warps won the
@@ -35,12 +42,13 @@
 //!
 //! # Parameters, in order
 //! * A: `topk_ids` (i32 `[n]`), `log2phy` (i32 `[E, max_replicas]`), `logcnt` (i32 `[E]`), `slot`
-//!   (i32 `[n]`, written), `counts` (u32 `[R]`), `load` (u32 `[R]`), `errors` (u32 `[1]`), then
+//!   (i32 `[n]`, written), `counts` (u32 `[R]`), `load` (u32 `[R]`), `errors` (u32 `[2]`), then
 //!   the u32 scalars `n`, `k`, `E`, `max_replicas`.
-//! * B: `counts` (u32 `[R]`), `offsets` (i32 `[R + 1]`, written), `cursor` (u32 `[R]`, zeroed).
+//! * B: `counts` (u32 `[R]`, zeroed once read), `offsets` (i32 `[R + 1]`, written), `cursor` (u32
+//!   `[R]`, zeroed), `errors` (u32 `[2]`).
 //! * C: `slot` (i32 `[n]`), `offsets`, `cursor`, `x` (bf16 `[T, H]`, 16-byte aligned), `row_of`
 //!   (i32 `[n]`, its first `offsets[R]` written), `xs` (bf16 `[n, H]`, 16-byte aligned, its first
-//!   `offsets[R]` rows written), then the u32 scalars `n`, `k`.
+//!   `offsets[R]` rows written), `pos_of` (i32 `[n]`, written), then the u32 scalars `n`, `k`.
 
 use super::emit::{push_entry, G};
 use crate::gemm::emit::Emit as _;
@@ -159,16 +167,17 @@ pub const ROUTE_PARAMS: [&str; 11] = [
 ];
 
 /// Kernel B's parameter names, in order.
-pub const SCAN_PARAMS: [&str; 3] = ["scan_counts", "scan_offsets", "scan_cursor"];
+pub const SCAN_PARAMS: [&str; 4] = ["scan_counts", "scan_offsets", "scan_cursor", "scan_errors"];
 
 /// Kernel C's parameter names, in order.
-pub const SCATTER_PARAMS: [&str; 8] = [
+pub const SCATTER_PARAMS: [&str; 9] = [
     "scatter_slot",
     "scatter_offsets",
     "scatter_cursor",
     "scatter_x",
     "scatter_row_of",
     "scatter_xs",
+    "scatter_pos_of",
     "scatter_items",
     "scatter_k",
 ];
@@ -302,7 +311,7 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
     e.maxntid = Some(l.scan_threads);
     let mut g = G::default();
     g.b.declare_shared(SharedDecl::array("scan_warps", SharedTy::B32, 32, 4)?)?;
-    let [counts, offsets, cursor] = [0, 1, 2].map(|k| g.global_param(SCAN_PARAMS[k]));
+    let [counts, offsets, cursor, errors] = [0, 1, 2, 3].map(|k| g.global_param(SCAN_PARAMS[k]));
     let slots = i64::from(l.slots);
     let chunk = l.scan_chunk;
     let tid = g.special(SpecialReg::TidX);
@@ -332,6 +341,12 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
             d: v,
             addr: a,
         });
+        // Zero for the next run (each count is read by this thread only).
+        g.b.push(Inst::St {
+            ty: PtxTy::U32,
+            addr: a,
+            v: zero,
+        });
         let a = g.elem(cursor, idx, 4);
         g.b.push(Inst::St {
             ty: PtxTy::U32,
@@ -342,6 +357,23 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
         g.bin_to(sum, BinOpcode::Add, PtxTy::U32, sum, Operand::Reg(v));
         vals.push((idx, v));
     }
+    // Thread 0 reports this run's errors in `errors[1]` and zeroes `errors[0]` for the next run.
+    let not_t0 = g.b.label("scan_not_thread0");
+    let p = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
+    g.bra(&not_t0, Some((p, false)));
+    let bad = g.ld(PtxTy::U32, errors);
+    g.b.push(Inst::St {
+        ty: PtxTy::U32,
+        addr: errors,
+        v: zero,
+    });
+    let a = g.bin(BinOpcode::Add, PtxTy::U64, errors, Operand::Int(4));
+    g.b.push(Inst::St {
+        ty: PtxTy::U32,
+        addr: a,
+        v: bad,
+    });
+    g.label(&not_t0);
     let incl = g.r32();
     g.mov(incl, Operand::Reg(sum));
     warp_scan(&mut g, incl, lane);
@@ -461,21 +493,23 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
 
 fn scatter(l: &Launch) -> (Entry, G) {
     let mut e = Entry::new(SCATTER_ENTRY);
-    e.params = SCATTER_PARAMS[..6]
+    e.params = SCATTER_PARAMS[..7]
         .iter()
         .enumerate()
         .map(|(k, n)| Param::global_ptr(*n, if k == 3 || k == 5 { 16 } else { 4 }))
         .chain(
-            SCATTER_PARAMS[6..]
+            SCATTER_PARAMS[7..]
                 .iter()
                 .map(|n| Param::scalar(*n, PtxTy::U32)),
         )
         .collect();
     e.maxntid = Some(SCATTER_THREADS);
     let mut g = G::default();
-    let [slot_in, offsets, cursor, x, row_of, xs] =
-        [0, 1, 2, 3, 4, 5].map(|k| g.global_param(SCATTER_PARAMS[k]));
-    let [n, k] = [6, 7].map(|i| g.u32_param(SCATTER_PARAMS[i]));
+    let [slot_in, offsets, cursor, x, row_of, xs, pos_of] =
+        [0, 1, 2, 3, 4, 5, 6].map(|k| g.global_param(SCATTER_PARAMS[k]));
+    let [n, k] = [7, 8].map(|i| g.u32_param(SCATTER_PARAMS[i]));
+    let minus1 = g.r32();
+    g.mov(minus1, Operand::Int(-1));
     let row_bytes = i64::from(l.hidden) * 2;
     let chunks = l.hidden / 8;
     let tid = g.special(SpecialReg::TidX);
@@ -501,7 +535,20 @@ fn scatter(l: &Launch) -> (Entry, G) {
     let a = g.elem(slot_in, w, 4);
     let slot = g.ld(PtxTy::S32, a);
     let skipped = g.setp(CmpOp::Lt, PtxTy::S32, slot, Operand::Int(0));
-    g.bra(&next, Some((skipped, false)));
+    // The item's position (the combine's `pos_of`): -1 for a skipped item.
+    let at_pos = g.elem(pos_of, w, 4);
+    let kept = g.b.label("scatter_kept");
+    g.bra(&kept, Some((skipped, true)));
+    g.b.push(Inst::StGuarded {
+        pred: not_lane0,
+        negate: true,
+        ty: PtxTy::S32,
+        addr: at_pos,
+        off: 0,
+        v: minus1,
+    });
+    g.bra(&next, None);
+    g.label(&kept);
     // Lane 0 claims the row's position and records the item there; the warp learns it by shfl.
     let pos = g.r32();
     g.mov(pos, Operand::Int(0));
@@ -517,6 +564,23 @@ fn scatter(l: &Launch) -> (Entry, G) {
     let a = g.elem(offsets, slot, 4);
     let o = g.ld(PtxTy::S32, a);
     g.bin_to(pos, BinOpcode::Add, PtxTy::U32, o, Operand::Reg(c));
+    // A position past `n` can only come from counts that were not zero on entry (the caller's
+    // precondition): never written, so the kernel stays within `row_of` and `xs` regardless.
+    let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
+    let p = g.r32();
+    g.b.push(Inst::Selp {
+        ty: PtxTy::U32,
+        d: p,
+        a: Operand::Reg(minus1),
+        b: Operand::Reg(pos),
+        p: off_end,
+    });
+    g.b.push(Inst::St {
+        ty: PtxTy::S32,
+        addr: at_pos,
+        v: p,
+    });
+    g.bra(&claimed, Some((off_end, false)));
     let a = g.elem(row_of, pos, 4);
     g.b.push(Inst::St {
         ty: PtxTy::U32,
@@ -529,6 +593,8 @@ fn scatter(l: &Launch) -> (Entry, G) {
         a: pos,
         lane: 0,
     });
+    let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
+    g.bra(&next, Some((off_end, false)));
     let t = g.bin(BinOpcode::Div, PtxTy::U32, w, Operand::Reg(k));
     let src = g.elem(x, t, row_bytes);
     g.bin_to(
