@@ -251,7 +251,7 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
     let load_ok = load == twice;
     let ok = first.is_ok() && second.is_ok() && load_ok;
     let mut line = format!(
-        "moe permute T={} k={} E={} R={} H={} {:?}{}: {} rows, {} errors: {}",
+        "moe permute T={} k={} E={} R={} H={} {:?}{}{}: {} rows, {} errors: {}",
         c.t,
         c.k,
         c.experts,
@@ -259,6 +259,11 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
         c.hidden,
         c.ids,
         if c.slots == c.experts { "" } else { " eplb" },
+        if p.launch().small(n as u32) {
+            " (small path)"
+        } else {
+            ""
+        },
         want.row_of.len(),
         want.errors,
         if ok { "ok" } else { "FAIL" }
@@ -343,6 +348,11 @@ pub fn selftest() -> Result<(String, Option<bool>)> {
         case(37, 2, 7, 7, 8, Ids::OutOfRange),
         case(300, 8, 4096, 4096, 64, Ids::Uniform),
         case(301, 8, 1000, 4096, 64, Ids::Skewed),
+        // The small path's edges: 1024 items over 48 slots (two a thread of 512), 1032 (the
+        // three kernels), 2048 over 4096 slots (two a thread of 1024), with ids out of range.
+        case(128, 8, 32, 48, 512, Ids::Skewed),
+        case(129, 8, 32, 48, 512, Ids::Skewed),
+        case(256, 8, 4000, 4096, 64, Ids::OutOfRange),
     ];
     let mut all = true;
     for c in &cases {

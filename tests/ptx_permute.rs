@@ -50,7 +50,7 @@ fn ptxas_assembles_the_permute_kernels_without_spills() {
         let cubin = dir.path().join(format!("permute_{h}_{r}.cubin"));
         std::fs::write(&src, ptx).unwrap();
         let report = common::assemble(&ptxas, &src, &cubin);
-        let p = common::problems(&report, 3);
+        let p = common::problems(&report, 4);
         assert!(p.is_empty(), "H={h} R={r}: {p:?}\n{report}");
         eprintln!("H={h} R={r}: {report}");
     }

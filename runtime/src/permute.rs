@@ -1,15 +1,17 @@
 //! The MoE layer's route + permute on the device (`codegen::moe::permute`): logical `topk_ids` to
 //! EPLB slots, per-slot counts (and the EPLB load counters), row offsets, expert-sorted row indices
-//! and gathered activations. [`Permute::load`] JITs the module's three kernels through the driver's
-//! linker; [`Permute::run`] checks the buffers' sizes and queues the three kernels on `dev.stream`,
-//! with no host synchronization between them and no memset: the scan leaves `counts` and
-//! `errors[0]` zero for the next run.
+//! and gathered activations. [`Permute::load`] JITs the module's four kernels through the driver's
+//! linker; [`Permute::run`] checks the buffers' sizes and queues the route, the scan and the
+//! scatter on `dev.stream` (for few items, `Launch::small`, the route and the scan as one
+//! one-CTA kernel), with no host synchronization between them and no memset: the scan leaves
+//! `counts` and `errors[0]` zero for the next run, and the small path does not touch them.
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 use moeforge_codegen::moe::permute::{
-    self, Launch, ROUTE_ENTRY, ROUTE_THREADS, SCAN_ENTRY, SCATTER_ENTRY, SCATTER_THREADS,
+    self, Launch, ROUTE_ENTRY, ROUTE_SCAN_ENTRY, ROUTE_THREADS, SCAN_ENTRY, SCATTER_ENTRY,
+    SCATTER_THREADS,
 };
 
 use crate::{drv, Device, Error, Result};
@@ -20,6 +22,8 @@ pub struct Permute {
     route: CudaFunction,
     scan: CudaFunction,
     scatter: CudaFunction,
+    /// Kernels A and B in one CTA, for few items.
+    small: CudaFunction,
     launch: Launch,
 }
 
@@ -66,17 +70,21 @@ pub struct Buffers<'a> {
 
 impl Permute {
     /// Generate the module for hidden size `hidden` and `slots` physical slots, JIT it for `dev`
-    /// (Hopper, sm_90a, only) and load its three kernels. Errors: no driver or another
+    /// (Hopper, sm_90a, only) and load its four kernels. Errors: no driver or another
     /// architecture (`NoDriver`), a shape the generator refuses (`Codegen`), the JIT's.
     pub fn load(dev: &Device, hidden: u32, slots: u32) -> Result<Permute> {
         crate::device::hopper_only(dev, "the MoE permute")?;
         let (ptx, launch) = permute::permute_module(hidden, slots)?;
-        let (module, [route, scan, scatter]) =
-            crate::jit::load_entries(dev, &ptx, [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY])?;
+        let (module, [route, scan, scatter, small]) = crate::jit::load_entries(
+            dev,
+            &ptx,
+            [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY, ROUTE_SCAN_ENTRY],
+        )?;
         Ok(Permute {
             route,
             scan,
             scatter,
+            small,
             _module: module,
             launch,
         })
@@ -88,7 +96,7 @@ impl Permute {
     }
 
     /// Route and permute `t` tokens of `k` choices over `experts` logical experts whose map rows
-    /// hold `max_replicas` replicas. Queued on `dev.stream` (the three kernels); returns without
+    /// hold `max_replicas` replicas. Queued on `dev.stream` (two or three kernels); returns without
     /// waiting. Errors (`Placement`): a buffer too small, `k` or `max_replicas` of 0, `t * k` or
     /// `E * max_replicas` past 32 bits; the launches'.
     ///
@@ -155,35 +163,62 @@ impl Permute {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = dev.stream.launch_builder(&self.route);
-        l.arg(b.topk_ids)
-            .arg(b.log2phy)
-            .arg(b.logcnt)
-            .arg(&mut *b.slot)
-            .arg(&mut *b.counts)
-            .arg(&mut *b.load)
-            .arg(&mut *b.errors)
-            .arg(&n)
-            .arg(&k32)
-            .arg(&e32)
-            .arg(&m32);
-        // SAFETY: the arguments match kernel A's parameters in order (seven u64 pointers, then four
-        // u32). It reads items below `n` of `topk_ids` (>= n checked), `logcnt[e]` for `e < E`
-        // (>= E checked), `log2phy[e * max_replicas + r]` with `r < logcnt[e] <= max_replicas`
-        // (>= E * max_replicas checked, which fits 32 bits), and writes `slot` below `n` and
-        // `counts`/`load` at slots below R (each >= R checked), `errors[0]`. The caller keeps other
-        // streams off the buffers.
-        unsafe { l.launch(cfg(self.launch.route_grid(n), ROUTE_THREADS)) }
-            .map_err(drv("cuLaunchKernel"))?;
-        let mut l = dev.stream.launch_builder(&self.scan);
-        l.arg(&mut *b.counts)
-            .arg(&mut *b.offsets)
-            .arg(&mut *b.cursor)
-            .arg(&mut *b.errors);
-        // SAFETY: kernel B's parameters are four u64 pointers, in this order; it reads and zeroes
-        // `counts` and zeroes `cursor` below R, writes `offsets` below R + 1 and `errors[0..2]`
-        // (sizes checked above), in one CTA of `scan_threads` threads (its `.maxntid`).
-        unsafe { l.launch(cfg(1, self.launch.scan_threads)) }.map_err(drv("cuLaunchKernel"))?;
+        if self.launch.small(n) {
+            let mut l = dev.stream.launch_builder(&self.small);
+            l.arg(b.topk_ids)
+                .arg(b.log2phy)
+                .arg(b.logcnt)
+                .arg(&mut *b.slot)
+                .arg(&mut *b.load)
+                .arg(&mut *b.errors)
+                .arg(&mut *b.offsets)
+                .arg(&mut *b.cursor)
+                .arg(&n)
+                .arg(&k32)
+                .arg(&e32)
+                .arg(&m32);
+            // SAFETY: the arguments match the small path's parameters in order (eight u64
+            // pointers, then four u32). As kernels A and B: it reads items below `n` of
+            // `topk_ids`, `logcnt[e]` for `e < E` and `log2phy[e * max_replicas + r]` with `r <
+            // logcnt[e] <= max_replicas` (sizes checked above), writes `slot` below `n`, `load`
+            // at slots below R, `errors[1]`, `offsets` below R + 1 and zeroes `cursor` below R
+            // (each checked above); its counts live in its own shared memory (R + 1 words of the
+            // static shared area). One CTA of `small_threads` threads (its `.maxntid`). The caller
+            // keeps other streams off the buffers.
+            unsafe { l.launch(cfg(1, self.launch.small_threads())) }
+                .map_err(drv("cuLaunchKernel"))?;
+        } else {
+            let mut l = dev.stream.launch_builder(&self.route);
+            l.arg(b.topk_ids)
+                .arg(b.log2phy)
+                .arg(b.logcnt)
+                .arg(&mut *b.slot)
+                .arg(&mut *b.counts)
+                .arg(&mut *b.load)
+                .arg(&mut *b.errors)
+                .arg(&n)
+                .arg(&k32)
+                .arg(&e32)
+                .arg(&m32);
+            // SAFETY: the arguments match kernel A's parameters in order (seven u64 pointers,
+            // then four u32). It reads items below `n` of `topk_ids` (>= n checked), `logcnt[e]`
+            // for `e < E` (>= E checked), `log2phy[e * max_replicas + r]` with `r < logcnt[e] <=
+            // max_replicas` (>= E * max_replicas checked, which fits 32 bits), and writes `slot`
+            // below `n` and `counts`/`load` at slots below R (each >= R checked), `errors[0]`.
+            // The caller keeps other streams off the buffers.
+            unsafe { l.launch(cfg(self.launch.route_grid(n), ROUTE_THREADS)) }
+                .map_err(drv("cuLaunchKernel"))?;
+            let mut l = dev.stream.launch_builder(&self.scan);
+            l.arg(&mut *b.counts)
+                .arg(&mut *b.offsets)
+                .arg(&mut *b.cursor)
+                .arg(&mut *b.errors);
+            // SAFETY: kernel B's parameters are four u64 pointers, in this order; it reads and
+            // zeroes `counts` and zeroes `cursor` below R, writes `offsets` below R + 1 and
+            // `errors[0..2]` (sizes checked above), in one CTA of `scan_threads` threads (its
+            // `.maxntid`).
+            unsafe { l.launch(cfg(1, self.launch.scan_threads)) }.map_err(drv("cuLaunchKernel"))?;
+        }
         let mut l = dev.stream.launch_builder(&self.scatter);
         l.arg(&*b.slot)
             .arg(&*b.offsets)

@@ -1,7 +1,10 @@
 //! The generated route + permute kernels of the MoE layer (issue \[9\], SPEC §9 and §6), PTX for
-//! `sm_90a` through the typed builder: three kernels in one module, launched back to back on one
-//! stream with no host synchronization between them (the counts and offsets never leave the
-//! device).
+//! `sm_90a` through the typed builder: four kernels in one module, of which two or three run back
+//! to back on one stream with no host synchronization between them (the counts and offsets never
+//! leave the device): kernels A, B and C, or for few items ([`Launch::small`]: a decode step) the
+//! small path [`ROUTE_SCAN_ENTRY`], kernels A and B in one CTA that counts in shared memory, then
+//! C. A launch costs about 3.5 us on the H200 whatever it does, so at one token the fewer the
+//! better.
 //!
 //! With `n = T * k` items `i = t * k + j` (token `t`, choice `j`), `E` logical experts and `R`
 //! physical slots:
@@ -20,16 +23,19 @@
 //!   on them completed. Each thread holds
 //!   [`Launch::scan_chunk`] consecutive counts; warps scan with `shfl.sync.up`, the warps' totals
 //!   are scanned by warp 0 through shared memory. `R` is compiled in, at most [`MAX_SLOTS`].
-//! * [`SCATTER_ENTRY`] (kernel C), a grid-stride loop of one warp per item: lane 0 takes
-//!   `pos = offsets[slot] + atom.add(cursor[slot], 1)` and writes `row_of[pos] = i`; the warp copies
-//!   row `t` of `x` (bf16 `[T, H]`, `H` compiled in) to row `pos` of `xs` with 16-byte vector loads
-//!   and stores (lane `l` moves chunks `l, l + 32, ...`). Lane 0 also writes `pos_of[i] = pos`, the
+//! * [`SCATTER_ENTRY`] (kernel C), a grid-stride loop of one CTA per item: thread 0 takes
+//!   `pos = offsets[slot] + atom.add(cursor[slot], 1)`, writes `row_of[pos] = i` and hands `pos`
+//!   to the CTA through shared memory; the CTA copies row `t` of `x` (bf16 `[T, H]`, `H` compiled
+//!   in) to row `pos` of `xs` with 16-byte vector loads and stores (thread `u` moves chunks `u, u +`
+//!   [`SCATTER_THREADS`]`, ...`, all of its loads issued before its stores: one memory round trip
+//!   per item up to H = 8192, where a warp per item took seven at H = 7168, the latency of a
+//!   decode step). Thread 0 also writes `pos_of[i] = pos`, the
 //!   inverse of `row_of` that the combine reads (so the layer needs no inverting kernel). Items
 //!   with `slot < 0` are skipped, with `pos_of[i] = -1`; so is a `pos` past `n`, which only counts
 //!   not zero on entry could make (nothing is written there).
 //!
 //! # Row order within a slot
-//! The order of a slot's rows in `xs` and `row_of` is the order in which the warps won the
+//! The order of a slot's rows in `xs` and `row_of` is the order in which the CTAs won the
 //! cursor's atomic, so it may differ between runs. No output bit depends on it: the grouped GEMM's
 //! rows are independent (each output row reads one `xs` row and the expert's weights), and the
 //! combine sums `out_t = sum_j w[t, j] * y` in `j` order, finding each `(t, j)`'s row through
@@ -58,6 +64,8 @@ use crate::ptx::{
 };
 use crate::{Error, Result};
 
+/// The small path's entry name (kernels A and B in one CTA).
+pub const ROUTE_SCAN_ENTRY: &str = "moeforge_moe_route_scan";
 /// Kernel A's entry name.
 pub const ROUTE_ENTRY: &str = "moeforge_moe_route_count";
 /// Kernel B's entry name.
@@ -66,11 +74,11 @@ pub const SCAN_ENTRY: &str = "moeforge_moe_offsets_scan";
 pub const SCATTER_ENTRY: &str = "moeforge_moe_scatter_gather";
 /// The most physical slots (kernel B is one CTA of at most 1024 threads, 4 counts each).
 pub const MAX_SLOTS: u32 = 4096;
-/// The largest hidden size (kernel C's copy is unrolled: `H / 256` chunks a lane).
+/// The largest hidden size (kernel C's copy is unrolled: `H / 2048` chunks a thread).
 pub const MAX_HIDDEN: u32 = 32768;
 /// Threads per CTA of kernel A.
 pub const ROUTE_THREADS: u32 = 256;
-/// Threads per CTA of kernel C (8 warps, one item each at a time).
+/// Threads per CTA of kernel C (one item at a time: 16 bytes of its row a thread per step).
 pub const SCATTER_THREADS: u32 = 256;
 /// The most CTAs of kernel A (a grid-stride loop covers the rest).
 pub const ROUTE_MAX_CTAS: u32 = 1024;
@@ -98,9 +106,20 @@ impl Launch {
         n.div_ceil(ROUTE_THREADS).clamp(1, ROUTE_MAX_CTAS)
     }
 
+    /// Threads of the small path's one CTA: at least 512 and [`Launch::scan_threads`].
+    pub fn small_threads(&self) -> u32 {
+        self.scan_threads.max(512)
+    }
+
+    /// Whether `n` items take the small path ([`ROUTE_SCAN_ENTRY`], then kernel C): at most two
+    /// items a thread of its one CTA.
+    pub fn small(&self, n: u32) -> bool {
+        n <= 2 * self.small_threads()
+    }
+
     /// CTAs of kernel C for `n` items (at least 1).
     pub fn scatter_grid(&self, n: u32) -> u32 {
-        n.div_ceil(SCATTER_THREADS / 32).clamp(1, SCATTER_MAX_CTAS)
+        n.clamp(1, SCATTER_MAX_CTAS)
     }
 
     /// Bytes of one row of `x` and `xs`.
@@ -140,12 +159,12 @@ pub fn launch(hidden: u32, slots: u32) -> Result<Launch> {
 }
 
 /// The permute module for hidden size `hidden` and `slots` physical slots: PTX (`.version`,
-/// `.target sm_90a`, the three entries [`ROUTE_ENTRY`], [`SCAN_ENTRY`], [`SCATTER_ENTRY`]) and its
-/// launch shapes. Errors: as [`launch`].
+/// `.target sm_90a`, the four entries [`ROUTE_ENTRY`], [`SCAN_ENTRY`], [`SCATTER_ENTRY`],
+/// [`ROUTE_SCAN_ENTRY`]) and its launch shapes. Errors: as [`launch`].
 pub fn permute_module(hidden: u32, slots: u32) -> Result<(String, Launch)> {
     let l = launch(hidden, slots)?;
     let mut s = format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n");
-    for (entry, g) in [route(&l), scan(&l)?, scatter(&l)] {
+    for (entry, g) in [route(&l), scan(&l)?, scatter(&l)?, route_scan(&l)?] {
         push_entry(&mut s, &entry, &g)?;
     }
     Ok((s, l))
@@ -166,6 +185,22 @@ pub const ROUTE_PARAMS: [&str; 11] = [
     "route_max_replicas",
 ];
 
+/// The small path's parameter names, in order.
+pub const ROUTE_SCAN_PARAMS: [&str; 12] = [
+    "small_topk_ids",
+    "small_log2phy",
+    "small_logcnt",
+    "small_slot",
+    "small_load",
+    "small_errors",
+    "small_offsets",
+    "small_cursor",
+    "small_items",
+    "small_k",
+    "small_experts",
+    "small_max_replicas",
+];
+
 /// Kernel B's parameter names, in order.
 pub const SCAN_PARAMS: [&str; 4] = ["scan_counts", "scan_offsets", "scan_cursor", "scan_errors"];
 
@@ -181,6 +216,119 @@ pub const SCATTER_PARAMS: [&str; 9] = [
     "scatter_items",
     "scatter_k",
 ];
+
+/// Where the route's per-slot counts and error count go.
+#[derive(Clone, Copy)]
+enum Counters {
+    /// Kernel A: `red.global.add` on `counts[slot]` and `errors[0]`.
+    Global { counts: Reg, errors: Reg },
+    /// The small path's one CTA: `red.shared.add` on shared `counts[slot]` and the error word.
+    Shared { counts: Reg, errors: Reg },
+}
+
+/// The route's parameters as registers.
+struct RouteIn {
+    ids: Reg,
+    log2phy: Reg,
+    logcnt: Reg,
+    slot_out: Reg,
+    load: Reg,
+    n: Reg,
+    k: Reg,
+    experts: Reg,
+    maxrep: Reg,
+}
+
+/// The route loop: items `first, first + step, ...` below `n`, each routed to its slot (SPEC §9)
+/// or counted as an error with slot -1, its slot stored, `load[slot]` counted, and the counters
+/// of `c` counted.
+fn route_items(g: &mut G, l: &Launch, r: &RouteIn, c: Counters, first: Reg, step: Reg) {
+    let i = g.r32();
+    g.mov(i, Operand::Reg(first));
+    let (top, done, bad, store) = (
+        g.b.label("route_item"),
+        g.b.label("route_done"),
+        g.b.label("route_bad"),
+        g.b.label("route_store"),
+    );
+    g.label(&top);
+    let past = g.setp(CmpOp::Ge, PtxTy::U32, i, Operand::Reg(r.n));
+    g.bra(&done, Some((past, false)));
+    let a = g.elem(r.ids, i, 4);
+    let e_id = g.ld(PtxTy::S32, a);
+    // Unsigned: a negative id is past E too.
+    let out = g.setp(CmpOp::Ge, PtxTy::U32, e_id, Operand::Reg(r.experts));
+    let slot = g.r32();
+    g.bra(&bad, Some((out, false)));
+    let a = g.elem(r.logcnt, e_id, 4);
+    let cnt = g.ld(PtxTy::S32, a);
+    let few = g.setp(CmpOp::Lt, PtxTy::S32, cnt, Operand::Int(1));
+    g.bra(&bad, Some((few, false)));
+    let many = g.setp(CmpOp::Lt, PtxTy::U32, r.maxrep, Operand::Reg(cnt));
+    g.bra(&bad, Some((many, false)));
+    let t = g.bin(BinOpcode::Div, PtxTy::U32, i, Operand::Reg(r.k));
+    let rep = g.bin(BinOpcode::Rem, PtxTy::U32, t, Operand::Reg(cnt));
+    let idx = g.bin(BinOpcode::MulLo, PtxTy::U32, e_id, Operand::Reg(r.maxrep));
+    g.bin_to(idx, BinOpcode::Add, PtxTy::U32, idx, Operand::Reg(rep));
+    let a = g.elem(r.log2phy, idx, 4);
+    g.b.push(Inst::Ld {
+        ty: PtxTy::S32,
+        d: slot,
+        addr: a,
+    });
+    let off_map = g.setp(
+        CmpOp::Ge,
+        PtxTy::U32,
+        slot,
+        Operand::Int(i64::from(l.slots)),
+    );
+    g.bra(&bad, Some((off_map, false)));
+    match c {
+        Counters::Global { counts, .. } => {
+            let a = g.elem(counts, slot, 4);
+            g.b.push(Inst::RedAddU32 {
+                addr: a,
+                v: Operand::Int(1),
+            });
+        }
+        Counters::Shared { counts, .. } => {
+            let a = g.bin(BinOpcode::Shl, PtxTy::B32, slot, Operand::Int(2));
+            g.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(counts));
+            g.b.push(Inst::RedSharedAddU32 {
+                addr: a,
+                v: Operand::Int(1),
+            });
+        }
+    }
+    let a = g.elem(r.load, slot, 4);
+    g.b.push(Inst::RedAddU32 {
+        addr: a,
+        v: Operand::Int(1),
+    });
+    g.bra(&store, None);
+    g.label(&bad);
+    match c {
+        Counters::Global { errors, .. } => g.b.push(Inst::RedAddU32 {
+            addr: errors,
+            v: Operand::Int(1),
+        }),
+        Counters::Shared { errors, .. } => g.b.push(Inst::RedSharedAddU32 {
+            addr: errors,
+            v: Operand::Int(1),
+        }),
+    }
+    g.mov(slot, Operand::Int(-1));
+    g.label(&store);
+    let a = g.elem(r.slot_out, i, 4);
+    g.b.push(Inst::St {
+        ty: PtxTy::S32,
+        addr: a,
+        v: slot,
+    });
+    g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(step));
+    g.bra(&top, None);
+    g.label(&done);
+}
 
 fn route(l: &Launch) -> (Entry, G) {
     let mut e = Entry::new(ROUTE_ENTRY);
@@ -212,71 +360,18 @@ fn route(l: &Launch) -> (Entry, G) {
     });
     g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(tid));
     let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(ntid));
-    let (top, done, bad, store) = (
-        g.b.label("route_item"),
-        g.b.label("route_done"),
-        g.b.label("route_bad"),
-        g.b.label("route_store"),
-    );
-    g.label(&top);
-    let past = g.setp(CmpOp::Ge, PtxTy::U32, i, Operand::Reg(n));
-    g.bra(&done, Some((past, false)));
-    let a = g.elem(ids, i, 4);
-    let e_id = g.ld(PtxTy::S32, a);
-    // Unsigned: a negative id is past E too.
-    let out = g.setp(CmpOp::Ge, PtxTy::U32, e_id, Operand::Reg(experts));
-    let slot = g.r32();
-    g.bra(&bad, Some((out, false)));
-    let a = g.elem(logcnt, e_id, 4);
-    let cnt = g.ld(PtxTy::S32, a);
-    let few = g.setp(CmpOp::Lt, PtxTy::S32, cnt, Operand::Int(1));
-    g.bra(&bad, Some((few, false)));
-    let many = g.setp(CmpOp::Lt, PtxTy::U32, maxrep, Operand::Reg(cnt));
-    g.bra(&bad, Some((many, false)));
-    let t = g.bin(BinOpcode::Div, PtxTy::U32, i, Operand::Reg(k));
-    let r = g.bin(BinOpcode::Rem, PtxTy::U32, t, Operand::Reg(cnt));
-    let idx = g.bin(BinOpcode::MulLo, PtxTy::U32, e_id, Operand::Reg(maxrep));
-    g.bin_to(idx, BinOpcode::Add, PtxTy::U32, idx, Operand::Reg(r));
-    let a = g.elem(log2phy, idx, 4);
-    g.b.push(Inst::Ld {
-        ty: PtxTy::S32,
-        d: slot,
-        addr: a,
-    });
-    let off_map = g.setp(
-        CmpOp::Ge,
-        PtxTy::U32,
-        slot,
-        Operand::Int(i64::from(l.slots)),
-    );
-    g.bra(&bad, Some((off_map, false)));
-    let c = g.elem(counts, slot, 4);
-    g.b.push(Inst::RedAddU32 {
-        addr: c,
-        v: Operand::Int(1),
-    });
-    let c = g.elem(load, slot, 4);
-    g.b.push(Inst::RedAddU32 {
-        addr: c,
-        v: Operand::Int(1),
-    });
-    g.bra(&store, None);
-    g.label(&bad);
-    g.b.push(Inst::RedAddU32 {
-        addr: errors,
-        v: Operand::Int(1),
-    });
-    g.mov(slot, Operand::Int(-1));
-    g.label(&store);
-    let a = g.elem(slot_out, i, 4);
-    g.b.push(Inst::St {
-        ty: PtxTy::S32,
-        addr: a,
-        v: slot,
-    });
-    g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(step));
-    g.bra(&top, None);
-    g.label(&done);
+    let r = RouteIn {
+        ids,
+        log2phy,
+        logcnt,
+        slot_out,
+        load,
+        n,
+        k,
+        experts,
+        maxrep,
+    };
+    route_items(&mut g, l, &r, Counters::Global { counts, errors }, i, step);
     g.b.push(Inst::Ret);
     (e, g)
 }
@@ -302,6 +397,15 @@ fn warp_scan(g: &mut G, v: Reg, lane: Reg) {
     }
 }
 
+/// Where the scan reads the counts.
+#[derive(Clone, Copy)]
+enum CountsIn {
+    /// Kernel B: global `counts`, zeroed once read, and `errors` (`[1] = [0]`, `[0] = 0`).
+    Global { counts: Reg, errors: Reg },
+    /// The small path: the shared counts its route made.
+    Shared { counts: Reg },
+}
+
 fn scan(l: &Launch) -> Result<(Entry, G)> {
     let mut e = Entry::new(SCAN_ENTRY);
     e.params = SCAN_PARAMS
@@ -312,9 +416,26 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
     let mut g = G::default();
     g.b.declare_shared(SharedDecl::array("scan_warps", SharedTy::B32, 32, 4)?)?;
     let [counts, offsets, cursor, errors] = [0, 1, 2, 3].map(|k| g.global_param(SCAN_PARAMS[k]));
+    let tid = g.special(SpecialReg::TidX);
+    scan_body(
+        &mut g,
+        l,
+        tid,
+        CountsIn::Global { counts, errors },
+        offsets,
+        cursor,
+    );
+    g.b.push(Inst::Ret);
+    Ok((e, g))
+}
+
+/// `offsets[s] = sum(counts[..s])` for `s` in `0..=R` and `cursor[..R] = 0`, by the CTA's
+/// threads (at least [`Launch::scan_threads`], at most 1024: threads past them hold no counts);
+/// thread `tid` holds [`Launch::scan_chunk`] consecutive counts. Needs the shared `scan_warps`
+/// (32 words).
+fn scan_body(g: &mut G, l: &Launch, tid: Reg, src: CountsIn, offsets: Reg, cursor: Reg) {
     let slots = i64::from(l.slots);
     let chunk = l.scan_chunk;
-    let tid = g.special(SpecialReg::TidX);
     let lane = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
     let warp = g.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
     let base = g.bin(
@@ -335,18 +456,31 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
         let skip = g.b.label("scan_skip_load");
         let past = g.setp(CmpOp::Ge, PtxTy::U32, idx, Operand::Int(slots));
         g.bra(&skip, Some((past, false)));
-        let a = g.elem(counts, idx, 4);
-        g.b.push(Inst::Ld {
-            ty: PtxTy::U32,
-            d: v,
-            addr: a,
-        });
-        // Zero for the next run (each count is read by this thread only).
-        g.b.push(Inst::St {
-            ty: PtxTy::U32,
-            addr: a,
-            v: zero,
-        });
+        match src {
+            CountsIn::Global { counts, .. } => {
+                let a = g.elem(counts, idx, 4);
+                g.b.push(Inst::Ld {
+                    ty: PtxTy::U32,
+                    d: v,
+                    addr: a,
+                });
+                // Zero for the next run (each count is read by this thread only).
+                g.b.push(Inst::St {
+                    ty: PtxTy::U32,
+                    addr: a,
+                    v: zero,
+                });
+            }
+            CountsIn::Shared { counts } => {
+                let a = g.bin(BinOpcode::Shl, PtxTy::B32, idx, Operand::Int(2));
+                g.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(counts));
+                g.b.push(Inst::LdSharedU32 {
+                    d: v,
+                    addr: a,
+                    off: 0,
+                });
+            }
+        }
         let a = g.elem(cursor, idx, 4);
         g.b.push(Inst::St {
             ty: PtxTy::U32,
@@ -357,26 +491,29 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
         g.bin_to(sum, BinOpcode::Add, PtxTy::U32, sum, Operand::Reg(v));
         vals.push((idx, v));
     }
-    // Thread 0 reports this run's errors in `errors[1]` and zeroes `errors[0]` for the next run.
-    let not_t0 = g.b.label("scan_not_thread0");
-    let p = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
-    g.bra(&not_t0, Some((p, false)));
-    let bad = g.ld(PtxTy::U32, errors);
-    g.b.push(Inst::St {
-        ty: PtxTy::U32,
-        addr: errors,
-        v: zero,
-    });
-    let a = g.bin(BinOpcode::Add, PtxTy::U64, errors, Operand::Int(4));
-    g.b.push(Inst::St {
-        ty: PtxTy::U32,
-        addr: a,
-        v: bad,
-    });
-    g.label(&not_t0);
+    if let CountsIn::Global { errors, .. } = src {
+        // Thread 0 reports this run's errors in `errors[1]` and zeroes `errors[0]` for the next
+        // run.
+        let not_t0 = g.b.label("scan_not_thread0");
+        let p = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
+        g.bra(&not_t0, Some((p, false)));
+        let bad = g.ld(PtxTy::U32, errors);
+        g.b.push(Inst::St {
+            ty: PtxTy::U32,
+            addr: errors,
+            v: zero,
+        });
+        let a = g.bin(BinOpcode::Add, PtxTy::U64, errors, Operand::Int(4));
+        g.b.push(Inst::St {
+            ty: PtxTy::U32,
+            addr: a,
+            v: bad,
+        });
+        g.label(&not_t0);
+    }
     let incl = g.r32();
     g.mov(incl, Operand::Reg(sum));
-    warp_scan(&mut g, incl, lane);
+    warp_scan(g, incl, lane);
     let warps = g.r32();
     g.b.push(Inst::MovSym {
         d: warps,
@@ -433,7 +570,7 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
     });
     let wi = g.r32();
     g.mov(wi, Operand::Reg(w));
-    warp_scan(&mut g, wi, lane);
+    warp_scan(g, wi, lane);
     let ex = g.bin(BinOpcode::Sub, PtxTy::U32, wi, Operand::Reg(w));
     g.b.push(Inst::StSharedU32 {
         addr: lane_slot,
@@ -487,11 +624,118 @@ fn scan(l: &Launch) -> Result<(Entry, G)> {
         v: prefix,
     });
     g.label(&not_total);
+}
+
+/// The small path: kernels A and B in one CTA of [`Launch::small_threads`], counting in shared
+/// memory (so `counts` and `errors[0]` are not touched: they stay zero), `errors[1]` the run's.
+fn route_scan(l: &Launch) -> Result<(Entry, G)> {
+    let mut e = Entry::new(ROUTE_SCAN_ENTRY);
+    e.params = ROUTE_SCAN_PARAMS[..8]
+        .iter()
+        .map(|n| Param::global_ptr(*n, 4))
+        .chain(
+            ROUTE_SCAN_PARAMS[8..]
+                .iter()
+                .map(|n| Param::scalar(*n, PtxTy::U32)),
+        )
+        .collect();
+    e.maxntid = Some(l.small_threads());
+    let mut g = G::default();
+    g.b.declare_shared(SharedDecl::array("scan_warps", SharedTy::B32, 32, 4)?)?;
+    g.b.declare_shared(SharedDecl::array(
+        "small_counts",
+        SharedTy::B32,
+        l.slots + 1,
+        4,
+    )?)?;
+    let [ids, log2phy, logcnt, slot_out, load, errors, offsets, cursor] =
+        [0, 1, 2, 3, 4, 5, 6, 7].map(|k| g.global_param(ROUTE_SCAN_PARAMS[k]));
+    let [n, k, experts, maxrep] = [8, 9, 10, 11].map(|i| g.u32_param(ROUTE_SCAN_PARAMS[i]));
+    let tid = g.special(SpecialReg::TidX);
+    let ntid = g.special(SpecialReg::NtidX);
+    // Shared: the R counts, then the error count.
+    let counts = g.r32();
+    g.b.push(Inst::MovSym {
+        d: counts,
+        sym: "small_counts".into(),
+    });
+    let err = g.bin(
+        BinOpcode::Add,
+        PtxTy::U32,
+        counts,
+        Operand::Int(4 * i64::from(l.slots)),
+    );
+    let zero = g.r32();
+    g.mov(zero, Operand::Int(0));
+    // Zero them: words tid, tid + ntid, ... of R + 1.
+    let w = g.r32();
+    g.mov(w, Operand::Reg(tid));
+    let (ztop, zdone) = (g.b.label("small_zero"), g.b.label("small_zeroed"));
+    g.label(&ztop);
+    let past = g.setp(
+        CmpOp::Ge,
+        PtxTy::U32,
+        w,
+        Operand::Int(i64::from(l.slots) + 1),
+    );
+    g.bra(&zdone, Some((past, false)));
+    let a = g.bin(BinOpcode::Shl, PtxTy::B32, w, Operand::Int(2));
+    g.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(counts));
+    g.b.push(Inst::StSharedU32 {
+        addr: a,
+        off: 0,
+        v: zero,
+    });
+    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(ntid));
+    g.bra(&ztop, None);
+    g.label(&zdone);
+    g.b.push(Inst::BarSync);
+    let r = RouteIn {
+        ids,
+        log2phy,
+        logcnt,
+        slot_out,
+        load,
+        n,
+        k,
+        experts,
+        maxrep,
+    };
+    route_items(
+        &mut g,
+        l,
+        &r,
+        Counters::Shared {
+            counts,
+            errors: err,
+        },
+        tid,
+        ntid,
+    );
+    g.b.push(Inst::BarSync);
+    // Thread 0: `errors[1]` is this run's count (`errors[0]` stays zero).
+    let not_t0 = g.b.label("small_not_thread0");
+    let p = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
+    g.bra(&not_t0, Some((p, false)));
+    let bad = g.r32();
+    g.b.push(Inst::LdSharedU32 {
+        d: bad,
+        addr: err,
+        off: 0,
+    });
+    let a = g.bin(BinOpcode::Add, PtxTy::U64, errors, Operand::Int(4));
+    g.b.push(Inst::St {
+        ty: PtxTy::U32,
+        addr: a,
+        v: bad,
+    });
+    g.label(&not_t0);
+    scan_body(&mut g, l, tid, CountsIn::Shared { counts }, offsets, cursor);
     g.b.push(Inst::Ret);
     Ok((e, g))
 }
 
-fn scatter(l: &Launch) -> (Entry, G) {
+fn scatter(l: &Launch) -> Result<(Entry, G)> {
     let mut e = Entry::new(SCATTER_ENTRY);
     e.params = SCATTER_PARAMS[..7]
         .iter()
@@ -505,6 +749,7 @@ fn scatter(l: &Launch) -> (Entry, G) {
         .collect();
     e.maxntid = Some(SCATTER_THREADS);
     let mut g = G::default();
+    g.b.declare_shared(SharedDecl::array("scatter_pos", SharedTy::B32, 1, 4)?)?;
     let [slot_in, offsets, cursor, x, row_of, xs, pos_of] =
         [0, 1, 2, 3, 4, 5, 6].map(|k| g.global_param(SCATTER_PARAMS[k]));
     let [n, k] = [7, 8].map(|i| g.u32_param(SCATTER_PARAMS[i]));
@@ -512,18 +757,20 @@ fn scatter(l: &Launch) -> (Entry, G) {
     g.mov(minus1, Operand::Int(-1));
     let row_bytes = i64::from(l.hidden) * 2;
     let chunks = l.hidden / 8;
+    let threads = SCATTER_THREADS;
     let tid = g.special(SpecialReg::TidX);
-    let ntid = g.special(SpecialReg::NtidX);
     let cta = g.special(SpecialReg::CtaidX);
     let ncta = g.special(SpecialReg::NctaidX);
-    let lane = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
-    let lane_bytes = g.bin(BinOpcode::MulWide, PtxTy::U32, lane, Operand::Int(16));
-    let wpc = g.bin(BinOpcode::Shr, PtxTy::U32, ntid, Operand::Int(5));
-    let w = g.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
-    let first = g.bin(BinOpcode::MulLo, PtxTy::U32, cta, Operand::Reg(wpc));
-    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(first));
-    let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(wpc));
-    let not_lane0 = g.setp(CmpOp::Ne, PtxTy::U32, lane, Operand::Int(0));
+    let tid_bytes = g.bin(BinOpcode::MulWide, PtxTy::U32, tid, Operand::Int(16));
+    let shared_pos = g.r32();
+    g.b.push(Inst::MovSym {
+        d: shared_pos,
+        sym: "scatter_pos".into(),
+    });
+    // One CTA per item (a grid-stride loop): thread 0 claims the row, every thread copies a part.
+    let w = g.r32();
+    g.mov(w, Operand::Reg(cta));
+    let not_t0 = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
     let (top, done, next) = (
         g.b.label("scatter_item"),
         g.b.label("scatter_done"),
@@ -540,7 +787,7 @@ fn scatter(l: &Launch) -> (Entry, G) {
     let kept = g.b.label("scatter_kept");
     g.bra(&kept, Some((skipped, true)));
     g.b.push(Inst::StGuarded {
-        pred: not_lane0,
+        pred: not_t0,
         negate: true,
         ty: PtxTy::S32,
         addr: at_pos,
@@ -549,11 +796,11 @@ fn scatter(l: &Launch) -> (Entry, G) {
     });
     g.bra(&next, None);
     g.label(&kept);
-    // Lane 0 claims the row's position and records the item there; the warp learns it by shfl.
+    // Thread 0 claims the row's position, records the item there and hands the position to the
+    // CTA through shared memory.
     let pos = g.r32();
-    g.mov(pos, Operand::Int(0));
     let claimed = g.b.label("scatter_claimed");
-    g.bra(&claimed, Some((not_lane0, false)));
+    g.bra(&claimed, Some((not_t0, false)));
     let a = g.elem(cursor, slot, 4);
     let c = g.r32();
     g.b.push(Inst::AtomAddU32 {
@@ -564,6 +811,11 @@ fn scatter(l: &Launch) -> (Entry, G) {
     let a = g.elem(offsets, slot, 4);
     let o = g.ld(PtxTy::S32, a);
     g.bin_to(pos, BinOpcode::Add, PtxTy::U32, o, Operand::Reg(c));
+    g.b.push(Inst::StSharedU32 {
+        addr: shared_pos,
+        off: 0,
+        v: pos,
+    });
     // A position past `n` can only come from counts that were not zero on entry (the caller's
     // precondition): never written, so the kernel stays within `row_of` and `xs` regardless.
     let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
@@ -588,11 +840,14 @@ fn scatter(l: &Launch) -> (Entry, G) {
         v: w,
     });
     g.label(&claimed);
-    g.b.push(Inst::ShflIdx {
+    g.b.push(Inst::BarSync);
+    g.b.push(Inst::LdSharedU32 {
         d: pos,
-        a: pos,
-        lane: 0,
+        addr: shared_pos,
+        off: 0,
     });
+    // (Every thread has read it before thread 0 writes the next item's.)
+    g.b.push(Inst::BarSync);
     let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
     g.bra(&next, Some((off_end, false)));
     let t = g.bin(BinOpcode::Div, PtxTy::U32, w, Operand::Reg(k));
@@ -602,7 +857,7 @@ fn scatter(l: &Launch) -> (Entry, G) {
         BinOpcode::Add,
         PtxTy::U64,
         src,
-        Operand::Reg(lane_bytes),
+        Operand::Reg(tid_bytes),
     );
     let dst = g.elem(xs, pos, row_bytes);
     g.bin_to(
@@ -610,21 +865,22 @@ fn scatter(l: &Launch) -> (Entry, G) {
         BinOpcode::Add,
         PtxTy::U64,
         dst,
-        Operand::Reg(lane_bytes),
+        Operand::Reg(tid_bytes),
     );
-    let iters = chunks.div_ceil(32);
+    let iters = chunks.div_ceil(threads);
+    let stride = 16 * i64::from(threads);
     let mut m0 = 0;
     while m0 < iters {
         let batch: Vec<u32> = (m0..(m0 + BATCH).min(iters)).collect();
         let mut held = Vec::with_capacity(batch.len());
         for &m in &batch {
-            // Only the last iteration can be partial: lanes past the row's chunks skip it.
-            let guard = (32 * (m + 1) > chunks).then(|| {
+            // Only the last iteration can be partial: threads past the row's chunks skip it.
+            let guard = (threads * (m + 1) > chunks).then(|| {
                 g.setp(
                     CmpOp::Ge,
                     PtxTy::U32,
-                    lane,
-                    Operand::Int(i64::from(chunks - 32 * m)),
+                    tid,
+                    Operand::Int(i64::from(chunks - threads * m)),
                 )
             });
             let words = [g.r32(), g.r32(), g.r32(), g.r32()];
@@ -636,7 +892,7 @@ fn scatter(l: &Launch) -> (Entry, G) {
                 BinOpcode::Add,
                 PtxTy::U64,
                 src,
-                Operand::Int(512 * i64::from(m)),
+                Operand::Int(stride * i64::from(m)),
             );
             g.b.push(Inst::LdV {
                 nc: true,
@@ -657,7 +913,7 @@ fn scatter(l: &Launch) -> (Entry, G) {
                 BinOpcode::Add,
                 PtxTy::U64,
                 dst,
-                Operand::Int(512 * i64::from(m)),
+                Operand::Int(stride * i64::from(m)),
             );
             g.b.push(Inst::StV {
                 words: words.to_vec(),
@@ -670,11 +926,11 @@ fn scatter(l: &Launch) -> (Entry, G) {
         m0 += BATCH;
     }
     g.label(&next);
-    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(step));
+    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(ncta));
     g.bra(&top, None);
     g.label(&done);
     g.b.push(Inst::Ret);
-    (e, g)
+    Ok((e, g))
 }
 
 #[cfg(test)]
@@ -694,20 +950,25 @@ mod tests {
         let l = launch(8, 33).unwrap();
         assert_eq!((l.scan_threads, l.scan_chunk), (64, 1));
         assert_eq!(l.route_grid(0), 1);
-        assert_eq!(l.scatter_grid(9), 2);
+        assert_eq!(l.scatter_grid(9), 9);
         assert_eq!(l.scatter_grid(u32::MAX), SCATTER_MAX_CTAS);
     }
 
     #[test]
-    fn module_has_three_entries_and_is_deterministic() {
-        let (a, _) = permute_module(7168, 256).unwrap();
+    fn module_has_four_entries_and_is_deterministic() {
+        let (a, l) = permute_module(7168, 256).unwrap();
         let (b, _) = permute_module(7168, 256).unwrap();
         assert_eq!(a, b);
-        for e in [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY] {
+        assert_eq!(a.matches(".entry ").count(), 4);
+        for e in [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY, ROUTE_SCAN_ENTRY] {
             assert_eq!(a.matches(&format!(".entry {e}(")).count(), 1);
         }
         assert!(a.contains("shfl.sync.up.b32"));
         assert!(a.contains("atom.global.add.u32"));
         assert!(a.contains("ld.global.nc.v4.b32"));
+        // The small path counts in shared memory.
+        assert!(a.contains("red.shared.add.u32"));
+        assert_eq!(l.small_threads(), 512);
+        assert!(l.small(1024) && !l.small(1025));
     }
 }

@@ -649,6 +649,14 @@ pub enum Inst {
         /// Addend.
         v: Operand,
     },
+    /// `red.shared.add.u32 [addr], v`: a shared-memory counter (the small permute's per-slot
+    /// counts).
+    RedSharedAddU32 {
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Addend.
+        v: Operand,
+    },
     /// `shfl.sync.up.b32 d, a, delta, 0, -1`: lane `i` gets lane `i - delta`'s `a`, lanes below
     /// `delta` their own (the whole warp, converged; the step of an inclusive scan).
     ShflUp {
@@ -777,6 +785,9 @@ impl fmt::Display for Inst {
                 write!(f, "\tatom.global.add.u32 \t{d}, [{addr}], {v};")
             }
             Inst::RedAddU32 { addr, v } => write!(f, "\tred.global.add.u32 \t[{addr}], {v};"),
+            Inst::RedSharedAddU32 { addr, v } => {
+                write!(f, "\tred.shared.add.u32 \t[{addr}], {v};")
+            }
             Inst::ShflUp { d, a, delta } => {
                 write!(f, "\tshfl.sync.up.b32 \t{d}, {a}, {delta}, 0, -1;")
             }
@@ -1054,6 +1065,13 @@ mod tests {
                     v: Operand::Reg(r),
                 },
                 "\tred.global.add.u32 \t[%rd1], %r1;",
+            ),
+            (
+                Inst::RedSharedAddU32 {
+                    addr: r,
+                    v: Operand::Int(1),
+                },
+                "\tred.shared.add.u32 \t[%r1], 1;",
             ),
             (
                 Inst::ShflUp {
