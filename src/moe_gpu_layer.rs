@@ -200,6 +200,9 @@ struct Current {
     c2: WsConfig,
 }
 
+/// Why a fused layer refuses `dump`.
+const FUSED_DUMP: &str = "MoE layer: the fused layer keeps no w13_out to dump (build it with GpuLayer::with_fusion(.., false))";
+
 /// Named events recorded after each step of [`GpuLayer::enqueue`] (the first is `start`).
 pub type Marks = Vec<(&'static str, cudarc::driver::CudaEvent)>;
 
@@ -625,6 +628,10 @@ impl GpuLayer {
     /// [`GpuLayer::finish`]. The result is in the host forward's form, with `w13_out` and `act`
     /// filled when `dump` (else empty; a fused layer refuses `dump`: it has no `w13_out`).
     pub fn forward(&mut self, dev: &Device, tokens: &Tokens<'_>, dump: bool) -> Result<Forward> {
+        if dump && self.fused() {
+            // Refused before anything runs (the load counters count a forward).
+            return Err(Error::Usage(FUSED_DUMP.into()));
+        }
         if (tokens.t == 0 || tokens.k == 0) && tokens.x.len() == tokens.t * self.h {
             // Nothing routed: every output is the empty sum, 0 (as on the host).
             return Ok(Forward {
@@ -974,7 +981,7 @@ impl GpuLayer {
         let errors = st.clone_dtoh(&s.errors).map_err(dl)?;
         if let Some(&bad) = errors.get(1).filter(|&&e| e > 0) {
             return Err(MoeError::Placement(format!(
-                "{bad} (token, choice) pairs had an expert id outside [0, {}) or no replica on the device",
+                "{bad} (token, choice) pairs had an expert id outside [0, {}) or no replica on the device (or no row: the layer's scratch was left inconsistent; make the layer again)",
                 self.experts
             ))
             .into());
@@ -983,9 +990,7 @@ impl GpuLayer {
         output.truncate(t * h);
         let (mut w13_out, mut act) = (Vec::new(), Vec::new());
         if dump && self.fused() {
-            return Err(Error::Usage(
-                "MoE layer: the fused layer keeps no w13_out to dump (build it with GpuLayer::with_fusion(.., false))".into(),
-            ));
+            return Err(Error::Usage(FUSED_DUMP.into()));
         }
         if dump {
             let offsets = st.clone_dtoh(&s.offsets).map_err(dl)?;

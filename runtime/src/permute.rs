@@ -106,7 +106,8 @@ impl Permute {
     /// checked here, and every index the kernels form from the map is checked on the device, so
     /// they touch nothing outside the buffers. `counts` and `errors[0]` must be zero (see
     /// [`Buffers`]: zeroed when allocated, and left so by every completed run); else the offsets
-    /// are wrong (the scatter still writes no position past `n`).
+    /// are wrong (the scatter still writes no position past `n`, and counts each such item in
+    /// `errors[1]`).
     pub unsafe fn run(
         &self,
         dev: &Device,
@@ -227,11 +228,13 @@ impl Permute {
             .arg(&mut *b.row_of)
             .arg(&mut *b.xs)
             .arg(&mut *b.pos_of)
+            .arg(&mut *b.errors)
             .arg(&n)
             .arg(&k32);
-        // SAFETY: the arguments match kernel C's parameters in order (seven u64 pointers, then two
-        // u32). It reads `slot` below `n`, and for slots in [0, R) (kernel A wrote only those or
-        // -1) `offsets` and `cursor` below R; it writes `pos_of` below `n` (>= n checked), and
+        // SAFETY: the arguments match kernel C's parameters in order (eight u64 pointers, then two
+        // u32); of `errors` it adds to `errors[1]` only (>= 2 checked). It reads `slot` below
+        // `n`, and for slots in [0, R) (kernel A wrote only those or -1) `offsets` and `cursor`
+        // below R; it writes `pos_of` below `n` (>= n checked), and
         // `row_of` (>= n) and `xs` (>= 2 n H bytes) only at positions below `n` (checked on the
         // device; with zero counts on entry, positions `offsets[s] + cursor` stay below
         // `offsets[R] <= n` anyway, because each slot's cursor counts exactly that slot's items);

@@ -35,7 +35,10 @@ pub(crate) trait Emit {
 
     /// `silu(gate) * up` in f32, the one sequence both the activation kernel and the GEMMs' fused
     /// epilogue emit (so that they give the same bits): `e = ex2.approx.ftz(mul.rn(g, -log2 e))`,
-    /// `add.rn(e, 1)`, `div.rn(g, .)`, `mul.rn(., up)` (`crate::moe::act::silu_mul` on the host).
+    /// `r = rcp.approx(add.rn(e, 1))` (subnormal results kept: `g` down to -126 still gives a
+    /// non-zero `a`, as the division did), `mul.rn(mul.rn(g, r), up)` (`crate::moe::act::silu_mul`
+    /// on the host). A very negative `g` gives `e = +inf`, `r = +0` and `a = -0 * up`; a large
+    /// positive one `e = 0`, `r = 1`.
     fn silu_mul(&mut self, gate: Reg, up: Reg) -> Reg {
         let b = self.builder();
         let t = b.reg(RegClass::F32);
@@ -52,14 +55,19 @@ pub(crate) trait Emit {
             Operand::Reg(t),
         );
         self.bin_to(e, BinOpcode::AddRn, PtxTy::F32, e, Operand::F32(1.0));
+        let r = self.un(
+            UnOpcode::RcpApprox(PtxTy::F32),
+            RegClass::F32,
+            Operand::Reg(e),
+        );
         let b = self.builder();
         let q = b.reg(RegClass::F32);
         b.push(Inst::Bin {
-            op: BinOpcode::DivRn,
+            op: BinOpcode::MulRn,
             ty: PtxTy::F32,
             d: q,
             a: Operand::Reg(gate),
-            b: Operand::Reg(e),
+            b: Operand::Reg(r),
         });
         let d = b.reg(RegClass::F32);
         b.push(Inst::Bin {

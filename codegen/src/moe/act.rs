@@ -8,11 +8,13 @@
 //! * [`ActIn::SiluMul`]: `h` f32 `[rows, 2W]` (columns `[0, W)` the gate, `[W, 2W)` the up
 //!   projection, in logical order): `a[c] = silu(g) * u` with `g = h[r, c]`, `u = h[r, W + c]`,
 //!   `silu(g) = g / (1 + exp(-g))`, computed as `e = ex2.approx.ftz(mul.rn(g, -log2(e)))`, then
-//!   `add.rn(e, 1)`, `div.rn(g, .)`, `mul.rn(., u)`. A very negative `g` overflows `e` to `+inf`,
-//!   so `g / inf = -0` and `a = ∓0` (never NaN for finite `u`); a large positive `g` gives `e = 0`
-//!   and `a = g * u`. The host [`reference()`] computes the same sequence with `f32::exp2` in place of
-//!   `ex2.approx` (at most 2 ulp of relative error), so its `a` may differ from the kernel's by a
-//!   few ulp: a check compares SiluMul results with a tolerance.
+//!   `r = rcp.approx(add.rn(e, 1))`, `mul.rn(mul.rn(g, r), u)` (the GEMMs' fused epilogue emits
+//!   the same instructions). A very negative `g` overflows `e` to `+inf`, so `r = +0`, `g * r = -0`
+//!   and `a = ∓0` (never NaN for finite `u`); a large positive `g` gives `e = 0`, `r = 1` and
+//!   `a = g * u`. The host [`reference()`] computes the same sequence with `f32::exp2` and an exact
+//!   reciprocal in place of `ex2.approx` and `rcp.approx` (at most 2 and 1 ulp of relative error),
+//!   so its `a` may differ from the kernel's by a few ulp: a check compares SiluMul results with a
+//!   tolerance.
 //! * [`ActIn::Bf16`]: `x` bf16 `[rows, W]`: `a` is the bf16 as f32 (exact; a check compares bit
 //!   for bit).
 //!
@@ -587,11 +589,11 @@ fn act_body(g: &mut G, l: &ActLaunch) -> Result<()> {
     Ok(())
 }
 
-/// `silu(g) * u` as the kernel computes it, with `f32::exp2` for `ex2.approx.ftz`: `e =
-/// exp2(g * -LOG2_E)`, `g / (1 + e) * u`, each step rounded to f32.
+/// `silu(g) * u` as the kernel computes it, with `f32::exp2` for `ex2.approx.ftz` and `1 / x` for
+/// `rcp.approx`: `e = exp2(g * -LOG2_E)`, `g * (1 / (1 + e)) * up`, each step rounded to f32.
 pub fn silu_mul(gate: f32, up: f32) -> f32 {
     let e = (gate * -LOG2_E).exp2();
-    gate / (e + 1.0) * up
+    gate * (1.0 / (e + 1.0)) * up
 }
 
 /// The f32 values `a [rows, W]` of a source: `silu_mul` of `src [rows, 2W]` (gate, up), or `src
@@ -795,7 +797,7 @@ mod tests {
     #[test]
     fn silu_is_finite_at_the_extremes() {
         assert_eq!(silu_mul(0.0, 5.0), 0.0);
-        // exp(-g) overflows: g / inf = -0.
+        // exp(-g) overflows: g * (1 / inf) = -0.
         let v = silu_mul(-1.0e4, 3.0);
         assert_eq!(v, 0.0);
         assert!(v.is_sign_negative());

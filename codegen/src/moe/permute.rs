@@ -32,7 +32,8 @@
 //!   decode step). Thread 0 also writes `pos_of[i] = pos`, the
 //!   inverse of `row_of` that the combine reads (so the layer needs no inverting kernel). Items
 //!   with `slot < 0` are skipped, with `pos_of[i] = -1`; so is a `pos` past `n`, which only counts
-//!   not zero on entry could make (nothing is written there).
+//!   not zero on entry could make (nothing is written there, and it counts into `errors[1]`, so the
+//!   layer reports it).
 //!
 //! # Row order within a slot
 //! The order of a slot's rows in `xs` and `row_of` is the order in which the CTAs won the
@@ -54,7 +55,8 @@
 //!   `[R]`, zeroed), `errors` (u32 `[2]`).
 //! * C: `slot` (i32 `[n]`), `offsets`, `cursor`, `x` (bf16 `[T, H]`, 16-byte aligned), `row_of`
 //!   (i32 `[n]`, its first `offsets[R]` written), `xs` (bf16 `[n, H]`, 16-byte aligned, its first
-//!   `offsets[R]` rows written), `pos_of` (i32 `[n]`, written), then the u32 scalars `n`, `k`.
+//!   `offsets[R]` rows written), `pos_of` (i32 `[n]`, written), `errors` (u32 `[2]`: a position
+//!   past `n` counts into `errors[1]`), then the u32 scalars `n`, `k`.
 
 use super::emit::{push_entry, G};
 use crate::gemm::emit::Emit as _;
@@ -205,7 +207,7 @@ pub const ROUTE_SCAN_PARAMS: [&str; 12] = [
 pub const SCAN_PARAMS: [&str; 4] = ["scan_counts", "scan_offsets", "scan_cursor", "scan_errors"];
 
 /// Kernel C's parameter names, in order.
-pub const SCATTER_PARAMS: [&str; 9] = [
+pub const SCATTER_PARAMS: [&str; 10] = [
     "scatter_slot",
     "scatter_offsets",
     "scatter_cursor",
@@ -213,6 +215,7 @@ pub const SCATTER_PARAMS: [&str; 9] = [
     "scatter_row_of",
     "scatter_xs",
     "scatter_pos_of",
+    "scatter_errors",
     "scatter_items",
     "scatter_k",
 ];
@@ -737,12 +740,12 @@ fn route_scan(l: &Launch) -> Result<(Entry, G)> {
 
 fn scatter(l: &Launch) -> Result<(Entry, G)> {
     let mut e = Entry::new(SCATTER_ENTRY);
-    e.params = SCATTER_PARAMS[..7]
+    e.params = SCATTER_PARAMS[..8]
         .iter()
         .enumerate()
         .map(|(k, n)| Param::global_ptr(*n, if k == 3 || k == 5 { 16 } else { 4 }))
         .chain(
-            SCATTER_PARAMS[7..]
+            SCATTER_PARAMS[8..]
                 .iter()
                 .map(|n| Param::scalar(*n, PtxTy::U32)),
         )
@@ -750,9 +753,9 @@ fn scatter(l: &Launch) -> Result<(Entry, G)> {
     e.maxntid = Some(SCATTER_THREADS);
     let mut g = G::default();
     g.b.declare_shared(SharedDecl::array("scatter_pos", SharedTy::B32, 1, 4)?)?;
-    let [slot_in, offsets, cursor, x, row_of, xs, pos_of] =
-        [0, 1, 2, 3, 4, 5, 6].map(|k| g.global_param(SCATTER_PARAMS[k]));
-    let [n, k] = [7, 8].map(|i| g.u32_param(SCATTER_PARAMS[i]));
+    let [slot_in, offsets, cursor, x, row_of, xs, pos_of, errors] =
+        [0, 1, 2, 3, 4, 5, 6, 7].map(|k| g.global_param(SCATTER_PARAMS[k]));
+    let [n, k] = [8, 9].map(|i| g.u32_param(SCATTER_PARAMS[i]));
     let minus1 = g.r32();
     g.mov(minus1, Operand::Int(-1));
     let row_bytes = i64::from(l.hidden) * 2;
@@ -817,7 +820,8 @@ fn scatter(l: &Launch) -> Result<(Entry, G)> {
         v: pos,
     });
     // A position past `n` can only come from counts that were not zero on entry (the caller's
-    // precondition): never written, so the kernel stays within `row_of` and `xs` regardless.
+    // precondition): never written, so the kernel stays within `row_of` and `xs` regardless, and
+    // counted in `errors[1]` (the item is then missing from the output: the caller reports it).
     let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
     let p = g.r32();
     g.b.push(Inst::Selp {
@@ -832,7 +836,15 @@ fn scatter(l: &Launch) -> Result<(Entry, G)> {
         addr: at_pos,
         v: p,
     });
-    g.bra(&claimed, Some((off_end, false)));
+    let in_range = g.b.label("scatter_in_range");
+    g.bra(&in_range, Some((off_end, true)));
+    let a = g.bin(BinOpcode::Add, PtxTy::U64, errors, Operand::Int(4));
+    g.b.push(Inst::RedAddU32 {
+        addr: a,
+        v: Operand::Int(1),
+    });
+    g.bra(&claimed, None);
+    g.label(&in_range);
     let a = g.elem(row_of, pos, 4);
     g.b.push(Inst::St {
         ty: PtxTy::U32,

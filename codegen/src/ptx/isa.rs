@@ -226,6 +226,9 @@ pub enum UnOpcode {
     Abs(PtxTy),
     /// `rcp.rn.ty`: the correctly rounded reciprocal (IEEE `1 / a`, subnormals kept).
     RcpRn(PtxTy),
+    /// `rcp.approx.ty`: `1 / a`, approximate (at most 1 ulp over the whole range, subnormals
+    /// kept); `1 / inf = +0`.
+    RcpApprox(PtxTy),
     /// `ex2.approx.ftz.ty`: `2^a`, approximate (at most 2 ulp of relative error over the whole
     /// range), subnormal inputs and results flushed to zero; `+inf` past the f32 range, `+0` below
     /// it.
@@ -267,6 +270,7 @@ impl fmt::Display for UnOpcode {
             UnOpcode::Mov(ty) => write!(f, "mov{ty}"),
             UnOpcode::Abs(ty) => write!(f, "abs{ty}"),
             UnOpcode::RcpRn(ty) => write!(f, "rcp.rn{ty}"),
+            UnOpcode::RcpApprox(ty) => write!(f, "rcp.approx{ty}"),
             UnOpcode::Ex2ApproxFtz(ty) => write!(f, "ex2.approx.ftz{ty}"),
             UnOpcode::Cvt {
                 rnd: None,
@@ -929,6 +933,7 @@ mod tests {
             (UnOpcode::Mov(PtxTy::Pred), "mov.pred"),
             (UnOpcode::Abs(PtxTy::F32), "abs.f32"),
             (UnOpcode::RcpRn(PtxTy::F32), "rcp.rn.f32"),
+            (UnOpcode::RcpApprox(PtxTy::F32), "rcp.approx.f32"),
             (UnOpcode::Ex2ApproxFtz(PtxTy::F32), "ex2.approx.ftz.f32"),
             (
                 UnOpcode::cvt_rnd(Rnd::Rni, PtxTy::F32, PtxTy::F32),
