@@ -6,8 +6,10 @@
 //! Every weight code and scale is read through the recipe's verified storage maps
 //! ([`crate::dequant::logical_experts`], the reader the host forward uses), in the *input's*
 //! coordinates: `w13`'s rows come back `[gate; up]` whatever physical row order the recipe
-//! stores, so the SiLU kernel pairs column `c` with column `I + c`. The GEMM operand is then
-//! `W [slots, N, K]` row-major in that order, with its scales in the GEMM's layout:
+//! stores, so the SiLU kernel pairs column `c` with column `I + c` (the fused first GEMM takes
+//! [`GemmWeights::paired`] rows instead). The GEMM operand is then `W [slots, N, K]` row-major in
+//! that order (4-bit codes in the kernel's order within a row), with its scales in the GEMM's
+//! layout:
 //! * no scheme (bf16 weights): no scale;
 //! * FP8 per tensor: `[slots]`, one per expert (every element of an expert must carry the same);
 //! * FP8 128x128 block: `[slots, ceil(N/128), ceil(K/128)]`, the scale of each 128x128 block of
@@ -21,9 +23,10 @@
 //!
 //! # What runs on the GPU
 //! bf16 weights with bf16 activations; E4M3 per-tensor weights with per-token dynamic or static
-//! activation scales; E4M3 128x128-block weights with 1x128 per-token activation groups. The
-//! weights-only recipes (NVFP4, MXFP4, INT8, INT4 on Hopper) need the dequantizing GEMM of issue
-//! \[8\]: refused with [`MoeError::Unsupported`] naming it.
+//! activation scales; E4M3 128x128-block weights with 1x128 per-token activation groups; the
+//! weights-only recipes' int8 per-row and 4-bit (NVFP4, MXFP4, symmetric INT4) weights with bf16
+//! activations (the dequantizing GEMMs of issue \[8\]). Anything else is refused with
+//! [`MoeError::Unsupported`] naming it.
 
 use std::collections::HashMap;
 
@@ -48,7 +51,9 @@ pub struct GemmWeights {
     pub n: usize,
     /// Depth K.
     pub k: usize,
-    /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian or E4M3 bytes).
+    /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian, E4M3 or int8
+    /// bytes; 4-bit codes two per byte in the kernel's order within a row; [`GemmWeights::paired`]
+    /// rows in the paired order).
     pub codes: Vec<u8>,
     /// The weight scales in the GEMM's layout (empty without scaling); 4-bit weights: one
     /// factor per slot.
@@ -126,11 +131,15 @@ impl GemmWeights {
             _ => self.group_scales.clone(),
         };
         Some(GemmWeights {
+            operands: self.operands,
+            scaling: self.scaling,
+            slots,
+            n,
+            k: self.k,
             codes: permute(&self.codes, slots)?,
             scales,
             group_scales,
             relayout: true,
-            ..self.clone()
         })
     }
 }

@@ -606,7 +606,7 @@ impl GpuLayer {
             q13: z!(u8, n * h),
             s13: z!(f32, s13_len),
             // (the fused path writes `a` directly: no `w13_out`)
-            h13: z!(u8, if self.act.is_some() { 4 * n * 2 * i } else { 1 }),
+            h13: z!(u8, if self.fused() { 1 } else { 4 * n * 2 * i }),
             a: z!(u8, e2 * n * i),
             s2: z!(f32, s2_len),
             y: z!(u8, 4 * n * h),
@@ -689,7 +689,7 @@ impl GpuLayer {
         let Some(Current { t, k, c13, c2 }) = self.current else {
             return Err(Error::Usage("MoE layer: enqueue before upload".into()));
         };
-        let (n, r) = (t * k, self.slots);
+        let (n, r, fused) = (t * k, self.slots, self.fused());
         let Some(s) = self.scratch.as_mut() else {
             return Err(Error::Usage("MoE layer: no scratch".into()));
         };
@@ -761,16 +761,12 @@ impl GpuLayer {
                     experts: r,
                 },
                 // Fused: `a` itself.
-                if self.act.is_some() {
-                    &mut s.h13
-                } else {
-                    &mut s.a
-                },
+                if fused { &mut s.a } else { &mut s.h13 },
             )?;
-            mark(if self.act.is_some() {
-                "w13 GEMM"
-            } else {
+            mark(if fused {
                 "w13 GEMM + silu * up"
+            } else {
+                "w13 GEMM"
             })?;
             if let Some(values) = &self.static2 {
                 self.combine
@@ -821,7 +817,7 @@ impl GpuLayer {
         let Some(cur) = self.current else {
             return Err(Error::Usage("MoE layer: tune before upload".into()));
         };
-        let (n, r) = (cur.t * cur.k, self.slots);
+        let (n, r, fused) = (cur.t * cur.k, self.slots, self.fused());
         let all13 = self.w13.candidates();
         let all2 = self.w2.candidates();
         for c in all13.iter().chain(&all2) {
@@ -839,7 +835,6 @@ impl GpuLayer {
             } else {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
-            let fused = self.act.is_none();
             let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match (which, &self.feed13) {
                 (13, f) => (
                     if matches!(f, Feed13::Bf16) {

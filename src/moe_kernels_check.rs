@@ -9,9 +9,10 @@
 //!   `exp2`): E4M3 values within one E4M3 step of the row's (or group's) scale, bf16 within one
 //!   ulp, scales within 1e-6 relative. Rows of zeros, of very negative gates (`exp` overflows) and
 //!   of mixed magnitudes are included.
-//! * Invert, row scales and combine, exactly: random routings with dropped items (slot `-1`) and a
-//!   corrupt row index, so that some items have no row (`pos_of = -1`); the combine runs on the
-//!   device's own `pos_of` and is compared bit for bit with the host's sum.
+//! * Row scales and combine, exactly: random routings with dropped items (slot `-1`) and a corrupt
+//!   row index, so that some items have no row (`pos_of = -1`, the host's inverse of `row_of`, as
+//!   the permute's scatter writes it and the permute check checks); the combine's output is
+//!   compared bit for bit with the host's sum.
 //!
 //! Each line ends with `: ok` or `: FAIL ...`. Then one timing line each for the activation
 //! (SiluMul to bf16, 65536 rows, W = 2048) and the combine (T = 8192, k = 8, H = 7168), with CUDA

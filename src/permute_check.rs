@@ -286,7 +286,8 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
 }
 
 /// Timed at `T = 1` and `T = 8192` (H = 7168, k = 8, E = 32, identity map) with CUDA events: the
-/// report lines (the whole run: three kernels, no memset).
+/// report lines (the whole run: at T = 1 the small path's two kernels, at T = 8192 three; no
+/// memset).
 fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
     let (h, k, e) = (7168usize, 8usize, 32usize);
     let p = Permute::load(dev, h as u32, e as u32)?;

@@ -106,7 +106,7 @@ pub struct GemmOperands<'a> {
     /// `X [t, K]` (bf16 or e4m3 bytes), rows sorted by expert.
     pub x: &'a CudaSlice<u8>,
     /// `W [experts, N, K]`: bf16, e4m3 or int8 bytes, or for 4-bit weights `[experts, N, K/2]`
-    /// bytes of two codes each (element `2j` in the low nibble).
+    /// bytes of two codes each, in the kernel's order (`codegen::gemm::reference::w4_kernel_place`).
     pub w: &'a CudaSlice<u8>,
     /// i32 `[experts + 1]`, exclusive row offsets.
     pub offsets: &'a CudaSlice<i32>,

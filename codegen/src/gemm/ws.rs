@@ -93,7 +93,8 @@ pub enum Operands {
     W4Bf16(W4),
 }
 
-/// The codes of 4-bit weights, two per byte, element `2j` in the low nibble.
+/// The codes of 4-bit weights, two per byte, in the kernel's order within each 64-deep k-tile of a
+/// row ([`crate::gemm::reference::w4_kernel_place`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum W4Codes {
     /// E2M1 (NVFP4, MXFP4): sign, two exponent bits, one mantissa bit.
@@ -2185,52 +2186,15 @@ fn store(
                 } else {
                     da * ob * n + db * ob
                 };
-                match (cfg.out, pair) {
-                    (OutTy::F32, _) => k.b.push(Inst::StGuarded {
-                        pred,
-                        negate: false,
-                        ty: PtxTy::F32,
-                        addr,
-                        off,
-                        v: scaled[i],
-                    }),
-                    (OutTy::Bf16, true) => {
-                        let w = k.reg32();
-                        k.b.push(Inst::Bin {
-                            op: BinOpcode::CvtRnBf16x2,
-                            ty: PtxTy::F32,
-                            d: w,
-                            a: Operand::Reg(scaled[i + 1]),
-                            b: Operand::Reg(scaled[i]),
-                        });
-                        k.b.push(Inst::StGuarded {
-                            pred,
-                            negate: false,
-                            ty: PtxTy::B32,
-                            addr,
-                            off,
-                            v: w,
-                        });
-                    }
-                    (OutTy::Bf16, false) => {
-                        let w = k.reg32();
-                        k.b.push(Inst::Bin {
-                            op: BinOpcode::CvtRnBf16x2,
-                            ty: PtxTy::F32,
-                            d: w,
-                            a: Operand::Reg(scaled[i]),
-                            b: Operand::Reg(scaled[i]),
-                        });
-                        k.b.push(Inst::StGuarded {
-                            pred,
-                            negate: false,
-                            ty: PtxTy::U16,
-                            addr,
-                            off,
-                            v: w,
-                        });
-                    }
-                }
+                put(
+                    k,
+                    cfg.out,
+                    pred,
+                    addr,
+                    off,
+                    scaled[i],
+                    pair.then(|| scaled[i + 1]),
+                );
             }
         }
     }
@@ -2328,41 +2292,45 @@ fn store_silu(
             }
         };
         let off = dt * ob * half + dout * ob;
-        match cfg.out {
-            OutTy::F32 => k.b.push(Inst::StGuarded {
-                pred,
-                negate: false,
-                ty: PtxTy::F32,
-                addr,
-                off,
-                v: vals[p],
-            }),
-            OutTy::Bf16 => {
-                let (hi, ty) = if pair_store {
-                    (vals[p + 1], PtxTy::B32)
-                } else {
-                    (vals[p], PtxTy::U16)
-                };
-                let w = k.reg32();
-                k.b.push(Inst::Bin {
-                    op: BinOpcode::CvtRnBf16x2,
-                    ty: PtxTy::F32,
-                    d: w,
-                    a: Operand::Reg(hi),
-                    b: Operand::Reg(vals[p]),
-                });
-                k.b.push(Inst::StGuarded {
-                    pred,
-                    negate: false,
-                    ty,
-                    addr,
-                    off,
-                    v: w,
-                });
-            }
-        }
+        put(
+            k,
+            cfg.out,
+            pred,
+            addr,
+            off,
+            vals[p],
+            pair_store.then(|| vals[p + 1]),
+        );
     }
     Ok(())
+}
+
+/// One guarded store of the epilogue at `addr + off`: `lo` as f32, or in bf16 alone (`u16`) or with
+/// `hi` as the pair's upper half (`b32`, `cvt.rn.bf16x2` of `(hi, lo)`).
+#[allow(clippy::too_many_arguments)]
+fn put(k: &mut K, out: OutTy, pred: Reg, addr: Reg, off: i64, lo: Reg, hi: Option<Reg>) {
+    let (v, ty) = match out {
+        OutTy::F32 => (lo, PtxTy::F32),
+        OutTy::Bf16 => {
+            let w = k.reg32();
+            k.b.push(Inst::Bin {
+                op: BinOpcode::CvtRnBf16x2,
+                ty: PtxTy::F32,
+                d: w,
+                a: Operand::Reg(hi.unwrap_or(lo)),
+                b: Operand::Reg(lo),
+            });
+            (w, if hi.is_some() { PtxTy::B32 } else { PtxTy::U16 })
+        }
+    };
+    k.b.push(Inst::StGuarded {
+        pred,
+        negate: false,
+        ty,
+        addr,
+        off,
+        v,
+    });
 }
 
 /// The module (header and one entry named `name`) for `cfg`.

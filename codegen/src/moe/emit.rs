@@ -91,6 +91,13 @@ impl G {
         self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
     }
 
+    /// The shared-memory address of word `index` of the array at `base` (32-bit): `base + 4 index`.
+    pub(super) fn shared_word(&mut self, base: Reg, index: Reg) -> Reg {
+        let a = self.bin(BinOpcode::Shl, PtxTy::B32, index, Operand::Int(2));
+        self.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(base));
+        a
+    }
+
     /// `base + off` (64-bit, a constant byte offset).
     pub(super) fn offset(&mut self, base: Reg, off: i64) -> Reg {
         if off == 0 {

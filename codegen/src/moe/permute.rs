@@ -295,8 +295,7 @@ fn route_items(g: &mut G, l: &Launch, r: &RouteIn, c: Counters, first: Reg, step
             });
         }
         Counters::Shared { counts, .. } => {
-            let a = g.bin(BinOpcode::Shl, PtxTy::B32, slot, Operand::Int(2));
-            g.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(counts));
+            let a = g.shared_word(counts, slot);
             g.b.push(Inst::RedSharedAddU32 {
                 addr: a,
                 v: Operand::Int(1),
@@ -475,8 +474,7 @@ fn scan_body(g: &mut G, l: &Launch, tid: Reg, src: CountsIn, offsets: Reg, curso
                 });
             }
             CountsIn::Shared { counts } => {
-                let a = g.bin(BinOpcode::Shl, PtxTy::B32, idx, Operand::Int(2));
-                g.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(counts));
+                let a = g.shared_word(counts, idx);
                 g.b.push(Inst::LdSharedU32 {
                     d: v,
                     addr: a,
@@ -682,8 +680,7 @@ fn route_scan(l: &Launch) -> Result<(Entry, G)> {
         Operand::Int(i64::from(l.slots) + 1),
     );
     g.bra(&zdone, Some((past, false)));
-    let a = g.bin(BinOpcode::Shl, PtxTy::B32, w, Operand::Int(2));
-    g.bin_to(a, BinOpcode::Add, PtxTy::U32, a, Operand::Reg(counts));
+    let a = g.shared_word(counts, w);
     g.b.push(Inst::StSharedU32 {
         addr: a,
         off: 0,

@@ -61,7 +61,7 @@ impl Map {
     }
 }
 
-/// What the three kernels produce (the device's outputs read back, or the reference's).
+/// What the permute produces (the device's outputs read back, or the reference's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Permuted {
     /// Slot of each item (`-1` for an out-of-range one), `[n]`.
@@ -140,7 +140,7 @@ pub fn offsets(counts: &[u32]) -> Vec<i32> {
     out
 }
 
-/// The three kernels on the host: `x` bf16 bits `[T, hidden]`, `topk_ids [T, k]`; `load` counts as
+/// The permute on the host: `x` bf16 bits `[T, hidden]`, `topk_ids [T, k]`; `load` counts as
 /// in [`route`]. Within a slot, rows are in item order.
 pub fn permute(
     x: &[u16],
