@@ -28,10 +28,10 @@
 //! Row scales: [`CombineLaunch::index_grid`] CTAs of [`INDEX_THREADS`]. Combine:
 //! [`CombineLaunch::combine_grid`] CTAs of [`CombineLaunch::combine_threads`].
 
-use super::emit::{push_entry, G};
+use super::emit::{entry_params, push_entry, G};
 use crate::gemm::emit::Emit as _;
 use crate::gemm::reference::bf16_from_f32;
-use crate::ptx::{BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SpecialReg};
+use crate::ptx::{BinOpcode, CmpOp, Entry, Inst, Operand, PtxTy, Reg, SpecialReg};
 use crate::{Error, Result};
 
 /// The row-scales kernel's entry name.
@@ -133,20 +133,6 @@ pub fn combine_module(hidden: u32) -> Result<(String, CombineLaunch)> {
     Ok((s, l))
 }
 
-fn params(names: &[&str], pointers: usize, align: impl Fn(usize) -> u32) -> Vec<Param> {
-    names
-        .iter()
-        .enumerate()
-        .map(|(k, n)| {
-            if k < pointers {
-                Param::global_ptr(*n, align(k))
-            } else {
-                Param::scalar(*n, PtxTy::U32)
-            }
-        })
-        .collect()
-}
-
 /// The grid-stride loop's first index and step: `ctaid * ntid + tid`, `nctaid * ntid`.
 fn grid_stride(g: &mut G) -> (Reg, Reg) {
     let tid = g.special(SpecialReg::TidX);
@@ -161,7 +147,7 @@ fn grid_stride(g: &mut G) -> (Reg, Reg) {
 
 fn row_scales() -> (Entry, G) {
     let mut e = Entry::new(ROW_SCALES_ENTRY);
-    e.params = params(&ROW_SCALES_PARAMS, 5, |_| 4);
+    e.params = entry_params(&ROW_SCALES_PARAMS, 5, |_| 4);
     e.maxntid = Some(INDEX_THREADS);
     let mut g = G::default();
     let [row_of, slot, values, offsets, out] =
@@ -209,7 +195,7 @@ fn row_scales() -> (Entry, G) {
 
 fn combine(l: &CombineLaunch) -> (Entry, G) {
     let mut e = Entry::new(COMBINE_ENTRY);
-    e.params = params(
+    e.params = entry_params(
         &COMBINE_PARAMS,
         4,
         |k| if k == 0 || k == 3 { 16 } else { 4 },

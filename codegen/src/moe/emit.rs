@@ -2,7 +2,9 @@
 //! generators.
 
 use crate::gemm::emit::Emit;
-use crate::ptx::{BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
+use crate::ptx::{
+    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, UnOpcode,
+};
 use crate::Result;
 
 /// Instruction helpers over the typed builder, shared by the MoE layer's kernel generators
@@ -17,6 +19,26 @@ pub(super) fn push_entry(s: &mut String, e: &Entry, g: &G) -> Result<()> {
     s.push('\n');
     s.push_str(&g.entry_text(e)?);
     Ok(())
+}
+
+/// An entry's parameters: the first `pointers` of `names` u64 global pointers (the `k`-th aligned
+/// to `align(k)` bytes), the rest u32 scalars.
+pub(super) fn entry_params(
+    names: &[&str],
+    pointers: usize,
+    align: impl Fn(usize) -> u32,
+) -> Vec<Param> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(k, n)| {
+            if k < pointers {
+                Param::global_ptr(*n, align(k))
+            } else {
+                Param::scalar(*n, PtxTy::U32)
+            }
+        })
+        .collect()
 }
 
 impl Emit for G {

@@ -58,10 +58,10 @@
 //!   `offsets[R]` rows written), `pos_of` (i32 `[n]`, written), `errors` (u32 `[2]`: a position
 //!   past `n` counts into `errors[1]`), then the u32 scalars `n`, `k`.
 
-use super::emit::{push_entry, G};
+use super::emit::{entry_params, push_entry, G};
 use crate::gemm::emit::Emit as _;
 use crate::ptx::{
-    BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, SharedDecl, SharedTy, SpecialReg,
+    BinOpcode, CmpOp, Entry, Inst, Operand, PtxTy, Reg, SharedDecl, SharedTy, SpecialReg,
     PTX_VERSION,
 };
 use crate::{Error, Result};
@@ -334,15 +334,7 @@ fn route_items(g: &mut G, l: &Launch, r: &RouteIn, c: Counters, first: Reg, step
 
 fn route(l: &Launch) -> (Entry, G) {
     let mut e = Entry::new(ROUTE_ENTRY);
-    e.params = ROUTE_PARAMS[..7]
-        .iter()
-        .map(|n| Param::global_ptr(*n, 4))
-        .chain(
-            ROUTE_PARAMS[7..]
-                .iter()
-                .map(|n| Param::scalar(*n, PtxTy::U32)),
-        )
-        .collect();
+    e.params = entry_params(&ROUTE_PARAMS, 7, |_| 4);
     e.maxntid = Some(ROUTE_THREADS);
     let mut g = G::default();
     let [ids, log2phy, logcnt, slot_out, counts, load, errors] =
@@ -410,10 +402,7 @@ enum CountsIn {
 
 fn scan(l: &Launch) -> Result<(Entry, G)> {
     let mut e = Entry::new(SCAN_ENTRY);
-    e.params = SCAN_PARAMS
-        .iter()
-        .map(|n| Param::global_ptr(*n, 4))
-        .collect();
+    e.params = entry_params(&SCAN_PARAMS, SCAN_PARAMS.len(), |_| 4);
     e.maxntid = Some(l.scan_threads);
     let mut g = G::default();
     g.b.declare_shared(SharedDecl::array("scan_warps", SharedTy::B32, 32, 4)?)?;
@@ -631,15 +620,7 @@ fn scan_body(g: &mut G, l: &Launch, tid: Reg, src: CountsIn, offsets: Reg, curso
 /// memory (so `counts` and `errors[0]` are not touched: they stay zero), `errors[1]` the run's.
 fn route_scan(l: &Launch) -> Result<(Entry, G)> {
     let mut e = Entry::new(ROUTE_SCAN_ENTRY);
-    e.params = ROUTE_SCAN_PARAMS[..8]
-        .iter()
-        .map(|n| Param::global_ptr(*n, 4))
-        .chain(
-            ROUTE_SCAN_PARAMS[8..]
-                .iter()
-                .map(|n| Param::scalar(*n, PtxTy::U32)),
-        )
-        .collect();
+    e.params = entry_params(&ROUTE_SCAN_PARAMS, 8, |_| 4);
     e.maxntid = Some(l.small_threads());
     let mut g = G::default();
     g.b.declare_shared(SharedDecl::array("scan_warps", SharedTy::B32, 32, 4)?)?;
@@ -737,16 +718,11 @@ fn route_scan(l: &Launch) -> Result<(Entry, G)> {
 
 fn scatter(l: &Launch) -> Result<(Entry, G)> {
     let mut e = Entry::new(SCATTER_ENTRY);
-    e.params = SCATTER_PARAMS[..8]
-        .iter()
-        .enumerate()
-        .map(|(k, n)| Param::global_ptr(*n, if k == 3 || k == 5 { 16 } else { 4 }))
-        .chain(
-            SCATTER_PARAMS[8..]
-                .iter()
-                .map(|n| Param::scalar(*n, PtxTy::U32)),
-        )
-        .collect();
+    e.params = entry_params(
+        &SCATTER_PARAMS,
+        8,
+        |k| if k == 3 || k == 5 { 16 } else { 4 },
+    );
     e.maxntid = Some(SCATTER_THREADS);
     let mut g = G::default();
     g.b.declare_shared(SharedDecl::array("scatter_pos", SharedTy::B32, 1, 4)?)?;
