@@ -182,6 +182,17 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             true,
         ),
         v(W4_FORMATS[1], Scaling::PerExpert, OutTy::F32, 1, 8, 8, true),
+        // The 4-stage ring the tuner may choose for 4-bit weights.
+        v(
+            W4_FORMATS[0],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            8,
+            4,
+            true,
+        ),
+        v(W4_FORMATS[2], Scaling::PerExpert, OutTy::F32, 1, 8, 4, true),
         v(
             W4_FORMATS[2],
             Scaling::PerExpert,
