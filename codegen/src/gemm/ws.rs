@@ -1272,23 +1272,7 @@ fn load_block_scales(
         a,
         Operand::Int(cfg.tx_bytes().into()),
     );
-    let nb = cfg.n.div_ceil(128);
-    let i = k.bin(
-        BinOpcode::MulLo,
-        PtxTy::U32,
-        s.expert,
-        Operand::Int(i64::from(nb)),
-    );
-    let blk = k.bin(BinOpcode::Shr, PtxTy::U32, f.w0, Operand::Int(7));
-    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(blk));
-    k.bin_to(
-        i,
-        BinOpcode::MulLo,
-        PtxTy::U32,
-        i,
-        Operand::Int(i64::from(cfg.k_tiles())),
-    );
-    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
+    let i = w_scale_index(k, cfg, s.expert, f.w0, kt);
     // Boxes start on 16 bytes: the consumers add the remainder (`block_scale_skew`).
     k.bin_to(i, BinOpcode::And, PtxTy::B32, i, Operand::Int(-4));
     k.b.emit_guarded(
@@ -1302,8 +1286,7 @@ fn load_block_scales(
             cache_hint: None,
         }),
     )?;
-    let x = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
-    k.bin_to(x, BinOpcode::Add, PtxTy::U32, x, Operand::Reg(f.tok0));
+    let x = x_scale_index(k, kt, tokens, f.tok0);
     k.bin_to(x, BinOpcode::And, PtxTy::B32, x, Operand::Int(-4));
     let dst = k.bin(
         BinOpcode::Add,
@@ -1322,6 +1305,38 @@ fn load_block_scales(
             cache_hint: None,
         }),
     )
+}
+
+/// The flat index of k-tile `kt`'s weight scale in `s_w [E, ceil(N/128), KT]`:
+/// `(expert * NB + w0 / 128) * KT + kt` (what the producer's box starts at, rounded down to 4, and
+/// the consumers' skew within it).
+fn w_scale_index(k: &mut K, cfg: &WsConfig, expert: Reg, w0: Reg, kt: Reg) -> Reg {
+    let nb = cfg.n.div_ceil(128);
+    let i = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        expert,
+        Operand::Int(i64::from(nb)),
+    );
+    let blk = k.bin(BinOpcode::Shr, PtxTy::U32, w0, Operand::Int(7));
+    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(blk));
+    k.bin_to(
+        i,
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        i,
+        Operand::Int(i64::from(cfg.k_tiles())),
+    );
+    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(kt));
+    i
+}
+
+/// The flat index of the tile's first activation scale of k-tile `kt` in the group-major `s_x [KB,
+/// T]`: `kt * T + tok0`.
+fn x_scale_index(k: &mut K, kt: Reg, tokens: Reg, tok0: Reg) -> Reg {
+    let x = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(tokens));
+    k.bin_to(x, BinOpcode::Add, PtxTy::U32, x, Operand::Reg(tok0));
+    x
 }
 
 /// Per-thread epilogue coordinates: the fragment's row (A side) and column (B side) bases.
@@ -1894,29 +1909,12 @@ fn stage_scales(
         Operand::Int(cfg.tx_bytes().into()),
     );
     // The weight scale's skew: (((e * NB + w0 / 128) * KT + kt) & 3) elements.
-    let nb = cfg.n.div_ceil(128);
-    let wi = k.bin(
-        BinOpcode::MulLo,
-        PtxTy::U32,
-        sk.s.expert,
-        Operand::Int(i64::from(nb)),
-    );
-    let blk = k.bin(BinOpcode::Shr, PtxTy::U32, sk.f.w0, Operand::Int(7));
-    k.bin_to(wi, BinOpcode::Add, PtxTy::U32, wi, Operand::Reg(blk));
-    k.bin_to(
-        wi,
-        BinOpcode::MulLo,
-        PtxTy::U32,
-        wi,
-        Operand::Int(i64::from(cfg.k_tiles())),
-    );
-    k.bin_to(wi, BinOpcode::Add, PtxTy::U32, wi, Operand::Reg(kt));
+    let wi = w_scale_index(k, cfg, sk.s.expert, sk.f.w0, kt);
     k.bin_to(wi, BinOpcode::And, PtxTy::B32, wi, Operand::Int(3));
     k.bin_to(wi, BinOpcode::Shl, PtxTy::B32, wi, Operand::Int(2));
     let w_at = k.bin(BinOpcode::Add, PtxTy::U32, area, Operand::Reg(wi));
     // The activation scales' skew: ((kt * T + tok0) & 3) elements.
-    let xi = k.bin(BinOpcode::MulLo, PtxTy::U32, kt, Operand::Reg(sk.tokens));
-    k.bin_to(xi, BinOpcode::Add, PtxTy::U32, xi, Operand::Reg(sk.f.tok0));
+    let xi = x_scale_index(k, kt, sk.tokens, sk.f.tok0);
     k.bin_to(xi, BinOpcode::And, PtxTy::B32, xi, Operand::Int(3));
     k.bin_to(xi, BinOpcode::Shl, PtxTy::B32, xi, Operand::Int(2));
     let area_x = k.bin(BinOpcode::Add, PtxTy::U32, area, Operand::Reg(xi));
