@@ -325,8 +325,8 @@ fn every_recipe_matches_spec_on_random_inputs() {
         // Rows of 16 and 32 blocks: a work item's four blocks are 4 or 8 columns apart, which the
         // 128x4 swizzle moves by a constant (their scale offsets are the first's plus multiples).
         ("nvfp4_cutedsl", (2, 256, 512)),
-        ("mxfp4", (2, 64, 96)),
-        ("int8_per_row", (2, 40, 24)),
+        ("mxfp4", (2, 64, 192)),
+        ("int8_per_row", (2, 48, 32)),
         ("int8_per_row", (2, 1040, 48)),
         ("int4_g128", (2, 256, 128)),
         ("int4_g128", (3, 128, 384)),
@@ -386,7 +386,7 @@ fn signed_zeros_and_zero_scale_blocks_match_spec() {
         ("mxfp4", (2, 64, 64)),
         ("fp8_per_tensor", (2, 64, 48)),
         ("fp8_block128", (2, 160, 96)),
-        ("int8_per_row", (2, 40, 24)),
+        ("int8_per_row", (2, 48, 32)),
         ("int4_g128", (2, 256, 128)),
     ] {
         let mut c = Case::new(&mut rng, e, h, i);

@@ -856,3 +856,35 @@ fn a_recipe_without_hopper_bindings_gets_no_hopper_gemm() {
     assert!(err.contains("no `on sm_90a` kernel binding"), "{err}");
     assert!(!target.exists());
 }
+
+/// The verifier and the GEMM generator agree: at every binding `moeforge check` accepts (a grid of
+/// sizes around each standard recipe's constraints: multiples of 8 to 256, and a few model-sized
+/// ones), every standard recipe, all of which declare `on sm_90a` kernels, gets a Hopper GEMM
+/// variant for both weights (`compile --kernels gemm` would write its module, not refuse it).
+#[test]
+fn every_binding_check_accepts_gets_both_hopper_gemms() {
+    let sizes: Vec<u32> = (1..=32)
+        .map(|m| 8 * m)
+        .chain([2080, 2112, 2880, 7168])
+        .collect();
+    let mut accepted = 0;
+    for r in moeforge::kernels::STANDARD {
+        for &h in &sizes {
+            for &i in &sizes {
+                let bind = format!("E=4,H={h},I={i}");
+                let Ok(info) = moeforge::verify_source(r.source, r.path, Some(&bind)) else {
+                    continue;
+                };
+                accepted += 1;
+                let plan = gemm_variants::plan(&info).unwrap();
+                assert!(
+                    plan.missing.is_empty(),
+                    "{} at {bind}: check accepts it, the GEMM plan misses {:?}",
+                    r.name,
+                    plan.missing
+                );
+            }
+        }
+    }
+    assert!(accepted > 1000, "{accepted}");
+}

@@ -663,6 +663,13 @@ impl WsConfig {
                         "int8 weights need the decode form with one consumer and no split-K".into(),
                     );
                 }
+                // TMA: a code row's pitch (K bytes) is a multiple of 16 bytes.
+                if !self.k.is_multiple_of(16) {
+                    return bad(format!(
+                        "int8 weights with K = {} (a multiple of 16: a code row's pitch for TMA)",
+                        self.k
+                    ));
+                }
             }
             (Operands::W4Bf16(w), Scaling::PerExpert) => {
                 if !self.swap_ab || self.consumers != 1 || self.split_k != 1 {
