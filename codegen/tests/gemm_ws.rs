@@ -679,8 +679,12 @@ fn check_structure(c: &WsConfig, text: &str) {
     } else {
         0
     };
-    // 4-bit weights: the k-tile's group scales of the tile's 64 rows, one 3-D box.
-    let group_tx = c.group_scale_bytes();
+    // 4-bit weights: the k-tile's group scales of the tile's 64 rows, one 3-D box (a 64-deep
+    // k-tile spans 64 / group groups, at least one).
+    let group_tx = match c.operands {
+        Operands::W4Bf16(w) => (64 / w.group).max(1) * 64 * w.scale.bytes(),
+        _ => 0,
+    };
     assert_eq!(c.scale_tx_bytes(), block_tx + group_tx, "{tag}");
     assert!(
         text.lines().any(|l| l.contains("expect_tx")

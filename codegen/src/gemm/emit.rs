@@ -40,15 +40,7 @@ pub(crate) trait Emit {
     /// on the host). A very negative `g` gives `e = +inf`, `r = +0` and `a = -0 * up`; a large
     /// positive one `e = 0`, `r = 1`.
     fn silu_mul(&mut self, gate: Reg, up: Reg) -> Reg {
-        let b = self.builder();
-        let t = b.reg(RegClass::F32);
-        b.push(Inst::Bin {
-            op: BinOpcode::MulRn,
-            ty: PtxTy::F32,
-            d: t,
-            a: Operand::Reg(gate),
-            b: Operand::F32(-std::f32::consts::LOG2_E),
-        });
+        let t = self.fmul_rn(gate, Operand::F32(-std::f32::consts::LOG2_E));
         let e = self.un(
             UnOpcode::Ex2ApproxFtz(PtxTy::F32),
             RegClass::F32,
@@ -60,23 +52,14 @@ pub(crate) trait Emit {
             RegClass::F32,
             Operand::Reg(e),
         );
-        let b = self.builder();
-        let q = b.reg(RegClass::F32);
-        b.push(Inst::Bin {
-            op: BinOpcode::MulRn,
-            ty: PtxTy::F32,
-            d: q,
-            a: Operand::Reg(gate),
-            b: Operand::Reg(r),
-        });
-        let d = b.reg(RegClass::F32);
-        b.push(Inst::Bin {
-            op: BinOpcode::MulRn,
-            ty: PtxTy::F32,
-            d,
-            a: Operand::Reg(q),
-            b: Operand::Reg(up),
-        });
+        let q = self.fmul_rn(gate, Operand::Reg(r));
+        self.fmul_rn(q, Operand::Reg(up))
+    }
+
+    /// `mul.rn.f32 d, a, b` into a fresh f32 register.
+    fn fmul_rn(&mut self, a: Reg, b: Operand) -> Reg {
+        let d = self.builder().reg(RegClass::F32);
+        self.bin_to(d, BinOpcode::MulRn, PtxTy::F32, a, b);
         d
     }
 

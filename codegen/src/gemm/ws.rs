@@ -1819,15 +1819,7 @@ fn ld_f32(k: &mut K, base: Reg, index: Reg) -> Reg {
 }
 
 fn fmul(k: &mut K, a: Reg, b: Reg) -> Reg {
-    let d = k.b.reg(RegClass::F32);
-    k.b.push(Inst::Bin {
-        op: BinOpcode::MulRn,
-        ty: PtxTy::F32,
-        d,
-        a: Operand::Reg(a),
-        b: Operand::Reg(b),
-    });
-    d
+    k.fmul_rn(a, Operand::Reg(b))
 }
 
 /// `min(v, hi - 1)`: a token index that is safe to read scales at (rows past the expert's end are

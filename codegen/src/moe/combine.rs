@@ -133,18 +133,6 @@ pub fn combine_module(hidden: u32) -> Result<(String, CombineLaunch)> {
     Ok((s, l))
 }
 
-/// The grid-stride loop's first index and step: `ctaid * ntid + tid`, `nctaid * ntid`.
-fn grid_stride(g: &mut G) -> (Reg, Reg) {
-    let tid = g.special(SpecialReg::TidX);
-    let ntid = g.special(SpecialReg::NtidX);
-    let cta = g.special(SpecialReg::CtaidX);
-    let ncta = g.special(SpecialReg::NctaidX);
-    let i = g.bin(BinOpcode::MulLo, PtxTy::U32, cta, Operand::Reg(ntid));
-    g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(tid));
-    let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(ntid));
-    (i, step)
-}
-
 fn row_scales() -> (Entry, G) {
     let mut e = Entry::new(ROW_SCALES_ENTRY);
     e.params = entry_params(&ROW_SCALES_PARAMS, 5, |_| 4);
@@ -154,7 +142,7 @@ fn row_scales() -> (Entry, G) {
         [0, 1, 2, 3, 4].map(|k| g.global_param(ROW_SCALES_PARAMS[k]));
     let [slots, n] = [5, 6].map(|k| g.u32_param(ROW_SCALES_PARAMS[k]));
     let rows = g.filled_rows(offsets, slots, n);
-    let (r, step) = grid_stride(&mut g);
+    let (r, step) = g.grid_stride();
     let (top, store, done) = (
         g.b.label("rs_row"),
         g.b.label("rs_store"),

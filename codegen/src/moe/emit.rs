@@ -3,7 +3,8 @@
 
 use crate::gemm::emit::Emit;
 use crate::ptx::{
-    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, UnOpcode,
+    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SpecialReg,
+    UnOpcode,
 };
 use crate::Result;
 
@@ -111,6 +112,18 @@ impl G {
     pub(super) fn elem(&mut self, base: Reg, index: Reg, scale: i64) -> Reg {
         let off = self.bin(BinOpcode::MulWide, PtxTy::U32, index, Operand::Int(scale));
         self.bin(BinOpcode::Add, PtxTy::U64, base, Operand::Reg(off))
+    }
+
+    /// The grid-stride loop's first index and step: `ctaid * ntid + tid`, `nctaid * ntid`.
+    pub(super) fn grid_stride(&mut self) -> (Reg, Reg) {
+        let tid = self.special(SpecialReg::TidX);
+        let ntid = self.special(SpecialReg::NtidX);
+        let cta = self.special(SpecialReg::CtaidX);
+        let ncta = self.special(SpecialReg::NctaidX);
+        let i = self.bin(BinOpcode::MulLo, PtxTy::U32, cta, Operand::Reg(ntid));
+        self.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(tid));
+        let step = self.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(ntid));
+        (i, step)
     }
 
     /// The shared-memory address of word `index` of the array at `base` (32-bit): `base + 4 index`.

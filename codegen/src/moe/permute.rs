@@ -340,20 +340,7 @@ fn route(l: &Launch) -> (Entry, G) {
     let [ids, log2phy, logcnt, slot_out, counts, load, errors] =
         [0, 1, 2, 3, 4, 5, 6].map(|k| g.global_param(ROUTE_PARAMS[k]));
     let [n, k, experts, maxrep] = [7, 8, 9, 10].map(|i| g.u32_param(ROUTE_PARAMS[i]));
-    let tid = g.special(SpecialReg::TidX);
-    let ntid = g.special(SpecialReg::NtidX);
-    let cta = g.special(SpecialReg::CtaidX);
-    let ncta = g.special(SpecialReg::NctaidX);
-    let i = g.r32();
-    g.b.push(Inst::Bin {
-        op: BinOpcode::MulLo,
-        ty: PtxTy::U32,
-        d: i,
-        a: Operand::Reg(cta),
-        b: Operand::Reg(ntid),
-    });
-    g.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(tid));
-    let step = g.bin(BinOpcode::MulLo, PtxTy::U32, ncta, Operand::Reg(ntid));
+    let (i, step) = g.grid_stride();
     let r = RouteIn {
         ids,
         log2phy,

@@ -499,15 +499,6 @@ pub enum Inst {
         /// Byte offset.
         off: i64,
     },
-    /// `ld.shared.v4.b32 {d0, d1, d2, d3}, [addr+off]` (16 aligned bytes).
-    LdSharedV4 {
-        /// Destinations (32-bit), the lowest address first.
-        d: [Reg; 4],
-        /// Shared-memory address (32-bit).
-        addr: Reg,
-        /// Byte offset.
-        off: i64,
-    },
     /// `fma.rn.f32 d, a, b, c`.
     Fma {
         /// Destination.
@@ -765,11 +756,6 @@ impl fmt::Display for Inst {
                 f,
                 "\tld.shared.v2.b32 \t{{{}, {}}}, [{addr}+{off}];",
                 d[0], d[1]
-            ),
-            Inst::LdSharedV4 { d, addr, off } => write!(
-                f,
-                "\tld.shared.v4.b32 \t{{{}, {}, {}, {}}}, [{addr}+{off}];",
-                d[0], d[1], d[2], d[3]
             ),
             Inst::StShared { addr, v } => write!(f, "\tst.shared.f32 \t[{addr}], {v};"),
             Inst::LdShared { d, addr, off } => write!(f, "\tld.shared.f32 \t{d}, [{addr}+{off}];"),
