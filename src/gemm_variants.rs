@@ -11,11 +11,17 @@
 //!   candidates, with per-token (dynamic) and/or per-tensor (static) activation scales, as the
 //!   recipe's `activation` declaration says (both where its static scale is optional);
 //! * e4m3 weights with a registered f32 weight scale of shape `[E, ceil(N/128), ceil(K/128)]`: the
-//!   `fp8_block128` candidates.
+//!   `fp8_block128` candidates;
+//! * i8 weights with a registered f32 scale of shape `[E, N]`: the W8A16 candidates (decode form,
+//!   K a multiple of 16);
+//! * e2m1 or u4 weights of a recognised 4-bit quantization (NVFP4, MXFP4, symmetric INT4 with
+//!   bf16-exact scales): the W4A16 candidates (`W4::fits`: K a multiple of 64).
 //!
 //! The scale is the registered f32 param whose name starts with the weight's (`w13_weight_scale`,
-//! `w13_weight_scale_inv`) and whose bound shape is one of those two. Anything else is named in
-//! [`Plan::missing`].
+//! `w13_weight_scale_inv`) and whose bound shape is one of those; for 4-bit weights, the
+//! quantization's scales. A weight gets variants only where an `on sm_90a` kernel binding reads it
+//! and its scales (NVFP4's decode scale too: `codegen::bindings::require`). Anything else is named
+//! in [`Plan::missing`].
 
 use crate::{codegen, dsl, Error, Result};
 
@@ -264,7 +270,7 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 }
                 dsl::ir::DType::I8 => " without a registered f32 weight scale of shape [E, N]",
                 dsl::ir::DType::U4 | dsl::ir::DType::E2m1 => {
-                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two, K a multiple of 64 and N of 16)"
+                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two, K a multiple of 64 and N of 16, or 8 with bf16 scales)"
                 }
                 _ => "",
             };
@@ -275,19 +281,20 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             continue;
         };
         // The recipe's `on sm_90a` kernel bindings say what its Hopper GEMMs may read: a weight
-        // (and weight scale) no such binding reads gets no variant.
+        // (its weight scale, and NVFP4's decode scale, which the layer folds into its factor) no
+        // such binding reads gets no variant.
+        let decode = info
+            .quantization_of(gemm)
+            .and_then(|q| q.decode_scale)
+            .and_then(|o| module.tensor(o.param))
+            .map(|t| t.name.as_str());
         let reads: Vec<&str> = std::iter::once(name)
             .chain(scale_param.as_deref())
+            .chain(decode)
             .collect();
-        if crate::codegen::bindings::reading(info, dsl::ir::Target::Sm90a, &reads).is_none() {
-            plan.missing.push(format!(
-                "no GEMM variant for `{gemm}`: no `on sm_90a` kernel binding reads {}",
-                reads
-                    .iter()
-                    .map(|r| format!("`{r}`"))
-                    .collect::<Vec<_>>()
-                    .join(" and ")
-            ));
+        if let Err(why) = crate::codegen::bindings::require(info, dsl::ir::Target::Sm90a, &reads) {
+            plan.missing
+                .push(format!("no GEMM variant for `{gemm}`: {why}"));
             continue;
         }
         if t.declared_layout.is_some() {

@@ -331,9 +331,10 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     })
 }
 
-/// The params holding input `name`'s codes and scales must be read by one of the recipe's
-/// `on sm_90a` kernel bindings, as the GEMM plan requires (`gemm_variants::plan`): the GPU layer
-/// runs Hopper GEMMs only where the recipe says they may read those params.
+/// The params holding input `name`'s codes and scales (and NVFP4's decode scale) must be read by
+/// one of the recipe's `on sm_90a` kernel bindings, as the GEMM plan requires
+/// (`gemm_variants::plan`, through the same `codegen::bindings::require`): the GPU layer runs
+/// Hopper GEMMs only where the recipe says they may read those params.
 fn hopper_binding(info: &ModuleInfo, name: &str) -> Result<()> {
     let m = info.module();
     let ids: Vec<_> = match info.quantization_of(name) {
@@ -341,6 +342,7 @@ fn hopper_binding(info: &ModuleInfo, name: &str) -> Result<()> {
             .values
             .into_iter()
             .chain(q.scales)
+            .chain(q.decode_scale)
             .map(|o| o.param)
             .collect(),
         None => info.copy_of(name).map(|c| c.param).into_iter().collect(),
@@ -349,20 +351,9 @@ fn hopper_binding(info: &ModuleInfo, name: &str) -> Result<()> {
         .iter()
         .filter_map(|&id| m.tensor(id).map(|t| t.name.as_str()))
         .collect();
-    if crate::codegen::bindings::reading(info, crate::dsl::ir::Target::Sm90a, &names).is_some() {
-        return Ok(());
-    }
-    Err(unsupported(
-        info,
-        format!(
-            "`{name}`: no `on sm_90a` kernel binding reads {}",
-            names
-                .iter()
-                .map(|n| format!("`{n}`"))
-                .collect::<Vec<_>>()
-                .join(" and ")
-        ),
-    ))
+    crate::codegen::bindings::require(info, crate::dsl::ir::Target::Sm90a, &names)
+        .map(|_| ())
+        .map_err(|why| unsupported(info, format!("`{name}`: {why}")))
 }
 
 /// The stored bytes of the param holding input `name`'s codes.

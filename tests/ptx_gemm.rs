@@ -800,9 +800,8 @@ fn the_sm90a_bindings_cover_what_the_planned_gemms_read() {
                 r.name
             );
         }
-        if hopper.is_empty() {
-            continue;
-        }
+        // Every standard recipe declares its Hopper GEMMs.
+        assert!(!hopper.is_empty(), "{}: no `on sm_90a` binding", r.name);
         for v in &plan.variants {
             let reads: Vec<&String> = std::iter::once(&v.param).chain(&v.scale_param).collect();
             assert!(
@@ -855,6 +854,30 @@ fn a_recipe_without_hopper_bindings_gets_no_hopper_gemm() {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("no `on sm_90a` kernel binding"), "{err}");
     assert!(!target.exists());
+}
+
+/// NVFP4's Hopper GEMMs read the decode scale too (the layer folds `*_weight_scale_2` into each
+/// expert's factor): `nvfp4_cutedsl` with `on sm_90a` bindings that leave it out gets no Hopper
+/// GEMM, and the refusal names it.
+#[test]
+fn a_hopper_binding_without_the_decode_scale_gets_no_hopper_gemm() {
+    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let src = r
+        .source
+        .replace(", w13_weight_scale_2) on sm_90a", ") on sm_90a")
+        .replace(", w2_weight_scale_2) on sm_90a", ") on sm_90a");
+    assert_ne!(src, r.source);
+    let plan = plan_of(&src, "no_decode.recipe", MODELS[0].1);
+    assert!(plan.variants.is_empty(), "{:?}", plan.variants.len());
+    assert_eq!(plan.missing.len(), 2, "{:?}", plan.missing);
+    for (m, gemm) in plan.missing.iter().zip(["w13", "w2"]) {
+        assert!(
+            m.contains(&format!(
+                "no `on sm_90a` kernel binding reads `{gemm}_weight` and `{gemm}_weight_scale` and `{gemm}_weight_scale_2`"
+            )),
+            "{m}"
+        );
+    }
 }
 
 /// The verifier and the GEMM generator agree: at every binding `moeforge check` accepts (a grid of

@@ -28,6 +28,26 @@ pub fn reading<'a>(
     })
 }
 
+/// [`reading`], or the refusal naming what no binding of `target` reads: "no `on sm_90a` kernel
+/// binding reads `a` and `b`" (what the GEMM plan and the GPU layer both say).
+pub fn require<'a>(
+    info: &'a ModuleInfo,
+    target: Target,
+    reads: &[&str],
+) -> std::result::Result<&'a KernelBinding, String> {
+    reading(info, target, reads).ok_or_else(|| {
+        format!(
+            "no `on {}` kernel binding reads {}",
+            target.name(),
+            reads
+                .iter()
+                .map(|r| format!("`{r}`"))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        )
+    })
+}
+
 /// The binding `name` of a verified module, if it may be generated for `target`.
 pub fn for_target<'a>(
     info: &'a ModuleInfo,
