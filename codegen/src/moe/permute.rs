@@ -3,8 +3,8 @@
 //! to back on one stream with no host synchronization between them (the counts and offsets never
 //! leave the device): kernels A, B and C, or for few items ([`Launch::small`]: a decode step) the
 //! small path [`ROUTE_SCAN_ENTRY`], kernels A and B in one CTA that counts in shared memory, then
-//! C. A launch costs about 3.5 us on the H200 whatever it does, so at one token the fewer the
-//! better.
+//! C. At one token the launches are the cost (on the H200 three kernels took about 11 us and two
+//! take 8-10, whatever little they move), so the fewer the better.
 //!
 //! With `n = T * k` items `i = t * k + j` (token `t`, choice `j`), `E` logical experts and `R`
 //! physical slots:
