@@ -928,13 +928,7 @@ fn the_gpu_layer_needs_a_hopper_binding_for_its_weights() {
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
-    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
-    let src: String = r
-        .source
-        .lines()
-        .filter(|l| !l.contains("_sm90("))
-        .map(|l| format!("{l}\n"))
-        .collect();
+    let src = common::nvfp4_without_sm90_bindings();
     let path = d.join("no_sm90.recipe");
     std::fs::write(&path, &src).unwrap();
     let packed = d.join("p.safetensors");

@@ -819,14 +819,7 @@ fn the_sm90a_bindings_cover_what_the_planned_gemms_read() {
 /// GEMM, and `compile --kernels gemm` says which param no binding reads, writing nothing.
 #[test]
 fn a_recipe_without_hopper_bindings_gets_no_hopper_gemm() {
-    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
-    let src: String = r
-        .source
-        .lines()
-        .filter(|l| !l.contains("_sm90("))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    assert_ne!(src, r.source);
+    let src = common::nvfp4_without_sm90_bindings();
     let bind = MODELS[0].1;
     let plan = plan_of(&src, "no_sm90.recipe", bind);
     assert!(plan.variants.is_empty(), "{:?}", plan.variants.len());

@@ -228,6 +228,20 @@ pub fn pack(recipe: &str, input: &Path, output: &Path) {
     assert_eq!(code, 0, "pack {recipe}: {err}");
 }
 
+/// `nvfp4_cutedsl`'s source without its `on sm_90a` kernel bindings (`moe_gemm1_sm90`,
+/// `moe_gemm2_sm90`): only the Blackwell ones, which read the MMA scale view and the alphas.
+pub fn nvfp4_without_sm90_bindings() -> String {
+    let r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let src: String = r
+        .source
+        .lines()
+        .filter(|l| !l.contains("_sm90("))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(src, r.source);
+    src
+}
+
 /// `int4_g128`'s source as a recipe `int4_g8` that groups INT4 by 8 along K: packs, but no GPU GEMM
 /// takes groups shorter than 16 (the W4A16 kernel's k16 step).
 pub fn int4_g8_source() -> String {
