@@ -34,7 +34,7 @@ const KINDS: usize = 7;
 /// at the start of every 128-group (so both modes' scales are `2^e` and `x / s`, `x * (1/s)` are
 /// exact) and elsewhere values of 5 significant bits from `2^(e-12)` to below `2^(e+8)`, many of
 /// them exactly halfway between two E4M3 codes, normal and subnormal.
-fn row(rng: &mut Rng, kind: usize, k: usize) -> Vec<u16> {
+pub(crate) fn row(rng: &mut Rng, kind: usize, k: usize) -> Vec<u16> {
     let e = rng.below(21) as i32 - 10;
     (0..k)
         .map(|c| match kind {

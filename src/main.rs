@@ -182,6 +182,11 @@ enum Command {
         /// replayed (the same bits).
         #[arg(long, requires = "gpu", conflicts_with_all = ["nccl", "gemm"])]
         moe: bool,
+        /// Instead: only the MoE layer's own kernels of `--gemm` (activation quantization, route +
+        /// permute in every gathered form, activation and combine) against their host references,
+        /// without the grouped GEMMs.
+        #[arg(long, requires = "gpu", conflicts_with_all = ["nccl", "gemm", "moe"])]
+        kernels: bool,
     },
     /// The kernel cache: list, clear, or warm up the variants a binding needs.
     Cache {
@@ -935,12 +940,17 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             nccl,
             gemm,
             moe,
+            kernels,
         } => {
             if !gpu {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
-            let (report, ok) = if gemm {
-                let (g, gok) = moeforge::gemm_check::selftest(quick, &settings.runtime.jit)?;
+            let (report, ok) = if gemm || kernels {
+                let (g, gok) = if gemm {
+                    moeforge::gemm_check::selftest(quick, &settings.runtime.jit)?
+                } else {
+                    (String::new(), None)
+                };
                 let (a, aok) = moeforge::act_quant_check::selftest()?;
                 let (pm, pok) = moeforge::permute_check::selftest()?;
                 let (mk, mok) = moeforge::moe_kernels_check::selftest()?;

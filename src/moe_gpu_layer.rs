@@ -5,8 +5,10 @@
 //! 1. route + permute (`runtime::permute`): logical ids to EPLB slots (`log2phy[e, t mod
 //!    logcnt[e]]`), per-slot counts (the layer's EPLB load counters accumulate too), row offsets,
 //!    expert-sorted rows of `x`, and each item's row (`pos_of`, what the combine reads);
-//! 2. the first GEMM's feed: the rows as they are (bf16), or E4M3 with per-token or 1x128 dynamic
-//!    scales (`runtime::act_quant`), or with each row's slot's static scale (`moe_kernels`);
+//! 2. the first GEMM's feed, made by the permute's scatter as it gathers each row
+//!    (`codegen::moe::permute::Gather`): the bf16 rows as they are, or E4M3 codes with per-token
+//!    or 1x128 dynamic scales, or with each row's slot's static scale, quantized on the fly (the
+//!    bits of `gemm::act_quant` and of the activation kernel's static rows; no kernel of its own);
 //! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
 //! 4. `a = silu(gate) * up` in f32, fed to the second GEMM as the recipe declares (bf16, or E4M3
 //!    per token / per 1x128 group / static). Where the second GEMM takes bf16 (bf16 and the
@@ -26,14 +28,13 @@ use std::collections::HashMap;
 
 use cudarc::driver::CudaSlice;
 
-use crate::codegen::gemm::act_quant::Mode;
 use crate::codegen::gemm::tune;
 use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
+use crate::codegen::moe::permute::Gather;
 use crate::codegen::reference as r;
 use crate::moe_gpu::{GemmWeights, LayerOperands};
 use crate::moe_host::{Feed, Forward, MoeError, Replicas, Tokens};
-use crate::runtime::act_quant::ActQuant;
 use crate::runtime::cache::Cache;
 use crate::runtime::eplb_state::{EplbLayerState, Policy};
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
@@ -157,14 +158,14 @@ impl DevWeights {
     }
 }
 
-/// How the first GEMM's input is made from the gathered rows.
+/// How the first GEMM's input is made: the gathered bf16 rows, or E4M3 codes and scales that the
+/// permute's scatter quantizes on the fly (`permute::Gather`), with each slot's static scale
+/// (uploaded here) or dynamic ones.
 enum Feed13 {
     /// The bf16 rows as they are.
     Bf16,
-    /// Dynamic E4M3 (per token or per 1x128 group).
-    Dynamic(ActQuant),
-    /// E4M3 with each row's slot's static scale.
-    Static(MoeAct, CudaSlice<f32>),
+    /// E4M3 rows written by the permute; the static scales per slot, if the recipe's are static.
+    E4m3(Option<CudaSlice<f32>>),
 }
 
 /// The per-forward device buffers, sized for `t_max` tokens of `k` choices.
@@ -181,7 +182,6 @@ struct Scratch {
     cursor: CudaSlice<u32>,
     row_of: CudaSlice<i32>,
     xs: CudaSlice<u8>,
-    q13: CudaSlice<u8>,
     s13: CudaSlice<f32>,
     h13: CudaSlice<u8>,
     a: CudaSlice<u8>,
@@ -349,14 +349,11 @@ impl GpuLayer {
         let (h, i) = (u32_of(ops.h, "H")?, u32_of(ops.i, "I")?);
         let slots = u32_of(ops.slots, "slots")?;
         let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
-        let feed13 = match &ops.feed13 {
-            Feed::Bf16 => Feed13::Bf16,
-            Feed::PerToken => Feed13::Dynamic(ActQuant::load(dev, Mode::PerToken, h)?),
-            Feed::PerTokenGroup128 => Feed13::Dynamic(ActQuant::load(dev, Mode::PerGroup128, h)?),
-            Feed::Static { values: v, .. } => Feed13::Static(
-                MoeAct::load(dev, ActIn::Bf16, ActOut::StaticRow, h)?,
-                up(v)?,
-            ),
+        let (feed13, gather) = match &ops.feed13 {
+            Feed::Bf16 => (Feed13::Bf16, Gather::Bf16),
+            Feed::PerToken => (Feed13::E4m3(None), Gather::PerToken),
+            Feed::PerTokenGroup128 => (Feed13::E4m3(None), Gather::Group128),
+            Feed::Static { values: v, .. } => (Feed13::E4m3(Some(up(v)?)), Gather::Static),
         };
         let out2 = match &ops.feed2 {
             Feed::Bf16 => ActOut::Bf16,
@@ -386,7 +383,7 @@ impl GpuLayer {
             h: ops.h,
             i: ops.i,
             feed2: ops.feed2.clone(),
-            permute: Permute::load(dev, h, slots)?,
+            permute: Permute::load(dev, h, slots, gather)?,
             feed13,
             act,
             static2,
@@ -507,7 +504,7 @@ impl GpuLayer {
                     add(g.device_ptr(st).0, g.len());
                 }
             }
-            if let Feed13::Static(_, v) = &self.feed13 {
+            if let Feed13::E4m3(Some(v)) = &self.feed13 {
                 add(v.device_ptr(st).0, 4 * v.len());
             }
             if let Some(v) = &self.static2 {
@@ -602,8 +599,8 @@ impl GpuLayer {
             offsets: z!(i32, r + 1),
             cursor: z!(u32, r),
             row_of: z!(i32, n),
-            xs: z!(u8, 2 * n * h),
-            q13: z!(u8, n * h),
+            // (bf16 rows, or the E4M3 codes the permute writes)
+            xs: z!(u8, self.permute.launch().gathered_row_bytes() * n),
             s13: z!(f32, s13_len),
             // (the fused path writes `a` directly: no `w13_out`)
             h13: z!(u8, if self.fused() { 1 } else { 4 * n * 2 * i }),
@@ -704,6 +701,7 @@ impl GpuLayer {
             Ok(())
         };
         mark("start")?;
+        let quantized = matches!(self.feed13, Feed13::E4m3(_));
         let b = Buffers {
             topk_ids: &s.ids,
             log2phy: &self.log2phy,
@@ -717,6 +715,11 @@ impl GpuLayer {
             cursor: &mut s.cursor,
             row_of: &mut s.row_of,
             xs: &mut s.xs,
+            scales: quantized.then_some(&mut s.s13),
+            static_scales: match &self.feed13 {
+                Feed13::E4m3(v) => v.as_ref(),
+                Feed13::Bf16 => None,
+            },
             pos_of: &mut s.pos_of,
         };
         // SAFETY: every launch of this forward is on `dev.stream`, in order; no other stream
@@ -725,24 +728,12 @@ impl GpuLayer {
         unsafe {
             self.permute
                 .run(dev, b, t, k, self.experts, self.max_replicas)?;
-            mark("permute")?;
-            let x13: &CudaSlice<u8> = match &self.feed13 {
-                Feed13::Bf16 => &s.xs,
-                Feed13::Dynamic(q) => {
-                    q.run(dev, &s.xs, &mut s.q13, &mut s.s13, n)?;
-                    &s.q13
-                }
-                Feed13::Static(q, values) => {
-                    self.combine.row_scales(
-                        dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s13, r, n,
-                    )?;
-                    q.run(dev, &s.xs, &mut s.q13, Some(&mut s.s13), &s.offsets, r, n)?;
-                    &s.q13
-                }
-            };
-            if !matches!(self.feed13, Feed13::Bf16) {
-                mark("quantize x")?;
-            }
+            mark(if quantized {
+                "permute + quantize x"
+            } else {
+                "permute"
+            })?;
+            let x13: &CudaSlice<u8> = &s.xs;
             let scaled13 = self.w13.scaling.takes_x_scale();
             let g13 = self
                 .gemms
@@ -836,12 +827,8 @@ impl GpuLayer {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
             let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match (which, &self.feed13) {
-                (13, f) => (
-                    if matches!(f, Feed13::Bf16) {
-                        &s.xs
-                    } else {
-                        &s.q13
-                    },
+                (13, _) => (
+                    &s.xs,
                     // Fused: the first GEMM writes `a`.
                     if fused { &mut s.a } else { &mut s.h13 },
                 ),

@@ -5,11 +5,18 @@
 //! row equal to its token's row of `x`). Random routings from a fresh seed (printed): uniform and
 //! skewed, T = 1 and T not a multiple of anything, top-k 1, 2 and 8, with the identity map and
 //! with an EPLB map with replicas, out-of-range ids, R = 4096. The EPLB load counters are checked
-//! after two runs (they accumulate). The outputs are poisoned before each run. Then a timing line
-//! at T = 1 and T = 8192 (H = 7168, k = 8, E = 32).
+//! after two runs (they accumulate). The outputs are poisoned before each run. The quantizing
+//! scatter (`permute::Gather`: per token, per 1x128 group, static per slot) is checked the same
+//! way, and each gathered row's E4M3 codes and scales bit for bit against the host quantizer of
+//! its token's row (`act_quant::reference`, `quantize_per_tensor` with the slot's scale), on rows
+//! of every kind of `act_quant_check` (zeros, tiny, huge, sparse, rounding ties). Then timing lines
+//! at T = 1 and T = 8192 (H = 7168, k = 8, E = 32), bf16 and per 1x128 group.
 
 use std::fmt::Write as _;
 
+use crate::codegen::gemm::act_quant::{self, Mode};
+use crate::codegen::gemm::reference as gemm_ref;
+use crate::codegen::moe::permute::Gather;
 use crate::codegen::moe::reference::{self, Map, Permuted};
 use crate::runtime::permute::{Buffers, Permute};
 use crate::runtime::{drv, Device};
@@ -36,6 +43,7 @@ struct Case {
     slots: usize,
     hidden: usize,
     ids: Ids,
+    gather: Gather,
 }
 
 /// An EPLB map of `experts` on `slots` slots: every expert once on a shuffled slot, the other
@@ -98,10 +106,22 @@ struct Dev {
     row_of: cudarc::driver::CudaSlice<i32>,
     xs: cudarc::driver::CudaSlice<u8>,
     pos_of: cudarc::driver::CudaSlice<i32>,
+    /// The quantizing forms' scales and static scales per slot.
+    scales: cudarc::driver::CudaSlice<f32>,
+    statics: cudarc::driver::CudaSlice<f32>,
+    gather: Gather,
 }
 
 impl Dev {
-    fn new(dev: &Device, ids: &[i32], map: &Map, x: &[u16], hidden: usize) -> Result<Dev> {
+    fn new(
+        dev: &Device,
+        ids: &[i32],
+        map: &Map,
+        x: &[u16],
+        hidden: usize,
+        gather: Gather,
+        statics: &[f32],
+    ) -> Result<Dev> {
         let st = &dev.stream;
         let up_i = |v: &[i32]| st.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
         let up_u = |v: &[u32]| st.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
@@ -122,8 +142,19 @@ impl Dev {
             row_of: up_i(&vec![-9; n])?,
             pos_of: up_i(&vec![-5; n])?,
             xs: st
-                .clone_htod(&vec![0xFFu8; 2 * n * hidden])
+                .clone_htod(&vec![0xFFu8; gather.row_bytes(hidden) * n])
                 .map_err(drv("cuMemcpyHtoD"))?,
+            scales: st
+                .clone_htod(&vec![f32::NAN; gather.scales_len(n, hidden).max(1)])
+                .map_err(drv("cuMemcpyHtoD"))?,
+            statics: st
+                .clone_htod(if statics.is_empty() {
+                    &[0.0f32][..]
+                } else {
+                    statics
+                })
+                .map_err(drv("cuMemcpyHtoD"))?,
+            gather,
         })
     }
 
@@ -150,6 +181,8 @@ impl Dev {
             cursor: &mut self.cursor,
             row_of: &mut self.row_of,
             xs: &mut self.xs,
+            scales: (self.gather != Gather::Bf16).then_some(&mut self.scales),
+            static_scales: (self.gather == Gather::Static).then_some(&self.statics),
             pos_of: &mut self.pos_of,
         };
         // SAFETY: the caller's promise: one stream only; sizes are checked by `run`.
@@ -165,6 +198,7 @@ impl Dev {
         dev: &Device,
         n: usize,
     ) -> Result<(Permuted, Vec<u32>, std::result::Result<(), String>)> {
+        let bf16 = self.gather == Gather::Bf16;
         let st = &dev.stream;
         dev.sync()?;
         let get_i =
@@ -210,18 +244,79 @@ impl Dev {
                 counts,
                 offsets,
                 row_of,
-                xs: st
-                    .clone_dtoh(&self.xs)
-                    .map_err(drv("cuMemcpyDtoH"))?
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
+                // (A quantizing run's codes are checked by `check_codes`.)
+                xs: if bf16 {
+                    st.clone_dtoh(&self.xs)
+                        .map_err(drv("cuMemcpyDtoH"))?
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .collect()
+                } else {
+                    Vec::new()
+                },
                 errors: errors.get(1).copied().unwrap_or(u32::MAX),
             },
             get_u(&self.load)?,
             extra,
         ))
     }
+}
+
+/// The quantized rows the device wrote, read back: codes `[n, H]` and scales.
+struct Codes {
+    q: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+/// Each of the first `offsets[R]` gathered rows against the host quantizer of its token's row of
+/// `x`: codes and scales bit for bit (per group, scale `g` of row `p` at `g * n + p`). Returns the
+/// first difference.
+#[allow(clippy::too_many_arguments)]
+fn check_codes(
+    gather: Gather,
+    got: &Codes,
+    perm: &Permuted,
+    x: &[u16],
+    h: usize,
+    k: usize,
+    n: usize,
+    statics: &[f32],
+) -> std::result::Result<(), String> {
+    let total = perm.offsets.last().copied().unwrap_or(0).max(0) as usize;
+    for p in 0..total {
+        let i = perm.row_of[p] as usize;
+        let t = i / k;
+        let row: Vec<f32> = x[t * h..(t + 1) * h]
+            .iter()
+            .map(|&b| gemm_ref::bf16_to_f32(b))
+            .collect();
+        let (want_q, want_s) = match gather {
+            Gather::PerToken => act_quant::reference(Mode::PerToken, &row, h),
+            Gather::Group128 => act_quant::reference(Mode::PerGroup128, &row, h),
+            Gather::Static => {
+                let s = statics[perm.slot[i] as usize];
+                Ok((gemm_ref::quantize_per_tensor(&row, s), vec![s]))
+            }
+            Gather::Bf16 => return Ok(()),
+        }
+        .map_err(|e| e.to_string())?;
+        let q = &got.q[p * h..(p + 1) * h];
+        if let Some(c) = (0..h).find(|&c| q[c] != want_q[c]) {
+            return Err(format!(
+                "row {p} (item {i}, token {t}) column {c}: code {:#04x}, want {:#04x}",
+                q[c], want_q[c]
+            ));
+        }
+        for (g, want) in want_s.iter().enumerate() {
+            let have = got.scales[g * n + p];
+            if have.to_bits() != want.to_bits() {
+                return Err(format!(
+                    "row {p} (item {i}, token {t}) scale {g}: {have:e}, want {want:e}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One case: the report line and whether it passed.
@@ -233,31 +328,79 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
     };
     let n = c.t * c.k;
     let ids = draw_ids(rng, n, c.experts, c.ids);
-    let x: Vec<u16> = (0..c.t * c.hidden).map(|_| rng.next() as u16).collect();
+    // Any bits for a copy; finite rows of every kind for the quantizers (their contract).
+    let x: Vec<u16> = if c.gather == Gather::Bf16 {
+        (0..c.t * c.hidden).map(|_| rng.next() as u16).collect()
+    } else {
+        (0..c.t)
+            .flat_map(|_| {
+                let kind = rng.below(7);
+                crate::act_quant_check::row(rng, kind, c.hidden)
+            })
+            .collect()
+    };
+    // Static scales per slot: positive, from 2^-12 to about 2^4, most not powers of two.
+    let statics: Vec<f32> = if c.gather == Gather::Static {
+        (0..c.slots)
+            .map(|_| 2f32.powf(rng.below(1600) as f32 / 100.0 - 12.0))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut want_load = vec![0u32; c.slots];
     let want = reference::permute(&x, c.hidden, &ids, c.k, &map, &mut want_load)?;
-    let p = Permute::load(dev, c.hidden as u32, c.slots as u32)?;
-    let mut d = Dev::new(dev, &ids, &map, &x, c.hidden)?;
+    let p = Permute::load(dev, c.hidden as u32, c.slots as u32, c.gather)?;
+    let mut d = Dev::new(dev, &ids, &map, &x, c.hidden, c.gather, &statics)?;
+    let check = |d: &Dev| -> Result<(std::result::Result<(), String>, Vec<u32>)> {
+        let (mut got, load, extra) = d.read(dev, n)?;
+        let codes = if c.gather == Gather::Bf16 {
+            Ok(())
+        } else {
+            let st = &dev.stream;
+            let got_codes = Codes {
+                q: st.clone_dtoh(&d.xs).map_err(drv("cuMemcpyDtoH"))?,
+                scales: st.clone_dtoh(&d.scales).map_err(drv("cuMemcpyDtoH"))?,
+            };
+            let r = check_codes(c.gather, &got_codes, &got, &x, c.hidden, c.k, n, &statics);
+            // The structural check below then sees each row's token's bf16 row (the codes were
+            // checked against it).
+            got.xs = (0..n)
+                .flat_map(|p| {
+                    let i = got.row_of.get(p).copied().unwrap_or(-1);
+                    let t = usize::try_from(i).map_or(usize::MAX, |i| i / c.k);
+                    (0..c.hidden).map(move |col| (t, col))
+                })
+                .map(|(t, col)| x.get(t * c.hidden + col).copied().unwrap_or(0))
+                .collect();
+            r
+        };
+        let r = reference::check(&want, &got, &x, c.hidden, c.k)
+            .and(extra)
+            .and(codes);
+        Ok((r, load))
+    };
     // SAFETY: one stream only.
     unsafe { d.run(dev, &p, c.t, c.k, &map) }?;
-    let (got, _, extra1) = d.read(dev, n)?;
-    let first = reference::check(&want, &got, &x, c.hidden, c.k).and(extra1);
+    let (first, _) = check(&d)?;
     // A second run: same outputs, load counters doubled.
     // SAFETY: one stream only.
     unsafe { d.run(dev, &p, c.t, c.k, &map) }?;
-    let (got2, load, extra2) = d.read(dev, n)?;
-    let second = reference::check(&want, &got2, &x, c.hidden, c.k).and(extra2);
+    let (second, load) = check(&d)?;
     let twice: Vec<u32> = want_load.iter().map(|l| 2 * l).collect();
     let load_ok = load == twice;
     let ok = first.is_ok() && second.is_ok() && load_ok;
     let mut line = format!(
-        "moe permute T={} k={} E={} R={} H={} {:?}{}{}: {} rows, {} errors: {}",
+        "moe permute T={} k={} E={} R={} H={} {:?}{}{}{}: {} rows, {} errors: {}",
         c.t,
         c.k,
         c.experts,
         c.slots,
         c.hidden,
         c.ids,
+        match c.gather {
+            Gather::Bf16 => String::new(),
+            g => format!(" e4m3 {g:?}"),
+        },
         if c.slots == c.experts { "" } else { " eplb" },
         if p.launch().small(n as u32) {
             " (small path)"
@@ -290,13 +433,18 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> Result<(bool, String)> {
 /// memset).
 fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
     let (h, k, e) = (7168usize, 8usize, 32usize);
-    let p = Permute::load(dev, h as u32, e as u32)?;
     let map = Map::identity(e);
     let mut out = String::new();
-    for t in [1usize, 8192] {
+    for (gather, t) in [
+        (Gather::Bf16, 1usize),
+        (Gather::Bf16, 8192),
+        (Gather::Group128, 1),
+        (Gather::Group128, 8192),
+    ] {
+        let p = Permute::load(dev, h as u32, e as u32, gather)?;
         let ids = draw_ids(rng, t * k, e, Ids::Uniform);
-        let x: Vec<u16> = (0..t * h).map(|_| rng.next() as u16).collect();
-        let mut d = Dev::new(dev, &ids, &map, &x, h)?;
+        let x: Vec<u16> = (0..t * h).map(|_| rng.bf16()).collect();
+        let mut d = Dev::new(dev, &ids, &map, &x, h, gather, &[])?;
         // SAFETY: one stream only.
         unsafe { d.run(dev, &p, t, k, &map) }?;
         let reps = 20;
@@ -309,13 +457,18 @@ fn timing(dev: &Device, rng: &mut Rng) -> Result<String> {
         }
         let b = st.record_event(ev).map_err(drv("cuEventRecord"))?;
         let ms = a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))? as f64 / reps as f64;
-        // x read once per item (k times per token), xs written once per item.
-        let moved = (2 * t * k * h * 2) as f64;
+        // Rows (or codes and scales) written once per item; x read once per token by the
+        // scatter (the earlier measure counted it once per item).
+        let written = (t * k * gather.row_bytes(h) + 4 * gather.scales_len(t * k, h)) as f64;
+        let moved = written + (2 * t * h) as f64;
+        let per_item = written + (2 * t * k * h) as f64;
         let _ = writeln!(
             out,
-            "moe permute timing (T={t} H={h} k={k} E={e}, {reps} reps, CUDA events): {:.1} us/run, {:.0} GB/s (x read + xs written per item; targets: <= 10 us at T=1, >= 3000 GB/s at T >= 2048)",
+            "moe permute timing (T={t} H={h} k={k} E={e}{}, {reps} reps, CUDA events): {:.1} us/run, {:.0} GB/s moved (x read once, rows written per item; {:.0} GB/s counting x once per item; targets: <= 10 us at T=1, >= 3000 GB/s at T >= 2048)",
+            if gather == Gather::Bf16 { String::new() } else { format!(", e4m3 {gather:?}") },
             ms * 1e3,
-            moved / (ms * 1e-3) / 1e9
+            moved / (ms * 1e-3) / 1e9,
+            per_item / (ms * 1e-3) / 1e9
         );
     }
     Ok(out)
@@ -338,6 +491,11 @@ pub fn selftest() -> Result<(String, Option<bool>)> {
         slots,
         hidden,
         ids,
+        gather: Gather::Bf16,
+    };
+    let quant = |gather, t, k, experts, slots, hidden, ids| Case {
+        gather,
+        ..case(t, k, experts, slots, hidden, ids)
     };
     let cases = [
         case(1, 8, 32, 32, 7168, Ids::Uniform),
@@ -354,6 +512,20 @@ pub fn selftest() -> Result<(String, Option<bool>)> {
         case(128, 8, 32, 48, 512, Ids::Skewed),
         case(129, 8, 32, 48, 512, Ids::Skewed),
         case(256, 8, 4000, 4096, 64, Ids::OutOfRange),
+        // Quantized on the fly: DeepSeek-V3's H (a short last group nowhere), Qwen3's, a short
+        // last 128-group (H = 2056), the largest H, the small path and the three kernels, EPLB
+        // replicas (static scales per slot), out-of-range ids.
+        quant(Gather::Group128, 1, 8, 32, 32, 7168, Ids::Uniform),
+        quant(Gather::Group128, 777, 8, 32, 48, 7168, Ids::Skewed),
+        quant(Gather::Group128, 301, 2, 32, 40, 2056, Ids::OutOfRange),
+        quant(Gather::Group128, 5, 8, 64, 64, 16384, Ids::Uniform),
+        quant(Gather::PerToken, 1, 8, 128, 128, 2048, Ids::Uniform),
+        quant(Gather::PerToken, 513, 8, 32, 40, 2056, Ids::OutOfRange),
+        quant(Gather::PerToken, 64, 1, 8, 8, 8, Ids::Skewed),
+        quant(Gather::PerToken, 3, 8, 64, 64, 16384, Ids::Uniform),
+        quant(Gather::Static, 1, 8, 32, 48, 7168, Ids::Uniform),
+        quant(Gather::Static, 1000, 2, 32, 48, 4096, Ids::Skewed),
+        quant(Gather::Static, 129, 8, 32, 40, 2056, Ids::OutOfRange),
     ];
     let mut all = true;
     for c in &cases {

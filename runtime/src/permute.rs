@@ -1,7 +1,7 @@
 //! The MoE layer's route + permute on the device (`codegen::moe::permute`): logical `topk_ids` to
 //! EPLB slots, per-slot counts (and the EPLB load counters), row offsets, expert-sorted row indices
-//! and gathered activations. [`Permute::load`] JITs the module's four kernels through the driver's
-//! linker; [`Permute::run`] checks the buffers' sizes and queues the route, the scan and the
+//! and gathered activations (bf16, or quantized to E4M3 on the fly: `permute::Gather`).
+//! [`Permute::load`] JITs the module's four kernels through the driver's linker; [`Permute::run`] checks the buffers' sizes and queues the route, the scan and the
 //! scatter on `dev.stream` (for few items, `Launch::small`, the route and the scan as one
 //! one-CTA kernel), with no host synchronization between them and no memset: the scan leaves
 //! `counts` and `errors[0]` zero for the next run, and the small path does not touch them.
@@ -10,8 +10,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKern
 use std::sync::Arc;
 
 use moeforge_codegen::moe::permute::{
-    self, Launch, ROUTE_ENTRY, ROUTE_SCAN_ENTRY, ROUTE_THREADS, SCAN_ENTRY, SCATTER_ENTRY,
-    SCATTER_THREADS,
+    self, Gather, Launch, ROUTE_ENTRY, ROUTE_SCAN_ENTRY, ROUTE_THREADS, SCAN_ENTRY, SCATTER_THREADS,
 };
 
 use crate::{drv, Device, Error, Result};
@@ -60,25 +59,37 @@ pub struct Buffers<'a> {
     pub cursor: &'a mut CudaSlice<u32>,
     /// Written: the item of each expert-sorted row, i32 `[n]` (the first `offsets[R]`).
     pub row_of: &'a mut CudaSlice<i32>,
-    /// Written: gathered rows, bf16 `[n, H]` as bytes (the first `offsets[R]`), what the grouped
-    /// GEMM and the activation quantizer read.
+    /// Written: gathered rows (the first `offsets[R]`), what the grouped GEMM reads: bf16 `[n, H]`
+    /// as bytes, or E4M3 codes `[n, H]` for a quantizing module.
     pub xs: &'a mut CudaSlice<u8>,
+    /// Written by a quantizing module (required there, ignored otherwise): the rows' f32 scales,
+    /// `n` (per token, static) or `ceil(H/128) * n` (per 1x128 group, group-major).
+    pub scales: Option<&'a mut CudaSlice<f32>>,
+    /// Read by the static form (required there, ignored otherwise): each slot's activation scale,
+    /// f32 `[R]`, positive and finite.
+    pub static_scales: Option<&'a CudaSlice<f32>>,
     /// Written: each item's expert-sorted row (`row_of`'s inverse), `-1` for a skipped item, i32
     /// `[n]`: what the combine reads.
     pub pos_of: &'a mut CudaSlice<i32>,
 }
 
 impl Permute {
-    /// Generate the module for hidden size `hidden` and `slots` physical slots, JIT it for `dev`
-    /// (Hopper, sm_90a, only) and load its four kernels. Errors: no driver or another
-    /// architecture (`NoDriver`), a shape the generator refuses (`Codegen`), the JIT's.
-    pub fn load(dev: &Device, hidden: u32, slots: u32) -> Result<Permute> {
+    /// Generate the module for hidden size `hidden`, `slots` physical slots and gathered rows
+    /// `gather`, JIT it for `dev` (Hopper, sm_90a, only) and load its four kernels. Errors: no
+    /// driver or another architecture (`NoDriver`), a shape the generator refuses (`Codegen`),
+    /// the JIT's.
+    pub fn load(dev: &Device, hidden: u32, slots: u32, gather: Gather) -> Result<Permute> {
         crate::device::hopper_only(dev, "the MoE permute")?;
-        let (ptx, launch) = permute::permute_module(hidden, slots)?;
+        let (ptx, launch) = permute::permute_module(hidden, slots, gather)?;
         let (module, [route, scan, scatter, small]) = crate::jit::load_entries(
             dev,
             &ptx,
-            [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY, ROUTE_SCAN_ENTRY],
+            [
+                ROUTE_ENTRY,
+                SCAN_ENTRY,
+                launch.scatter_entry(),
+                ROUTE_SCAN_ENTRY,
+            ],
         )?;
         Ok(Permute {
             route,
@@ -123,6 +134,12 @@ impl Permute {
         if k == 0 || max_replicas == 0 {
             return Err(bad(format!("k = {k}, max_replicas = {max_replicas}")));
         }
+        if k > permute::MAX_TOPK as usize {
+            return Err(bad(format!(
+                "top-k {k} (the scatter takes at most {} choices a token)",
+                permute::MAX_TOPK
+            )));
+        }
         let n = t
             .checked_mul(k)
             .and_then(|n| u32::try_from(n).ok())
@@ -132,10 +149,11 @@ impl Permute {
             .filter(|m| u32::try_from(*m).is_ok())
             .ok_or_else(|| bad(format!("{experts} experts x {max_replicas} replicas")))?;
         let nz = n as usize;
-        let rows = nz
-            .checked_mul(2 * h)
-            .map(|b| b / 2)
+        let gather = self.launch.gather;
+        let row_bytes = nz
+            .checked_mul(gather.row_bytes(h))
             .ok_or_else(|| bad(format!("{nz} rows of {h} overflow")))?;
+        let scales_len = gather.scales_len(nz, h);
         let need = [
             ("topk_ids", b.topk_ids.len(), nz),
             ("log2phy", b.log2phy.len(), map),
@@ -148,9 +166,38 @@ impl Permute {
             ("offsets", b.offsets.len(), slots + 1),
             ("cursor", b.cursor.len(), slots),
             ("row_of", b.row_of.len(), nz),
-            ("xs (bytes)", b.xs.len(), 2 * rows),
+            ("xs (bytes)", b.xs.len(), row_bytes),
             ("pos_of", b.pos_of.len(), nz),
         ];
+        let (scales, statics) = match gather {
+            Gather::Bf16 => (None, None),
+            _ => {
+                let s = b
+                    .scales
+                    .ok_or_else(|| bad("a quantizing permute needs `scales`".into()))?;
+                let st = match (gather, b.static_scales) {
+                    (Gather::Static, None) => {
+                        return Err(bad("a static-scale permute needs `static_scales`".into()))
+                    }
+                    (Gather::Static, Some(v)) if v.len() < slots => {
+                        return Err(bad(format!(
+                            "`static_scales` has {} elements, needs at least {slots}",
+                            v.len()
+                        )))
+                    }
+                    (_, st) => st,
+                };
+                (Some(s), st)
+            }
+        };
+        if let Some(s) = &scales {
+            if s.len() < scales_len {
+                return Err(bad(format!(
+                    "`scales` has {} elements, needs at least {scales_len}",
+                    s.len()
+                )));
+            }
+        }
         for (what, got, want) in need {
             if got < want {
                 return Err(bad(format!(
@@ -226,22 +273,39 @@ impl Permute {
             .arg(&mut *b.cursor)
             .arg(b.x)
             .arg(&mut *b.row_of)
-            .arg(&mut *b.xs)
-            .arg(&mut *b.pos_of)
+            .arg(&mut *b.xs);
+        // The quantizing form's scales and static scales (a null pointer where the form does not
+        // read them).
+        let null: u64 = 0;
+        if let Some(s) = scales {
+            l.arg(s);
+            match statics {
+                Some(v) => l.arg(v),
+                None => l.arg(&null),
+            };
+        }
+        let t32 = t as u32;
+        let split = self.launch.scatter_split(t32, k32);
+        l.arg(&mut *b.pos_of)
             .arg(&mut *b.errors)
             .arg(&n)
-            .arg(&k32);
-        // SAFETY: the arguments match kernel C's parameters in order (eight u64 pointers, then two
-        // u32); of `errors` it adds to `errors[1]` only (>= 2 checked). It reads `slot` below
-        // `n`, and for slots in [0, R) (kernel A wrote only those or -1) `offsets` and `cursor`
-        // below R; it writes `pos_of` below `n` (>= n checked), and
-        // `row_of` (>= n) and `xs` (>= 2 n H bytes) only at positions below `n` (checked on the
-        // device; with zero counts on entry, positions `offsets[s] + cursor` stay below
-        // `offsets[R] <= n` anyway, because each slot's cursor counts exactly that slot's items);
-        // `x` is read at rows `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte
-        // aligned, more than the 16 bytes of the row copies (rows of 2H bytes, H a multiple of 8).
-        // The caller keeps other streams off the buffers.
-        unsafe { l.launch(cfg(self.launch.scatter_grid(n), SCATTER_THREADS)) }
+            .arg(&k32)
+            .arg(&split);
+        // SAFETY: the arguments match kernel C's parameters in order (eight u64 pointers, or ten
+        // for the quantizing form, whose `scales` and `static_scales` follow `xs`; then three
+        // u32, `split` in 1..=k); of `errors` it adds to `errors[1]` only (>= 2 checked). A CTA
+        // claims at most `k <= MAX_TOPK` items (checked above) in shared memory. It reads `slot` below `n`, and
+        // for slots in [0, R) (kernel A wrote only those or -1) `offsets`, `cursor` and (static
+        // form) `static_scales` below R (>= R checked; the other forms never read it); it writes
+        // `pos_of` below `n` (>= n checked), and `row_of` (>= n), `xs` (>= n rows checked) and
+        // the scales (per token and static at `pos`, per group at `group * n + pos`: >= the
+        // form's `scales_len` checked) only at positions below `n` (checked on the device; with
+        // zero counts on entry, positions `offsets[s] + cursor` stay below `offsets[R] <= n`
+        // anyway, because each slot's cursor counts exactly that slot's items); `x` is read at
+        // rows `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte aligned, more
+        // than the 16 bytes of the row copies (rows of 2H bytes, or H codes written 8 bytes a
+        // thread, H a multiple of 8). The caller keeps other streams off the buffers.
+        unsafe { l.launch(cfg(self.launch.scatter_grid(t32, split), SCATTER_THREADS)) }
             .map_err(drv("cuLaunchKernel"))?;
         Ok(())
     }
@@ -256,7 +320,7 @@ mod tests {
     fn load_without_a_driver_is_no_driver() {
         match Device::open(0) {
             Err(e) => assert!(matches!(e, Error::NoDriver(_)), "{e}"),
-            Ok(dev) => match Permute::load(&dev, 7168, 32) {
+            Ok(dev) => match Permute::load(&dev, 7168, 32, Gather::Bf16) {
                 Ok(p) => assert_eq!(p.launch().slots, 32),
                 Err(e) => assert!(
                     matches!(e, Error::NoDriver(_))

@@ -60,11 +60,12 @@
 //! holds the group's 16 chunks. No dynamic shared memory.
 
 use super::emit::{push_entry, G};
+use super::row_out::{load_values, RowWriter};
 use crate::gemm::emit::Emit as _;
 use crate::gemm::reference as gemm_ref;
 use crate::ptx::{
-    BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, Reg, RegClass, SharedDecl, SharedTy,
-    SpecialReg, UnOpcode, PTX_VERSION,
+    BinOpcode, CmpOp, Entry, Inst, Operand, Param, PtxTy, SharedDecl, SharedTy, SpecialReg,
+    PTX_VERSION,
 };
 use crate::{Error, Result};
 
@@ -87,12 +88,6 @@ pub const ACT_MAX_THREADS: u32 = 512;
 pub const ACT_MAX_CTAS: u32 = 4096;
 /// `log2(e)` in f32: SiLU's `exp(-g)` is `2^(g * -LOG2_E)`.
 pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
-/// The largest E4M3 magnitude.
-const E4M3_MAX: f32 = 448.0;
-/// The per-token scale's floor, `1/(448*512)` as the host reference rounds it.
-const PER_TOKEN_FLOOR: f32 = 1.0 / (448.0 * 512.0);
-/// The per-group amax floor.
-const GROUP_AMAX_FLOOR: f32 = 1e-4;
 /// Columns per scale group.
 const GROUP: usize = 128;
 
@@ -261,130 +256,6 @@ pub fn act_module(input: ActIn, output: ActOut, width: u32) -> Result<(String, A
     Ok((s, l))
 }
 
-/// One chunk of 8 columns of the current row: its values `a` (f32), computed from the source.
-fn load_values(
-    g: &mut G,
-    l: &ActLaunch,
-    src_row: Reg,
-    chunk_off: i64,
-    valid: Option<Reg>,
-) -> [Reg; 8] {
-    let w = i64::from(l.width);
-    // Invalid chunks keep zeros: they add nothing to an amax, and are never stored.
-    let skip = valid.map(|p| (p, g.b.label("act_skip_load")));
-    match l.input {
-        ActIn::SiluMul => {
-            let base = g.offset(src_row, 32 * chunk_off);
-            let vals: [Reg; 16] = std::array::from_fn(|_| g.f32());
-            if let Some((p, lab)) = &skip {
-                for &v in &vals {
-                    g.mov(v, Operand::F32(0.0));
-                }
-                g.bra(lab, Some((*p, true)));
-            }
-            for (q, words) in vals.chunks(4).enumerate() {
-                // Gate words 0..8 at +0 and +16, up words at +4W and +4W+16.
-                let off = if q < 2 {
-                    16 * q as i64
-                } else {
-                    4 * w + 16 * (q as i64 - 2)
-                };
-                let a = g.offset(base, off);
-                g.b.push(Inst::LdV {
-                    nc: true,
-                    words: words.to_vec(),
-                    addr: a,
-                });
-            }
-            if let Some((_, lab)) = &skip {
-                g.label(lab);
-            }
-            let mut out = [vals[0]; 8];
-            for (c, o) in out.iter_mut().enumerate() {
-                *o = g.silu_mul(vals[c], vals[8 + c]);
-            }
-            out
-        }
-        ActIn::Bf16 => {
-            let a = g.offset(src_row, 16 * chunk_off);
-            let words = [g.r32(), g.r32(), g.r32(), g.r32()];
-            if let Some((p, lab)) = &skip {
-                for &v in &words {
-                    g.mov(v, Operand::Int(0));
-                }
-                g.bra(lab, Some((*p, true)));
-            }
-            g.b.push(Inst::LdV {
-                nc: true,
-                words: words.to_vec(),
-                addr: a,
-            });
-            if let Some((_, lab)) = &skip {
-                g.label(lab);
-            }
-            let mut out = [words[0]; 8];
-            for (k, &wd) in words.iter().enumerate() {
-                let lo = g.bin(BinOpcode::Shl, PtxTy::B32, wd, Operand::Int(16));
-                let hi = g.bin(BinOpcode::And, PtxTy::B32, wd, Operand::Int(0xFFFF_0000));
-                out[2 * k] = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(lo));
-                out[2 * k + 1] = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(hi));
-            }
-            out
-        }
-    }
-}
-
-/// `m = max(m, |v|)` over `vals`, on the f32 magnitude bits.
-fn amax_bits(g: &mut G, m: Reg, vals: &[Reg; 8]) {
-    for &v in vals {
-        let b = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::B32, Operand::Reg(v));
-        g.bin_to(b, BinOpcode::And, PtxTy::B32, b, Operand::Int(0x7FFF_FFFF));
-        g.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(b));
-    }
-}
-
-/// `m = max(m, m of lane ^ d)` for each XOR distance (all 32 lanes take part).
-fn reduce_max(g: &mut G, m: Reg, distances: &[i64]) {
-    for &d in distances {
-        let o = g.r32();
-        g.b.push(Inst::ShflBfly {
-            d: o,
-            a: m,
-            mask: d,
-        });
-        g.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(o));
-    }
-}
-
-/// The two code words of `vals op s` (`op` is `div.rn` or `mul.rn`).
-fn codes(g: &mut G, vals: &[Reg; 8], op: BinOpcode, s: Reg) -> [Reg; 2] {
-    let ys: Vec<Reg> = vals
-        .iter()
-        .map(|&v| g.bin(op, PtxTy::F32, v, Operand::Reg(s)))
-        .collect();
-    let out = [g.r32(), g.r32()];
-    for (h, &d) in out.iter().enumerate() {
-        g.b.push(Inst::CvtE4m3Pack {
-            d,
-            vals: [ys[4 * h], ys[4 * h + 1], ys[4 * h + 2], ys[4 * h + 3]],
-        });
-    }
-    out
-}
-
-/// Store `words` at `addr`, skipped where `valid` is false.
-fn store(g: &mut G, addr: Reg, words: Vec<Reg>, valid: Option<Reg>) {
-    let skip = valid.map(|p| {
-        let lab = g.b.label("act_skip_store");
-        g.bra(&lab, Some((p, true)));
-        lab
-    });
-    g.b.push(Inst::StV { words, addr });
-    if let Some(lab) = skip {
-        g.label(&lab);
-    }
-}
-
 fn act_body(g: &mut G, l: &ActLaunch) -> Result<()> {
     let threads = l.threads;
     let chunks = l.width / 8;
@@ -408,44 +279,11 @@ fn act_body(g: &mut G, l: &ActLaunch) -> Result<()> {
         Operand::Int(if l.input == ActIn::SiluMul { 32 } else { 16 }),
     );
     let src_t = g.bin(BinOpcode::Add, PtxTy::U64, src, Operand::Reg(src_tid));
-    let out_chunk = if l.output == ActOut::Bf16 { 16 } else { 8 };
+    let out_chunk = RowWriter::out_chunk(l.output);
     let dst_tid = g.bin(BinOpcode::MulWide, PtxTy::U32, tid, Operand::Int(out_chunk));
     let dst_t = g.bin(BinOpcode::Add, PtxTy::U64, dst, Operand::Reg(dst_tid));
-    // Per-token: this warp's amax slot; per-group: each chunk's group times max_rows.
-    let lane = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
-    let smem = (l.smem_bytes > 0).then(|| {
-        let base = g.b.shared_addr("act_amax");
-        let warp = g.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(5));
-        let slot = g.bin(BinOpcode::Shl, PtxTy::B32, warp, Operand::Int(2));
-        g.bin_to(slot, BinOpcode::Add, PtxTy::U32, slot, Operand::Reg(base));
-        (base, slot)
-    });
-    // Per group: lane 0 of each half warp stores the scale of its group `tid / 16 + i threads /
-    // 16` (chunk i), at `group * max_rows + row`.
-    let (group_rows, not_half_first) = if l.output == ActOut::Group128 {
-        let half = g.bin(BinOpcode::Shr, PtxTy::U32, tid, Operand::Int(4));
-        let rows_of: Vec<Reg> = (0..cpt)
-            .map(|i| {
-                let grp = if i == 0 {
-                    half
-                } else {
-                    g.bin(
-                        BinOpcode::Add,
-                        PtxTy::U32,
-                        half,
-                        Operand::Int(i64::from(i * threads / 16)),
-                    )
-                };
-                g.bin(BinOpcode::MulLo, PtxTy::U32, grp, Operand::Reg(max_rows))
-            })
-            .collect();
-        let in_half = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(15));
-        let p = g.setp(CmpOp::Ne, PtxTy::U32, in_half, Operand::Int(0));
-        (rows_of, Some(p))
-    } else {
-        (Vec::new(), None)
-    };
-
+    let smem = (l.smem_bytes > 0).then_some("act_amax");
+    let writer = RowWriter::new(g, l.output, threads, cpt, tid, max_rows, smem);
     let row = g.r32();
     g.mov(row, Operand::Reg(cta));
     let (top, done) = (g.b.label("act_row"), g.b.label("act_done"));
@@ -457,131 +295,16 @@ fn act_body(g: &mut G, l: &ActLaunch) -> Result<()> {
     let step_src = i64::from(threads);
     let mut data = Vec::with_capacity(cpt as usize);
     for (i, v) in valid.iter().enumerate() {
-        data.push(load_values(g, l, src_row, step_src * i as i64, *v));
+        data.push(load_values(
+            g,
+            l.input,
+            l.width,
+            src_row,
+            step_src * i as i64,
+            *v,
+        ));
     }
-    let dst_step = out_chunk * i64::from(threads);
-    match l.output {
-        ActOut::Bf16 => {
-            for (i, (vals, v)) in data.iter().zip(&valid).enumerate() {
-                let words: Vec<Reg> = (0..4)
-                    .map(|k| g.bf16x2(vals[2 * k], vals[2 * k + 1]))
-                    .collect();
-                let a = g.offset(dst_row, dst_step * i as i64);
-                store(g, a, words, *v);
-            }
-        }
-        ActOut::PerToken => {
-            let m = g.r32();
-            g.mov(m, Operand::Int(0));
-            for vals in &data {
-                amax_bits(g, m, vals);
-            }
-            reduce_max(g, m, &[16, 8, 4, 2, 1]);
-            if let Some((base, slot)) = smem {
-                let not_first = g.setp(CmpOp::Ne, PtxTy::U32, lane, Operand::Int(0));
-                let stored = g.b.label("act_amax_stored");
-                g.bra(&stored, Some((not_first, false)));
-                g.b.push(Inst::StSharedU32 {
-                    addr: slot,
-                    off: 0,
-                    v: m,
-                });
-                g.label(&stored);
-                g.b.push(Inst::BarSync);
-                for w in 0..warps {
-                    let o = g.r32();
-                    g.b.push(Inst::LdSharedU32 {
-                        d: o,
-                        addr: base,
-                        off: 4 * i64::from(w),
-                    });
-                    g.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(o));
-                }
-                // Every warp has read the slots before any writes the next row's.
-                g.b.push(Inst::BarSync);
-            }
-            // s = amax == 0 ? 1 : max(amax / 448, 1/(448*512)).
-            let amax = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(m));
-            let s = g.bin(BinOpcode::DivRn, PtxTy::F32, amax, Operand::F32(E4M3_MAX));
-            g.bin_to(
-                s,
-                BinOpcode::Max,
-                PtxTy::F32,
-                s,
-                Operand::F32(PER_TOKEN_FLOOR),
-            );
-            let zero = g.setp(CmpOp::Eq, PtxTy::U32, m, Operand::Int(0));
-            g.b.push(Inst::Selp {
-                ty: PtxTy::F32,
-                d: s,
-                a: Operand::F32(1.0),
-                b: Operand::Reg(s),
-                p: zero,
-            });
-            let not_first = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
-            let scaled = g.b.label("act_scaled");
-            g.bra(&scaled, Some((not_first, false)));
-            let sa = g.elem(scales, row, 4);
-            g.b.push(Inst::St {
-                ty: PtxTy::F32,
-                addr: sa,
-                v: s,
-            });
-            g.label(&scaled);
-            for (i, (vals, v)) in data.iter().zip(&valid).enumerate() {
-                let c = codes(g, vals, BinOpcode::DivRn, s);
-                let a = g.offset(dst_row, dst_step * i as i64);
-                store(g, a, c.to_vec(), *v);
-            }
-        }
-        ActOut::Group128 => {
-            for (i, (vals, v)) in data.iter().zip(&valid).enumerate() {
-                let m = g.r32();
-                g.mov(m, Operand::Int(0));
-                amax_bits(g, m, vals);
-                reduce_max(g, m, &[8, 4, 2, 1]);
-                // s = max(amax, 1e-4) / 448; inv = 1 / s (correctly rounded).
-                let amax = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(m));
-                g.bin_to(
-                    amax,
-                    BinOpcode::Max,
-                    PtxTy::F32,
-                    amax,
-                    Operand::F32(GROUP_AMAX_FLOOR),
-                );
-                let s = g.bin(BinOpcode::DivRn, PtxTy::F32, amax, Operand::F32(E4M3_MAX));
-                let inv = g.un(UnOpcode::RcpRn(PtxTy::F32), RegClass::F32, Operand::Reg(s));
-                let c = codes(g, vals, BinOpcode::MulRn, inv);
-                let a = g.offset(dst_row, dst_step * i as i64);
-                store(g, a, c.to_vec(), *v);
-                let skip = g.b.label("act_skip_scale");
-                if let Some(p) = not_half_first {
-                    g.bra(&skip, Some((p, false)));
-                }
-                if let Some(p) = v {
-                    g.bra(&skip, Some((*p, true)));
-                }
-                let idx = g.bin(BinOpcode::Add, PtxTy::U32, group_rows[i], Operand::Reg(row));
-                let sa = g.elem(scales, idx, 4);
-                g.b.push(Inst::St {
-                    ty: PtxTy::F32,
-                    addr: sa,
-                    v: s,
-                });
-                g.label(&skip);
-            }
-        }
-        ActOut::StaticRow => {
-            let sa = g.elem(scales, row, 4);
-            let s = g.ld(PtxTy::F32, sa);
-            let inv = g.un(UnOpcode::RcpRn(PtxTy::F32), RegClass::F32, Operand::Reg(s));
-            for (i, (vals, v)) in data.iter().zip(&valid).enumerate() {
-                let c = codes(g, vals, BinOpcode::MulRn, inv);
-                let a = g.offset(dst_row, dst_step * i as i64);
-                store(g, a, c.to_vec(), *v);
-            }
-        }
-    }
+    writer.write(g, &data, &valid, dst_row, row, scales, None);
     g.bin_to(row, BinOpcode::Add, PtxTy::U32, row, Operand::Reg(ncta));
     g.bra(&top, None);
     g.label(&done);

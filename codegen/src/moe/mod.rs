@@ -10,3 +10,5 @@ pub mod combine;
 mod emit;
 pub mod permute;
 pub mod reference;
+mod row_out;
+pub mod scatter;

@@ -23,17 +23,22 @@
 //!   on them completed. Each thread holds
 //!   [`Launch::scan_chunk`] consecutive counts; warps scan with `shfl.sync.up`, the warps' totals
 //!   are scanned by warp 0 through shared memory. `R` is compiled in, at most [`MAX_SLOTS`].
-//! * [`SCATTER_ENTRY`] (kernel C), a grid-stride loop of one CTA per item: thread 0 takes
-//!   `pos = offsets[slot] + atom.add(cursor[slot], 1)`, writes `row_of[pos] = i` and hands `pos`
-//!   to the CTA through shared memory; the CTA copies row `t` of `x` (bf16 `[T, H]`, `H` compiled
-//!   in) to row `pos` of `xs` with 16-byte vector loads and stores (thread `u` moves chunks `u, u +`
-//!   [`SCATTER_THREADS`]`, ...`, all of its loads issued before its stores: one memory round trip
-//!   per item up to H = 8192, where a warp per item took seven at H = 7168, the latency of a
-//!   decode step). Thread 0 also writes `pos_of[i] = pos`, the
-//!   inverse of `row_of` that the combine reads (so the layer needs no inverting kernel). Items
-//!   with `slot < 0` are skipped, with `pos_of[i] = -1`; so is a `pos` past `n`, which only counts
-//!   not zero on entry could make (nothing is written there, and it counts into `errors[1]`, so the
-//!   layer reports it).
+//! * kernel C, the scatter ([`super::scatter`]), a grid-stride loop of one CTA per token: thread
+//!   `j < k` takes `pos = offsets[slot] + atom.add(cursor[slot], 1)` for the token's choice `j`,
+//!   writes `row_of[pos] = i` and `pos_of[i] = pos` (the inverse of `row_of` that the combine
+//!   reads, so the layer needs no inverting kernel) and hands `pos` to the CTA through shared
+//!   memory. The CTA then loads row `t` of `x` (bf16 `[T, H]`, `H` compiled in) once, with 16-byte
+//!   vector loads all issued before any store, and writes it at each of its positions, as the
+//!   module's [`Gather`] says:
+//!   * [`Gather::Bf16`], [`SCATTER_ENTRY`]: a copy to `xs`;
+//!   * [`Gather::PerToken`], [`Gather::Group128`], [`Gather::Static`], [`SCATTER_E4M3_ENTRY`]:
+//!     quantized on the fly to E4M3 codes and scales, bit for bit what `gemm::act_quant` (or the
+//!     activation kernel's static rows) would make of the copied rows, for the FP8 recipes' first
+//!     GEMM (H at most [`MAX_HIDDEN_E4M3`]: the row is held in registers).
+//!
+//!   Items with `slot < 0` are skipped, with `pos_of[i] = -1`; so is a `pos` past `n`, which only
+//!   counts not zero on entry could make (nothing is written there, and it counts into
+//!   `errors[1]`, so the layer reports it).
 //!
 //! # Row order within a slot
 //! The order of a slot's rows in `xs` and `row_of` is the order in which the CTAs won the
@@ -44,21 +49,20 @@
 //! within the slot. The host reference ([`super::reference`]) puts a slot's rows in `(t, j)`
 //! order; its checker accepts any order within a slot.
 //!
-//! The variant that quantizes the gathered rows to E4M3 on the fly is not built (the separate
-//! activation-quantization kernel of `gemm::act_quant` runs on `xs` instead).
-//!
 //! # Parameters, in order
 //! * A: `topk_ids` (i32 `[n]`), `log2phy` (i32 `[E, max_replicas]`), `logcnt` (i32 `[E]`), `slot`
 //!   (i32 `[n]`, written), `counts` (u32 `[R]`), `load` (u32 `[R]`), `errors` (u32 `[2]`), then
 //!   the u32 scalars `n`, `k`, `E`, `max_replicas`.
 //! * B: `counts` (u32 `[R]`, zeroed once read), `offsets` (i32 `[R + 1]`, written), `cursor` (u32
 //!   `[R]`, zeroed), `errors` (u32 `[2]`).
-//! * C: `slot` (i32 `[n]`), `offsets`, `cursor`, `x` (bf16 `[T, H]`, 16-byte aligned), `row_of`
-//!   (i32 `[n]`, its first `offsets[R]` written), `xs` (bf16 `[n, H]`, 16-byte aligned, its first
-//!   `offsets[R]` rows written), `pos_of` (i32 `[n]`, written), `errors` (u32 `[2]`: a position
-//!   past `n` counts into `errors[1]`), then the u32 scalars `n`, `k`.
+//! * C: [`SCATTER_PARAMS`] or [`SCATTER_E4M3_PARAMS`] (see [`super::scatter`]): `slot` (i32
+//!   `[n]`), `offsets`, `cursor`, `x` (bf16 `[T, H]`, 16-byte aligned), `row_of` (i32 `[n]`, its
+//!   first `offsets[R]` written), the gathered rows (and scales), `pos_of` (i32 `[n]`, written),
+//!   `errors` (u32 `[2]`: a position past `n` counts into `errors[1]`), then the u32 scalars `n`,
+//!   `k`.
 
 use super::emit::{entry_params, push_entry, G};
+use super::scatter::scatter;
 use crate::gemm::emit::Emit as _;
 use crate::ptx::{
     BinOpcode, CmpOp, Entry, Inst, Operand, PtxTy, Reg, SharedDecl, SharedTy, SpecialReg,
@@ -66,18 +70,23 @@ use crate::ptx::{
 };
 use crate::{Error, Result};
 
+pub use super::scatter::{
+    Gather, SCATTER_E4M3_ENTRY, SCATTER_E4M3_PARAMS, SCATTER_ENTRY, SCATTER_PARAMS,
+};
+
 /// The small path's entry name (kernels A and B in one CTA).
 pub const ROUTE_SCAN_ENTRY: &str = "moeforge_moe_route_scan";
 /// Kernel A's entry name.
 pub const ROUTE_ENTRY: &str = "moeforge_moe_route_count";
 /// Kernel B's entry name.
 pub const SCAN_ENTRY: &str = "moeforge_moe_offsets_scan";
-/// Kernel C's entry name.
-pub const SCATTER_ENTRY: &str = "moeforge_moe_scatter_gather";
 /// The most physical slots (kernel B is one CTA of at most 1024 threads, 4 counts each).
 pub const MAX_SLOTS: u32 = 4096;
 /// The largest hidden size (kernel C's copy is unrolled: `H / 2048` chunks a thread).
 pub const MAX_HIDDEN: u32 = 32768;
+/// The largest hidden size of the quantizing scatter (8 chunks of 8 values a thread, in
+/// registers).
+pub const MAX_HIDDEN_E4M3: u32 = 16384;
 /// Threads per CTA of kernel A.
 pub const ROUTE_THREADS: u32 = 256;
 /// Threads per CTA of kernel C (one item at a time: 16 bytes of its row a thread per step).
@@ -86,8 +95,11 @@ pub const SCATTER_THREADS: u32 = 256;
 pub const ROUTE_MAX_CTAS: u32 = 1024;
 /// The most CTAs of kernel C.
 pub const SCATTER_MAX_CTAS: u32 = 8192;
-/// Chunks of 16 bytes a lane loads before it stores them (the copy's memory-level parallelism).
-const BATCH: u32 = 4;
+/// The CTAs kernel C aims for when it splits tokens ([`Launch::scatter_split`]): two waves of the
+/// H200's 132 SMs.
+pub const SCATTER_UNITS: u32 = 264;
+/// The largest top-k of kernel C (one CTA per token: thread `j` claims the token's choice `j`).
+pub const MAX_TOPK: u32 = SCATTER_THREADS;
 
 /// The shape a permute module is generated for, and its launch shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,6 +112,8 @@ pub struct Launch {
     pub scan_threads: u32,
     /// Consecutive counts each thread of kernel B holds.
     pub scan_chunk: u32,
+    /// What kernel C writes.
+    pub gather: Gather,
 }
 
 impl Launch {
@@ -119,14 +133,32 @@ impl Launch {
         n <= 2 * self.small_threads()
     }
 
-    /// CTAs of kernel C for `n` items (at least 1).
-    pub fn scatter_grid(&self, n: u32) -> u32 {
-        n.clamp(1, SCATTER_MAX_CTAS)
+    /// How many CTAs share a token's `k` items in kernel C, for `t` tokens: one (the token's row
+    /// read once, written `k` times) when there are tokens enough for about [`SCATTER_UNITS`]
+    /// CTAs, else more, up to one item a CTA, so that a decode step's few rows are written by
+    /// many SMs at once. In `1..=k` (1 for `k = 0`).
+    pub fn scatter_split(&self, t: u32, k: u32) -> u32 {
+        SCATTER_UNITS.div_ceil(t.max(1)).clamp(1, k.max(1))
     }
 
-    /// Bytes of one row of `x` and `xs`.
+    /// CTAs of kernel C for `t` tokens split over `split` CTAs each (at least 1).
+    pub fn scatter_grid(&self, t: u32, split: u32) -> u32 {
+        t.saturating_mul(split).clamp(1, SCATTER_MAX_CTAS)
+    }
+
+    /// Bytes of one row of `x`.
     pub fn row_bytes(&self) -> usize {
         2 * self.hidden as usize
+    }
+
+    /// Bytes of one gathered row (bf16, or one code a column).
+    pub fn gathered_row_bytes(&self) -> usize {
+        self.gather.row_bytes(self.hidden as usize)
+    }
+
+    /// Kernel C's entry name.
+    pub fn scatter_entry(&self) -> &'static str {
+        self.gather.entry()
     }
 }
 
@@ -139,11 +171,22 @@ fn unsupported(what: String) -> Error {
 
 /// The launch shapes for hidden size `hidden` and `slots` physical slots, after checking them:
 /// `hidden` positive, a multiple of 8 (rows of whole 16-byte chunks) and at most [`MAX_HIDDEN`];
-/// `slots` in `1..=`[`MAX_SLOTS`].
-pub fn launch(hidden: u32, slots: u32) -> Result<Launch> {
-    if hidden == 0 || !hidden.is_multiple_of(8) || hidden > MAX_HIDDEN {
+/// `slots` in `1..=`[`MAX_SLOTS`]; quantized ([`Gather`] other than bf16), `hidden` at most
+/// [`MAX_HIDDEN_E4M3`].
+pub fn launch(hidden: u32, slots: u32, gather: Gather) -> Result<Launch> {
+    let max = if gather == Gather::Bf16 {
+        MAX_HIDDEN
+    } else {
+        MAX_HIDDEN_E4M3
+    };
+    if hidden == 0 || !hidden.is_multiple_of(8) || hidden > max {
         return Err(unsupported(format!(
-            "H = {hidden} (positive, a multiple of 8, at most {MAX_HIDDEN})"
+            "H = {hidden} (positive, a multiple of 8, at most {max}{})",
+            if gather == Gather::Bf16 {
+                ""
+            } else {
+                " when quantized on the fly"
+            }
         )));
     }
     if slots == 0 || slots > MAX_SLOTS {
@@ -157,16 +200,18 @@ pub fn launch(hidden: u32, slots: u32) -> Result<Launch> {
         slots,
         scan_threads,
         scan_chunk: slots.div_ceil(scan_threads),
+        gather,
     })
 }
 
-/// The permute module for hidden size `hidden` and `slots` physical slots: PTX (`.version`,
-/// `.target sm_90a`, the four entries [`ROUTE_ENTRY`], [`SCAN_ENTRY`], [`SCATTER_ENTRY`],
-/// [`ROUTE_SCAN_ENTRY`]) and its launch shapes. Errors: as [`launch`].
-pub fn permute_module(hidden: u32, slots: u32) -> Result<(String, Launch)> {
-    let l = launch(hidden, slots)?;
+/// The permute module for hidden size `hidden`, `slots` physical slots and the gathered rows'
+/// form `gather`: PTX (`.version`, `.target sm_90a`, the four entries [`ROUTE_ENTRY`],
+/// [`SCAN_ENTRY`], [`Launch::scatter_entry`], [`ROUTE_SCAN_ENTRY`]) and its launch shapes.
+/// Errors: as [`launch`].
+pub fn permute_module(hidden: u32, slots: u32, gather: Gather) -> Result<(String, Launch)> {
+    let l = launch(hidden, slots, gather)?;
     let mut s = format!(".version {PTX_VERSION}\n.target sm_90a\n.address_size 64\n");
-    for (entry, g) in [route(&l), scan(&l)?, scatter(&l)?, route_scan(&l)?] {
+    for (entry, g) in [route(&l), scan(&l)?, scatter(&l, gather)?, route_scan(&l)?] {
         push_entry(&mut s, &entry, &g)?;
     }
     Ok((s, l))
@@ -205,20 +250,6 @@ pub const ROUTE_SCAN_PARAMS: [&str; 12] = [
 
 /// Kernel B's parameter names, in order.
 pub const SCAN_PARAMS: [&str; 4] = ["scan_counts", "scan_offsets", "scan_cursor", "scan_errors"];
-
-/// Kernel C's parameter names, in order.
-pub const SCATTER_PARAMS: [&str; 10] = [
-    "scatter_slot",
-    "scatter_offsets",
-    "scatter_cursor",
-    "scatter_x",
-    "scatter_row_of",
-    "scatter_xs",
-    "scatter_pos_of",
-    "scatter_errors",
-    "scatter_items",
-    "scatter_k",
-];
 
 /// Where the route's per-slot counts and error count go.
 #[derive(Clone, Copy)]
@@ -703,208 +734,6 @@ fn route_scan(l: &Launch) -> Result<(Entry, G)> {
     Ok((e, g))
 }
 
-fn scatter(l: &Launch) -> Result<(Entry, G)> {
-    let mut e = Entry::new(SCATTER_ENTRY);
-    e.params = entry_params(
-        &SCATTER_PARAMS,
-        8,
-        |k| if k == 3 || k == 5 { 16 } else { 4 },
-    );
-    e.maxntid = Some(SCATTER_THREADS);
-    let mut g = G::default();
-    g.b.declare_shared(SharedDecl::array("scatter_pos", SharedTy::B32, 1, 4)?)?;
-    let [slot_in, offsets, cursor, x, row_of, xs, pos_of, errors] =
-        [0, 1, 2, 3, 4, 5, 6, 7].map(|k| g.global_param(SCATTER_PARAMS[k]));
-    let [n, k] = [8, 9].map(|i| g.u32_param(SCATTER_PARAMS[i]));
-    let minus1 = g.r32();
-    g.mov(minus1, Operand::Int(-1));
-    let row_bytes = i64::from(l.hidden) * 2;
-    let chunks = l.hidden / 8;
-    let threads = SCATTER_THREADS;
-    let tid = g.special(SpecialReg::TidX);
-    let cta = g.special(SpecialReg::CtaidX);
-    let ncta = g.special(SpecialReg::NctaidX);
-    let tid_bytes = g.bin(BinOpcode::MulWide, PtxTy::U32, tid, Operand::Int(16));
-    let shared_pos = g.r32();
-    g.b.push(Inst::MovSym {
-        d: shared_pos,
-        sym: "scatter_pos".into(),
-    });
-    // One CTA per item (a grid-stride loop): thread 0 claims the row, every thread copies a part.
-    let w = g.r32();
-    g.mov(w, Operand::Reg(cta));
-    let not_t0 = g.setp(CmpOp::Ne, PtxTy::U32, tid, Operand::Int(0));
-    let (top, done, next) = (
-        g.b.label("scatter_item"),
-        g.b.label("scatter_done"),
-        g.b.label("scatter_next"),
-    );
-    g.label(&top);
-    let past = g.setp(CmpOp::Ge, PtxTy::U32, w, Operand::Reg(n));
-    g.bra(&done, Some((past, false)));
-    let a = g.elem(slot_in, w, 4);
-    let slot = g.ld(PtxTy::S32, a);
-    let skipped = g.setp(CmpOp::Lt, PtxTy::S32, slot, Operand::Int(0));
-    // The item's position (the combine's `pos_of`): -1 for a skipped item.
-    let at_pos = g.elem(pos_of, w, 4);
-    let kept = g.b.label("scatter_kept");
-    g.bra(&kept, Some((skipped, true)));
-    g.b.push(Inst::StGuarded {
-        pred: not_t0,
-        negate: true,
-        ty: PtxTy::S32,
-        addr: at_pos,
-        off: 0,
-        v: minus1,
-    });
-    g.bra(&next, None);
-    g.label(&kept);
-    // Thread 0 claims the row's position, records the item there and hands the position to the
-    // CTA through shared memory.
-    let pos = g.r32();
-    let claimed = g.b.label("scatter_claimed");
-    g.bra(&claimed, Some((not_t0, false)));
-    let a = g.elem(cursor, slot, 4);
-    let c = g.r32();
-    g.b.push(Inst::AtomAddU32 {
-        d: c,
-        addr: a,
-        v: Operand::Int(1),
-    });
-    let a = g.elem(offsets, slot, 4);
-    let o = g.ld(PtxTy::S32, a);
-    g.bin_to(pos, BinOpcode::Add, PtxTy::U32, o, Operand::Reg(c));
-    g.b.push(Inst::StSharedU32 {
-        addr: shared_pos,
-        off: 0,
-        v: pos,
-    });
-    // A position past `n` can only come from counts that were not zero on entry (the caller's
-    // precondition): never written, so the kernel stays within `row_of` and `xs` regardless, and
-    // counted in `errors[1]` (the item is then missing from the output: the caller reports it).
-    let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
-    let p = g.r32();
-    g.b.push(Inst::Selp {
-        ty: PtxTy::U32,
-        d: p,
-        a: Operand::Reg(minus1),
-        b: Operand::Reg(pos),
-        p: off_end,
-    });
-    g.b.push(Inst::St {
-        ty: PtxTy::S32,
-        addr: at_pos,
-        v: p,
-    });
-    let in_range = g.b.label("scatter_in_range");
-    g.bra(&in_range, Some((off_end, true)));
-    let a = g.bin(BinOpcode::Add, PtxTy::U64, errors, Operand::Int(4));
-    g.b.push(Inst::RedAddU32 {
-        addr: a,
-        v: Operand::Int(1),
-    });
-    g.bra(&claimed, None);
-    g.label(&in_range);
-    let a = g.elem(row_of, pos, 4);
-    g.b.push(Inst::St {
-        ty: PtxTy::U32,
-        addr: a,
-        v: w,
-    });
-    g.label(&claimed);
-    g.b.push(Inst::BarSync);
-    g.b.push(Inst::LdSharedU32 {
-        d: pos,
-        addr: shared_pos,
-        off: 0,
-    });
-    // (Every thread has read it before thread 0 writes the next item's.)
-    g.b.push(Inst::BarSync);
-    let off_end = g.setp(CmpOp::Ge, PtxTy::U32, pos, Operand::Reg(n));
-    g.bra(&next, Some((off_end, false)));
-    let t = g.bin(BinOpcode::Div, PtxTy::U32, w, Operand::Reg(k));
-    let src = g.elem(x, t, row_bytes);
-    g.bin_to(
-        src,
-        BinOpcode::Add,
-        PtxTy::U64,
-        src,
-        Operand::Reg(tid_bytes),
-    );
-    let dst = g.elem(xs, pos, row_bytes);
-    g.bin_to(
-        dst,
-        BinOpcode::Add,
-        PtxTy::U64,
-        dst,
-        Operand::Reg(tid_bytes),
-    );
-    let iters = chunks.div_ceil(threads);
-    let stride = 16 * i64::from(threads);
-    let mut m0 = 0;
-    while m0 < iters {
-        let batch: Vec<u32> = (m0..(m0 + BATCH).min(iters)).collect();
-        let mut held = Vec::with_capacity(batch.len());
-        for &m in &batch {
-            // Only the last iteration can be partial: threads past the row's chunks skip it.
-            let guard = (threads * (m + 1) > chunks).then(|| {
-                g.setp(
-                    CmpOp::Ge,
-                    PtxTy::U32,
-                    tid,
-                    Operand::Int(i64::from(chunks - threads * m)),
-                )
-            });
-            let words = [g.r32(), g.r32(), g.r32(), g.r32()];
-            let skip = g.b.label("scatter_skip_load");
-            if let Some(p) = guard {
-                g.bra(&skip, Some((p, false)));
-            }
-            let a = g.bin(
-                BinOpcode::Add,
-                PtxTy::U64,
-                src,
-                Operand::Int(stride * i64::from(m)),
-            );
-            g.b.push(Inst::LdV {
-                nc: true,
-                words: words.to_vec(),
-                addr: a,
-            });
-            if guard.is_some() {
-                g.label(&skip);
-            }
-            held.push((m, guard, words));
-        }
-        for (m, guard, words) in held {
-            let skip = g.b.label("scatter_skip_store");
-            if let Some(p) = guard {
-                g.bra(&skip, Some((p, false)));
-            }
-            let a = g.bin(
-                BinOpcode::Add,
-                PtxTy::U64,
-                dst,
-                Operand::Int(stride * i64::from(m)),
-            );
-            g.b.push(Inst::StV {
-                words: words.to_vec(),
-                addr: a,
-            });
-            if guard.is_some() {
-                g.label(&skip);
-            }
-        }
-        m0 += BATCH;
-    }
-    g.label(&next);
-    g.bin_to(w, BinOpcode::Add, PtxTy::U32, w, Operand::Reg(ncta));
-    g.bra(&top, None);
-    g.label(&done);
-    g.b.push(Inst::Ret);
-    Ok((e, g))
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -912,24 +741,38 @@ mod tests {
 
     #[test]
     fn shapes_are_checked_at_generation() {
-        assert!(permute_module(7168, 4097).is_err());
-        assert!(permute_module(7168, 0).is_err());
-        assert!(permute_module(7164, 32).is_err());
-        assert!(permute_module(0, 32).is_err());
-        assert!(permute_module(MAX_HIDDEN + 8, 32).is_err());
-        let l = launch(7168, 4096).unwrap();
+        assert!(permute_module(7168, 4097, Gather::Bf16).is_err());
+        assert!(permute_module(7168, 0, Gather::Bf16).is_err());
+        assert!(permute_module(7164, 32, Gather::Bf16).is_err());
+        assert!(permute_module(0, 32, Gather::Bf16).is_err());
+        assert!(permute_module(MAX_HIDDEN + 8, 32, Gather::Bf16).is_err());
+        let l = launch(7168, 4096, Gather::Bf16).unwrap();
         assert_eq!((l.scan_threads, l.scan_chunk), (1024, 4));
-        let l = launch(8, 33).unwrap();
+        let l = launch(8, 33, Gather::Bf16).unwrap();
         assert_eq!((l.scan_threads, l.scan_chunk), (64, 1));
         assert_eq!(l.route_grid(0), 1);
-        assert_eq!(l.scatter_grid(9), 9);
-        assert_eq!(l.scatter_grid(u32::MAX), SCATTER_MAX_CTAS);
+        assert_eq!(l.scatter_grid(9, 1), 9);
+        assert_eq!(l.scatter_grid(9, 8), 72);
+        assert_eq!(l.scatter_grid(u32::MAX, 2), SCATTER_MAX_CTAS);
+        // A decode step: one item a CTA; many tokens: one token a CTA; between: between.
+        assert_eq!(l.scatter_split(1, 8), 8);
+        assert_eq!(l.scatter_split(16, 8), 8);
+        assert_eq!(l.scatter_split(128, 8), 3);
+        assert_eq!(l.scatter_split(264, 8), 1);
+        assert_eq!(l.scatter_split(8192, 8), 1);
+        assert_eq!(l.scatter_split(0, 0), 1);
+        for t in 0..600 {
+            for k in 1..=9 {
+                let s = l.scatter_split(t, k);
+                assert!((1..=k).contains(&s), "t={t} k={k}: {s}");
+            }
+        }
     }
 
     #[test]
     fn module_has_four_entries_and_is_deterministic() {
-        let (a, l) = permute_module(7168, 256).unwrap();
-        let (b, _) = permute_module(7168, 256).unwrap();
+        let (a, l) = permute_module(7168, 256, Gather::Bf16).unwrap();
+        let (b, _) = permute_module(7168, 256, Gather::Bf16).unwrap();
         assert_eq!(a, b);
         assert_eq!(a.matches(".entry ").count(), 4);
         for e in [ROUTE_ENTRY, SCAN_ENTRY, SCATTER_ENTRY, ROUTE_SCAN_ENTRY] {
