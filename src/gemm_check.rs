@@ -169,6 +169,7 @@ fn run_shape(dev: &Device, s: &Shape, rng: &mut Rng, time: bool) -> Result<Outco
 pub fn selftest(
     quick: bool,
     jit: &crate::runtime::jit::JitOptions,
+    only: Option<&str>,
 ) -> Result<(String, Option<bool>)> {
     let mut out = String::new();
     let Some(dev) = hopper("grouped-GEMM self-test", &mut out) else {
@@ -185,7 +186,11 @@ pub fn selftest(
     if quick {
         list.truncate(2);
     }
-    let last = list.len() - 1;
+    if only.is_some() {
+        // Only the chosen warp-specialized variants.
+        list.clear();
+    }
+    let last = list.len().saturating_sub(1);
     let mut all = true;
     for (i, s) in list.iter().enumerate() {
         let o = run_shape(&dev, s, &mut rng, i == last && !quick)?;
@@ -199,7 +204,7 @@ pub fn selftest(
         compiler.describe(),
         jit.compiler.name()
     );
-    let (v1, ok1) = crate::gemm_ws_check::selftest(&dev, seed, quick, &compiler)?;
+    let (v1, ok1) = crate::gemm_ws_check::selftest(&dev, seed, quick, &compiler, only)?;
     out.push_str(&v1);
     all &= ok1;
     let _ = writeln!(

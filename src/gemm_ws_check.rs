@@ -193,6 +193,52 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             true,
         ),
         v(W4_FORMATS[2], Scaling::PerExpert, OutTy::F32, 1, 8, 4, true),
+        // The register-A families' wide token tiles (their prefill).
+        v(
+            Operands::I8Bf16,
+            Scaling::PerRow,
+            OutTy::Bf16,
+            1,
+            128,
+            4,
+            true,
+        ),
+        v(
+            Operands::I8Bf16,
+            Scaling::PerRow,
+            OutTy::F32,
+            1,
+            256,
+            3,
+            true,
+        ),
+        v(
+            W4_FORMATS[0],
+            Scaling::PerExpert,
+            OutTy::F32,
+            1,
+            256,
+            3,
+            true,
+        ),
+        v(
+            W4_FORMATS[1],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            128,
+            4,
+            true,
+        ),
+        v(
+            W4_FORMATS[2],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            256,
+            3,
+            true,
+        ),
         v(
             W4_FORMATS[2],
             Scaling::PerExpert,
@@ -237,6 +283,26 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             1,
             16,
             8,
+            true,
+            1,
+        ),
+        (
+            W4_FORMATS[0],
+            Scaling::PerExpert,
+            OutTy::Bf16,
+            1,
+            256,
+            3,
+            true,
+            1,
+        ),
+        (
+            Operands::I8Bf16,
+            Scaling::PerRow,
+            OutTy::Bf16,
+            1,
+            128,
+            4,
             true,
             1,
         ),
@@ -681,14 +747,23 @@ fn progress(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-/// The v1 self-test over every case and variant: report lines and the verdict. Each line also goes
-/// to stderr as it is made.
+/// The v1 self-test over every case and variant (`only`: the variants whose tag contains one of
+/// its comma-separated pieces): report lines and the verdict. Each line also goes to stderr as it
+/// is made.
 pub fn selftest(
     dev: &Device,
     seed: u64,
     quick: bool,
     compiler: &crate::runtime::jit::Compiler,
+    only: Option<&str>,
 ) -> Result<(String, bool)> {
+    let chosen = |cfg: &WsConfig| {
+        only.is_none_or(|o| {
+            let tag = cfg.tag();
+            o.split(',')
+                .any(|piece| !piece.is_empty() && tag.contains(piece))
+        })
+    };
     let mut out = String::new();
     let mut rng = Rng(seed ^ 0x9e37_79b9_7f4a_7c15);
     let mut all = true;
@@ -714,7 +789,7 @@ pub fn selftest(
             case.n as usize,
             case.k as usize,
         );
-        for cfg in variants(case.n, case.k) {
+        for cfg in variants(case.n, case.k).into_iter().filter(|c| chosen(c)) {
             let (ok, line) = run_one(dev, &mut rng, &case, &data, &cfg, compiler)?;
             progress(&line);
             all &= ok;
@@ -730,7 +805,7 @@ pub fn selftest(
             "gemm v1 (warp-specialized): FAILED"
         }
     );
-    if !quick {
+    if !quick && only.is_none() {
         out.push_str(&decode_timing(dev, compiler)?);
     }
     Ok((out, all))

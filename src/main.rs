@@ -187,6 +187,10 @@ enum Command {
         /// without the grouped GEMMs.
         #[arg(long, requires = "gpu", conflicts_with_all = ["nccl", "gemm", "moe"])]
         kernels: bool,
+        /// With --gemm: only the warp-specialized GEMM variants whose tag contains one of these
+        /// comma-separated pieces (e.g. `d1x128,d1x256`), without the v0 shapes and the timing.
+        #[arg(long, requires = "gemm", value_name = "TAGS")]
+        only: Option<String>,
     },
     /// The kernel cache: list, clear, or warm up the variants a binding needs.
     Cache {
@@ -941,13 +945,14 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             gemm,
             moe,
             kernels,
+            only,
         } => {
             if !gpu {
                 return Err(moeforge::Error::Usage("nothing to run: pass --gpu".into()));
             }
             let (report, ok) = if gemm || kernels {
                 let (g, gok) = if gemm {
-                    moeforge::gemm_check::selftest(quick, &settings.runtime.jit)?
+                    moeforge::gemm_check::selftest(quick, &settings.runtime.jit, only.as_deref())?
                 } else {
                     (String::new(), None)
                 };

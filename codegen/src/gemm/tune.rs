@@ -30,6 +30,12 @@ const DECODE: [(u32, u32, u32, bool, u32); 7] = [
 /// not the bytes in flight, is the limit).
 const DECODE_W4: [(u32, u32, u32, bool, u32); 1] = [(1, 8, 4, true, 1)];
 
+/// The register-A families' wide token tiles (int8 and 4-bit weights have no prefill form): 128 and
+/// 256 tokens per weight tile, so that at prefill each weight tile is loaded and dequantized once
+/// per 128 or 256 token rows instead of once per 64.
+const WIDE_REGISTER_A: [(u32, u32, u32, bool, u32); 2] =
+    [(1, 128, 4, true, 1), (1, 256, 3, true, 1)];
+
 /// Every candidate of the family `(operands, scaling)` at `N = n`, `K = k`, bf16 output: prefill
 /// first, then decode by growing token tile.
 pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
@@ -44,10 +50,12 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         Operands::W4Bf16(_) => &DECODE_W4,
         _ => &[],
     };
+    let wide: &[(u32, u32, u32, bool, u32)] = if int8 { &WIDE_REGISTER_A } else { &[] };
     prefill
         .iter()
         .chain(DECODE.iter())
         .chain(w4)
+        .chain(wide)
         .filter(|&&(_, _, _, _, split_k)| split_k <= k.div_ceil(operands.bk()))
         .filter(|&&(_, _, _, _, split_k)| !int8 || split_k == 1)
         .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
@@ -68,8 +76,8 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
 
 /// The default candidate for `rows` token rows over `active` experts that received any (the
 /// untuned choice): decode with the smallest token tile that holds the mean rows per active expert
-/// when that is at most 64, else the first prefill candidate (else, for a family with none, the
-/// widest decode tile).
+/// (up to 64, or 256 for the register-A families' wide tiles), else the first prefill candidate
+/// (else, for a family with none, the widest decode tile).
 pub fn default_choice(all: &[WsConfig], rows: usize, active: usize) -> Option<&WsConfig> {
     let mean = rows.div_ceil(active.max(1));
     all.iter()
@@ -113,7 +121,9 @@ mod tests {
         }
         // Int8 weights: the decode form only (every token count runs it), unsplit.
         let all = candidates(Operands::I8Bf16, Scaling::PerRow, 4096, 7168);
-        assert_eq!(all.len(), 4);
+        // Four decode tiles and the two wide ones.
+        assert_eq!(all.len(), 6);
+        assert!(all.iter().any(|c| c.bn == 256 && c.stages == 3));
         for c in &all {
             assert!(c.swap_ab && c.split_k == 1 && c.consumers == 1);
             grouped_ws_entry("k", c).unwrap();
@@ -125,14 +135,26 @@ mod tests {
             4096,
             7168,
         );
-        assert_eq!(w4.len(), 5);
+        assert_eq!(w4.len(), 7);
         assert!(w4.iter().any(|c| c.bn == 8 && c.stages == 4));
+        assert!(w4.iter().any(|c| c.bn == 128 && c.stages == 4));
         for c in &w4 {
             grouped_ws_entry("k", c).unwrap();
         }
         // With no prefill candidate, the default is the decode tile that holds the rows, else
         // the widest.
-        assert!(default_choice(&all, 10_000, 1).is_some());
+        assert_eq!(default_choice(&all, 100 * 8, 8).unwrap().bn, 128);
+        assert_eq!(default_choice(&all, 200 * 8, 8).unwrap().bn, 256);
+        assert_eq!(default_choice(&all, 10_000, 1).unwrap().bn, 256);
+        // The wide tiles are the register-A families' only.
+        for (o, s) in [
+            (Operands::Bf16, Scaling::None),
+            (Operands::E4m3, Scaling::Block128),
+        ] {
+            assert!(candidates(o, s, 4096, 7168)
+                .iter()
+                .all(|c| !c.swap_ab || c.bn <= 64));
+        }
     }
 
     #[test]
