@@ -7,7 +7,10 @@
 //! 2, E4M3 codes with f32 scales of 1/256), uniform top-k routing from the (model, tokens) seed,
 //! identity placement. Each forward is queued after a 256 MB L2 flush and timed alone with CUDA
 //! events (inputs already on the device, as in a serving step); the median of [`reps_for`] runs.
-//! Per-step times are the medians of the events between steps. Reported: microseconds,
+//! Per-step times are the medians of the events between steps. The same forward is then captured
+//! in a CUDA graph ([`GpuLayer::capture`]) and replayed as many times, each after the flush: the
+//! "graph us" column, the time a serving engine that replays graphs sees (the launches' gaps
+//! shrink; the kernels are the same). Reported: microseconds,
 //! TFLOP/s (`6 * T * k * H * I` flops), weight TB/s (the bytes of the experts that received rows:
 //! w13, w2 and their scales, once each), and the roofline share `max(bytes / 4.22 TB/s, flops /
 //! dense ceiling) / time`.
@@ -128,6 +131,8 @@ struct Row {
     recipe: Recipe,
     tokens: usize,
     us: f64,
+    /// The forward replayed from a CUDA graph.
+    graph_us: f64,
     steps: Vec<(&'static str, f64)>,
     tflops: f64,
     weight_tbps: f64,
@@ -144,13 +149,25 @@ fn bytes_per_expert(recipe: Recipe, h: usize, i: usize) -> u64 {
 /// Per-step median times, named.
 type Steps = Vec<(&'static str, f64)>;
 
-/// The median forward time, the per-step medians and the tuned variants (w13 / w2).
+/// What [`time_layer`] measured.
+struct Timed {
+    /// The median forward, queued kernel by kernel on the stream.
+    us: f64,
+    /// The median replay of the same forward captured in a CUDA graph.
+    graph_us: f64,
+    steps: Steps,
+    /// The tuned variants (w13 / w2).
+    variants: String,
+}
+
+/// The median forward time (queued, and replayed from a CUDA graph), the per-step medians and
+/// the tuned variants (w13 / w2).
 fn time_layer(
     dev: &Device,
     layer: &mut GpuLayer,
     tokens: &Tokens<'_>,
     flush: &mut cudarc::driver::CudaSlice<u8>,
-) -> Result<(f64, Steps, String)> {
+) -> Result<Timed> {
     layer.upload(dev, tokens)?;
     // One untimed forward (module load, tensor maps, the row offsets the tuning needs), the
     // GEMMs tuned on its operands, one forward to estimate.
@@ -200,7 +217,39 @@ fn time_layer(
         .variants()
         .map(|(a, b)| format!("{} / {}", a.tag(), b.tag()))
         .unwrap_or_default();
-    Ok((median(&mut totals), steps, variants))
+    // The same forward captured once and replayed (what a serving engine does at decode): the
+    // GPU's time from the event before a replay to the event after it, each after the same flush.
+    let graph = layer.capture(dev)?;
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut marks = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        dev.stream.memset_zeros(flush).map_err(drv("cuMemsetD8"))?;
+        let a = dev
+            .stream
+            .record_event(timing)
+            .map_err(drv("cuEventRecord"))?;
+        layer.replay(&graph)?;
+        let b = dev
+            .stream
+            .record_event(timing)
+            .map_err(drv("cuEventRecord"))?;
+        marks.push((a, b));
+    }
+    dev.sync()?;
+    let mut replays = marks
+        .iter()
+        .map(|(a, b)| {
+            a.elapsed_ms(b)
+                .map(|ms| f64::from(ms) * 1e3)
+                .map_err(|e| Error::from(drv("cuEventElapsedTime")(e)))
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(Timed {
+        us: median(&mut totals),
+        graph_us: median(&mut replays),
+        steps,
+        variants,
+    })
 }
 
 /// Run torch's layer on the cases (`python3 SCRIPT CASES.json`); microseconds by (model, tokens),
@@ -303,7 +352,12 @@ pub fn run(opts: &Options) -> Result<String> {
                     k,
                 };
                 match time_layer(&dev, &mut layer, &toks, &mut flush) {
-                    Ok((us, steps, variants)) => {
+                    Ok(Timed {
+                        us,
+                        graph_us,
+                        steps,
+                        variants,
+                    }) => {
                         let flops = 6.0 * (tokens * k) as f64 * h as f64 * i as f64;
                         let bytes = active as f64 * bytes_per_expert(recipe, h, i) as f64;
                         let t_bw = bytes / (READ_CEILING_TBPS * 1e12) * 1e6;
@@ -313,6 +367,7 @@ pub fn run(opts: &Options) -> Result<String> {
                             recipe,
                             tokens,
                             us,
+                            graph_us,
                             steps,
                             tflops: flops / us / 1e6,
                             weight_tbps: bytes / us / 1e6,
@@ -352,9 +407,9 @@ pub fn run(opts: &Options) -> Result<String> {
     let _ = writeln!(report, "{about}");
     let _ = writeln!(
         report,
-        "| model | recipe | tokens | us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | steps (us) | GEMMs (tuned) |"
+        "| model | recipe | tokens | us | graph us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | steps (us) | GEMMs (tuned) |"
     );
-    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let steps: Vec<String> = r
             .steps
@@ -363,11 +418,12 @@ pub fn run(opts: &Options) -> Result<String> {
             .collect();
         let _ = writeln!(
             report,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} |",
             r.model,
             r.recipe.name(),
             r.tokens,
             r.us,
+            r.graph_us,
             r.tflops,
             r.weight_tbps,
             100.0 * r.roofline,
@@ -401,6 +457,7 @@ pub fn run(opts: &Options) -> Result<String> {
             "torch": about,
             "rows": rows.iter().map(|r| json!({
                 "model": r.model, "recipe": r.recipe.name(), "tokens": r.tokens, "us": r.us,
+                "graph_us": r.graph_us,
                 "tflops": r.tflops, "weight_tbps": r.weight_tbps, "roofline": r.roofline,
                 "torch_us": r.torch_us, "variants": r.variants,
                 "steps": r.steps.iter().map(|(n, us)| json!({"step": n, "us": us})).collect::<Vec<_>>(),

@@ -82,15 +82,18 @@ pub fn points_from_report(text: &str) -> Result<Vec<LayerPoint>> {
 /// Panel height and width (pixels).
 const PANEL: (u32, u32) = (420, 960);
 
-/// A recipe's colour (the same in every panel).
+/// A recipe's colour (the same in every panel; eight before they repeat, more than the seven
+/// standard recipes; black and grey are torch's and vLLM's).
 fn colour(i: usize) -> RGBColor {
-    const C: [RGBColor; 6] = [
+    const C: [RGBColor; 8] = [
         RGBColor(31, 119, 180),
         RGBColor(214, 39, 40),
         RGBColor(44, 160, 44),
         RGBColor(148, 103, 189),
         RGBColor(255, 127, 14),
         RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(23, 190, 207),
     ];
     C[i % C.len()]
 }
@@ -262,6 +265,21 @@ pub fn plot_report(report: &std::path::Path, out: &std::path::Path) -> Result<St
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_standard_recipes_get_distinct_colours() {
+        let c: Vec<(u8, u8, u8)> = (0..7)
+            .map(|i| {
+                let RGBColor(r, g, b) = colour(i);
+                (r, g, b)
+            })
+            .collect();
+        for (i, a) in c.iter().enumerate() {
+            assert!(c[i + 1..].iter().all(|b| b != a), "colour {i} repeats");
+            // Neither torch's black nor vLLM's grey.
+            assert!(*a != (0, 0, 0) && *a != (128, 128, 128));
+        }
+    }
 
     fn report() -> String {
         let mut rows = Vec::new();
