@@ -282,19 +282,6 @@ impl K {
         }
     }
 
-    /// `m = max(m, m from lane ^ d)` for each XOR distance `d` (all 32 lanes take part).
-    fn reduce_max(&mut self, m: Reg, distances: &[i64]) {
-        for &d in distances {
-            let o = self.reg32();
-            self.b.push(Inst::ShflBfly {
-                d: o,
-                a: m,
-                mask: d,
-            });
-            self.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(o));
-        }
-    }
-
     /// The f32 value of amax magnitude bits (a bf16's high half).
     fn amax_f32(&mut self, m: Reg) -> Reg {
         let bits = self.bin(BinOpcode::Shl, PtxTy::B32, m, Operand::Int(16));
@@ -317,12 +304,8 @@ impl K {
                 ys.push(self.bin(op, PtxTy::F32, v, Operand::Reg(s)));
             }
         }
-        let mut out = [self.reg32(), self.reg32()];
-        for (h, d) in out.iter_mut().enumerate() {
-            let vals = [ys[4 * h], ys[4 * h + 1], ys[4 * h + 2], ys[4 * h + 3]];
-            self.b.push(Inst::CvtE4m3Pack { d: *d, vals });
-        }
-        out
+        let ys: [Reg; 8] = [ys[0], ys[1], ys[2], ys[3], ys[4], ys[5], ys[6], ys[7]];
+        self.e4m3_pack(&ys)
     }
 
     fn store_codes(&mut self, addr: Reg, codes: [Reg; 2]) {
@@ -385,7 +368,7 @@ fn per_token(g: &mut K, l: &Launch) -> Result<()> {
     for words in &data {
         g.amax_bits(m, words);
     }
-    g.reduce_max(m, &[16, 8, 4, 2, 1]);
+    g.reduce_max_u32(m, &[16, 8, 4, 2, 1]);
     if warps > 1 {
         let smem = g.b.shared_addr("amax_warp");
         let lane = g.bin(BinOpcode::And, PtxTy::B32, tid, Operand::Int(31));
@@ -410,22 +393,7 @@ fn per_token(g: &mut K, l: &Launch) -> Result<()> {
     }
     // s = amax == 0 ? 1 : max(amax / 448, 1/(448*512)).
     let amax = g.amax_f32(m);
-    let s = g.bin(BinOpcode::DivRn, PtxTy::F32, amax, Operand::F32(E4M3_MAX));
-    g.bin_to(
-        s,
-        BinOpcode::Max,
-        PtxTy::F32,
-        s,
-        Operand::F32(PER_TOKEN_FLOOR),
-    );
-    let zero = g.setp(CmpOp::Eq, m, Operand::Int(0));
-    g.b.push(Inst::Selp {
-        ty: PtxTy::F32,
-        d: s,
-        a: Operand::F32(1.0),
-        b: Operand::Reg(s),
-        p: zero,
-    });
+    let s = g.e4m3_token_scale(amax, m);
     // Thread 0 stores the scale.
     let not_first = g.setp(CmpOp::Ne, tid, Operand::Int(0));
     let scaled = g.b.label("scaled");
@@ -517,18 +485,10 @@ fn per_group(g: &mut K, l: &Launch) {
         a: Operand::Int(0),
     });
     g.amax_bits(m, &words);
-    g.reduce_max(m, &[8, 4, 2, 1]);
+    g.reduce_max_u32(m, &[8, 4, 2, 1]);
     // s = max(amax, 1e-4) / 448; inv = 1 / s (correctly rounded).
     let amax = g.amax_f32(m);
-    g.bin_to(
-        amax,
-        BinOpcode::Max,
-        PtxTy::F32,
-        amax,
-        Operand::F32(GROUP_AMAX_FLOOR),
-    );
-    let s = g.bin(BinOpcode::DivRn, PtxTy::F32, amax, Operand::F32(E4M3_MAX));
-    let inv = g.un(UnOpcode::RcpRn(PtxTy::F32), RegClass::F32, Operand::Reg(s));
+    let (s, inv) = g.e4m3_group_scale(amax);
     let done = g.b.label("done");
     g.bra(&done, Some((valid, true)));
     let codes = g.quantize_chunk(&words, BinOpcode::MulRn, inv);

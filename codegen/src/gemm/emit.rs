@@ -1,5 +1,6 @@
 //! Small instruction helpers over the typed PTX builder, shared by the GEMM kernels' generators.
 
+use super::act_quant::{E4M3_MAX, GROUP_AMAX_FLOOR, PER_TOKEN_FLOOR};
 use crate::ptx::{
     BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
 };
@@ -54,6 +55,96 @@ pub(crate) trait Emit {
         );
         let q = self.fmul_rn(gate, Operand::Reg(r));
         self.fmul_rn(q, Operand::Reg(up))
+    }
+
+    /// `m = max(m, m of lane ^ d)` (`shfl.sync.bfly`, `max.u32`) for each XOR distance `d`: a
+    /// butterfly reduction of magnitude bits over the lanes (all 32 take part).
+    fn reduce_max_u32(&mut self, m: Reg, distances: &[i64]) {
+        for &d in distances {
+            let o = self.builder().reg(RegClass::B32);
+            self.builder().push(Inst::ShflBfly {
+                d: o,
+                a: m,
+                mask: d,
+            });
+            self.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(o));
+        }
+    }
+
+    /// The per-token E4M3 scale of a row whose amax is `amax` (f32) and whose magnitude bits are
+    /// `bits` (zero exactly for an all-zero row): `bits == 0 ? 1 : max(div.rn(amax, 448),
+    /// 1/(448*512))`, what `gemm::reference::quantize_per_token` computes.
+    fn e4m3_token_scale(&mut self, amax: Reg, bits: Reg) -> Reg {
+        let s = self.builder().reg(RegClass::F32);
+        self.bin_to(
+            s,
+            BinOpcode::DivRn,
+            PtxTy::F32,
+            amax,
+            Operand::F32(E4M3_MAX),
+        );
+        self.bin_to(
+            s,
+            BinOpcode::Max,
+            PtxTy::F32,
+            s,
+            Operand::F32(PER_TOKEN_FLOOR),
+        );
+        let zero = self.builder().reg(RegClass::Pred);
+        self.builder().push(Inst::Setp {
+            cmp: CmpOp::Eq,
+            ty: PtxTy::U32,
+            p: zero,
+            a: Operand::Reg(bits),
+            b: Operand::Int(0),
+        });
+        self.builder().push(Inst::Selp {
+            ty: PtxTy::F32,
+            d: s,
+            a: Operand::F32(1.0),
+            b: Operand::Reg(s),
+            p: zero,
+        });
+        s
+    }
+
+    /// The E4M3 scale of a 1x128 group whose amax is `amax` (f32; floored in place) and its
+    /// reciprocal: `s = div.rn(max(amax, 1e-4), 448)`, `inv = rcp.rn(s)`, what
+    /// `gemm::reference::quantize_per_group128` computes.
+    fn e4m3_group_scale(&mut self, amax: Reg) -> (Reg, Reg) {
+        self.bin_to(
+            amax,
+            BinOpcode::Max,
+            PtxTy::F32,
+            amax,
+            Operand::F32(GROUP_AMAX_FLOOR),
+        );
+        let s = self.builder().reg(RegClass::F32);
+        self.bin_to(
+            s,
+            BinOpcode::DivRn,
+            PtxTy::F32,
+            amax,
+            Operand::F32(E4M3_MAX),
+        );
+        let inv = self.un(UnOpcode::RcpRn(PtxTy::F32), RegClass::F32, Operand::Reg(s));
+        (s, inv)
+    }
+
+    /// Eight f32 values as two words of E4M3 codes (`cvt.rn.satfinite.e4m3x2.f32`: round to
+    /// nearest even, finite values past 448 saturate), value 0 in the low byte of word 0.
+    fn e4m3_pack(&mut self, ys: &[Reg; 8]) -> [Reg; 2] {
+        let out = [
+            self.builder().reg(RegClass::B32),
+            self.builder().reg(RegClass::B32),
+        ];
+        for (h, &d) in out.iter().enumerate() {
+            self.builder().push(Inst::CvtE4m3Pack {
+                d,
+                vals: [ys[4 * h], ys[4 * h + 1], ys[4 * h + 2], ys[4 * h + 3]],
+            });
+        }
+        out
     }
 
     /// `mul.rn.f32 d, a, b` into a fresh f32 register.

@@ -10,7 +10,6 @@
 
 use super::act::{ActIn, ActOut};
 use super::emit::G;
-use crate::gemm::act_quant::{E4M3_MAX, GROUP_AMAX_FLOOR, PER_TOKEN_FLOOR};
 use crate::gemm::emit::Emit as _;
 use crate::ptx::{BinOpcode, CmpOp, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
 
@@ -99,33 +98,10 @@ fn amax_bits(g: &mut G, m: Reg, vals: &[Reg; 8]) {
     }
 }
 
-/// `m = max(m, m of lane ^ d)` for each XOR distance (all 32 lanes take part).
-fn reduce_max(g: &mut G, m: Reg, distances: &[i64]) {
-    for &d in distances {
-        let o = g.r32();
-        g.b.push(Inst::ShflBfly {
-            d: o,
-            a: m,
-            mask: d,
-        });
-        g.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(o));
-    }
-}
-
 /// The two code words of `vals op s` (`op` is `div.rn` or `mul.rn`).
 fn codes(g: &mut G, vals: &[Reg; 8], op: BinOpcode, s: Reg) -> [Reg; 2] {
-    let ys: Vec<Reg> = vals
-        .iter()
-        .map(|&v| g.bin(op, PtxTy::F32, v, Operand::Reg(s)))
-        .collect();
-    let out = [g.r32(), g.r32()];
-    for (h, &d) in out.iter().enumerate() {
-        g.b.push(Inst::CvtE4m3Pack {
-            d,
-            vals: [ys[4 * h], ys[4 * h + 1], ys[4 * h + 2], ys[4 * h + 3]],
-        });
-    }
-    out
+    let ys = vals.map(|v| g.bin(op, PtxTy::F32, v, Operand::Reg(s)));
+    g.e4m3_pack(&ys)
 }
 
 /// Store `words` at `addr`, skipped where `valid` is false.
@@ -275,7 +251,7 @@ impl RowWriter {
                 for vals in data {
                     amax_bits(g, m, vals);
                 }
-                reduce_max(g, m, &[16, 8, 4, 2, 1]);
+                g.reduce_max_u32(m, &[16, 8, 4, 2, 1]);
                 if let Some((base, slot)) = self.smem {
                     let not_first = g.setp(CmpOp::Ne, PtxTy::U32, lane, Operand::Int(0));
                     let stored = g.b.label("act_amax_stored");
@@ -301,22 +277,7 @@ impl RowWriter {
                 }
                 // s = amax == 0 ? 1 : max(amax / 448, 1/(448*512)).
                 let amax = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(m));
-                let s = g.bin(BinOpcode::DivRn, PtxTy::F32, amax, Operand::F32(E4M3_MAX));
-                g.bin_to(
-                    s,
-                    BinOpcode::Max,
-                    PtxTy::F32,
-                    s,
-                    Operand::F32(PER_TOKEN_FLOOR),
-                );
-                let zero = g.setp(CmpOp::Eq, PtxTy::U32, m, Operand::Int(0));
-                g.b.push(Inst::Selp {
-                    ty: PtxTy::F32,
-                    d: s,
-                    a: Operand::F32(1.0),
-                    b: Operand::Reg(s),
-                    p: zero,
-                });
+                let s = g.e4m3_token_scale(amax, m);
                 Quantized {
                     words: data
                         .iter()
@@ -334,18 +295,10 @@ impl RowWriter {
                     let m = g.r32();
                     g.mov(m, Operand::Int(0));
                     amax_bits(g, m, vals);
-                    reduce_max(g, m, &[8, 4, 2, 1]);
+                    g.reduce_max_u32(m, &[8, 4, 2, 1]);
                     // s = max(amax, 1e-4) / 448; inv = 1 / s (correctly rounded).
                     let amax = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(m));
-                    g.bin_to(
-                        amax,
-                        BinOpcode::Max,
-                        PtxTy::F32,
-                        amax,
-                        Operand::F32(GROUP_AMAX_FLOOR),
-                    );
-                    let s = g.bin(BinOpcode::DivRn, PtxTy::F32, amax, Operand::F32(E4M3_MAX));
-                    let inv = g.un(UnOpcode::RcpRn(PtxTy::F32), RegClass::F32, Operand::Reg(s));
+                    let (s, inv) = g.e4m3_group_scale(amax);
                     out.words
                         .push(codes(g, vals, BinOpcode::MulRn, inv).to_vec());
                     out.scales.push(s);
