@@ -541,3 +541,65 @@ pub fn selftest() -> Result<(String, Option<bool>)> {
     );
     Ok((out, Some(all)))
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The quantizing scatter's host checker: the host quantizer's own codes and scales pass, one
+    /// wrong code or scale fails, for every quantizing form.
+    #[test]
+    fn the_code_checker_accepts_the_reference_and_rejects_one_wrong_value() {
+        let (t, k, e, h) = (5usize, 2usize, 4usize, 136usize);
+        let mut rng = Rng(0x5EED_1234_0001);
+        let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e) as i32).collect();
+        let x: Vec<u16> = (0..t)
+            .flat_map(|r| crate::act_quant_check::row(&mut rng, r % 7, h))
+            .collect();
+        let map = Map::identity(e);
+        let mut load = vec![0u32; e];
+        let perm = reference::permute(&x, h, &ids, k, &map, &mut load).unwrap();
+        let n = t * k;
+        let statics = [0.5f32, 3.0, 0.01, 7.25];
+        for gather in [Gather::PerToken, Gather::Group128, Gather::Static] {
+            let mut codes = Codes {
+                q: vec![0; n * h],
+                scales: vec![0.0; gather.scales_len(n, h)],
+            };
+            for p in 0..n {
+                let i = perm.row_of[p] as usize;
+                let row: Vec<f32> = x[(i / k) * h..(i / k + 1) * h]
+                    .iter()
+                    .map(|&b| gemm_ref::bf16_to_f32(b))
+                    .collect();
+                let (q, s) = match gather {
+                    Gather::PerToken => act_quant::reference(Mode::PerToken, &row, h).unwrap(),
+                    Gather::Group128 => act_quant::reference(Mode::PerGroup128, &row, h).unwrap(),
+                    _ => {
+                        let s = statics[perm.slot[i] as usize];
+                        (gemm_ref::quantize_per_tensor(&row, s), vec![s])
+                    }
+                };
+                codes.q[p * h..(p + 1) * h].copy_from_slice(&q);
+                for (g, v) in s.iter().enumerate() {
+                    codes.scales[g * n + p] = *v;
+                }
+            }
+            let check = |c: &Codes| check_codes(gather, c, &perm, &x, h, k, n, &statics);
+            assert_eq!(check(&codes), Ok(()), "{gather:?}");
+            let mut bad = Codes {
+                q: codes.q.clone(),
+                scales: codes.scales.clone(),
+            };
+            bad.q[n * h - 3] ^= 1;
+            assert!(check(&bad).is_err(), "{gather:?}: a wrong code passed");
+            let mut bad = Codes {
+                q: codes.q.clone(),
+                scales: codes.scales.clone(),
+            };
+            bad.scales[n - 1] *= 2.0;
+            assert!(check(&bad).is_err(), "{gather:?}: a wrong scale passed");
+        }
+    }
+}
