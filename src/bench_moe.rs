@@ -90,14 +90,20 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
     }
 }
 
-pub(crate) fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
-    let (e, h, i) = (model.experts, model.hidden, model.intermediate);
-    let feed = match recipe {
+/// The activation feed of both GEMMs of a standard recipe's layer, as the benchmark (and the
+/// warm-up) run it: FP8 per token or per 1x128 group, else bf16.
+pub(crate) fn feed(recipe: Recipe) -> Feed {
+    match recipe {
         Recipe::Fp8PerTensor => Feed::PerToken,
         Recipe::Fp8Block128 => Feed::PerTokenGroup128,
         // bf16 activations: bf16 weights, and the weights-only recipes.
         _ => Feed::Bf16,
-    };
+    }
+}
+
+pub(crate) fn operands(model: &Model, recipe: Recipe) -> LayerOperands {
+    let (e, h, i) = (model.experts, model.hidden, model.intermediate);
+    let feed = feed(recipe);
     LayerOperands {
         w13: random_weights(recipe, e, 2 * i, h, 0x5EED_0013),
         w2: random_weights(recipe, e, h, i, 0x5EED_0002),

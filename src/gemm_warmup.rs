@@ -4,9 +4,13 @@
 //!
 //! For each model of the selection ([`crate::bench_gemm::MODELS`]), each of its two GEMMs (w13:
 //! `N = 2I, K = H`; w2: `N = H, K = I`) and each recipe, every candidate of
-//! `codegen::gemm::tune::candidates` is generated; on a Hopper GPU each is JIT-compiled through the
-//! kernel cache and loaded, and each token count is tuned (uniform routing as the GEMM benchmark
-//! routes, random operands) unless the tuning cache holds its bucket. Without one, the PTX is still
+//! `codegen::gemm::tune::candidates` is generated (the GEMM benchmark's bf16-out form), and every
+//! candidate in the form the MoE layer loads ([`crate::moe_gpu_layer::layer_candidates`]: f32 out,
+//! or the fused SiLU*up epilogue where the recipe feeds the second GEMM bf16); on a Hopper GPU each
+//! is JIT-compiled through the kernel cache and loaded, and each token count is tuned for the
+//! benchmark's form (uniform routing as the GEMM benchmark routes, random operands) unless the
+//! tuning cache holds its bucket. The layer's forms are built, not tuned: `GpuLayer::tune` tunes
+//! them on the layer's own operands. Without one, the PTX is still
 //! generated (it proves every variant generates), the cubins are compiled when the compiler is
 //! ptxas (it needs no device), and tuning is skipped.
 
@@ -15,6 +19,9 @@ use std::fmt::Write as _;
 use crate::bench_gemm::{case_seed, routing, GemmCase, Selection};
 use crate::bench_gemm_ws::WsRunner;
 use crate::codegen::gemm::tune;
+use crate::codegen::gemm::ws::Epilogue;
+use crate::moe_gpu_layer::{gemm_form, layer_candidates};
+use crate::moe_host::Feed;
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gemm_tune::TuneSource;
 use crate::runtime::gemm_ws::{variant_cubin, variant_ptx};
@@ -89,8 +96,18 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
             for &recipe in &sel.recipes {
                 let (operands, scaling) = recipe.family();
                 let all = tune::candidates(operands, scaling, n32, k32);
+                // The MoE layer's own forms of this GEMM (what `GpuLayer` loads): f32 out, or the
+                // first GEMM fused with SiLU*up where the recipe feeds the second GEMM bf16.
+                let form = gemm_form(
+                    gemm == "w13",
+                    true,
+                    crate::bench_moe::feed(recipe) == Feed::Bf16,
+                    scaling,
+                    2 * m.intermediate,
+                );
+                let layer = layer_candidates(operands, scaling, form, n32, k32);
                 let (mut built, mut hits) = (0, 0);
-                for cfg in &all {
+                for cfg in all.iter().chain(&layer) {
                     let (entry, ptx) = variant_ptx(cfg)?;
                     s.generated += 1;
                     if let Some(d) = hopper {
@@ -110,10 +127,16 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
                 s.cubin_hits += hits;
                 let _ = writeln!(
                     text,
-                    "{} {gemm} (N={n}, K={k}) {}: {} variants generated, {built} built ({hits} from the cache)",
+                    "{} {gemm} (N={n}, K={k}) {}: {} variants generated ({} the GEMM benchmark's, {} the layer's {}), {built} built ({hits} from the cache)",
                     m.name,
                     recipe.name(),
-                    all.len()
+                    all.len() + layer.len(),
+                    all.len(),
+                    layer.len(),
+                    match form.1 {
+                        Epilogue::SiluMul => "fused SiLU*up, bf16 out",
+                        Epilogue::Store => "f32 out",
+                    }
                 );
                 let Some(d) = hopper else { continue };
                 for &tokens in &sel.tokens {

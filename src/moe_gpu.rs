@@ -85,6 +85,13 @@ pub struct LayerOperands {
     pub i: usize,
 }
 
+/// Whether a first GEMM of `n` rows (`[gate; up]`) with weight scaling `scaling` can take its rows
+/// in the fused SiLU epilogue's paired order ([`GemmWeights::paired`]): `n` a multiple of 16, and no
+/// 128x128 block scales.
+pub fn pairable(scaling: Scaling, n: usize) -> bool {
+    n.is_multiple_of(16) && scaling != Scaling::Block128
+}
+
 impl GemmWeights {
     /// The same weights with their rows in the fused SiLU epilogue's paired order
     /// ([`crate::codegen::gemm::ws::glu_row`]: per 16 rows, 8 gate rows then the 8 up rows of the
@@ -94,7 +101,7 @@ impl GemmWeights {
     /// rows of different blocks).
     pub fn paired(&self) -> Option<GemmWeights> {
         let (slots, n) = (self.slots, self.n);
-        if !n.is_multiple_of(16) || self.scaling == Scaling::Block128 || slots * n == 0 {
+        if !pairable(self.scaling, n) || slots * n == 0 {
             return None;
         }
         let half = n / 2;

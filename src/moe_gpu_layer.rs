@@ -106,15 +106,13 @@ impl DevWeights {
 
     /// The candidates, with this GEMM's output and epilogue (those the epilogue can run).
     fn candidates(&self) -> Vec<WsConfig> {
-        tune::candidates(self.operands, self.scaling, self.n, self.k)
-            .into_iter()
-            .map(|c| WsConfig {
-                out: self.out,
-                epilogue: self.epilogue,
-                ..c
-            })
-            .filter(|c| c.epilogue == Epilogue::Store || c.tile_weights().is_multiple_of(16))
-            .collect()
+        layer_candidates(
+            self.operands,
+            self.scaling,
+            (self.out, self.epilogue),
+            self.n,
+            self.k,
+        )
     }
 
     /// The tuning-cache key of this GEMM at `rows` rows over `slots` experts.
@@ -156,6 +154,43 @@ impl DevWeights {
                 ))
             })
     }
+}
+
+/// The output type and epilogue of one of the layer's GEMMs (`w13` or not): the first GEMM fused
+/// with SiLU*up, writing `a` in bf16, where fusion is asked for, the second GEMM takes bf16
+/// (`feed2_bf16`) and the first GEMM's `n13` weight rows of scaling `scaling` can be paired
+/// ([`crate::moe_gpu::pairable`]); else (and for `w2`) f32 out, plain store. What
+/// [`GpuLayer::with_fusion`] decides, for warming a cache before any layer exists.
+pub fn gemm_form(
+    w13: bool,
+    fuse: bool,
+    feed2_bf16: bool,
+    scaling: Scaling,
+    n13: usize,
+) -> (OutTy, Epilogue) {
+    if w13 && fuse && feed2_bf16 && crate::moe_gpu::pairable(scaling, n13) {
+        (OutTy::Bf16, Epilogue::SiluMul)
+    } else {
+        (OutTy::F32, Epilogue::Store)
+    }
+}
+
+/// The grouped-GEMM variants a layer's GEMM of family `(operands, scaling)` at `N = n`, `K = k`
+/// tunes among and loads, in the form `(out, epilogue)` ([`gemm_form`]): the tuning candidates
+/// (`codegen::gemm::tune::candidates`) with that output and epilogue; fused, those whose weight
+/// tile holds whole groups of 16 rows.
+pub fn layer_candidates(
+    operands: Operands,
+    scaling: Scaling,
+    (out, epilogue): (OutTy, Epilogue),
+    n: u32,
+    k: u32,
+) -> Vec<WsConfig> {
+    tune::candidates(operands, scaling, n, k)
+        .into_iter()
+        .map(|c| WsConfig { out, epilogue, ..c })
+        .filter(|c| c.epilogue == Epilogue::Store || c.tile_weights().is_multiple_of(16))
+        .collect()
 }
 
 /// How the first GEMM's input is made: the gathered bf16 rows, or E4M3 codes and scales that the
@@ -365,8 +400,9 @@ impl GpuLayer {
             Feed::Static { values: v, .. } => Some(up(v)?),
             _ => None,
         };
-        let paired = match ops.feed2 {
-            Feed::Bf16 if fuse => ops.w13.paired(),
+        let feed2_bf16 = ops.feed2 == Feed::Bf16;
+        let paired = match gemm_form(true, fuse, feed2_bf16, ops.w13.scaling, ops.w13.n) {
+            (_, Epilogue::SiluMul) => ops.w13.paired(),
             _ => None,
         };
         let (w13, act) = match &paired {
