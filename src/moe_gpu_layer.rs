@@ -1083,6 +1083,32 @@ pub fn forward(
 mod tests {
     use super::*;
 
+    /// The first GEMM fuses SiLU*up only where asked, fed bf16 after it, and its rows pair; the
+    /// second never; the fused candidates keep whole groups of 16 weight rows per tile.
+    #[test]
+    fn the_gemm_forms_follow_the_fusion_rule() {
+        let fused = (OutTy::Bf16, Epilogue::SiluMul);
+        let plain = (OutTy::F32, Epilogue::Store);
+        let tok = Scaling::Tensorwise { per_token: true };
+        assert_eq!(gemm_form(true, true, true, Scaling::None, 4096), fused);
+        assert_eq!(gemm_form(true, true, true, Scaling::PerRow, 1536), fused);
+        assert_eq!(gemm_form(true, false, true, Scaling::None, 4096), plain);
+        assert_eq!(gemm_form(true, true, false, tok, 4096), plain);
+        assert_eq!(gemm_form(true, true, true, Scaling::Block128, 4096), plain);
+        assert_eq!(gemm_form(true, true, true, Scaling::None, 4104), plain);
+        assert_eq!(gemm_form(false, true, true, Scaling::None, 4096), plain);
+        let all = layer_candidates(Operands::Bf16, Scaling::None, fused, 4096, 7168);
+        assert!(!all.is_empty());
+        assert!(all.iter().all(|c| c.epilogue == Epilogue::SiluMul
+            && c.out == OutTy::Bf16
+            && c.tile_weights() % 16 == 0));
+        let w2 = layer_candidates(Operands::Bf16, Scaling::None, plain, 7168, 2048);
+        assert_eq!(
+            w2.len(),
+            tune::candidates(Operands::Bf16, Scaling::None, 7168, 2048).len()
+        );
+    }
+
     /// The layer's placement comes from its replica table: every slot holds the expert whose
     /// replica it is; a slot without one is refused.
     #[test]
