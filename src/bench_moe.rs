@@ -137,8 +137,8 @@ struct Row {
     recipe: Recipe,
     tokens: usize,
     us: f64,
-    /// The forward replayed from a CUDA graph.
-    graph_us: f64,
+    /// The forward replayed from a CUDA graph (`None`: the capture failed).
+    graph_us: Option<f64>,
     steps: Vec<(&'static str, f64)>,
     tflops: f64,
     weight_tbps: f64,
@@ -159,11 +159,14 @@ type Steps = Vec<(&'static str, f64)>;
 struct Timed {
     /// The median forward, queued kernel by kernel on the stream.
     us: f64,
-    /// The median replay of the same forward captured in a CUDA graph.
-    graph_us: f64,
+    /// The median replay of the same forward captured in a CUDA graph (`None` where the capture
+    /// failed: the report says why).
+    graph_us: Option<f64>,
     steps: Steps,
     /// The tuned variants (w13 / w2).
     variants: String,
+    /// Why the graph was not timed.
+    note: Option<String>,
 }
 
 /// The median forward time (queued, and replayed from a CUDA graph), the per-step medians and
@@ -225,7 +228,18 @@ fn time_layer(
         .unwrap_or_default();
     // The same forward captured once and replayed (what a serving engine does at decode): the
     // GPU's time from the event before a replay to the event after it, each after the same flush.
-    let graph = layer.capture(dev)?;
+    let graph = match layer.capture(dev) {
+        Ok(g) => g,
+        Err(why) => {
+            return Ok(Timed {
+                us: median(&mut totals),
+                graph_us: None,
+                steps,
+                variants,
+                note: Some(format!("the graph capture failed: {why}")),
+            });
+        }
+    };
     let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut marks = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -252,9 +266,10 @@ fn time_layer(
         .collect::<Result<Vec<f64>>>()?;
     Ok(Timed {
         us: median(&mut totals),
-        graph_us: median(&mut replays),
+        graph_us: Some(median(&mut replays)),
         steps,
         variants,
+        note: None,
     })
 }
 
@@ -363,7 +378,16 @@ pub fn run(opts: &Options) -> Result<String> {
                         graph_us,
                         steps,
                         variants,
+                        note,
                     }) => {
+                        if let Some(note) = note {
+                            let _ = writeln!(
+                                report,
+                                "{} {} {tokens} tokens: {note}",
+                                model.name,
+                                recipe.name()
+                            );
+                        }
                         let flops = 6.0 * (tokens * k) as f64 * h as f64 * i as f64;
                         let bytes = active as f64 * bytes_per_expert(recipe, h, i) as f64;
                         let t_bw = bytes / (READ_CEILING_TBPS * 1e12) * 1e6;
@@ -424,12 +448,12 @@ pub fn run(opts: &Options) -> Result<String> {
             .collect();
         let _ = writeln!(
             report,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} |",
             r.model,
             r.recipe.name(),
             r.tokens,
             r.us,
-            r.graph_us,
+            r.graph_us.map_or("-".into(), |g| format!("{g:.1}")),
             r.tflops,
             r.weight_tbps,
             100.0 * r.roofline,

@@ -767,6 +767,7 @@ pub fn selftest(
     let mut out = String::new();
     let mut rng = Rng(seed ^ 0x9e37_79b9_7f4a_7c15);
     let mut all = true;
+    let mut ran = 0usize;
     for case in cases(&mut rng, quick) {
         let rows_desc = if case.rows.len() <= 8 {
             format!("{:?}", case.rows)
@@ -790,11 +791,21 @@ pub fn selftest(
             case.k as usize,
         );
         for cfg in variants(case.n, case.k).into_iter().filter(|c| chosen(c)) {
+            ran += 1;
             let (ok, line) = run_one(dev, &mut rng, &case, &data, &cfg, compiler)?;
             progress(&line);
             all &= ok;
             let _ = writeln!(out, "  {line}");
         }
+    }
+    if ran == 0 {
+        // An `--only` that matches nothing checked nothing: not a pass.
+        all = false;
+        let _ = writeln!(
+            out,
+            "gemm v1: no variant matches --only {}",
+            only.unwrap_or_default()
+        );
     }
     let _ = writeln!(
         out,

@@ -8,7 +8,10 @@
 //! 2. the first GEMM's feed, made by the permute's scatter as it gathers each row
 //!    (`codegen::moe::permute::Gather`): the bf16 rows as they are, or E4M3 codes with per-token
 //!    or 1x128 dynamic scales, or with each row's slot's static scale, quantized on the fly (the
-//!    bits of `gemm::act_quant` and of the activation kernel's static rows; no kernel of its own);
+//!    bits of `gemm::act_quant` and of the activation kernel's static rows; no kernel of its own).
+//!    Rows longer than the scatter holds in registers (`H` past `permute::MAX_HIDDEN_E4M3`) are
+//!    gathered in bf16 and quantized by a kernel of their own (`runtime::act_quant`, or
+//!    `moe_kernels` for static scales), with the same bits;
 //! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
 //! 4. `a = silu(gate) * up` in f32, fed to the second GEMM as the recipe declares (bf16, or E4M3
 //!    per token / per 1x128 group / static). Where the second GEMM takes bf16 (bf16 and the
@@ -28,13 +31,15 @@ use std::collections::HashMap;
 
 use cudarc::driver::CudaSlice;
 
+use crate::codegen::gemm::act_quant::Mode;
 use crate::codegen::gemm::tune;
 use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
-use crate::codegen::moe::permute::Gather;
+use crate::codegen::moe::permute::{Gather, MAX_HIDDEN_E4M3};
 use crate::codegen::reference as r;
 use crate::moe_gpu::{GemmWeights, LayerOperands};
 use crate::moe_host::{Feed, Forward, MoeError, Replicas, Tokens};
+use crate::runtime::act_quant::ActQuant;
 use crate::runtime::cache::Cache;
 use crate::runtime::eplb_state::{EplbLayerState, Policy};
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
@@ -201,6 +206,11 @@ enum Feed13 {
     Bf16,
     /// E4M3 rows written by the permute; the static scales per slot, if the recipe's are static.
     E4m3(Option<CudaSlice<f32>>),
+    /// Rows too long for the quantizing scatter (`H` past `permute::MAX_HIDDEN_E4M3`): the bf16
+    /// rows gathered, then dynamic E4M3 by a kernel of their own (`runtime::act_quant`).
+    Dynamic(ActQuant),
+    /// As `Dynamic`, with each row's slot's static scale (`moe_kernels`).
+    Static(MoeAct, CudaSlice<f32>),
 }
 
 /// The per-forward device buffers, sized for `t_max` tokens of `k` choices.
@@ -217,6 +227,7 @@ struct Scratch {
     cursor: CudaSlice<u32>,
     row_of: CudaSlice<i32>,
     xs: CudaSlice<u8>,
+    q13: CudaSlice<u8>,
     s13: CudaSlice<f32>,
     h13: CudaSlice<u8>,
     a: CudaSlice<u8>,
@@ -384,11 +395,31 @@ impl GpuLayer {
         let (h, i) = (u32_of(ops.h, "H")?, u32_of(ops.i, "I")?);
         let slots = u32_of(ops.slots, "slots")?;
         let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
+        // The scatter quantizes rows it can hold in registers; longer rows are gathered in bf16
+        // and quantized apart.
+        let on_the_fly = h <= MAX_HIDDEN_E4M3;
         let (feed13, gather) = match &ops.feed13 {
             Feed::Bf16 => (Feed13::Bf16, Gather::Bf16),
-            Feed::PerToken => (Feed13::E4m3(None), Gather::PerToken),
-            Feed::PerTokenGroup128 => (Feed13::E4m3(None), Gather::Group128),
-            Feed::Static { values: v, .. } => (Feed13::E4m3(Some(up(v)?)), Gather::Static),
+            Feed::PerToken if on_the_fly => (Feed13::E4m3(None), Gather::PerToken),
+            Feed::PerTokenGroup128 if on_the_fly => (Feed13::E4m3(None), Gather::Group128),
+            Feed::Static { values: v, .. } if on_the_fly => {
+                (Feed13::E4m3(Some(up(v)?)), Gather::Static)
+            }
+            Feed::PerToken => (
+                Feed13::Dynamic(ActQuant::load(dev, Mode::PerToken, h)?),
+                Gather::Bf16,
+            ),
+            Feed::PerTokenGroup128 => (
+                Feed13::Dynamic(ActQuant::load(dev, Mode::PerGroup128, h)?),
+                Gather::Bf16,
+            ),
+            Feed::Static { values: v, .. } => (
+                Feed13::Static(
+                    MoeAct::load(dev, ActIn::Bf16, ActOut::StaticRow, h)?,
+                    up(v)?,
+                ),
+                Gather::Bf16,
+            ),
         };
         let out2 = match &ops.feed2 {
             Feed::Bf16 => ActOut::Bf16,
@@ -463,6 +494,12 @@ impl GpuLayer {
     /// kernel): see [`GpuLayer::with_fusion`].
     pub fn fused(&self) -> bool {
         self.act.is_none()
+    }
+
+    /// Whether the first GEMM's E4M3 rows are made by a kernel of their own (rows longer than the
+    /// quantizing scatter takes), not by the permute.
+    pub fn quantized_apart(&self) -> bool {
+        matches!(self.feed13, Feed13::Dynamic(_) | Feed13::Static(..))
     }
 
     /// The placement the layer's buffers hold.
@@ -540,7 +577,7 @@ impl GpuLayer {
                     add(g.device_ptr(st).0, g.len());
                 }
             }
-            if let Feed13::E4m3(Some(v)) = &self.feed13 {
+            if let Feed13::E4m3(Some(v)) | Feed13::Static(_, v) = &self.feed13 {
                 add(v.device_ptr(st).0, 4 * v.len());
             }
             if let Some(v) = &self.static2 {
@@ -637,6 +674,8 @@ impl GpuLayer {
             row_of: z!(i32, n),
             // (bf16 rows, or the E4M3 codes the permute writes)
             xs: z!(u8, self.permute.launch().gathered_row_bytes() * n),
+            // (the codes of rows quantized apart)
+            q13: z!(u8, if self.quantized_apart() { n * h } else { 1 }),
             s13: z!(f32, s13_len),
             // (the fused path writes `a` directly: no `w13_out`)
             h13: z!(u8, if self.fused() { 1 } else { 4 * n * 2 * i }),
@@ -754,7 +793,7 @@ impl GpuLayer {
             scales: quantized.then_some(&mut s.s13),
             static_scales: match &self.feed13 {
                 Feed13::E4m3(v) => v.as_ref(),
-                Feed13::Bf16 => None,
+                _ => None,
             },
             pos_of: &mut s.pos_of,
         };
@@ -769,7 +808,23 @@ impl GpuLayer {
             } else {
                 "permute"
             })?;
-            let x13: &CudaSlice<u8> = &s.xs;
+            let x13: &CudaSlice<u8> = match &self.feed13 {
+                Feed13::Bf16 | Feed13::E4m3(_) => &s.xs,
+                Feed13::Dynamic(q) => {
+                    q.run(dev, &s.xs, &mut s.q13, &mut s.s13, n)?;
+                    &s.q13
+                }
+                Feed13::Static(q, values) => {
+                    self.combine.row_scales(
+                        dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s13, r, n,
+                    )?;
+                    q.run(dev, &s.xs, &mut s.q13, Some(&mut s.s13), &s.offsets, r, n)?;
+                    &s.q13
+                }
+            };
+            if matches!(self.feed13, Feed13::Dynamic(_) | Feed13::Static(..)) {
+                mark("quantize x")?;
+            }
             let scaled13 = self.w13.scaling.takes_x_scale();
             let g13 = self
                 .gemms
@@ -863,8 +918,11 @@ impl GpuLayer {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
             let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match (which, &self.feed13) {
-                (13, _) => (
-                    &s.xs,
+                (13, f) => (
+                    match f {
+                        Feed13::Dynamic(_) | Feed13::Static(..) => &s.q13,
+                        _ => &s.xs,
+                    },
                     // Fused: the first GEMM writes `a`.
                     if fused { &mut s.a } else { &mut s.h13 },
                 ),

@@ -74,21 +74,24 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         .collect()
 }
 
+/// The widest token tile the untuned default takes: on the H200 the register-A families' 256-token
+/// tile was never the tuner's choice (run 32: 128 tokens won at 2048 tokens for every recipe).
+const DEFAULT_MAX_TOKEN_TILE: u32 = 128;
+
 /// The default candidate for `rows` token rows over `active` experts that received any (the
 /// untuned choice): decode with the smallest token tile that holds the mean rows per active expert
-/// (up to 64, or 256 for the register-A families' wide tiles), else the first prefill candidate
-/// (else, for a family with none, the widest decode tile).
+/// (up to 64, or 128 for the register-A families' wide tiles), else the first prefill candidate
+/// (else, for a family with none, the widest decode tile up to 128 tokens).
 pub fn default_choice(all: &[WsConfig], rows: usize, active: usize) -> Option<&WsConfig> {
     let mean = rows.div_ceil(active.max(1));
-    all.iter()
-        .filter(|c| c.swap_ab && c.split_k == 1)
+    let decode = || {
+        all.iter()
+            .filter(|c| c.swap_ab && c.split_k == 1 && c.bn <= DEFAULT_MAX_TOKEN_TILE)
+    };
+    decode()
         .find(|c| c.bn as usize >= mean)
         .or_else(|| all.iter().find(|c| !c.swap_ab))
-        .or_else(|| {
-            all.iter()
-                .filter(|c| c.swap_ab && c.split_k == 1)
-                .max_by_key(|c| c.bn)
-        })
+        .or_else(|| decode().max_by_key(|c| c.bn))
 }
 
 /// The shape bucket of `rows` token rows (what tuning results are keyed by): the next power of two.
@@ -144,8 +147,9 @@ mod tests {
         // With no prefill candidate, the default is the decode tile that holds the rows, else
         // the widest.
         assert_eq!(default_choice(&all, 100 * 8, 8).unwrap().bn, 128);
-        assert_eq!(default_choice(&all, 200 * 8, 8).unwrap().bn, 256);
-        assert_eq!(default_choice(&all, 10_000, 1).unwrap().bn, 256);
+        // Past 128 rows an expert, still 128 (the 256-token tile is the tuner's to pick).
+        assert_eq!(default_choice(&all, 200 * 8, 8).unwrap().bn, 128);
+        assert_eq!(default_choice(&all, 10_000, 1).unwrap().bn, 128);
         // The wide tiles are the register-A families' only.
         for (o, s) in [
             (Operands::Bf16, Scaling::None),
