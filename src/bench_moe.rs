@@ -82,7 +82,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         // 4-bit weights: group scales of 0x3c bytes (an E4M3 1.5, an E8M0 2^-67, bf16 2^-7).
         group_scales: match operands {
             Operands::W4Bf16(w) => {
-                vec![0x3c; experts * k.div_ceil(w.group as usize) * n * w.scale.bytes() as usize]
+                vec![0x3c; w.group_scale_bytes(experts, n, k)]
             }
             _ => Vec::new(),
         },

@@ -487,7 +487,7 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                         }
                         (Operands::W4Bf16(w4), _) => {
                             let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
-                            let groups = k.div_ceil(w4.group as usize);
+                            let groups = w4.groups(k);
                             let sb = w4.scale.bytes() as usize;
                             Ok((0..n)
                                 .map(|j| {
@@ -632,11 +632,7 @@ fn run_one(
             w: &data.w8[..e * n * k / 2],
             x_scale,
             w_scale,
-            group_scales: group_scales(
-                rng,
-                w4,
-                e * k.div_ceil(w4.group as usize) * n * w4.scale.bytes() as usize,
-            ),
+            group_scales: group_scales(rng, w4, w4.group_scale_bytes(e, n, k)),
         },
     };
     let mut starts = vec![0usize];
@@ -862,10 +858,9 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
         // 4-bit weights: their group scales (0x3c: an E4M3 1.5, E8M0 2^-67, bf16 pairs of 2^-7),
         // counted in the bytes streamed.
         let dgs = match operands {
-            Operands::W4Bf16(w4) => Some(upload(
-                dev,
-                &vec![0x3cu8; e * k.div_ceil(w4.group as usize) * n * w4.scale.bytes() as usize],
-            )?),
+            Operands::W4Bf16(w4) => {
+                Some(upload(dev, &vec![0x3cu8; w4.group_scale_bytes(e, n, k)])?)
+            }
             _ => None,
         };
         let wbytes = wbytes + dgs.as_ref().map_or(0, |g| g.len());

@@ -132,7 +132,7 @@ impl GemmWeights {
         };
         let group_scales = match self.operands {
             Operands::W4Bf16(w) => {
-                let groups = self.k.div_ceil(w.group as usize);
+                let groups = w.groups(self.k);
                 permute(&self.group_scales, slots * groups)?
             }
             _ => self.group_scales.clone(),

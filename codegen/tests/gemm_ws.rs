@@ -1310,3 +1310,16 @@ fn the_paired_row_order_is_a_bijection() {
         }
     }
 }
+
+/// The 4-bit formats' group counts and group-scale sizes (`[E, ceil(K / group), N]`).
+#[test]
+fn four_bit_group_scales_have_their_sizes() {
+    use moeforge_codegen::gemm::ws::W4;
+    assert_eq!(W4::NVFP4.groups(7168), 448);
+    assert_eq!(W4::MXFP4.groups(7168), 224);
+    assert_eq!(W4::INT4_G128.groups(7168), 56);
+    assert_eq!(W4::INT4_G128.groups(7169), 57);
+    assert_eq!(W4::NVFP4.group_scale_bytes(32, 4096, 7168), 32 * 448 * 4096);
+    assert_eq!(W4::INT4_G128.group_scale_bytes(2, 16, 256), 2 * 2 * 16 * 2);
+    assert_eq!(W4::MXFP4.group_scale_bytes(0, 16, 256), 0);
+}

@@ -266,8 +266,8 @@ impl GroupedGemm {
         // 4-bit weights' group scales: `[experts, K / group, N]`.
         let group_scales = match (cfg.operands, op.group_scales) {
             (Operands::W4Bf16(w4), Some(gs)) => {
-                let groups = k.div_ceil(w4.group as usize);
-                let want = e * groups * n * w4.scale.bytes() as usize;
+                let groups = w4.groups(k);
+                let want = w4.group_scale_bytes(e, n, k);
                 if gs.len() < want {
                     return Err(short("group_scales", gs.len(), want));
                 }

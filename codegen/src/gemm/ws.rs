@@ -165,6 +165,22 @@ impl W4 {
         k.is_multiple_of(64) && (n * self.scale.bytes() as u64).is_multiple_of(16)
     }
 
+    /// Scale groups along `K = k`: `ceil(k / group)` (a group of 0 counts as 1).
+    pub const fn groups(self, k: usize) -> usize {
+        let g = if self.group == 0 {
+            1
+        } else {
+            self.group as usize
+        };
+        k.div_ceil(g)
+    }
+
+    /// Bytes of the group scales of `experts` weights of `N x K` (`[experts, ceil(K / group),
+    /// N]`, each scale [`GroupScale::bytes`]).
+    pub const fn group_scale_bytes(self, experts: usize, n: usize, k: usize) -> usize {
+        experts * self.groups(k) * n * self.scale.bytes() as usize
+    }
+
     /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
     pub const fn groups_per_ktile(self) -> u32 {
         // (A group of 0 is refused by the configuration check; 1 here, no division by zero.)
