@@ -31,12 +31,7 @@ pub(super) fn load_values(
         ActIn::SiluMul => {
             let base = g.offset(src_row, 32 * chunk_off);
             let vals: [Reg; 16] = std::array::from_fn(|_| g.f32());
-            if let Some((p, lab)) = &skip {
-                for &v in &vals {
-                    g.mov(v, Operand::F32(0.0));
-                }
-                g.bra(lab, Some((*p, true)));
-            }
+            skip_from(g, &skip, &vals, Operand::F32(0.0));
             for (q, words) in vals.chunks(4).enumerate() {
                 // Gate words 0..8 at +0 and +16, up words at +4W and +4W+16.
                 let off = if q < 2 {
@@ -51,9 +46,7 @@ pub(super) fn load_values(
                     addr: a,
                 });
             }
-            if let Some((_, lab)) = &skip {
-                g.label(lab);
-            }
+            skip_to(g, &skip);
             let mut out = [vals[0]; 8];
             for (c, o) in out.iter_mut().enumerate() {
                 *o = g.silu_mul(vals[c], vals[8 + c]);
@@ -63,20 +56,13 @@ pub(super) fn load_values(
         ActIn::Bf16 => {
             let a = g.offset(src_row, 16 * chunk_off);
             let words = [g.r32(), g.r32(), g.r32(), g.r32()];
-            if let Some((p, lab)) = &skip {
-                for &v in &words {
-                    g.mov(v, Operand::Int(0));
-                }
-                g.bra(lab, Some((*p, true)));
-            }
+            skip_from(g, &skip, &words, Operand::Int(0));
             g.b.push(Inst::LdV {
                 nc: true,
                 words: words.to_vec(),
                 addr: a,
             });
-            if let Some((_, lab)) = &skip {
-                g.label(lab);
-            }
+            skip_to(g, &skip);
             let mut out = [words[0]; 8];
             for (k, &wd) in words.iter().enumerate() {
                 let lo = g.bin(BinOpcode::Shl, PtxTy::B32, wd, Operand::Int(16));
@@ -86,6 +72,24 @@ pub(super) fn load_values(
             }
             out
         }
+    }
+}
+
+/// The start of a chunk's guarded loads: with a guard `(valid, label)`, `regs` get `zero` and the
+/// thread branches to `label` where `valid` is false ([`skip_to`] places the label).
+fn skip_from(g: &mut G, skip: &Option<(Reg, String)>, regs: &[Reg], zero: Operand) {
+    if let Some((p, lab)) = skip {
+        for &v in regs {
+            g.mov(v, zero);
+        }
+        g.bra(lab, Some((*p, true)));
+    }
+}
+
+/// The end of a chunk's guarded loads: the guard's label.
+fn skip_to(g: &mut G, skip: &Option<(Reg, String)>) {
+    if let Some((_, lab)) = skip {
+        g.label(lab);
     }
 }
 
