@@ -2,7 +2,7 @@
 //! (`codegen::moe::act` and `codegen::moe::combine`, run by `runtime::moe_kernels`) on the GPU
 //! against their host references, from a fresh seed (printed).
 //!
-//! * The activation kernel, every (input, output) pair at W in {8, 768, 2048} and `max_rows` in
+//! * The activation kernel, every (input, output) pair at W in {8, 768, 2048, 7168, 14336} and `max_rows` in
 //!   {1, 37, 300}, with row offsets over 4 slots whose total is below `max_rows` (but for one row):
 //!   rows past the total, and their scales, must keep the poison written first. Bf16 input: codes,
 //!   bf16 and scales bit for bit. SiluMul input (the kernel's `ex2.approx` against the host's
@@ -31,7 +31,9 @@ use crate::selftest_util::{fresh_seed, hopper, Rng};
 use crate::Result;
 
 /// Widths of the activation checks.
-const WIDTHS: [usize; 3] = [8, 768, 2048];
+/// The widths: one chunk of 8 a thread up to 2048; 7168 and 14336 give a thread 2 and 4 chunks
+/// (the last one guarded), the per-group order of several chunks a thread.
+const WIDTHS: [usize; 5] = [8, 768, 2048, 7168, 14336];
 /// `max_rows` of the activation checks.
 const ROWS: [usize; 3] = [1, 37, 300];
 /// Slots of the activation checks' offsets.
