@@ -10,7 +10,9 @@
 //! Per-step times are the medians of the events between steps. The same forward is then captured
 //! in a CUDA graph ([`GpuLayer::capture`]) and replayed as many times, each after the flush: the
 //! "graph us" column, the time a serving engine that replays graphs sees (the launches' gaps
-//! shrink; the kernels are the same). Reported: microseconds,
+//! shrink; the kernels are the same). Against ANCHORS.md: vLLM's recorded w13 GEMM (tuned Triton,
+//! one GEMM, not a layer) over our w13 step, the fused one where the layer fuses SiLU*up (so the
+//! ratio is conservative for us). Reported: microseconds,
 //! TFLOP/s (`6 * T * k * H * I` flops), weight TB/s (the bytes of the experts that received rows:
 //! w13, w2 and their scales, once each), and the roofline share `max(bytes / 4.22 TB/s, flops /
 //! dense ceiling) / time`.
@@ -144,8 +146,26 @@ struct Row {
     weight_tbps: f64,
     roofline: f64,
     torch_us: Option<f64>,
+    /// vLLM's tuned Triton w13 GEMM as ANCHORS.md records it (its fp8 figure for the FP8
+    /// recipes, its bf16 figure for the others), where it has the case.
+    vllm_w13_us: Option<f64>,
     /// The tuned GEMM variants (w13 / w2).
     variants: String,
+}
+
+impl Row {
+    /// Our w13 step (the fused `w13 GEMM + silu * up` where the layer fuses it).
+    fn w13_us(&self) -> Option<f64> {
+        self.steps
+            .iter()
+            .find(|(name, _)| name.starts_with("w13"))
+            .map(|&(_, us)| us)
+    }
+
+    /// vLLM's recorded w13 GEMM over our w13 step (above 1: ours is faster).
+    fn vllm_ratio(&self) -> Option<f64> {
+        Some(self.vllm_w13_us? / self.w13_us()?)
+    }
 }
 
 fn bytes_per_expert(recipe: Recipe, h: usize, i: usize) -> u64 {
@@ -403,6 +423,7 @@ pub fn run(opts: &Options) -> Result<String> {
                             weight_tbps: bytes / us / 1e6,
                             roofline: t_bw.max(t_fl) / us,
                             torch_us: None,
+                            vllm_w13_us: crate::bench_gemm::vllm_us(model.name, tokens, recipe),
                             variants,
                         });
                     }
@@ -437,9 +458,12 @@ pub fn run(opts: &Options) -> Result<String> {
     let _ = writeln!(report, "{about}");
     let _ = writeln!(
         report,
-        "| model | recipe | tokens | us | graph us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | steps (us) | GEMMs (tuned) |"
+        "| model | recipe | tokens | us | graph us | TFLOP/s | weight TB/s | % roofline | torch bf16 layer us | torch/ours | vLLM w13 us (ANCHORS.md) | vLLM w13 / our w13 | steps (us) | GEMMs (tuned) |"
     );
-    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        report,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for r in &rows {
         let steps: Vec<String> = r
             .steps
@@ -448,7 +472,7 @@ pub fn run(opts: &Options) -> Result<String> {
             .collect();
         let _ = writeln!(
             report,
-            "| {} | {} | {} | {:.1} | {} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} | {} | {} |",
             r.model,
             r.recipe.name(),
             r.tokens,
@@ -460,6 +484,8 @@ pub fn run(opts: &Options) -> Result<String> {
             r.torch_us.map_or("-".into(), |t| format!("{t:.1}")),
             r.torch_us
                 .map_or("-".into(), |t| format!("{:.2}", t / r.us)),
+            r.vllm_w13_us.map_or("-".into(), |v| format!("{v:.1}")),
+            r.vllm_ratio().map_or("-".into(), |x| format!("{x:.2}")),
             steps.join(", "),
             r.variants
         );
@@ -490,6 +516,7 @@ pub fn run(opts: &Options) -> Result<String> {
                 "graph_us": r.graph_us,
                 "tflops": r.tflops, "weight_tbps": r.weight_tbps, "roofline": r.roofline,
                 "torch_us": r.torch_us, "variants": r.variants,
+                "vllm_w13_us": r.vllm_w13_us, "w13_us": r.w13_us(),
                 "steps": r.steps.iter().map(|(n, us)| json!({"step": n, "us": us})).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         });
@@ -501,4 +528,60 @@ pub fn run(opts: &Options) -> Result<String> {
         )));
     }
     Ok(report)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn row(steps: Steps, vllm: Option<f64>) -> Row {
+        Row {
+            model: "deepseek-v3-ep8",
+            recipe: Recipe::Bf16,
+            tokens: 1,
+            us: 200.0,
+            graph_us: None,
+            steps,
+            tflops: 0.0,
+            weight_tbps: 0.0,
+            roofline: 0.0,
+            torch_us: None,
+            vllm_w13_us: vllm,
+            variants: String::new(),
+        }
+    }
+
+    /// The vLLM ratio divides ANCHORS.md's w13 GEMM by our w13 step, fused or not, and is absent
+    /// without either.
+    #[test]
+    fn the_vllm_ratio_reads_our_w13_step() {
+        let fused = row(
+            vec![
+                ("permute", 9.0),
+                ("w13 GEMM + silu * up", 122.3 / 2.0),
+                ("w2 GEMM", 60.0),
+            ],
+            Some(122.3),
+        );
+        assert_eq!(fused.w13_us(), Some(61.15));
+        assert!((fused.vllm_ratio().unwrap() - 2.0).abs() < 1e-12);
+        let plain = row(vec![("w13 GEMM", 70.0), ("silu * up", 5.0)], Some(72.0));
+        assert!((plain.vllm_ratio().unwrap() - 72.0 / 70.0).abs() < 1e-12);
+        assert_eq!(row(vec![("w13 GEMM", 70.0)], None).vllm_ratio(), None);
+        assert_eq!(row(vec![("w2 GEMM", 70.0)], Some(1.0)).vllm_ratio(), None);
+        // ANCHORS.md's rows: bf16 and fp8 figures by recipe, none off the table.
+        assert_eq!(
+            crate::bench_gemm::vllm_us("deepseek-v3-ep8", 1, Recipe::Bf16),
+            Some(122.3)
+        );
+        assert_eq!(
+            crate::bench_gemm::vllm_us("deepseek-v3-ep8", 1, Recipe::Fp8Block128),
+            Some(72.0)
+        );
+        assert_eq!(
+            crate::bench_gemm::vllm_us("deepseek-v3-ep8", 3, Recipe::Bf16),
+            None
+        );
+    }
 }
