@@ -132,7 +132,8 @@ enum Command {
         gemm: bool,
         /// Only the MoE layer benchmark (with --gpu): the whole forward (permute, both GEMMs,
         /// SiLU*up, combine) per model, recipe and token count, with torch's bf16 layer measured
-        /// in the same call (--anchor, default scripts/moe_anchor.py).
+        /// in the same call (--anchor, default scripts/moe_anchor.py). `--gpu --model M` without
+        /// --gemm runs it too.
         #[arg(long, conflicts_with_all = ["layouts", "eplb", "gemm"])]
         moe: bool,
         /// GEMM and MoE: qwen3-30b-a3b, deepseek-v3-ep8, mixtral-8x7b or all (default: all).
@@ -815,6 +816,8 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             no_anchor,
             plot,
         } => {
+            // `bench --gpu --model M` alone is the MoE layer benchmark (issue [9]'s form).
+            let moe = moe || (model.is_some() && !gemm && !eplb && !layouts);
             if plot.is_some() && !moe {
                 return Err(moeforge::Error::Usage(
                     "--plot draws the MoE layer benchmark: pass --moe".into(),

@@ -26,8 +26,11 @@ fn bad_flags_are_refused_with_the_value_named() {
         err.contains("unknown --recipe `nvfp4`") && err.contains("weights_only"),
         "{err}"
     );
-    // GEMM flags without --gemm, --gemm without --gpu, --anchor with --no-anchor.
-    let (code, _, err) = run(&["bench", "--gpu", "--model", "mixtral-8x7b"]);
+    // GEMM flags without --gemm (but --model alone is the MoE layer benchmark), --gemm without
+    // --gpu, --anchor with --no-anchor.
+    let (code, _, err) = run(&["bench", "--gpu", "--tokens", "1,16"]);
+    assert_ne!(code, 0, "{err}");
+    let (code, _, err) = run(&["bench", "--gpu", "--eplb", "--model", "mixtral-8x7b"]);
     assert_ne!(code, 0, "{err}");
     let (code, _, err) = run(&["bench", "--host", "--gemm"]);
     assert_ne!(code, 0);
@@ -167,6 +170,23 @@ fn the_moe_layer_bench_flags() {
             "qwen3-30b-a3b",
             "--tokens",
             "1",
+            "--no-anchor",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"),
+            "{out}"
+        );
+        // Issue [9]'s form: `bench --gpu --model M` is the layer benchmark.
+        let (code, out, err) = run(&[
+            "bench",
+            "--gpu",
+            "--model",
+            "mixtral-8x7b",
+            "--tokens",
+            "1",
+            "--recipe",
+            "bf16",
             "--no-anchor",
         ]);
         assert_eq!(code, 0, "{err}");
