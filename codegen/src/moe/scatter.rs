@@ -536,6 +536,31 @@ mod tests {
         }
     }
 
+    /// The units' item arithmetic the kernel emits (`t = w / split`, `s = w - t split`, `per =
+    /// (k - s + split - 1) / split`, item `t k + s + u split` for `u < per`) claims every item
+    /// exactly once, for every split the launch may choose, with at most `k` claimers a unit.
+    #[test]
+    fn units_claim_every_item_once() {
+        for t in 0u32..40 {
+            for k in 1u32..=17 {
+                for split in 1..=k {
+                    let n = t * k;
+                    let mut hits = vec![0u8; n as usize];
+                    for w in 0..t * split {
+                        let tt = w / split;
+                        let s = w - tt * split;
+                        let per = (k - s + split - 1) / split;
+                        assert!(per >= 1 && per <= k);
+                        for u in 0..per {
+                            hits[(tt * k + s + u * split) as usize] += 1;
+                        }
+                    }
+                    assert!(hits.iter().all(|&h| h == 1), "t={t} k={k} split={split}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn quantizing_forms_refuse_rows_too_long_for_registers() {
         assert!(launch(MAX_HIDDEN, 8, Gather::Bf16).is_ok());
