@@ -549,8 +549,9 @@ mod tests {
                     for w in 0..t * split {
                         let tt = w / split;
                         let s = w - tt * split;
-                        let per = (k - s + split - 1) / split;
-                        assert!(per >= 1 && per <= k);
+                        // (The kernel's `(k - s + split - 1) / split`.)
+                        let per = (k - s).div_ceil(split);
+                        assert!((1..=k).contains(&per));
                         for u in 0..per {
                             hits[(tt * k + s + u * split) as usize] += 1;
                         }
