@@ -35,7 +35,7 @@ use crate::codegen::gemm::act_quant::Mode;
 use crate::codegen::gemm::tune;
 use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
-use crate::codegen::moe::permute::{Gather, MAX_HIDDEN_E4M3};
+use crate::codegen::moe::permute::{Gather, MAX_HIDDEN_E4M3, MAX_TOPK};
 use crate::codegen::reference as r;
 use crate::moe_gpu::{GemmWeights, LayerOperands};
 use crate::moe_host::{Feed, Forward, MoeError, Replicas, Tokens};
@@ -159,6 +159,24 @@ impl DevWeights {
                 ))
             })
     }
+}
+
+/// What the GPU layer takes of a batch of `t` tokens of `k` choices: at least one token and 1 to
+/// `permute::MAX_TOPK` choices (the scatter claims a token's items in one CTA). Errors:
+/// `InputShape` naming `topk_ids`. [`GpuLayer::upload`] checks it; `moe run --device gpu` checks
+/// it before a device is opened.
+pub fn check_batch(t: usize, k: usize) -> Result<()> {
+    if t == 0 || k == 0 || k > MAX_TOPK as usize {
+        return Err(MoeError::InputShape {
+            name: "topk_ids".into(),
+            want: format!(
+                "at least one token and 1 to {MAX_TOPK} choices (the GPU permute's claim)"
+            ),
+            got: vec![t, k],
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// The output type and epilogue of one of the layer's GEMMs (`w13` or not): the first GEMM fused
@@ -725,14 +743,7 @@ impl GpuLayer {
         self.check_usable()?;
         let (t, k, h, r) = (tokens.t, tokens.k, self.h, self.slots);
         tokens.check_lengths(h)?;
-        if t == 0 || k == 0 {
-            return Err(MoeError::InputShape {
-                name: "topk_ids".into(),
-                want: "at least one token and one choice".into(),
-                got: vec![t, k],
-            }
-            .into());
-        }
+        check_batch(t, k)?;
         let n = t * k;
         self.scratch(dev, t, k)?;
         let c13 = self.w13.variant(dev, &self.tuned, n, r)?;

@@ -428,6 +428,7 @@ pub fn run(opts: &RunOptions) -> Result<RunReport> {
         Device::Gpu => {
             // The ids are checked here as on the host (the device counts any it skips, too).
             moe_host::check_ids(&tokens, &replicas)?;
+            crate::moe_gpu_layer::check_batch(t, k)?;
             // The operands first: a recipe the GPU layer does not run is refused before a device
             // is opened.
             let ops = crate::moe_gpu::operands(&layer_ref)?;

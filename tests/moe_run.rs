@@ -639,6 +639,53 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
         "{err}"
     );
     assert!(!out.exists());
+    // A top-k past the GPU permute's 256 is refused by name before any device is opened (the host
+    // path takes it).
+    let wide = d.join("wide_k.safetensors");
+    {
+        let k = 257usize;
+        let mut t = BTreeMap::new();
+        t.insert(
+            "hidden_states".to_string(),
+            (Dtype::BF16, vec![1, H], bf16(&good.x[..H])),
+        );
+        t.insert(
+            "topk_ids".to_string(),
+            (Dtype::I32, vec![1, k], id_bytes(&vec![0; k])),
+        );
+        t.insert(
+            "topk_weights".to_string(),
+            (
+                Dtype::F32,
+                vec![1, k],
+                vec![0.0f32; k]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+        );
+        write_tensors(&wide, &t, None);
+    }
+    let (code, _, err) = run(&[
+        "moe",
+        "run",
+        packed.to_str().unwrap(),
+        "--inputs",
+        wide.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--device",
+        "gpu",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("topk_ids") && err.contains("1 to 256 choices"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let (code, _, err) = moe(&packed, &wide, &out, &[]);
+    assert_eq!(code, 0, "{err}");
+    std::fs::remove_file(&out).unwrap();
     // A layer the file does not have.
     let (code, _, err) = moe(&packed, &inp, &out, &["--layer", "7"]);
     assert_ne!(code, 0);
