@@ -635,26 +635,12 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
             "{recipe}: check accepts it"
         );
         // `gemm`: exit 1, the message on stderr, nothing written.
-        let dir = tempfile::tempdir().unwrap();
-        let target = dir.path().join("gemm.ptx");
-        let (code, out, err) = run(&[
-            "compile",
-            recipe,
-            "--bind",
-            bind,
-            "--kernels",
-            "gemm",
-            "-o",
-            target.to_str().unwrap(),
-        ]);
-        assert_eq!(code, Some(1), "{recipe}");
-        assert!(out.is_empty());
+        let err = gemm_compile_refused(recipe, bind);
         assert!(err.contains(&format!("error: {want}")), "{recipe}: {err}");
         assert!(
             err.contains("`w13_weight`") && err.contains("`w2_weight`"),
             "{err}"
         );
-        assert!(!target.exists());
         // `all`: the pack kernels, exit 0, the same message as a note.
         let (code, all, err) = run(&["compile", recipe, "--bind", bind, "--kernels", "all"]);
         assert_eq!(code, Some(0), "{recipe}: {err}");
@@ -833,10 +819,18 @@ fn a_recipe_without_hopper_bindings_gets_no_hopper_gemm() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("no_sm90.recipe");
     std::fs::write(&path, &src).unwrap();
+    let err = gemm_compile_refused(path.to_str().unwrap(), bind);
+    assert!(err.contains("no `on sm_90a` kernel binding"), "{err}");
+}
+
+/// `compile RECIPE --bind BIND --kernels gemm -o FILE` refused: exit 1, nothing on stdout, no file
+/// written. Its stderr.
+fn gemm_compile_refused(recipe: &str, bind: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
     let target = dir.path().join("gemm.ptx");
-    let (code, _, err) = run(&[
+    let (code, out, err) = run(&[
         "compile",
-        path.to_str().unwrap(),
+        recipe,
         "--bind",
         bind,
         "--kernels",
@@ -844,9 +838,10 @@ fn a_recipe_without_hopper_bindings_gets_no_hopper_gemm() {
         "-o",
         target.to_str().unwrap(),
     ]);
-    assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("no `on sm_90a` kernel binding"), "{err}");
-    assert!(!target.exists());
+    assert_eq!(code, Some(1), "{recipe}: {err}");
+    assert!(out.is_empty(), "{recipe}: {out}");
+    assert!(!target.exists(), "{recipe}");
+    err
 }
 
 /// NVFP4's Hopper GEMMs read the decode scale too (the layer folds `*_weight_scale_2` into each
