@@ -160,39 +160,32 @@ fn the_moe_layer_bench_flags() {
     assert_ne!(code, 0, "{err}");
     let (code, _, err) = run(&["bench", "--gpu", "--tokens", "8"]);
     assert_ne!(code, 0, "{err}");
-    // Without a GPU (CI) it says that it skipped and succeeds.
+    // Without a GPU (CI) it says that it skipped and succeeds; `bench --gpu --model M` (issue
+    // [9]'s form) is the layer benchmark too.
     if !moeforge::runtime::device::driver_present() {
-        let (code, out, err) = run(&[
-            "bench",
-            "--gpu",
-            "--moe",
-            "--model",
-            "qwen3-30b-a3b",
-            "--tokens",
-            "1",
-            "--no-anchor",
-        ]);
-        assert_eq!(code, 0, "{err}");
-        assert!(
-            out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"),
-            "{out}"
-        );
-        // Issue [9]'s form: `bench --gpu --model M` is the layer benchmark.
-        let (code, out, err) = run(&[
-            "bench",
-            "--gpu",
-            "--model",
-            "mixtral-8x7b",
-            "--tokens",
-            "1",
-            "--recipe",
-            "bf16",
-            "--no-anchor",
-        ]);
-        assert_eq!(code, 0, "{err}");
-        assert!(
-            out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"),
-            "{out}"
-        );
+        let forms: [&[&str]; 2] = [
+            &["--moe", "--model", "qwen3-30b-a3b", "--tokens", "1"],
+            &[
+                "--model",
+                "mixtral-8x7b",
+                "--tokens",
+                "1",
+                "--recipe",
+                "bf16",
+            ],
+        ];
+        for form in forms {
+            let args: Vec<&str> = ["bench", "--gpu"]
+                .into_iter()
+                .chain(form.iter().copied())
+                .chain(["--no-anchor"])
+                .collect();
+            let (code, out, err) = run(&args);
+            assert_eq!(code, 0, "{args:?}: {err}");
+            assert!(
+                out.starts_with("SKIPPED: the MoE layer benchmark needs a CUDA GPU"),
+                "{args:?}: {out}"
+            );
+        }
     }
 }
