@@ -772,7 +772,7 @@ impl GpuLayer {
         let Some(Current { t, k, c13, c2 }) = self.current else {
             return Err(Error::Usage("MoE layer: enqueue before upload".into()));
         };
-        let (n, r, fused) = (t * k, self.slots, self.fused());
+        let (n, r, fused, apart) = (t * k, self.slots, self.fused(), self.quantized_apart());
         let Some(s) = self.scratch.as_mut() else {
             return Err(Error::Usage("MoE layer: no scratch".into()));
         };
@@ -833,7 +833,7 @@ impl GpuLayer {
                     &s.q13
                 }
             };
-            if matches!(self.feed13, Feed13::Dynamic(_) | Feed13::Static(..)) {
+            if apart {
                 mark("quantize x")?;
             }
             let scaled13 = self.w13.scaling.takes_x_scale();
@@ -910,7 +910,12 @@ impl GpuLayer {
         let Some(cur) = self.current else {
             return Err(Error::Usage("MoE layer: tune before upload".into()));
         };
-        let (n, r, fused) = (cur.t * cur.k, self.slots, self.fused());
+        let (n, r, fused, apart) = (
+            cur.t * cur.k,
+            self.slots,
+            self.fused(),
+            self.quantized_apart(),
+        );
         let all13 = self.w13.candidates();
         let all2 = self.w2.candidates();
         for c in all13.iter().chain(&all2) {
@@ -928,12 +933,9 @@ impl GpuLayer {
             } else {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
-            let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match (which, &self.feed13) {
-                (13, f) => (
-                    match f {
-                        Feed13::Dynamic(_) | Feed13::Static(..) => &s.q13,
-                        _ => &s.xs,
-                    },
+            let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match which {
+                13 => (
+                    if apart { &s.q13 } else { &s.xs },
                     // Fused: the first GEMM writes `a`.
                     if fused { &mut s.a } else { &mut s.h13 },
                 ),
