@@ -161,6 +161,19 @@ impl DevWeights {
     }
 }
 
+/// The rows the layer's permute gathers for a first GEMM fed `feed` at hidden size `h`: bf16 for
+/// a bf16 feed; E4M3 quantized in the scatter (per token, per 1x128 group, static) where the row
+/// fits its registers (`h` at most `permute::MAX_HIDDEN_E4M3`); else bf16, quantized apart.
+pub fn gather_for(feed: &Feed, h: u32) -> Gather {
+    match feed {
+        _ if h > MAX_HIDDEN_E4M3 => Gather::Bf16,
+        Feed::Bf16 => Gather::Bf16,
+        Feed::PerToken => Gather::PerToken,
+        Feed::PerTokenGroup128 => Gather::Group128,
+        Feed::Static { .. } => Gather::Static,
+    }
+}
+
 /// What the GPU layer takes of a batch of `t` tokens of `k` choices: at least one token and 1 to
 /// `permute::MAX_TOPK` choices (the scatter claims a token's items in one CTA). Errors:
 /// `InputShape` naming `topk_ids`. [`GpuLayer::upload`] checks it; `moe run --device gpu` checks
@@ -415,29 +428,28 @@ impl GpuLayer {
         let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(drv("cuMemcpyHtoD"));
         // The scatter quantizes rows it can hold in registers; longer rows are gathered in bf16
         // and quantized apart.
-        let on_the_fly = h <= MAX_HIDDEN_E4M3;
-        let (feed13, gather) = match &ops.feed13 {
-            Feed::Bf16 => (Feed13::Bf16, Gather::Bf16),
-            Feed::PerToken if on_the_fly => (Feed13::E4m3(None), Gather::PerToken),
-            Feed::PerTokenGroup128 if on_the_fly => (Feed13::E4m3(None), Gather::Group128),
-            Feed::Static { values: v, .. } if on_the_fly => {
-                (Feed13::E4m3(Some(up(v)?)), Gather::Static)
+        let gather = gather_for(&ops.feed13, h);
+        let (feed13, gather) = match (&ops.feed13, gather) {
+            (_, Gather::PerToken | Gather::Group128) => (Feed13::E4m3(None), gather),
+            (Feed::Static { values: v, .. }, Gather::Static) => {
+                (Feed13::E4m3(Some(up(v)?)), gather)
             }
-            Feed::PerToken => (
+            (Feed::PerToken, _) => (
                 Feed13::Dynamic(ActQuant::load(dev, Mode::PerToken, h)?),
-                Gather::Bf16,
+                gather,
             ),
-            Feed::PerTokenGroup128 => (
+            (Feed::PerTokenGroup128, _) => (
                 Feed13::Dynamic(ActQuant::load(dev, Mode::PerGroup128, h)?),
-                Gather::Bf16,
+                gather,
             ),
-            Feed::Static { values: v, .. } => (
+            (Feed::Static { values: v, .. }, _) => (
                 Feed13::Static(
                     MoeAct::load(dev, ActIn::Bf16, ActOut::StaticRow, h)?,
                     up(v)?,
                 ),
-                Gather::Bf16,
+                gather,
             ),
+            (Feed::Bf16, _) => (Feed13::Bf16, gather),
         };
         let out2 = match &ops.feed2 {
             Feed::Bf16 => ActOut::Bf16,
@@ -1153,6 +1165,30 @@ pub fn forward(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// The verifier and the permute generator agree: at every hidden size the bf16 permute takes
+    /// (a multiple of 8 up to `permute::MAX_HIDDEN`), for every feed, the gather the layer picks
+    /// generates; quantizing ones up to `MAX_HIDDEN_E4M3`, bf16 past it.
+    #[test]
+    fn every_hidden_size_gets_a_permute_for_every_feed() {
+        use crate::codegen::moe::permute::{launch, MAX_HIDDEN};
+        let feeds = [
+            Feed::Bf16,
+            Feed::PerToken,
+            Feed::PerTokenGroup128,
+            Feed::Static {
+                param: "w13_input_scale".into(),
+                values: vec![1.0; 4],
+            },
+        ];
+        for h in (8..=MAX_HIDDEN).step_by(8) {
+            for f in &feeds {
+                let g = gather_for(f, h);
+                assert_eq!(g == Gather::Bf16, *f == Feed::Bf16 || h > MAX_HIDDEN_E4M3);
+                assert!(launch(h, 4, g).is_ok(), "H = {h}, {f:?}: {g:?}");
+            }
+        }
+    }
 
     /// The first GEMM fuses SiLU*up only where asked, fed bf16 after it, and its rows pair; the
     /// second never; the fused candidates keep whole groups of 16 weight rows per tile.
