@@ -189,7 +189,8 @@ enum Command {
         #[arg(long, requires = "gpu", conflicts_with_all = ["nccl", "gemm", "moe"])]
         kernels: bool,
         /// With --gemm: only the warp-specialized GEMM variants whose tag contains one of these
-        /// comma-separated pieces (e.g. `d1x128,d1x256`), without the v0 shapes and the timing.
+        /// comma-separated pieces (e.g. `d1x128,d2x256`), without the v0 shapes, the timing and
+        /// the layer's other kernels (so that a sanitizer run covers just those variants).
         #[arg(long, requires = "gemm", value_name = "TAGS")]
         only: Option<String>,
     },
@@ -959,11 +960,15 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 } else {
                     (String::new(), None)
                 };
-                let (a, aok) = moeforge::act_quant_check::selftest()?;
-                let (pm, pok) = moeforge::permute_check::selftest()?;
-                let (mk, mok) = moeforge::moe_kernels_check::selftest()?;
-                let both = moeforge::act_quant_check::both;
-                (g + &a + &pm + &mk, both(both(both(gok, aok), pok), mok))
+                if only.is_some() {
+                    (g, gok)
+                } else {
+                    let (a, aok) = moeforge::act_quant_check::selftest()?;
+                    let (pm, pok) = moeforge::permute_check::selftest()?;
+                    let (mk, mok) = moeforge::moe_kernels_check::selftest()?;
+                    let both = moeforge::act_quant_check::both;
+                    (g + &a + &pm + &mk, both(both(both(gok, aok), pok), mok))
+                }
             } else if moe {
                 moeforge::moe_gpu_check::selftest(quick, &settings)?
             } else if nccl {

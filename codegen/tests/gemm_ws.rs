@@ -594,8 +594,8 @@ fn count(text: &str, pat: &str) -> usize {
 fn check_structure(c: &WsConfig, text: &str) {
     let tag = c.tag();
     // Threads: the producer warpgroup and the consumers.
-    // (Register-sourced A: the consumers, then a producer warp.)
-    let threads = if c.operands.register_a() {
+    // (Register-sourced A with one consumer: the consumer, then a producer warp.)
+    let threads = if c.operands.register_a() && c.consumers == 1 {
         128 * c.consumers + 32
     } else {
         128 * (1 + c.consumers)
@@ -618,6 +618,7 @@ fn check_structure(c: &WsConfig, text: &str) {
         ),
     );
     let two = usize::from(c.consumers == 2);
+    assert_eq!(two == 1, c.reallocates_registers(), "{tag}");
     assert_eq!((dec, inc), (two, two), "{tag}");
     assert_eq!(count(text, "setmaxnreg"), 2 * two, "{tag}");
     // Parameters, in order.
@@ -679,10 +680,10 @@ fn check_structure(c: &WsConfig, text: &str) {
     } else {
         0
     };
-    // 4-bit weights: the k-tile's group scales of the tile's 64 rows, one 3-D box (a 64-deep
+    // 4-bit weights: the k-tile's group scales of the tile's 64 C rows, one 3-D box (a 64-deep
     // k-tile spans 64 / group groups, at least one).
     let group_tx = match c.operands {
-        Operands::W4Bf16(w) => (64 / w.group).max(1) * 64 * w.scale.bytes(),
+        Operands::W4Bf16(w) => (64 / w.group).max(1) * 64 * c.consumers * w.scale.bytes(),
         _ => 0,
     };
     assert_eq!(c.scale_tx_bytes(), block_tx + group_tx, "{tag}");
@@ -804,10 +805,16 @@ fn check_structure(c: &WsConfig, text: &str) {
     } else {
         (0, 0)
     };
-    // (Split-K adds the last-split flag's one shared store and one shared load.)
+    // (Split-K adds the last-split flag's one shared store and one shared load; int8 weights,
+    // the 16 fragment words of a k-tile.)
+    let i8_words = if c.operands == Operands::I8Bf16 {
+        16
+    } else {
+        0
+    };
     assert_eq!(
         count(text, "ld.shared.f32"),
-        shared + usize::from(c.split_k > 1),
+        shared + usize::from(c.split_k > 1) + i8_words,
         "{tag}"
     );
     assert_eq!(
@@ -1088,7 +1095,7 @@ fn four_bit_weights_feed_register_a_and_assemble() {
                 bn: 128,
                 ..ok
             },
-            "decode form",
+            "weights-on-A",
         ),
         (WsConfig { k: 7200, ..ok }, "K a multiple of 64"),
         (WsConfig { n: 4104, ..ok }, "N of 16"),
@@ -1165,7 +1172,7 @@ fn int8_weights_feed_register_a_and_assemble() {
         );
         assembles_clean(&text, &format!("i8_{bn}"));
     }
-    // Int8 weights only in the decode form with one consumer, and only with per-row scales.
+    // Int8 weights only in the swapped (weights-on-A) form, and only with per-row scales.
     let bad = WsConfig {
         operands: Operands::I8Bf16,
         scaling: Scaling::PerRow,
@@ -1185,6 +1192,83 @@ fn int8_weights_feed_register_a_and_assemble() {
         ..bad
     };
     assert!(ws::grouped_ws_module("x", &bad).is_err());
+}
+
+/// The register-A prefill form: two consumer warpgroups (128 weight rows) share each token tile
+/// of int8 or 4-bit weights. The CTA is a producer warpgroup and the two consumers (384 threads,
+/// registers moved by `setmaxnreg` as for the other families); each consumer reads its own 64 rows
+/// of codes and, for 4-bit weights, its rows' group scales in group rows of 128 scales; ptxas
+/// assembles every form with no spill and no serialization, fused SiLU included.
+#[test]
+fn register_a_weights_have_a_two_consumer_prefill_form() {
+    use ws::{GroupScale, W4Codes, W4};
+    let fams = [
+        (Operands::I8Bf16, Scaling::PerRow),
+        (Operands::W4Bf16(W4::NVFP4), Scaling::PerExpert),
+        (
+            Operands::W4Bf16(W4 {
+                codes: W4Codes::E2m1,
+                scale: GroupScale::E8m0,
+                group: 32,
+            }),
+            Scaling::PerExpert,
+        ),
+        (
+            Operands::W4Bf16(W4 {
+                codes: W4Codes::U4,
+                scale: GroupScale::Bf16,
+                group: 128,
+            }),
+            Scaling::PerExpert,
+        ),
+    ];
+    for (operands, scaling) in fams {
+        for (bn, epilogue, out) in [
+            (128u32, Epilogue::Store, OutTy::F32),
+            (256, Epilogue::Store, OutTy::Bf16),
+            (256, Epilogue::SiluMul, OutTy::Bf16),
+        ] {
+            let c = WsConfig {
+                operands,
+                scaling,
+                epilogue,
+                out,
+                consumers: 2,
+                bn,
+                stages: 4,
+                ..decode()
+            };
+            let tag = c.tag();
+            assert!(tag.contains(&format!("_d2x{bn}_s4")), "{tag}");
+            assert_eq!((c.tile_weights(), c.tile_tokens()), (128, bn), "{tag}");
+            assert_eq!(c.threads(), 384, "{tag}");
+            assert!(c.reallocates_registers() && !c.producer_warp(), "{tag}");
+            assert_eq!(c.a_stage_bytes(), 128 * c.a_row_bytes(), "{tag}");
+            let text = grouped_ws_module("k", &c).unwrap();
+            if epilogue == Epilogue::Store {
+                check_structure(&c, &text);
+            }
+            assert_eq!(count(&text, "setmaxnreg"), 2, "{tag}");
+            if let Operands::W4Bf16(w) = operands {
+                // Group `g`'s scales of the consumer's rows r and r + 8 at `g * 128 * bytes` and
+                // `+ 8 * bytes` (past the other consumer's rows, added to the thread's word).
+                let sb = w.scale.bytes();
+                let groups = 64u32.div_ceil(w.group);
+                assert_eq!(c.group_scale_bytes(), groups * 128 * sb, "{tag}");
+                for g in 0..groups {
+                    for off in [g * 128 * sb, g * 128 * sb + 8 * sb] {
+                        let at = format!("+{off}];");
+                        assert!(
+                            text.lines()
+                                .any(|l| l.contains("ld.shared.u32") && l.ends_with(&at)),
+                            "{tag}: group {g} at {off}"
+                        );
+                    }
+                }
+            }
+            assembles_clean(&text, &tag);
+        }
+    }
 }
 
 /// The fused SiLU epilogue (`Epilogue::SiluMul`): every fragment thread pairs its own gate and up

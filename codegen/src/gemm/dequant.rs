@@ -136,23 +136,40 @@ pub(crate) struct W4Frag {
     /// Byte offset of the thread's 8 bytes of its row `16 w + l / 4` in a stage's A (rows of 32
     /// bytes, the thread's at `8 (l & 3)`).
     row: Reg,
-    /// Byte offset of the aligned word holding the scale of row `16 w + l / 4` in a group's row
-    /// of the scale area.
+    /// Byte offset of the aligned word holding the scale of row `64 c + 16 w + l / 4` (consumer
+    /// `c`) in a group's row of the scale area.
     scale_word: Reg,
+    /// Bytes of one group's row of the scale area (the tile's weight rows' scales).
+    group_row: u32,
     /// `prmt` selector that gathers that row's scale (from the first word) and row + 8's (from the
     /// second) into the two halves (see [`w4_scales`]).
     scale_sel: Reg,
 }
 
-/// The per-thread constants for lane `lane` of warp `warp`, 4-bit format `w`.
-pub(crate) fn w4_frag(k: &mut K, w: W4, warp: Reg, lane: Reg) -> W4Frag {
+/// The per-thread constants for lane `lane` of warp `warp` of consumer `cwg`, 4-bit format `w`,
+/// in a tile of `tile_rows` weight rows (`64` per consumer).
+pub(crate) fn w4_frag(
+    k: &mut K,
+    w: W4,
+    warp: Reg,
+    lane: Reg,
+    (cwg, tile_rows): (Reg, u32),
+) -> W4Frag {
     let r = frag_row(k, warp, lane);
     let row = k.bin(BinOpcode::Shl, PtxTy::B32, r, Operand::Int(5));
     let c = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
     let c8 = k.bin(BinOpcode::Shl, PtxTy::B32, c, Operand::Int(3));
     k.bin_to(row, BinOpcode::Add, PtxTy::U32, row, Operand::Reg(c8));
     let sb = i64::from(w.scale.bytes());
-    let scale_word = k.bin(BinOpcode::MulLo, PtxTy::U32, r, Operand::Int(sb));
+    // The row in the tile (the consumer's 64 rows after the others'), for its scale.
+    let tr = if tile_rows > 64 {
+        let tr = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
+        k.bin_to(tr, BinOpcode::Add, PtxTy::U32, tr, Operand::Reg(r));
+        tr
+    } else {
+        r
+    };
+    let scale_word = k.bin(BinOpcode::MulLo, PtxTy::U32, tr, Operand::Int(sb));
     k.bin_to(
         scale_word,
         BinOpcode::And,
@@ -177,6 +194,7 @@ pub(crate) fn w4_frag(k: &mut K, w: W4, warp: Reg, lane: Reg) -> W4Frag {
         w,
         row,
         scale_word,
+        group_row: tile_rows * w.scale.bytes(),
         scale_sel,
     }
 }
@@ -196,7 +214,7 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
         k.b.push(Inst::LdSharedU32 {
             d,
             addr: at,
-            off: (gi * 64 * sb + off).into(),
+            off: (gi * fr.group_row + off).into(),
         });
         d
     });
@@ -240,9 +258,10 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
     }
 }
 
-/// The A registers of the four k16 steps of a 4-bit k-tile: A at shared address `a` (64 rows of
-/// 32 bytes in the kernel's order, [`crate::gemm::reference::w4_kernel_place`]), group scales at
-/// `scales` (`groups x 64` rows, group-major).
+/// The A registers of the four k16 steps of a 4-bit k-tile: A at shared address `a` (the
+/// consumer's 64 rows of 32 bytes in the kernel's order,
+/// [`crate::gemm::reference::w4_kernel_place`]), group scales at `scales` (`groups x 64 C` rows,
+/// group-major).
 ///
 /// Thread `c = l & 3` reads its 8 bytes of rows `r` and `r + 8` (one 8-byte load each): word `w`
 /// holds steps `2w` and `2w + 1`, and pair `p = 2 (s % 2) + h` of it (`a_j`: row `r + 8 (j & 1)`,

@@ -18,8 +18,10 @@
 //!   `1..=C` are consumers that share each tile; with two consumers the producer gives registers
 //!   back (`setmaxnreg.dec` to 40) and the consumers take them (`setmaxnreg.inc` to 232)
 //!   (cooperative): consumer `c` owns the A rows `64c .. 64c + 63` of the tile. With register-
-//!   sourced A (int8 and 4-bit weights, one consumer) the producer is instead one warp after the
-//!   consumer warpgroup (160 threads a CTA, so more CTAs fit an SM).
+//!   sourced A (int8 and 4-bit weights) and one consumer, the producer is instead one warp after
+//!   the consumer warpgroup (160 threads a CTA, so more CTAs fit an SM), and no registers move.
+//!   Their prefill form has two consumers (a producer warpgroup, cooperative as above) that share
+//!   each token tile, one dequantizing while the other's MMAs run.
 //! * **Tile scheduler**: persistent CTAs; CTA `b` takes tiles `b, b + G, b + 2G, ...` (`G` =
 //!   `%nctaid.x`) of the raster order (experts in order; inside an expert, groups of
 //!   [`WsConfig::raster_group`] weight tiles with the token tile major inside a group, for L2
@@ -411,10 +413,10 @@ impl WsConfig {
     }
 
     /// Bytes of a 4-bit tile's group scales in a stage (0 for other operands): the k-tile's
-    /// groups, each the tile's 64 weight rows (group-major, as the TMA box lands).
+    /// groups, each the tile's `64 C` weight rows (group-major, as the TMA box lands).
     pub const fn group_scale_bytes(&self) -> u32 {
         match self.operands {
-            Operands::W4Bf16(w) => w.groups_per_ktile() * 64 * w.scale.bytes(),
+            Operands::W4Bf16(w) => w.groups_per_ktile() * self.tile_weights() * w.scale.bytes(),
             _ => 0,
         }
     }
@@ -511,9 +513,9 @@ impl WsConfig {
         self.k.div_ceil(self.operands.bk())
     }
 
-    /// Threads per CTA: a producer warpgroup and the consumers, or for register-sourced A (int8
-    /// and 4-bit weights: one consumer, no `setmaxnreg`) the consumers first and a producer warp
-    /// after them ([`WsConfig::producer_warp`]).
+    /// Threads per CTA: a producer warpgroup and the consumers, or for register-sourced A with
+    /// one consumer (int8 and 4-bit weights, decode: no `setmaxnreg`) the consumer first and a
+    /// producer warp after it ([`WsConfig::producer_warp`]).
     pub const fn threads(&self) -> u32 {
         if self.producer_warp() {
             128 * self.consumers + 32
@@ -522,12 +524,22 @@ impl WsConfig {
         }
     }
 
-    /// Whether the producer is one warp after the consumer warpgroups (register-sourced A), not a
-    /// warpgroup before them: its other 96 threads would only hold registers, and a CTA of 160
-    /// threads leaves room for more CTAs per SM (a wgmma warpgroup must start at a warp index that
-    /// is a multiple of 4, hence the consumers first).
+    /// Whether the producer is one warp after the consumer warpgroup (register-sourced A, one
+    /// consumer), not a warpgroup before it: its other 96 threads would only hold registers, and a
+    /// CTA of 160 threads leaves room for more CTAs per SM (a wgmma warpgroup must start at a warp
+    /// index that is a multiple of 4, hence the consumer first). Two consumers take a producer
+    /// warpgroup and `setmaxnreg` as the other families do: with 9 warps, one of the SM's four
+    /// sub-partitions holds 3 of them in its quarter of the register file, so a thread gets at
+    /// most 168 registers (the driver's occupancy is 0 past it), where the 256-token tile needs
+    /// about 190.
     pub const fn producer_warp(&self) -> bool {
-        self.operands.register_a()
+        self.operands.register_a() && self.consumers == 1
+    }
+
+    /// Whether the producer warpgroup gives registers to the consumers (`setmaxnreg`): with two
+    /// consumers (and so a producer warpgroup).
+    pub const fn reallocates_registers(&self) -> bool {
+        self.consumers >= 2
     }
 
     /// The first thread of the producer.
@@ -673,10 +685,11 @@ impl WsConfig {
         match (self.operands, self.scaling) {
             (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
             (Operands::I8Bf16, Scaling::PerRow) => {
-                // The register-A form: decode (weights on A), one consumer, no split-K.
-                if !self.swap_ab || self.consumers != 1 || self.split_k != 1 {
+                // The register-A form: weights on A (one or two consumers' 64 rows each), no
+                // split-K.
+                if !self.swap_ab || self.split_k != 1 {
                     return bad(
-                        "int8 weights need the decode form with one consumer and no split-K".into(),
+                        "int8 weights need the swapped (weights-on-A) form with no split-K".into(),
                     );
                 }
                 // TMA: a code row's pitch (K bytes) is a multiple of 16 bytes.
@@ -688,10 +701,9 @@ impl WsConfig {
                 }
             }
             (Operands::W4Bf16(w), Scaling::PerExpert) => {
-                if !self.swap_ab || self.consumers != 1 || self.split_k != 1 {
+                if !self.swap_ab || self.split_k != 1 {
                     return bad(
-                        "4-bit weights need the decode form with one consumer and no split-K"
-                            .into(),
+                        "4-bit weights need the swapped (weights-on-A) form with no split-K".into(),
                     );
                 }
                 // A k16 step lies inside one group; a k-tile holds whole groups or lies inside one.
@@ -1109,7 +1121,7 @@ fn producer(
     empty: Reg,
     exit: &str,
 ) -> Result<()> {
-    if cfg.consumers >= 2 {
+    if cfg.reallocates_registers() {
         k.b.emit(AsyncOp::SetMaxNReg {
             delta: RegDelta::Dec,
             count: MaxNReg::new(PRODUCER_REGS)?,
@@ -1226,7 +1238,7 @@ fn producer(
         load_block_scales(k, cfg, leader, a, fbar, &s, &f, kt, xs, ws, tokens)?;
     }
     if let (Operands::W4Bf16(w), Some(gs)) = (cfg.operands, group_scales) {
-        // The k-tile's groups of the tile's weight rows: `[E, K / group, N]`, box {64 rows,
+        // The k-tile's groups of the tile's weight rows: `[E, K / group, N]`, box {64 C rows,
         // groups per k-tile, 1} at {w0, first group, expert}, after A and B.
         let g0 = if w.group >= 64 {
             k.bin(
@@ -1382,7 +1394,7 @@ fn consumers(
     empty: Reg,
     exit: &str,
 ) -> Result<()> {
-    if cfg.consumers >= 2 {
+    if cfg.reallocates_registers() {
         k.b.emit(AsyncOp::SetMaxNReg {
             delta: RegDelta::Inc,
             count: MaxNReg::new(CONSUMER_REGS)?,
@@ -1419,7 +1431,11 @@ fn consumers(
             cfg.a_row_bytes(),
         ))),
         Operands::W4Bf16(w) => Some(super::dequant::RegA::W4(super::dequant::w4_frag(
-            k, w, warp, lane,
+            k,
+            w,
+            warp,
+            lane,
+            (cwg, cfg.tile_weights()),
         ))),
         _ => None,
     };
