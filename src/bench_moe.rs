@@ -7,10 +7,10 @@
 //! 2, E4M3 codes with f32 scales of 1/256), uniform top-k routing from the (model, tokens) seed,
 //! identity placement. Each forward is queued after a 256 MB L2 flush and timed alone with CUDA
 //! events (inputs already on the device, as in a serving step); the median of [`reps_for`] runs.
-//! Per-step times are the medians of the events between steps. The same forward is then captured
-//! in a CUDA graph ([`GpuLayer::capture`]) and replayed as many times, each after the flush: the
-//! "graph us" column, the time a serving engine that replays graphs sees (the launches' gaps
-//! shrink; the kernels are the same). Against ANCHORS.md: vLLM's recorded w13 GEMM (tuned Triton,
+//! Per-step times are the medians of the events between steps. The same forward is also captured
+//! in a CUDA graph ([`GpuLayer::capture`]) and replayed as many times, each replay after the flush
+//! and right after a queued forward (so both see the same clocks): the "graph us" column, the time
+//! a serving engine that replays graphs sees (the launches' gaps shrink; the kernels are the same). Against ANCHORS.md: vLLM's recorded w13 GEMM (tuned Triton,
 //! one GEMM, not a layer) over our w13 step, the fused one where the layer fuses SiLU*up (so the
 //! ratio is conservative for us). Reported: microseconds,
 //! TFLOP/s (`6 * T * k * H * I` flops), weight TB/s (the bytes of the experts that received rows:
@@ -202,13 +202,13 @@ fn time_layer(
     // GEMMs tuned on its operands, one forward to estimate.
     layer.enqueue(dev, None)?;
     layer.tune(dev)?;
-    let mut one = |layer: &mut GpuLayer| -> Result<Marks> {
+    let one = |layer: &mut GpuLayer, flush: &mut cudarc::driver::CudaSlice<u8>| -> Result<Marks> {
         dev.stream.memset_zeros(flush).map_err(drv("cuMemsetD8"))?;
         let mut m = Marks::new();
         layer.enqueue(dev, Some(&mut m))?;
         Ok(m)
     };
-    let est = one(layer)?;
+    let est = one(layer, flush)?;
     dev.sync()?;
     let span = |m: &Marks| -> Result<Vec<(&'static str, f64)>> {
         let mut out = Vec::new();
@@ -223,9 +223,30 @@ fn time_layer(
     };
     let total = |s: &[(&'static str, f64)]| s.iter().map(|x| x.1).sum::<f64>();
     let reps = reps_for(total(&span(&est)?));
+    // The same forward captured once (what a serving engine does at decode) and replayed, each
+    // replay right after a queued forward and the same flush, so that both see the same clocks
+    // (replays timed after all the queued forwards ran slower by up to 11% on large layers: the
+    // GPU's clocks sink under a long run of heavy GEMMs); the GPU's time from the event before a
+    // replay to the event after it.
+    let graph = layer.capture(dev);
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut all = Vec::with_capacity(reps);
+    let mut marks = Vec::with_capacity(reps);
     for _ in 0..reps {
-        all.push(one(layer)?);
+        all.push(one(layer, flush)?);
+        if let Ok(g) = &graph {
+            dev.stream.memset_zeros(flush).map_err(drv("cuMemsetD8"))?;
+            let a = dev
+                .stream
+                .record_event(timing)
+                .map_err(drv("cuEventRecord"))?;
+            layer.replay(g)?;
+            let b = dev
+                .stream
+                .record_event(timing)
+                .map_err(drv("cuEventRecord"))?;
+            marks.push((a, b));
+        }
     }
     dev.sync()?;
     let spans: Vec<Vec<(&'static str, f64)>> = all.iter().map(span).collect::<Result<_>>()?;
@@ -246,36 +267,15 @@ fn time_layer(
         .variants()
         .map(|(a, b)| format!("{} / {}", a.tag(), b.tag()))
         .unwrap_or_default();
-    // The same forward captured once and replayed (what a serving engine does at decode): the
-    // GPU's time from the event before a replay to the event after it, each after the same flush.
-    let graph = match layer.capture(dev) {
-        Ok(g) => g,
-        Err(why) => {
-            return Ok(Timed {
-                us: median(&mut totals),
-                graph_us: None,
-                steps,
-                variants,
-                note: Some(format!("the graph capture failed: {why}")),
-            });
-        }
-    };
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut marks = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        dev.stream.memset_zeros(flush).map_err(drv("cuMemsetD8"))?;
-        let a = dev
-            .stream
-            .record_event(timing)
-            .map_err(drv("cuEventRecord"))?;
-        layer.replay(&graph)?;
-        let b = dev
-            .stream
-            .record_event(timing)
-            .map_err(drv("cuEventRecord"))?;
-        marks.push((a, b));
+    if let Err(why) = graph {
+        return Ok(Timed {
+            us: median(&mut totals),
+            graph_us: None,
+            steps,
+            variants,
+            note: Some(format!("the graph capture failed: {why}")),
+        });
     }
-    dev.sync()?;
     let mut replays = marks
         .iter()
         .map(|(a, b)| {
