@@ -6,7 +6,7 @@
 //! `N = 2I, K = H`; w2: `N = H, K = I`) and each recipe, every candidate of
 //! `codegen::gemm::tune::candidates` is generated (the GEMM benchmark's bf16-out form), and every
 //! candidate in the form the MoE layer loads ([`crate::moe_gpu_layer::layer_candidates`]: f32 out,
-//! or the fused SiLU*up epilogue where the recipe feeds the second GEMM bf16); on a Hopper GPU each
+//! or the fused SiLU*up epilogue where the first GEMM's rows pair, bf16 or f32 out); on a Hopper GPU each
 //! is JIT-compiled through the kernel cache and loaded, and each token count is tuned for the
 //! benchmark's form (uniform routing as the GEMM benchmark routes, random operands) unless the
 //! tuning cache holds its bucket. The layer's forms are built, not tuned: `GpuLayer::tune` tunes
@@ -19,7 +19,7 @@ use std::fmt::Write as _;
 use crate::bench_gemm::{case_seed, routing, GemmCase, Selection};
 use crate::bench_gemm_ws::WsRunner;
 use crate::codegen::gemm::tune;
-use crate::codegen::gemm::ws::Epilogue;
+use crate::codegen::gemm::ws::{Epilogue, OutTy};
 use crate::moe_gpu_layer::{gemm_form, layer_candidates};
 use crate::moe_host::Feed;
 use crate::runtime::cache::{Cache, Hit};
@@ -97,7 +97,8 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
                 let (operands, scaling) = recipe.family();
                 let all = tune::candidates(operands, scaling, n32, k32);
                 // The MoE layer's own forms of this GEMM (what `GpuLayer` loads): f32 out, or the
-                // first GEMM fused with SiLU*up where the recipe feeds the second GEMM bf16.
+                // first GEMM fused with SiLU*up where its rows pair (bf16 out where the recipe
+                // feeds the second GEMM bf16, else f32).
                 let form = gemm_form(
                     gemm == "w13",
                     true,
@@ -133,9 +134,10 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
                     all.len() + layer.len(),
                     all.len(),
                     layer.len(),
-                    match form.1 {
-                        Epilogue::SiluMul => "fused SiLU*up, bf16 out",
-                        Epilogue::Store => "f32 out",
+                    match form {
+                        (OutTy::Bf16, Epilogue::SiluMul) => "fused SiLU*up, bf16 out",
+                        (_, Epilogue::SiluMul) => "fused SiLU*up, f32 out",
+                        (_, Epilogue::Store) => "f32 out",
                     }
                 );
                 let Some(d) = hopper else { continue };

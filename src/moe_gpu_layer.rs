@@ -14,10 +14,12 @@
 //!    `moe_kernels` for static scales), with the same bits;
 //! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
 //! 4. `a = silu(gate) * up` in f32, fed to the second GEMM as the recipe declares (bf16, or E4M3
-//!    per token / per 1x128 group / static). Where the second GEMM takes bf16 (bf16 and the
-//!    weights-only recipes), steps 3 and 4 are one kernel by default: the first GEMM's fused
-//!    epilogue (`codegen::gemm::ws::Epilogue::SiluMul`, weight rows uploaded in its paired
-//!    order) writes `a` in bf16, with the same bits ([`GpuLayer::with_fusion`]);
+//!    per token / per 1x128 group / static). Where the first GEMM's weights pair (every recipe
+//!    but `fp8_block128`), SiLU*up is in its epilogue by default
+//!    (`codegen::gemm::ws::Epilogue::SiluMul`, weight rows uploaded in its paired order), with
+//!    the same bits ([`GpuLayer::with_fusion`]): it writes `a` in bf16 where the second GEMM
+//!    takes bf16 (bf16 and the weights-only recipes: steps 3 and 4 are one kernel), else `a` in
+//!    f32 (half of `w13_out`'s bytes), which the activation kernel quantizes to E4M3;
 //! 5. `w2` grouped GEMM, f32 out `[n, H]`;
 //! 6. combine: each token's `k` rows weighted by `topk_weights`, summed in `j` order in f32
 //!    (`acc = acc + w * y`, two roundings, as the host), rounded to bf16 once.
@@ -58,7 +60,7 @@ struct DevWeights {
     operands: Operands,
     scaling: Scaling,
     /// The output type and epilogue of its variants: f32 `y` for the plain path, or the fused
-    /// first GEMM's bf16 `a`.
+    /// first GEMM's `a` (bf16, or f32 for an activation kernel that quantizes it).
     out: OutTy,
     epilogue: Epilogue,
     n: u32,
@@ -70,17 +72,18 @@ struct DevWeights {
 }
 
 impl DevWeights {
-    fn upload(dev: &Device, g: &GemmWeights, epilogue: Epilogue) -> Result<DevWeights> {
+    fn upload(
+        dev: &Device,
+        g: &GemmWeights,
+        (out, epilogue): (OutTy, Epilogue),
+    ) -> Result<DevWeights> {
         let dim = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
         };
         Ok(DevWeights {
             operands: g.operands,
             scaling: g.scaling,
-            out: match epilogue {
-                Epilogue::Store => OutTy::F32,
-                Epilogue::SiluMul => OutTy::Bf16,
-            },
+            out,
             epilogue,
             n: dim(g.n, "N")?,
             k: dim(g.k, "K")?,
@@ -193,10 +196,11 @@ pub fn check_batch(t: usize, k: usize) -> Result<()> {
 }
 
 /// The output type and epilogue of one of the layer's GEMMs (`w13` or not): the first GEMM fused
-/// with SiLU*up, writing `a` in bf16, where fusion is asked for, the second GEMM takes bf16
-/// (`feed2_bf16`) and the first GEMM's `n13` weight rows of scaling `scaling` can be paired
-/// ([`crate::moe_gpu::pairable`]); else (and for `w2`) f32 out, plain store. What
-/// [`GpuLayer::with_fusion`] decides, for warming a cache before any layer exists.
+/// with SiLU*up where fusion is asked for and its `n13` weight rows of scaling `scaling` can be
+/// paired ([`crate::moe_gpu::pairable`]), writing `a` in bf16 where the second GEMM takes bf16
+/// (`feed2_bf16`), else in f32 for the activation kernel to quantize; else (and for `w2`) f32
+/// out, plain store. What [`GpuLayer::with_fusion`] decides, for warming a cache before any layer
+/// exists.
 pub fn gemm_form(
     w13: bool,
     fuse: bool,
@@ -204,8 +208,9 @@ pub fn gemm_form(
     scaling: Scaling,
     n13: usize,
 ) -> (OutTy, Epilogue) {
-    if w13 && fuse && feed2_bf16 && crate::moe_gpu::pairable(scaling, n13) {
-        (OutTy::Bf16, Epilogue::SiluMul)
+    if w13 && fuse && crate::moe_gpu::pairable(scaling, n13) {
+        let out = if feed2_bf16 { OutTy::Bf16 } else { OutTy::F32 };
+        (out, Epilogue::SiluMul)
     } else {
         (OutTy::F32, Epilogue::Store)
     }
@@ -291,8 +296,9 @@ pub struct GpuLayer {
     feed2: Feed,
     permute: Permute,
     feed13: Feed13,
-    /// The activation kernel between the GEMMs; `None` when the first GEMM's epilogue computes
-    /// `silu(gate) * up` itself (fused).
+    /// The activation kernel between the GEMMs: `silu(gate) * up` of `w13_out` (unfused), or the
+    /// E4M3 quantization of the fused first GEMM's f32 `a`; `None` when the fused first GEMM
+    /// writes the bf16 `a` the second takes.
     act: Option<MoeAct>,
     static2: Option<CudaSlice<f32>>,
     combine: MoeCombine,
@@ -409,13 +415,14 @@ impl GpuLayer {
         GpuLayer::with_fusion(dev, ops, replicas, settings, true)
     }
 
-    /// [`GpuLayer::new`], choosing the path between the GEMMs. With `fuse`, where the second
-    /// GEMM takes bf16 and the first GEMM's weights can be paired
-    /// ([`GemmWeights::paired`]: no 128x128 block scales, `I` a multiple of 8), the first GEMM's
-    /// epilogue computes `a = silu(gate) * up` and writes it in bf16 (its weight rows uploaded in
+    /// [`GpuLayer::new`], choosing the path between the GEMMs. With `fuse`, where the first
+    /// GEMM's weights can be paired ([`GemmWeights::paired`]: no 128x128 block scales, `I` a
+    /// multiple of 8), its epilogue computes `a = silu(gate) * up` (its weight rows uploaded in
     /// the paired order; the same bits as the unfused path, which computes the same f32 values
-    /// with the same instructions); else (and always without `fuse`) it writes `w13_out` in f32
-    /// and the activation kernel makes `a`, the path `--dump-intermediates` needs.
+    /// with the same instructions) and writes it in bf16 where the second GEMM takes bf16, else
+    /// in f32 for the activation kernel to quantize to E4M3 (`ActIn::F32`); else (and always
+    /// without `fuse`) it writes `w13_out` in f32 and the activation kernel makes `a`, the path
+    /// `--dump-intermediates` needs.
     pub fn with_fusion(
         dev: &Device,
         ops: &LayerOperands,
@@ -462,14 +469,22 @@ impl GpuLayer {
             _ => None,
         };
         let feed2_bf16 = ops.feed2 == Feed::Bf16;
-        let paired = match gemm_form(true, fuse, feed2_bf16, ops.w13.scaling, ops.w13.n) {
+        let form = gemm_form(true, fuse, feed2_bf16, ops.w13.scaling, ops.w13.n);
+        let paired = match form {
             (_, Epilogue::SiluMul) => ops.w13.paired(),
             _ => None,
         };
         let (w13, act) = match &paired {
-            Some(p) => (DevWeights::upload(dev, p, Epilogue::SiluMul)?, None),
+            // Fused: `a` in bf16 for the second GEMM, or in f32 for the E4M3 quantization.
+            Some(p) => (
+                DevWeights::upload(dev, p, form)?,
+                match form.0 {
+                    OutTy::Bf16 => None,
+                    _ => Some(MoeAct::load(dev, ActIn::F32, out2, i)?),
+                },
+            ),
             None => (
-                DevWeights::upload(dev, &ops.w13, Epilogue::Store)?,
+                DevWeights::upload(dev, &ops.w13, (OutTy::F32, Epilogue::Store))?,
                 Some(MoeAct::load(dev, ActIn::SiluMul, out2, i)?),
             ),
         };
@@ -486,7 +501,7 @@ impl GpuLayer {
             static2,
             combine: MoeCombine::load(dev, h)?,
             w13,
-            w2: DevWeights::upload(dev, &ops.w2, Epilogue::Store)?,
+            w2: DevWeights::upload(dev, &ops.w2, (OutTy::F32, Epilogue::Store))?,
             log2phy: dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?,
             logcnt: dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?,
             experts: replicas.experts(),
@@ -520,9 +535,15 @@ impl GpuLayer {
         }
     }
 
-    /// Whether the first GEMM's epilogue computes `silu(gate) * up` (no `w13_out`, no activation
-    /// kernel): see [`GpuLayer::with_fusion`].
+    /// Whether the first GEMM's epilogue computes `silu(gate) * up` (no `w13_out`; an
+    /// activation kernel only where the second GEMM takes E4M3): see [`GpuLayer::with_fusion`].
     pub fn fused(&self) -> bool {
+        self.w13.epilogue == Epilogue::SiluMul
+    }
+
+    /// Whether the first GEMM writes `a` itself, in the second GEMM's bf16 (fused, no activation
+    /// kernel); else it writes into `h13` (`w13_out`, or the fused f32 `a`).
+    fn writes_a(&self) -> bool {
         self.act.is_none()
     }
 
@@ -707,8 +728,16 @@ impl GpuLayer {
             // (the codes of rows quantized apart)
             q13: z!(u8, if self.quantized_apart() { n * h } else { 1 }),
             s13: z!(f32, s13_len),
-            // (the fused path writes `a` directly: no `w13_out`)
-            h13: z!(u8, if self.fused() { 1 } else { 4 * n * 2 * i }),
+            // (the fused path writes `a` directly: no `w13_out`; or its f32 `a` for the E4M3
+            // quantization)
+            h13: z!(
+                u8,
+                match (self.fused(), self.writes_a()) {
+                    (_, true) => 1,
+                    (true, false) => 4 * n * i,
+                    (false, false) => 4 * n * 2 * i,
+                }
+            ),
             a: z!(u8, e2 * n * i),
             s2: z!(f32, s2_len),
             y: z!(u8, 4 * n * h),
@@ -784,7 +813,8 @@ impl GpuLayer {
         let Some(Current { t, k, c13, c2 }) = self.current else {
             return Err(Error::Usage("MoE layer: enqueue before upload".into()));
         };
-        let (n, r, fused, apart) = (t * k, self.slots, self.fused(), self.quantized_apart());
+        let (n, r, fused, apart) = (t * k, self.slots, self.writes_a(), self.quantized_apart());
+        let silu_fused = self.fused();
         let Some(s) = self.scratch.as_mut() else {
             return Err(Error::Usage("MoE layer: no scratch".into()));
         };
@@ -868,7 +898,7 @@ impl GpuLayer {
                 // Fused: `a` itself.
                 if fused { &mut s.a } else { &mut s.h13 },
             )?;
-            mark(if fused {
+            mark(if silu_fused {
                 "w13 GEMM + silu * up"
             } else {
                 "w13 GEMM"
@@ -883,7 +913,11 @@ impl GpuLayer {
                     _ => Some(&mut s.s2),
                 };
                 act.run(dev, &s.h13, &mut s.a, s2, &s.offsets, r, n)?;
-                mark("silu * up")?;
+                mark(if silu_fused {
+                    "quantize a"
+                } else {
+                    "silu * up"
+                })?;
             }
             let scaled2 = self.w2.scaling.takes_x_scale();
             let g2 = self
@@ -925,7 +959,7 @@ impl GpuLayer {
         let (n, r, fused, apart) = (
             cur.t * cur.k,
             self.slots,
-            self.fused(),
+            self.writes_a(),
             self.quantized_apart(),
         );
         let all13 = self.w13.candidates();
@@ -1200,7 +1234,12 @@ mod tests {
         assert_eq!(gemm_form(true, true, true, Scaling::None, 4096), fused);
         assert_eq!(gemm_form(true, true, true, Scaling::PerRow, 1536), fused);
         assert_eq!(gemm_form(true, false, true, Scaling::None, 4096), plain);
-        assert_eq!(gemm_form(true, true, false, tok, 4096), plain);
+        // An E4M3 second GEMM: the fused `a` in f32, for the activation kernel to quantize.
+        assert_eq!(
+            gemm_form(true, true, false, tok, 4096),
+            (OutTy::F32, Epilogue::SiluMul)
+        );
+        assert_eq!(gemm_form(true, false, false, tok, 4096), plain);
         assert_eq!(gemm_form(true, true, true, Scaling::Block128, 4096), plain);
         assert_eq!(gemm_form(true, true, true, Scaling::None, 4104), plain);
         assert_eq!(gemm_form(false, true, true, Scaling::None, 4096), plain);

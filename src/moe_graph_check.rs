@@ -129,8 +129,8 @@ pub(crate) fn graph_check(
         let c = third.tokens();
         layer.upload(dev, &c)?;
         let refused = layer.replay(&graph).is_err();
-        // The layer fuses SiLU*up into its first GEMM where the second takes bf16 (all but the
-        // FP8 recipe here): the graph holds the fused kernel then.
+        // The layer fuses SiLU*up into its first GEMM where its rows pair (all but the block-
+        // scaled FP8 recipe): the graph holds the fused kernel then.
         let fused_ok = layer.fused() == (recipe != Recipe::Fp8Block128);
         let ok = replay == plain
             && replay2 == plain2

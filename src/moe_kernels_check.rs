@@ -4,8 +4,8 @@
 //!
 //! * The activation kernel, every (input, output) pair at W in {8, 768, 2048, 7168, 14336} and `max_rows` in
 //!   {1, 37, 300}, with row offsets over 4 slots whose total is below `max_rows` (but for one row):
-//!   rows past the total, and their scales, must keep the poison written first. Bf16 input: codes,
-//!   bf16 and scales bit for bit. SiluMul input (the kernel's `ex2.approx` against the host's
+//!   rows past the total, and their scales, must keep the poison written first. Bf16 and F32
+//!   input: codes, bf16 and scales bit for bit. SiluMul input (the kernel's `ex2.approx` against the host's
 //!   `exp2`): E4M3 values within one E4M3 step of the row's (or group's) scale, bf16 within one
 //!   ulp, scales within 1e-6 relative. Rows of zeros, of very negative gates (`exp` overflows) and
 //!   of mixed magnitudes are included.
@@ -49,9 +49,10 @@ fn uniform(rng: &mut Rng, lo: f32, hi: f32) -> f32 {
     lo + (hi - lo) * u
 }
 
-/// The f32 source values of `rows` rows of width `w`: `h [rows, 2W]` (SiluMul) or bf16 values as
-/// f32 `[rows, W]`. Row kinds cycle: zeros, mixed magnitudes, very negative gates (SiluMul) or
-/// tiny values (bf16), values in [-1, 1).
+/// The f32 source values of `rows` rows of width `w`: `h [rows, 2W]` (SiluMul), bf16 values as
+/// f32 `[rows, W]`, or f32 `a [rows, W]` (F32). Row kinds cycle: zeros, mixed magnitudes, very
+/// negative gates (SiluMul) or tiny values (bf16, F32: subnormal f32 included), values in [-1, 1)
+/// (F32: rounding ties of E4M3 among them).
 fn source(rng: &mut Rng, input: ActIn, rows: usize, w: usize) -> Vec<f32> {
     let per = input.values_per_column() * w;
     let mut out = Vec::with_capacity(rows * per);
@@ -75,6 +76,16 @@ fn source(rng: &mut Rng, input: ActIn, rows: usize, w: usize) -> Vec<f32> {
                 (ActIn::Bf16, 1) => bf16_to_f32(rng.bf16_exp(0x60..0x90)),
                 (ActIn::Bf16, 2) => bf16_to_f32(rng.bf16_exp(0x01..0x20)),
                 (ActIn::Bf16, _) => bf16_to_f32(rng.bf16()),
+                (ActIn::F32, 1) => uniform(rng, -12.0, 12.0) * 2f32.powi(rng.below(17) as i32 - 8),
+                (ActIn::F32, 2) => {
+                    f32::from_bits(rng.below(1 << 24) as u32) * uniform(rng, -1.0, 1.0).signum()
+                }
+                // E4M3 ties (the midpoint of two codes, times a power of two) and plain values.
+                (ActIn::F32, _) if rng.below(4) == 0 => {
+                    (1.0 + (2 * rng.below(8) + 1) as f32 / 16.0)
+                        * 2f32.powi(rng.below(8) as i32 - 4)
+                }
+                (ActIn::F32, _) => uniform(rng, -1.0, 1.0),
             };
             out.push(v);
         }
@@ -128,7 +139,7 @@ fn act_case(
     let a = MoeAct::load(dev, input, output, w as u32)?;
     let l = *a.launch();
     let src_bytes: Vec<u8> = match input {
-        ActIn::SiluMul => src.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ActIn::SiluMul | ActIn::F32 => src.iter().flat_map(|v| v.to_le_bytes()).collect(),
         ActIn::Bf16 => src
             .iter()
             .flat_map(|v| bf16_from_f32(*v).to_le_bytes())
@@ -157,7 +168,7 @@ fn act_case(
     let q = down(dev, &d_dst)?;
     let s = down(dev, &d_scales)?;
 
-    let exact = input == ActIn::Bf16;
+    let exact = input != ActIn::SiluMul;
     let rb = l.dst_row_bytes();
     let mut bad_out = 0usize;
     let mut first_out = None;

@@ -17,6 +17,9 @@
 //!   tolerance.
 //! * [`ActIn::Bf16`]: `x` bf16 `[rows, W]`: `a` is the bf16 as f32 (exact; a check compares bit
 //!   for bit).
+//! * [`ActIn::F32`]: `a` f32 `[rows, W]` as it is: the first GEMM's fused epilogue wrote
+//!   `silu(g) * u` (the same instructions as here), and this kernel only quantizes it (a check
+//!   compares bit for bit).
 //!
 //! and writes them as ([`ActOut`]):
 //! * [`ActOut::Bf16`]: bf16 `[rows, W]`, `cvt.rn.bf16x2.f32` (round to nearest even). No scales.
@@ -44,7 +47,8 @@
 //! their scales, are left untouched.
 //!
 //! # Parameters, in order
-//! [`ACT_PARAMS`]: `.u64 src` (f32 `[rows, 2W]` or bf16 `[rows, W]`, 16-byte aligned), `.u64 dst`
+//! [`ACT_PARAMS`]: `.u64 src` (f32 `[rows, 2W]`, bf16 `[rows, W]` or f32 `[rows, W]`, 16-byte
+//! aligned), `.u64 dst`
 //! (bf16 `[rows, W]`, 16-byte aligned, or E4M3 `[rows, W]`, 8-byte aligned), `.u64 scales` (f32,
 //! [`ActLaunch::scales_len`] of them; unused for bf16 output, may be 0), `.u64 offsets` (i32
 //! `[slots + 1]`), `.u32 slots`, `.u32 max_rows`.
@@ -54,7 +58,7 @@
 //! [`ActLaunch::threads`] threads, in a grid-stride loop over rows (CTA `b` takes rows `b`,
 //! `b + grid`, ...). Thread `t` holds chunks of 8 columns `t, t + threads, ...` (at most
 //! [`ActLaunch::chunks_per_thread`], 4) in registers: 16-byte loads (two per chunk of f32 gate and
-//! of up; one per chunk of bf16), 16-byte stores of bf16, 8-byte stores of codes. A per-token amax
+//! of up, or of f32 `a`; one per chunk of bf16), 16-byte stores of bf16, 8-byte stores of codes. A per-token amax
 //! is reduced with `shfl.sync.bfly` over the warp, then over the warps through
 //! [`ActLaunch::smem_bytes`] of static shared memory; a per-group amax over the half warp that
 //! holds the group's 16 chunks. No dynamic shared memory.
@@ -98,6 +102,8 @@ pub enum ActIn {
     SiluMul,
     /// bf16 `[rows, W]`, taken as is.
     Bf16,
+    /// f32 `[rows, W]`, taken as is (`silu(gate) * up` from the fused first GEMM).
+    F32,
 }
 
 /// What the kernel writes.
@@ -115,13 +121,13 @@ pub enum ActOut {
 
 impl ActIn {
     /// Every input kind.
-    pub const ALL: [ActIn; 2] = [ActIn::SiluMul, ActIn::Bf16];
+    pub const ALL: [ActIn; 3] = [ActIn::SiluMul, ActIn::Bf16, ActIn::F32];
 
     /// Source values (f32) a row holds per output column: 2 (gate and up) or 1.
     pub fn values_per_column(self) -> usize {
         match self {
             ActIn::SiluMul => 2,
-            ActIn::Bf16 => 1,
+            ActIn::Bf16 | ActIn::F32 => 1,
         }
     }
 
@@ -130,6 +136,7 @@ impl ActIn {
         match self {
             ActIn::SiluMul => 8 * w,
             ActIn::Bf16 => 2 * w,
+            ActIn::F32 => 4 * w,
         }
     }
 }
@@ -276,7 +283,7 @@ fn act_body(g: &mut G, l: &ActLaunch) -> Result<()> {
         BinOpcode::MulWide,
         PtxTy::U32,
         tid,
-        Operand::Int(if l.input == ActIn::SiluMul { 32 } else { 16 }),
+        Operand::Int(if l.input == ActIn::Bf16 { 16 } else { 32 }),
     );
     let src_t = g.bin(BinOpcode::Add, PtxTy::U64, src, Operand::Reg(src_tid));
     let out_chunk = RowWriter::out_chunk(l.output);
@@ -331,7 +338,7 @@ pub fn activation(input: ActIn, src: &[f32], width: usize, rows: usize) -> Resul
         });
     }
     Ok(match input {
-        ActIn::Bf16 => src.to_vec(),
+        ActIn::Bf16 | ActIn::F32 => src.to_vec(),
         ActIn::SiluMul => src
             .chunks(per.max(1))
             .flat_map(|h| (0..width).map(move |c| silu_mul(h[c], h[width + c])))
@@ -343,8 +350,9 @@ pub fn activation(input: ActIn, src: &[f32], width: usize, rows: usize) -> Resul
 /// bytes `[rows, W]`, or E4M3 codes `[rows, W]`) and the scales (none for bf16; `[rows]` per token
 /// and static, the latter `static_scales[..rows]` unchanged; `[ceil(W/128), rows]` per group).
 /// `src` holds the f32 source values: `h [rows, 2W]` for SiluMul, the bf16 as f32 `[rows, W]`
-/// for Bf16. SiluMul values follow [`silu_mul`], so they may differ from the kernel's by a few
-/// ulp (the kernel's `ex2.approx`); Bf16-input results are the kernel's bit for bit.
+/// for Bf16, `a [rows, W]` for F32. SiluMul values follow [`silu_mul`], so they may differ from
+/// the kernel's by a few ulp (the kernel's `ex2.approx`); Bf16- and F32-input results are the
+/// kernel's bit for bit.
 ///
 /// Errors: a width the kernel refuses ([`act_launch`]), `src` not of `rows` rows, fewer than
 /// `rows` static scales.
@@ -487,13 +495,17 @@ mod tests {
                     1
                 );
                 let n = l.chunks_per_thread() as usize;
-                let loads = n * if input == ActIn::SiluMul { 4 } else { 1 };
+                let loads = n * match input {
+                    ActIn::SiluMul => 4,
+                    ActIn::Bf16 => 1,
+                    ActIn::F32 => 2,
+                };
                 assert_eq!(a.matches("ld.global.nc.v4.b32").count(), loads);
                 match input {
                     ActIn::SiluMul => {
                         assert_eq!(a.matches("ex2.approx.ftz.f32").count(), 8 * n);
                     }
-                    ActIn::Bf16 => assert!(!a.contains("ex2")),
+                    ActIn::Bf16 | ActIn::F32 => assert!(!a.contains("ex2")),
                 }
                 match output {
                     ActOut::Bf16 => {

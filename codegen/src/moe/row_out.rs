@@ -53,6 +53,21 @@ pub(super) fn load_values(
             }
             out
         }
+        ActIn::F32 => {
+            let base = g.offset(src_row, 32 * chunk_off);
+            let vals: [Reg; 8] = std::array::from_fn(|_| g.f32());
+            skip_from(g, &skip, &vals, Operand::F32(0.0));
+            for (q, words) in vals.chunks(4).enumerate() {
+                let a = g.offset(base, 16 * q as i64);
+                g.b.push(Inst::LdV {
+                    nc: true,
+                    words: words.to_vec(),
+                    addr: a,
+                });
+            }
+            skip_to(g, &skip);
+            vals
+        }
         ActIn::Bf16 => {
             let a = g.offset(src_row, 16 * chunk_off);
             let words = [g.r32(), g.r32(), g.r32(), g.r32()];
