@@ -10,9 +10,10 @@
 //! Per-step times are the medians of the events between steps. The same forward is also captured
 //! in a CUDA graph ([`GpuLayer::capture`]) and replayed as many times, each replay after the flush
 //! and right after a queued forward (so both see the same clocks): the "graph us" column, the time
-//! a serving engine that replays graphs sees (the launches' gaps shrink; the kernels are the same). Against ANCHORS.md: vLLM's recorded w13 GEMM (tuned Triton,
-//! one GEMM, not a layer) over our w13 step, the fused one where the layer fuses SiLU*up (so the
-//! ratio is conservative for us). Reported: microseconds,
+//! a serving engine that replays graphs sees (the launches' gaps shrink; the kernels are the same).
+//! Against ANCHORS.md: vLLM's recorded w13 GEMM (tuned Triton, one GEMM, not a layer) over our w13
+//! step, the fused one where the layer fuses SiLU*up (so the ratio is conservative for us).
+//! Reported: microseconds,
 //! TFLOP/s (`6 * T * k * H * I` flops), weight TB/s (the bytes of the experts that received rows:
 //! w13, w2 and their scales, once each), and the roofline share `max(bytes / 4.22 TB/s, flops /
 //! dense ceiling) / time`.

@@ -6,8 +6,8 @@
 //! `N = 2I, K = H`; w2: `N = H, K = I`) and each recipe, every candidate of
 //! `codegen::gemm::tune::candidates` is generated (the GEMM benchmark's bf16-out form), and every
 //! candidate in the form the MoE layer loads ([`crate::moe_gpu_layer::layer_candidates`]: f32 out,
-//! or the fused SiLU*up epilogue where the first GEMM's rows pair, bf16 or f32 out); on a Hopper GPU each
-//! is JIT-compiled through the kernel cache and loaded, and each token count is tuned for the
+//! or the fused SiLU*up epilogue where the first GEMM's rows pair, bf16 or f32 out); on a Hopper
+//! GPU each is JIT-compiled through the kernel cache and loaded, and each token count is tuned for the
 //! benchmark's form (uniform routing as the GEMM benchmark routes, random operands) unless the
 //! tuning cache holds its bucket. The layer's forms are built, not tuned: `GpuLayer::tune` tunes
 //! them on the layer's own operands. Without one, the PTX is still

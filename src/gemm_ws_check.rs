@@ -273,6 +273,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (b, Scaling::None, OutTy::Bf16, 2, 128, 6, false, 1),
         (b, Scaling::None, OutTy::F32, 1, 16, 8, true, 1),
         (e, tok, OutTy::Bf16, 2, 256, 4, false, 1),
+        // (f32 out in prefill: the FP8 per-tensor layer's fused first GEMM)
+        (e, tok, OutTy::F32, 2, 256, 4, false, 1),
         (e, tok, OutTy::F32, 1, 16, 8, true, 3),
         (e, Scaling::Block128, OutTy::F32, 1, 16, 8, true, 1),
         (

@@ -449,7 +449,10 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             // activation kernel quantizes): the same output as the unfused path (the same f32
             // values through the same instructions; the bits match when both ran the same tile
             // variant, which the tuning cache may make differ).
-            if *recipe != "fp8_block128" {
+            // (The layer's rule: the first GEMM's 2I rows pair, `moe_gpu::pairable`.)
+            let fuses = crate::bench_gemm::Recipe::from_name(recipe)
+                .is_some_and(|r| crate::moe_gpu::pairable(r.family().1, 2 * dims.i));
+            if fuses {
                 match (run_as(Device::Gpu, false), gpu.get("output")) {
                     (Ok(fused), Some(plain)) => match fused.get("output") {
                         Some(f) => {

@@ -813,7 +813,7 @@ impl GpuLayer {
         let Some(Current { t, k, c13, c2 }) = self.current else {
             return Err(Error::Usage("MoE layer: enqueue before upload".into()));
         };
-        let (n, r, fused, apart) = (t * k, self.slots, self.writes_a(), self.quantized_apart());
+        let (n, r, writes_a, apart) = (t * k, self.slots, self.writes_a(), self.quantized_apart());
         let silu_fused = self.fused();
         let Some(s) = self.scratch.as_mut() else {
             return Err(Error::Usage("MoE layer: no scratch".into()));
@@ -895,8 +895,8 @@ impl GpuLayer {
                     t: n,
                     experts: r,
                 },
-                // Fused: `a` itself.
-                if fused { &mut s.a } else { &mut s.h13 },
+                // Fused with a bf16 second GEMM: `a` itself.
+                if writes_a { &mut s.a } else { &mut s.h13 },
             )?;
             mark(if silu_fused {
                 "w13 GEMM + silu * up"
@@ -956,7 +956,7 @@ impl GpuLayer {
         let Some(cur) = self.current else {
             return Err(Error::Usage("MoE layer: tune before upload".into()));
         };
-        let (n, r, fused, apart) = (
+        let (n, r, writes_a, apart) = (
             cur.t * cur.k,
             self.slots,
             self.writes_a(),
@@ -982,8 +982,8 @@ impl GpuLayer {
             let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match which {
                 13 => (
                     if apart { &s.q13 } else { &s.xs },
-                    // Fused: the first GEMM writes `a`.
-                    if fused { &mut s.a } else { &mut s.h13 },
+                    // Fused with a bf16 second GEMM: the first GEMM writes `a`.
+                    if writes_a { &mut s.a } else { &mut s.h13 },
                 ),
                 _ => (&s.a, &mut s.y),
             };
@@ -1224,8 +1224,8 @@ mod tests {
         }
     }
 
-    /// The first GEMM fuses SiLU*up only where asked, fed bf16 after it, and its rows pair; the
-    /// second never; the fused candidates keep whole groups of 16 weight rows per tile.
+    /// The first GEMM fuses SiLU*up only where asked and its rows pair (its `a` in bf16 where the
+    /// second GEMM takes bf16, else in f32); the second never; the fused candidates keep whole groups of 16 weight rows per tile.
     #[test]
     fn the_gemm_forms_follow_the_fusion_rule() {
         let fused = (OutTy::Bf16, Epilogue::SiluMul);

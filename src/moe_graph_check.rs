@@ -2,9 +2,9 @@
 //! bits. Part of `moeforge selftest --gpu --moe`; GPU only (CI has none: there the self-test says
 //! that it skipped).
 //!
-//! For each recipe family (bf16, FP8 128x128 blocks, the W4A16 NVFP4 and W8A16 int8 GEMMs), on a
-//! small synthetic layer with random weights ([`crate::bench_moe`]'s operands): one forward of
-//! random tokens; the graph captured from it; the output buffer cleared and the graph replayed
+//! For each recipe family (bf16, FP8 per tensor, FP8 128x128 blocks, the W4A16 NVFP4 and W8A16 int8
+//! GEMMs), on a small synthetic layer with random weights ([`crate::bench_moe`]'s operands): one
+//! forward of random tokens; the graph captured from it; the output buffer cleared and the graph replayed
 //! (the same bits as the forward); new tokens of the same shape uploaded and the graph replayed
 //! (the same bits as a plain forward of them); then more tokens uploaded (the scratch reallocated):
 //! the replay is refused.
@@ -89,10 +89,12 @@ pub(crate) fn layer(
     GpuLayer::new(dev, &ops, &Replicas::identity(MODEL.experts), settings)
 }
 
-/// The recipe families the GPU layer's graph and EPLB checks run: bf16, FP8 128x128 blocks, and the
-/// W4A16 (NVFP4) and W8A16 GEMMs.
-pub(crate) const RECIPES: [Recipe; 4] = [
+/// The recipe families the GPU layer's graph and EPLB checks run: bf16, FP8 per tensor (fused
+/// SiLU*up with f32 `a`, then the E4M3 quantization), FP8 128x128 blocks (unfused), and the W4A16
+/// (NVFP4) and W8A16 GEMMs.
+pub(crate) const RECIPES: [Recipe; 5] = [
     Recipe::Bf16,
+    Recipe::Fp8PerTensor,
     Recipe::Fp8Block128,
     Recipe::Nvfp4,
     Recipe::Int8Row,

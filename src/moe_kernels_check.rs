@@ -5,8 +5,8 @@
 //! * The activation kernel, every (input, output) pair at W in {8, 768, 2048, 7168, 14336} and `max_rows` in
 //!   {1, 37, 300}, with row offsets over 4 slots whose total is below `max_rows` (but for one row):
 //!   rows past the total, and their scales, must keep the poison written first. Bf16 and F32
-//!   input: codes, bf16 and scales bit for bit. SiluMul input (the kernel's `ex2.approx` against the host's
-//!   `exp2`): E4M3 values within one E4M3 step of the row's (or group's) scale, bf16 within one
+//!   input: codes, bf16 and scales bit for bit. SiluMul input (the kernel's `ex2.approx` against
+//!   the host's `exp2`): E4M3 values within one E4M3 step of the row's (or group's) scale, bf16 within one
 //!   ulp, scales within 1e-6 relative. Rows of zeros, of very negative gates (`exp` overflows) and
 //!   of mixed magnitudes are included.
 //! * Row scales and combine, exactly: random routings with dropped items (slot `-1`) and a corrupt

@@ -1201,26 +1201,12 @@ fn int8_weights_feed_register_a_and_assemble() {
 /// assembles every form with no spill and no serialization, fused SiLU included.
 #[test]
 fn register_a_weights_have_a_two_consumer_prefill_form() {
-    use ws::{GroupScale, W4Codes, W4};
+    use ws::W4;
     let fams = [
         (Operands::I8Bf16, Scaling::PerRow),
         (Operands::W4Bf16(W4::NVFP4), Scaling::PerExpert),
-        (
-            Operands::W4Bf16(W4 {
-                codes: W4Codes::E2m1,
-                scale: GroupScale::E8m0,
-                group: 32,
-            }),
-            Scaling::PerExpert,
-        ),
-        (
-            Operands::W4Bf16(W4 {
-                codes: W4Codes::U4,
-                scale: GroupScale::Bf16,
-                group: 128,
-            }),
-            Scaling::PerExpert,
-        ),
+        (Operands::W4Bf16(W4::MXFP4), Scaling::PerExpert),
+        (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
     ];
     for (operands, scaling) in fams {
         for (bn, epilogue, out) in [

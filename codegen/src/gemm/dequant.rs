@@ -3,11 +3,12 @@
 //! {a0, a1, a2, a3}, descB` reads (GEMM.md §1.6, register A, k16: `a_j` holds rows
 //! `16 w + l / 4 + 8 (j & 1)`, K `2 (l & 3) + 8 (j >> 1)` and the next, the low half first).
 //!
-//! Int8 codes ([`super::ws::Operands::I8Bf16`]): the stage holds the tile's 64 weight rows of
-//! `bk` bytes each, row-major, unswizzled (the TMA box of a `Uint8` map with no swizzle). Each
-//! `a_j` is one 4-byte `ld.shared` (the aligned word that holds its two codes), a shift to bring
-//! them to the low half, and a conversion with no integer-to-float instruction (those issue at a
-//! quarter of the rate, and with them the kernel was ALU-bound: 2.95 TB/s of weights on the H200):
+//! Int8 codes ([`super::ws::Operands::I8Bf16`]): the stage holds the tile's `64 C` weight rows of
+//! `bk` bytes each (each consumer reads its own 64 from its offset), row-major, unswizzled (the
+//! TMA box of a `Uint8` map with no swizzle). Each `a_j` is one 4-byte `ld.shared` (the aligned
+//! word that holds its two codes), a shift to bring them to the low half, and a conversion with no
+//! integer-to-float instruction (those issue at a quarter of the rate, and with them the kernel was
+//! ALU-bound: 2.95 TB/s of weights on the H200):
 //! the sign bits flipped (`x + 128`), each byte permuted into the mantissa of the f32 `2^23`, one
 //! `sub.f32` of `2^23 + 128` each (exact), and one byte permute that packs the two f32's high
 //! halves as bf16x2 (exact: every int8 is a bf16). The weights' scale is not applied here (per

@@ -47,7 +47,8 @@ const WIDE_REGISTER_A: [(u32, u32, u32, bool, u32); 3] = [
 /// first, then decode by growing token tile.
 pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
     let prefill: &[(u32, u32, u32, bool, u32)] = match (operands, scaling) {
-        // Int8 and 4-bit weights (register-sourced A): the decode form only, unsplit.
+        // Int8 and 4-bit weights (register-sourced A): the swapped (weights-on-A) form only,
+        // unsplit; their prefill tiles are among the wide ones below.
         (Operands::I8Bf16 | Operands::W4Bf16(_), _) => &[],
         (_, Scaling::Block128) => &PREFILL_BLOCK,
         _ => &PREFILL,
@@ -81,23 +82,31 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         .collect()
 }
 
-/// The widest token tile the untuned default takes: on the H200 the register-A families' 256-token
-/// tile was never the tuner's choice (run 32: 128 tokens won at 2048 tokens for every recipe).
+/// The widest one-consumer token tile the untuned default takes (the register-A families' wide
+/// decode tile).
 const DEFAULT_MAX_TOKEN_TILE: u32 = 128;
 
 /// The default candidate for `rows` token rows over `active` experts that received any (the
-/// untuned choice): decode with the smallest token tile that holds the mean rows per active expert
-/// (up to 64, or 128 for the register-A families' wide tiles), else the first prefill candidate
-/// (else, for a family with none, the widest decode tile up to 128 tokens).
+/// untuned choice): a one-consumer decode tile, the smallest whose tokens hold the mean rows per
+/// active expert (up to 64, or 128 for the register-A families' wide tile); else the first prefill
+/// candidate; else, for the register-A families (no prefill form with tokens on A), their
+/// two-consumer tile with the most tokens (the tuner's choice at 2048 and 8192 tokens on the H200,
+/// run 35, but for one of 20 GEMMs); else the widest one-consumer tile.
 pub fn default_choice(all: &[WsConfig], rows: usize, active: usize) -> Option<&WsConfig> {
     let mean = rows.div_ceil(active.max(1));
     let decode = || {
-        all.iter()
-            .filter(|c| c.swap_ab && c.split_k == 1 && c.bn <= DEFAULT_MAX_TOKEN_TILE)
+        all.iter().filter(|c| {
+            c.swap_ab && c.consumers == 1 && c.split_k == 1 && c.bn <= DEFAULT_MAX_TOKEN_TILE
+        })
     };
     decode()
         .find(|c| c.bn as usize >= mean)
         .or_else(|| all.iter().find(|c| !c.swap_ab))
+        .or_else(|| {
+            all.iter()
+                .filter(|c| c.swap_ab && c.consumers == 2)
+                .max_by_key(|c| c.bn)
+        })
         .or_else(|| decode().max_by_key(|c| c.bn))
 }
 
@@ -129,7 +138,7 @@ mod tests {
             let tags: std::collections::BTreeSet<String> = all.iter().map(|c| c.tag()).collect();
             assert_eq!(tags.len(), all.len(), "tags are unique");
         }
-        // Int8 weights: the decode form only (every token count runs it), unsplit.
+        // Int8 weights: the swapped (weights-on-A) form only (every token count runs it), unsplit.
         let all = candidates(Operands::I8Bf16, Scaling::PerRow, 4096, 7168);
         // Four decode tiles, the wide one and the two-consumer prefill forms.
         assert_eq!(all.len(), 7);
@@ -155,12 +164,16 @@ mod tests {
         for c in &w4 {
             grouped_ws_entry("k", c).unwrap();
         }
-        // With no prefill candidate, the default is the decode tile that holds the rows, else
-        // the widest.
-        assert_eq!(default_choice(&all, 100 * 8, 8).unwrap().bn, 128);
-        // Past 128 rows an expert, still 128 (the 256-token tile is the tuner's to pick).
-        assert_eq!(default_choice(&all, 200 * 8, 8).unwrap().bn, 128);
-        assert_eq!(default_choice(&all, 10_000, 1).unwrap().bn, 128);
+        // With no prefill candidate, the default is the one-consumer tile that holds the rows,
+        // else the two-consumer prefill form with the most tokens.
+        let d = default_choice(&all, 100 * 8, 8).unwrap();
+        assert_eq!((d.consumers, d.bn), (1, 128));
+        let d = default_choice(&all, 200 * 8, 8).unwrap();
+        assert_eq!((d.consumers, d.bn), (2, 256));
+        let d = default_choice(&all, 10_000, 1).unwrap();
+        assert_eq!((d.consumers, d.bn), (2, 256));
+        let d = default_choice(&w4, 3 * 8, 8).unwrap();
+        assert_eq!((d.consumers, d.bn), (1, 8));
         // The wide tiles are the register-A families' only.
         for (o, s) in [
             (Operands::Bf16, Scaling::None),

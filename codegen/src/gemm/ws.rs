@@ -83,15 +83,15 @@ pub enum Operands {
     Bf16,
     /// e4m3 x e4m3 (QGMMA, k32).
     E4m3,
-    /// bf16 activations x int8 weights (W8A16, decode only): the weights are wgmma's A operand
-    /// from registers, each code converted to bf16 (exact: |code| <= 128) as the consumer loads it
-    /// from the stage (`gemm::dequant`); HGMMA k16. Their scale ([`Scaling::PerRow`]) is applied
-    /// to the f32 accumulator.
+    /// bf16 activations x int8 weights (W8A16, weights-on-A form only): the weights are wgmma's A
+    /// operand from registers, each code converted to bf16 (exact: |code| <= 128) as the consumer
+    /// loads it from the stage (`gemm::dequant`); HGMMA k16. Their scale ([`Scaling::PerRow`]) is
+    /// applied to the f32 accumulator.
     I8Bf16,
-    /// bf16 activations x 4-bit weights with a scale per group of K (W4A16, decode only): as
-    /// [`Operands::I8Bf16`], each code times its group scale converted to bf16 as the consumer
-    /// loads it (`gemm::dequant`); the stage also holds the tile's group scales (by TMA). A
-    /// per-expert factor ([`Scaling::PerExpert`]) is applied to the f32 accumulator.
+    /// bf16 activations x 4-bit weights with a scale per group of K (W4A16, weights-on-A form
+    /// only): as [`Operands::I8Bf16`], each code times its group scale converted to bf16 as the
+    /// consumer loads it (`gemm::dequant`); the stage also holds the tile's group scales (by TMA).
+    /// A per-expert factor ([`Scaling::PerExpert`]) is applied to the f32 accumulator.
     W4Bf16(W4),
 }
 
@@ -793,7 +793,8 @@ pub const PARAMS: [&str; 12] = [
 
 /// Registers per consumer thread after `setmaxnreg.inc` with two consumer warpgroups (what the
 /// register file of 64 Ki registers leaves beside the producer's 40). With one consumer (256
-/// threads, decode) the kernel keeps ptxas's allocation and emits no `setmaxnreg`.
+/// threads, or 160 with a producer warp) the kernel keeps ptxas's allocation and emits no
+/// `setmaxnreg`.
 pub const CONSUMER_REGS: u32 = 232;
 
 fn unsupported(what: String) -> Error {
@@ -1604,8 +1605,8 @@ fn split_reduce(
     let sk = i64::from(cfg.split_k);
     let workspace = k.global_param(PARAMS[8]);
     let counters = k.global_param(PARAMS[9]);
-    // The consumers' first thread (split-K runs with a producer warpgroup first; register-A
-    // operands, whose producer is a warp after the consumers, refuse split-K).
+    // The consumers' first thread (0 with a producer warp after the consumer, else 128; the
+    // register-A operands refuse split-K in any form).
     let first = if cfg.producer_warp() { 0 } else { 128 };
     let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first));
     // The slot of (tile, split): ((tile_key * S + split) * P + ctid) * 4.

@@ -48,18 +48,17 @@
 //!
 //! # Parameters, in order
 //! [`ACT_PARAMS`]: `.u64 src` (f32 `[rows, 2W]`, bf16 `[rows, W]` or f32 `[rows, W]`, 16-byte
-//! aligned), `.u64 dst`
-//! (bf16 `[rows, W]`, 16-byte aligned, or E4M3 `[rows, W]`, 8-byte aligned), `.u64 scales` (f32,
-//! [`ActLaunch::scales_len`] of them; unused for bf16 output, may be 0), `.u64 offsets` (i32
-//! `[slots + 1]`), `.u32 slots`, `.u32 max_rows`.
+//! aligned), `.u64 dst` (bf16 `[rows, W]`, 16-byte aligned, or E4M3 `[rows, W]`, 8-byte aligned),
+//! `.u64 scales` (f32, [`ActLaunch::scales_len`] of them; unused for bf16 output, may be 0),
+//! `.u64 offsets` (i32 `[slots + 1]`), `.u32 slots`, `.u32 max_rows`.
 //!
 //! # Launch shape
 //! [`ActLaunch::grid`] CTAs (`min(max_rows, `[`ACT_MAX_CTAS`]`)`, at least 1) of
 //! [`ActLaunch::threads`] threads, in a grid-stride loop over rows (CTA `b` takes rows `b`,
 //! `b + grid`, ...). Thread `t` holds chunks of 8 columns `t, t + threads, ...` (at most
 //! [`ActLaunch::chunks_per_thread`], 4) in registers: 16-byte loads (two per chunk of f32 gate and
-//! of up, or of f32 `a`; one per chunk of bf16), 16-byte stores of bf16, 8-byte stores of codes. A per-token amax
-//! is reduced with `shfl.sync.bfly` over the warp, then over the warps through
+//! of up, or of f32 `a`; one per chunk of bf16), 16-byte stores of bf16, 8-byte stores of codes. A
+//! per-token amax is reduced with `shfl.sync.bfly` over the warp, then over the warps through
 //! [`ActLaunch::smem_bytes`] of static shared memory; a per-group amax over the half warp that
 //! holds the group's 16 chunks. No dynamic shared memory.
 
