@@ -476,6 +476,18 @@ fn register_a_sass(recipe: &str, prefix: &str) {
         sass.contains("UTMALDG.2D") && sass.contains("UTMALDG.3D"),
         "{sass}"
     );
+    if recipe != "int8_per_row" {
+        // The group scales' half broadcasts are folded into the multiplies' half selectors:
+        // every variant's `HMUL2.BF16_V2` by a row's scale takes `.H0_H0` or `.H1_H1` (with
+        // `prmt` broadcasts, none did: a PRMT each).
+        let functions = sass.split("Function : ").skip(1);
+        for f in functions {
+            assert!(
+                f.contains(".H0_H0") && f.contains(".H1_H1"),
+                "{recipe}: no HMUL2 half selector in\n{f}"
+            );
+        }
+    }
 }
 
 #[test]

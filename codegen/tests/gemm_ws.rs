@@ -1067,6 +1067,10 @@ fn four_bit_weights_feed_register_a_and_assemble() {
         // Two scale words per group of the k-tile (rows r and r + 8).
         let groups = 64u32.div_ceil(w.group) as usize;
         assert_eq!(text.matches("ld.shared.u32").count(), 2 * groups);
+        // Each row's scale broadcast to both halves by a half unpack and pack (ptxas folds it
+        // into the multiply's half selector), not a byte permute.
+        assert_eq!(text.matches("mov.b32 {%hb0, %hb1}").count(), 2 * groups);
+        assert!(!text.contains(", 0x1010;") && !text.contains(", 0x3232;"));
         // One bf16x2 multiply by the scale per A register (16), and the E4M3 scales' two.
         let muls = 16
             + if w.scale == GroupScale::E4m3 {

@@ -299,15 +299,12 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
             Some((_, s)) => *s,
             None => {
                 let both = w4_scales(k, fr, scales, gi);
-                // Each row's scale in both halves (the pair (K, K + 1) shares it).
-                let s = [0x1010, 0x3232].map(|sel| {
+                // Each row's scale in both halves (the pair (K, K + 1) shares it): a half
+                // broadcast, which ptxas folds into the multiply's `.H0_H0` / `.H1_H1` operand
+                // (with `prmt` it issued 8 PRMTs a k-tile of NVFP4's d1x8 variant).
+                let s = [false, true].map(|high| {
                     let d = k.b.reg(RegClass::B32);
-                    k.b.push(Inst::Prmt {
-                        d,
-                        a: both,
-                        b: both,
-                        sel,
-                    });
+                    k.b.push(Inst::HalfBroadcast { d, a: both, high });
                     d
                 });
                 cache.push((gi, s));

@@ -468,6 +468,18 @@ pub enum Inst {
         /// Operands (f32), byte 0 first.
         vals: [Reg; 4],
     },
+    /// `d` = one 16-bit half of `a` in both halves (`high`: bits 31..16, else 15..0): `mov.b32`
+    /// unpacking `a` into two `.b16` and packing one of them twice, in a scoped block. The same
+    /// bits as `prmt.b32 d, a, a, 0x3232 / 0x1010`, but ptxas folds it into the consumer's
+    /// operand (an `HMUL2 ... R.H0_H0` / `.H1_H1` half selector) instead of issuing a `PRMT`.
+    HalfBroadcast {
+        /// Destination (32-bit).
+        d: Reg,
+        /// Operand (32-bit).
+        a: Reg,
+        /// Which half: the high one (bits 31..16), else the low.
+        high: bool,
+    },
     /// `prmt.b32 d, a, b, sel` (byte permute: bytes 0-3 of `a`, 4-7 of `b`).
     Prmt {
         /// Destination.
@@ -750,6 +762,13 @@ impl fmt::Display for Inst {
             ),
             Inst::BarSync => write!(f, "\tbar.sync \t0;"),
             Inst::Fma { d, a, b, c } => write!(f, "\tfma.rn.f32 \t{d}, {a}, {b}, {c};"),
+            Inst::HalfBroadcast { d, a, high } => {
+                let h = if *high { "%hb1" } else { "%hb0" };
+                write!(
+                    f,
+                    "\t{{ .reg .b16 %hb<2>; mov.b32 {{%hb0, %hb1}}, {a}; mov.b32 {d}, {{{h}, {h}}}; }}"
+                )
+            }
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
             Inst::PrmtR { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel};"),
             Inst::LdSharedV2 { d, addr, off } => write!(
@@ -1020,6 +1039,14 @@ mod tests {
                 },
                 "\t{ .reg .b16 %e<2>; cvt.rn.satfinite.e4m3x2.f32 %e0, %f1, %f1; \
                  cvt.rn.satfinite.e4m3x2.f32 %e1, %f1, %f1; mov.b32 %r1, {%e0, %e1}; }",
+            ),
+            (
+                Inst::HalfBroadcast {
+                    d: r,
+                    a: r,
+                    high: true,
+                },
+                "\t{ .reg .b16 %hb<2>; mov.b32 {%hb0, %hb1}, %r1; mov.b32 %r1, {%hb1, %hb1}; }",
             ),
             (
                 Inst::Un {
