@@ -125,6 +125,12 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
     };
     let tok = Scaling::Tensorwise { per_token: true };
     let ten = Scaling::Tensorwise { per_token: false };
+    // The register-A families and a variant of one (weights on A: always the swapped form).
+    let i8 = (Operands::I8Bf16, Scaling::PerRow);
+    let [nvfp4, mxfp4, int4] = W4_FORMATS.map(|o| (o, Scaling::PerExpert));
+    let ra = |(o, sc): (Operands, Scaling), out, consumers, bn, stages| {
+        v(o, sc, out, consumers, bn, stages, true)
+    };
     let (b, e) = (Operands::Bf16, Operands::E4m3);
     let plain = vec![
         v(b, Scaling::None, OutTy::Bf16, 2, 128, 6, false),
@@ -138,25 +144,9 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false),
         v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true),
         // Int8 weights as register-sourced A (W8A16, decode).
-        v(
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            1,
-            16,
-            8,
-            true,
-        ),
-        v(Operands::I8Bf16, Scaling::PerRow, OutTy::F32, 1, 8, 8, true),
-        v(
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            1,
-            64,
-            6,
-            true,
-        ),
+        ra(i8, OutTy::Bf16, 1, 16, 8),
+        ra(i8, OutTy::F32, 1, 8, 8),
+        ra(i8, OutTy::Bf16, 1, 64, 6),
         // Split-K (decode): bf16, per-token FP8 and block-scaled.
         WsConfig {
             split_k: 4,
@@ -172,176 +162,42 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         },
         // 4-bit weights as register-sourced A (W4A16, decode): NVFP4's, MXFP4's and INT4 g128's
         // codes and scales.
-        v(
-            W4_FORMATS[0],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            1,
-            16,
-            8,
-            true,
-        ),
-        v(W4_FORMATS[1], Scaling::PerExpert, OutTy::F32, 1, 8, 8, true),
+        ra(nvfp4, OutTy::Bf16, 1, 16, 8),
+        ra(mxfp4, OutTy::F32, 1, 8, 8),
         // The 4-stage ring the tuner may choose for 4-bit weights.
-        v(
-            W4_FORMATS[0],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            1,
-            8,
-            4,
-            true,
-        ),
-        v(W4_FORMATS[2], Scaling::PerExpert, OutTy::F32, 1, 8, 4, true),
+        ra(nvfp4, OutTy::Bf16, 1, 8, 4),
+        ra(int4, OutTy::F32, 1, 8, 4),
         // The register-A families' wide token tiles (their prefill).
-        v(
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            1,
-            128,
-            4,
-            true,
-        ),
+        ra(i8, OutTy::Bf16, 1, 128, 4),
         // The register-A prefill form: two consumers (128 weight rows) share a token tile.
-        v(
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::F32,
-            2,
-            256,
-            4,
-            true,
-        ),
-        v(
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            2,
-            128,
-            4,
-            true,
-        ),
-        v(
-            W4_FORMATS[0],
-            Scaling::PerExpert,
-            OutTy::F32,
-            2,
-            256,
-            4,
-            true,
-        ),
-        v(
-            W4_FORMATS[1],
-            Scaling::PerExpert,
-            OutTy::F32,
-            2,
-            128,
-            4,
-            true,
-        ),
-        v(
-            W4_FORMATS[1],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            1,
-            128,
-            4,
-            true,
-        ),
-        v(
-            W4_FORMATS[2],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            2,
-            256,
-            4,
-            true,
-        ),
-        v(
-            W4_FORMATS[2],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            1,
-            64,
-            6,
-            true,
-        ),
+        ra(i8, OutTy::F32, 2, 256, 4),
+        ra(i8, OutTy::Bf16, 2, 128, 4),
+        ra(nvfp4, OutTy::F32, 2, 256, 4),
+        ra(mxfp4, OutTy::F32, 2, 128, 4),
+        ra(mxfp4, OutTy::Bf16, 1, 128, 4),
+        ra(int4, OutTy::Bf16, 2, 256, 4),
+        ra(int4, OutTy::Bf16, 1, 64, 6),
     ];
     // The fused SiLU epilogue (the layer's first GEMM): prefill and decode, split-K, every family.
     let silu = [
-        (b, Scaling::None, OutTy::Bf16, 2, 128, 6, false, 1),
-        (b, Scaling::None, OutTy::F32, 1, 16, 8, true, 1),
-        (e, tok, OutTy::Bf16, 2, 256, 4, false, 1),
+        (v(b, Scaling::None, OutTy::Bf16, 2, 128, 6, false), 1),
+        (v(b, Scaling::None, OutTy::F32, 1, 16, 8, true), 1),
+        (v(e, tok, OutTy::Bf16, 2, 256, 4, false), 1),
         // (f32 out in prefill: the FP8 per-tensor layer's fused first GEMM)
-        (e, tok, OutTy::F32, 2, 256, 4, false, 1),
-        (e, tok, OutTy::F32, 1, 16, 8, true, 3),
-        (e, Scaling::Block128, OutTy::F32, 1, 16, 8, true, 1),
-        (
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            1,
-            16,
-            8,
-            true,
-            1,
-        ),
-        (
-            W4_FORMATS[0],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            1,
-            8,
-            8,
-            true,
-            1,
-        ),
-        (
-            W4_FORMATS[2],
-            Scaling::PerExpert,
-            OutTy::F32,
-            1,
-            16,
-            8,
-            true,
-            1,
-        ),
-        (
-            W4_FORMATS[0],
-            Scaling::PerExpert,
-            OutTy::Bf16,
-            2,
-            128,
-            4,
-            true,
-            1,
-        ),
-        (
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            1,
-            128,
-            4,
-            true,
-            1,
-        ),
-        (
-            Operands::I8Bf16,
-            Scaling::PerRow,
-            OutTy::Bf16,
-            2,
-            256,
-            4,
-            true,
-            1,
-        ),
+        (v(e, tok, OutTy::F32, 2, 256, 4, false), 1),
+        (v(e, tok, OutTy::F32, 1, 16, 8, true), 3),
+        (v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true), 1),
+        (ra(i8, OutTy::Bf16, 1, 16, 8), 1),
+        (ra(nvfp4, OutTy::Bf16, 1, 8, 8), 1),
+        (ra(int4, OutTy::F32, 1, 16, 8), 1),
+        (ra(nvfp4, OutTy::Bf16, 2, 128, 4), 1),
+        (ra(i8, OutTy::Bf16, 1, 128, 4), 1),
+        (ra(i8, OutTy::Bf16, 2, 256, 4), 1),
     ]
-    .map(|(o, sc, out, c, bn, st, swap, split_k)| WsConfig {
+    .map(|(c, split_k)| WsConfig {
         epilogue: Epilogue::SiluMul,
         split_k,
-        ..v(o, sc, out, c, bn, st, swap)
+        ..c
     });
     plain
         .into_iter()
