@@ -56,9 +56,25 @@ pub(crate) fn cases(rng: &mut Rng, quick: bool) -> Vec<Case> {
             k: 2048,
         },
     ];
+    // More experts than the tile scan's warp has lanes (it looks at 32 a step): hits at a step's
+    // first and last lanes, a step that finds nothing, and the last step part past E.
+    let mut many = vec![0usize; 70];
+    for (e, r) in [(2, 3), (31, 1), (33, 17), (40, 2), (64, 9), (69, 1)] {
+        many[e] = r;
+    }
+    v.insert(
+        2,
+        Case {
+            what: "70 experts, few of them routed (the scan's 32-expert steps)",
+            rows: many,
+            n: 256,
+            k: 512,
+        },
+    );
     if quick {
-        // The sanitizers' set: masking at the expert's end and at N and K off the tiles.
-        v.truncate(2);
+        // The sanitizers' set: masking at the expert's end and at N and K off the tiles, and the
+        // scan over many experts.
+        v.truncate(3);
         return v;
     }
     let uniform = |rng: &mut Rng, e: usize, tokens: usize, top: usize| {
@@ -823,7 +839,10 @@ mod tests {
                 crate::codegen::gemm::ws::grouped_ws_entry("k", &v).unwrap();
             }
         }
-        assert_eq!(cases(&mut rng, true).len(), 2);
+        let quick = cases(&mut rng, true);
+        assert_eq!(quick.len(), 3);
+        // The sanitizers' set holds a case past the scan warp's 32 experts.
+        assert!(quick.iter().any(|c| c.rows.len() > 64 && c.rows[64] > 0));
     }
 
     /// The sample holds every expert's first and last row.

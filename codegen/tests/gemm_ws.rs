@@ -1,5 +1,6 @@
 //! Host-side tests of the warp-specialized grouped GEMM generator (`gemm::ws`) through its public
-//! API: the tile walk (`tile_of`) against an independent enumeration, the configurations
+//! API: the tile walk (`tile_of`, and the kernel's warp scan resumed across a CTA's tiles,
+//! `TileScan`) against an independent enumeration, the configurations
 //! `WsConfig` refuses, determinism, and the structure of the generated text (what defines the
 //! design: thread count, register reallocation, the MMA shape, the pipeline's barriers, the TMA
 //! loads, the epilogue's conversions and stores), not its register numbering. A proptest checks
@@ -155,6 +156,63 @@ fn check_walk(c: &WsConfig, rows: &[usize]) {
     assert_eq!(got.len(), per_expert);
 }
 
+/// A CTA's tiles `c, c + grid, ...` found by one resumed [`ws::TileScan`] (as the kernel keeps its
+/// cursor) are the enumeration's, for every CTA.
+fn check_resumed(c: &WsConfig, rows: &[usize], grid: usize) {
+    let offsets = offsets_of(rows);
+    let want = enumerate(c, &offsets);
+    for cta in 0..grid {
+        let mut scan = ws::TileScan::new(c, &offsets);
+        let mut id = cta;
+        loop {
+            let got = scan.find(id);
+            assert_eq!(
+                got.as_ref(),
+                want.get(id),
+                "{} rows {rows:?} id {id}",
+                c.tag()
+            );
+            if got.is_none() {
+                break;
+            }
+            id += grid;
+        }
+    }
+}
+
+#[test]
+fn the_warp_scan_resumes_over_many_experts() {
+    // More experts than a warp has lanes: steps of 32 that find nothing, hits at lane 0 and 31,
+    // empty experts at a step's edge, and the last step part past the last expert.
+    let mut rows = vec![0usize; 130];
+    for (e, r) in [
+        (0, 1),
+        (31, 3),
+        (32, 1),
+        (33, 70),
+        (63, 2),
+        (64, 9),
+        (95, 1),
+        (129, 5),
+    ] {
+        rows[e] = r;
+    }
+    let dec = WsConfig { n: 300, ..decode() };
+    for c in [base(), decode(), dec] {
+        check_walk(&c, &rows);
+        for grid in [1, 3, 7, 132] {
+            check_resumed(&c, &rows, grid);
+        }
+    }
+    // Only the last expert holds rows (the scan crosses four empty steps), and none does.
+    let mut last = vec![0usize; 128];
+    last[127] = 1;
+    check_walk(&decode(), &last);
+    check_resumed(&decode(), &last, 5);
+    check_walk(&decode(), &[0; 128]);
+    assert_eq!(tile_of(&decode(), &offsets_of(&[0; 128]), 0), None);
+}
+
 #[test]
 fn tile_of_walks_the_tiles_of_fixed_row_counts() {
     let prefill = WsConfig { n: 300, ..base() };
@@ -205,7 +263,7 @@ fn tile_of_walks_the_tiles_of_fixed_row_counts() {
 
 fn rows_strategy() -> impl Strategy<Value = Vec<usize>> {
     // Experts with no rows are common in MoE: a third of them here.
-    prop::collection::vec(prop_oneof![Just(0usize), 1usize..300, 0usize..2000], 0..24)
+    prop::collection::vec(prop_oneof![Just(0usize), 1usize..300, 0usize..2000], 0..70)
 }
 
 proptest! {
@@ -222,6 +280,7 @@ proptest! {
         let all = tune::candidates(o, s, 2 * n, 1024);
         let c = all[which % all.len()];
         check_walk(&c, &rows);
+        check_resumed(&c, &rows, 132);
         // Also with a base row offset (the first expert need not start at row 0).
         let mut shifted = offsets_of(&rows);
         for v in shifted.iter_mut() {

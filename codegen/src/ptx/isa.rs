@@ -229,6 +229,8 @@ pub enum UnOpcode {
     /// `rcp.approx.ty`: `1 / a`, approximate (at most 1 ulp over the whole range, subnormals
     /// kept); `1 / inf = +0`.
     RcpApprox(PtxTy),
+    /// `popc.b32`: the number of set bits (the result is `.u32`).
+    Popc,
     /// `ex2.approx.ftz.ty`: `2^a`, approximate (at most 2 ulp of relative error over the whole
     /// range), subnormal inputs and results flushed to zero; `+inf` past the f32 range, `+0` below
     /// it.
@@ -272,6 +274,7 @@ impl fmt::Display for UnOpcode {
             UnOpcode::RcpRn(ty) => write!(f, "rcp.rn{ty}"),
             UnOpcode::RcpApprox(ty) => write!(f, "rcp.approx{ty}"),
             UnOpcode::Ex2ApproxFtz(ty) => write!(f, "ex2.approx.ftz{ty}"),
+            UnOpcode::Popc => f.write_str("popc.b32"),
             UnOpcode::Cvt {
                 rnd: None,
                 to,
@@ -681,8 +684,17 @@ pub enum Inst {
         d: Reg,
         /// Value.
         a: Reg,
-        /// Source lane (0 to 31).
-        lane: i64,
+        /// Source lane (0 to 31): an immediate, or a register (the same lane for every thread
+        /// where it is warp-uniform).
+        lane: Operand,
+    },
+    /// `vote.sync.ballot.b32 d, p, -1`: bit `i` of `d` is lane `i`'s predicate (the whole warp,
+    /// converged).
+    Ballot {
+        /// Destination (32-bit).
+        d: Reg,
+        /// The predicate.
+        p: Reg,
     },
     /// `st.shared.u32 [addr+off], v`.
     StSharedU32 {
@@ -803,6 +815,7 @@ impl fmt::Display for Inst {
             Inst::ShflIdx { d, a, lane } => {
                 write!(f, "\tshfl.sync.idx.b32 \t{d}, {a}, {lane}, 31, -1;")
             }
+            Inst::Ballot { d, p } => write!(f, "\tvote.sync.ballot.b32 \t{d}, {p}, -1;"),
             Inst::StSharedU32 { addr, off, v } => {
                 write!(f, "\tst.shared.u32 \t[{addr}+{off}], {v};")
             }
@@ -1103,9 +1116,29 @@ mod tests {
                 Inst::ShflIdx {
                     d: r,
                     a: r,
-                    lane: 0,
+                    lane: Operand::Int(0),
                 },
                 "\tshfl.sync.idx.b32 \t%r1, %r1, 0, 31, -1;",
+            ),
+            (
+                Inst::ShflIdx {
+                    d: r,
+                    a: r,
+                    lane: Operand::Reg(r),
+                },
+                "\tshfl.sync.idx.b32 \t%r1, %r1, %r1, 31, -1;",
+            ),
+            (
+                Inst::Ballot { d: r, p },
+                "\tvote.sync.ballot.b32 \t%r1, %p1, -1;",
+            ),
+            (
+                Inst::Un {
+                    op: UnOpcode::Popc,
+                    d: r,
+                    a: Operand::Reg(r),
+                },
+                "\tpopc.b32 \t%r1, %r1;",
             ),
             (
                 Inst::StSharedU32 {
