@@ -16,9 +16,12 @@ use crate::runtime::nccl::{Nccl, NcclWorld, WorldIds};
 use crate::runtime::Device;
 use crate::{Error, Result, Settings};
 
-/// Open GPU 0, or the reason there is none.
+/// Open GPU 0, or the reason there is none; programmatic dependent launch as
+/// [`crate::settings::pdl_enabled`] says (and the device allows).
 pub fn open() -> std::result::Result<Device, String> {
-    Device::open(0).map_err(|e| e.to_string())
+    let mut dev = Device::open(0).map_err(|e| e.to_string())?;
+    dev.pdl &= crate::settings::pdl_enabled();
+    Ok(dev)
 }
 
 pub(crate) fn inputs(layer: &Layer) -> HashMap<String, Vec<u8>> {

@@ -1189,7 +1189,8 @@ pub fn forward(
     settings: &crate::runtime::Settings,
     dump: bool,
 ) -> Result<Forward> {
-    let dev = Device::open(0)?;
+    let mut dev = Device::open(0)?;
+    dev.pdl &= crate::settings::pdl_enabled();
     // The intermediates exist on the unfused path only.
     let mut l = GpuLayer::with_fusion(&dev, ops, replicas, settings, !dump)?;
     l.forward(&dev, tokens, dump)

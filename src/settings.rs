@@ -13,6 +13,7 @@
 //! | `MOEFORGE_PTXAS` | the ptxas to use; else one is looked for in `PATH`, `$CUDA_HOME/bin`, `/usr/local/cuda/bin` |
 //! | `MOEFORGE_CACHE_DIR` | kernel cache folder; else `$XDG_CACHE_HOME/moeforge`, else `$HOME/.cache/moeforge` |
 //! | `MOEFORGE_NCCL_SO_PATH` | the NCCL library to try first, before `libnccl.so.2` and `libnccl.so` |
+//! | `MOEFORGE_PDL` | `0`: launch the MoE layer's kernels without programmatic dependent launch (on by default on Hopper; read by [`pdl_enabled`] when a command opens its GPU) |
 //! | `CUDA_CACHE_DISABLE` | read by the CUDA driver itself; reported by `bench --gpu` |
 
 use std::ffi::OsString;
@@ -33,6 +34,16 @@ pub struct Settings {
     /// `CUDA_CACHE_DISABLE` as set (empty when not): the CUDA driver reads it itself; the GPU
     /// benchmarks report it.
     pub cuda_cache_disable: String,
+}
+
+/// Whether the GPU a command opens may launch the MoE layer's kernels with programmatic dependent
+/// launch (`runtime::launch`): unless `MOEFORGE_PDL` is `0`.
+pub fn pdl_enabled() -> bool {
+    pdl_from(std::env::var_os("MOEFORGE_PDL"))
+}
+
+fn pdl_from(v: Option<OsString>) -> bool {
+    v.is_none_or(|v| v != "0")
 }
 
 impl Settings {
@@ -107,6 +118,13 @@ mod tests {
             .map(|(k, v)| (k.to_string(), OsString::from(v)))
             .collect();
         Settings::from_vars(|name| env.get(name).cloned())
+    }
+
+    #[test]
+    fn pdl_is_on_unless_turned_off() {
+        assert!(pdl_from(None));
+        assert!(pdl_from(Some("1".into())));
+        assert!(!pdl_from(Some("0".into())));
     }
 
     #[test]

@@ -3,12 +3,12 @@
 //! T]`, group-major). [`ActQuant::load`] JITs the PTX through the driver's linker;
 //! [`ActQuant::run`] checks the buffers' sizes and launches.
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig};
 use std::sync::Arc;
 
 use moeforge_codegen::gemm::act_quant::{self, Launch, Mode};
 
-use crate::{drv, Device, Error, Result};
+use crate::{Device, Error, Result};
 
 /// The loaded activation-quantization kernel for one `(mode, K)`.
 pub struct ActQuant {
@@ -92,15 +92,15 @@ impl ActQuant {
             block_dim: (self.launch.threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = dev.stream.launch_builder(&self.func);
-        l.arg(x).arg(q).arg(scales).arg(&t32);
+        let mut l = crate::launch::KernelLaunch::new(dev, &self.func);
+        l.buf(x).buf_mut(q).buf_mut(scales).val(&t32);
         // SAFETY: the arguments match the entry's parameters in order (three u64 pointers, x, q and
         // scales, then the u32 row count). `x` holds at least t * K bf16, `q` t * K bytes and
         // `scales` scales_len(t) f32 (checked above); the kernel reads rows below `t32` only and
         // writes their codes and scales only, inside those sizes. cudarc's allocations are 256-byte
         // aligned, more than the 16, 8 and 4 bytes the kernel's vector accesses need. The caller
         // keeps other streams off the buffers until the kernel ends.
-        unsafe { l.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+        unsafe { l.launch(cfg) }?;
         Ok(())
     }
 }

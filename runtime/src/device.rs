@@ -48,6 +48,10 @@ pub struct Device {
     pub capability: (i32, i32),
     /// Streaming multiprocessors.
     pub sms: u32,
+    /// Launch the MoE layer's kernels with programmatic dependent launch
+    /// ([`crate::launch::KernelLaunch`]): on by default from compute capability 9.0 (Hopper), which
+    /// has it; a caller may turn it off (the CLI's `MOEFORGE_PDL=0`).
+    pub pdl: bool,
 }
 
 impl Device {
@@ -62,6 +66,7 @@ impl Device {
             name: String::new(),
             capability: (0, 0),
             sms: 0,
+            pdl: false,
         }
     }
 
@@ -140,6 +145,7 @@ impl Device {
             name,
             capability: (major, minor),
             sms,
+            pdl: major >= 9,
         })
     }
 

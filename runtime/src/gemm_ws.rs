@@ -6,7 +6,7 @@
 //! a persistent grid of at most `SMs x occupancy` CTAs.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig};
 use std::sync::Arc;
 
 use moeforge_codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
@@ -427,19 +427,19 @@ impl GroupedGemm {
         };
         let (yp, _ys) = y.device_ptr(&dev.stream);
         let (op_off, _os) = op.offsets.device_ptr(&dev.stream);
-        let mut l = dev.stream.launch_builder(&self.func);
-        l.arg(&tmap_x)
-            .arg(&tmap_w)
-            .arg(&yp)
-            .arg(&op_off)
-            .arg(&xs)
-            .arg(&ws)
-            .arg(&e32)
-            .arg(&t32)
-            .arg(&wsp)
-            .arg(&cntp)
-            .arg(&tmap_xs)
-            .arg(&tmap_ws);
+        let mut l = crate::launch::KernelLaunch::new(dev, &self.func);
+        l.val(&tmap_x)
+            .val(&tmap_w)
+            .val(&yp)
+            .val(&op_off)
+            .val(&xs)
+            .val(&ws)
+            .val(&e32)
+            .val(&t32)
+            .val(&wsp)
+            .val(&cntp)
+            .val(&tmap_xs)
+            .val(&tmap_ws);
         // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
         // value, the u64 addresses of `y`, `offsets` and the two scale buffers (0 where the variant
         // reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
@@ -453,7 +453,7 @@ impl GroupedGemm {
         // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows
         // below `offsets[experts]`, columns below N, inside `y` by the caller's guarantee on the
         // offsets' contents. The buffers' guards live until the launch has been queued.
-        unsafe { l.launch(cfg_l) }.map_err(drv("cuLaunchKernel"))?;
+        unsafe { l.launch(cfg_l) }?;
         Ok(())
     }
 }

@@ -22,6 +22,7 @@ pub mod gemm_tune;
 pub mod gemm_ws;
 pub mod gpu_pack;
 pub mod jit;
+pub mod launch;
 pub mod moe_kernels;
 pub mod moves;
 pub mod nccl;

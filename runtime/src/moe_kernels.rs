@@ -7,13 +7,14 @@
 //! on `dev.stream` with no host synchronization (row counts are read on the device from the
 //! grouped GEMM's offsets).
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig};
 use std::sync::Arc;
 
 use moeforge_codegen::moe::act::{self, ActIn, ActLaunch, ActOut, ACT_ENTRY};
 use moeforge_codegen::moe::combine::{self, CombineLaunch, COMBINE_ENTRY, ROW_SCALES_ENTRY};
 
-use crate::{drv, Device, Error, Result};
+use crate::launch::KernelLaunch;
+use crate::{Device, Error, Result};
 
 fn cfg(grid: u32, threads: u32) -> LaunchConfig {
     LaunchConfig {
@@ -119,16 +120,16 @@ impl MoeAct {
             ],
         )?;
         let grid = l.grid(rows32);
-        let mut b = dev.stream.launch_builder(&self.func);
         let null = 0u64;
-        b.arg(src).arg(&mut *dst);
+        let mut b = KernelLaunch::new(dev, &self.func);
+        b.buf(src).buf_mut(&mut *dst);
         match scales {
             Some(s) => {
                 check_sizes("moe activation", &[("scales", s.len(), ns)])?;
-                b.arg(s);
+                b.buf_mut(s);
             }
             None if ns == 0 => {
-                b.arg(&null);
+                b.val(&null);
             }
             None => {
                 return Err(bad(format!(
@@ -137,7 +138,7 @@ impl MoeAct {
                 )))
             }
         }
-        b.arg(offsets).arg(&slots32).arg(&rows32);
+        b.buf(offsets).val(&slots32).val(&rows32);
         // SAFETY: the arguments match the kernel's parameters in order (four u64 pointers, a null
         // one only for bf16 output, which never reads it; then two u32). It reads `offsets[slots]`
         // (>= slots + 1 checked) and handles rows below `min(offsets[slots], max_rows)`: `src`
@@ -145,7 +146,7 @@ impl MoeAct {
         // scales_len(max_rows), indices `group * max_rows + row` below it) in bounds. cudarc's
         // allocations are 256-byte aligned, more than the 16-byte vectors (rows of whole 16- or
         // 8-byte chunks, W a multiple of 8). The caller keeps other streams off the buffers.
-        unsafe { b.launch(cfg(grid, l.threads)) }.map_err(drv("cuLaunchKernel"))?;
+        unsafe { b.launch(cfg(grid, l.threads)) }?;
         Ok(())
     }
 }
@@ -217,21 +218,20 @@ impl MoeCombine {
                 ("out", out.len(), n),
             ],
         )?;
-        let mut b = dev.stream.launch_builder(&self.row_scales);
-        b.arg(row_of)
-            .arg(slot)
-            .arg(values)
-            .arg(offsets)
-            .arg(&mut *out)
-            .arg(&slots32)
-            .arg(&n32);
+        let mut b = KernelLaunch::new(dev, &self.row_scales);
+        b.buf(row_of)
+            .buf(slot)
+            .buf(values)
+            .buf(offsets)
+            .buf_mut(&mut *out)
+            .val(&slots32)
+            .val(&n32);
         // SAFETY: the arguments match the row-scales kernel's parameters in order (five u64
         // pointers, two u32). It reads `offsets[slots]` (>= slots + 1 checked), `row_of` and
         // writes `out` below `min(offsets[slots], n)` (both >= n checked), reads `slot[i]` only
         // for `i` in `[0, n)` (>= n) and `values[s]` only for `s` in `[0, slots)` (>= slots). The
         // caller keeps other streams off the buffers.
-        unsafe { b.launch(cfg(self.launch.index_grid(n32), self.launch.index_threads)) }
-            .map_err(drv("cuLaunchKernel"))?;
+        unsafe { b.launch(cfg(self.launch.index_grid(n32), self.launch.index_threads)) }?;
         Ok(())
     }
 
@@ -279,14 +279,14 @@ impl MoeCombine {
                 ("out", out.len(), out_need),
             ],
         )?;
-        let mut b = dev.stream.launch_builder(&self.combine);
-        b.arg(y)
-            .arg(pos_of)
-            .arg(weights)
-            .arg(&mut *out)
-            .arg(&t32)
-            .arg(&k32)
-            .arg(&n32);
+        let mut b = KernelLaunch::new(dev, &self.combine);
+        b.buf(y)
+            .buf(pos_of)
+            .buf(weights)
+            .buf_mut(&mut *out)
+            .val(&t32)
+            .val(&k32)
+            .val(&n32);
         // SAFETY: the arguments match the combine kernel's parameters in order (four u64
         // pointers, three u32). It reads `pos_of` and `weights` below `t k` (both >= t k checked,
         // which fits 32 bits), `y` rows `p` in `[0, n)` only (>= n H checked), and writes `out`
@@ -298,8 +298,7 @@ impl MoeCombine {
                 self.launch.combine_grid(t32),
                 self.launch.combine_threads,
             ))
-        }
-        .map_err(drv("cuLaunchKernel"))?;
+        }?;
         Ok(())
     }
 }

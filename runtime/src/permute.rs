@@ -6,14 +6,15 @@
 //! one-CTA kernel), with no host synchronization between them and no memset: the scan leaves
 //! `counts` and `errors[0]` zero for the next run, and the small path does not touch them.
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig};
 use std::sync::Arc;
 
 use moeforge_codegen::moe::permute::{
     self, Gather, Launch, ROUTE_ENTRY, ROUTE_SCAN_ENTRY, ROUTE_THREADS, SCAN_ENTRY, SCATTER_THREADS,
 };
 
-use crate::{drv, Device, Error, Result};
+use crate::launch::KernelLaunch;
+use crate::{Device, Error, Result};
 
 /// The loaded route + permute kernels for one `(H, R)`.
 pub struct Permute {
@@ -212,19 +213,19 @@ impl Permute {
             shared_mem_bytes: 0,
         };
         if self.launch.small(n) {
-            let mut l = dev.stream.launch_builder(&self.small);
-            l.arg(b.topk_ids)
-                .arg(b.log2phy)
-                .arg(b.logcnt)
-                .arg(&mut *b.slot)
-                .arg(&mut *b.load)
-                .arg(&mut *b.errors)
-                .arg(&mut *b.offsets)
-                .arg(&mut *b.cursor)
-                .arg(&n)
-                .arg(&k32)
-                .arg(&e32)
-                .arg(&m32);
+            let mut l = KernelLaunch::new(dev, &self.small);
+            l.buf(b.topk_ids)
+                .buf(b.log2phy)
+                .buf(b.logcnt)
+                .buf_mut(&mut *b.slot)
+                .buf_mut(&mut *b.load)
+                .buf_mut(&mut *b.errors)
+                .buf_mut(&mut *b.offsets)
+                .buf_mut(&mut *b.cursor)
+                .val(&n)
+                .val(&k32)
+                .val(&e32)
+                .val(&m32);
             // SAFETY: the arguments match the small path's parameters in order (eight u64
             // pointers, then four u32). As kernels A and B: it reads items below `n` of
             // `topk_ids`, `logcnt[e]` for `e < E` and `log2phy[e * max_replicas + r]` with `r <
@@ -233,64 +234,62 @@ impl Permute {
             // (each checked above); its counts live in its own shared memory (R + 1 words of the
             // static shared area). One CTA of `small_threads` threads (its `.maxntid`). The caller
             // keeps other streams off the buffers.
-            unsafe { l.launch(cfg(1, self.launch.small_threads())) }
-                .map_err(drv("cuLaunchKernel"))?;
+            unsafe { l.launch(cfg(1, self.launch.small_threads())) }?;
         } else {
-            let mut l = dev.stream.launch_builder(&self.route);
-            l.arg(b.topk_ids)
-                .arg(b.log2phy)
-                .arg(b.logcnt)
-                .arg(&mut *b.slot)
-                .arg(&mut *b.counts)
-                .arg(&mut *b.load)
-                .arg(&mut *b.errors)
-                .arg(&n)
-                .arg(&k32)
-                .arg(&e32)
-                .arg(&m32);
+            let mut l = KernelLaunch::new(dev, &self.route);
+            l.buf(b.topk_ids)
+                .buf(b.log2phy)
+                .buf(b.logcnt)
+                .buf_mut(&mut *b.slot)
+                .buf_mut(&mut *b.counts)
+                .buf_mut(&mut *b.load)
+                .buf_mut(&mut *b.errors)
+                .val(&n)
+                .val(&k32)
+                .val(&e32)
+                .val(&m32);
             // SAFETY: the arguments match kernel A's parameters in order (seven u64 pointers,
             // then four u32). It reads items below `n` of `topk_ids` (>= n checked), `logcnt[e]`
             // for `e < E` (>= E checked), `log2phy[e * max_replicas + r]` with `r < logcnt[e] <=
             // max_replicas` (>= E * max_replicas checked, which fits 32 bits), and writes `slot`
             // below `n` and `counts`/`load` at slots below R (each >= R checked), `errors[0]`.
             // The caller keeps other streams off the buffers.
-            unsafe { l.launch(cfg(self.launch.route_grid(n), ROUTE_THREADS)) }
-                .map_err(drv("cuLaunchKernel"))?;
-            let mut l = dev.stream.launch_builder(&self.scan);
-            l.arg(&mut *b.counts)
-                .arg(&mut *b.offsets)
-                .arg(&mut *b.cursor)
-                .arg(&mut *b.errors);
+            unsafe { l.launch(cfg(self.launch.route_grid(n), ROUTE_THREADS)) }?;
+            let mut l = KernelLaunch::new(dev, &self.scan);
+            l.buf_mut(&mut *b.counts)
+                .buf_mut(&mut *b.offsets)
+                .buf_mut(&mut *b.cursor)
+                .buf_mut(&mut *b.errors);
             // SAFETY: kernel B's parameters are four u64 pointers, in this order; it reads and
             // zeroes `counts` and zeroes `cursor` below R, writes `offsets` below R + 1 and
             // `errors[0..2]` (sizes checked above), in one CTA of `scan_threads` threads (its
             // `.maxntid`).
-            unsafe { l.launch(cfg(1, self.launch.scan_threads)) }.map_err(drv("cuLaunchKernel"))?;
+            unsafe { l.launch(cfg(1, self.launch.scan_threads)) }?;
         }
-        let mut l = dev.stream.launch_builder(&self.scatter);
-        l.arg(&*b.slot)
-            .arg(&*b.offsets)
-            .arg(&mut *b.cursor)
-            .arg(b.x)
-            .arg(&mut *b.row_of)
-            .arg(&mut *b.xs);
+        let mut l = KernelLaunch::new(dev, &self.scatter);
+        l.buf(&*b.slot)
+            .buf(&*b.offsets)
+            .buf_mut(&mut *b.cursor)
+            .buf(b.x)
+            .buf_mut(&mut *b.row_of)
+            .buf_mut(&mut *b.xs);
         // The quantizing form's scales and static scales (a null pointer where the form does not
         // read them).
         let null: u64 = 0;
         if let Some(s) = scales {
-            l.arg(s);
+            l.buf_mut(s);
             match statics {
-                Some(v) => l.arg(v),
-                None => l.arg(&null),
+                Some(v) => l.buf(v),
+                None => l.val(&null),
             };
         }
         let t32 = t as u32;
         let split = self.launch.scatter_split(t32, k32);
-        l.arg(&mut *b.pos_of)
-            .arg(&mut *b.errors)
-            .arg(&n)
-            .arg(&k32)
-            .arg(&split);
+        l.buf_mut(&mut *b.pos_of)
+            .buf_mut(&mut *b.errors)
+            .val(&n)
+            .val(&k32)
+            .val(&split);
         // SAFETY: the arguments match kernel C's parameters in order (eight u64 pointers, or ten
         // for the quantizing form, whose `scales` and `static_scales` follow `xs`; then three
         // u32, `split` in 1..=k); of `errors` it adds to `errors[1]` only (>= 2 checked). A CTA
@@ -305,8 +304,7 @@ impl Permute {
         // rows `i / k < t` (>= t * H checked). cudarc's allocations are 256-byte aligned, more
         // than the 16 bytes of the row copies (rows of 2H bytes, or H codes written 8 bytes a
         // thread, H a multiple of 8). The caller keeps other streams off the buffers.
-        unsafe { l.launch(cfg(self.launch.scatter_grid(t32, split), SCATTER_THREADS)) }
-            .map_err(drv("cuLaunchKernel"))?;
+        unsafe { l.launch(cfg(self.launch.scatter_grid(t32, split), SCATTER_THREADS)) }?;
         Ok(())
     }
 }

@@ -688,6 +688,15 @@ pub enum Inst {
         /// where it is warp-uniform).
         lane: Operand,
     },
+    /// `griddepcontrol.launch_dependents`: the grid launched after this one on the stream with
+    /// programmatic dependent launch may be scheduled once every CTA of this grid has run it (or
+    /// exited); it still waits for this grid's completion in its own `griddepcontrol.wait`. A no-op
+    /// without a dependent launched so.
+    GridDepLaunchDependents,
+    /// `griddepcontrol.wait`: wait until the grids this one depends on programmatically have
+    /// completed and their memory is visible (a no-op for a grid launched without that
+    /// dependency). Nothing before it may touch global memory another kernel writes or reads.
+    GridDepWait,
     /// `vote.sync.ballot.b32 d, p, -1`: bit `i` of `d` is lane `i`'s predicate (the whole warp,
     /// converged).
     Ballot {
@@ -815,6 +824,8 @@ impl fmt::Display for Inst {
             Inst::ShflIdx { d, a, lane } => {
                 write!(f, "\tshfl.sync.idx.b32 \t{d}, {a}, {lane}, 31, -1;")
             }
+            Inst::GridDepLaunchDependents => f.write_str("\tgriddepcontrol.launch_dependents;"),
+            Inst::GridDepWait => f.write_str("\tgriddepcontrol.wait;"),
             Inst::Ballot { d, p } => write!(f, "\tvote.sync.ballot.b32 \t{d}, {p}, -1;"),
             Inst::StSharedU32 { addr, off, v } => {
                 write!(f, "\tst.shared.u32 \t[{addr}+{off}], {v};")
@@ -1128,6 +1139,11 @@ mod tests {
                 },
                 "\tshfl.sync.idx.b32 \t%r1, %r1, %r1, 31, -1;",
             ),
+            (
+                Inst::GridDepLaunchDependents,
+                "\tgriddepcontrol.launch_dependents;",
+            ),
+            (Inst::GridDepWait, "\tgriddepcontrol.wait;"),
             (
                 Inst::Ballot { d: r, p },
                 "\tvote.sync.ballot.b32 \t%r1, %p1, -1;",
