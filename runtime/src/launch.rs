@@ -90,7 +90,7 @@ impl<'a> KernelLaunch<'a> {
         let f = self.func.cu_function();
         let stream = self.dev.stream.cu_stream();
         let params = self.args.as_mut_ptr();
-        let r = if self.dev.pdl {
+        let (call, r) = if self.dev.pdl {
             // SAFETY: an all-zero launch attribute is valid plain data (a union of integers).
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attr.id =
@@ -112,10 +112,11 @@ impl<'a> KernelLaunch<'a> {
             // per kernel parameter, each to a value that outlives the call (the caller's values
             // borrowed for 'a, the boxed addresses held by `self`); the caller vouches for their
             // match with the kernel (this function's contract).
-            unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) }
+            let r = unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) };
+            ("cuLaunchKernelEx", r)
         } else {
             // SAFETY: as above, without launch attributes.
-            unsafe {
+            let r = unsafe {
                 sys::cuLaunchKernel(
                     f,
                     cfg.grid_dim.0,
@@ -129,8 +130,9 @@ impl<'a> KernelLaunch<'a> {
                     params,
                     std::ptr::null_mut(),
                 )
-            }
+            };
+            ("cuLaunchKernel", r)
         };
-        r.result().map_err(drv("cuLaunchKernelEx"))
+        r.result().map_err(drv(call))
     }
 }
