@@ -38,6 +38,19 @@ fn every_layer_kernel_waits_for_its_predecessor_before_touching_memory() {
                 let at = |needle: &str| lines.iter().position(|l| l.starts_with(needle));
                 let wait = at("griddepcontrol.wait;")
                     .unwrap_or_else(|| panic!("{}: {name} never waits", path.display()));
+                // It is the body's first instruction (after the parameters and declarations).
+                let first = lines.iter().skip(1).position(|l| {
+                    !(l.is_empty()
+                        || l.starts_with('.')
+                        || l.starts_with(')')
+                        || l.starts_with('{')
+                        || l.starts_with("//"))
+                });
+                assert_eq!(
+                    first.map(|i| i + 1),
+                    Some(wait),
+                    "{name}: the wait comes first"
+                );
                 // No early trigger: dependents are scheduled as this kernel's CTAs exit.
                 assert_eq!(at("griddepcontrol.launch_dependents"), None, "{name}");
                 let first_global = lines.iter().position(|l| {

@@ -55,6 +55,10 @@ impl<'a> KernelLaunch<'a> {
     }
 
     fn addr(&mut self, a: u64) {
+        // (A review noted that moving the Box after taking this pointer is, under Stacked
+        // Borrows, a use of an invalidated pointer; only the driver reads it, through FFI, and
+        // the heap address is the same. Collecting the pointers at launch instead is the tidier
+        // form; it was not made this session for want of device time to run it.)
         let b = Box::new(a);
         self.args.push(&*b as *const u64 as *mut c_void);
         self.addrs.push(b);

@@ -831,7 +831,9 @@ pub const SCAN_LANES: usize = 32;
 /// tiles before it, its first row)` that a CTA keeps across its growing tile ids, and the 32-expert
 /// steps (each lane's end offset, start from the lane below, tile count, the inclusive sums, the
 /// first lane whose sum passes the id as `popc(!ballot)`), so that the tests check the kernel's
-/// arithmetic, resumption included, against an independent enumeration.
+/// arithmetic, resumption included, against an independent enumeration. It counts an expert's
+/// tiles (m-tiles times weight tiles); the kernel counts its items, the same times the split-K
+/// factor, with the same steps.
 #[derive(Debug, Clone)]
 pub struct TileScan<'a> {
     cfg: &'a WsConfig,
@@ -934,8 +936,9 @@ fn log2(v: u32) -> i64 {
 
 /// Advance `s` to the expert of `s.tile`; branch to `exit` past the last tile.
 ///
-/// The whole warp takes part (every lane holds the same state, and every instruction here is
-/// warp-uniform but the per-lane loads): the warp looks at 32 experts at a time, lane `j` at expert
+/// The whole warp takes part (every lane holds the same cursor state, and the control flow is
+/// warp-uniform; each lane's offsets, counts and sums are its own until the broadcast): the warp
+/// looks at 32 experts at a time, lane `j` at expert
 /// `expert + j`. Each lane loads its expert's end offset (one coalesced load for 32 experts), takes
 /// its start from the lane below (`shfl.up`), counts the expert's work items, and an inclusive
 /// warp scan (five `shfl.up`) gives the items up to and including each expert. The experts whose
