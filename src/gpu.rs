@@ -19,7 +19,12 @@ use crate::{Error, Result, Settings};
 /// Open GPU 0, or the reason there is none; programmatic dependent launch as
 /// [`crate::settings::pdl_enabled`] says (and the device allows).
 pub fn open() -> std::result::Result<Device, String> {
-    let mut dev = Device::open(0).map_err(|e| e.to_string())?;
+    open_device().map_err(|e| e.to_string())
+}
+
+/// [`open`] with the runtime's error.
+pub fn open_device() -> crate::runtime::Result<Device> {
+    let mut dev = Device::open(0)?;
     dev.pdl &= crate::settings::pdl_enabled();
     Ok(dev)
 }

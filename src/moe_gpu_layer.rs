@@ -1189,8 +1189,7 @@ pub fn forward(
     settings: &crate::runtime::Settings,
     dump: bool,
 ) -> Result<Forward> {
-    let mut dev = Device::open(0)?;
-    dev.pdl &= crate::settings::pdl_enabled();
+    let dev = crate::gpu::open_device()?;
     // The intermediates exist on the unfused path only.
     let mut l = GpuLayer::with_fusion(&dev, ops, replicas, settings, !dump)?;
     l.forward(&dev, tokens, dump)

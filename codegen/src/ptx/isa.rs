@@ -688,11 +688,6 @@ pub enum Inst {
         /// where it is warp-uniform).
         lane: Operand,
     },
-    /// `griddepcontrol.launch_dependents`: the grid launched after this one on the stream with
-    /// programmatic dependent launch may be scheduled once every CTA of this grid has run it (or
-    /// exited); it still waits for this grid's completion in its own `griddepcontrol.wait`. A no-op
-    /// without a dependent launched so.
-    GridDepLaunchDependents,
     /// `griddepcontrol.wait`: wait until the grids this one depends on programmatically have
     /// completed and their memory is visible (a no-op for a grid launched without that
     /// dependency). Nothing before it may touch global memory another kernel writes or reads.
@@ -824,7 +819,6 @@ impl fmt::Display for Inst {
             Inst::ShflIdx { d, a, lane } => {
                 write!(f, "\tshfl.sync.idx.b32 \t{d}, {a}, {lane}, 31, -1;")
             }
-            Inst::GridDepLaunchDependents => f.write_str("\tgriddepcontrol.launch_dependents;"),
             Inst::GridDepWait => f.write_str("\tgriddepcontrol.wait;"),
             Inst::Ballot { d, p } => write!(f, "\tvote.sync.ballot.b32 \t{d}, {p}, -1;"),
             Inst::StSharedU32 { addr, off, v } => {
@@ -1138,10 +1132,6 @@ mod tests {
                     lane: Operand::Reg(r),
                 },
                 "\tshfl.sync.idx.b32 \t%r1, %r1, %r1, 31, -1;",
-            ),
-            (
-                Inst::GridDepLaunchDependents,
-                "\tgriddepcontrol.launch_dependents;",
             ),
             (Inst::GridDepWait, "\tgriddepcontrol.wait;"),
             (
