@@ -398,8 +398,13 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                         .iter()
                                         .enumerate()
                                         .map(|(kk, &x)| {
-                                            let code =
-                                                reference::w4_kernel_code(op.w, e * n + j, kk, k);
+                                            let code = reference::w4_kernel_code(
+                                                w4.codes,
+                                                op.w,
+                                                e * n + j,
+                                                kk,
+                                                k,
+                                            );
                                             let at = ((e * groups + kk / w4.group as usize) * n
                                                 + j)
                                                 * sb;

@@ -4,8 +4,9 @@
 //! group). Read in the input's coordinates through the verified storage maps
 //! ([`crate::dequant::Logical`]); written as the kernel takes them:
 //! * codes `[slots, N, K / 2]`, two per byte, in the kernel's order within each 64-deep k-tile of a
-//!   row (`codegen::gemm::reference::w4_kernel_place`: each fragment thread's codes in one 8-byte
-//!   word pair, each pair of elements at nibbles `3 - p` and `7 - p`), K a multiple of 64;
+//!   row (`codegen::gemm::reference::w4_kernel_bits`: each fragment thread's codes in one 8-byte
+//!   word pair; INT4's pairs of elements at nibbles `3 - p` and `7 - p`, E2M1's bits spread over
+//!   the word so that a pair converts with one or two masks), K a multiple of 64;
 //! * group scales `[slots, K / group, N]` (group-major: one TMA box is a k-tile's groups of the
 //!   tile's 64 rows), as the recipe stores each (E4M3, E8M0 or bf16 bits), every element of a
 //!   group carrying the same (checked);
@@ -109,7 +110,7 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
     for (i, &c) in l.codes.iter().enumerate() {
         row_major[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
     }
-    let codes = crate::codegen::gemm::reference::w4_kernel_order(&row_major, slots * n, k);
+    let codes = crate::codegen::gemm::reference::w4_kernel_order(w.codes, &row_major, slots * n, k);
     let sb = w.scale.bytes() as usize;
     let mut group_scales = vec![0u8; slots * groups * n * sb];
     let mut factors = vec![1f32; slots];
@@ -244,7 +245,7 @@ mod tests {
         let Operands::W4Bf16(w) = o.operands else {
             panic!("a 4-bit operand")
         };
-        let code = crate::codegen::gemm::reference::w4_kernel_code(&o.codes, j, x, k);
+        let code = crate::codegen::gemm::reference::w4_kernel_code(w.codes, &o.codes, j, x, k);
         let s = o.group_scales[(x / w.group as usize) * n + j];
         w4_weight(w, code, u16::from(s)) * f64::from(o.factors[0])
     }

@@ -736,7 +736,7 @@ fn gpu_operands_equal_the_dequantized_weights() {
             }
             (Operands::W4Bf16(w), _) => {
                 // Codes [E, N, K / 2], group scales [E, K / group, N], a factor per slot.
-                let code = gr::w4_kernel_code(&g.codes, e * n + row, col, k);
+                let code = gr::w4_kernel_code(w.codes, &g.codes, e * n + row, col, k);
                 let sb = w.scale.bytes() as usize;
                 let groups = k.div_ceil(w.group as usize);
                 let s = ((e * groups + col / w.group as usize) * n + row) * sb;

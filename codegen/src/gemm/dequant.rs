@@ -233,7 +233,8 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
             // 15, exponent and mantissa at 10..4) are its value times 2^-120, subnormals
             // included; then times 2^120 and 2^118 (both exact).
             let sign = k.bin(BinOpcode::And, PtxTy::B32, z, Operand::Int(0x8000_8000));
-            let mag = k.bin(BinOpcode::Shr, PtxTy::U32, z, Operand::Int(4));
+            // `z >> 4` as the high word of `z * 2^28` (an IMAD.HI, off the ALU).
+            let mag = k.bin(BinOpcode::MulHi, PtxTy::U32, z, Operand::Int(1 << 28));
             k.bin_to(
                 mag,
                 BinOpcode::And,
@@ -266,12 +267,12 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
 ///
 /// Thread `c = l & 3` reads its 8 bytes of rows `r` and `r + 8` (one 8-byte load each): word `w`
 /// holds steps `2w` and `2w + 1`, and pair `p = 2 (s % 2) + h` of it (`a_j`: row `r + 8 (j & 1)`,
-/// `h = j >> 1`) has its two codes in nibbles `3 - p` and `7 - p`. Then:
-/// * E2M1: the word shifted left by `4p` puts them at bits 15..12 and 31..28; sign, exponent and
-///   mantissa moved to bf16's sign and exponent-low/mantissa-high bits
-///   (`(t & 0x80008000) | ((t & 0x70007000) >> 6)`) are the values times 2^-126 (the 0.5
-///   subnormal included); times the scale times 2^126 gives `code * scale` (exact: at most 2 + 4
-///   significant bits), or `2^-8` of it for E4M3 scales ([`GroupScale::E4m3`]);
+/// `h = j >> 1`) has its two codes (U4) in nibbles `3 - p` and `7 - p`. Then:
+/// * E2M1 (bits spread, [`crate::gemm::reference::E2M1_PAIR_BITS`]): pair `p` masked (and for
+///   `p > 0` shifted) into bf16's sign and exponent-low/mantissa-high bits ([`e2m1_pair`]) is the
+///   values times 2^-126 (the 0.5 subnormal included); times the scale times 2^126 gives
+///   `code * scale` (exact: at most 2 + 4 significant bits), or `2^-8` of it for E4M3 scales
+///   ([`GroupScale::E4m3`]);
 /// * U4: the word shifted right by `4 (3 - p)` puts them at bits 3..0 and 19..16, the mantissa of
 ///   bf16 128 (`0x4300 | q`); plus -136 (exact: `q - 8`), times the bf16 scale (rounded once).
 fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
@@ -317,38 +318,74 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
             let p = 2 * (step % 2) + (j as u32 >> 1);
             let v = match (fr.w.codes, neg136) {
                 (W4Codes::U4, Some(c136)) => {
+                    // `q >> 4 (3 - p)` as the high word of a product (an IMAD.HI, off the
+                    // ALU), then `(t & 0x000F000F) | 0x43004300` as one LOP3.
                     let t = if p == 3 {
                         q
                     } else {
                         k.bin(
-                            BinOpcode::Shr,
+                            BinOpcode::MulHi,
                             PtxTy::U32,
                             q,
-                            Operand::Int((4 * (3 - p)).into()),
+                            Operand::Int(1i64 << (32 - 4 * (3 - p))),
                         )
                     };
-                    let y = k.bin(BinOpcode::And, PtxTy::B32, t, Operand::Int(0x000F_000F));
-                    k.bin_to(y, BinOpcode::Or, PtxTy::B32, y, Operand::Int(0x4300_4300));
+                    let y = k.b.reg(RegClass::B32);
+                    k.b.push(Inst::Lop3 {
+                        d: y,
+                        a: t,
+                        b: Operand::Int(0x000F_000F),
+                        c: Operand::Int(0x4300_4300),
+                        lut: LUT_A_AND_B_OR_C,
+                    });
                     k.bin(BinOpcode::AddRn, PtxTy::Bf16x2, y, Operand::Reg(c136))
                 }
-                _ => {
-                    let t = if p == 0 {
-                        q
-                    } else {
-                        k.bin(BinOpcode::Shl, PtxTy::B32, q, Operand::Int((4 * p).into()))
-                    };
-                    let e = k.bin(BinOpcode::And, PtxTy::B32, t, Operand::Int(0x7000_7000));
-                    k.bin_to(e, BinOpcode::Shr, PtxTy::U32, e, Operand::Int(6));
-                    let y = k.bin(BinOpcode::And, PtxTy::B32, t, Operand::Int(0x8000_8000));
-                    k.bin_to(y, BinOpcode::Or, PtxTy::B32, y, Operand::Reg(e));
-                    y
-                }
+                _ => e2m1_pair(k, q, p),
             };
             *slot = k.bin(BinOpcode::MulRn, PtxTy::Bf16x2, v, Operand::Reg(sc[j & 1]));
         }
         out.push(regs);
     }
     out
+}
+
+/// `lop3`'s truth table of `(a & b) | c`.
+const LUT_A_AND_B_OR_C: u8 = (0xF0 & 0xCC) | 0xAA;
+
+/// Pair `p` of an E2M1 word `q` ([`crate::gemm::reference::E2M1_PAIR_BITS`]) as two bf16
+/// `code * 2^-126` (sign at bit 15, exponent and mantissa at bits 8..6 of each half): pair 0 is
+/// already in place (one mask), pair 1 three bits lower (a shift, a mask), pairs 2 and 3 have
+/// their exponent-and-mantissa bits and their signs at two distances (two shifts, a mask and a
+/// masked merge). The shifts are multiplications where they go left, so that ptxas may issue them
+/// on the FMA pipe instead of the integer ALU, which the masks keep busy.
+fn e2m1_pair(k: &mut K, q: Reg, p: u32) -> Reg {
+    const BOTH: i64 = 0x81C0_81C0;
+    const MAG: i64 = 0x01C0_01C0;
+    const SIGN: i64 = 0x8000_8000;
+    let left =
+        |k: &mut K, by: u32| k.bin(BinOpcode::MulLo, PtxTy::U32, q, Operand::Int(1i64 << by));
+    match p {
+        0 => k.bin(BinOpcode::And, PtxTy::B32, q, Operand::Int(BOTH)),
+        1 => {
+            let t = left(k, 3);
+            k.bin_to(t, BinOpcode::And, PtxTy::B32, t, Operand::Int(BOTH));
+            t
+        }
+        _ => {
+            // Pair 2: magnitudes 3 bits higher, signs 1 lower; pair 3: 6 lower, 2 lower.
+            let mag = if p == 2 {
+                // `q >> 3` as the high word of `q * 2^29` (an IMAD.HI, off the ALU).
+                k.bin(BinOpcode::MulHi, PtxTy::U32, q, Operand::Int(1 << 29))
+            } else {
+                left(k, 6)
+            };
+            k.bin_to(mag, BinOpcode::And, PtxTy::B32, mag, Operand::Int(MAG));
+            let sign = left(k, if p == 2 { 1 } else { 2 });
+            k.bin_to(sign, BinOpcode::And, PtxTy::B32, sign, Operand::Int(SIGN));
+            k.bin_to(sign, BinOpcode::Or, PtxTy::B32, sign, Operand::Reg(mag));
+            sign
+        }
+    }
 }
 
 #[cfg(test)]
@@ -388,6 +425,41 @@ mod tests {
     fn e2m1_bits(code: u8) -> u16 {
         let y = u16::from(code) << 12;
         (y & 0x8000) | ((y & 0x7000) >> 6)
+    }
+
+    /// What `e2m1_pair` emits, on the host.
+    fn e2m1_pair_host(q: u32, p: u32) -> u32 {
+        match p {
+            0 => q & 0x81C0_81C0,
+            1 => q.wrapping_mul(8) & 0x81C0_81C0,
+            2 => (q >> 3) & 0x01C0_01C0 | q.wrapping_mul(2) & 0x8000_8000,
+            _ => q.wrapping_mul(64) & 0x01C0_01C0 | q.wrapping_mul(4) & 0x8000_8000,
+        }
+    }
+
+    /// Every pair of E2M1 codes placed at its pair's bits of a word (the other pairs' bits
+    /// random) converts to the two halves `e2m1_bits` gives, whatever the rest of the word holds.
+    #[test]
+    fn every_e2m1_pair_extracts_from_its_bits() {
+        use crate::gemm::reference::E2M1_PAIR_BITS;
+        let mut noise = 0x9E37_79B9u32;
+        for p in 0..4u32 {
+            let bits = E2M1_PAIR_BITS[p as usize];
+            let mine: u32 = bits.iter().map(|b| (1u32 << b) | (1u32 << (b + 16))).sum();
+            for lo in 0..16u8 {
+                for hi in 0..16u8 {
+                    noise = noise.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    let mut q = noise & !mine;
+                    for (j, &b) in bits.iter().enumerate() {
+                        q |= u32::from((lo >> j) & 1) << b;
+                        q |= u32::from((hi >> j) & 1) << (b + 16);
+                    }
+                    let y = e2m1_pair_host(q, p);
+                    assert_eq!(y & 0xFFFF, u32::from(e2m1_bits(lo)), "{p} {lo} {hi}");
+                    assert_eq!(y >> 16, u32::from(e2m1_bits(hi)), "{p} {lo} {hi}");
+                }
+            }
+        }
     }
 
     /// The group scale factors `w4_scales` forms from a scale byte (one half).

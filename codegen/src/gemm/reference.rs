@@ -240,49 +240,95 @@ pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
 }
 
 /// Where the W4A16 GEMM's operand keeps the code of element `x` of a row (K a multiple of 64): its
-/// byte offset in the row and its nibble (0 = bits 3..0). The kernel's order: each 64-deep k-tile
-/// of a row is 32 bytes; fragment thread `c` (`l & 3`) reads bytes `8c..8c+8` as two words, word
-/// `w` holding k16 steps `2w` and `2w + 1`; pair `p = 2 (s % 2) + h` of a word (`h` = 0 for K
-/// `16s + 2c`, 1 for `16s + 8 + 2c`) has its low element's code in nibble `3 - p` and its high
-/// element's in nibble `7 - p`, so that the kernel extracts pair `p` from the word shifted by `4p`
-/// with one mask and one shift.
+/// byte offset in the row and its nibble (0 = bits 3..0), for U4 codes. The kernel's order: each
+/// 64-deep k-tile of a row is 32 bytes; fragment thread `c` (`l & 3`) reads bytes `8c..8c+8` as
+/// two words, word `w` holding k16 steps `2w` and `2w + 1`; pair `p = 2 (s % 2) + h` of a word
+/// (`h` = 0 for K `16s + 2c`, 1 for `16s + 8 + 2c`) has its low element's code in nibble `3 - p`
+/// and its high element's in nibble `7 - p`, so that the kernel extracts pair `p` from the word
+/// shifted by `4p` with one mask. E2M1 codes use the same words but place their bits apart
+/// ([`w4_kernel_bits`]).
 pub fn w4_kernel_place(x: usize) -> (usize, u32) {
+    let (word, p, hi) = w4_kernel_word(x);
+    let nib = if hi == 0 { 3 - p } else { 7 - p };
+    (word + (nib / 2) as usize, nib % 2)
+}
+
+/// The byte offset (in its row) of the word that holds element `x`, its pair `p` in the word and
+/// whether it is the pair's high element (see [`w4_kernel_place`]).
+fn w4_kernel_word(x: usize) -> (usize, u32, u32) {
     let (tile, e) = (x / 64, x % 64);
     let (s, r) = (e / 16, e % 16);
     let (h, r) = (r / 8, r % 8);
     let (c, hi) = (r / 2, r % 2);
     let (w, p) = (s / 2, 2 * (s % 2) + h);
-    let byte_in_word = if hi == 0 { (3 - p) / 2 } else { (7 - p) / 2 };
-    let nib = if hi == 0 { 3 - p } else { 7 - p };
-    (32 * tile + 8 * c + 4 * w + byte_in_word, (nib % 2) as u32)
+    (32 * tile + 8 * c + 4 * w, p as u32, hi as u32)
+}
+
+/// The bit (of its word) of E2M1 bit `j` (0 = mantissa, 1 and 2 = exponent, 3 = sign) of the low
+/// element of pair `p` (the high element's is 16 higher). The kernel turns pair `p` into the two
+/// bf16 `code * 2^-126` (sign at bit 15, exponent and mantissa at bits 8..6) with one mask for
+/// pair 0, a shift and a mask for pair 1, and two shifts, a mask and a masked merge for pairs 2
+/// and 3 (`crate::gemm::dequant`): the four pairs' bits tile the word.
+pub const E2M1_PAIR_BITS: [[u32; 4]; 4] =
+    [[6, 7, 8, 15], [3, 4, 5, 12], [9, 10, 11, 14], [0, 1, 2, 13]];
+
+/// Where the W4A16 GEMM's operand keeps each bit of the code of element `x` of a row: for code bit
+/// `j` (bit 3 = the sign of E2M1), its byte offset in the row and its bit in that byte. U4 codes
+/// keep a nibble ([`w4_kernel_place`]); E2M1 codes put their bits at [`E2M1_PAIR_BITS`] of the
+/// same word.
+pub fn w4_kernel_bits(codes: super::ws::W4Codes, x: usize) -> [(usize, u32); 4] {
+    match codes {
+        super::ws::W4Codes::U4 => {
+            let (at, nib) = w4_kernel_place(x);
+            [0, 1, 2, 3].map(|j| (at, 4 * nib + j))
+        }
+        super::ws::W4Codes::E2m1 => {
+            let (word, p, hi) = w4_kernel_word(x);
+            E2M1_PAIR_BITS[p as usize].map(|b| {
+                let bit = b + 16 * hi;
+                (word + (bit / 8) as usize, bit % 8)
+            })
+        }
+    }
 }
 
 /// `rows` rows of `k` 4-bit codes stored row-major (element `2j` in the low nibble of byte `j`)
-/// rewritten in the kernel's order ([`w4_kernel_place`]); `k` a multiple of 64.
-pub fn w4_kernel_order(codes: &[u8], rows: usize, k: usize) -> Vec<u8> {
+/// rewritten in the kernel's order for `codes` ([`w4_kernel_bits`]); `k` a multiple of 64.
+pub fn w4_kernel_order(
+    codes: super::ws::W4Codes,
+    row_major: &[u8],
+    rows: usize,
+    k: usize,
+) -> Vec<u8> {
     let rb = k / 2;
+    let places: Vec<[(usize, u32); 4]> = (0..k).map(|x| w4_kernel_bits(codes, x)).collect();
     let mut out = vec![0u8; rows * rb];
     for r in 0..rows {
-        for x in 0..k {
-            let Some(&b) = codes.get(r * rb + x / 2) else {
+        for (x, bits) in places.iter().enumerate() {
+            let Some(&b) = row_major.get(r * rb + x / 2) else {
                 continue;
             };
             let code = (b >> (4 * (x % 2))) & 0xF;
-            let (at, nib) = w4_kernel_place(x);
-            if let Some(o) = out.get_mut(r * rb + at) {
-                *o |= code << (4 * nib);
+            for (j, &(at, bit)) in bits.iter().enumerate() {
+                if let Some(o) = out.get_mut(r * rb + at) {
+                    *o |= ((code >> j) & 1) << bit;
+                }
             }
         }
     }
     out
 }
 
-/// The code of element `x` of row `r` of a kernel-order operand of rows of `k` codes.
-pub fn w4_kernel_code(codes: &[u8], r: usize, x: usize, k: usize) -> u8 {
-    let (at, nib) = w4_kernel_place(x);
-    codes
-        .get(r * (k / 2) + at)
-        .map_or(0, |b| (b >> (4 * nib)) & 0xF)
+/// The code of element `x` of row `r` of a kernel-order operand of rows of `k` codes of kind
+/// `codes`.
+pub fn w4_kernel_code(codes: super::ws::W4Codes, buf: &[u8], r: usize, x: usize, k: usize) -> u8 {
+    w4_kernel_bits(codes, x)
+        .iter()
+        .enumerate()
+        .fold(0, |code, (j, &(at, bit))| {
+            let b = buf.get(r * (k / 2) + at).map_or(0, |b| (b >> bit) & 1);
+            code | b << j
+        })
 }
 
 /// (a) bf16 x bf16: `Y[t, c] = sum_k X[t, k] W[e, c, k]` in f64. `x` is `[T, K]` and `w` `[E, N, K]`,
@@ -464,30 +510,50 @@ pub fn within_bound(out: &[f32], reference: &[f64]) -> Result<bool> {
 
 #[cfg(test)]
 mod tests {
-    /// The kernel order is a permutation of every k-tile's nibbles, and reading it back gives
-    /// every code; a thread's 8 bytes hold exactly its fragment elements.
+    /// The kernel order is a permutation of every k-tile's bits for both kinds of code, and
+    /// reading it back gives every code; a thread's 8 bytes hold exactly its fragment elements,
+    /// and an E2M1 code stays in the word of the U4 order.
     #[test]
     fn the_kernel_order_permutes_and_reads_back() {
+        use super::super::ws::W4Codes;
         let k = 192;
-        let mut places: Vec<(usize, u32)> = (0..k).map(w4_kernel_place).collect();
-        places.sort_unstable();
-        places.dedup();
-        assert_eq!(places.len(), k);
-        assert!(places.iter().all(|&(b, n)| b < k / 2 && n < 2));
-        let rows = 3;
-        let codes: Vec<u8> = (0..rows * k / 2).map(|i| (i * 37 + 11) as u8).collect();
-        let ko = w4_kernel_order(&codes, rows, k);
-        for r in 0..rows {
-            for x in 0..k {
-                let want = (codes[r * k / 2 + x / 2] >> (4 * (x % 2))) & 0xF;
-                assert_eq!(w4_kernel_code(&ko, r, x, k), want, "{r} {x}");
+        for kind in [W4Codes::U4, W4Codes::E2m1] {
+            let mut places: Vec<(usize, u32)> =
+                (0..k).flat_map(|x| w4_kernel_bits(kind, x)).collect();
+            places.sort_unstable();
+            places.dedup();
+            assert_eq!(places.len(), 4 * k, "{kind:?}");
+            assert!(places.iter().all(|&(b, n)| b < k / 2 && n < 8));
+            let rows = 3;
+            let codes: Vec<u8> = (0..rows * k / 2).map(|i| (i * 37 + 11) as u8).collect();
+            let ko = w4_kernel_order(kind, &codes, rows, k);
+            for r in 0..rows {
+                for x in 0..k {
+                    let want = (codes[r * k / 2 + x / 2] >> (4 * (x % 2))) & 0xF;
+                    assert_eq!(w4_kernel_code(kind, &ko, r, x, k), want, "{kind:?} {r} {x}");
+                }
+            }
+            // Thread c's bytes 8c..8c+8 of a tile: K = 16s + 8h + 2c (+1) for every s, h.
+            for x in 0..64 {
+                let c = (x % 8) / 2;
+                for (at, _) in w4_kernel_bits(kind, x) {
+                    assert_eq!(at / 8, c, "{x}");
+                    assert_eq!(at / 4, w4_kernel_place(x).0 / 4, "{x}");
+                }
             }
         }
-        // Thread c's bytes 8c..8c+8 of a tile: K = 16s + 8h + 2c (+1) for every s, h.
-        for x in 0..64 {
-            let c = (x % 8) / 2;
-            assert_eq!(w4_kernel_place(x).0 / 8, c, "{x}");
-        }
+    }
+
+    /// The E2M1 pair bits tile a word (with the high elements' 16 higher).
+    #[test]
+    fn the_e2m1_pair_bits_tile_a_word() {
+        let mut all: Vec<u32> = E2M1_PAIR_BITS
+            .iter()
+            .flatten()
+            .flat_map(|&b| [b, b + 16])
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..32).collect::<Vec<_>>());
     }
 
     use super::*;

@@ -494,6 +494,21 @@ pub enum Inst {
         /// Selector (one nibble per destination byte).
         sel: i64,
     },
+    /// `lop3.b32 d, a, b, c, lut`: any bitwise function of three inputs, `lut` its truth table
+    /// (the function applied to `0xF0`, `0xCC`, `0xAA`); two of the inputs may be constants, so
+    /// that a mask-and-merge with two constants is one instruction.
+    Lop3 {
+        /// Destination.
+        d: Reg,
+        /// First input (register).
+        a: Reg,
+        /// Second input.
+        b: Operand,
+        /// Third input.
+        c: Operand,
+        /// Truth table.
+        lut: u8,
+    },
     /// `prmt.b32 d, a, b, sel` with the selector in a register (a per-thread byte choice).
     PrmtR {
         /// Destination.
@@ -787,6 +802,9 @@ impl fmt::Display for Inst {
             }
             Inst::Prmt { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel:#06x};"),
             Inst::PrmtR { d, a, b, sel } => write!(f, "\tprmt.b32 \t{d}, {a}, {b}, {sel};"),
+            Inst::Lop3 { d, a, b, c, lut } => {
+                write!(f, "\tlop3.b32 \t{d}, {a}, {b}, {c}, {lut:#04x};")
+            }
             Inst::LdSharedV2 { d, addr, off } => write!(
                 f,
                 "\tld.shared.v2.b32 \t{{{}, {}}}, [{addr}+{off}];",
