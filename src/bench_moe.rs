@@ -60,7 +60,7 @@ pub struct Options {
 /// A weight operand of random bytes for `recipe`: `[experts, n, k]`.
 fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64) -> GemmWeights {
     let (operands, scaling) = recipe.family();
-    let len = experts * n * k * operands.w_bits() as usize / 8;
+    let len = experts * n * operands.w_row_bytes(k as u64) as usize;
     let mut chunk = vec![0u8; (8 << 20).min(len.max(1))];
     match operands {
         Operands::Bf16 => random_bf16(&mut chunk, seed),

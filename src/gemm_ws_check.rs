@@ -551,7 +551,12 @@ fn run_one(
     // Compiled as the layer's GEMMs are (the settings' compiler), with no cache.
     let gemm = GroupedGemm::load_cached(dev, cfg, &crate::runtime::Cache::new(None), compiler)?;
     let dx = upload(dev, op.x)?;
-    let dw = upload(dev, op.w)?;
+    // Int8 codes go to the GPU in the kernel's order (the host reference reads them row-major).
+    let dw = if cfg.operands == Operands::I8Bf16 {
+        upload(dev, &reference::i8_kernel_order(op.w, e * n, k))?
+    } else {
+        upload(dev, op.w)?
+    };
     let doff = upload(dev, &offsets)?;
     let xs_dev = if cfg.scaling == Scaling::Block128 {
         scales_group_major(&op.x_scale, t, k)?
@@ -761,7 +766,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             n: n as u32,
             k: k as u32,
         };
-        let wbytes = e * n * k * operands.w_bits() as usize / 8;
+        let wbytes = e * n * operands.w_row_bytes(k as u64) as usize;
         let dw = upload(dev, &vec![0x11u8; wbytes])?;
         // 4-bit weights: their group scales (0x3c: an E4M3 1.5, E8M0 2^-67, bf16 pairs of 2^-7),
         // counted in the bytes streamed.

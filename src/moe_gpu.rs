@@ -51,9 +51,10 @@ pub struct GemmWeights {
     pub n: usize,
     /// Depth K.
     pub k: usize,
-    /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian, E4M3 or int8
-    /// bytes; 4-bit codes two per byte in the kernel's order within a row; [`GemmWeights::paired`]
-    /// rows in the paired order).
+    /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian or E4M3 bytes;
+    /// int8 bytes in the kernel's order within a row, rows padded to 64 bytes; 4-bit codes two
+    /// per byte in the kernel's order within a row; [`GemmWeights::paired`] rows in the paired
+    /// order).
     pub codes: Vec<u8>,
     /// The weight scales in the GEMM's layout (empty without scaling); 4-bit weights: one
     /// factor per slot.
@@ -280,6 +281,10 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             Operands::Bf16 => codes.extend_from_slice(&(c as u16).to_le_bytes()),
             Operands::E4m3 | Operands::I8Bf16 | Operands::W4Bf16(_) => codes.push(c as u8),
         }
+    }
+    // Int8 codes in the W8A16 kernel's order (rows padded to 64 bytes).
+    if operands == Operands::I8Bf16 {
+        codes = crate::codegen::gemm::reference::i8_kernel_order(&codes, slots * n, k);
     }
     let per_expert = n * k;
     let scale_of = |at: usize| f32::from_bits(l.scales.get(at).copied().unwrap_or(0));

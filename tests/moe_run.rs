@@ -727,7 +727,8 @@ fn gpu_operands_equal_the_dequantized_weights() {
                 r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e] as f64
             }
             (Operands::I8Bf16, _) => {
-                f64::from(g.codes[at] as i8) * f64::from(g.scales[e * n + row])
+                let code = gr::i8_kernel_code(&g.codes, e * n + row, col, k);
+                f64::from(code as i8) * f64::from(g.scales[e * n + row])
             }
             (Operands::E4m3, _) => {
                 let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
@@ -767,12 +768,15 @@ fn gpu_operands_equal_the_dequantized_weights() {
             assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
             for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
                 assert_eq!((g.slots, g.n, g.k), (E, n, k), "{name} {input}");
-                // nvfp4_cutedsl stores w13's rows [up; gate] interleaved by 64, and 4-bit codes go
-                // to the GEMM in its kernel order: those operands are re-laid-out copies; every
-                // other standard recipe's are the stored bytes.
+                // nvfp4_cutedsl stores w13's rows [up; gate] interleaved by 64, and int8 and 4-bit
+                // codes go to the GEMM in its kernel order: those operands are re-laid-out copies;
+                // every other standard recipe's are the stored bytes.
                 assert_eq!(
                     g.relayout,
-                    matches!(name, "nvfp4_cutedsl" | "mxfp4" | "int4_g128"),
+                    matches!(
+                        name,
+                        "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_per_row"
+                    ),
                     "{name} {input}"
                 );
                 let want = dequantized(&info, input, &params);

@@ -864,18 +864,15 @@ fn check_structure(c: &WsConfig, text: &str) {
     } else {
         (0, 0)
     };
-    // (Split-K adds the last-split flag's one shared store and one shared load; int8 weights,
-    // the 16 fragment words of a k-tile.)
-    let i8_words = if c.operands == Operands::I8Bf16 {
-        16
-    } else {
-        0
-    };
+    // (Split-K adds the last-split flag's one shared store and one shared load; int8 weights
+    // load a k-tile's fragments with two 16-byte loads, the thread's bytes of its two rows.)
     assert_eq!(
         count(text, "ld.shared.f32"),
-        shared + usize::from(c.split_k > 1) + i8_words,
+        shared + usize::from(c.split_k > 1),
         "{tag}"
     );
+    let i8_loads = if c.operands == Operands::I8Bf16 { 2 } else { 0 };
+    assert_eq!(count(text, "ld.shared.v4.b32"), i8_loads, "{tag}");
     assert_eq!(
         count(text, "st.shared.f32"),
         usize::from(c.split_k > 1),
@@ -1200,9 +1197,10 @@ fn four_bit_weights_feed_register_a_and_assemble() {
     }
 }
 
-/// Int8 weights (W8A16, decode): the weights are wgmma's A from registers, each fragment word
-/// loaded from the unswizzled stage and converted to bf16x2; the stage holds 64-byte A rows; the
-/// epilogue applies a per-row scale; ptxas assembles it with no spill and no serialization.
+/// Int8 weights (W8A16, decode): the weights are wgmma's A from registers, each thread's 16
+/// bytes of a row loaded with one 16-byte load from the unswizzled stage (the kernel order) and
+/// converted to bf16x2; the stage holds 64-byte A rows; the epilogue applies a per-row scale; ptxas
+/// assembles it with no spill and no serialization.
 #[test]
 fn int8_weights_feed_register_a_and_assemble() {
     for (bn, stages) in [(8u32, 8u32), (16, 8), (64, 6)] {
@@ -1216,8 +1214,8 @@ fn int8_weights_feed_register_a_and_assemble() {
         assert_eq!(c.a_stage_bytes(), 64 * 64, "64 rows of 64 int8 codes");
         assert_eq!(c.tag(), format!("i8wr_d1x{bn}_s{stages}_bf16"));
         let text = ws::grouped_ws_module("moeforge_gemm_i8", &c).unwrap();
-        // Four register-A MMAs per k-tile, 16 fragment words (four per MMA), each converted once
-        // with three byte permutes and no integer-to-float conversion.
+        // Four register-A MMAs per k-tile, 16 fragment registers (four per MMA) from two 16-byte
+        // loads, each converted with three byte permutes and no integer-to-float conversion.
         let rs = text
             .lines()
             .filter(|l| l.contains("wgmma.mma_async") && l.contains("}, {%r"))
@@ -1227,7 +1225,8 @@ fn int8_weights_feed_register_a_and_assemble() {
         assert_eq!(text.matches("cvt.rn.f32.s32").count(), 0);
         // (the epilogue's one per bf16 output slot: BN / 2 in decode)
         assert_eq!(text.matches("cvt.rn.bf16x2.f32").count(), (bn / 2) as usize);
-        assert_eq!(text.matches("ld.shared.f32").count(), 16);
+        assert_eq!(text.matches("ld.shared.v4.b32").count(), 2);
+        assert_eq!(text.matches("ld.shared.f32").count(), 0);
         // The register-A k-loop waits for every MMA before the next k-tile rewrites A.
         assert!(
             !text.contains("wgmma.wait_group.sync.aligned \t1;"),

@@ -105,8 +105,10 @@ impl std::fmt::Debug for GroupedGemm {
 pub struct GemmOperands<'a> {
     /// `X [t, K]` (bf16 or e4m3 bytes), rows sorted by expert.
     pub x: &'a CudaSlice<u8>,
-    /// `W [experts, N, K]`: bf16, e4m3 or int8 bytes, or for 4-bit weights `[experts, N, K/2]`
-    /// bytes of two codes each, in the kernel's order (`codegen::gemm::reference::w4_kernel_place`).
+    /// `W [experts, N, K]`: bf16 or e4m3 bytes; int8 codes in the kernel's order, rows padded to
+    /// a multiple of 64 bytes (`[experts, N, ceil(K / 64) 64]`,
+    /// `codegen::gemm::reference::i8_kernel_place`); or for 4-bit weights `[experts, N, K/2]` bytes of
+    /// two codes each, in the kernel's order (`codegen::gemm::reference::w4_kernel_bits`).
     pub w: &'a CudaSlice<u8>,
     /// i32 `[experts + 1]`, exclusive row offsets.
     pub offsets: &'a CudaSlice<i32>,
@@ -259,7 +261,7 @@ impl GroupedGemm {
         if op.x.len() < t * k * eb {
             return Err(short("x", op.x.len(), t * k * eb));
         }
-        let w_len = e * n * k * cfg.operands.w_bits() as usize / 8;
+        let w_len = e * n * cfg.w_row_bytes() as usize;
         if op.w.len() < w_len {
             return Err(short("w", op.w.len(), w_len));
         }
@@ -342,7 +344,7 @@ impl GroupedGemm {
                 wp,
                 e as u64,
                 n as u64,
-                (k * cfg.operands.w_bits() as usize / 8) as u64,
+                cfg.w_row_bytes(),
                 cfg.a_row_bytes(),
                 w_rows,
             )

@@ -4,15 +4,13 @@
 //! `16 w + l / 4 + 8 (j & 1)`, K `2 (l & 3) + 8 (j >> 1)` and the next, the low half first).
 //!
 //! Int8 codes ([`super::ws::Operands::I8Bf16`]): the stage holds the tile's `64 C` weight rows of
-//! `bk` bytes each (each consumer reads its own 64 from its offset), row-major, unswizzled (the
-//! TMA box of a `Uint8` map with no swizzle). Each `a_j` is one 4-byte `ld.shared` (the aligned
-//! word that holds its two codes), a shift to bring them to the low half, and a conversion with no
-//! integer-to-float instruction (those issue at a quarter of the rate, and with them the kernel was
-//! ALU-bound: 2.95 TB/s of weights on the H200):
-//! the sign bits flipped (`x + 128`), each byte permuted into the mantissa of the f32 `2^23`, one
-//! `sub.f32` of `2^23 + 128` each (exact), and one byte permute that packs the two f32's high
-//! halves as bf16x2 (exact: every int8 is a bf16). The weights' scale is not applied here (per
-//! row: in the epilogue, on the f32 accumulator).
+//! `bk` bytes each (each consumer reads its own 64 from its offset), unswizzled (the TMA box of a
+//! `Uint8` map with no swizzle), in the kernel's order
+//! ([`crate::gemm::reference::i8_kernel_place`]): each thread's 16 bytes of a row's k-tile are
+//! contiguous, one 16-byte `ld.shared` a row (conflict-free: a quarter-warp reads 128 contiguous
+//! bytes), and each code converts with no integer-to-float instruction and no byte permute
+//! ([`i8_ktile_regs`]). The weights' scale is not applied here (per row: in the epilogue, on the
+//! f32 accumulator).
 
 use crate::ptx::{BinOpcode, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
 
@@ -37,20 +35,16 @@ pub(crate) fn ktile_a_regs(
     row_bytes: u32,
 ) -> Vec<[Reg; 4]> {
     match fr {
-        RegA::I8(f) => (0..4)
-            .map(|step| i8_a_regs(k, f, a, step, row_bytes))
-            .collect(),
+        RegA::I8(f) => i8_ktile_regs(k, f, a, row_bytes),
         RegA::W4(f) => w4_a_regs(k, f, a, scales),
     }
 }
 
 /// Per-thread constants of the int8 fragment loads.
 pub(crate) struct I8Frag {
-    /// Byte offset of the thread's first word in a stage's A: row `16 w + l / 4`, column
-    /// `4 ((l & 3) >> 1)`.
+    /// Byte offset of the thread's 16 bytes of its row `16 w + l / 4` in a stage's A: `16 (l & 3)`
+    /// into the row ([`crate::gemm::reference::i8_kernel_place`]).
     base: Reg,
-    /// `16 (l & 3 & 1)`: the shift that brings the thread's two codes to the word's low half.
-    shift: Reg,
     /// The f32 2^23 (`0x4B000000`), whose mantissa takes a code.
     magic: Reg,
 }
@@ -74,60 +68,73 @@ pub(crate) fn i8_frag(k: &mut K, warp: Reg, lane: Reg, row_bytes: u32) -> I8Frag
         Operand::Int(row_bytes.into()),
     );
     let c = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
-    let word = k.bin(BinOpcode::Shr, PtxTy::U32, c, Operand::Int(1));
-    k.bin_to(word, BinOpcode::Shl, PtxTy::B32, word, Operand::Int(2));
-    k.bin_to(base, BinOpcode::Add, PtxTy::U32, base, Operand::Reg(word));
-    let shift = k.bin(BinOpcode::And, PtxTy::B32, c, Operand::Int(1));
-    k.bin_to(shift, BinOpcode::Shl, PtxTy::B32, shift, Operand::Int(4));
+    k.bin_to(c, BinOpcode::Shl, PtxTy::B32, c, Operand::Int(4));
+    k.bin_to(base, BinOpcode::Add, PtxTy::U32, base, Operand::Reg(c));
     let magic = k.imm(0x4B00_0000);
-    I8Frag { base, shift, magic }
+    I8Frag { base, magic }
 }
 
-/// The four A registers of k16 step `step` of the k-tile whose A starts at shared address `a`
-/// (rows of `row_bytes`).
-pub(crate) fn i8_a_regs(k: &mut K, fr: &I8Frag, a: Reg, step: u32, row_bytes: u32) -> [Reg; 4] {
+/// The A registers of the four k16 steps of the k-tile whose A starts at shared address `a` (rows
+/// of `row_bytes`), in the kernel's order: the thread's 16 bytes of rows `r` and `r + 8` with one
+/// 16-byte load each, word `s` of a row holding step `s` (`a_j`: row `r + 8 (j & 1)`, its pair in
+/// bytes 0 and 2 for `j < 2`, 1 and 3 for `j >= 2`).
+///
+/// Each pair converts with byte permutes and no integer-to-float instruction (those issue at a
+/// quarter of the rate) ([`i8_pair`]): 3.5 ALU and 2 FMA-pipe instructions a pair. (A nibble
+/// split, two `lop3` a pair, a bf16x2 `fma` and `add` and the shifts as `mul.hi`, moved the work to
+/// the FMA pipe and was 6-20% slower on the H200, run 52.)
+pub(crate) fn i8_ktile_regs(k: &mut K, fr: &I8Frag, a: Reg, row_bytes: u32) -> Vec<[Reg; 4]> {
     let at = k.bin(BinOpcode::Add, PtxTy::U32, a, Operand::Reg(fr.base));
-    let mut out = [at; 4];
-    for (j, slot) in out.iter_mut().enumerate() {
-        let j = j as u32;
-        let off = 8 * row_bytes * (j & 1) + 8 * (j >> 1) + 16 * step;
-        let f = k.b.reg(RegClass::F32);
-        k.b.push(Inst::LdShared {
-            d: f,
-            addr: at,
-            off: off.into(),
-        });
-        let w = k.un(UnOpcode::Mov(PtxTy::B32), RegClass::B32, Operand::Reg(f));
-        k.bin_to(w, BinOpcode::Shr, PtxTy::U32, w, Operand::Reg(fr.shift));
-        // Codes as unsigned `x + 128` (flip the sign bits), each byte into the mantissa of the
-        // f32 2^23 (0x4B000000): `2^23 + x + 128`, exact; minus `2^23 + 128` is `x`, exact.
-        k.bin_to(w, BinOpcode::Xor, PtxTy::B32, w, Operand::Int(0x8080));
-        let mut halves = [fr.magic; 2];
-        for (byte, h) in halves.iter_mut().enumerate() {
-            let m = k.b.reg(RegClass::B32);
-            // d.byte0 = w.byte[byte], d.byte1..2 = magic's zero bytes, d.byte3 = 0x4B.
-            k.b.push(Inst::Prmt {
-                d: m,
-                a: w,
-                b: fr.magic,
-                sel: 0x7540 | byte as i64,
-            });
-            let v = k.un(UnOpcode::Mov(PtxTy::F32), RegClass::F32, Operand::Reg(m));
-            let x = k.bin(BinOpcode::Sub, PtxTy::F32, v, Operand::F32(8_388_736.0));
-            *h = k.un(UnOpcode::Mov(PtxTy::B32), RegClass::B32, Operand::Reg(x));
-        }
-        // bf16x2 = the high halves of the two f32 (exact: |x| <= 128 has at most 8 significant
-        // bits): K in the low half, K + 1 in the high.
-        let d = k.b.reg(RegClass::B32);
-        k.b.push(Inst::Prmt {
+    let words = [0u32, 1].map(|h| {
+        let d = [0; 4].map(|_| k.b.reg(RegClass::B32));
+        k.b.push(Inst::LdSharedV4 {
             d,
-            a: halves[0],
-            b: halves[1],
-            sel: 0x7632,
+            addr: at,
+            off: (8 * row_bytes * h).into(),
         });
-        *slot = d;
-    }
-    out
+        d
+    });
+    // The codes with flipped sign bits (`x + 128`, unsigned).
+    let words = words
+        .map(|row| row.map(|w| k.bin(BinOpcode::Xor, PtxTy::B32, w, Operand::Int(0x8080_8080))));
+    (0..4usize)
+        .map(|step| {
+            let mut regs = [at; 4];
+            for (j, slot) in regs.iter_mut().enumerate() {
+                let w = words[j & 1][step];
+                *slot = i8_pair(k, fr, w, j as u32 >> 1);
+            }
+            regs
+        })
+        .collect()
+}
+
+/// Pair `pair` of word `wx` (the codes plus 128, bytes `pair` and `pair + 2`) as bf16x2 by byte
+/// permutes: each byte into the mantissa of the f32 `2^23` (`2^23 + x + 128`, exact), minus
+/// `2^23 + 128` (exact), and one permute that packs the two f32's high halves (exact: every int8
+/// is a bf16).
+fn i8_pair(k: &mut K, fr: &I8Frag, wx: Reg, pair: u32) -> Reg {
+    let halves = [pair, pair + 2].map(|byte| {
+        let m = k.b.reg(RegClass::B32);
+        // d.byte0 = wx.byte[byte], d.byte1..2 = magic's zero bytes, d.byte3 = 0x4B.
+        k.b.push(Inst::Prmt {
+            d: m,
+            a: wx,
+            b: fr.magic,
+            sel: 0x7540 | i64::from(byte),
+        });
+        let v = k.un(UnOpcode::Mov(PtxTy::F32), RegClass::F32, Operand::Reg(m));
+        let x = k.bin(BinOpcode::Sub, PtxTy::F32, v, Operand::F32(8_388_736.0));
+        k.un(UnOpcode::Mov(PtxTy::B32), RegClass::B32, Operand::Reg(x))
+    });
+    let d = k.b.reg(RegClass::B32);
+    k.b.push(Inst::Prmt {
+        d,
+        a: halves[0],
+        b: halves[1],
+        sel: 0x7632,
+    });
+    d
 }
 
 /// Per-thread constants of the 4-bit fragment loads (see [`w4_a_regs`]).
@@ -318,16 +325,17 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
             let p = 2 * (step % 2) + (j as u32 >> 1);
             let v = match (fr.w.codes, neg136) {
                 (W4Codes::U4, Some(c136)) => {
-                    // `q >> 4 (3 - p)` as the high word of a product (an IMAD.HI, off the
-                    // ALU), then `(t & 0x000F000F) | 0x43004300` as one LOP3.
+                    // `q >> 4 (3 - p)` (a shift on the ALU: INT4's k-loop, two bf16x2
+                    // operations a pair, is FMA-pipe heavy; as `mul.hi` it was 5-8% slower,
+                    // run 53), then `(t & 0x000F000F) | 0x43004300` as one LOP3.
                     let t = if p == 3 {
                         q
                     } else {
                         k.bin(
-                            BinOpcode::MulHi,
+                            BinOpcode::Shr,
                             PtxTy::U32,
                             q,
-                            Operand::Int(1i64 << (32 - 4 * (3 - p))),
+                            Operand::Int((4 * (3 - p)).into()),
                         )
                     };
                     let y = k.b.reg(RegClass::B32);
@@ -402,15 +410,15 @@ mod tests {
         })
     }
 
-    /// The conversion `i8_a_regs` emits, on the host: the low two bytes of `w` (codes K, K + 1)
-    /// to bf16x2.
-    fn convert(w: u32) -> u32 {
-        let w = w ^ 0x8080;
+    /// The conversion `i8_ktile_regs` emits, on the host, for the pair in bytes 0 and 2 (`pair`
+    /// 0) or 1 and 3 (`pair` 1) of word `w`: bf16x2 bits, K in the low half.
+    fn convert(w: u32, pair: u32) -> u32 {
+        let wx = w ^ 0x8080_8080;
         let half = |byte: u32| {
-            let m = prmt(w, 0x4B00_0000, 0x7540 | byte);
+            let m = prmt(wx, 0x4B00_0000, 0x7540 | byte);
             (f32::from_bits(m) - 8_388_736.0).to_bits()
         };
-        prmt(half(0), half(1), 0x7632)
+        prmt(half(pair), half(pair + 2), 0x7632)
     }
 
     /// `mul.rn.bf16x2` on one half: the exact product (two bf16 fit an f32's 24 bits) rounded
@@ -527,15 +535,32 @@ mod tests {
         }
     }
 
-    /// Every pair of int8 codes converts to the exact bf16 pair, K in the low half.
+    /// Every pair of int8 codes, in either pair of bytes of a word whose other bytes are
+    /// arbitrary, converts to the exact bf16 pair, K in the low half.
     #[test]
     fn every_int8_pair_is_exact() {
         let bf16 = |h: u32| f32::from_bits(h << 16);
-        for lo in 0..=255u32 {
-            for hi in 0..=255u32 {
-                let got = convert(hi << 8 | lo | 0xABCD_0000);
-                assert_eq!(bf16(got & 0xFFFF), f32::from(lo as u8 as i8), "{lo} {hi}");
-                assert_eq!(bf16(got >> 16), f32::from(hi as u8 as i8), "{lo} {hi}");
+        for pair in 0..2u32 {
+            for lo in 0..=255u32 {
+                for hi in 0..=255u32 {
+                    let other = (lo * 7 + hi * 13) & 0xFF;
+                    let w = if pair == 0 {
+                        hi << 16 | lo | (other << 8) | (other ^ 0x5A) << 24
+                    } else {
+                        hi << 24 | lo << 8 | other | (other ^ 0xA5) << 16
+                    };
+                    let got = convert(w, pair);
+                    assert_eq!(
+                        bf16(got & 0xFFFF),
+                        f32::from(lo as u8 as i8),
+                        "{pair} {lo} {hi}"
+                    );
+                    assert_eq!(
+                        bf16(got >> 16),
+                        f32::from(hi as u8 as i8),
+                        "{pair} {lo} {hi}"
+                    );
+                }
             }
         }
     }

@@ -292,6 +292,45 @@ pub fn w4_kernel_bits(codes: super::ws::W4Codes, x: usize) -> [(usize, u32); 4] 
     }
 }
 
+/// Where the W8A16 GEMM's operand keeps element `x` of a row: its byte offset in the row, whose
+/// length is `K` rounded up to a multiple of 64 (zeros after `K`). The kernel's order: each 64-deep
+/// k-tile of a row is 64 bytes; fragment thread `c` (`l & 3`) reads bytes `16c..16c+16` with one
+/// 16-byte load, word `s` holding k16 step `s`: its bytes 0 and 2 the pair of K `16s + 2c` (and + 1),
+/// bytes 1 and 3 the pair of K `16s + 8 + 2c`, so that each pair's low and high nibbles sit at
+/// bits 0..3 and 16..19 of the word shifted by 0 and 4, or 8 and 12 (`crate::gemm::dequant`).
+pub fn i8_kernel_place(x: usize) -> usize {
+    let (tile, e) = (x / 64, x % 64);
+    let (s, r) = (e / 16, e % 16);
+    let (h, r) = (r / 8, r % 8);
+    let (c, hi) = (r / 2, r % 2);
+    64 * tile + 16 * c + 4 * s + h + 2 * hi
+}
+
+/// `rows` rows of `k` int8 codes stored row-major rewritten in the kernel's order
+/// ([`i8_kernel_place`]): rows of `k` rounded up to 64 bytes.
+pub fn i8_kernel_order(row_major: &[u8], rows: usize, k: usize) -> Vec<u8> {
+    let kp = k.next_multiple_of(64);
+    let mut out = vec![0u8; rows * kp];
+    for r in 0..rows {
+        for x in 0..k {
+            if let (Some(&b), Some(o)) = (
+                row_major.get(r * k + x),
+                out.get_mut(r * kp + i8_kernel_place(x)),
+            ) {
+                *o = b;
+            }
+        }
+    }
+    out
+}
+
+/// The code of element `x` of row `r` of a kernel-order int8 operand of rows of `k` codes.
+pub fn i8_kernel_code(buf: &[u8], r: usize, x: usize, k: usize) -> u8 {
+    buf.get(r * k.next_multiple_of(64) + i8_kernel_place(x))
+        .copied()
+        .unwrap_or(0)
+}
+
 /// `rows` rows of `k` 4-bit codes stored row-major (element `2j` in the low nibble of byte `j`)
 /// rewritten in the kernel's order for `codes` ([`w4_kernel_bits`]); `k` a multiple of 64.
 pub fn w4_kernel_order(
@@ -541,6 +580,41 @@ mod tests {
                     assert_eq!(at / 4, w4_kernel_place(x).0 / 4, "{x}");
                 }
             }
+        }
+    }
+
+    /// The int8 kernel order permutes each 64-byte k-tile (a partial last one's elements stay in
+    /// it, the padding zero), reads back, and a thread's 16 bytes hold its fragment elements.
+    #[test]
+    fn the_int8_kernel_order_permutes_and_reads_back() {
+        for k in [64usize, 1040, 192] {
+            let kp = k.next_multiple_of(64);
+            let mut places: Vec<usize> = (0..k).map(i8_kernel_place).collect();
+            places.sort_unstable();
+            places.dedup();
+            assert_eq!(places.len(), k);
+            assert!(places.iter().all(|&p| p < kp));
+            let rows = 3;
+            let codes: Vec<u8> = (0..rows * k).map(|i| (i * 37 + 11) as u8).collect();
+            let ko = i8_kernel_order(&codes, rows, k);
+            assert_eq!(ko.len(), rows * kp);
+            for r in 0..rows {
+                for x in 0..k {
+                    assert_eq!(
+                        i8_kernel_code(&ko, r, x, k),
+                        codes[r * k + x],
+                        "{k} {r} {x}"
+                    );
+                }
+            }
+            let used: usize = ko.iter().filter(|&&b| b != 0).count();
+            assert!(used <= rows * k);
+        }
+        // Thread c's bytes 16c..16c+16 of a tile: K = 16s + 8h + 2c (+1); word s has step s.
+        for x in 0..64 {
+            let (c, s) = ((x % 8) / 2, x / 16);
+            assert_eq!(i8_kernel_place(x) / 16, c, "{x}");
+            assert_eq!(i8_kernel_place(x) % 16 / 4, s, "{x}");
         }
     }
 

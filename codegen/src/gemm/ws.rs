@@ -212,6 +212,15 @@ impl Operands {
         }
     }
 
+    /// Bytes of one weight row of `k` elements in the W operand ([`WsConfig::w_row_bytes`]): int8
+    /// rows padded to a multiple of 64 bytes.
+    pub const fn w_row_bytes(self, k: u64) -> u64 {
+        match self {
+            Operands::I8Bf16 => k.next_multiple_of(64),
+            o => k * o.w_bits() as u64 / 8,
+        }
+    }
+
     /// Whether W is wgmma's register-sourced A operand (weights converted by the consumers).
     pub const fn register_a(self) -> bool {
         matches!(self, Operands::I8Bf16 | Operands::W4Bf16(_))
@@ -411,6 +420,13 @@ impl WsConfig {
         } else {
             128
         }
+    }
+
+    /// Bytes of one weight row of the GEMM's W operand in device memory: `K` elements of
+    /// [`Operands::w_bits`], except int8 codes, whose rows are padded with zeros to a multiple of 64
+    /// (their kernel order, [`crate::gemm::reference::i8_kernel_place`], is per 64-deep k-tile).
+    pub const fn w_row_bytes(&self) -> u64 {
+        self.operands.w_row_bytes(self.k as u64)
     }
 
     /// Bytes of a 4-bit tile's group scales in a stage (0 for other operands): the k-tile's

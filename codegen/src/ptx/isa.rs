@@ -529,6 +529,15 @@ pub enum Inst {
         /// Byte offset.
         off: i64,
     },
+    /// `ld.shared.v4.b32 {d0, d1, d2, d3}, [addr+off]` (16 aligned bytes).
+    LdSharedV4 {
+        /// Destinations (32-bit), the lowest address first.
+        d: [Reg; 4],
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+    },
     /// `fma.rn.f32 d, a, b, c`.
     Fma {
         /// Destination.
@@ -805,6 +814,11 @@ impl fmt::Display for Inst {
             Inst::Lop3 { d, a, b, c, lut } => {
                 write!(f, "\tlop3.b32 \t{d}, {a}, {b}, {c}, {lut:#04x};")
             }
+            Inst::LdSharedV4 { d, addr, off } => write!(
+                f,
+                "\tld.shared.v4.b32 \t{{{}, {}, {}, {}}}, [{addr}+{off}];",
+                d[0], d[1], d[2], d[3]
+            ),
             Inst::LdSharedV2 { d, addr, off } => write!(
                 f,
                 "\tld.shared.v2.b32 \t{{{}, {}}}, [{addr}+{off}];",
