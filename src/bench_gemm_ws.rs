@@ -164,7 +164,7 @@ impl WsRunner {
                 .alloc_zeros::<u8>(n.max(1))
                 .map_err(drv("cuMemAlloc"))
         };
-        let mut w = alloc(case.experts * case.n * case.k * eb)?;
+        let mut w = alloc(case.experts * case.n * operands.w_row_bytes(case.k as u64) as usize)?;
         fill_device(dev, &mut w, &chunk)?;
         let mut x = alloc(t * case.k * eb)?;
         fill_device(dev, &mut x, &chunk)?;

@@ -8,8 +8,8 @@
 //! coordinates: `w13`'s rows come back `[gate; up]` whatever physical row order the recipe
 //! stores, so the SiLU kernel pairs column `c` with column `I + c` (the fused first GEMM takes
 //! [`GemmWeights::paired`] rows instead). The GEMM operand is then `W [slots, N, K]` row-major in
-//! that order (4-bit codes in the kernel's order within a row), with its scales in the GEMM's
-//! layout:
+//! that order (int8 and 4-bit codes in the kernel's order within a row, int8 rows padded to 64
+//! bytes), with its scales in the GEMM's layout:
 //! * no scheme (bf16 weights): no scale;
 //! * FP8 per tensor: `[slots]`, one per expert (every element of an expert must carry the same);
 //! * FP8 128x128 block: `[slots, ceil(N/128), ceil(K/128)]`, the scale of each 128x128 block of
@@ -51,7 +51,8 @@ pub struct GemmWeights {
     pub n: usize,
     /// Depth K.
     pub k: usize,
-    /// `[slots, N, K]` codes, row-major in the input's order (bf16 little-endian or E4M3 bytes;
+    /// `[slots, N, Operands::w_row_bytes(K)]` codes, row-major in the input's order (bf16
+    /// little-endian or E4M3 bytes;
     /// int8 bytes in the kernel's order within a row, rows padded to 64 bytes; 4-bit codes two
     /// per byte in the kernel's order within a row; [`GemmWeights::paired`] rows in the paired
     /// order).

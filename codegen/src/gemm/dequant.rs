@@ -8,7 +8,7 @@
 //! `Uint8` map with no swizzle), in the kernel's order
 //! ([`crate::gemm::reference::i8_kernel_place`]): each thread's 16 bytes of a row's k-tile are
 //! contiguous, one 16-byte `ld.shared` a row (conflict-free: a quarter-warp reads 128 contiguous
-//! bytes), and each code converts with no integer-to-float instruction and no byte permute
+//! bytes), and each code converts by byte permutes with no integer-to-float instruction
 //! ([`i8_ktile_regs`]). The weights' scale is not applied here (per row: in the epilogue, on the
 //! f32 accumulator).
 
@@ -82,7 +82,7 @@ pub(crate) fn i8_frag(k: &mut K, warp: Reg, lane: Reg, row_bytes: u32) -> I8Frag
 /// Each pair converts with byte permutes and no integer-to-float instruction (those issue at a
 /// quarter of the rate) ([`i8_pair`]): 3.5 ALU and 2 FMA-pipe instructions a pair. (A nibble
 /// split, two `lop3` a pair, a bf16x2 `fma` and `add` and the shifts as `mul.hi`, moved the work to
-/// the FMA pipe and was 6-20% slower on the H200, run 52.)
+/// the FMA pipe and was 6-9% slower in decode and 13-26% at prefill on the H200, run 52.)
 pub(crate) fn i8_ktile_regs(k: &mut K, fr: &I8Frag, a: Reg, row_bytes: u32) -> Vec<[Reg; 4]> {
     let at = k.bin(BinOpcode::Add, PtxTy::U32, a, Operand::Reg(fr.base));
     let words = [0u32, 1].map(|h| {
@@ -186,10 +186,18 @@ pub(crate) fn w4_frag(
         Operand::Int(-4),
     );
     let scale_sel = if sb == 1 {
-        // Bytes [q, q, 4 + q, 4 + q], q = r & 3: `0x4400 + 0x1111 q`.
+        // Bytes [q, sign of q, 4 + q, sign of 4 + q], q = r & 3 (a selector nibble's bit 3
+        // replicates the byte's sign bit): `0xC480 + 0x1111 q`. Each half is then the scale
+        // byte sign-extended to 16 bits.
         let q = k.bin(BinOpcode::And, PtxTy::B32, r, Operand::Int(3));
         let sel = k.bin(BinOpcode::MulLo, PtxTy::U32, q, Operand::Int(0x1111));
-        k.bin_to(sel, BinOpcode::Add, PtxTy::U32, sel, Operand::Int(0x4400));
+        k.bin_to(
+            sel,
+            BinOpcode::Add,
+            PtxTy::U32,
+            sel,
+            Operand::Int(SCALE_SEL_BYTES),
+        );
         sel
     } else {
         // Halves: bytes [2h, 2h + 1, 4 + 2h, 5 + 2h], h = r & 1: `0x5410 + 0x2222 h`.
@@ -236,20 +244,18 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
     match fr.w.scale {
         GroupScale::Bf16 => z,
         GroupScale::E4m3 => {
-            // z = [x, x, x8, x8]: each half `x << 8 | x`. The E4M3 bits placed as bf16's (sign at
-            // 15, exponent and mantissa at 10..4) are its value times 2^-120, subnormals
+            // z: each half the byte `x` sign-extended. Shifted left by 4 (a multiplication,
+            // IMAD) and masked (one LOP3), the E4M3 bits sit as bf16's (sign at 15 from the
+            // extension, exponent and mantissa at 10..4): its value times 2^-120, subnormals
             // included; then times 2^120 and 2^118 (both exact).
-            let sign = k.bin(BinOpcode::And, PtxTy::B32, z, Operand::Int(0x8000_8000));
-            // `z >> 4` as the high word of `z * 2^28` (an IMAD.HI, off the ALU).
-            let mag = k.bin(BinOpcode::MulHi, PtxTy::U32, z, Operand::Int(1 << 28));
+            let mag = k.bin(BinOpcode::MulLo, PtxTy::U32, z, Operand::Int(16));
             k.bin_to(
                 mag,
                 BinOpcode::And,
                 PtxTy::B32,
                 mag,
-                Operand::Int(0x07F0_07F0),
+                Operand::Int(0x87F0_87F0),
             );
-            k.bin_to(mag, BinOpcode::Or, PtxTy::B32, mag, Operand::Reg(sign));
             let p120 = k.imm(0x7B80_7B80);
             let p118 = k.imm(0x7A80_7A80);
             let s = k.bin(BinOpcode::MulRn, PtxTy::Bf16x2, mag, Operand::Reg(p120));
@@ -257,7 +263,7 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
             s
         }
         GroupScale::E8m0 => {
-            // z = [b, b, b8, b8]: each half's low byte `b`; bf16 exponent `b + 126` is 2^(b - 1),
+            // z: each half's low byte `b` (the high byte its sign); bf16 exponent `b + 126` is 2^(b - 1),
             // the scale 2^(b - 127) times 2^126 (the host keeps b <= 128).
             let e = k.bin(BinOpcode::And, PtxTy::B32, z, Operand::Int(0x00FF_00FF));
             k.bin_to(e, BinOpcode::Add, PtxTy::U32, e, Operand::Int(0x007E_007E));
@@ -269,7 +275,7 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
 
 /// The A registers of the four k16 steps of a 4-bit k-tile: A at shared address `a` (the
 /// consumer's 64 rows of 32 bytes in the kernel's order,
-/// [`crate::gemm::reference::w4_kernel_place`]), group scales at `scales` (`groups x 64 C` rows,
+/// [`crate::gemm::reference::w4_kernel_bits`]), group scales at `scales` (`groups x 64 C` rows,
 /// group-major).
 ///
 /// Thread `c = l & 3` reads its 8 bytes of rows `r` and `r + 8` (one 8-byte load each): word `w`
@@ -357,6 +363,10 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
     out
 }
 
+/// The `prmt` selector of one-byte group scales for fragment row `r` with `r & 3 = 0` (plus
+/// `0x1111 (r & 3)`): bytes `[q, sign of q, 4 + q, sign of 4 + q]`.
+const SCALE_SEL_BYTES: i64 = 0xC480;
+
 /// `lop3`'s truth table of `(a & b) | c`.
 const LUT_A_AND_B_OR_C: u8 = (0xF0 & 0xCC) | 0xAA;
 
@@ -364,7 +374,7 @@ const LUT_A_AND_B_OR_C: u8 = (0xF0 & 0xCC) | 0xAA;
 /// `code * 2^-126` (sign at bit 15, exponent and mantissa at bits 8..6 of each half): pair 0 is
 /// already in place (one mask), pair 1 three bits lower (a shift, a mask), pairs 2 and 3 have
 /// their exponent-and-mantissa bits and their signs at two distances (two shifts, a mask and a
-/// masked merge). The shifts are multiplications where they go left, so that ptxas may issue them
+/// masked merge). All the shifts are multiplications (`mul.lo` left, `mul.hi` right), so that ptxas may issue them
 /// on the FMA pipe instead of the integer ALU, which the masks keep busy.
 fn e2m1_pair(k: &mut K, q: Reg, p: u32) -> Reg {
     const BOTH: i64 = 0x81C0_81C0;
@@ -397,28 +407,61 @@ fn e2m1_pair(k: &mut K, q: Reg, p: u32) -> Reg {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
-    use super::super::ws::{GroupScale, W4Codes, W4};
+    use std::collections::HashMap;
 
-    /// `prmt.b32` (default mode): byte `i` of the result is byte `sel[4i..4i+4]` of `{b, a}`.
+    use super::super::emit::K;
+    use super::super::ws::{GroupScale, W4Codes, W4};
+    use super::e2m1_pair;
+    use crate::ptx::{BinOpcode, Inst, Operand, PtxTy, Reg, RegClass, UnOpcode};
+
+    /// `prmt.b32` (default mode): byte `i` of the result is byte `sel[4i..4i+3]` of `{b, a}`,
+    /// or with `sel[4i+3]` set that byte's sign bit replicated.
     fn prmt(a: u32, b: u32, sel: u32) -> u32 {
         let bytes = (u64::from(b) << 32 | u64::from(a)).to_le_bytes();
         (0..4).fold(0u32, |d, i| {
-            let s = (sel >> (4 * i)) & 7;
-            d | u32::from(bytes[s as usize]) << (8 * i)
+            let s = (sel >> (4 * i)) & 0xF;
+            let byte = bytes[(s & 7) as usize];
+            let v = if s & 8 == 0 {
+                byte
+            } else if byte & 0x80 != 0 {
+                0xFF
+            } else {
+                0
+            };
+            d | u32::from(v) << (8 * i)
         })
     }
 
-    /// The conversion `i8_ktile_regs` emits, on the host, for the pair in bytes 0 and 2 (`pair`
-    /// 0) or 1 and 3 (`pair` 1) of word `w`: bf16x2 bits, K in the low half.
+    /// The one-byte scales' selector gathers row `r`'s scale byte (of the first word) and row
+    /// `r + 8`'s (of the second), each sign-extended to a half.
+    #[test]
+    fn the_scale_selector_sign_extends_each_row_s_byte() {
+        for q in 0..4u32 {
+            for x in [0x00u32, 0x7F, 0x80, 0xC3, 0x38] {
+                let y = x ^ 0x81;
+                let w0 = 0x5A5A_5A5A & !(0xFF << (8 * q)) | x << (8 * q);
+                let w1 = 0xA5A5_A5A5 & !(0xFF << (8 * q)) | y << (8 * q);
+                let z = prmt(w0, w1, super::SCALE_SEL_BYTES as u32 + 0x1111 * q);
+                let sext = |b: u32| u32::from(b as u8 as i8 as i16 as u16);
+                assert_eq!(z, sext(x) | sext(y) << 16, "{q} {x:#x}");
+            }
+        }
+    }
+
+    /// The conversion `i8_ktile_regs` emits (the word's sign flip, then [`super::i8_pair`]), run
+    /// by [`interpret`], for the pair in bytes 0 and 2 (`pair` 0) or 1 and 3 (`pair` 1) of word
+    /// `w`: bf16x2 bits, K in the low half.
     fn convert(w: u32, pair: u32) -> u32 {
-        let wx = w ^ 0x8080_8080;
-        let half = |byte: u32| {
-            let m = prmt(wx, 0x4B00_0000, 0x7540 | byte);
-            (f32::from_bits(m) - 8_388_736.0).to_bits()
-        };
-        prmt(half(pair), half(pair + 2), 0x7632)
+        let (mut k, r, mut regs) = builder_with(w);
+        let magic = k.imm(0x4B00_0000);
+        let base = k.imm(0);
+        let fr = super::I8Frag { base, magic };
+        let wx = k.bin(BinOpcode::Xor, PtxTy::B32, r, Operand::Int(0x8080_8080));
+        let d = super::i8_pair(&mut k, &fr, wx, pair);
+        interpret(&k.b.insts, &mut regs);
+        regs[&d]
     }
 
     /// `mul.rn.bf16x2` on one half: the exact product (two bf16 fit an f32's 24 bits) rounded
@@ -435,18 +478,79 @@ mod tests {
         (y & 0x8000) | ((y & 0x7000) >> 6)
     }
 
-    /// What `e2m1_pair` emits, on the host.
-    fn e2m1_pair_host(q: u32, p: u32) -> u32 {
-        match p {
-            0 => q & 0x81C0_81C0,
-            1 => q.wrapping_mul(8) & 0x81C0_81C0,
-            2 => (q >> 3) & 0x01C0_01C0 | q.wrapping_mul(2) & 0x8000_8000,
-            _ => q.wrapping_mul(64) & 0x01C0_01C0 | q.wrapping_mul(4) & 0x8000_8000,
+    /// Runs the straight-line integer, bitwise, byte-permute and f32 instructions the conversions
+    /// emit (the PTX semantics of each, on 32-bit values), from `regs`; the registers' values.
+    fn interpret(insts: &[Inst], regs: &mut HashMap<Reg, u32>) {
+        interpret_with(insts, regs, &HashMap::new());
+    }
+
+    /// [`interpret`] with shared memory: 32-bit words by byte address.
+    fn interpret_with(insts: &[Inst], regs: &mut HashMap<Reg, u32>, shared: &HashMap<u32, u32>) {
+        use crate::ptx::{BinOpcode as B, PtxTy as T};
+        for i in insts {
+            let val = |regs: &HashMap<Reg, u32>, o: &Operand| match *o {
+                Operand::Reg(r) => regs[&r],
+                Operand::Int(v) => v as u32,
+                Operand::F32(x) => x.to_bits(),
+            };
+            let (d, v) = match i {
+                Inst::Un {
+                    op: UnOpcode::Mov(_),
+                    d,
+                    a,
+                } => (*d, val(regs, a)),
+                Inst::Bin { op, ty, d, a, b } => {
+                    let (x, y) = (val(regs, a), val(regs, b));
+                    let v = match (op, ty) {
+                        (B::And, _) => x & y,
+                        (B::Or, _) => x | y,
+                        (B::Xor, _) => x ^ y,
+                        (B::Shl, _) => x << y,
+                        (B::Shr, T::U32) => x >> y,
+                        (B::Add, T::U32) => x.wrapping_add(y),
+                        (B::MulLo, T::U32) => x.wrapping_mul(y),
+                        (B::MulHi, T::U32) => ((u64::from(x) * u64::from(y)) >> 32) as u32,
+                        (B::Sub, T::F32) => (f32::from_bits(x) - f32::from_bits(y)).to_bits(),
+                        (B::MulRn, T::Bf16x2) => {
+                            let h = |v: u32, i: u32| (v >> (16 * i)) as u16;
+                            let m = |i: u32| u32::from(mul_bf16(h(x, i), h(y, i)));
+                            m(0) | m(1) << 16
+                        }
+                        other => panic!("not interpreted: {other:?}"),
+                    };
+                    (*d, v)
+                }
+                Inst::Prmt { d, a, b, sel } => (*d, prmt(regs[a], regs[b], *sel as u32)),
+                Inst::LdSharedU32 { d, addr, off } => {
+                    (*d, shared[&regs[addr].wrapping_add(*off as u32)])
+                }
+                Inst::PrmtR { d, a, b, sel } => (*d, prmt(regs[a], regs[b], regs[sel])),
+                Inst::Lop3 { d, a, b, c, lut } => {
+                    let (x, y, z) = (regs[a], val(regs, b), val(regs, c));
+                    let v = (0..32).fold(0u32, |v, bit| {
+                        let idx = (x >> bit & 1) << 2 | (y >> bit & 1) << 1 | (z >> bit & 1);
+                        v | u32::from(lut >> idx & 1) << bit
+                    });
+                    (*d, v)
+                }
+                other => panic!("not interpreted: {other:?}"),
+            };
+            regs.insert(d, v);
         }
     }
 
+    /// A fresh kernel builder with `q` in a register.
+    fn builder_with(q: u32) -> (K, Reg, HashMap<Reg, u32>) {
+        let mut k = K {
+            b: crate::ptx::Builder::default(),
+        };
+        let r = k.b.reg(RegClass::B32);
+        (k, r, HashMap::from([(r, q)]))
+    }
+
     /// Every pair of E2M1 codes placed at its pair's bits of a word (the other pairs' bits
-    /// random) converts to the two halves `e2m1_bits` gives, whatever the rest of the word holds.
+    /// random) converts, by the instructions `e2m1_pair` emits, to the two halves `e2m1_bits`
+    /// gives, whatever the rest of the word holds.
     #[test]
     fn every_e2m1_pair_extracts_from_its_bits() {
         use crate::gemm::reference::E2M1_PAIR_BITS;
@@ -462,7 +566,10 @@ mod tests {
                         q |= u32::from((lo >> j) & 1) << b;
                         q |= u32::from((hi >> j) & 1) << (b + 16);
                     }
-                    let y = e2m1_pair_host(q, p);
+                    let (mut k, r, mut regs) = builder_with(q);
+                    let y = e2m1_pair(&mut k, r, p);
+                    interpret(&k.b.insts, &mut regs);
+                    let y = regs[&y];
                     assert_eq!(y & 0xFFFF, u32::from(e2m1_bits(lo)), "{p} {lo} {hi}");
                     assert_eq!(y >> 16, u32::from(e2m1_bits(hi)), "{p} {lo} {hi}");
                 }
@@ -470,17 +577,49 @@ mod tests {
         }
     }
 
-    /// The group scale factors `w4_scales` forms from a scale byte (one half).
+    /// The group scale factor `w4_scales` forms from scale byte `x` of fragment row `r` (its low
+    /// half; row `r + 8`'s byte, `x ^ 0x81`, must come out in the high half as the same function
+    /// of it), run by [`interpret_with`] on a stage whose other bytes are noise.
     fn scale_bits(scale: GroupScale, x: u8) -> u16 {
-        match scale {
-            GroupScale::E4m3 => {
-                let half = u16::from(x) << 8 | u16::from(x);
-                let raw = (half & 0x8000) | ((half >> 4) & 0x07F0);
-                mul_bf16(mul_bf16(raw, 0x7B80), 0x7A80)
-            }
-            GroupScale::E8m0 => ((u16::from(x) + 0x7E) & 0xFF) << 7,
-            GroupScale::Bf16 => u16::from(x),
+        let w = W4 {
+            codes: W4Codes::E2m1,
+            scale,
+            group: 16,
+        };
+        let one = |k: &mut K, r: u32, x: u8| {
+            let q = r & 3;
+            let y = x ^ 0x81;
+            let (w0, w1) = (
+                0x5A5A_5A5A & !(0xFF << (8 * q)) | u32::from(x) << (8 * q),
+                0xA5A5_A5A5 & !(0xFF << (8 * q)) | u32::from(y) << (8 * q),
+            );
+            let [scales, scale_word, row, sel] =
+                [0, 0, 0, super::SCALE_SEL_BYTES as u32 + 0x1111 * q].map(|v| k.imm(i64::from(v)));
+            let fr = super::W4Frag {
+                w,
+                row,
+                scale_word,
+                group_row: 64,
+                scale_sel: sel,
+            };
+            let d = super::w4_scales(k, &fr, scales, 0);
+            (d, HashMap::from([(0u32, w0), (8, w1)]))
+        };
+        let mut lows = Vec::new();
+        for r in 0..4 {
+            let (mut k, _, mut regs) = builder_with(0);
+            let (d, shared) = one(&mut k, r, x);
+            interpret_with(&k.b.insts, &mut regs, &shared);
+            let (lo, hi) = (regs[&d] as u16, (regs[&d] >> 16) as u16);
+            // Row r + 8's byte through the same conversion (its own run, as the low half).
+            let (mut k2, _, mut regs2) = builder_with(0);
+            let (d2, shared2) = one(&mut k2, r, x ^ 0x81);
+            interpret_with(&k2.b.insts, &mut regs2, &shared2);
+            assert_eq!(hi, regs2[&d2] as u16, "{scale:?} {x:#x} row {r}");
+            lows.push(lo);
         }
+        assert!(lows.iter().all(|&l| l == lows[0]), "{scale:?} {x:#x}");
+        lows[0]
     }
 
     /// Every E2M1 code with every E4M3 scale (NaN excluded) and every E8M0 scale up to 128

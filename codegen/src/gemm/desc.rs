@@ -927,7 +927,8 @@ impl TensorMapParams {
         Ok(params)
     }
 
-    /// A rank-3 map of an expert tensor of bytes `[experts, rows, k]` (int8 weight codes):
+    /// A rank-3 map of an expert tensor of bytes `[experts, rows, k]` (int8 or 4-bit weight codes,
+    /// `k` the bytes of a row: K padded to 64 for int8, K / 2 for 4-bit):
     /// dimensions `{k, rows, experts}`, box `{span, box_rows, 1}` with no swizzle (a box lands
     /// row-major, `span` bytes a row), zero out-of-bounds fill. TMA coordinates are
     /// `{k0, row0, expert}`. Validated.

@@ -245,7 +245,7 @@ pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
 /// two words, word `w` holding k16 steps `2w` and `2w + 1`; pair `p = 2 (s % 2) + h` of a word
 /// (`h` = 0 for K `16s + 2c`, 1 for `16s + 8 + 2c`) has its low element's code in nibble `3 - p`
 /// and its high element's in nibble `7 - p`, so that the kernel extracts pair `p` from the word
-/// shifted by `4p` with one mask. E2M1 codes use the same words but place their bits apart
+/// shifted right by `4 (3 - p)` with one `lop3`. E2M1 codes use the same words but place their bits apart
 /// ([`w4_kernel_bits`]).
 pub fn w4_kernel_place(x: usize) -> (usize, u32) {
     let (word, p, hi) = w4_kernel_word(x);
@@ -296,8 +296,8 @@ pub fn w4_kernel_bits(codes: super::ws::W4Codes, x: usize) -> [(usize, u32); 4] 
 /// length is `K` rounded up to a multiple of 64 (zeros after `K`). The kernel's order: each 64-deep
 /// k-tile of a row is 64 bytes; fragment thread `c` (`l & 3`) reads bytes `16c..16c+16` with one
 /// 16-byte load, word `s` holding k16 step `s`: its bytes 0 and 2 the pair of K `16s + 2c` (and + 1),
-/// bytes 1 and 3 the pair of K `16s + 8 + 2c`, so that each pair's low and high nibbles sit at
-/// bits 0..3 and 16..19 of the word shifted by 0 and 4, or 8 and 12 (`crate::gemm::dequant`).
+/// bytes 1 and 3 the pair of K `16s + 8 + 2c`, so that each pair is two bytes, `p` and `p + 2`, of
+/// one word (one byte permute each, `crate::gemm::dequant`).
 pub fn i8_kernel_place(x: usize) -> usize {
     let (tile, e) = (x / 64, x % 64);
     let (s, r) = (e / 16, e % 16);
@@ -607,8 +607,16 @@ mod tests {
                     );
                 }
             }
-            let used: usize = ko.iter().filter(|&&b| b != 0).count();
-            assert!(used <= rows * k);
+            // Each element stays in its k-tile, and every byte no element is placed at (a partial
+            // last tile's tail, the padding) is zero.
+            assert!((0..k).all(|x| i8_kernel_place(x) / 64 == x / 64));
+            for r in 0..rows {
+                for (at, &b) in ko[r * kp..(r + 1) * kp].iter().enumerate() {
+                    if places.binary_search(&at).is_err() {
+                        assert_eq!(b, 0, "{k} {r} {at}");
+                    }
+                }
+            }
         }
         // Thread c's bytes 16c..16c+16 of a tile: K = 16s + 8h + 2c (+1); word s has step s.
         for x in 0..64 {

@@ -97,7 +97,7 @@ pub enum Operands {
 }
 
 /// The codes of 4-bit weights, two per byte, in the kernel's order within each 64-deep k-tile of a
-/// row ([`crate::gemm::reference::w4_kernel_place`]).
+/// row ([`crate::gemm::reference::w4_kernel_bits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum W4Codes {
     /// E2M1 (NVFP4, MXFP4): sign, two exponent bits, one mantissa bit.
@@ -709,10 +709,11 @@ impl WsConfig {
                         "int8 weights need the swapped (weights-on-A) form with no split-K".into(),
                     );
                 }
-                // TMA: a code row's pitch (K bytes) is a multiple of 16 bytes.
+                // K a multiple of 16, as the GPU check covers it (the code rows are padded to 64
+                // bytes, `w_row_bytes`; X's rows of 2K bytes need K % 8 for TMA).
                 if !self.k.is_multiple_of(16) {
                     return bad(format!(
-                        "int8 weights with K = {} (a multiple of 16: a code row's pitch for TMA)",
+                        "int8 weights with K = {} (a multiple of 16)",
                         self.k
                     ));
                 }
