@@ -167,7 +167,8 @@ impl Recipe {
             Recipe::Fp8Block128 => n * k + n.div_ceil(128) * k.div_ceil(128) * 4,
             Recipe::Nvfp4 => n * k / 2 + n * k.div_ceil(16) + 4,
             Recipe::Mxfp4 => n * k / 2 + n * k.div_ceil(32),
-            Recipe::Int8Row => n * k + 4 * n,
+            // (Int8 rows are padded to 64 bytes, which the kernel streams too.)
+            Recipe::Int8Row => n * k.next_multiple_of(64) + 4 * n,
             Recipe::Int4G128 => n * k / 2 + 2 * n * k.div_ceil(128),
         }
     }

@@ -768,6 +768,12 @@ fn gpu_operands_equal_the_dequantized_weights() {
             assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
             for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
                 assert_eq!((g.slots, g.n, g.k), (E, n, k), "{name} {input}");
+                // The codes fill whole rows of the operand (int8's padded to 64 bytes).
+                assert_eq!(
+                    g.codes.len(),
+                    E * n * g.operands.w_row_bytes(k as u64) as usize,
+                    "{name} {input}"
+                );
                 // nvfp4_cutedsl stores w13's rows [up; gate] interleaved by 64, and int8 and 4-bit
                 // codes go to the GEMM in its kernel order: those operands are re-laid-out copies;
                 // every other standard recipe's are the stored bytes.
