@@ -25,16 +25,22 @@ use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, LaunchCo
 
 use crate::{drv, Device, Result};
 
+/// One argument: a pointer to the caller's value, or the index of a buffer's device address in
+/// [`KernelLaunch`]'s own list (whose element pointers are taken only at launch, when the list no
+/// longer grows).
+enum Arg {
+    Val(*mut c_void),
+    Addr(usize),
+}
+
 /// One kernel launch being put together: its arguments in parameter order.
 pub struct KernelLaunch<'a> {
     dev: &'a Device,
     func: &'a CudaFunction,
-    /// Pointers to each argument's value (what `cuLaunchKernel` reads).
-    args: Vec<*mut c_void>,
-    /// The device addresses of buffer arguments, each boxed so that its address (which `args`
-    /// holds) stays put while the vector grows.
-    #[allow(clippy::vec_box)]
-    addrs: Vec<Box<u64>>,
+    /// The arguments in parameter order.
+    args: Vec<Arg>,
+    /// The device addresses of buffer arguments.
+    addrs: Vec<u64>,
 }
 
 impl<'a> KernelLaunch<'a> {
@@ -50,18 +56,13 @@ impl<'a> KernelLaunch<'a> {
 
     /// A value argument (a scalar, a 128-byte tensor map, a raw device address).
     pub fn val<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
-        self.args.push(v as *const T as *mut c_void);
+        self.args.push(Arg::Val(v as *const T as *mut c_void));
         self
     }
 
     fn addr(&mut self, a: u64) {
-        // (A review noted that moving the Box after taking this pointer is, under Stacked
-        // Borrows, a use of an invalidated pointer; only the driver reads it, through FFI, and
-        // the heap address is the same. Collecting the pointers at launch instead is the tidier
-        // form; it was not made this session for want of device time to run it.)
-        let b = Box::new(a);
-        self.args.push(&*b as *const u64 as *mut c_void);
-        self.addrs.push(b);
+        self.args.push(Arg::Addr(self.addrs.len()));
+        self.addrs.push(a);
     }
 
     /// A buffer the kernel reads: its device address. (cudarc's access guard is dropped at once:
@@ -93,7 +94,20 @@ impl<'a> KernelLaunch<'a> {
             .map_err(drv("cuCtxSetCurrent"))?;
         let f = self.func.cu_function();
         let stream = self.dev.stream.cu_stream();
-        let params = self.args.as_mut_ptr();
+        // One pointer per parameter, to the caller's value or to this launch's copy of a
+        // buffer's address (`addrs` is not touched again until the call returns).
+        let mut ptrs: Vec<*mut c_void> = self
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Val(p) => p,
+                Arg::Addr(i) => self
+                    .addrs
+                    .get_mut(i)
+                    .map_or(std::ptr::null_mut(), |v| (v as *mut u64).cast()),
+            })
+            .collect();
+        let params = ptrs.as_mut_ptr();
         let (call, r) = if self.dev.pdl {
             // SAFETY: an all-zero launch attribute is valid plain data (a union of integers).
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -114,8 +128,8 @@ impl<'a> KernelLaunch<'a> {
             };
             // SAFETY: `config` and `attr` are valid for the call; `params` points at one pointer
             // per kernel parameter, each to a value that outlives the call (the caller's values
-            // borrowed for 'a, the boxed addresses held by `self`); the caller vouches for their
-            // match with the kernel (this function's contract).
+            // borrowed for 'a, the addresses in `self.addrs`, unmoved since `ptrs` was made); the
+            // caller vouches for their match with the kernel (this function's contract).
             let r = unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) };
             ("cuLaunchKernelEx", r)
         } else {

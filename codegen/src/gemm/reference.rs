@@ -245,21 +245,29 @@ pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
 /// two words, word `w` holding k16 steps `2w` and `2w + 1`; pair `p = 2 (s % 2) + h` of a word
 /// (`h` = 0 for K `16s + 2c`, 1 for `16s + 8 + 2c`) has its low element's code in nibble `3 - p`
 /// and its high element's in nibble `7 - p`, so that the kernel extracts pair `p` from the word
-/// shifted right by `4 (3 - p)` with one `lop3`. E2M1 codes use the same words but place their bits apart
-/// ([`w4_kernel_bits`]).
+/// shifted right by `4 (3 - p)` with one `lop3`. E2M1 codes use the same words but place their
+/// bits apart ([`w4_kernel_bits`]).
 pub fn w4_kernel_place(x: usize) -> (usize, u32) {
     let (word, p, hi) = w4_kernel_word(x);
     let nib = if hi == 0 { 3 - p } else { 7 - p };
     (word + (nib / 2) as usize, nib % 2)
 }
 
-/// The byte offset (in its row) of the word that holds element `x`, its pair `p` in the word and
-/// whether it is the pair's high element (see [`w4_kernel_place`]).
-fn w4_kernel_word(x: usize) -> (usize, u32, u32) {
+/// Where element `x` of a row lands in the register-A fragments (GEMM.md §1.6): its 64-deep
+/// k-tile, k16 step `s`, half `h` (0 for K `16s + 2c`, 1 for `16s + 8 + 2c`), fragment thread
+/// `c = l & 3` and whether it is the high element of its pair.
+fn frag_coords(x: usize) -> (usize, usize, usize, usize, usize) {
     let (tile, e) = (x / 64, x % 64);
     let (s, r) = (e / 16, e % 16);
     let (h, r) = (r / 8, r % 8);
     let (c, hi) = (r / 2, r % 2);
+    (tile, s, h, c, hi)
+}
+
+/// The byte offset (in its row) of the word that holds element `x`, its pair `p` in the word and
+/// whether it is the pair's high element (see [`w4_kernel_place`]).
+fn w4_kernel_word(x: usize) -> (usize, u32, u32) {
+    let (tile, s, h, c, hi) = frag_coords(x);
     let (w, p) = (s / 2, 2 * (s % 2) + h);
     (32 * tile + 8 * c + 4 * w, p as u32, hi as u32)
 }
@@ -299,10 +307,7 @@ pub fn w4_kernel_bits(codes: super::ws::W4Codes, x: usize) -> [(usize, u32); 4] 
 /// bytes 1 and 3 the pair of K `16s + 8 + 2c`, so that each pair is two bytes, `p` and `p + 2`, of
 /// one word (one byte permute each, `crate::gemm::dequant`).
 pub fn i8_kernel_place(x: usize) -> usize {
-    let (tile, e) = (x / 64, x % 64);
-    let (s, r) = (e / 16, e % 16);
-    let (h, r) = (r / 8, r % 8);
-    let (c, hi) = (r / 2, r % 2);
+    let (tile, s, h, c, hi) = frag_coords(x);
     64 * tile + 16 * c + 4 * s + h + 2 * hi
 }
 
@@ -310,13 +315,11 @@ pub fn i8_kernel_place(x: usize) -> usize {
 /// ([`i8_kernel_place`]): rows of `k` rounded up to 64 bytes.
 pub fn i8_kernel_order(row_major: &[u8], rows: usize, k: usize) -> Vec<u8> {
     let kp = k.next_multiple_of(64);
+    let places: Vec<usize> = (0..k).map(i8_kernel_place).collect();
     let mut out = vec![0u8; rows * kp];
     for r in 0..rows {
-        for x in 0..k {
-            if let (Some(&b), Some(o)) = (
-                row_major.get(r * k + x),
-                out.get_mut(r * kp + i8_kernel_place(x)),
-            ) {
+        for (x, &at) in places.iter().enumerate() {
+            if let (Some(&b), Some(o)) = (row_major.get(r * k + x), out.get_mut(r * kp + at)) {
                 *o = b;
             }
         }
