@@ -253,7 +253,8 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 .map(|(p, s)| (Operands::I8Bf16, s, Some(p))),
             // W4A16: E2M1 or u4 codes with group scales (NVFP4, MXFP4, symmetric INT4), the
             // format from the input's quantization; the kernel takes the group scales laid out
-            // `[E, K / group, N]` (the layer writes them from the recipe's scale param).
+            // in its order, `W4::group_scale_at` (the layer writes them from the recipe's scale
+            // param).
             dsl::ir::DType::E2m1 | dsl::ir::DType::U4 => info.quantization_of(gemm).and_then(|q| {
                 let w4 = crate::moe_gpu_w4::format(q.scheme).ok()?;
                 let fits =

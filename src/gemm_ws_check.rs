@@ -193,6 +193,11 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         ra(mxfp4, OutTy::Bf16, 1, 128, 4),
         ra(int4, OutTy::Bf16, 2, 256, 4),
         ra(int4, OutTy::Bf16, 1, 64, 6),
+        // Two decode consumers (128 weight rows) sharing one producer warp.
+        ra(nvfp4, OutTy::Bf16, 2, 8, 8),
+        ra(mxfp4, OutTy::Bf16, 2, 16, 8),
+        ra(int4, OutTy::F32, 2, 8, 8),
+        ra(i8, OutTy::F32, 2, 16, 8),
     ];
     // The fused SiLU epilogue (the layer's first GEMM): prefill and decode, split-K, every family.
     let silu = [
@@ -207,6 +212,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (ra(nvfp4, OutTy::Bf16, 1, 8, 8), 1),
         (ra(int4, OutTy::F32, 1, 16, 8), 1),
         (ra(nvfp4, OutTy::Bf16, 2, 128, 4), 1),
+        (ra(nvfp4, OutTy::Bf16, 2, 8, 8), 1),
+        (ra(i8, OutTy::Bf16, 2, 16, 8), 1),
         (ra(i8, OutTy::Bf16, 1, 128, 4), 1),
         (ra(i8, OutTy::Bf16, 2, 256, 4), 1),
     ]
@@ -236,7 +243,7 @@ pub(crate) const W4_FORMATS: [Operands; 3] = [
     Operands::W4Bf16(W4::INT4_G128),
 ];
 
-/// Random group scales of a 4-bit format, `[E, K / group, N]` bytes: E4M3 of either sign with
+/// Random group scales of a 4-bit format, `len` bytes (`W4::group_scale_at`'s order): E4M3 of either sign with
 /// subnormals and zero (NaN excluded), E8M0 in `[100, 128]` (with zeros), positive bf16 in
 /// `[2^-9, 2^-1)`.
 fn group_scales(rng: &mut Rng, w: W4, len: usize) -> Vec<u8> {
@@ -324,7 +331,7 @@ struct Operand<'a> {
     x_scale: Vec<f32>,
     /// `[E]` or `[E, NB, KB]`.
     w_scale: Vec<f32>,
-    /// 4-bit weights' group scales `[E, K / group, N]` (bytes).
+    /// 4-bit weights' group scales in the kernel's order (`W4::group_scale_at`), bytes.
     group_scales: Vec<u8>,
 }
 
@@ -390,7 +397,6 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                         }
                         (Operands::W4Bf16(w4), _) => {
                             let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
-                            let groups = w4.groups(k);
                             let sb = w4.scale.bytes() as usize;
                             Ok((0..n)
                                 .map(|j| {
@@ -405,9 +411,13 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                                 kk,
                                                 k,
                                             );
-                                            let at = ((e * groups + kk / w4.group as usize) * n
-                                                + j)
-                                                * sb;
+                                            let at = w4.group_scale_at(
+                                                n,
+                                                k,
+                                                e,
+                                                j,
+                                                kk / w4.group as usize,
+                                            );
                                             let sc = if sb == 2 {
                                                 u16::from_le_bytes([
                                                     op.group_scales[at],

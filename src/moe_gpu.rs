@@ -60,7 +60,7 @@ pub struct GemmWeights {
     /// The weight scales in the GEMM's layout (empty without scaling); 4-bit weights: one
     /// factor per slot.
     pub scales: Vec<f32>,
-    /// 4-bit weights' group scales, `[slots, K / group, N]` (E4M3 or E8M0 bytes, or bf16);
+    /// 4-bit weights' group scales, `[slots, scale tiles, N, groups per k-tile]` (`W4::group_scale_at`) (E4M3 or E8M0 bytes, or bf16);
     /// empty for other operands.
     pub group_scales: Vec<u8>,
     /// Whether the codes differ from the stored param's bytes (a recipe that stores another row
@@ -133,10 +133,7 @@ impl GemmWeights {
             _ => self.scales.clone(),
         };
         let group_scales = match self.operands {
-            Operands::W4Bf16(w) => {
-                let groups = w.groups(self.k);
-                permute(&self.group_scales, slots * groups)?
-            }
+            Operands::W4Bf16(w) => permute(&self.group_scales, slots * w.scale_tiles(self.k))?,
             _ => self.group_scales.clone(),
         };
         Some(GemmWeights {

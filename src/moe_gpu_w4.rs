@@ -7,8 +7,8 @@
 //!   row (`codegen::gemm::reference::w4_kernel_bits`: each fragment thread's codes in one 8-byte
 //!   word pair; INT4's pairs of elements at nibbles `3 - p` and `7 - p`, E2M1's bits spread over
 //!   the word so that a pair converts with one or two masks), K a multiple of 64;
-//! * group scales `[slots, K / group, N]` (group-major: one TMA box is a k-tile's groups of the
-//!   tile's 64 rows), as the recipe stores each (E4M3, E8M0 or bf16 bits), every element of a
+//! * group scales `[slots, scale tiles, N, groups per k-tile]` (`W4::group_scale_at`) (one k-tile's
+//!   scales of a row are one aligned load, a tile's rows one TMA box), as the recipe stores each (E4M3, E8M0 or bf16 bits), every element of a
 //!   group carrying the same (checked);
 //! * one f32 factor per slot for the accumulator: NVFP4's decode scale times `2^8` (the kernel
 //!   forms E4M3 scales times `2^118`, so its products are `2^-8` of the weights'), MXFP4's `2^c`
@@ -30,7 +30,7 @@ pub(crate) struct W4Operand {
     pub(crate) operands: Operands,
     /// `[slots, N, K / 2]` bytes.
     pub(crate) codes: Vec<u8>,
-    /// `[slots, K / group, N]` scales (1 or 2 bytes each, little-endian).
+    /// `[slots, scale tiles, N, groups per k-tile]` (`W4::group_scale_at`) scales (1 or 2 bytes each, little-endian).
     pub(crate) group_scales: Vec<u8>,
     /// One factor per slot.
     pub(crate) factors: Vec<f32>,
@@ -112,7 +112,7 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
     }
     let codes = crate::codegen::gemm::reference::w4_kernel_order(w.codes, &row_major, slots * n, k);
     let sb = w.scale.bytes() as usize;
-    let mut group_scales = vec![0u8; slots * groups * n * sb];
+    let mut group_scales = vec![0u8; w.group_scale_bytes(slots, n, k)];
     let mut factors = vec![1f32; slots];
     for (e, factor) in factors.iter_mut().enumerate() {
         // The scale bits of each (row, group), checked shared by the group's elements.
@@ -191,7 +191,7 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
         }
         for j in 0..n {
             for q in 0..groups {
-                let at = ((e * groups + q) * n + j) * sb;
+                let at = w.group_scale_at(n, k, e, j, q);
                 let b = bits[j * groups + q];
                 group_scales[at] = b as u8;
                 if sb == 2 {
@@ -246,7 +246,7 @@ mod tests {
             panic!("a 4-bit operand")
         };
         let code = crate::codegen::gemm::reference::w4_kernel_code(w.codes, &o.codes, j, x, k);
-        let s = o.group_scales[(x / w.group as usize) * n + j];
+        let s = o.group_scales[w.group_scale_at(n, k, 0, j, x / w.group as usize)];
         w4_weight(w, code, u16::from(s)) * f64::from(o.factors[0])
     }
 

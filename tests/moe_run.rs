@@ -736,11 +736,10 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     * g.scales[(e * nb + row / 128) * kb + col / 128] as f64
             }
             (Operands::W4Bf16(w), _) => {
-                // Codes [E, N, K / 2], group scales [E, K / group, N], a factor per slot.
+                // Codes [E, N, K / 2], group scales in the kernel's order, a factor per slot.
                 let code = gr::w4_kernel_code(w.codes, &g.codes, e * n + row, col, k);
                 let sb = w.scale.bytes() as usize;
-                let groups = k.div_ceil(w.group as usize);
-                let s = ((e * groups + col / w.group as usize) * n + row) * sb;
+                let s = w.group_scale_at(n, k, e, row, col / w.group as usize);
                 let bits = if sb == 2 {
                     u16::from_le_bytes([g.group_scales[s], g.group_scales[s + 1]])
                 } else {

@@ -1120,9 +1120,21 @@ fn four_bit_weights_feed_register_a_and_assemble() {
         assert_eq!(rs, 4, "{text}");
         // One 8-byte load of the thread's codes per row (two rows), no byte permute of codes.
         assert_eq!(text.matches("ld.shared.v2.b32").count(), 2);
-        // Two scale words per group of the k-tile (rows r and r + 8).
+        // Two loads of scales per k-tile (rows r and r + 8, each its groups of the k-tile: 32,
+        // 16 or 8 bits), whatever the group.
         let groups = 64u32.div_ceil(w.group) as usize;
-        assert_eq!(text.matches("ld.shared.u32").count(), 2 * groups);
+        let ty = match w.scale_tile_bytes() {
+            4 => "ld.shared.u32",
+            2 => "ld.shared.u16",
+            _ => "ld.shared.u8",
+        };
+        assert_eq!(text.matches(ty).count(), 2, "{}", c.tag());
+        assert_eq!(
+            text.matches("ld.shared.u").count(),
+            2,
+            "{}: no other scalar shared load",
+            c.tag()
+        );
         // Each row's scale broadcast to both halves by a half unpack and pack (ptxas folds it
         // into the multiply's half selector), not a byte permute.
         assert_eq!(text.matches("mov.b32 {%hb0, %hb1}").count(), 2 * groups);
@@ -1298,20 +1310,18 @@ fn register_a_weights_have_a_two_consumer_prefill_form() {
             }
             assert_eq!(count(&text, "setmaxnreg"), 2, "{tag}");
             if let Operands::W4Bf16(w) = operands {
-                // Group `g`'s scales of the consumer's rows r and r + 8 at `g * 128 * bytes` and
-                // `+ 8 * bytes` (past the other consumer's rows, added to the thread's word).
-                let sb = w.scale.bytes();
-                let groups = 64u32.div_ceil(w.group);
-                assert_eq!(c.group_scale_bytes(), groups * 128 * sb, "{tag}");
-                for g in 0..groups {
-                    for off in [g * 128 * sb, g * 128 * sb + 8 * sb] {
-                        let at = format!("+{off}];");
-                        assert!(
-                            text.lines()
-                                .any(|l| l.contains("ld.shared.u32") && l.ends_with(&at)),
-                            "{tag}: group {g} at {off}"
-                        );
-                    }
+                // The k-tile's scales of the consumer's rows r and r + 8 at 0 and
+                // `8 * scale_tile_bytes` from the thread's row (the other consumer's rows added
+                // to it).
+                let es = w.scale_tile_bytes();
+                assert_eq!(c.group_scale_bytes(), 128 * es, "{tag}");
+                for off in [0, 8 * es] {
+                    let at = format!("+{off}];");
+                    assert!(
+                        text.lines()
+                            .any(|l| l.contains("ld.shared.u") && l.ends_with(&at)),
+                        "{tag}: scales at {off}"
+                    );
                 }
             }
             assembles_clean(&text, &tag);

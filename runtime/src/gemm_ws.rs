@@ -116,7 +116,7 @@ pub struct GemmOperands<'a> {
     pub x_scale: Option<&'a CudaSlice<f32>>,
     /// Weight scales: `[experts]` (tensorwise), `[experts, ceil(N/128), ceil(K/128)]` (block128).
     pub w_scale: Option<&'a CudaSlice<f32>>,
-    /// 4-bit weights' group scales, `[experts, K / group, N]` (E4M3 or E8M0 bytes, or bf16).
+    /// 4-bit weights' group scales, `[experts, scale tiles, N]` (`W4::group_scale_at`) (E4M3 or E8M0 bytes, or bf16).
     pub group_scales: Option<&'a CudaSlice<u8>>,
     /// Rows of X.
     pub t: usize,
@@ -265,10 +265,10 @@ impl GroupedGemm {
         if op.w.len() < w_len {
             return Err(short("w", op.w.len(), w_len));
         }
-        // 4-bit weights' group scales: `[experts, K / group, N]`.
+        // 4-bit weights' group scales: `[experts, scale tiles, N]` (`W4::group_scale_at`).
         let group_scales = match (cfg.operands, op.group_scales) {
             (Operands::W4Bf16(w4), Some(gs)) => {
-                let groups = w4.groups(k);
+                let groups = w4.scale_tiles(k);
                 let want = w4.group_scale_bytes(e, n, k);
                 if gs.len() < want {
                     return Err(short("group_scales", gs.len(), want));
@@ -377,8 +377,7 @@ impl GroupedGemm {
                 e as u64,
                 groups as u64,
                 n as u64,
-                w4.scale.bytes(),
-                w4.groups_per_ktile(),
+                w4.scale_tile_bytes(),
                 w_rows,
             )
             .map_err(map_err)?;
@@ -449,7 +448,7 @@ impl GroupedGemm {
         // launches, and launches of one `GroupedGemm` ordered on its stream: the buffers are
         // guarded by the lock until queued), and two more 128-byte maps). The maps describe `x`
         // ([t, K]) and `w` ([experts, N, K]), and with block scales `x_scale` ([KB * t]) and
-        // `w_scale` ([E * NB * KB]), with 4-bit weights `group_scales` ([E, K / group, N]), whose
+        // `w_scale` ([E * NB * KB]), with 4-bit weights `group_scales` ([E, scale tiles, N], `W4::group_scale_at`), whose
         // sizes were checked; TMA reads only inside them
         // (out-of-bounds boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
         // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows

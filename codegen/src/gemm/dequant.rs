@@ -144,14 +144,9 @@ pub(crate) struct W4Frag {
     /// Byte offset of the thread's 8 bytes of its row `16 w + l / 4` in a stage's A (rows of 32
     /// bytes, the thread's at `8 (l & 3)`).
     row: Reg,
-    /// Byte offset of the aligned word holding the scale of row `64 c + 16 w + l / 4` (consumer
-    /// `c`) in a group's row of the scale area.
-    scale_word: Reg,
-    /// Bytes of one group's row of the scale area (the tile's weight rows' scales).
-    group_row: u32,
-    /// `prmt` selector that gathers that row's scale (from the first word) and row + 8's (from the
-    /// second) into the two halves (see [`w4_scales`]).
-    scale_sel: Reg,
+    /// Byte offset of the thread's row `64 c + 16 w + l / 4` (consumer `c`) in a stage's scale
+    /// area (rows of [`W4::scale_tile_bytes`], row-major).
+    scale_row: Reg,
 }
 
 /// The per-thread constants for lane `lane` of warp `warp` of consumer `cwg`, 4-bit format `w`,
@@ -168,8 +163,7 @@ pub(crate) fn w4_frag(
     let c = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(3));
     let c8 = k.bin(BinOpcode::Shl, PtxTy::B32, c, Operand::Int(3));
     k.bin_to(row, BinOpcode::Add, PtxTy::U32, row, Operand::Reg(c8));
-    let sb = i64::from(w.scale.bytes());
-    // The row in the tile (the consumer's 64 rows after the others'), for its scale.
+    // The row in the tile (the consumer's 64 rows after the others'), for its scales.
     let tr = if tile_rows > 64 {
         let tr = k.bin(BinOpcode::Shl, PtxTy::B32, cwg, Operand::Int(6));
         k.bin_to(tr, BinOpcode::Add, PtxTy::U32, tr, Operand::Reg(r));
@@ -177,69 +171,55 @@ pub(crate) fn w4_frag(
     } else {
         r
     };
-    let scale_word = k.bin(BinOpcode::MulLo, PtxTy::U32, tr, Operand::Int(sb));
-    k.bin_to(
-        scale_word,
-        BinOpcode::And,
-        PtxTy::B32,
-        scale_word,
-        Operand::Int(-4),
+    let scale_row = k.bin(
+        BinOpcode::MulLo,
+        PtxTy::U32,
+        tr,
+        Operand::Int(w.scale_tile_bytes().into()),
     );
-    let scale_sel = if sb == 1 {
-        // Bytes [q, sign of q, 4 + q, sign of 4 + q], q = r & 3 (a selector nibble's bit 3
-        // replicates the byte's sign bit): `0xC480 + 0x1111 q`. Each half is then the scale
-        // byte sign-extended to 16 bits.
-        let q = k.bin(BinOpcode::And, PtxTy::B32, r, Operand::Int(3));
-        let sel = k.bin(BinOpcode::MulLo, PtxTy::U32, q, Operand::Int(0x1111));
-        k.bin_to(
-            sel,
-            BinOpcode::Add,
-            PtxTy::U32,
-            sel,
-            Operand::Int(SCALE_SEL_BYTES),
-        );
-        sel
-    } else {
-        // Halves: bytes [2h, 2h + 1, 4 + 2h, 5 + 2h], h = r & 1: `0x5410 + 0x2222 h`.
-        let h = k.bin(BinOpcode::And, PtxTy::B32, r, Operand::Int(1));
-        let sel = k.bin(BinOpcode::MulLo, PtxTy::U32, h, Operand::Int(0x2222));
-        k.bin_to(sel, BinOpcode::Add, PtxTy::U32, sel, Operand::Int(0x5410));
-        sel
-    };
-    W4Frag {
-        w,
-        row,
-        scale_word,
-        group_row: tile_rows * w.scale.bytes(),
-        scale_sel,
-    }
+    W4Frag { w, row, scale_row }
 }
 
-/// The bf16x2 scales of group `gi` of a k-tile for the thread's two rows: `[s(r), s(r + 8)]`, each
-/// the factor that multiplies a converted code (see [`w4_a_regs`]).
-fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
-    let sb = fr.w.scale.bytes();
+/// The thread's two rows' scales of a k-tile (rows `r` and `r + 8`), one load each (of
+/// [`W4::scale_tile_bytes`], zero-extended): each word holds the row's groups in k order.
+fn w4_scale_words(k: &mut K, fr: &W4Frag, scales: Reg) -> [Reg; 2] {
+    let es = fr.w.scale_tile_bytes();
     let at = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
         scales,
-        Operand::Reg(fr.scale_word),
+        Operand::Reg(fr.scale_row),
     );
-    let words = [0u32, 8 * sb].map(|off| {
+    [0u32, 8 * es].map(|off| {
         let d = k.b.reg(RegClass::B32);
-        k.b.push(Inst::LdSharedU32 {
-            d,
-            addr: at,
-            off: (gi * fr.group_row + off).into(),
+        k.b.push(if es == 4 {
+            Inst::LdSharedU32 {
+                d,
+                addr: at,
+                off: off.into(),
+            }
+        } else {
+            Inst::LdSharedNarrow {
+                d,
+                addr: at,
+                off: off.into(),
+                bytes: es as u8,
+            }
         });
         d
-    });
+    })
+}
+
+/// The bf16x2 scales of group `gi` of a k-tile for the thread's two rows: `[s(r), s(r + 8)]`, each
+/// the factor that multiplies a converted code (see [`w4_a_regs`]), from the rows' scale words
+/// ([`w4_scale_words`]).
+fn w4_scales(k: &mut K, fr: &W4Frag, words: [Reg; 2], gi: u32) -> Reg {
     let z = k.b.reg(RegClass::B32);
-    k.b.push(Inst::PrmtR {
+    k.b.push(Inst::Prmt {
         d: z,
         a: words[0],
         b: words[1],
-        sel: fr.scale_sel,
+        sel: scale_selector(fr.w.scale, gi),
     });
     match fr.w.scale {
         GroupScale::Bf16 => z,
@@ -275,8 +255,8 @@ fn w4_scales(k: &mut K, fr: &W4Frag, scales: Reg, gi: u32) -> Reg {
 
 /// The A registers of the four k16 steps of a 4-bit k-tile: A at shared address `a` (the
 /// consumer's 64 rows of 32 bytes in the kernel's order,
-/// [`crate::gemm::reference::w4_kernel_bits`]), group scales at `scales` (`groups x 64 C` rows,
-/// group-major).
+/// [`crate::gemm::reference::w4_kernel_bits`]), group scales at `scales` (`64 C` rows of
+/// [`W4::scale_tile_bytes`]: a row's groups of the k-tile in k order).
 ///
 /// Thread `c = l & 3` reads its 8 bytes of rows `r` and `r + 8` (one 8-byte load each): word `w`
 /// holds steps `2w` and `2w + 1`, and pair `p = 2 (s % 2) + h` of it (`a_j`: row `r + 8 (j & 1)`,
@@ -300,6 +280,7 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
         });
         d
     });
+    let scale_words = w4_scale_words(k, fr, scales);
     let mut cache: Vec<(u32, [Reg; 2])> = Vec::new();
     // bf16x2 -136, the U4 codes' offset (128 + 8).
     let neg136 = match fr.w.codes {
@@ -312,7 +293,7 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
         let sc = match cache.iter().find(|(g, _)| *g == gi) {
             Some((_, s)) => *s,
             None => {
-                let both = w4_scales(k, fr, scales, gi);
+                let both = w4_scales(k, fr, scale_words, gi);
                 // Each row's scale in both halves (the pair (K, K + 1) shares it): a half
                 // broadcast, which ptxas folds into the multiply's `.H0_H0` / `.H1_H1` operand
                 // (with `prmt` it issued 8 PRMTs a k-tile of NVFP4's d1x8 variant).
@@ -363,9 +344,20 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
     out
 }
 
-/// The `prmt` selector of one-byte group scales for fragment row `r` with `r & 3 = 0` (plus
-/// `0x1111 (r & 3)`): bytes `[q, sign of q, 4 + q, sign of 4 + q]`.
+/// The `prmt` selector of one-byte group scales for group 0 of a row's word (plus `0x1111 q` for
+/// group `q`): bytes `[q, sign of q, 4 + q, sign of 4 + q]` (a selector nibble's bit 3 replicates
+/// the byte's sign bit), so that each half is the scale byte sign-extended to 16 bits.
 const SCALE_SEL_BYTES: i64 = 0xC480;
+
+/// The `prmt` selector that gathers group `gi`'s scale of row `r` (the first word) and of row
+/// `r + 8` (the second) into the two halves: one-byte scales sign-extended
+/// ([`SCALE_SEL_BYTES`]); bf16 scales (one group a word) the two low halves, `0x5410`.
+const fn scale_selector(scale: GroupScale, gi: u32) -> i64 {
+    match scale {
+        GroupScale::Bf16 => 0x5410,
+        GroupScale::E4m3 | GroupScale::E8m0 => SCALE_SEL_BYTES + 0x1111 * gi as i64,
+    }
+}
 
 /// `lop3`'s truth table of `(a & b) | c`.
 const LUT_A_AND_B_OR_C: u8 = (0xF0 & 0xCC) | 0xAA;
@@ -524,6 +516,16 @@ mod tests {
                 Inst::LdSharedU32 { d, addr, off } => {
                     (*d, shared[&regs[addr].wrapping_add(*off as u32)])
                 }
+                Inst::LdSharedNarrow {
+                    d,
+                    addr,
+                    off,
+                    bytes,
+                } => {
+                    let a = regs[addr].wrapping_add(*off as u32);
+                    let mask = if *bytes == 1 { 0xFF } else { 0xFFFF };
+                    (*d, shared[&(a & !3)] >> (8 * (a & 3)) & mask)
+                }
                 Inst::PrmtR { d, a, b, sel } => (*d, prmt(regs[a], regs[b], regs[sel])),
                 Inst::Lop3 { d, a, b, c, lut } => {
                     let (x, y, z) = (regs[a], val(regs, b), val(regs, c));
@@ -577,46 +579,56 @@ mod tests {
         }
     }
 
-    /// The group scale factor `w4_scales` forms from scale byte `x` of fragment row `r` (its low
-    /// half; row `r + 8`'s byte, `x ^ 0x81`, must come out in the high half as the same function
-    /// of it), run by [`interpret_with`] on a stage whose other bytes are noise.
+    /// The group scale factor `w4_scales` forms from scale byte `x` of group `q` of fragment row
+    /// `r` (its low half; row `r + 8`'s byte, `x ^ 0x81`, must come out in the high half as the
+    /// same function of it), for every group of a k-tile (`group` 16: four a row's word; 32: two,
+    /// loaded as 16 bits), run by [`interpret_with`] on a stage whose other bytes are noise.
     fn scale_bits(scale: GroupScale, x: u8) -> u16 {
-        let w = W4 {
-            codes: W4Codes::E2m1,
-            scale,
-            group: 16,
-        };
-        let one = |k: &mut K, r: u32, x: u8| {
-            let q = r & 3;
-            let y = x ^ 0x81;
-            let (w0, w1) = (
-                0x5A5A_5A5A & !(0xFF << (8 * q)) | u32::from(x) << (8 * q),
-                0xA5A5_A5A5 & !(0xFF << (8 * q)) | u32::from(y) << (8 * q),
-            );
-            let [scales, scale_word, row, sel] =
-                [0, 0, 0, super::SCALE_SEL_BYTES as u32 + 0x1111 * q].map(|v| k.imm(i64::from(v)));
-            let fr = super::W4Frag {
-                w,
-                row,
-                scale_word,
-                group_row: 64,
-                scale_sel: sel,
-            };
-            let d = super::w4_scales(k, &fr, scales, 0);
-            (d, HashMap::from([(0u32, w0), (8, w1)]))
-        };
         let mut lows = Vec::new();
-        for r in 0..4 {
-            let (mut k, _, mut regs) = builder_with(0);
-            let (d, shared) = one(&mut k, r, x);
-            interpret_with(&k.b.insts, &mut regs, &shared);
-            let (lo, hi) = (regs[&d] as u16, (regs[&d] >> 16) as u16);
-            // Row r + 8's byte through the same conversion (its own run, as the low half).
-            let (mut k2, _, mut regs2) = builder_with(0);
-            let (d2, shared2) = one(&mut k2, r, x ^ 0x81);
-            interpret_with(&k2.b.insts, &mut regs2, &shared2);
-            assert_eq!(hi, regs2[&d2] as u16, "{scale:?} {x:#x} row {r}");
-            lows.push(lo);
+        for group in [16u32, 32] {
+            let w = W4 {
+                codes: W4Codes::E2m1,
+                scale,
+                group,
+            };
+            let es = w.scale_tile_bytes();
+            let one = |k: &mut K, q: u32, x: u8| {
+                let y = x ^ 0x81;
+                let (w0, w1) = (
+                    0x5A5A_5A5A & !(0xFF << (8 * q)) | u32::from(x) << (8 * q),
+                    0xA5A5_A5A5 & !(0xFF << (8 * q)) | u32::from(y) << (8 * q),
+                );
+                // The thread's row at byte 4 (row 2 with 16-bit words, row 1 with 32-bit), so
+                // that row r + 8 sits at 4 + 8 es; noise around both.
+                let (at0, at1) = (4u32, 4 + 8 * es);
+                let [scales, scale_row, row] = [0, at0, 0].map(|v| k.imm(i64::from(v)));
+                let fr = super::W4Frag { w, row, scale_row };
+                let words = super::w4_scale_words(k, &fr, scales);
+                let d = super::w4_scales(k, &fr, words, q);
+                // A 16-bit word sits in the low half of its 4-aligned 32-bit word: noise in the
+                // high half, which the load must not see.
+                let noise = if es == 4 { 0 } else { 0xC3C3_0000 };
+                let keep = if es == 4 { u32::MAX } else { 0xFFFF };
+                let (p0, p1) = ((at0, w0 & keep | noise), (at1, w1 & keep | noise));
+                let mut shared = HashMap::from([p0, p1]);
+                shared.insert(0, 0x1234_5678);
+                (d, shared)
+            };
+            for q in 0..w.groups_per_ktile() {
+                let (mut k, _, mut regs) = builder_with(0);
+                let (d, shared) = one(&mut k, q, x);
+                interpret_with(&k.b.insts, &mut regs, &shared);
+                let (lo, hi) = (regs[&d] as u16, (regs[&d] >> 16) as u16);
+                // Row r + 8's byte through the same conversion (its own run, as the low half).
+                let (mut k2, _, mut regs2) = builder_with(0);
+                let (d2, shared2) = one(&mut k2, q, x ^ 0x81);
+                interpret_with(&k2.b.insts, &mut regs2, &shared2);
+                assert_eq!(
+                    hi, regs2[&d2] as u16,
+                    "{scale:?} {x:#x} group {q} of {group}"
+                );
+                lows.push(lo);
+            }
         }
         assert!(lows.iter().all(|&l| l == lows[0]), "{scale:?} {x:#x}");
         lows[0]

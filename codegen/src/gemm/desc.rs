@@ -949,29 +949,29 @@ impl TensorMapParams {
         )
     }
 
-    /// A rank-3 map of an expert tensor of group scales `[experts, groups, rows]` (4-bit weights'
-    /// scales, `elem_bytes` 1 or 2 each, weight rows innermost): dimensions `{rows, groups,
-    /// experts}`, box `{box_rows, box_groups, 1}` with no swizzle (a box lands group-major), zero
-    /// out-of-bounds fill. TMA coordinates are `{row0, group0, expert}`. Validated.
+    /// A rank-3 map of an expert tensor of group scales `[experts, tiles, rows]` (4-bit weights'
+    /// scales: each element one row's scales of one k-tile, `elem_bytes` 1, 2 or 4; weight rows
+    /// innermost): dimensions `{rows, tiles, experts}`, box `{box_rows, 1, 1}` with no swizzle (a
+    /// box lands row-major), zero out-of-bounds fill. TMA coordinates are `{row0, tile,
+    /// expert}`. Validated.
     pub fn expert_group_scales(
         global_address: u64,
         experts: u64,
-        groups: u64,
+        tiles: u64,
         rows: u64,
         elem_bytes: u32,
-        box_groups: u32,
         box_rows: u32,
     ) -> Result<Self> {
-        let data_type = if elem_bytes == 2 {
-            TensorMapDataType::Uint16
-        } else {
-            TensorMapDataType::Uint8
+        let data_type = match elem_bytes {
+            4 => TensorMapDataType::Uint32,
+            2 => TensorMapDataType::Uint16,
+            _ => TensorMapDataType::Uint8,
         };
         Self::unswizzled(
             data_type,
             global_address,
-            &[rows, groups, experts],
-            &[box_rows, box_groups, 1],
+            &[rows, tiles, experts],
+            &[box_rows, 1, 1],
             L2Promotion::B256,
         )
     }

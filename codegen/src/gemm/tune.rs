@@ -30,14 +30,19 @@ const DECODE: [(u32, u32, u32, bool, u32); 7] = [
 /// not the bytes in flight, is the limit).
 const DECODE_W4: [(u32, u32, u32, bool, u32); 1] = [(1, 8, 4, true, 1)];
 
-/// The register-A families' wide tiles (int8 and 4-bit weights are always wgmma's A): 128 tokens
+/// The register-A families' wide tiles (int8 and 4-bit weights are always wgmma's A): first two
+/// consumers (128 weight rows) with 8 or 16 tokens and one producer warp, which halves the
+/// producer's TMA issue per weight row (its loop was about an eighth of the decode kernel's
+/// instructions); then 128 tokens
 /// per weight tile with one consumer, so that at prefill each weight tile is loaded and
 /// dequantized once per 128 token rows instead of once per 64; then the prefill form, two
 /// consumers (128 weight rows) sharing each 128- or 256-token tile, so that a token tile is read
 /// once per 128 weight rows (at 64 the tokens' re-reads from L2 outweigh the weights), and one
 /// consumer's dequantization runs while the other's MMAs do. (One consumer with 256 tokens, 3
 /// stages, was never the tuner's choice on the H200, run 32.)
-const WIDE_REGISTER_A: [(u32, u32, u32, bool, u32); 3] = [
+const WIDE_REGISTER_A: [(u32, u32, u32, bool, u32); 5] = [
+    (2, 8, 8, true, 1),
+    (2, 16, 8, true, 1),
     (1, 128, 4, true, 1),
     (2, 128, 4, true, 1),
     (2, 256, 4, true, 1),
@@ -141,14 +146,23 @@ mod tests {
         // Int8 weights: the swapped (weights-on-A) form only (every token count runs it), unsplit.
         let all = candidates(Operands::I8Bf16, Scaling::PerRow, 4096, 7168);
         // Four decode tiles, the wide one and the two-consumer prefill forms.
-        assert_eq!(all.len(), 7);
+        assert_eq!(all.len(), 9);
         assert!(all
             .iter()
             .any(|c| c.bn == 256 && c.consumers == 2 && c.stages == 4));
         for c in &all {
             assert!(c.swap_ab && c.split_k == 1);
-            assert!(c.consumers == 1 || c.bn >= 128);
-            assert_eq!(c.reallocates_registers(), c.consumers == 2);
+            assert!(c.consumers == 1 || c.bn >= 128 || c.bn <= 16);
+            assert_eq!(c.reallocates_registers(), c.consumers == 2 && c.bn >= 128);
+            assert_eq!(c.producer_warp(), c.consumers == 1 || c.bn <= 16);
+            assert_eq!(
+                c.threads(),
+                if c.producer_warp() {
+                    128 * c.consumers + 32
+                } else {
+                    384
+                }
+            );
             grouped_ws_entry("k", c).unwrap();
         }
         // 4-bit weights: the same, plus 8 tokens with 4 stages.
@@ -158,7 +172,10 @@ mod tests {
             4096,
             7168,
         );
-        assert_eq!(w4.len(), 8);
+        assert_eq!(w4.len(), 10);
+        assert!(w4
+            .iter()
+            .any(|c| c.consumers == 2 && c.bn == 8 && c.producer_warp()));
         assert!(w4.iter().any(|c| c.bn == 8 && c.stages == 4));
         assert!(w4.iter().any(|c| c.bn == 128 && c.stages == 4));
         for c in &w4 {

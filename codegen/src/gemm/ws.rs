@@ -178,10 +178,30 @@ impl W4 {
         k.div_ceil(g)
     }
 
-    /// Bytes of the group scales of `experts` weights of `N x K` (`[experts, ceil(K / group),
-    /// N]`, each scale [`GroupScale::bytes`]).
+    /// Scale tiles along `K = k`: the groups taken [`W4::groups_per_ktile`] at a time (one per
+    /// 64-deep k-tile, or per group where a group is longer).
+    pub const fn scale_tiles(self, k: usize) -> usize {
+        self.groups(k).div_ceil(self.groups_per_ktile() as usize)
+    }
+
+    /// Bytes of one weight row's scales in one scale tile: [`W4::groups_per_ktile`] scales.
+    pub const fn scale_tile_bytes(self) -> u32 {
+        self.groups_per_ktile() * self.scale.bytes()
+    }
+
+    /// Bytes of the group scales of `experts` weights of `N x K`: `[experts, scale tiles, N,
+    /// groups per k-tile]` ([`W4::group_scale_at`]).
     pub const fn group_scale_bytes(self, experts: usize, n: usize, k: usize) -> usize {
-        experts * self.groups(k) * n * self.scale.bytes() as usize
+        experts * self.scale_tiles(k) * n * self.scale_tile_bytes() as usize
+    }
+
+    /// Byte offset of the scale of group `q` of row `j` of expert slot `e` (weights of `N x K`):
+    /// the kernel's order, `[E, scale tiles, N, groups per k-tile]`, so that one k-tile's scales of
+    /// a row are one aligned load and a tile's rows one TMA box.
+    pub const fn group_scale_at(self, n: usize, k: usize, e: usize, j: usize, q: usize) -> usize {
+        let per = self.groups_per_ktile() as usize;
+        ((e * self.scale_tiles(k) + q / per) * n + j) * self.scale_tile_bytes() as usize
+            + (q % per) * self.scale.bytes() as usize
     }
 
     /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
@@ -429,11 +449,11 @@ impl WsConfig {
         self.operands.w_row_bytes(self.k as u64)
     }
 
-    /// Bytes of a 4-bit tile's group scales in a stage (0 for other operands): the k-tile's
-    /// groups, each the tile's `64 C` weight rows (group-major, as the TMA box lands).
+    /// Bytes of a 4-bit tile's group scales in a stage (0 for other operands): the tile's `64 C`
+    /// weight rows, each its [`W4::scale_tile_bytes`] (row-major, as the TMA box lands).
     pub const fn group_scale_bytes(&self) -> u32 {
         match self.operands {
-            Operands::W4Bf16(w) => w.groups_per_ktile() * self.tile_weights() * w.scale.bytes(),
+            Operands::W4Bf16(w) => self.tile_weights() * w.scale_tile_bytes(),
             _ => 0,
         }
     }
@@ -541,22 +561,24 @@ impl WsConfig {
         }
     }
 
-    /// Whether the producer is one warp after the consumer warpgroup (register-sourced A, one
-    /// consumer), not a warpgroup before it: its other 96 threads would only hold registers, and a
-    /// CTA of 160 threads leaves room for more CTAs per SM (a wgmma warpgroup must start at a warp
-    /// index that is a multiple of 4, hence the consumer first). Two consumers take a producer
-    /// warpgroup and `setmaxnreg` as the other families do: with 9 warps, one of the SM's four
-    /// sub-partitions holds 3 of them in its quarter of the register file, so a thread gets at
-    /// most 168 registers (the driver's occupancy is 0 past it), where the 256-token tile needs
-    /// about 190.
+    /// Whether the producer is one warp after the consumer warpgroups (register-sourced A with one
+    /// consumer, or two with a decode token tile of at most [`MAX_WARP_PRODUCER_BN`]), not a
+    /// warpgroup before them: its other 96 threads would only hold registers, and a CTA of 160
+    /// (288) threads leaves room for more CTAs per SM (a wgmma warpgroup must start at a warp
+    /// index that is a multiple of 4, hence the consumers first). Two consumers of a wider tile
+    /// take a producer warpgroup and `setmaxnreg` as the other families do: with 9 warps, one of
+    /// the SM's four sub-partitions holds 3 of them in its quarter of the register file, so a
+    /// thread gets at most 168 registers (the driver's occupancy is 0 past it), where the
+    /// 256-token tile needs about 190; a small decode tile needs about 70.
     pub const fn producer_warp(&self) -> bool {
-        self.operands.register_a() && self.consumers == 1
+        self.operands.register_a()
+            && (self.consumers == 1 || (self.swap_ab && self.bn <= MAX_WARP_PRODUCER_BN))
     }
 
     /// Whether the producer warpgroup gives registers to the consumers (`setmaxnreg`): with two
-    /// consumers (and so a producer warpgroup).
+    /// consumers and a producer warpgroup.
     pub const fn reallocates_registers(&self) -> bool {
-        self.consumers >= 2
+        self.consumers >= 2 && !self.producer_warp()
     }
 
     /// The first thread of the producer.
@@ -635,7 +657,7 @@ impl WsConfig {
             return bad(format!("{} consumer warpgroups (1 or 2)", self.consumers));
         }
         WgmmaN::new(self.bn)?;
-        if self.consumers >= 2 && self.bn < 128 {
+        if self.reallocates_registers() && self.bn < 128 {
             // ptxas then allocates fewer than 168 registers at entry and drops `setmaxnreg`
             // (C7508).
             return bad(format!(
@@ -776,6 +798,9 @@ pub const MAX_DYNAMIC_SMEM: u32 = 227 * 1024;
 pub const MAX_STAGES: u32 = 12;
 /// The most split-K ranges.
 pub const MAX_SPLIT_K: u32 = 8;
+/// The widest decode token tile whose two register-A consumers share a producer warp
+/// ([`WsConfig::producer_warp`]).
+pub const MAX_WARP_PRODUCER_BN: u32 = 32;
 /// Registers per producer thread after `setmaxnreg.dec`.
 pub const PRODUCER_REGS: u32 = 40;
 /// The sm_90 descriptor's high word for a K-major 128B-swizzled tile: SBO 1024 bytes, layout 1.
@@ -1410,9 +1435,10 @@ fn producer(
         load_block_scales(k, cfg, leader, a, fbar, &s, &f, kt, xs, ws, tokens)?;
     }
     if let (Operands::W4Bf16(w), Some(gs)) = (cfg.operands, group_scales) {
-        // The k-tile's groups of the tile's weight rows: `[E, K / group, N]`, box {64 C rows,
-        // groups per k-tile, 1} at {w0, first group, expert}, after A and B.
-        let g0 = if w.group >= 64 {
+        // The k-tile's scales of the tile's weight rows: `[E, scale tiles, N]` of
+        // `scale_tile_bytes` each, box {64 C rows, 1, 1} at {w0, scale tile, expert}, after A
+        // and B.
+        let g0 = if w.group > 64 {
             k.bin(
                 BinOpcode::Shr,
                 PtxTy::U32,
@@ -1420,12 +1446,7 @@ fn producer(
                 Operand::Int(log2(w.group / 64)),
             )
         } else {
-            k.bin(
-                BinOpcode::Shl,
-                PtxTy::B32,
-                kt,
-                Operand::Int(log2(64 / w.group)),
-            )
+            kt
         };
         let dst = k.bin(
             BinOpcode::Add,
@@ -1734,7 +1755,9 @@ fn consumers(
             let accumulate = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
             issue_ktile(k, cfg, &ring, n_mma, &acc, Some(accumulate))?;
             // Register-sourced A: the next k-tile rewrites the A registers, so its MMAs must
-            // have read them (wait for all); else one group stays in flight.
+            // have read them (wait for all); else one group stays in flight. (A form that
+            // converted k-tile i + 1 while k-tile i's MMAs ran, two A register sets, was 1-4%
+            // faster at 1 and 128 tokens and 3-6% slower at 16 on the H200, run 57: not kept.)
             let in_flight = if ring.rega.is_some() { 0 } else { 1 };
             k.b.emit(AsyncOp::WgmmaWaitGroup(in_flight))?;
             let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));

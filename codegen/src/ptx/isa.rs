@@ -733,6 +733,18 @@ pub enum Inst {
         /// Value (32-bit).
         v: Reg,
     },
+    /// `ld.shared.u8` or `ld.shared.u16 d, [addr+off]` (`bytes` 1 or 2), zero-extended into a
+    /// 32-bit register.
+    LdSharedNarrow {
+        /// Destination (32-bit).
+        d: Reg,
+        /// Shared-memory address (32-bit).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+        /// Bytes loaded: 1 or 2 (any other value loads 2).
+        bytes: u8,
+    },
     /// `ld.shared.u32 d, [addr+off]`.
     LdSharedU32 {
         /// Destination (32-bit).
@@ -858,6 +870,15 @@ impl fmt::Display for Inst {
             }
             Inst::LdSharedU32 { d, addr, off } => {
                 write!(f, "\tld.shared.u32 \t{d}, [{addr}+{off}];")
+            }
+            Inst::LdSharedNarrow {
+                d,
+                addr,
+                off,
+                bytes,
+            } => {
+                let ty = if *bytes == 1 { "u8" } else { "u16" };
+                write!(f, "\tld.shared.{ty} \t{d}, [{addr}+{off}];")
             }
             Inst::FenceAcqRelGpu => write!(f, "\tfence.acq_rel.gpu;"),
             Inst::BarWarpSync => write!(f, "\tbar.warp.sync \t-1;"),
@@ -1193,6 +1214,24 @@ mod tests {
                     off: 0,
                 },
                 "\tld.shared.u32 \t%r1, [%r1+0];",
+            ),
+            (
+                Inst::LdSharedNarrow {
+                    d: r,
+                    addr: r,
+                    off: 4,
+                    bytes: 2,
+                },
+                "\tld.shared.u16 \t%r1, [%r1+4];",
+            ),
+            (
+                Inst::LdSharedNarrow {
+                    d: r,
+                    addr: r,
+                    off: 0,
+                    bytes: 1,
+                },
+                "\tld.shared.u8 \t%r1, [%r1+0];",
             ),
             (
                 Inst::Ld {
