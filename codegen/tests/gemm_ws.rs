@@ -1139,10 +1139,32 @@ fn four_bit_weights_feed_register_a_and_assemble() {
         // into the multiply's half selector), not a byte permute.
         assert_eq!(text.matches("mov.b32 {%hb0, %hb1}").count(), 2 * groups);
         assert!(!text.contains(", 0x1010;") && !text.contains(", 0x3232;"));
-        // One bf16x2 multiply by the scale per A register (16), and the E4M3 scales' two.
+        // Four one-byte groups a k-tile (NVFP4): each lane of a quad converts one group, shared
+        // by four shuffles; otherwise each group is converted by every lane.
+        let quad = groups == 4 && w.scale.bytes() == 1;
+        let converted = if quad { 1 } else { groups };
+        // (the tile scan's shuffles: those of the same variant with INT4 weights)
+        let scan_shfl = ws::grouped_ws_module(
+            "k",
+            &WsConfig {
+                operands: Operands::W4Bf16(W4::INT4_G128),
+                ..c
+            },
+        )
+        .unwrap()
+        .matches("shfl.sync.idx")
+        .count();
+        assert_eq!(
+            text.matches("shfl.sync.idx").count(),
+            scan_shfl + if quad { 4 } else { 0 },
+            "{}",
+            c.tag()
+        );
+        // One bf16x2 multiply by the scale per A register (16), and the E4M3 scales' two per
+        // converted group.
         let muls = 16
             + if w.scale == GroupScale::E4m3 {
-                2 * groups
+                2 * converted
             } else {
                 0
             };

@@ -147,6 +147,10 @@ pub(crate) struct W4Frag {
     /// Byte offset of the thread's row `64 c + 16 w + l / 4` (consumer `c`) in a stage's scale
     /// area (rows of [`W4::scale_tile_bytes`], row-major).
     scale_row: Reg,
+    /// Four one-byte groups a k-tile (NVFP4): the quad's scales are converted once, lane `4 q + g`
+    /// converting group `g` of the quad's two rows, then shared ([`w4_quad_scales`]); this lane's
+    /// `prmt` selector for its group, and the quad's four source lanes `4 q + g`.
+    quad: Option<(Reg, [Reg; 4])>,
 }
 
 /// The per-thread constants for lane `lane` of warp `warp` of consumer `cwg`, 4-bit format `w`,
@@ -177,7 +181,26 @@ pub(crate) fn w4_frag(
         tr,
         Operand::Int(w.scale_tile_bytes().into()),
     );
-    W4Frag { w, row, scale_row }
+    let quad = (w.groups_per_ktile() == 4 && w.scale.bytes() == 1).then(|| {
+        let sel = k.bin(BinOpcode::MulLo, PtxTy::U32, c, Operand::Int(0x1111));
+        k.bin_to(
+            sel,
+            BinOpcode::Add,
+            PtxTy::U32,
+            sel,
+            Operand::Int(SCALE_SEL_BYTES),
+        );
+        let base = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(!3));
+        let lanes =
+            [0i64, 1, 2, 3].map(|g| k.bin(BinOpcode::Or, PtxTy::B32, base, Operand::Int(g)));
+        (sel, lanes)
+    });
+    W4Frag {
+        w,
+        row,
+        scale_row,
+        quad,
+    }
 }
 
 /// The thread's two rows' scales of a k-tile (rows `r` and `r + 8`), one load each (of
@@ -221,7 +244,42 @@ fn w4_scales(k: &mut K, fr: &W4Frag, words: [Reg; 2], gi: u32) -> Reg {
         b: words[1],
         sel: scale_selector(fr.w.scale, gi),
     });
-    match fr.w.scale {
+    scale_factor(k, fr.w.scale, z)
+}
+
+/// The four groups' bf16x2 scales of a k-tile (as [`w4_scales`] gives each), converted once per
+/// quad: lane `4 q + g` gathers and converts group `g` of the quad's rows (a `prmt` with its own
+/// selector), then each group's pair comes from its lane (`shfl.sync.idx`). Per k-tile a thread
+/// then issues one conversion and four shuffles instead of four conversions.
+fn w4_quad_scales(
+    k: &mut K,
+    fr: &W4Frag,
+    words: [Reg; 2],
+    (sel, lanes): (Reg, [Reg; 4]),
+) -> [Reg; 4] {
+    let z = k.b.reg(RegClass::B32);
+    k.b.push(Inst::PrmtR {
+        d: z,
+        a: words[0],
+        b: words[1],
+        sel,
+    });
+    let mine = scale_factor(k, fr.w.scale, z);
+    lanes.map(|lane| {
+        let d = k.b.reg(RegClass::B32);
+        k.b.push(Inst::ShflIdx {
+            d,
+            a: mine,
+            lane: Operand::Reg(lane),
+        });
+        d
+    })
+}
+
+/// The bf16x2 factor of gathered scale halves `z` (each half the row's scale bits: a one-byte
+/// scale sign-extended, or bf16).
+fn scale_factor(k: &mut K, scale: GroupScale, z: Reg) -> Reg {
+    match scale {
         GroupScale::Bf16 => z,
         GroupScale::E4m3 => {
             // z: each half the byte `x` sign-extended. Shifted left by 4 (a multiplication,
@@ -281,6 +339,7 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
         d
     });
     let scale_words = w4_scale_words(k, fr, scales);
+    let quad = fr.quad.map(|q| w4_quad_scales(k, fr, scale_words, q));
     let mut cache: Vec<(u32, [Reg; 2])> = Vec::new();
     // bf16x2 -136, the U4 codes' offset (128 + 8).
     let neg136 = match fr.w.codes {
@@ -293,7 +352,10 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
         let sc = match cache.iter().find(|(g, _)| *g == gi) {
             Some((_, s)) => *s,
             None => {
-                let both = w4_scales(k, fr, scale_words, gi);
+                let both = match quad {
+                    Some(q) => q[gi as usize],
+                    None => w4_scales(k, fr, scale_words, gi),
+                };
                 // Each row's scale in both halves (the pair (K, K + 1) shares it): a half
                 // broadcast, which ptxas folds into the multiply's `.H0_H0` / `.H1_H1` operand
                 // (with `prmt` it issued 8 PRMTs a k-tile of NVFP4's d1x8 variant).
@@ -602,7 +664,12 @@ mod tests {
                 // that row r + 8 sits at 4 + 8 es; noise around both.
                 let (at0, at1) = (4u32, 4 + 8 * es);
                 let [scales, scale_row, row] = [0, at0, 0].map(|v| k.imm(i64::from(v)));
-                let fr = super::W4Frag { w, row, scale_row };
+                let fr = super::W4Frag {
+                    w,
+                    row,
+                    scale_row,
+                    quad: None,
+                };
                 let words = super::w4_scale_words(k, &fr, scales);
                 let d = super::w4_scales(k, &fr, words, q);
                 // A 16-bit word sits in the low half of its 4-aligned 32-bit word: noise in the
@@ -632,6 +699,88 @@ mod tests {
         }
         assert!(lows.iter().all(|&l| l == lows[0]), "{scale:?} {x:#x}");
         lows[0]
+    }
+
+    /// Runs `insts` on the 32 lanes of a warp in lockstep ([`interpret_with`] per lane), with
+    /// `shfl.sync.idx` reading the source lane's register.
+    fn interpret_warp(insts: &[Inst], lanes: &mut [HashMap<Reg, u32>], shared: &HashMap<u32, u32>) {
+        for i in insts {
+            match i {
+                Inst::ShflIdx { d, a, lane } => {
+                    let got: Vec<u32> = (0..lanes.len())
+                        .map(|l| {
+                            let src = match *lane {
+                                Operand::Reg(r) => lanes[l][&r],
+                                Operand::Int(v) => v as u32,
+                                Operand::F32(_) => panic!("a float lane"),
+                            };
+                            lanes[(src & 31) as usize][a]
+                        })
+                        .collect();
+                    for (regs, v) in lanes.iter_mut().zip(got) {
+                        regs.insert(*d, v);
+                    }
+                }
+                other => {
+                    for regs in lanes.iter_mut() {
+                        interpret_with(std::slice::from_ref(other), regs, shared);
+                    }
+                }
+            }
+        }
+    }
+
+    /// NVFP4's quad-shared scales (each lane of a quad converts one group, then four shuffles)
+    /// equal, on every lane and for every group, the per-group conversion of [`super::w4_scales`],
+    /// for E4M3 and E8M0 bytes (a quad's two rows' words random, different per quad).
+    #[test]
+    fn quad_shared_scales_equal_the_per_group_conversion() {
+        for scale in [GroupScale::E4m3, GroupScale::E8m0] {
+            let w = W4 {
+                codes: W4Codes::E2m1,
+                scale,
+                group: 16,
+            };
+            let mut k = K {
+                b: crate::ptx::Builder::default(),
+            };
+            let [lane, warp, cwg, w0, w1] = [0; 5].map(|_| k.b.reg(RegClass::B32));
+            let fr = super::w4_frag(&mut k, w, warp, lane, (cwg, 64));
+            let quad = fr.quad.expect("four one-byte groups a k-tile");
+            let shared = super::w4_quad_scales(&mut k, &fr, [w0, w1], quad);
+            let direct = [0, 1, 2, 3].map(|g| super::w4_scales(&mut k, &fr, [w0, w1], g));
+            let mut seed = 0x9E37_79B9u32 ^ scale.bytes();
+            let mut next = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 17;
+                seed ^= seed << 5;
+                // E4M3 NaN (0x7F/0xFF) and E8M0 bytes past 128 are outside the kernel's range.
+                seed & 0x7E7E_7E7E
+            };
+            let mut lanes: Vec<HashMap<Reg, u32>> = Vec::new();
+            let mut words = [0u32; 2];
+            for l in 0..32u32 {
+                if l % 4 == 0 {
+                    words = [next(), next()];
+                }
+                lanes.push(HashMap::from([
+                    (lane, l),
+                    (warp, 0),
+                    (cwg, 0),
+                    (w0, words[0]),
+                    (w1, words[1]),
+                ]));
+            }
+            interpret_warp(&k.b.insts, &mut lanes, &HashMap::new());
+            for (l, regs) in lanes.iter().enumerate() {
+                for g in 0..4 {
+                    assert_eq!(
+                        regs[&shared[g]], regs[&direct[g]],
+                        "{scale:?} lane {l} group {g}"
+                    );
+                }
+            }
+        }
     }
 
     /// Every E2M1 code with every E4M3 scale (NaN excluded) and every E8M0 scale up to 128
