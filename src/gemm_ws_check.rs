@@ -123,6 +123,15 @@ pub(crate) fn cases(rng: &mut Rng, quick: bool) -> Vec<Case> {
     v
 }
 
+/// Symmetric INT4 with bf16 scales per `group`.
+fn int4_g(group: u32) -> Operands {
+    Operands::W4Bf16(W4 {
+        codes: crate::codegen::gemm::ws::W4Codes::U4,
+        scale: GroupScale::Bf16,
+        group,
+    })
+}
+
 /// The variants checked on every case: (label, operands, scaling, out, consumers, BN, stages,
 /// swap).
 pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
@@ -195,6 +204,9 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         ra(int4, OutTy::Bf16, 1, 64, 6),
         // Two decode consumers (128 weight rows) sharing one producer warp.
         ra(nvfp4, OutTy::Bf16, 2, 8, 8),
+        // INT4 with groups of 32 and 16 (bf16 scales: two a word, two words a row's k-tile).
+        ra((int4_g(32), Scaling::PerExpert), OutTy::F32, 2, 8, 8),
+        ra((int4_g(16), Scaling::PerExpert), OutTy::Bf16, 1, 16, 8),
         ra(mxfp4, OutTy::Bf16, 2, 16, 8),
         ra(int4, OutTy::F32, 2, 8, 8),
         ra(i8, OutTy::F32, 2, 16, 8),

@@ -492,7 +492,7 @@ fn the_configurations_ws_refuses() {
         // Two consumers under BN 128: ptxas drops setmaxnreg (C7508).
         (
             WsConfig { bn: 64, ..base() },
-            "two consumer warpgroups with BN = 64",
+            "two consumer warpgroups behind a producer warpgroup with BN = 64",
         ),
     ] {
         let msg = refused(&c);
@@ -653,8 +653,10 @@ fn count(text: &str, pat: &str) -> usize {
 fn check_structure(c: &WsConfig, text: &str) {
     let tag = c.tag();
     // Threads: the producer warpgroup and the consumers.
-    // (Register-sourced A with one consumer: the consumer, then a producer warp.)
-    let threads = if c.operands.register_a() && c.consumers == 1 {
+    // (Register-sourced A with one consumer, or two with a decode tile of at most 32 tokens: the
+    // consumers, then a producer warp.)
+    let warp = c.operands.register_a() && (c.consumers == 1 || (c.swap_ab && c.bn <= 32));
+    let threads = if warp {
         128 * c.consumers + 32
     } else {
         128 * (1 + c.consumers)
@@ -676,7 +678,7 @@ fn check_structure(c: &WsConfig, text: &str) {
             &format!("setmaxnreg.inc.sync.aligned.u32 \t{}", ws::CONSUMER_REGS),
         ),
     );
-    let two = usize::from(c.consumers == 2);
+    let two = usize::from(c.consumers == 2 && !warp);
     assert_eq!(two == 1, c.reallocates_registers(), "{tag}");
     assert_eq!((dec, inc), (two, two), "{tag}");
     assert_eq!(count(text, "setmaxnreg"), 2 * two, "{tag}");
@@ -1295,6 +1297,59 @@ fn int8_weights_feed_register_a_and_assemble() {
 /// registers moved by `setmaxnreg` as for the other families); each consumer reads its own 64 rows
 /// of codes and, for 4-bit weights, its rows' group scales in group rows of 128 scales; ptxas
 /// assembles every form with no spill and no serialization, fused SiLU included.
+/// Two register-A decode consumers behind one producer warp (`d2x8`, `d2x16`): 288 threads, no
+/// `setmaxnreg`, the second consumer's rows 64 further (its scales at `64 * scale_tile_bytes`
+/// more), and clean ptxas output, for int8 and every 4-bit format (INT4 also with groups of 16 and
+/// 32, whose bf16 scales take two words or two halves of one a row).
+#[test]
+fn register_a_decode_has_a_two_consumer_producer_warp_form() {
+    use ws::{GroupScale, W4Codes, W4};
+    let int4 = |group| {
+        Operands::W4Bf16(W4 {
+            codes: W4Codes::U4,
+            scale: GroupScale::Bf16,
+            group,
+        })
+    };
+    for (operands, scaling) in [
+        (Operands::I8Bf16, Scaling::PerRow),
+        (Operands::W4Bf16(W4::NVFP4), Scaling::PerExpert),
+        (Operands::W4Bf16(W4::MXFP4), Scaling::PerExpert),
+        (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
+        (int4(32), Scaling::PerExpert),
+        (int4(16), Scaling::PerExpert),
+    ] {
+        for bn in [8, 16] {
+            let c = WsConfig {
+                operands,
+                scaling,
+                consumers: 2,
+                bn,
+                stages: 8,
+                ..decode()
+            };
+            let tag = c.tag();
+            assert!(c.producer_warp() && !c.reallocates_registers(), "{tag}");
+            assert_eq!(c.threads(), 288, "{tag}");
+            let text = ws::grouped_ws_module("k", &c).unwrap();
+            check_structure(&c, &text);
+            assert_eq!(count(&text, "setmaxnreg"), 0, "{tag}");
+            if let Operands::W4Bf16(w) = operands {
+                // Groups of 16 with bf16 scales: 8 bytes a row's k-tile, one 8-byte load a row.
+                let es = w.scale_tile_bytes();
+                assert_eq!(c.group_scale_bytes(), 128 * es, "{tag}");
+                let v2 = text.matches("ld.shared.v2.b32").count();
+                assert_eq!(v2, 2 + if es == 8 { 2 } else { 0 }, "{tag}");
+                // The bf16 selectors: one per group of the k-tile, the second half for odd groups.
+                if w.scale == GroupScale::Bf16 && w.groups_per_ktile() >= 2 {
+                    assert!(text.contains(", 0x7632;"), "{tag}");
+                }
+            }
+            assembles_clean(&text, &format!("d2_{tag}"));
+        }
+    }
+}
+
 #[test]
 fn register_a_weights_have_a_two_consumer_prefill_form() {
     use ws::W4;

@@ -116,7 +116,8 @@ pub struct GemmOperands<'a> {
     pub x_scale: Option<&'a CudaSlice<f32>>,
     /// Weight scales: `[experts]` (tensorwise), `[experts, ceil(N/128), ceil(K/128)]` (block128).
     pub w_scale: Option<&'a CudaSlice<f32>>,
-    /// 4-bit weights' group scales, `[experts, scale tiles, N]` (`W4::group_scale_at`) (E4M3 or E8M0 bytes, or bf16).
+    /// 4-bit weights' group scales, `[experts, scale tiles, N, groups per k-tile]`
+    /// (`W4::group_scale_at`; E4M3 or E8M0 bytes, or bf16).
     pub group_scales: Option<&'a CudaSlice<u8>>,
     /// Rows of X.
     pub t: usize,

@@ -204,8 +204,10 @@ pub(crate) fn w4_frag(
 }
 
 /// The thread's two rows' scales of a k-tile (rows `r` and `r + 8`), one load each (of
-/// [`W4::scale_tile_bytes`], zero-extended): each word holds the row's groups in k order.
-fn w4_scale_words(k: &mut K, fr: &W4Frag, scales: Reg) -> [Reg; 2] {
+/// [`W4::scale_tile_bytes`]: 1 or 2 bytes zero-extended, a word, or two words for bf16 groups of
+/// 16): `[row][word]`, each row's groups in k order (the second word the first's copy where there
+/// is one word).
+fn w4_scale_words(k: &mut K, fr: &W4Frag, scales: Reg) -> [[Reg; 2]; 2] {
     let es = fr.w.scale_tile_bytes();
     let at = k.bin(
         BinOpcode::Add,
@@ -214,21 +216,27 @@ fn w4_scale_words(k: &mut K, fr: &W4Frag, scales: Reg) -> [Reg; 2] {
         Operand::Reg(fr.scale_row),
     );
     [0u32, 8 * es].map(|off| {
-        let d = k.b.reg(RegClass::B32);
-        k.b.push(if es == 4 {
-            Inst::LdSharedU32 {
-                d,
-                addr: at,
-                off: off.into(),
-            }
+        let first = k.b.reg(RegClass::B32);
+        let d = if es == 8 {
+            [first, k.b.reg(RegClass::B32)]
         } else {
-            Inst::LdSharedNarrow {
-                d,
+            [first; 2]
+        };
+        let off = off.into();
+        match es {
+            8 => k.b.push(Inst::LdSharedV2 { d, addr: at, off }),
+            4 => k.b.push(Inst::LdSharedU32 {
+                d: d[0],
                 addr: at,
-                off: off.into(),
+                off,
+            }),
+            _ => k.b.push(Inst::LdSharedNarrow {
+                d: d[0],
+                addr: at,
+                off,
                 bytes: es as u8,
-            }
-        });
+            }),
+        }
         d
     })
 }
@@ -236,12 +244,14 @@ fn w4_scale_words(k: &mut K, fr: &W4Frag, scales: Reg) -> [Reg; 2] {
 /// The bf16x2 scales of group `gi` of a k-tile for the thread's two rows: `[s(r), s(r + 8)]`, each
 /// the factor that multiplies a converted code (see [`w4_a_regs`]), from the rows' scale words
 /// ([`w4_scale_words`]).
-fn w4_scales(k: &mut K, fr: &W4Frag, words: [Reg; 2], gi: u32) -> Reg {
+fn w4_scales(k: &mut K, fr: &W4Frag, words: [[Reg; 2]; 2], gi: u32) -> Reg {
+    // (a word holds 4 one-byte or 2 bf16 scales)
+    let word = (gi * fr.w.scale.bytes() / 4) as usize;
     let z = k.b.reg(RegClass::B32);
     k.b.push(Inst::Prmt {
         d: z,
-        a: words[0],
-        b: words[1],
+        a: words[0][word],
+        b: words[1][word],
         sel: scale_selector(fr.w.scale, gi),
     });
     scale_factor(k, fr.w.scale, z)
@@ -254,14 +264,14 @@ fn w4_scales(k: &mut K, fr: &W4Frag, words: [Reg; 2], gi: u32) -> Reg {
 fn w4_quad_scales(
     k: &mut K,
     fr: &W4Frag,
-    words: [Reg; 2],
+    words: [[Reg; 2]; 2],
     (sel, lanes): (Reg, [Reg; 4]),
 ) -> [Reg; 4] {
     let z = k.b.reg(RegClass::B32);
     k.b.push(Inst::PrmtR {
         d: z,
-        a: words[0],
-        b: words[1],
+        a: words[0][0],
+        b: words[1][0],
         sel,
     });
     let mine = scale_factor(k, fr.w.scale, z);
@@ -411,13 +421,13 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
 /// the byte's sign bit), so that each half is the scale byte sign-extended to 16 bits.
 const SCALE_SEL_BYTES: i64 = 0xC480;
 
-/// The `prmt` selector that gathers group `gi`'s scale of row `r` (the first word) and of row
-/// `r + 8` (the second) into the two halves: one-byte scales sign-extended
-/// ([`SCALE_SEL_BYTES`]); bf16 scales (one group a word) the two low halves, `0x5410`.
+/// The `prmt` selector that gathers group `gi`'s scale of row `r` (its word, the first operand)
+/// and of row `r + 8` (the second) into the two halves: one-byte scales (byte `gi % 4`)
+/// sign-extended ([`SCALE_SEL_BYTES`]); bf16 scales (half `gi % 2`) `0x5410 + 0x2222 (gi % 2)`.
 const fn scale_selector(scale: GroupScale, gi: u32) -> i64 {
     match scale {
-        GroupScale::Bf16 => 0x5410,
-        GroupScale::E4m3 | GroupScale::E8m0 => SCALE_SEL_BYTES + 0x1111 * gi as i64,
+        GroupScale::Bf16 => 0x5410 + 0x2222 * (gi % 2) as i64,
+        GroupScale::E4m3 | GroupScale::E8m0 => SCALE_SEL_BYTES + 0x1111 * (gi % 4) as i64,
     }
 }
 
@@ -542,6 +552,13 @@ mod tests {
     fn interpret_with(insts: &[Inst], regs: &mut HashMap<Reg, u32>, shared: &HashMap<u32, u32>) {
         use crate::ptx::{BinOpcode as B, PtxTy as T};
         for i in insts {
+            if let Inst::LdSharedV2 { d, addr, off } = i {
+                let a = regs[addr].wrapping_add(*off as u32);
+                let v = [shared[&a], shared[&(a + 4)]];
+                regs.insert(d[0], v[0]);
+                regs.insert(d[1], v[1]);
+                continue;
+            }
             let val = |regs: &HashMap<Reg, u32>, o: &Operand| match *o {
                 Operand::Reg(r) => regs[&r],
                 Operand::Int(v) => v as u32,
@@ -747,8 +764,8 @@ mod tests {
             let [lane, warp, cwg, w0, w1] = [0; 5].map(|_| k.b.reg(RegClass::B32));
             let fr = super::w4_frag(&mut k, w, warp, lane, (cwg, 64));
             let quad = fr.quad.expect("four one-byte groups a k-tile");
-            let shared = super::w4_quad_scales(&mut k, &fr, [w0, w1], quad);
-            let direct = [0, 1, 2, 3].map(|g| super::w4_scales(&mut k, &fr, [w0, w1], g));
+            let shared = super::w4_quad_scales(&mut k, &fr, [[w0; 2], [w1; 2]], quad);
+            let direct = [0, 1, 2, 3].map(|g| super::w4_scales(&mut k, &fr, [[w0; 2], [w1; 2]], g));
             let mut seed = 0x9E37_79B9u32 ^ scale.bytes();
             let mut next = || {
                 seed ^= seed << 13;
@@ -811,6 +828,52 @@ mod tests {
                         "{scale:?} {x:#x} {code}"
                     );
                 }
+            }
+        }
+    }
+
+    /// bf16 group scales of every group length (16: two words a row's k-tile; 32: two halves of a
+    /// word; 64, 128: one half): each group's scales of rows `r` and `r + 8` land in the two halves,
+    /// read from the row-major scale tiles with noise around them.
+    #[test]
+    fn bf16_scales_of_every_group_length_are_gathered() {
+        for group in [16u32, 32, 64, 128] {
+            let w = W4 {
+                codes: W4Codes::U4,
+                scale: GroupScale::Bf16,
+                group,
+            };
+            let es = w.scale_tile_bytes();
+            let per = w.groups_per_ktile();
+            // The thread's row 3 (and row 11), in a stage whose other bytes are noise.
+            let at0 = 3 * es;
+            let mut shared: HashMap<u32, u32> =
+                (0..64u32).map(|i| (4 * i, 0xDEAD_0000 | i)).collect();
+            let mut put = |at: u32, v: u16| {
+                let word = shared.entry(at & !3).or_insert(0);
+                let sh = 8 * (at & 3);
+                *word = *word & !(0xFFFF << sh) | u32::from(v) << sh;
+            };
+            for g in 0..per {
+                put(at0 + 2 * g, 0x1000 + g as u16);
+                put(at0 + 8 * es + 2 * g, 0x2000 + g as u16);
+            }
+            let (mut k, _, mut regs) = builder_with(0);
+            let [scales, scale_row, row] = [0, at0, 0].map(|v| k.imm(i64::from(v)));
+            let fr = super::W4Frag {
+                w,
+                row,
+                scale_row,
+                quad: None,
+            };
+            let words = super::w4_scale_words(&mut k, &fr, scales);
+            let d: Vec<Reg> = (0..per)
+                .map(|g| super::w4_scales(&mut k, &fr, words, g))
+                .collect();
+            interpret_with(&k.b.insts, &mut regs, &shared);
+            for (g, r) in d.iter().enumerate() {
+                let want = (0x1000 + g as u32) | (0x2000 + g as u32) << 16;
+                assert_eq!(regs[r], want, "group {g} of {group}");
             }
         }
     }

@@ -950,7 +950,7 @@ impl TensorMapParams {
     }
 
     /// A rank-3 map of an expert tensor of group scales `[experts, tiles, rows]` (4-bit weights'
-    /// scales: each element one row's scales of one k-tile, `elem_bytes` 1, 2 or 4; weight rows
+    /// scales: each element one row's scales of one k-tile, `elem_bytes` 1, 2, 4 or 8; weight rows
     /// innermost): dimensions `{rows, tiles, experts}`, box `{box_rows, 1, 1}` with no swizzle (a
     /// box lands row-major), zero out-of-bounds fill. TMA coordinates are `{row0, tile,
     /// expert}`. Validated.
@@ -963,6 +963,7 @@ impl TensorMapParams {
         box_rows: u32,
     ) -> Result<Self> {
         let data_type = match elem_bytes {
+            8 => TensorMapDataType::Uint64,
             4 => TensorMapDataType::Uint32,
             2 => TensorMapDataType::Uint16,
             _ => TensorMapDataType::Uint8,

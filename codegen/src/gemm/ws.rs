@@ -18,8 +18,9 @@
 //!   `1..=C` are consumers that share each tile; with two consumers the producer gives registers
 //!   back (`setmaxnreg.dec` to 40) and the consumers take them (`setmaxnreg.inc` to 232)
 //!   (cooperative): consumer `c` owns the A rows `64c .. 64c + 63` of the tile. With register-
-//!   sourced A (int8 and 4-bit weights) and one consumer, the producer is instead one warp after
-//!   the consumer warpgroup (160 threads a CTA, so more CTAs fit an SM), and no registers move.
+//!   sourced A (int8 and 4-bit weights) and one consumer, or two with a decode token tile of at
+//!   most 32, the producer is instead one warp after the consumer warpgroups (160 or 288 threads a
+//!   CTA, so more CTAs fit an SM), and no registers move.
 //!   Their prefill form has two consumers (a producer warpgroup, cooperative as above) that share
 //!   each token tile, one dequantizing while the other's MMAs run.
 //! * **Tile scheduler**: persistent CTAs; CTA `b` takes tiles `b, b + G, b + 2G, ...` (`G` =
@@ -65,7 +66,8 @@
 //! `x_scale` (u64; 0 when unscaled), `w_scale` (u64; 0 when unscaled), `experts` (u32), `tokens`
 //! (u32: `T`, the stride of the group-major activation scales), `workspace`, `counters` (u64:
 //! split-K), `tmap_xs`, `tmap_ws` (1-D f32 maps of `x_scale` and `w_scale` for the block-scaled
-//! variants; for 4-bit weights `tmap_ws` is the 3-D map of the group scales `[E, K/group, N]`; the
+//! variants; for 4-bit weights `tmap_ws` is the 3-D map of the group scales `[E, scale tiles, N]` (each
+//! element one row's scales of one k-tile, `W4::group_scale_at`); the
 //! others read neither and take any valid map there).
 
 use crate::ptx::{
@@ -550,9 +552,9 @@ impl WsConfig {
         self.k.div_ceil(self.operands.bk())
     }
 
-    /// Threads per CTA: a producer warpgroup and the consumers, or for register-sourced A with
-    /// one consumer (int8 and 4-bit weights, decode: no `setmaxnreg`) the consumer first and a
-    /// producer warp after it ([`WsConfig::producer_warp`]).
+    /// Threads per CTA: a producer warpgroup and the consumers, or the consumers first and a
+    /// producer warp after them ([`WsConfig::producer_warp`]: register-sourced A with one consumer,
+    /// or two with a small decode tile; no `setmaxnreg`).
     pub const fn threads(&self) -> u32 {
         if self.producer_warp() {
             128 * self.consumers + 32
@@ -661,7 +663,7 @@ impl WsConfig {
             // ptxas then allocates fewer than 168 registers at entry and drops `setmaxnreg`
             // (C7508).
             return bad(format!(
-                "two consumer warpgroups with BN = {} (at least 128)",
+                "two consumer warpgroups behind a producer warpgroup with BN = {} (at least 128; register-sourced A with BN <= {MAX_WARP_PRODUCER_BN} takes a producer warp)",
                 self.bn
             ));
         }
@@ -1306,8 +1308,8 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     kb.entry_text(&entry)
 }
 
-/// The producer (a warpgroup, or a warp after the consumers with register-sourced A): registers
-/// down with two consumers, then its first warp scans the tiles and its first thread
+/// The producer (a warpgroup, or a warp after the consumers: [`WsConfig::producer_warp`]):
+/// registers down with two consumers behind a producer warpgroup, then its first warp scans the tiles and its first thread
 /// ([`WsConfig::producer_tid`]) keeps the ring full.
 fn producer(
     k: &mut K,
