@@ -1541,4 +1541,29 @@ fn four_bit_group_scales_have_their_sizes() {
     assert_eq!(W4::NVFP4.group_scale_bytes(32, 4096, 7168), 32 * 448 * 4096);
     assert_eq!(W4::INT4_G128.group_scale_bytes(2, 16, 256), 2 * 2 * 16 * 2);
     assert_eq!(W4::MXFP4.group_scale_bytes(0, 16, 256), 0);
+    // The kernel's order, pinned by hand: `[E, scale tiles, N, groups per k-tile]`. NVFP4, N = 16,
+    // K = 128 (8 groups, 2 tiles of 4): expert 1, row 3, group 5 is tile 1, byte 1 of the row's
+    // word: ((1 * 2 + 1) * 16 + 3) * 4 + 1.
+    assert_eq!(W4::NVFP4.group_scale_at(16, 128, 1, 3, 5), 205);
+    // MXFP4 (2 groups a tile, one byte each): expert 0, row 15, group 3: (1 * 16 + 15) * 2 + 1.
+    assert_eq!(W4::MXFP4.group_scale_at(16, 128, 0, 15, 3), 63);
+    // INT4 g128 (a tile a group, 2 bytes): expert 2 of K = 256 (2 tiles), row 1, group 1:
+    // ((2 * 2 + 1) * 16 + 1) * 2.
+    assert_eq!(W4::INT4_G128.group_scale_at(16, 256, 2, 1, 1), 162);
+    // Every offset of an expert tensor is distinct and inside it.
+    for w in [W4::NVFP4, W4::MXFP4, W4::INT4_G128] {
+        let (e, n, k) = (3, 16, 512);
+        let sb = w.scale.bytes() as usize;
+        let mut seen = BTreeSet::new();
+        for x in 0..e {
+            for j in 0..n {
+                for q in 0..w.groups(k) {
+                    let at = w.group_scale_at(n, k, x, j, q);
+                    assert!(at + sb <= w.group_scale_bytes(e, n, k), "{w:?}");
+                    assert!(at % sb == 0 && seen.insert(at), "{w:?} {x} {j} {q}");
+                }
+            }
+        }
+        assert_eq!(seen.len() * sb, w.group_scale_bytes(e, n, k), "{w:?}");
+    }
 }
