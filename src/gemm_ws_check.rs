@@ -204,6 +204,19 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         ra(int4, OutTy::Bf16, 1, 64, 6),
         // Two decode consumers (128 weight rows) sharing one producer warp.
         ra(nvfp4, OutTy::Bf16, 2, 8, 8),
+        // Register-sourced A split along K (the two-consumer 8-token tile, and others).
+        WsConfig {
+            split_k: 2,
+            ..ra(nvfp4, OutTy::Bf16, 2, 8, 8)
+        },
+        WsConfig {
+            split_k: 3,
+            ..ra(i8, OutTy::F32, 2, 8, 8)
+        },
+        WsConfig {
+            split_k: 2,
+            ..ra(int4, OutTy::F32, 1, 16, 8)
+        },
         // INT4 with groups of 32 and 16 (bf16 scales: two a word, two words a row's k-tile).
         ra((int4_g(32), Scaling::PerExpert), OutTy::F32, 2, 8, 8),
         ra((int4_g(16), Scaling::PerExpert), OutTy::Bf16, 1, 16, 8),
@@ -226,6 +239,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (ra(nvfp4, OutTy::Bf16, 2, 128, 4), 1),
         (ra(nvfp4, OutTy::Bf16, 2, 8, 8), 1),
         (ra(i8, OutTy::Bf16, 2, 16, 8), 1),
+        (ra(mxfp4, OutTy::Bf16, 2, 8, 8), 2),
         (ra(i8, OutTy::Bf16, 1, 128, 4), 1),
         (ra(i8, OutTy::Bf16, 2, 256, 4), 1),
     ]

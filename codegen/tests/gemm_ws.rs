@@ -1346,6 +1346,13 @@ fn register_a_decode_has_a_two_consumer_producer_warp_form() {
                 }
             }
             assembles_clean(&text, &format!("d2_{tag}"));
+            // Split along K (served and GPU-checked, not a tuning candidate): the same form with
+            // the split reduction.
+            let split = WsConfig { split_k: 2, ..c };
+            let text = ws::grouped_ws_module("k", &split).unwrap();
+            check_structure(&split, &text);
+            assert!(text.contains("fence.acq_rel.gpu"), "{}", split.tag());
+            assembles_clean(&text, &format!("d2k2_{tag}"));
         }
     }
 }

@@ -70,6 +70,9 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         .chain(w4)
         .chain(wide)
         .filter(|&&(_, _, _, _, split_k)| split_k <= k.div_ceil(operands.bk()))
+        // Register-sourced A unsplit: the generator serves its split-K (the GEMM check covers it),
+        // but d2x8 split in two was never the tuner's choice on the H200 (run 62: NVFP4 at
+        // DeepSeek-V3 1 token 71.0 us against 56.6 unsplit).
         .filter(|&&(_, _, _, _, split_k)| !int8 || split_k == 1)
         .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
             operands,
@@ -145,7 +148,8 @@ mod tests {
         }
         // Int8 weights: the swapped (weights-on-A) form only (every token count runs it), unsplit.
         let all = candidates(Operands::I8Bf16, Scaling::PerRow, 4096, 7168);
-        // Four decode tiles, the wide one and the two-consumer prefill forms.
+        // Four decode tiles, the two-consumer decode ones, the wide one and the two-consumer
+        // prefill forms.
         assert_eq!(all.len(), 9);
         assert!(all
             .iter()

@@ -728,10 +728,8 @@ impl WsConfig {
             (Operands::I8Bf16, Scaling::PerRow) => {
                 // The register-A form: weights on A (one or two consumers' 64 rows each), no
                 // split-K.
-                if !self.swap_ab || self.split_k != 1 {
-                    return bad(
-                        "int8 weights need the swapped (weights-on-A) form with no split-K".into(),
-                    );
+                if !self.swap_ab {
+                    return bad("int8 weights need the swapped (weights-on-A) form".into());
                 }
                 // K a multiple of 16, as the GPU check covers it (the code rows are padded to 64
                 // bytes, `w_row_bytes`; X's rows of 2K bytes need K % 8 for TMA).
@@ -743,10 +741,8 @@ impl WsConfig {
                 }
             }
             (Operands::W4Bf16(w), Scaling::PerExpert) => {
-                if !self.swap_ab || self.split_k != 1 {
-                    return bad(
-                        "4-bit weights need the swapped (weights-on-A) form with no split-K".into(),
-                    );
+                if !self.swap_ab {
+                    return bad("4-bit weights need the swapped (weights-on-A) form".into());
                 }
                 // A k16 step lies inside one group; a k-tile holds whole groups or lies inside one.
                 let g = w.group;
@@ -1801,8 +1797,7 @@ fn split_reduce(
     let sk = i64::from(cfg.split_k);
     let workspace = k.global_param(PARAMS[8]);
     let counters = k.global_param(PARAMS[9]);
-    // The consumers' first thread (0 with a producer warp after the consumer, else 128; the
-    // register-A operands refuse split-K in any form).
+    // The consumers' first thread (0 with a producer warp after the consumers, else 128).
     let first = if cfg.producer_warp() { 0 } else { 128 };
     let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first));
     // The slot of (tile, split): ((tile_key * S + split) * P + ctid) * 4.
