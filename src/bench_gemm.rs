@@ -168,7 +168,7 @@ impl Recipe {
             Recipe::Nvfp4 => n * k / 2 + n * k.div_ceil(16) + 4,
             Recipe::Mxfp4 => n * k / 2 + n * k.div_ceil(32),
             // (Int8 rows are padded to 64 bytes, which the kernel streams too.)
-            Recipe::Int8Row => n * k.next_multiple_of(64) + 4 * n,
+            Recipe::Int8Row => n * self.family().0.w_row_bytes(k) + 4 * n,
             Recipe::Int4G128 => n * k / 2 + 2 * n * k.div_ceil(128),
         }
     }

@@ -655,7 +655,8 @@ fn check_structure(c: &WsConfig, text: &str) {
     // Threads: the producer warpgroup and the consumers.
     // (Register-sourced A with one consumer, or two with a decode tile of at most 32 tokens: the
     // consumers, then a producer warp.)
-    let warp = c.operands.register_a() && (c.consumers == 1 || (c.swap_ab && c.bn <= 32));
+    let warp = c.operands.register_a()
+        && (c.consumers == 1 || (c.swap_ab && c.bn <= ws::MAX_WARP_PRODUCER_BN));
     let threads = if warp {
         128 * c.consumers + 32
     } else {

@@ -96,15 +96,14 @@ impl<'a> KernelLaunch<'a> {
         let stream = self.dev.stream.cu_stream();
         // One pointer per parameter, to the caller's value or to this launch's copy of a
         // buffer's address (`addrs` is not touched again until the call returns).
+        // (One base pointer for all of them: `i` indexes `addrs`, as the argument was pushed.)
+        let base = self.addrs.as_mut_ptr();
         let mut ptrs: Vec<*mut c_void> = self
             .args
             .iter()
             .map(|a| match *a {
                 Arg::Val(p) => p,
-                Arg::Addr(i) => self
-                    .addrs
-                    .get_mut(i)
-                    .map_or(std::ptr::null_mut(), |v| (v as *mut u64).cast()),
+                Arg::Addr(i) => base.wrapping_add(i).cast(),
             })
             .collect();
         let params = ptrs.as_mut_ptr();

@@ -311,10 +311,13 @@ pub fn i8_kernel_place(x: usize) -> usize {
     64 * tile + 16 * c + 4 * s + h + 2 * hi
 }
 
+/// Bytes an int8 kernel-order row is padded to a multiple of (its order is per 64-deep k-tile).
+pub const I8_ROW_ALIGN: usize = 64;
+
 /// `rows` rows of `k` int8 codes stored row-major rewritten in the kernel's order
-/// ([`i8_kernel_place`]): rows of `k` rounded up to 64 bytes.
+/// ([`i8_kernel_place`]): rows of `k` rounded up to [`I8_ROW_ALIGN`] bytes.
 pub fn i8_kernel_order(row_major: &[u8], rows: usize, k: usize) -> Vec<u8> {
-    let kp = k.next_multiple_of(64);
+    let kp = k.next_multiple_of(I8_ROW_ALIGN);
     let places: Vec<usize> = (0..k).map(i8_kernel_place).collect();
     let mut out = vec![0u8; rows * kp];
     for r in 0..rows {
@@ -329,7 +332,7 @@ pub fn i8_kernel_order(row_major: &[u8], rows: usize, k: usize) -> Vec<u8> {
 
 /// The code of element `x` of row `r` of a kernel-order int8 operand of rows of `k` codes.
 pub fn i8_kernel_code(buf: &[u8], r: usize, x: usize, k: usize) -> u8 {
-    buf.get(r * k.next_multiple_of(64) + i8_kernel_place(x))
+    buf.get(r * k.next_multiple_of(I8_ROW_ALIGN) + i8_kernel_place(x))
         .copied()
         .unwrap_or(0)
 }

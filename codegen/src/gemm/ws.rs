@@ -238,7 +238,7 @@ impl Operands {
     /// rows padded to a multiple of 64 bytes.
     pub const fn w_row_bytes(self, k: u64) -> u64 {
         match self {
-            Operands::I8Bf16 => k.next_multiple_of(64),
+            Operands::I8Bf16 => k.next_multiple_of(super::reference::I8_ROW_ALIGN as u64),
             o => k * o.w_bits() as u64 / 8,
         }
     }
