@@ -103,6 +103,9 @@ pub enum Recipe {
     Int8Row,
     /// Weights-only group-wise INT4 (`int4_g128`): u4 codes, a bf16 scale per 128.
     Int4G128,
+    /// Weights-only asymmetric group-wise INT4 (the variant `int4_g128_zp`): u4 codes, a bf16
+    /// scale and a u4 zero point per 128.
+    Int4G128Zp,
 }
 
 impl Recipe {
@@ -118,7 +121,10 @@ impl Recipe {
         Recipe::Int4G128,
     ];
 
-    /// The standard recipe's name.
+    /// Recipes of the variants (`kernels::VARIANTS`): selected by name only.
+    pub const VARIANTS: [Recipe; 1] = [Recipe::Int4G128Zp];
+
+    /// The recipe's name (a standard recipe's, or a variant's).
     pub fn name(self) -> &'static str {
         match self {
             Recipe::Bf16 => "bf16",
@@ -128,14 +134,16 @@ impl Recipe {
             Recipe::Mxfp4 => "mxfp4",
             Recipe::Int8Row => "int8_per_row",
             Recipe::Int4G128 => "int4_g128",
+            Recipe::Int4G128Zp => "int4_g128_zp",
         }
     }
 
-    /// The recipe named `s`, if it is one of the seven.
+    /// The recipe named `s`, if it is one of the seven standard ones or a variant.
     pub fn from_name(s: &str) -> Option<Recipe> {
         Recipe::ALL
             .into_iter()
             .chain(Recipe::WEIGHTS_ONLY)
+            .chain(Recipe::VARIANTS)
             .find(|r| r.name() == s)
     }
 
@@ -155,6 +163,7 @@ impl Recipe {
             Recipe::Mxfp4 => (Operands::W4Bf16(W4::MXFP4), Scaling::PerExpert),
             Recipe::Int8Row => (Operands::I8Bf16, Scaling::PerRow),
             Recipe::Int4G128 => (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
+            Recipe::Int4G128Zp => (Operands::W4Bf16(W4::INT4_G128_ZP), Scaling::PerExpert),
         }
     }
 
@@ -170,6 +179,8 @@ impl Recipe {
             // (Int8 rows are padded to 64 bytes, which the kernel streams too.)
             Recipe::Int8Row => n * self.family().0.w_row_bytes(k) + 4 * n,
             Recipe::Int4G128 => n * k / 2 + 2 * n * k.div_ceil(128),
+            // (The kernel's scale element carries the zero point: 4 bytes a group.)
+            Recipe::Int4G128Zp => n * k / 2 + 4 * n * k.div_ceil(128),
         }
     }
 
@@ -350,7 +361,7 @@ impl Selection {
                 for name in list.split(',').map(str::trim) {
                     let r = Recipe::from_name(name).ok_or_else(|| {
                         Error::Usage(format!(
-                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, or all, or weights_only)"
+                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, int4_g128_zp, or all, or weights_only)"
                         ))
                     })?;
                     if !v.contains(&r) {

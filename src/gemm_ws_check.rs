@@ -125,9 +125,14 @@ pub(crate) fn cases(rng: &mut Rng, quick: bool) -> Vec<Case> {
 
 /// Symmetric INT4 with bf16 scales per `group`.
 fn int4_g(group: u32) -> Operands {
+    int4_as(GroupScale::Bf16, group)
+}
+
+/// INT4 with `scale` elements (bf16, or bf16 and zero points) per `group`.
+fn int4_as(scale: GroupScale, group: u32) -> Operands {
     Operands::W4Bf16(W4 {
         codes: crate::codegen::gemm::ws::W4Codes::U4,
-        scale: GroupScale::Bf16,
+        scale,
         group,
     })
 }
@@ -153,6 +158,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
     // The register-A families and a variant of one (weights on A: always the swapped form).
     let i8 = (Operands::I8Bf16, Scaling::PerRow);
     let [nvfp4, mxfp4, int4] = W4_FORMATS.map(|o| (o, Scaling::PerExpert));
+    let int4z = (int4_as(GroupScale::Bf16Zero, 128), Scaling::PerExpert);
     let ra = |(o, sc): (Operands, Scaling), out, consumers, bn, stages| {
         v(o, sc, out, consumers, bn, stages, true)
     };
@@ -223,6 +229,27 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         ra(mxfp4, OutTy::Bf16, 2, 16, 8),
         ra(int4, OutTy::F32, 2, 8, 8),
         ra(i8, OutTy::F32, 2, 16, 8),
+        // Asymmetric INT4 (zero points) with groups of 128, 64 and 32: decode, split-K, prefill.
+        ra(int4z, OutTy::Bf16, 2, 8, 8),
+        ra(
+            (int4_as(GroupScale::Bf16Zero, 64), Scaling::PerExpert),
+            OutTy::F32,
+            1,
+            16,
+            8,
+        ),
+        ra(
+            (int4_as(GroupScale::Bf16Zero, 32), Scaling::PerExpert),
+            OutTy::Bf16,
+            2,
+            16,
+            8,
+        ),
+        WsConfig {
+            split_k: 2,
+            ..ra(int4z, OutTy::F32, 1, 8, 8)
+        },
+        ra(int4z, OutTy::Bf16, 2, 256, 4),
     ];
     // The fused SiLU epilogue (the layer's first GEMM): prefill and decode, split-K, every family.
     let silu = [
@@ -240,6 +267,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (ra(nvfp4, OutTy::Bf16, 2, 8, 8), 1),
         (ra(i8, OutTy::Bf16, 2, 16, 8), 1),
         (ra(mxfp4, OutTy::Bf16, 2, 8, 8), 2),
+        (ra(int4z, OutTy::Bf16, 2, 8, 8), 1),
         (ra(i8, OutTy::Bf16, 1, 128, 4), 1),
         (ra(i8, OutTy::Bf16, 2, 256, 4), 1),
     ]
@@ -271,7 +299,7 @@ pub(crate) const W4_FORMATS: [Operands; 3] = [
 
 /// Random group scales of a 4-bit format, `len` bytes (`W4::group_scale_at`'s order): E4M3 of either sign with
 /// subnormals and zero (NaN excluded), E8M0 in `[100, 128]` (with zeros), positive bf16 in
-/// `[2^-9, 2^-1)`.
+/// `[2^-9, 2^-1)` (with a zero point in `0..=15` each for asymmetric INT4).
 fn group_scales(rng: &mut Rng, w: W4, len: usize) -> Vec<u8> {
     match w.scale {
         GroupScale::E4m3 => (0..len).map(|_| e4m3_code(rng)).collect(),
@@ -284,13 +312,23 @@ fn group_scales(rng: &mut Rng, w: W4, len: usize) -> Vec<u8> {
                 }
             })
             .collect(),
-        GroupScale::Bf16 => (0..len)
+        GroupScale::Bf16 => (0..len / 2).flat_map(|_| bf16_scale(rng)).collect(),
+        // A scale and a zero point in 0..=15 per element.
+        GroupScale::Bf16Zero => (0..len / 4)
             .flat_map(|_| {
-                let v = (2f32).powf(-9.0 + 8.0 * (rng.below(1 << 20) as f32 / (1 << 20) as f32));
-                reference::bf16_from_f32(v).to_le_bytes()
+                let z = GroupScale::zero_point_bits(rng.below(16) as u8);
+                let [a, b] = bf16_scale(rng);
+                let [c, d] = z.to_le_bytes();
+                [a, b, c, d]
             })
             .collect(),
     }
+}
+
+/// A random positive bf16 scale in `[2^-9, 2^-1)`, little-endian.
+fn bf16_scale(rng: &mut Rng) -> [u8; 2] {
+    let v = (2f32).powf(-9.0 + 8.0 * (rng.below(1 << 20) as f32 / (1 << 20) as f32));
+    reference::bf16_from_f32(v).to_le_bytes()
 }
 
 /// A random e4m3 code that is not NaN (`0x7f`, `0xff`).
@@ -423,7 +461,6 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                         }
                         (Operands::W4Bf16(w4), _) => {
                             let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
-                            let sb = w4.scale.bytes() as usize;
                             Ok((0..n)
                                 .map(|j| {
                                     let dot: f64 = xs
@@ -444,14 +481,9 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                                 j,
                                                 kk / w4.group as usize,
                                             );
-                                            let sc = if sb == 2 {
-                                                u16::from_le_bytes([
-                                                    op.group_scales[at],
-                                                    op.group_scales[at + 1],
-                                                ])
-                                            } else {
-                                                u16::from(op.group_scales[at])
-                                            };
+                                            let sc = w4
+                                                .group_scale_element(&op.group_scales, at)
+                                                .unwrap_or(u32::MAX);
                                             reference::w4_weight(w4, code, sc) * x
                                         })
                                         .sum();

@@ -53,6 +53,9 @@ pub(crate) struct Dims {
 const DIMS: Dims = Dims { e: E, h: H, i: I };
 /// The 4-bit recipes' layer (I a multiple of 128).
 const DIMS4: Dims = Dims { e: E, h: H, i: 384 };
+/// The asymmetric INT4 recipe's layer (its zero points pack two groups of 128 a byte: I a
+/// multiple of 256).
+const DIMS4Z: Dims = Dims { e: E, h: H, i: 512 };
 
 type Tensor = (Dtype, Vec<usize>, Vec<u8>);
 
@@ -345,6 +348,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("nvfp4_cutedsl", false),
         ("mxfp4", false),
         ("int4_g128", false),
+        // Asymmetric INT4 (a u4 zero point per group; a variant, not a standard recipe).
+        ("int4_g128_zp", false),
     ];
     let cases: [(usize, usize, Routing); 5] = [
         (1, 8, Routing::Uniform),
@@ -373,10 +378,10 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
     for (ri, (recipe, scales)) in recipes.iter().enumerate() {
         let ck = d.join(format!("ckpt{ri}.safetensors"));
         // The 4-bit recipes bind I as a multiple of 128 (their groups, nvfp4_cutedsl's interleave).
-        let dims = if matches!(*recipe, "nvfp4_cutedsl" | "mxfp4" | "int4_g128") {
-            DIMS4
-        } else {
-            DIMS
+        let dims = match *recipe {
+            "nvfp4_cutedsl" | "mxfp4" | "int4_g128" => DIMS4,
+            "int4_g128_zp" => DIMS4Z,
+            _ => DIMS,
         };
         checkpoint(&mut rng, &ck, *scales, dims)?;
         let packed = d.join(format!("{recipe}{ri}.safetensors"));
@@ -424,7 +429,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             // bf16 activations all the way: the act and the output compare with the host's too.
             let bf16_feed = matches!(
                 *recipe,
-                "bf16" | "int8_per_row" | "nvfp4_cutedsl" | "mxfp4" | "int4_g128"
+                "bf16" | "int8_per_row" | "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int4_g128_zp"
             );
             for (name, bound) in [
                 ("w13_out", Some(2e-3)),

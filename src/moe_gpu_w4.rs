@@ -8,7 +8,8 @@
 //!   word pair; INT4's pairs of elements at nibbles `3 - p` and `7 - p`, E2M1's bits spread over
 //!   the word so that a pair converts with one or two masks), K a multiple of 64;
 //! * group scales `[slots, scale tiles, N, groups per k-tile]` (`W4::group_scale_at`) (one k-tile's
-//!   scales of a row are one aligned load, a tile's rows one TMA box), as the recipe stores each (E4M3, E8M0 or bf16 bits), every element of a
+//!   scales of a row are one aligned load, a tile's rows one TMA box), as the recipe stores each (E4M3, E8M0 or bf16 bits;
+//!   asymmetric INT4: bf16 bits and bf16 `-(128 + z)` in the high half, `GroupScale::Bf16Zero`), every element of a
 //!   group carrying the same (checked);
 //! * one f32 factor per slot for the accumulator: NVFP4's decode scale times `2^8` (the kernel
 //!   forms E4M3 scales times `2^118`, so its products are `2^-8` of the weights'), MXFP4's `2^c`
@@ -18,7 +19,8 @@
 //! Exactness: `code * scale` is exact in bf16 for E2M1 with E4M3 or E8M0 (at most 2 + 4
 //! significant bits, normal range), so NVFP4 and MXFP4 layers accumulate the same products as the
 //! f64 reference; INT4's `(q - 8) * s` (up to 4 + 8 significant bits) is rounded once to bf16, a
-//! relative error of at most 2^-8 (bf16's unit roundoff) per weight (README, "Group-wise INT4").
+//! relative error of at most 2^-8 (bf16's unit roundoff) per weight (README, "Group-wise INT4");
+//! asymmetric INT4's `(q - z) * s` likewise (`q - z` exact in bf16).
 
 use crate::codegen::gemm::ws::{GroupScale, Operands, W4Codes, W4};
 use crate::dequant::Logical;
@@ -43,29 +45,30 @@ pub(crate) fn format(scheme: QuantScheme) -> Result<W4, String> {
         QuantScheme::Mxfp4 => Ok(W4::MXFP4),
         QuantScheme::Int4 {
             group,
-            zero_point: false,
+            zero_point,
             scale,
         } => {
+            // Zero points ride with their scales, a row's k-tile one 4- or 8-byte load.
+            let least = if zero_point { 32 } else { 16 };
             let g = u32::try_from(group)
                 .ok()
-                .filter(|g| *g >= 16 && g.is_power_of_two());
+                .filter(|g| *g >= least && g.is_power_of_two());
             match (g, scale) {
                 (Some(group), DType::Bf16 | DType::F16 | DType::F32) => Ok(W4 {
                     codes: W4Codes::U4,
-                    scale: GroupScale::Bf16,
+                    scale: if zero_point {
+                        GroupScale::Bf16Zero
+                    } else {
+                        GroupScale::Bf16
+                    },
                     group,
                 }),
                 _ => Err(format!(
-                    "group-wise INT4 with groups of {group}: the GPU GEMM takes groups of a power of two, at least 16"
+                    "{} group-wise INT4 with groups of {group}: the GPU GEMM takes groups of a power of two, at least {least}",
+                    if zero_point { "asymmetric" } else { "symmetric" }
                 )),
             }
         }
-        QuantScheme::Int4 {
-            zero_point: true, ..
-        } => Err(
-            "asymmetric group-wise INT4 (zero points): the GPU GEMM takes symmetric INT4 only"
-                .into(),
-        ),
         other => Err(format!("{} is not a 4-bit scheme", other.name())),
     }
 }
@@ -176,27 +179,38 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
                 }
                 *factor = 2f32.powi(c as i32);
             }
-            GroupScale::Bf16 => {
+            GroupScale::Bf16 | GroupScale::Bf16Zero => {
                 let QuantScheme::Int4 { scale, .. } = scheme else {
                     return Err("bf16 group scales come from INT4 only".into());
                 };
-                for b in bits.iter_mut() {
+                for (i, b) in bits.iter_mut().enumerate() {
                     *b = u32::from(int4_scale_bf16(scale, *b).ok_or_else(|| {
                         format!(
                             "slot {e}: an INT4 scale stored as {scale:?} that bf16 does not hold"
                         )
                     })?);
+                    if w.scale == GroupScale::Bf16Zero {
+                        // The group's zero point (shared by its elements, as its scale is).
+                        let (j, q) = (i / groups, i % groups);
+                        let at = (e * n + j) * k + q * g;
+                        let zs = l.zeros.get(at..at + g.min(k - q * g)).ok_or_else(|| {
+                            format!("slot {e}, row {j}: no zero points for scale group {q}")
+                        })?;
+                        if zs.iter().any(|&z| z != zs[0] || z > 15) {
+                            return Err(format!(
+                                "slot {e}, row {j}: the elements of scale group {q} do not share one u4 zero point"
+                            ));
+                        }
+                        *b |= u32::from(GroupScale::zero_point_bits(zs[0] as u8)) << 16;
+                    }
                 }
             }
         }
         for j in 0..n {
             for q in 0..groups {
                 let at = w.group_scale_at(n, k, e, j, q);
-                let b = bits[j * groups + q];
-                group_scales[at] = b as u8;
-                if sb == 2 {
-                    group_scales[at + 1] = (b >> 8) as u8;
-                }
+                let b = bits[j * groups + q].to_le_bytes();
+                group_scales[at..at + sb].copy_from_slice(&b[..sb]);
             }
         }
     }
@@ -246,8 +260,9 @@ mod tests {
             panic!("a 4-bit operand")
         };
         let code = crate::codegen::gemm::reference::w4_kernel_code(w.codes, &o.codes, j, x, k);
-        let s = o.group_scales[w.group_scale_at(n, k, 0, j, x / w.group as usize)];
-        w4_weight(w, code, u16::from(s)) * f64::from(o.factors[0])
+        let at = w.group_scale_at(n, k, 0, j, x / w.group as usize);
+        let s = w.group_scale_element(&o.group_scales, at).unwrap();
+        w4_weight(w, code, s) * f64::from(o.factors[0])
     }
 
     /// E8M0 bytes past 128 (weights of magnitude 8 and more) are lowered by the expert's largest
@@ -298,6 +313,59 @@ mod tests {
         let mut short = mxfp4(n, k, |_, _| 1, |_, _| 127);
         short.codes.pop();
         assert!(operand(&short).is_err());
+    }
+
+    /// Asymmetric INT4 (zero points, groups of 32): every weight of the operand is `(q - z) * s`
+    /// rounded once to bf16, the group's zero point riding in its scale element's high half; a
+    /// group whose elements disagree on the zero point, groups of 16, and zero points missing
+    /// are refused by name.
+    #[test]
+    fn asymmetric_int4_weights_are_code_minus_zero_times_scale() {
+        use crate::codegen::gemm::reference::{bf16_from_f32, bf16_to_f32};
+        let (n, k, g) = (8usize, 128usize, 32usize);
+        let scheme = |group| QuantScheme::Int4 {
+            group,
+            zero_point: true,
+            scale: DType::Bf16,
+        };
+        let scale = |j: usize, q: usize| u32::from(bf16_from_f32(0.01 * (1 + j + 3 * q) as f32));
+        let zero = |j: usize, q: usize| ((5 * j + q) % 16) as u32;
+        let mut l = Logical {
+            scheme: Some(scheme(g as i64)),
+            dtype: DType::U4,
+            shape: (1, n, k),
+            codes: (0..n * k).map(|i| ((i * 7) % 16) as u32).collect(),
+            scales: (0..n * k).map(|i| scale(i / k, i % k / g)).collect(),
+            decode: Vec::new(),
+            zeros: (0..n * k).map(|i| zero(i / k, i % k / g)).collect(),
+        };
+        let o = operand(&l).unwrap();
+        assert_eq!(
+            o.operands,
+            Operands::W4Bf16(W4 {
+                codes: W4Codes::U4,
+                scale: GroupScale::Bf16Zero,
+                group: 32
+            })
+        );
+        for j in 0..n {
+            for x in 0..k {
+                let (q, z) = (l.codes[j * k + x] as f32, zero(j, x / g) as f32);
+                let s = bf16_to_f32(scale(j, x / g) as u16);
+                let want = f64::from(bf16_to_f32(bf16_from_f32((q - z) * s)));
+                assert_eq!(weight(&o, n, k, j, x), want, "{j} {x}");
+            }
+        }
+        l.zeros[40] ^= 1;
+        let err = operand(&l).err().unwrap();
+        assert!(err.contains("one u4 zero point"), "{err}");
+        l.zeros.clear();
+        assert!(operand(&l).err().unwrap().contains("no zero points"));
+        let err = format(scheme(16)).err().unwrap();
+        assert!(
+            err.contains("asymmetric") && err.contains("at least 32"),
+            "{err}"
+        );
     }
 
     /// INT4 scales stored as f16 or f32 take bf16 where it holds them exactly, and are refused

@@ -20,8 +20,8 @@ use moeforge::dsl::ir::QuantScheme;
 use safetensors::tensor::Dtype;
 
 const E: usize = 4;
-const H: usize = 128;
-const I: usize = 128; // a multiple of int4_g128's groups
+const H: usize = 256;
+const I: usize = 256; // a multiple of two int4_g128 groups (int4_g128_zp packs two zero points a byte)
 const LAYER: usize = 1;
 const T: usize = 5;
 const K: usize = 2;
@@ -160,10 +160,13 @@ fn dequantized(
                 }
                 Some(QuantScheme::Int8Row) => (c as u8 as i8) as f64 * f32::from_bits(s) as f64,
                 Some(QuantScheme::Int4 {
-                    zero_point: false,
+                    zero_point,
                     scale: moeforge::dsl::ir::DType::Bf16,
                     ..
-                }) => (c as f64 - 8.0) * gr::bf16_to_f32(s as u16) as f64,
+                }) => {
+                    let z = if zero_point { l.zeros[at] as f64 } else { 8.0 };
+                    (c as f64 - z) * gr::bf16_to_f32(s as u16) as f64
+                }
                 Some(other) => panic!("scheme {other:?} not decoded by the test"),
             }
         })
@@ -273,7 +276,10 @@ fn every_recipe_matches_the_f64_evaluation_and_is_deterministic() {
     for scales in [true, false] {
         let ck = d.join(format!("ckpt{scales}.safetensors"));
         checkpoint(&ck, &(0..E).collect::<Vec<_>>(), scales);
-        for recipe in moeforge::kernels::STANDARD {
+        for recipe in moeforge::kernels::STANDARD
+            .iter()
+            .chain(moeforge::kernels::VARIANTS)
+        {
             let name = recipe.name;
             if !scales && name != "fp8_per_tensor" {
                 continue; // only fp8_per_tensor reads the activation scales
@@ -705,9 +711,10 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
     assert_eq!(names, ["output"]);
 }
 
-/// The GPU layer's operands (`moe_gpu::operands`, host code): for every standard recipe, code
-/// times scale (times the slot's factor, for 4-bit weights) in the GEMM's layout equals the weights
-/// read back in f64 (INT4: within bf16's rounding of `(q - 8) * s`), the stored bytes are used as
+/// The GPU layer's operands (`moe_gpu::operands`, host code): for every standard recipe and the
+/// variants, code times scale (times the slot's factor, for 4-bit weights) in the GEMM's layout
+/// equals the weights read back in f64 (INT4: within bf16's rounding of `(q - 8) * s`, asymmetric
+/// INT4 of `(q - z) * s`), the stored bytes are used as
 /// they are where the recipe stores the input's order, and the feeds follow the declaration.
 #[test]
 fn gpu_operands_equal_the_dequantized_weights() {
@@ -738,13 +745,8 @@ fn gpu_operands_equal_the_dequantized_weights() {
             (Operands::W4Bf16(w), _) => {
                 // Codes [E, N, K / 2], group scales in the kernel's order, a factor per slot.
                 let code = gr::w4_kernel_code(w.codes, &g.codes, e * n + row, col, k);
-                let sb = w.scale.bytes() as usize;
                 let s = w.group_scale_at(n, k, e, row, col / w.group as usize);
-                let bits = if sb == 2 {
-                    u16::from_le_bytes([g.group_scales[s], g.group_scales[s + 1]])
-                } else {
-                    u16::from(g.group_scales[s])
-                };
+                let bits = w.group_scale_element(&g.group_scales, s).unwrap();
                 gr::w4_weight(w, code, bits) * f64::from(g.scales[e])
             }
         }
@@ -752,7 +754,10 @@ fn gpu_operands_equal_the_dequantized_weights() {
     for scales in [true, false] {
         let ck = d.join(format!("ckpt{scales}.safetensors"));
         checkpoint(&ck, &(0..E).collect::<Vec<_>>(), scales);
-        for recipe in moeforge::kernels::STANDARD {
+        for recipe in moeforge::kernels::STANDARD
+            .iter()
+            .chain(moeforge::kernels::VARIANTS)
+        {
             let name = recipe.name;
             let packed = d.join(format!("{name}{scales}.safetensors"));
             pack(recipe.path, &ck, &packed);
@@ -780,14 +785,14 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     g.relayout,
                     matches!(
                         name,
-                        "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_per_row"
+                        "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int4_g128_zp" | "int8_per_row"
                     ),
                     "{name} {input}"
                 );
                 let want = dequantized(&info, input, &params);
                 let have: Vec<f64> = (0..want.len()).map(|at| value(g, at)).collect();
-                if name == "int4_g128" {
-                    // `(q - 8) * s` rounded once to bf16: within 2^-8 (bf16's unit roundoff)
+                if name.starts_with("int4_g128") {
+                    // `(q - z) * s` rounded once to bf16: within 2^-8 (bf16's unit roundoff)
                     // of each weight, and not all of them exact.
                     for (at, (h, w)) in have.iter().zip(&want).enumerate() {
                         assert!(

@@ -32,7 +32,7 @@ const MODELS: [(&str, &str); 2] = [
 
 /// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
 /// (tensorwise and 128x128 block scales) at the first.
-const GOLDENS: [(&str, &str, &str); 8] = [
+const GOLDENS: [(&str, &str, &str); 9] = [
     ("bf16", MODELS[0].0, MODELS[0].1),
     ("bf16", MODELS[1].0, MODELS[1].1),
     ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
@@ -43,6 +43,8 @@ const GOLDENS: [(&str, &str, &str); 8] = [
     ("nvfp4_cutedsl", MODELS[0].0, MODELS[0].1),
     ("mxfp4", MODELS[0].0, MODELS[0].1),
     ("int4_g128", MODELS[0].0, MODELS[0].1),
+    // Asymmetric INT4 (the variant recipe): a zero point in each group's scale element.
+    ("int4_g128_zp", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -445,6 +447,7 @@ fn the_sass_of_the_weights_only_variants_holds_register_a_hgmma() {
         ("nvfp4_cutedsl", "f4eg16x_"),
         ("mxfp4", "f4mg32x_"),
         ("int4_g128", "u4bg128x_"),
+        ("int4_g128_zp", "u4zg128x_"),
     ] {
         register_a_sass(recipe, prefix);
     }

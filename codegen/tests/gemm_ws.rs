@@ -1223,6 +1223,29 @@ fn four_bit_weights_feed_register_a_and_assemble() {
         ),
         (
             WsConfig {
+                operands: Operands::W4Bf16(W4 {
+                    codes: W4Codes::E2m1,
+                    scale: GroupScale::Bf16Zero,
+                    group: 32,
+                }),
+                ..ok
+            },
+            "INT4 bf16",
+        ),
+        // Zero points ride with their scales: at least 32 a group (one 4- or 8-byte load).
+        (
+            WsConfig {
+                operands: Operands::W4Bf16(W4 {
+                    codes: W4Codes::U4,
+                    scale: GroupScale::Bf16Zero,
+                    group: 16,
+                }),
+                ..ok
+            },
+            "at least 32",
+        ),
+        (
+            WsConfig {
                 scaling: Scaling::PerRow,
                 ..ok
             },
@@ -1301,7 +1324,8 @@ fn int8_weights_feed_register_a_and_assemble() {
 /// Two register-A decode consumers behind one producer warp (`d2x8`, `d2x16`): 288 threads, no
 /// `setmaxnreg`, the second consumer's rows 64 further (its scales at `64 * scale_tile_bytes`
 /// more), and clean ptxas output, for int8 and every 4-bit format (INT4 also with groups of 16 and
-/// 32, whose bf16 scales take two words or two halves of one a row).
+/// 32, whose bf16 scales take two words or two halves of one a row, and asymmetric INT4 with
+/// groups of 128 and 32, a zero point in each scale's word).
 #[test]
 fn register_a_decode_has_a_two_consumer_producer_warp_form() {
     use ws::{GroupScale, W4Codes, W4};
@@ -1319,6 +1343,14 @@ fn register_a_decode_has_a_two_consumer_producer_warp_form() {
         (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
         (int4(32), Scaling::PerExpert),
         (int4(16), Scaling::PerExpert),
+        (Operands::W4Bf16(W4::INT4_G128_ZP), Scaling::PerExpert),
+        (
+            Operands::W4Bf16(W4 {
+                group: 32,
+                ..W4::INT4_G128_ZP
+            }),
+            Scaling::PerExpert,
+        ),
     ] {
         for bn in [8, 16] {
             let c = WsConfig {
@@ -1345,6 +1377,19 @@ fn register_a_decode_has_a_two_consumer_producer_warp_form() {
                 if w.scale == GroupScale::Bf16 && w.groups_per_ktile() >= 2 {
                     assert!(text.contains(", 0x7632;"), "{tag}");
                 }
+                // Zero points: each group's offset from its row's word (no gathering prmt, no
+                // constant -136), one bf16x2 add a pair.
+                if w.scale == GroupScale::Bf16Zero {
+                    assert!(
+                        !text.contains("prmt.b32") && !text.contains("3272131336"),
+                        "{tag}"
+                    );
+                    assert_eq!(
+                        text.matches("add.rn.bf16x2").count(),
+                        text.matches("mul.rn.bf16x2").count(),
+                        "{tag}"
+                    );
+                }
             }
             assembles_clean(&text, &format!("d2_{tag}"));
             // Split along K (served and GPU-checked, not a tuning candidate): the same form with
@@ -1366,6 +1411,7 @@ fn register_a_weights_have_a_two_consumer_prefill_form() {
         (Operands::W4Bf16(W4::NVFP4), Scaling::PerExpert),
         (Operands::W4Bf16(W4::MXFP4), Scaling::PerExpert),
         (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
+        (Operands::W4Bf16(W4::INT4_G128_ZP), Scaling::PerExpert),
     ];
     for (operands, scaling) in fams {
         for (bn, epilogue, out) in [

@@ -70,12 +70,27 @@ pub const PREQUANT: &[StandardRecipe] = &[
     prequant!("fp8_modelopt"),
 ];
 
-/// A standard recipe, a layout example or a pre-quantized recipe by name.
+macro_rules! variant {
+    ($name:literal) => {
+        StandardRecipe {
+            name: $name,
+            path: concat!("kernels/variants/", $name, ".recipe"),
+            source: include_str!(concat!("../variants/", $name, ".recipe")),
+        }
+    };
+}
+
+/// Recipes of quantization options the standard recipes do not take (asymmetric INT4 with zero
+/// points): what the layer's tests and `selftest --gpu --moe` run besides the standard ones.
+pub const VARIANTS: &[StandardRecipe] = &[variant!("int4_g128_zp")];
+
+/// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.
 pub fn find(name: &str) -> Option<&'static StandardRecipe> {
     STANDARD
         .iter()
         .chain(LAYOUTS)
         .chain(PREQUANT)
+        .chain(VARIANTS)
         .find(|r| r.name == name)
 }
 

@@ -624,6 +624,14 @@ mod tests {
                 }),
                 Scaling::PerExpert,
             ),
+            (
+                Operands::W4Bf16(W4 {
+                    codes: W4Codes::U4,
+                    scale: GroupScale::Bf16Zero,
+                    group: 64,
+                }),
+                Scaling::PerExpert,
+            ),
         ] {
             let k = TuneKey {
                 operands,

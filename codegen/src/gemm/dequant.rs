@@ -290,7 +290,7 @@ fn w4_quad_scales(
 /// scale sign-extended, or bf16).
 fn scale_factor(k: &mut K, scale: GroupScale, z: Reg) -> Reg {
     match scale {
-        GroupScale::Bf16 => z,
+        GroupScale::Bf16 | GroupScale::Bf16Zero => z,
         GroupScale::E4m3 => {
             // z: each half the byte `x` sign-extended. Shifted left by 4 (a multiplication,
             // IMAD) and masked (one LOP3), the E4M3 bits sit as bf16's (sign at 15 from the
@@ -335,7 +335,8 @@ fn scale_factor(k: &mut K, scale: GroupScale, z: Reg) -> Reg {
 ///   `code * scale` (exact: at most 2 + 4 significant bits), or `2^-8` of it for E4M3 scales
 ///   ([`GroupScale::E4m3`]);
 /// * U4: the word shifted right by `4 (3 - p)` puts them at bits 3..0 and 19..16, the mantissa of
-///   bf16 128 (`0x4300 | q`); plus -136 (exact: `q - 8`), times the bf16 scale (rounded once).
+///   bf16 128 (`0x4300 | q`); plus -136 (exact: `q - 8`), or with zero points the group's bf16
+///   `-(128 + z)` (exact: `q - z`, [`GroupScale::Bf16Zero`]), times the bf16 scale (rounded once).
 fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
     let at = k.bin(BinOpcode::Add, PtxTy::U32, a, Operand::Reg(fr.row));
     // words[h][w]: word w of the thread's bytes of row r + 8 h.
@@ -350,40 +351,53 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
     });
     let scale_words = w4_scale_words(k, fr, scales);
     let quad = fr.quad.map(|q| w4_quad_scales(k, fr, scale_words, q));
-    let mut cache: Vec<(u32, [Reg; 2])> = Vec::new();
-    // bf16x2 -136, the U4 codes' offset (128 + 8).
-    let neg136 = match fr.w.codes {
-        W4Codes::E2m1 => None,
-        W4Codes::U4 => Some(k.imm(0xC308_C308)),
+    // Per group of the k-tile: each row's scale and, for U4, the codes' offset (bf16 -(128 + z)).
+    let mut cache: Vec<(u32, [Reg; 2], Option<[Reg; 2]>)> = Vec::new();
+    // bf16x2 -136, the symmetric U4 codes' offset (128 + 8).
+    let neg136 = match (fr.w.codes, fr.w.scale) {
+        (W4Codes::U4, GroupScale::Bf16) => Some(k.imm(0xC308_C308)),
+        _ => None,
+    };
+    let broadcast = |k: &mut K, a: Reg, high: bool| {
+        let d = k.b.reg(RegClass::B32);
+        k.b.push(Inst::HalfBroadcast { d, a, high });
+        d
     };
     let mut out = Vec::with_capacity(4);
     for step in 0..4u32 {
         let gi = 16 * step / fr.w.group.min(64);
-        let sc = match cache.iter().find(|(g, _)| *g == gi) {
-            Some((_, s)) => *s,
+        let (sc, offset) = match cache.iter().find(|(g, _, _)| *g == gi) {
+            Some((_, s, o)) => (*s, *o),
             None => {
-                let both = match quad {
-                    Some(q) => q[gi as usize],
-                    None => w4_scales(k, fr, scale_words, gi),
+                let (s, o) = if fr.w.scale == GroupScale::Bf16Zero {
+                    // A row's element is one word (scale low, offset high): each half
+                    // broadcast, no gathering `prmt`.
+                    let rows = [scale_words[0][gi as usize], scale_words[1][gi as usize]];
+                    (
+                        rows.map(|w| broadcast(k, w, false)),
+                        Some(rows.map(|w| broadcast(k, w, true))),
+                    )
+                } else {
+                    let both = match quad {
+                        Some(q) => q[gi as usize],
+                        None => w4_scales(k, fr, scale_words, gi),
+                    };
+                    // Each row's scale in both halves (the pair (K, K + 1) shares it): a half
+                    // broadcast, which ptxas folds into the multiply's `.H0_H0` / `.H1_H1`
+                    // operand (with `prmt` it issued 8 PRMTs a k-tile of NVFP4's d1x8 variant).
+                    let s = [false, true].map(|high| broadcast(k, both, high));
+                    (s, neg136.map(|c| [c; 2]))
                 };
-                // Each row's scale in both halves (the pair (K, K + 1) shares it): a half
-                // broadcast, which ptxas folds into the multiply's `.H0_H0` / `.H1_H1` operand
-                // (with `prmt` it issued 8 PRMTs a k-tile of NVFP4's d1x8 variant).
-                let s = [false, true].map(|high| {
-                    let d = k.b.reg(RegClass::B32);
-                    k.b.push(Inst::HalfBroadcast { d, a: both, high });
-                    d
-                });
-                cache.push((gi, s));
-                s
+                cache.push((gi, s, o));
+                (s, o)
             }
         };
         let mut regs = [at; 4];
         for (j, slot) in regs.iter_mut().enumerate() {
             let q = words[j & 1][(step / 2) as usize];
             let p = 2 * (step % 2) + (j as u32 >> 1);
-            let v = match (fr.w.codes, neg136) {
-                (W4Codes::U4, Some(c136)) => {
+            let v = match (fr.w.codes, offset) {
+                (W4Codes::U4, Some(off)) => {
                     // `q >> 4 (3 - p)` (a shift on the ALU: INT4's k-loop, two bf16x2
                     // operations a pair, is FMA-pipe heavy; as `mul.hi` it was 5-8% slower,
                     // run 53), then `(t & 0x000F000F) | 0x43004300` as one LOP3.
@@ -405,7 +419,7 @@ fn w4_a_regs(k: &mut K, fr: &W4Frag, a: Reg, scales: Reg) -> Vec<[Reg; 4]> {
                         c: Operand::Int(0x4300_4300),
                         lut: LUT_A_AND_B_OR_C,
                     });
-                    k.bin(BinOpcode::AddRn, PtxTy::Bf16x2, y, Operand::Reg(c136))
+                    k.bin(BinOpcode::AddRn, PtxTy::Bf16x2, y, Operand::Reg(off[j & 1]))
                 }
                 _ => e2m1_pair(k, q, p),
             };
@@ -427,6 +441,8 @@ const SCALE_SEL_BYTES: i64 = 0xC480;
 const fn scale_selector(scale: GroupScale, gi: u32) -> i64 {
     match scale {
         GroupScale::Bf16 => 0x5410 + 0x2222 * (gi % 2) as i64,
+        // (One element a word: the scales are the low halves.)
+        GroupScale::Bf16Zero => 0x5410,
         GroupScale::E4m3 | GroupScale::E8m0 => SCALE_SEL_BYTES + 0x1111 * (gi % 4) as i64,
     }
 }
@@ -587,6 +603,13 @@ mod tests {
                             let m = |i: u32| u32::from(mul_bf16(h(x, i), h(y, i)));
                             m(0) | m(1) << 16
                         }
+                        (B::AddRn, T::Bf16x2) => {
+                            use crate::gemm::reference::{bf16_from_f32, bf16_to_f32};
+                            let h = |v: u32, i: u32| bf16_to_f32((v >> (16 * i)) as u16);
+                            // (Two bf16 of the codes' range: their f32 sum is exact.)
+                            let a = |i: u32| u32::from(bf16_from_f32(h(x, i) + h(y, i)));
+                            a(0) | a(1) << 16
+                        }
                         other => panic!("not interpreted: {other:?}"),
                     };
                     (*d, v)
@@ -606,6 +629,14 @@ mod tests {
                     (*d, shared[&(a & !3)] >> (8 * (a & 3)) & mask)
                 }
                 Inst::PrmtR { d, a, b, sel } => (*d, prmt(regs[a], regs[b], regs[sel])),
+                Inst::HalfBroadcast { d, a, high } => {
+                    let h = if *high {
+                        regs[a] >> 16
+                    } else {
+                        regs[a] & 0xFFFF
+                    };
+                    (*d, h | h << 16)
+                }
                 Inst::Lop3 { d, a, b, c, lut } => {
                     let (x, y, z) = (regs[a], val(regs, b), val(regs, c));
                     let v = (0..32).fold(0u32, |v, bit| {
@@ -824,7 +855,7 @@ mod tests {
                     let got = bf16_to_f32(mul_bf16(e2m1_bits(code), s));
                     assert_eq!(
                         f64::from(got),
-                        w4_weight(w, code, u16::from(x)),
+                        w4_weight(w, code, u32::from(x)),
                         "{scale:?} {x:#x} {code}"
                     );
                 }
@@ -893,7 +924,106 @@ mod tests {
                 let v = bf16_from_f32(bf16_to_f32(t) + bf16_to_f32(0xC308));
                 assert_eq!(bf16_to_f32(v), f32::from(q) - 8.0);
                 let got = bf16_to_f32(mul_bf16(v, s));
-                assert_eq!(f64::from(got), w4_weight(w, q, s), "{s:#x} {q}");
+                assert_eq!(f64::from(got), w4_weight(w, q, u32::from(s)), "{s:#x} {q}");
+            }
+        }
+    }
+
+    /// The whole U4 k-tile conversion `w4_a_regs` emits, run for every lane of a consumer
+    /// warpgroup on a 64-row k-tile in the kernel's order (random codes; random bf16 scales, and
+    /// for [`GroupScale::Bf16Zero`] random zero points, per group of 32, 64 or 128): every A
+    /// register half is its fragment element's `reference::w4_weight`, so `(q - z) * s` (or
+    /// `(q - 8) * s`) rounded once.
+    #[test]
+    fn every_u4_fragment_element_is_its_reference_weight() {
+        use crate::gemm::reference::{bf16_from_f32, w4_kernel_code, w4_kernel_order, w4_weight};
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (scale, group) in [
+            (GroupScale::Bf16, 128),
+            (GroupScale::Bf16Zero, 128),
+            (GroupScale::Bf16Zero, 64),
+            (GroupScale::Bf16Zero, 32),
+        ] {
+            let w = W4 {
+                codes: W4Codes::U4,
+                scale,
+                group,
+            };
+            let (rows, kk) = (64usize, 64usize);
+            let row_major: Vec<u8> = (0..rows * kk / 2).map(|_| next() as u8).collect();
+            let codes = w4_kernel_order(w.codes, &row_major, rows, kk);
+            let elems: Vec<u32> = (0..rows * w.groups(kk))
+                .map(|_| {
+                    let v = 2f32.powf(-9.0 + 8.0 * (next() % 1024) as f32 / 1024.0);
+                    let s = u32::from(bf16_from_f32(v));
+                    match scale {
+                        GroupScale::Bf16Zero => {
+                            s | u32::from(GroupScale::zero_point_bits((next() % 16) as u8)) << 16
+                        }
+                        _ => s,
+                    }
+                })
+                .collect();
+            let mut bytes = vec![0u8; w.group_scale_bytes(1, rows, kk)];
+            for j in 0..rows {
+                for q in 0..w.groups(kk) {
+                    let at = w.group_scale_at(rows, kk, 0, j, q);
+                    let b = elems[j * w.groups(kk) + q].to_le_bytes();
+                    let n = scale.bytes() as usize;
+                    bytes[at..at + n].copy_from_slice(&b[..n]);
+                }
+            }
+            // Shared memory: the codes at 0x1000, the scales at 0x4000, as 32-bit words.
+            let mut shared = HashMap::new();
+            for (base, buf) in [(0x1000u32, &codes), (0x4000, &bytes)] {
+                for (i, c) in buf.chunks(4).enumerate() {
+                    let mut word = [0u8; 4];
+                    word[..c.len()].copy_from_slice(c);
+                    shared.insert(base + 4 * i as u32, u32::from_le_bytes(word));
+                }
+            }
+            for warp in 0..4u32 {
+                for lane in 0..32u32 {
+                    let mut k = K {
+                        b: crate::ptx::Builder::default(),
+                    };
+                    let [wr, lr, cr, ar, sr] = [0; 5].map(|_| k.b.reg(RegClass::B32));
+                    let fr = super::w4_frag(&mut k, w, wr, lr, (cr, 64));
+                    let a = super::w4_a_regs(&mut k, &fr, ar, sr);
+                    let mut regs = HashMap::from([
+                        (wr, warp),
+                        (lr, lane),
+                        (cr, 0),
+                        (ar, 0x1000),
+                        (sr, 0x4000),
+                    ]);
+                    interpret_with(&k.b.insts, &mut regs, &shared);
+                    let (g, c) = ((16 * warp + lane / 4) as usize, (lane % 4) as usize);
+                    for (step, four) in a.iter().enumerate() {
+                        for (j, reg) in four.iter().enumerate() {
+                            let row = g + 8 * (j & 1);
+                            for half in 0..2 {
+                                let x = 16 * step + 2 * c + 8 * (j >> 1) + half;
+                                let code = w4_kernel_code(w.codes, &codes, row, x, kk);
+                                let e = elems[row * w.groups(kk) + x / group as usize];
+                                let got = regs[reg] >> (16 * half) & 0xFFFF;
+                                let got =
+                                    f64::from(crate::gemm::reference::bf16_to_f32(got as u16));
+                                assert_eq!(
+                                    got,
+                                    w4_weight(w, code, e),
+                                    "{scale:?} g{group} warp {warp} lane {lane} row {row} k {x}"
+                                );
+                            }
+                        }
+                    }
+                }
             }
         }
     }

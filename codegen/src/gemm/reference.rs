@@ -215,12 +215,15 @@ pub fn bf16_to_f32(b: u16) -> f32 {
 }
 
 /// One weight of the W4A16 GEMM's operand ([`super::ws::Operands::W4Bf16`]) as its kernel
-/// multiplies it, before the per-expert factor: `code` (a nibble) with its group's `scale` bits (an
-/// E4M3 or E8M0 byte, or bf16 bits):
+/// multiplies it, before the per-expert factor: `code` (a nibble) with its group's `scale` element
+/// (an E4M3 or E8M0 byte, bf16 bits, or bf16 bits and a zero point):
 /// * E2M1 with E4M3: `e2m1(code) * e4m3(scale) * 2^-8` (exact; the factor carries the `2^8`);
 /// * E2M1 with E8M0: `e2m1(code) * 2^(scale - 127)` (exact for bytes up to 128);
-/// * U4 with bf16: `(code - 8) * s` rounded to bf16 (once).
-pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
+/// * U4 with bf16: `(code - 8) * s` rounded to bf16 (once);
+/// * U4 with bf16 and zero points (`scale` a [`super::ws::GroupScale::Bf16Zero`] element: `s` in
+///   bits 15..0, bf16 `-(128 + z)` in bits 31..16): `(code - z) * s` rounded to bf16 (once); NaN
+///   for high bits that are no zero point.
+pub fn w4_weight(w: super::ws::W4, code: u8, scale: u32) -> f64 {
     use super::ws::{GroupScale, W4Codes};
     match (w.codes, w.scale) {
         (W4Codes::E2m1, GroupScale::E4m3) => {
@@ -230,10 +233,18 @@ pub fn w4_weight(w: super::ws::W4, code: u8, scale: u16) -> f64 {
         }
         (W4Codes::E2m1, _) => {
             f64::from(crate::reference::e2m1_to_f32(code))
-                * 2f64.powi(i32::from(scale & 0xFF) - 127)
+                * 2f64.powi(i32::from((scale & 0xFF) as u8) - 127)
         }
-        (W4Codes::U4, _) => {
-            let v = (f32::from(code & 0xF) - 8.0) * bf16_to_f32(scale);
+        (W4Codes::U4, s) => {
+            let z = match s {
+                GroupScale::Bf16Zero => match GroupScale::zero_point_of((scale >> 16) as u16) {
+                    Some(z) => z,
+                    None => return f64::NAN,
+                },
+                _ => 8,
+            };
+            // (q - z) has at most 4 significant bits and s 8: the f32 product is exact.
+            let v = (f32::from(code & 0xF) - f32::from(z)) * bf16_to_f32(scale as u16);
             f64::from(bf16_to_f32(bf16_from_f32(v)))
         }
     }

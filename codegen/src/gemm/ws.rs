@@ -118,8 +118,13 @@ pub enum GroupScale {
     /// `2^(b - 1)` (bf16 exponent `b + 126`), which needs `b <= 128`: the host lowers an expert's
     /// bytes by `c` (its largest past 128) and folds `2^c` into the per-expert factor.
     E8m0,
-    /// bf16 scales (group-wise INT4): `(q - 8) * s` rounded once to bf16.
+    /// bf16 scales (symmetric group-wise INT4): `(q - 8) * s` rounded once to bf16.
     Bf16,
+    /// bf16 scales with u4 zero points (asymmetric group-wise INT4): each element 4 bytes, the
+    /// scale `s` in bits 15..0 and bf16 `-(128 + z)` in bits 31..16 (exact: 128..143 are bf16
+    /// integers), so that the kernel's `(128 + q) + hi` is `q - z` exactly; `(q - z) * s` rounded
+    /// once to bf16 ([`GroupScale::zero_point_bits`]).
+    Bf16Zero,
 }
 
 impl GroupScale {
@@ -128,6 +133,24 @@ impl GroupScale {
         match self {
             GroupScale::E4m3 | GroupScale::E8m0 => 1,
             GroupScale::Bf16 => 2,
+            GroupScale::Bf16Zero => 4,
+        }
+    }
+
+    /// The high half of a [`GroupScale::Bf16Zero`] element for zero point `z` (`0..=15`): the bf16
+    /// bits of `-(128 + z)`.
+    pub const fn zero_point_bits(z: u8) -> u16 {
+        // -(128 + z) = -(1 + z / 128) * 2^7: the sign, exponent 127 + 7, a 7-bit mantissa z.
+        0xC300 | (z & 0xF) as u16
+    }
+
+    /// The zero point of a [`GroupScale::Bf16Zero`] element's high half (the inverse of
+    /// [`GroupScale::zero_point_bits`]), `None` for bits it never writes.
+    pub const fn zero_point_of(bits: u16) -> Option<u8> {
+        if bits & 0xFFF0 == 0xC300 {
+            Some((bits & 0xF) as u8)
+        } else {
+            None
         }
     }
 }
@@ -160,6 +183,14 @@ impl W4 {
     pub const INT4_G128: W4 = W4 {
         codes: W4Codes::U4,
         scale: GroupScale::Bf16,
+        group: 128,
+    };
+
+    /// Asymmetric group-wise INT4 (`int4_g128_zp`): u4 codes, a bf16 scale and a u4 zero point
+    /// per 128.
+    pub const INT4_G128_ZP: W4 = W4 {
+        codes: W4Codes::U4,
+        scale: GroupScale::Bf16Zero,
         group: 128,
     };
 
@@ -204,6 +235,14 @@ impl W4 {
         let per = self.groups_per_ktile() as usize;
         ((e * self.scale_tiles(k) + q / per) * n + j) * self.scale_tile_bytes() as usize
             + (q % per) * self.scale.bytes() as usize
+    }
+
+    /// The scale element at byte offset `at` of group scales `bytes` ([`W4::group_scale_at`]):
+    /// [`GroupScale::bytes`] bytes, little-endian (what [`crate::gemm::reference::w4_weight`]
+    /// takes); `None` past the end.
+    pub fn group_scale_element(self, bytes: &[u8], at: usize) -> Option<u32> {
+        let b = bytes.get(at..at.checked_add(self.scale.bytes() as usize)?)?;
+        Some(b.iter().rev().fold(0u32, |v, &x| v << 8 | u32::from(x)))
     }
 
     /// Scale groups one 64-deep k-tile spans (1 when a group is longer than the k-tile).
@@ -275,6 +314,7 @@ impl Operands {
             "f4e" => (W4Codes::E2m1, GroupScale::E4m3),
             "f4m" => (W4Codes::E2m1, GroupScale::E8m0),
             "u4b" => (W4Codes::U4, GroupScale::Bf16),
+            "u4z" => (W4Codes::U4, GroupScale::Bf16Zero),
             _ => return None,
         };
         (group >= 16 && group.is_power_of_two()).then_some(Operands::W4Bf16(W4 {
@@ -285,7 +325,7 @@ impl Operands {
     }
 
     /// `bf16`, `e4m3`, `i8w` or a 4-bit format's `f4e` (E2M1 codes, E4M3 scales), `f4m` (E2M1,
-    /// E8M0) or `u4b` (INT4, bf16), then `g` and the group, e.g. `f4eg16` (the tags' and the
+    /// E8M0), `u4b` (INT4, bf16) or `u4z` (INT4, bf16 and zero points), then `g` and the group, e.g. `f4eg16` (the tags' and the
     /// tuning cache's name).
     pub fn name(self) -> String {
         match self {
@@ -301,6 +341,7 @@ impl Operands {
                     GroupScale::E4m3 => "e",
                     GroupScale::E8m0 => "m",
                     GroupScale::Bf16 => "b",
+                    GroupScale::Bf16Zero => "z",
                 };
                 format!("{c}{s}g{}", w.group)
             }
@@ -746,12 +787,17 @@ impl WsConfig {
                 }
                 // A k16 step lies inside one group; a k-tile holds whole groups or lies inside one.
                 let g = w.group;
-                if w.codes == W4Codes::U4 && w.scale != GroupScale::Bf16
-                    || w.codes == W4Codes::E2m1 && w.scale == GroupScale::Bf16
-                {
+                let int4_scale = matches!(w.scale, GroupScale::Bf16 | GroupScale::Bf16Zero);
+                if (w.codes == W4Codes::U4) != int4_scale {
                     return bad(format!(
                         "4-bit codes {:?} with {:?} scales (E2M1 takes E4M3 or E8M0, INT4 bf16)",
                         w.codes, w.scale
+                    ));
+                }
+                // A row's scales and zero points of a k-tile are one 4- or 8-byte load.
+                if w.scale == GroupScale::Bf16Zero && g < 32 {
+                    return bad(format!(
+                        "asymmetric INT4 with a scale group of {g} (zero points take groups of at least 32)"
                     ));
                 }
                 if g < 16 || !g.is_power_of_two() {
