@@ -219,7 +219,19 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         ) => (Operands::E4m3, Scaling::Block128),
         // Int8 codes with a per-row scale, bf16 activations: W8A16, the weights dequantized into
         // the GEMM's register-sourced A operand.
-        (Some(QuantScheme::Int8Row), Feed::Bf16) => (Operands::I8Bf16, Scaling::PerRow),
+        (Some(QuantScheme::Int8Row), Feed::Bf16) => {
+            // (Refused here by name, not later by every GEMM configuration.)
+            if !k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) {
+                return Err(unsupported(
+                    info,
+                    format!(
+                        "`{name}`: int8 weights with K = {k}: the W8A16 GEMM takes K a multiple of {}",
+                        crate::codegen::gemm::ws::I8_K_ALIGN
+                    ),
+                ));
+            }
+            (Operands::I8Bf16, Scaling::PerRow)
+        }
         // 4-bit codes with group scales, bf16 activations: W4A16 (`moe_gpu_w4`).
         (
             Some(QuantScheme::Nvfp4 { .. } | QuantScheme::Mxfp4 | QuantScheme::Int4 { .. }),

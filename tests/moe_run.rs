@@ -1007,3 +1007,49 @@ fn the_gpu_layer_needs_a_hopper_binding_for_its_weights() {
         "{err}"
     );
 }
+
+/// Int8 weights whose K is a multiple of 8 but not of 16 (a recipe that admits them): the GPU
+/// layer refuses them by name when it reads the operands, not later through every GEMM
+/// configuration.
+#[test]
+fn the_gpu_layer_names_int8_depths_its_gemm_does_not_take() {
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (h, i) = (256usize, 264usize);
+    let p = format!("model.layers.{LAYER}.mlp.experts");
+    let mut t = BTreeMap::new();
+    let w13s: Vec<f32> = (0..E * 2 * i * h).map(|k| value(k) / 8.0).collect();
+    let w2s: Vec<f32> = (0..E * h * i).map(|k| value(k + 3) / 8.0).collect();
+    t.insert(
+        format!("{p}.w13_weight"),
+        (Dtype::BF16, vec![E, 2 * i, h], bf16(&w13s)),
+    );
+    t.insert(
+        format!("{p}.w2_weight"),
+        (Dtype::BF16, vec![E, h, i], bf16(&w2s)),
+    );
+    let ck = d.join("ckpt.safetensors");
+    write_tensors(&ck, &t, None);
+    let std_r = moeforge::kernels::find("int8_per_row").unwrap();
+    let src = std_r
+        .source
+        .replace("H % 16 == 0, I % 16 == 0", "H % 8 == 0, I % 8 == 0");
+    assert_ne!(src, std_r.source);
+    let path = d.join("int8_k8.recipe");
+    std::fs::write(&path, &src).unwrap();
+    let packed = d.join("p.safetensors");
+    pack(path.to_str().unwrap(), &ck, &packed);
+    let bind = format!("E={E},H={h},I={i}");
+    let info = moeforge::verify_source(&src, path.to_str().unwrap(), Some(&bind)).unwrap();
+    let params = params_of(&packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let err = operands(&layer).unwrap_err().to_string();
+    assert!(
+        err.contains("`w2`: int8 weights with K = 264") && err.contains("takes K a multiple of 16"),
+        "{err}"
+    );
+}

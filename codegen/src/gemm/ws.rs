@@ -98,6 +98,10 @@ pub enum Operands {
     W4Bf16(W4),
 }
 
+/// What K the W8A16 GEMM ([`Operands::I8Bf16`]) takes a multiple of: the GPU check covers K a
+/// multiple of 16 (the code rows are padded to 64 bytes; X's rows of 2K bytes need K % 8 for TMA).
+pub const I8_K_ALIGN: u32 = 16;
+
 /// The codes of 4-bit weights, two per byte, in the kernel's order within each 64-deep k-tile of a
 /// row ([`crate::gemm::reference::w4_kernel_bits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -774,7 +778,7 @@ impl WsConfig {
                 }
                 // K a multiple of 16, as the GPU check covers it (the code rows are padded to 64
                 // bytes, `w_row_bytes`; X's rows of 2K bytes need K % 8 for TMA).
-                if !self.k.is_multiple_of(16) {
+                if !self.k.is_multiple_of(I8_K_ALIGN) {
                     return bad(format!(
                         "int8 weights with K = {} (a multiple of 16)",
                         self.k
