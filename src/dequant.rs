@@ -95,7 +95,9 @@ impl Logical {
             Some(QuantScheme::Fp8 { .. }) => {
                 r::e4m3_to_f32(code as u8) as f64 * f32::from_bits(sb) as f64
             }
-            Some(QuantScheme::Int8Row) => (code as u8 as i8) as f64 * f32::from_bits(sb) as f64,
+            Some(QuantScheme::Int8Row | QuantScheme::Int8Group { .. }) => {
+                (code as u8 as i8) as f64 * f32::from_bits(sb) as f64
+            }
             Some(QuantScheme::Int4 {
                 zero_point, scale, ..
             }) => {
@@ -247,6 +249,7 @@ pub fn logical_experts(
                         Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
                     },
                     Some(QuantScheme::Int8Row) => scale_at(&[ei, ri])?,
+                    Some(QuantScheme::Int8Group { group }) => scale_at(&[ei, ri, ci / group])?,
                     Some(QuantScheme::Int4 { group, .. }) => {
                         if let Some(z) = zer.get_mut(at) {
                             *z = zero_at(&[ei, ri, ci / group])?;
@@ -297,7 +300,9 @@ pub fn error(
             }
             Some(QuantScheme::Mxfp4) => r::e2m1_to_f32(code as u8) * 2f32.powi(sb as i32 - 127),
             Some(QuantScheme::Fp8 { .. }) => r::e4m3_to_f32(code as u8) * f32::from_bits(sb),
-            Some(QuantScheme::Int8Row) => (code as u8 as i8) as f32 * f32::from_bits(sb),
+            Some(QuantScheme::Int8Row | QuantScheme::Int8Group { .. }) => {
+                (code as u8 as i8) as f32 * f32::from_bits(sb)
+            }
             Some(QuantScheme::Int4 {
                 zero_point, scale, ..
             }) => {
@@ -758,6 +763,12 @@ pub fn error_bf16(
             Codes::Byte(&luts.i8),
             k,
             Some(Granule::Row),
+            Some(ScaleCode::F32),
+        ),
+        Some(QuantScheme::Int8Group { group }) => (
+            Codes::Byte(&luts.i8),
+            usize::try_from(group).ok()?,
+            Some(Granule::Block),
             Some(ScaleCode::F32),
         ),
         Some(QuantScheme::Int4 { group, scale, .. }) => (

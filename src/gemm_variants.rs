@@ -269,9 +269,14 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 dsl::ir::DType::E4m3 => {
                     " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
                 }
-                dsl::ir::DType::I8 => " without a registered f32 weight scale of shape [E, N]",
+                dsl::ir::DType::I8 => match info.quantization_of(gemm).map(|q| q.scheme) {
+                    Some(dsl::ir::QuantScheme::Int8Group { .. }) => {
+                        " with group-wise scales (the W8A16 GEMM takes one f32 scale per row)"
+                    }
+                    _ => " without a registered f32 weight scale of shape [E, N]",
+                },
                 dsl::ir::DType::U4 | dsl::ir::DType::E2m1 => {
-                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two, K a multiple of 64 and N of 16, or 8 with bf16 scales)"
+                    " (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and INT4 with groups of a power of two (at least 32 with zero points), K a multiple of 64 and N of 16, or 8 with bf16 scales, or 4 with zero points)"
                 }
                 _ => "",
             };

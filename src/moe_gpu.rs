@@ -232,6 +232,15 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             }
             (Operands::I8Bf16, Scaling::PerRow)
         }
+        // Group-wise int8 (a scale per group along K): no GPU GEMM yet (per-row int8 runs).
+        (Some(QuantScheme::Int8Group { group }), _) => {
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}`: group-wise int8 weights (a scale per {group} along K): the GPU GEMMs take int8 with one scale per row"
+                ),
+            ))
+        }
         // 4-bit codes with group scales, bf16 activations: W4A16 (`moe_gpu_w4`).
         (
             Some(QuantScheme::Nvfp4 { .. } | QuantScheme::Mxfp4 | QuantScheme::Int4 { .. }),

@@ -1,4 +1,4 @@
-//! Pack programs against SPEC: every standard recipe, packed by the reference interpreter and by the
+//! Pack programs against SPEC: every standard recipe and variant, packed by the reference interpreter and by the
 //! Cranelift host backend on random inputs (a fresh seed each run, printed on failure), must equal
 //! SPEC's formulas (`codegen::reference`) byte for byte; plus SPEC §4's worked example end to end.
 
@@ -193,12 +193,13 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
                 out.insert(format!("{name}_weight_scale"), cat(s));
             }
         }
-        "int4_g128" => {
+        "int4_g128" | "int4_g128_zp" => {
+            let zp = recipe == "int4_g128_zp";
             for (name, x, k) in [("w13", &c.w13, h), ("w2", &c.w2, i)] {
                 let q: Vec<r::Int4> = c
                     .experts(x)
                     .into_iter()
-                    .map(|xe| r::int4_group(xe, k, 128, false, DType::Bf16))
+                    .map(|xe| r::int4_group(xe, k, 128, zp, DType::Bf16))
                     .collect();
                 out.insert(
                     format!("{name}_weight"),
@@ -206,6 +207,23 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
                 );
                 let s: Vec<f32> = q.iter().flat_map(|q| q.scales.clone()).collect();
                 out.insert(format!("{name}_weight_scale"), bf16_bytes(&s));
+                if zp {
+                    out.insert(
+                        format!("{name}_weight_zero"),
+                        cat(q.iter().map(|q| q.packed_zeros()).collect()),
+                    );
+                }
+            }
+        }
+        "int8_g128" => {
+            for (name, x) in [("w13", &c.w13), ("w2", &c.w2)] {
+                let (q, s): (Vec<Vec<u8>>, Vec<Vec<f32>>) = c
+                    .experts(x)
+                    .into_iter()
+                    .map(|xe| r::int8_per_group(xe, 128))
+                    .unzip();
+                out.insert(format!("{name}_weight"), cat(q));
+                out.insert(format!("{name}_weight_scale"), f32_bytes(&s.concat()));
             }
         }
         "nvfp4_cutedsl" => {
@@ -330,6 +348,10 @@ fn every_recipe_matches_spec_on_random_inputs() {
         ("int8_per_row", (2, 1040, 48)),
         ("int4_g128", (2, 256, 128)),
         ("int4_g128", (3, 128, 384)),
+        // The variants: asymmetric INT4 (zero points two groups a byte), group-wise INT8.
+        ("int4_g128_zp", (2, 256, 512)),
+        ("int8_g128", (2, 256, 128)),
+        ("int8_g128", (3, 128, 384)),
     ];
     for &(recipe, (e, h, i)) in shapes {
         let c = Case::new(&mut rng, e, h, i);

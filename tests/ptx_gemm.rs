@@ -639,11 +639,18 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
     let g8 = dir.path().join("int4_g8.recipe");
     let src = common::int4_g8_source();
     std::fs::write(&g8, src).unwrap();
-    let (recipe, want) = (
-        g8.to_str().unwrap(),
-        "no GEMM variant for u4 weights (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and symmetric INT4 with groups of a power of two",
-    );
-    {
+    // And group-wise INT8 (the variant recipe), which the W8A16 GEMM (a scale per row) does not take.
+    let i8g = moeforge::kernels::find("int8_g128").unwrap().path;
+    for (recipe, want) in [
+        (
+            g8.to_str().unwrap(),
+            "no GEMM variant for u4 weights (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and INT4 with groups of a power of two",
+        ),
+        (
+            i8g,
+            "no GEMM variant for i8 weights with group-wise scales (the W8A16 GEMM takes one f32 scale per row)",
+        ),
+    ] {
         assert_eq!(
             run(&["check", recipe, "--bind", bind]).0,
             Some(0),

@@ -192,9 +192,16 @@ pub fn mxfp4(x: &[f32]) -> (Vec<u8>, Vec<u8>) {
 
 /// INT8 per row (SPEC §8): `scale = amax/127` (1 for a zero row), `q = clamp(rne(x/scale), -128, 127)`.
 pub fn int8_per_row(x: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
+    int8_per_group(x, k)
+}
+
+/// Group-wise INT8 (README, "Group-wise INT8"): SPEC §8's formula per run of `group` consecutive
+/// elements (a row when `group` is its length): `scale = amax/127` (1 for a zero group),
+/// `q = clamp(rne(x/scale), -128, 127)`; one scale per group, in order.
+pub fn int8_per_group(x: &[f32], group: usize) -> (Vec<u8>, Vec<f32>) {
     let mut q = Vec::with_capacity(x.len());
     let mut s = Vec::new();
-    for row in x.chunks(k) {
+    for row in x.chunks(group.max(1)) {
         let a = amax(row);
         let scale = if a == 0.0 { 1.0 } else { a / 127.0 };
         s.push(scale);
@@ -375,6 +382,27 @@ mod tests {
             })
             .collect();
         assert_eq!(deq, vec![3.0, -1.5, 0.5, 0.0, -0.0]);
+    }
+
+    /// Group-wise INT8's worked example (README, "Group-wise INT8"), groups of 4: a group whose
+    /// amax is `127 * 2^-4` (scale `2^-4`, a tie `0.5` rounding to even), an all-zero group
+    /// (scale 1), and one of amax 2 (scale `RN(2/127)`).
+    #[test]
+    fn int8_group_worked_example() {
+        let x = [
+            7.9375, -1.0, 0.03125, 0.09375, //
+            0.0, 0.0, 0.0, 0.0, //
+            -2.0, 1.5, 0.5, -0.25,
+        ];
+        let (q, s) = int8_per_group(&x, 4);
+        assert_eq!(s, vec![0.0625, 1.0, 2.0f32 / 127.0]);
+        assert_eq!(s[2].to_bits(), 0x3C81_0204);
+        assert_eq!(
+            q,
+            vec![0x7F, 0xF0, 0x00, 0x02, 0, 0, 0, 0, 0x81, 0x5F, 0x20, 0xF0]
+        );
+        // Per row (SPEC §8) is the one-group case.
+        assert_eq!(int8_per_row(&x, 12), int8_per_group(&x, 12));
     }
 
     /// README "Group-wise INT4", worked example: two symmetric groups of 8 with bf16 scales (the

@@ -193,6 +193,12 @@ pub enum QuantScheme {
     Mxfp4,
     /// INT8 with one f32 scale per row (SPEC §8).
     Int8Row,
+    /// Group-wise INT8: one f32 scale per `group` consecutive elements along the last dimension,
+    /// SPEC §8's formula per group (README, "Group-wise INT8").
+    Int8Group {
+        /// Elements per group along the last dimension (a power of two, at least 2).
+        group: i64,
+    },
     /// Group-wise INT4 (W4A16, GPTQ/AWQ style): u4 codes, one scale (and, asymmetric, one u4 zero
     /// point) per `group` consecutive elements along the last dimension (README, "Group-wise INT4").
     Int4 {
@@ -213,7 +219,7 @@ impl QuantScheme {
             QuantScheme::Nvfp4 { .. } => "nvfp4",
             QuantScheme::Fp8 { .. } => "fp8",
             QuantScheme::Mxfp4 => "mxfp4",
-            QuantScheme::Int8Row => "int8",
+            QuantScheme::Int8Row | QuantScheme::Int8Group { .. } => "int8",
             QuantScheme::Int4 { .. } => "int4",
         }
     }

@@ -1053,7 +1053,7 @@ impl<'s> Lower<'s> {
             "nvfp4" => &["block", "amax"],
             "fp8" => &["granularity", "amax"],
             "mxfp4" => &["block"],
-            "int8" => &["granularity"],
+            "int8" => &["granularity", "group"],
             "int4" => &["group", "zero_point", "scale"],
             _ => {
                 self.err(
@@ -1275,7 +1275,23 @@ impl<'s> Lower<'s> {
                         return None;
                     }
                 }
-                QuantScheme::Int8Row
+                match (named.get("group"), named.get("granularity")) {
+                    (Some(g), Some(a)) => {
+                        self.err(
+                            Diagnostic::error(
+                                "E0105",
+                                "`quant int8` takes `granularity = row` or `group = g`, not both",
+                            )
+                            .with_label(g.span, "a scale per group")
+                            .with_label(a.span, "a scale per row"),
+                        );
+                        return None;
+                    }
+                    (Some(a), None) => QuantScheme::Int8Group {
+                        group: self.scale_group(a, "int8")?,
+                    },
+                    (None, _) => QuantScheme::Int8Row,
+                }
             }
         };
         let (values, blk) = match q {
@@ -1283,6 +1299,7 @@ impl<'s> Lower<'s> {
             QuantScheme::Mxfp4 => (DType::E2m1, Some(32)),
             QuantScheme::Fp8 { .. } => (DType::E4m3, None),
             QuantScheme::Int8Row => (DType::I8, None),
+            QuantScheme::Int8Group { group } => (DType::I8, Some(group)),
             QuantScheme::Int4 { group, .. } => (DType::U4, Some(group)),
         };
         if let Some(b) = blk {
@@ -1308,26 +1325,29 @@ impl<'s> Lower<'s> {
         )
     }
 
+    /// A `group = g` argument of `quant int4` or `quant int8`: a power of two, at least 2.
+    fn scale_group(&mut self, a: &Arg, scheme: &str) -> Option<i64> {
+        let g = self.const_int(&a.value, "`group`")?;
+        if g < 2 || g.count_ones() != 1 {
+            self.err(
+                Diagnostic::error(
+                    "E0105",
+                    format!("`quant {scheme}` groups are a power of two, at least 2"),
+                )
+                .with_label(a.value.span, format!("found {g}"))
+                .with_note("GPTQ and AWQ checkpoints use 32, 64 or 128"),
+            );
+            return None;
+        }
+        Some(g)
+    }
+
     /// `quant int4(x, group = g, zero_point = false|true, scale = bf16|f16|f32)`: the group (a
     /// power of two, at least 2; default 128), symmetric unless `zero_point = true`, bf16 scales
     /// unless said.
     fn int4_scheme(&mut self, named: &HashMap<&str, &Arg>) -> Option<QuantScheme> {
         let group = match named.get("group") {
-            Some(a) => {
-                let g = self.const_int(&a.value, "`group`")?;
-                if g < 2 || g.count_ones() != 1 {
-                    self.err(
-                        Diagnostic::error(
-                            "E0105",
-                            "`quant int4` groups are a power of two, at least 2",
-                        )
-                        .with_label(a.value.span, format!("found {g}"))
-                        .with_note("GPTQ and AWQ checkpoints use 32, 64 or 128"),
-                    );
-                    return None;
-                }
-                g
-            }
+            Some(a) => self.scale_group(a, "int4")?,
             None => 128,
         };
         let zero_point = match named.get("zero_point") {
@@ -1442,6 +1462,9 @@ impl<'s> Lower<'s> {
                 },
             )),
             ("scales", QuantScheme::Int8Row) => Some((DType::F32, shape[..last].to_vec())),
+            ("scales", QuantScheme::Int8Group { group }) => {
+                Some((DType::F32, with_last(shape[last].div_exact(group)?)))
+            }
             ("scales", QuantScheme::Int4 { group, scale, .. }) => {
                 Some((scale, with_last(shape[last].div_exact(group)?)))
             }

@@ -81,8 +81,9 @@ macro_rules! variant {
 }
 
 /// Recipes of quantization options the standard recipes do not take (asymmetric INT4 with zero
-/// points): what the layer's tests and `selftest --gpu --moe` run besides the standard ones.
-pub const VARIANTS: &[StandardRecipe] = &[variant!("int4_g128_zp")];
+/// points, group-wise INT8): what the layer's tests (and, where the GPU layer serves them,
+/// `selftest --gpu --moe`) run besides the standard ones.
+pub const VARIANTS: &[StandardRecipe] = &[variant!("int4_g128_zp"), variant!("int8_g128")];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.
 pub fn find(name: &str) -> Option<&'static StandardRecipe> {

@@ -27,6 +27,7 @@ mod copy;
 mod fp8_block;
 mod generic;
 mod int4;
+mod int8_groups;
 mod mxfp4;
 mod nvfp4;
 mod quantize;
