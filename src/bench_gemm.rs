@@ -106,6 +106,8 @@ pub enum Recipe {
     /// Weights-only asymmetric group-wise INT4 (the variant `int4_g128_zp`): u4 codes, a bf16
     /// scale and a u4 zero point per 128.
     Int4G128Zp,
+    /// Weights-only group-wise INT8 (the variant `int8_g128`): int8 codes, an f32 scale per 128.
+    Int8G128,
 }
 
 impl Recipe {
@@ -122,7 +124,7 @@ impl Recipe {
     ];
 
     /// Recipes of the variants (`kernels::VARIANTS`): selected by name only.
-    pub const VARIANTS: [Recipe; 1] = [Recipe::Int4G128Zp];
+    pub const VARIANTS: [Recipe; 2] = [Recipe::Int4G128Zp, Recipe::Int8G128];
 
     /// The recipe's name (a standard recipe's, or a variant's).
     pub fn name(self) -> &'static str {
@@ -135,6 +137,7 @@ impl Recipe {
             Recipe::Int8Row => "int8_per_row",
             Recipe::Int4G128 => "int4_g128",
             Recipe::Int4G128Zp => "int4_g128_zp",
+            Recipe::Int8G128 => "int8_g128",
         }
     }
 
@@ -164,6 +167,7 @@ impl Recipe {
             Recipe::Int8Row => (Operands::I8Bf16, Scaling::PerRow),
             Recipe::Int4G128 => (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
             Recipe::Int4G128Zp => (Operands::W4Bf16(W4::INT4_G128_ZP), Scaling::PerExpert),
+            Recipe::Int8G128 => (Operands::I8Bf16, Scaling::PerRowGroup { group: 128 }),
         }
     }
 
@@ -181,6 +185,7 @@ impl Recipe {
             Recipe::Int4G128 => n * k / 2 + 2 * n * k.div_ceil(128),
             // (The kernel's scale element carries the zero point: 4 bytes a group.)
             Recipe::Int4G128Zp => n * k / 2 + 4 * n * k.div_ceil(128),
+            Recipe::Int8G128 => n * self.family().0.w_row_bytes(k) + 4 * n * k.div_ceil(128),
         }
     }
 
@@ -361,7 +366,7 @@ impl Selection {
                 for name in list.split(',').map(str::trim) {
                     let r = Recipe::from_name(name).ok_or_else(|| {
                         Error::Usage(format!(
-                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, int4_g128_zp, or all, or weights_only)"
+                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, int4_g128_zp, int8_g128, or all, or weights_only)"
                         ))
                     })?;
                     if !v.contains(&r) {

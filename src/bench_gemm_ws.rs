@@ -152,7 +152,7 @@ impl WsRunner {
             return Ok(());
         }
         self.ops = None;
-        let (operands, _) = case.recipe.family();
+        let (operands, scaling) = case.recipe.family();
         let eb = operands.bytes() as usize;
         let mut chunk = vec![0u8; 8 << 20];
         match operands {
@@ -174,14 +174,20 @@ impl WsRunner {
         // Enough weight scales for every family (per expert, per block, per row).
         let ws = vec![1.0f32 / 256.0; (case.experts * (nb * kb).max(case.n)).max(1)];
         // 4-bit weights' group scales, enough for groups of 16 of bf16 (0x3c bytes: E4M3 1.5,
-        // E8M0 2^-67, bf16 2^-7 pairs).
-        let group_scales = match operands {
-            Operands::W4Bf16(_) => {
-                let mut g = alloc(case.experts * case.k.div_ceil(16) * case.n * 2)?;
+        // E8M0 2^-67, bf16 2^-7 pairs); group-wise int8's f32 scales (0x3c3c3c3c, about 0.0115),
+        // enough for groups of 64.
+        let group_bytes = match (operands, scaling) {
+            (Operands::W4Bf16(_), _) => Some(case.experts * case.k.div_ceil(16) * case.n * 2),
+            (_, Scaling::PerRowGroup { .. }) => Some(case.experts * case.k.div_ceil(64) * case.n * 4),
+            _ => None,
+        };
+        let group_scales = match group_bytes {
+            Some(len) => {
+                let mut g = alloc(len)?;
                 fill_device(dev, &mut g, &[0x3c; 4096])?;
                 Some(g)
             }
-            _ => None,
+            None => None,
         };
         let x_scale = dev.stream.clone_htod(&xs).map_err(drv("cuMemcpyHtoD"))?;
         let w_scale = dev.stream.clone_htod(&ws).map_err(drv("cuMemcpyHtoD"))?;

@@ -247,10 +247,21 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             dsl::ir::DType::E4m3 => weight_scale(info, name, e, n, k)
                 .filter(|(_, s)| *s != Scaling::PerRow)
                 .map(|(p, s)| (Operands::E4m3, s, Some(p))),
-            // W8A16: int8 codes with one f32 scale per row, bf16 activations.
-            dsl::ir::DType::I8 => weight_scale(info, name, e, n, k)
-                .filter(|(_, s)| *s == Scaling::PerRow)
-                .map(|(p, s)| (Operands::I8Bf16, s, Some(p))),
+            // W8A16: int8 codes with one f32 scale per row, bf16 activations; group-wise int8
+            // (groups of a power of two, at least 64) with each group's sum promoted by its row's
+            // scale, which the layer writes `[E, groups, N]` from the recipe's scale param.
+            dsl::ir::DType::I8 => match info.quantization_of(gemm).map(|q| (q.scheme, q.scales)) {
+                Some((dsl::ir::QuantScheme::Int8Group { group }, Some(sc))) => u32::try_from(group)
+                    .ok()
+                    .filter(|g| *g >= 64 && g.is_power_of_two())
+                    .and_then(|group| {
+                        let p = module.tensor(sc.param)?.name.clone();
+                        Some((Operands::I8Bf16, Scaling::PerRowGroup { group }, Some(p)))
+                    }),
+                _ => weight_scale(info, name, e, n, k)
+                    .filter(|(_, s)| *s == Scaling::PerRow)
+                    .map(|(p, s)| (Operands::I8Bf16, s, Some(p))),
+            },
             // W4A16: E2M1 or u4 codes with group scales (NVFP4, MXFP4, symmetric INT4), the
             // format from the input's quantization; the kernel takes the group scales laid out
             // in its order, `W4::group_scale_at` (the layer writes them from the recipe's scale
@@ -271,7 +282,7 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 }
                 dsl::ir::DType::I8 => match info.quantization_of(gemm).map(|q| q.scheme) {
                     Some(dsl::ir::QuantScheme::Int8Group { .. }) => {
-                        " with group-wise scales (the W8A16 GEMM takes one f32 scale per row)"
+                        " with group-wise scales in groups other than a power of two of at least 64"
                     }
                     _ => " without a registered f32 weight scale of shape [E, N]",
                 },

@@ -159,6 +159,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
     let i8 = (Operands::I8Bf16, Scaling::PerRow);
     let [nvfp4, mxfp4, int4] = W4_FORMATS.map(|o| (o, Scaling::PerExpert));
     let int4z = (int4_as(GroupScale::Bf16Zero, 128), Scaling::PerExpert);
+    let i8g128 = (Operands::I8Bf16, Scaling::PerRowGroup { group: 128 });
     let ra = |(o, sc): (Operands, Scaling), out, consumers, bn, stages| {
         v(o, sc, out, consumers, bn, stages, true)
     };
@@ -250,6 +251,21 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             ..ra(int4z, OutTy::F32, 1, 8, 8)
         },
         ra(int4z, OutTy::Bf16, 2, 256, 4),
+        // Group-wise int8 (groups of 128 and 64, each group's sum promoted by its row's scale):
+        // one and two consumers, split-K (a range starting inside a group).
+        ra(i8g128, OutTy::Bf16, 1, 8, 8),
+        ra(i8g128, OutTy::F32, 2, 16, 8),
+        ra(
+            (Operands::I8Bf16, Scaling::PerRowGroup { group: 64 }),
+            OutTy::Bf16,
+            1,
+            64,
+            6,
+        ),
+        WsConfig {
+            split_k: 3,
+            ..ra(i8g128, OutTy::F32, 2, 8, 8)
+        },
     ];
     // The fused SiLU epilogue (the layer's first GEMM): prefill and decode, split-K, every family.
     let silu = [
@@ -268,6 +284,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (ra(i8, OutTy::Bf16, 2, 16, 8), 1),
         (ra(mxfp4, OutTy::Bf16, 2, 8, 8), 2),
         (ra(int4z, OutTy::Bf16, 2, 8, 8), 1),
+        (ra(i8g128, OutTy::Bf16, 2, 8, 8), 1),
         (ra(i8, OutTy::Bf16, 1, 128, 4), 1),
         (ra(i8, OutTy::Bf16, 2, 256, 4), 1),
     ]
@@ -383,6 +400,8 @@ fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f
         Scaling::Block128 => (v(t * kb), v(e * nb * kb)),
         Scaling::PerRow => (vec![], v(e * cfg.n as usize)),
         Scaling::PerExpert => (vec![], v(e)),
+        // (Group-wise int8: its scales are the operand's group scales.)
+        Scaling::PerRowGroup { .. } => (vec![], vec![]),
     }
 }
 
@@ -443,6 +462,37 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                 &op.w[wr],
                                 &op.w_scale[e..e + 1],
                             )
+                        }
+                        (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
+                            // Per group: the codes' dot with bf16 activations (f64) times the
+                            // row's scale of the group (`[E, groups, N]` f32).
+                            let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
+                            let g = group as usize;
+                            let groups = k.div_ceil(g);
+                            Ok((0..n)
+                                .map(|j| {
+                                    let row = &op.w[wr.start + j * k..wr.start + (j + 1) * k];
+                                    (0..groups)
+                                        .map(|q| {
+                                            let o = ((e * groups + q) * n + j) * 4;
+                                            let s = f32::from_le_bytes([
+                                                op.group_scales[o],
+                                                op.group_scales[o + 1],
+                                                op.group_scales[o + 2],
+                                                op.group_scales[o + 3],
+                                            ]);
+                                            let lo = q * g;
+                                            let hi = (lo + g).min(k);
+                                            let dot: f64 = row[lo..hi]
+                                                .iter()
+                                                .zip(&xs[lo..hi])
+                                                .map(|(&c, &x)| f64::from(c as i8) * x)
+                                                .sum();
+                                            dot * f64::from(s)
+                                        })
+                                        .sum::<f64>()
+                                })
+                                .collect())
                         }
                         (Operands::I8Bf16, _) => {
                             // Int8 codes times the row scale, against bf16 activations (f64).
@@ -593,13 +643,19 @@ fn run_one(
             w_scale,
             group_scales: Vec::new(),
         },
-        // bf16 activations, the e4m3 codes' bytes as int8 codes (every byte is one).
+        // bf16 activations, the e4m3 codes' bytes as int8 codes (every byte is one); group-wise:
+        // random f32 scales `[E, groups, N]`.
         Operands::I8Bf16 => Operand {
             x: &data.x16,
             w: &data.w8,
             x_scale,
             w_scale,
-            group_scales: Vec::new(),
+            group_scales: match cfg.scaling {
+                Scaling::PerRowGroup { group } => (0..e * k.div_ceil(group as usize) * n)
+                    .flat_map(|_| scale(rng).to_le_bytes())
+                    .collect(),
+                _ => Vec::new(),
+            },
         },
         // bf16 activations, the first half of the e4m3 bytes as two 4-bit codes each (every
         // nibble is an E2M1 or U4 code), random group scales.

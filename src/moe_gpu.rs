@@ -132,8 +132,12 @@ impl GemmWeights {
             }
             _ => self.scales.clone(),
         };
-        let group_scales = match self.operands {
-            Operands::W4Bf16(w) => permute(&self.group_scales, slots * w.scale_tiles(self.k))?,
+        let group_scales = match (self.operands, self.scaling) {
+            (Operands::W4Bf16(w), _) => permute(&self.group_scales, slots * w.scale_tiles(self.k))?,
+            (_, Scaling::PerRowGroup { group }) => permute(
+                &self.group_scales,
+                slots * self.k.div_ceil(group.max(1) as usize),
+            )?,
             _ => self.group_scales.clone(),
         };
         Some(GemmWeights {
@@ -232,14 +236,28 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             }
             (Operands::I8Bf16, Scaling::PerRow)
         }
-        // Group-wise int8 (a scale per group along K): no GPU GEMM yet (per-row int8 runs).
-        (Some(QuantScheme::Int8Group { group }), _) => {
-            return Err(unsupported(
-                info,
-                format!(
-                    "`{name}`: group-wise int8 weights (a scale per {group} along K): the GPU GEMMs take int8 with one scale per row"
-                ),
-            ))
+        // Group-wise int8 with bf16 activations: W8A16 with each group's partial sum promoted by
+        // its row's scale (groups of a power of two, at least 64: whole k-tiles).
+        (Some(QuantScheme::Int8Group { group }), Feed::Bf16) => {
+            let g = u32::try_from(group)
+                .ok()
+                .filter(|g| *g >= 64 && g.is_power_of_two());
+            match g {
+                Some(group)
+                    if k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) =>
+                {
+                    (Operands::I8Bf16, Scaling::PerRowGroup { group })
+                }
+                _ => {
+                    return Err(unsupported(
+                        info,
+                        format!(
+                            "`{name}`: group-wise int8 weights with groups of {group} and K = {k}: the GPU GEMM takes groups of a power of two, at least 64, and K a multiple of {}",
+                            crate::codegen::gemm::ws::I8_K_ALIGN
+                        ),
+                    ))
+                }
+            }
         }
         // 4-bit codes with group scales, bf16 activations: W4A16 (`moe_gpu_w4`).
         (
@@ -267,6 +285,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
                 QuantScheme::Nvfp4 { .. }
                 | QuantScheme::Mxfp4
                 | QuantScheme::Int8Row
+                | QuantScheme::Int8Group { .. }
                 | QuantScheme::Int4 { .. },
             ),
             _,
@@ -316,7 +335,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
                 format!("`{name}`: slot {e}'s elements do not share one scale"),
             )
         })?,
-        Scaling::PerExpert => Vec::new(),
+        Scaling::PerExpert | Scaling::PerRowGroup { .. } => Vec::new(),
         Scaling::PerRow => shared_scales(&l.scales, k, slots * n).map_err(|r| {
             unsupported(
                 info,
@@ -348,6 +367,35 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             s
         }
     };
+    // Group-wise int8: `[slots, groups, N]` f32 (little-endian bytes), every element of a group
+    // carrying its scale.
+    let group_scales = match scaling {
+        Scaling::PerRowGroup { group } => {
+            let g = group as usize;
+            let groups = k.div_ceil(g);
+            let mut b = vec![0u8; slots * groups * n * 4];
+            for e in 0..slots {
+                for r in 0..n {
+                    for q in 0..groups {
+                        let at = (e * n + r) * k + q * g;
+                        let all = &l.scales[at..at + g.min(k - q * g)];
+                        if all.iter().any(|&v| v != all[0]) {
+                            return Err(unsupported(
+                                info,
+                                format!(
+                                    "`{name}`: slot {e}, row {r}: the elements of scale group {q} do not share one scale"
+                                ),
+                            ));
+                        }
+                        let o = ((e * groups + q) * n + r) * 4;
+                        b[o..o + 4].copy_from_slice(&all[0].to_le_bytes());
+                    }
+                }
+            }
+            b
+        }
+        _ => Vec::new(),
+    };
     let relayout = stored_bytes(info, name, layer.params).is_none_or(|b| b != codes.as_slice());
     Ok(GemmWeights {
         operands,
@@ -357,7 +405,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         k,
         codes,
         scales,
-        group_scales: Vec::new(),
+        group_scales,
         relayout,
     })
 }

@@ -350,6 +350,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("int4_g128", false),
         // Asymmetric INT4 (a u4 zero point per group; a variant, not a standard recipe).
         ("int4_g128_zp", false),
+        // Group-wise int8 (an f32 scale per 128 along K; a variant).
+        ("int8_g128", false),
     ];
     let cases: [(usize, usize, Routing); 5] = [
         (1, 8, Routing::Uniform),
@@ -379,7 +381,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         let ck = d.join(format!("ckpt{ri}.safetensors"));
         // The 4-bit recipes bind I as a multiple of 128 (their groups, nvfp4_cutedsl's interleave).
         let dims = match *recipe {
-            "nvfp4_cutedsl" | "mxfp4" | "int4_g128" => DIMS4,
+            "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_g128" => DIMS4,
             "int4_g128_zp" => DIMS4Z,
             _ => DIMS,
         };
@@ -429,7 +431,13 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             // bf16 activations all the way: the act and the output compare with the host's too.
             let bf16_feed = matches!(
                 *recipe,
-                "bf16" | "int8_per_row" | "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int4_g128_zp"
+                "bf16"
+                    | "int8_per_row"
+                    | "nvfp4_cutedsl"
+                    | "mxfp4"
+                    | "int4_g128"
+                    | "int4_g128_zp"
+                    | "int8_g128"
             );
             for (name, bound) in [
                 ("w13_out", Some(2e-3)),

@@ -735,6 +735,14 @@ fn gpu_operands_equal_the_dequantized_weights() {
             (Operands::E4m3, Scaling::Tensorwise { .. }) => {
                 r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e] as f64
             }
+            (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
+                // Group scales `[E, groups, N]` f32.
+                let code = gr::i8_kernel_code(&g.codes, e * n + row, col, k);
+                let groups = k.div_ceil(group as usize);
+                let o = ((e * groups + col / group as usize) * n + row) * 4;
+                let s = f32::from_le_bytes(g.group_scales[o..o + 4].try_into().unwrap());
+                f64::from(code as i8) * f64::from(s)
+            }
             (Operands::I8Bf16, _) => {
                 let code = gr::i8_kernel_code(&g.codes, e * n + row, col, k);
                 f64::from(code as i8) * f64::from(g.scales[e * n + row])
@@ -770,12 +778,6 @@ fn gpu_operands_equal_the_dequantized_weights() {
                 info: &info,
                 params: &params,
             };
-            if name == "int8_g128" {
-                // Group-wise int8: the host layer runs it; the GPU layer refuses it by name.
-                let err = operands(&layer).unwrap_err().to_string();
-                assert!(err.contains("group-wise int8 weights"), "{err}");
-                continue;
-            }
             let ops = operands(&layer).unwrap();
             assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
             for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
@@ -793,7 +795,12 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     g.relayout,
                     matches!(
                         name,
-                        "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int4_g128_zp" | "int8_per_row"
+                        "nvfp4_cutedsl"
+                            | "mxfp4"
+                            | "int4_g128"
+                            | "int4_g128_zp"
+                            | "int8_per_row"
+                            | "int8_g128"
                     ),
                     "{name} {input}"
                 );

@@ -32,7 +32,7 @@ const MODELS: [(&str, &str); 2] = [
 
 /// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
 /// (tensorwise and 128x128 block scales) at the first.
-const GOLDENS: [(&str, &str, &str); 9] = [
+const GOLDENS: [(&str, &str, &str); 10] = [
     ("bf16", MODELS[0].0, MODELS[0].1),
     ("bf16", MODELS[1].0, MODELS[1].1),
     ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
@@ -45,6 +45,8 @@ const GOLDENS: [(&str, &str, &str); 9] = [
     ("int4_g128", MODELS[0].0, MODELS[0].1),
     // Asymmetric INT4 (the variant recipe): a zero point in each group's scale element.
     ("int4_g128_zp", MODELS[0].0, MODELS[0].1),
+    // Group-wise INT8 (the variant recipe): each group's partial sum promoted by its row's scale.
+    ("int8_g128", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -326,6 +328,7 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
                     Scaling::Block128 => "block128",
                     Scaling::PerRow => "per_row",
                     Scaling::PerExpert => "per_expert",
+                    Scaling::PerRowGroup { .. } => "per_row_group",
                 };
                 // Int8 and 4-bit weights: the decode form only.
                 assert!(!c.operands.register_a() || c.swap_ab);
@@ -448,6 +451,7 @@ fn the_sass_of_the_weights_only_variants_holds_register_a_hgmma() {
         ("mxfp4", "f4mg32x_"),
         ("int4_g128", "u4bg128x_"),
         ("int4_g128_zp", "u4zg128x_"),
+        ("int8_g128", "i8wg128_"),
     ] {
         register_a_sass(recipe, prefix);
     }
@@ -479,8 +483,8 @@ fn register_a_sass(recipe: &str, prefix: &str) {
         sass.contains("UTMALDG.2D") && sass.contains("UTMALDG.3D"),
         "{sass}"
     );
-    if recipe != "int8_per_row" {
-        // The group scales' half broadcasts are folded into the multiplies' half selectors:
+    if !recipe.starts_with("int8") {
+        // The 4-bit group scales' half broadcasts are folded into the multiplies' half selectors:
         // every variant's `HMUL2.BF16_V2` by a row's scale takes `.H0_H0` or `.H1_H1` (with
         // `prmt` broadcasts, none did: a PRMT each).
         let functions = sass.split("Function : ").skip(1);
@@ -639,8 +643,15 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
     let g8 = dir.path().join("int4_g8.recipe");
     let src = common::int4_g8_source();
     std::fs::write(&g8, src).unwrap();
-    // And group-wise INT8 (the variant recipe), which the W8A16 GEMM (a scale per row) does not take.
-    let i8g = moeforge::kernels::find("int8_g128").unwrap().path;
+    // And group-wise INT8 in groups of 32, shorter than the group-wise W8A16 GEMM's k-tile.
+    let i8g = dir.path().join("int8_g32.recipe");
+    let src32 = moeforge::kernels::find("int8_g128")
+        .unwrap()
+        .source
+        .replace("group = 128", "group = 32")
+        .replace("/128]", "/32]");
+    std::fs::write(&i8g, &src32).unwrap();
+    let i8g = i8g.to_str().unwrap();
     for (recipe, want) in [
         (
             g8.to_str().unwrap(),
@@ -648,7 +659,7 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
         ),
         (
             i8g,
-            "no GEMM variant for i8 weights with group-wise scales (the W8A16 GEMM takes one f32 scale per row)",
+            "no GEMM variant for i8 weights with group-wise scales in groups other than a power of two of at least 64",
         ),
     ] {
         assert_eq!(

@@ -856,6 +856,8 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::PerRow => 2,
         // The expert's factor.
         Scaling::PerExpert => 1,
+        // Group-wise int8: the group scales come from the stage.
+        Scaling::PerRowGroup { .. } => 0,
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
@@ -1251,6 +1253,90 @@ fn four_bit_weights_feed_register_a_and_assemble() {
             },
             "scaling PerRow",
         ),
+    ] {
+        let msg = ws::grouped_ws_module("x", &c).unwrap_err().to_string();
+        assert!(msg.contains(why), "{why}: {msg}");
+    }
+}
+
+/// Group-wise int8 (`Scaling::PerRowGroup`): the int8 register-A k-loop with a second
+/// accumulator, each group's partial sum promoted after its last k-tile with the fragment rows'
+/// scales from the stage (two `ld.shared.f32`, one `fma` per accumulator slot, no per-row scale in
+/// the epilogue); the group scales come by a third TMA map; one and two consumers, split-K, and the
+/// fused SiLU epilogue assemble clean; groups under 64, BN past 64 and the unswapped form are
+/// refused.
+#[test]
+fn group_wise_int8_promotes_each_group_and_assembles() {
+    for (consumers, bn, split_k, epilogue, group) in [
+        (1u32, 8u32, 1u32, Epilogue::Store, 128u32),
+        (2, 16, 1, Epilogue::Store, 128),
+        (1, 64, 1, Epilogue::Store, 64),
+        (2, 8, 3, Epilogue::Store, 256),
+        (2, 8, 1, Epilogue::SiluMul, 128),
+    ] {
+        let c = WsConfig {
+            operands: Operands::I8Bf16,
+            scaling: Scaling::PerRowGroup { group },
+            consumers,
+            bn,
+            split_k,
+            epilogue,
+            stages: 8,
+            ..decode()
+        };
+        let c = if bn == 64 {
+            WsConfig { stages: 6, ..c }
+        } else {
+            c
+        };
+        let tag = c.tag();
+        assert!(
+            tag.starts_with(&format!("i8wg{group}_d{consumers}x{bn}")),
+            "{tag}"
+        );
+        assert_eq!(c.group_scale_bytes(), 64 * consumers * 4, "{tag}");
+        assert_eq!(c.scale_group(), Some(group));
+        let text = ws::grouped_ws_module("k", &c).unwrap();
+        // (Split-K adds the last-split flag's shared load.)
+        let flag = usize::from(split_k > 1);
+        assert_eq!(text.matches("ld.shared.f32").count(), 2 + flag, "{tag}");
+        // (One promotion site: BN / 2 accumulator slots per thread.)
+        assert_eq!(text.matches("fma.rn.f32").count() as u32, bn / 2, "{tag}");
+        assert!(text.contains("prefetch.tensormap"), "{tag}");
+        // Three TMA loads a k-tile: X, the codes and the group scales.
+        assert_eq!(text.matches("cp.async.bulk.tensor").count(), 3, "{tag}");
+        assembles_clean(&text, &format!("i8g_{tag}"));
+    }
+    let ok = WsConfig {
+        operands: Operands::I8Bf16,
+        scaling: Scaling::PerRowGroup { group: 128 },
+        bn: 8,
+        ..decode()
+    };
+    for (c, why) in [
+        (
+            WsConfig {
+                scaling: Scaling::PerRowGroup { group: 32 },
+                ..ok
+            },
+            "at least 64",
+        ),
+        (
+            WsConfig {
+                scaling: Scaling::PerRowGroup { group: 96 },
+                ..ok
+            },
+            "at least 64",
+        ),
+        (WsConfig { bn: 128, ..ok }, "at most 64"),
+        (
+            WsConfig {
+                swap_ab: false,
+                ..ok
+            },
+            "weights-on-A",
+        ),
+        (WsConfig { k: 7176, ..ok }, "a multiple of 16"),
     ] {
         let msg = ws::grouped_ws_module("x", &c).unwrap_err().to_string();
         assert!(msg.contains(why), "{why}: {msg}");

@@ -472,19 +472,24 @@ fn operands_from(s: &str) -> Option<Operands> {
     Operands::from_name(s)
 }
 
-/// `none`, `tensorwise_per_token`, `tensorwise` or `block128`.
-pub fn scaling_name(s: Scaling) -> &'static str {
+/// `none`, `tensorwise_per_token`, `tensorwise`, `block128`, `per_row`, `per_expert` or
+/// `per_row_group_G` (groups of `G`).
+pub fn scaling_name(s: Scaling) -> String {
     match s {
-        Scaling::None => "none",
-        Scaling::Tensorwise { per_token: true } => "tensorwise_per_token",
-        Scaling::Tensorwise { per_token: false } => "tensorwise",
-        Scaling::Block128 => "block128",
-        Scaling::PerRow => "per_row",
-        Scaling::PerExpert => "per_expert",
+        Scaling::None => "none".into(),
+        Scaling::Tensorwise { per_token: true } => "tensorwise_per_token".into(),
+        Scaling::Tensorwise { per_token: false } => "tensorwise".into(),
+        Scaling::Block128 => "block128".into(),
+        Scaling::PerRow => "per_row".into(),
+        Scaling::PerExpert => "per_expert".into(),
+        Scaling::PerRowGroup { group } => format!("per_row_group_{group}"),
     }
 }
 
 fn scaling_from(s: &str) -> Option<Scaling> {
+    if let Some(g) = s.strip_prefix("per_row_group_") {
+        return g.parse().ok().map(|group| Scaling::PerRowGroup { group });
+    }
     [
         Scaling::None,
         Scaling::Tensorwise { per_token: true },
@@ -600,6 +605,7 @@ mod tests {
         use moeforge_codegen::gemm::ws::{GroupScale, W4Codes, W4};
         for (operands, scaling) in [
             (Operands::I8Bf16, Scaling::PerRow),
+            (Operands::I8Bf16, Scaling::PerRowGroup { group: 128 }),
             (
                 Operands::W4Bf16(W4 {
                     codes: W4Codes::E2m1,

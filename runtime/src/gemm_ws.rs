@@ -266,17 +266,26 @@ impl GroupedGemm {
         if op.w.len() < w_len {
             return Err(short("w", op.w.len(), w_len));
         }
-        // 4-bit weights' group scales: `[experts, scale tiles, N]` (`W4::group_scale_at`).
-        let group_scales = match (cfg.operands, op.group_scales) {
-            (Operands::W4Bf16(w4), Some(gs)) => {
+        // 4-bit weights' group scales: `[experts, scale tiles, N]` (`W4::group_scale_at`);
+        // group-wise int8's: `[experts, ceil(K / group), N]` f32. (groups, element bytes, address)
+        let group_scales = match (cfg.operands, cfg.scaling, op.group_scales) {
+            (Operands::W4Bf16(w4), _, Some(gs)) => {
                 let groups = w4.scale_tiles(k);
                 let want = w4.group_scale_bytes(e, n, k);
                 if gs.len() < want {
                     return Err(short("group_scales", gs.len(), want));
                 }
-                Some((w4, groups, gs.device_ptr(&dev.stream).0))
+                Some((groups, w4.scale_tile_bytes(), gs.device_ptr(&dev.stream).0))
             }
-            (Operands::W4Bf16(_), None) => {
+            (_, Scaling::PerRowGroup { group }, Some(gs)) => {
+                let groups = k.div_ceil(group.max(1) as usize);
+                let want = e * groups * n * 4;
+                if gs.len() < want {
+                    return Err(short("group_scales", gs.len(), want));
+                }
+                Some((groups, 4, gs.device_ptr(&dev.stream).0))
+            }
+            (Operands::W4Bf16(_), _, None) | (_, Scaling::PerRowGroup { .. }, None) => {
                 return Err(Error::Placement(format!(
                     "grouped GEMM {}: `group_scales` is required",
                     self.entry
@@ -298,6 +307,7 @@ impl GroupedGemm {
             Scaling::Block128 => (kb * t, e * nb * kb),
             Scaling::PerRow => (0, e * n),
             Scaling::PerExpert => (0, e),
+            Scaling::PerRowGroup { .. } => (0, 0),
         };
         let scale = |s: Option<&CudaSlice<f32>>, what: &str, want: usize| -> Result<u64> {
             match s {
@@ -372,13 +382,13 @@ impl GroupedGemm {
             let pws = TensorMapParams::f32_vector(ws, want_w as u64, BLOCK_SCALE_W_BOX)
                 .map_err(map_err)?;
             (self.maps.get(&pxs)?, self.maps.get(&pws)?)
-        } else if let Some((w4, groups, gp)) = group_scales {
+        } else if let Some((groups, elem, gp)) = group_scales {
             let pgs = TensorMapParams::expert_group_scales(
                 gp,
                 e as u64,
                 groups as u64,
                 n as u64,
-                w4.scale_tile_bytes(),
+                elem,
                 w_rows,
             )
             .map_err(map_err)?;

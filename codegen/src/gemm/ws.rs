@@ -372,6 +372,14 @@ pub enum Scaling {
     /// Once in the epilogue, per expert: `w_scale [E]` (4-bit weights' factor: NVFP4's global
     /// scale, the powers of two the group scales' conversion left out); no activation scale.
     PerExpert,
+    /// Per weight row and group of `group` along K (group-wise int8): each group's k-tiles
+    /// accumulate on their own (`scale-d` 0 on the group's first MMA) and are promoted into the f32
+    /// total with the row's scale of the group, `acc += part * s[row, g]`; the scales come by TMA
+    /// into the stage as `[E, groups, N]` f32 ([`WsConfig::group_scale_bytes`]); no activation scale.
+    PerRowGroup {
+        /// Elements of K per scale: a power of two, at least 64 (whole k-tiles).
+        group: u32,
+    },
 }
 
 impl Scaling {
@@ -496,12 +504,24 @@ impl WsConfig {
         self.operands.w_row_bytes(self.k as u64)
     }
 
-    /// Bytes of a 4-bit tile's group scales in a stage (0 for other operands): the tile's `64 C`
-    /// weight rows, each its [`W4::scale_tile_bytes`] (row-major, as the TMA box lands).
+    /// Bytes of a tile's group scales in a stage (0 for operands without them): the tile's `64 C`
+    /// weight rows, each its [`W4::scale_tile_bytes`] for 4-bit weights, or one f32 for group-wise
+    /// int8 ([`Scaling::PerRowGroup`]) (row-major, as the TMA box lands).
     pub const fn group_scale_bytes(&self) -> u32 {
-        match self.operands {
-            Operands::W4Bf16(w) => self.tile_weights() * w.scale_tile_bytes(),
+        match (self.operands, self.scaling) {
+            (Operands::W4Bf16(w), _) => self.tile_weights() * w.scale_tile_bytes(),
+            (Operands::I8Bf16, Scaling::PerRowGroup { .. }) => self.tile_weights() * 4,
             _ => 0,
+        }
+    }
+
+    /// The group along K of the stage's group scales (4-bit weights' or group-wise int8's), if
+    /// any.
+    pub const fn scale_group(&self) -> Option<u32> {
+        match (self.operands, self.scaling) {
+            (Operands::W4Bf16(w), _) => Some(w.group),
+            (_, Scaling::PerRowGroup { group }) => Some(group),
+            _ => None,
         }
     }
 
@@ -653,6 +673,11 @@ impl WsConfig {
             Scaling::Block128 => "b",
             Scaling::PerRow => "r",
             Scaling::PerExpert => "x",
+            Scaling::PerRowGroup { .. } => "g",
+        };
+        let scale = match self.scaling {
+            Scaling::PerRowGroup { group } => format!("{scale}{group}"),
+            _ => scale.to_string(),
         };
         let out = self.out.name();
         let silu = match self.epilogue {
@@ -770,6 +795,30 @@ impl WsConfig {
         }
         match (self.operands, self.scaling) {
             (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
+            (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
+                // Whole k-tiles a group, and a second accumulator (the group's partial sum): BN at
+                // most 64, as the tuner's decode tiles; the int8 form's other rules below.
+                if group < 64 || !group.is_power_of_two() {
+                    return bad(format!(
+                        "group-wise int8 with groups of {group} (a power of two, at least 64)"
+                    ));
+                }
+                if self.bn > 64 {
+                    return bad(format!(
+                        "group-wise int8 with BN = {} (at most 64: the group's partial sum is a second accumulator)",
+                        self.bn
+                    ));
+                }
+                if !self.swap_ab {
+                    return bad("int8 weights need the swapped (weights-on-A) form".into());
+                }
+                if !self.k.is_multiple_of(I8_K_ALIGN) {
+                    return bad(format!(
+                        "int8 weights with K = {} (a multiple of 16)",
+                        self.k
+                    ));
+                }
+            }
             (Operands::I8Bf16, Scaling::PerRow) => {
                 // The register-A form: weights on A (one or two consumers' 64 rows each), no
                 // split-K.
@@ -1409,8 +1458,8 @@ fn producer(
     } else {
         None
     };
-    // 4-bit weights: their group scales' map (`tmap_ws`).
-    let group_scales = if matches!(cfg.operands, Operands::W4Bf16(_)) {
+    // 4-bit weights and group-wise int8: their group scales' map (`tmap_ws`).
+    let group_scales = if cfg.scale_group().is_some() {
         let gs = k.b.tensor_map_addr(PARAMS[11])?;
         k.b.emit_guarded(Guard::when(leader), AsyncOp::PrefetchTensorMap { tmap: gs })?;
         Some(gs)
@@ -1482,16 +1531,16 @@ fn producer(
     if let Some((xs, ws, tokens)) = scales {
         load_block_scales(k, cfg, leader, a, fbar, &s, &f, kt, xs, ws, tokens)?;
     }
-    if let (Operands::W4Bf16(w), Some(gs)) = (cfg.operands, group_scales) {
+    if let (Some(group), Some(gs)) = (cfg.scale_group(), group_scales) {
         // The k-tile's scales of the tile's weight rows: `[E, scale tiles, N]` of
-        // `scale_tile_bytes` each, box {64 C rows, 1, 1} at {w0, scale tile, expert}, after A
-        // and B.
-        let g0 = if w.group > 64 {
+        // `scale_tile_bytes` each (group-wise int8: one f32), box {64 C rows, 1, 1} at {w0, scale
+        // tile, expert}, after A and B.
+        let g0 = if group > 64 {
             k.bin(
                 BinOpcode::Shr,
                 PtxTy::U32,
                 kt,
-                Operand::Int(log2(w.group / 64)),
+                Operand::Int(log2(group / 64)),
             )
         } else {
             kt
@@ -1703,8 +1752,13 @@ fn consumers(
     let n_mma = WgmmaN::new(cfg.bn)?;
     let acc = k.b.accumulator(n_mma);
     let block = cfg.scaling == Scaling::Block128;
-    // Block-scaled: the first slice accumulator (the second is made with the k loop).
-    let part = if block {
+    let row_group = match cfg.scaling {
+        Scaling::PerRowGroup { group } => Some(group),
+        _ => None,
+    };
+    // Block-scaled: the first slice accumulator (the second is made with the k loop); group-wise
+    // int8: the group's partial sum.
+    let part = if block || row_group.is_some() {
         k.b.accumulator(n_mma)
     } else {
         Vec::new()
@@ -1796,6 +1850,17 @@ fn consumers(
             k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
             promote_at(k, &part)?;
             k.b.push(Inst::Label(epi));
+        }
+        _ if row_group.is_some() => {
+            let group = row_group.unwrap_or(64);
+            promote_row_groups(k, cfg, &ring, (n_mma, group), &f, kt, (&frag, &part, &acc))?;
+            let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
+            let rel = k.bin(BinOpcode::And, PtxTy::Pred, not_first, Operand::Reg(lane0));
+            release(k, &ring, Some(rel))?;
+            k.mov(prev, Operand::Reg(stage));
+            let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
+            k.bra(&kloop, Some((more, false)));
+            release(k, &ring, None)?;
         }
         _ => {
             // The first MMA of a tile overwrites; one MMA group stays in flight, and the previous
@@ -2225,6 +2290,88 @@ fn stage_scales(
         off: 0,
     });
     Ok(BlockScales { sx, sw })
+}
+
+/// Group-wise int8 ([`Scaling::PerRowGroup`]), k-tile `kt` of the range `[f.ks, f.ke)`: its MMAs
+/// into `part` (`scale-d` 0 on the first k-tile of its group or of the range), all waited for (A
+/// comes from registers); after the last k-tile of a group (or of the range) the two fragment rows'
+/// scales of the group are read from the stage's scale area (`[64 C rows]` f32, the row `a_row` and
+/// `a_row + 8`) and promoted: `acc = part * s + acc` (`=` on the range's first group). Warp-uniform
+/// branches only (`kt` is).
+fn promote_row_groups(
+    k: &mut K,
+    cfg: &WsConfig,
+    ring: &Ring,
+    (n_mma, group): (WgmmaN, u32),
+    f: &Found,
+    kt: Reg,
+    (frag, part, acc): (&Frag, &[Reg], &[Reg]),
+) -> Result<()> {
+    let kpg = i64::from((group / 64).max(1));
+    let in_group = k.bin(BinOpcode::And, PtxTy::B32, kt, Operand::Int(kpg - 1));
+    let later_in_group = k.setp(CmpOp::Ne, in_group, Operand::Int(0));
+    let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
+    let accumulate = k.bin(
+        BinOpcode::And,
+        PtxTy::Pred,
+        later_in_group,
+        Operand::Reg(not_first),
+    );
+    issue_ktile(k, cfg, ring, n_mma, part, Some(accumulate))?;
+    k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
+    // The group ends here: the next k-tile starts another, or the range ends.
+    let next = k.bin(BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
+    let next_in = k.bin(BinOpcode::And, PtxTy::B32, next, Operand::Int(kpg - 1));
+    let ends_group = k.setp(CmpOp::Eq, next_in, Operand::Int(0));
+    let ends_range = k.setp(CmpOp::Eq, next, Operand::Reg(f.ke));
+    let last = k.bin(
+        BinOpcode::Or,
+        PtxTy::Pred,
+        ends_group,
+        Operand::Reg(ends_range),
+    );
+    let skip = k.b.label("c_group");
+    k.bra(&skip, Some((last, true)));
+    let (sa, _) = k.stage_addrs(ring.stage, cfg.stage_bytes(), ring.base, ring.full);
+    let row4 = k.bin(BinOpcode::Shl, PtxTy::B32, frag.a_row, Operand::Int(2));
+    let at = k.bin(BinOpcode::Add, PtxTy::U32, sa, Operand::Reg(row4));
+    let sc = [0i64, 32].map(|off| {
+        let d = k.b.reg(RegClass::F32);
+        k.b.push(Inst::LdShared {
+            d,
+            addr: at,
+            off: i64::from(cfg.tx_bytes()) + off,
+        });
+        d
+    });
+    // The range's first group (its group index is the range start's) assigns.
+    let shift = log2((group / 64).max(1));
+    let g = k.bin(BinOpcode::Shr, PtxTy::U32, kt, Operand::Int(shift));
+    let g0 = k.bin(BinOpcode::Shr, PtxTy::U32, f.ks, Operand::Int(shift));
+    let first = k.setp(CmpOp::Eq, g, Operand::Reg(g0));
+    let zero = k.b.reg(RegClass::F32);
+    k.b.push(Inst::Un {
+        op: crate::ptx::UnOpcode::Mov(PtxTy::F32),
+        d: zero,
+        a: Operand::F32(0.0),
+    });
+    for (i, (&p, &a)) in part.iter().zip(acc).enumerate() {
+        k.b.push(Inst::Selp {
+            ty: PtxTy::F32,
+            d: a,
+            a: Operand::Reg(zero),
+            b: Operand::Reg(a),
+            p: first,
+        });
+        k.b.push(Inst::Fma {
+            d: a,
+            a: p,
+            b: sc[(i >> 1) & 1],
+            c: a,
+        });
+    }
+    k.b.push(Inst::Label(skip));
+    Ok(())
 }
 
 /// Block-scaled promotion of K slice `kt` (its scales in `sc`): `acc = part * s_x * s_w + acc`
