@@ -178,7 +178,9 @@ impl WsRunner {
         // enough for groups of 64.
         let group_bytes = match (operands, scaling) {
             (Operands::W4Bf16(_), _) => Some(case.experts * case.k.div_ceil(16) * case.n * 2),
-            (_, Scaling::PerRowGroup { .. }) => Some(case.experts * case.k.div_ceil(64) * case.n * 4),
+            (_, Scaling::PerRowGroup { .. }) => {
+                Some(case.experts * case.k.div_ceil(64) * case.n * 4)
+            }
             _ => None,
         };
         let group_scales = match group_bytes {

@@ -2349,27 +2349,7 @@ fn promote_row_groups(
     let g = k.bin(BinOpcode::Shr, PtxTy::U32, kt, Operand::Int(shift));
     let g0 = k.bin(BinOpcode::Shr, PtxTy::U32, f.ks, Operand::Int(shift));
     let first = k.setp(CmpOp::Eq, g, Operand::Reg(g0));
-    let zero = k.b.reg(RegClass::F32);
-    k.b.push(Inst::Un {
-        op: crate::ptx::UnOpcode::Mov(PtxTy::F32),
-        d: zero,
-        a: Operand::F32(0.0),
-    });
-    for (i, (&p, &a)) in part.iter().zip(acc).enumerate() {
-        k.b.push(Inst::Selp {
-            ty: PtxTy::F32,
-            d: a,
-            a: Operand::Reg(zero),
-            b: Operand::Reg(a),
-            p: first,
-        });
-        k.b.push(Inst::Fma {
-            d: a,
-            a: p,
-            b: sc[(i >> 1) & 1],
-            c: a,
-        });
-    }
+    accumulate_scaled(k, first, part, acc, |_, i| sc[(i >> 1) & 1]);
     k.b.push(Inst::Label(skip));
     Ok(())
 }
@@ -2387,24 +2367,32 @@ fn promote(
     acc: &[Reg],
 ) {
     let first = k.setp(CmpOp::Eq, kt, Operand::Reg(ks));
+    let mut factor = std::collections::HashMap::new();
+    accumulate_scaled(k, first, part, acc, |k, i| {
+        let tc = token_class(cfg, i as u32);
+        *factor
+            .entry(tc)
+            .or_insert_with(|| fmul(k, sc.sx[tc], sc.sw))
+    });
+}
+
+/// `acc[i] = part[i] * factor(i) + (first ? 0 : acc[i])` for every slot: a promotion of a partial
+/// sum into the f32 total (`=` where `first`).
+fn accumulate_scaled(
+    k: &mut K,
+    first: Reg,
+    part: &[Reg],
+    acc: &[Reg],
+    mut factor: impl FnMut(&mut K, usize) -> Reg,
+) {
     let zero = k.b.reg(RegClass::F32);
     k.b.push(Inst::Un {
         op: crate::ptx::UnOpcode::Mov(PtxTy::F32),
         d: zero,
         a: Operand::F32(0.0),
     });
-    let mut factor = std::collections::HashMap::new();
     for (i, (&p, &a)) in part.iter().zip(acc).enumerate() {
-        let tc = token_class(cfg, i as u32);
-        let fac = match factor.get(&tc) {
-            Some(&r) => r,
-            None => {
-                let r = fmul(k, sc.sx[tc], sc.sw);
-                factor.insert(tc, r);
-                r
-            }
-        };
-        // acc = first ? 0 : acc; acc = part * fac + acc.
+        let fac = factor(k, i);
         k.b.push(Inst::Selp {
             ty: PtxTy::F32,
             d: a,
