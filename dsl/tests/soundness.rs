@@ -1765,6 +1765,9 @@ fn bindings(case: &Case, rng: &mut Rng) -> Vec<Vec<i128>> {
 /// `Err`: a division that is not exact at this binding).
 fn largest_size(case: &Case, env: &[i128]) -> Result<Option<i128>, String> {
     let mut max = 0i128;
+    // Every param's shapes, and every view's own shape (its elements: a broadcast view counts its
+    // coordinates; the intermediate layouts of its definition are not tensors of the module).
+    let mut all: Vec<(&Param, Vec<Vec<Sz>>)> = Vec::new();
     for (i, p) in case.params.iter().enumerate() {
         if !case.p_alive[i] {
             continue;
@@ -1773,6 +1776,22 @@ fn largest_size(case: &Case, env: &[i128]) -> Result<Option<i128>, String> {
         if let Some((m, k)) = &p.tile {
             shapes.push(vec![Sz::D(0), m.clone(), k.clone()]);
         }
+        all.push((p, shapes));
+    }
+    for (i, v) in case.views.iter().enumerate() {
+        if !case.v_alive[i] || !case.p_alive[v.param] {
+            continue;
+        }
+        // (A view whose extents do not divide exactly here is not rendered as a valid one: its
+        // own checks cover it.)
+        let Some(last) = case.view_shapes(v).pop() else {
+            continue;
+        };
+        if last.iter().all(|x| !matches!(x.eval(env), Err(Bad::Inexact))) {
+            all.push((&case.params[v.param], vec![last]));
+        }
+    }
+    for (p, shapes) in all {
         for s in shapes {
             let mut n = Some(1i128);
             for x in &s {
