@@ -57,11 +57,11 @@ pub struct GemmWeights {
     /// per byte in the kernel's order within a row; [`GemmWeights::paired`] rows in the paired
     /// order).
     pub codes: Vec<u8>,
-    /// The weight scales in the GEMM's layout (empty without scaling); 4-bit weights: one
-    /// factor per slot.
+    /// The weight scales in the GEMM's layout (empty without scaling and for group-wise int8);
+    /// 4-bit weights: one factor per slot.
     pub scales: Vec<f32>,
     /// 4-bit weights' group scales, `[slots, scale tiles, N, groups per k-tile]` (`W4::group_scale_at`) (E4M3 or E8M0 bytes, or bf16);
-    /// empty for other operands.
+    /// group-wise int8's, `[slots, groups, N]` f32 (little-endian); empty for other operands.
     pub group_scales: Vec<u8>,
     /// Whether the codes differ from the stored param's bytes (a recipe that stores another row
     /// order or layout): the operand is then a re-laid-out copy.

@@ -196,9 +196,15 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
                         let zs = l.zeros.get(at..at + g.min(k - q * g)).ok_or_else(|| {
                             format!("slot {e}, row {j}: no zero points for scale group {q}")
                         })?;
-                        if zs.iter().any(|&z| z != zs[0] || z > 15) {
+                        if zs.iter().any(|&z| z != zs[0]) {
                             return Err(format!(
                                 "slot {e}, row {j}: the elements of scale group {q} do not share one u4 zero point"
+                            ));
+                        }
+                        if zs[0] > 15 {
+                            return Err(format!(
+                                "slot {e}, row {j}: zero point {} of scale group {q} is not a u4",
+                                zs[0]
                             ));
                         }
                         *b |= u32::from(GroupScale::zero_point_bits(zs[0] as u8)) << 16;

@@ -1068,3 +1068,76 @@ fn the_gpu_layer_names_int8_depths_its_gemm_does_not_take() {
         "{err}"
     );
 }
+
+/// Group-wise int8's GPU operand against the reference quantizer run here on the checkpoint's own
+/// weights (not through the layer's reader): its `[slots, groups, N]` f32 group scales are
+/// `reference::int8_per_group`'s scales of each row, and its codes that quantizer's codes; groups
+/// shorter than the GEMM's k-tile are refused by name.
+#[test]
+fn group_wise_int8_operands_equal_the_reference_quantizer() {
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let bind = format!("E={E},H={H},I={I}");
+    let std_r = moeforge::kernels::find("int8_g128").unwrap();
+    let packed = d.join("g128.safetensors");
+    pack(std_r.path, &ck, &packed);
+    let info = moeforge::verify_source(std_r.source, std_r.path, Some(&bind)).unwrap();
+    let params = params_of(&packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let ops = operands(&layer).unwrap();
+    for (g, x, n, k) in [
+        (
+            &ops.w13,
+            (0..E).flat_map(w13).collect::<Vec<f32>>(),
+            2 * I,
+            H,
+        ),
+        (&ops.w2, (0..E).flat_map(w2).collect::<Vec<f32>>(), H, I),
+    ] {
+        assert_eq!(
+            g.scaling,
+            moeforge::codegen::gemm::ws::Scaling::PerRowGroup { group: 128 }
+        );
+        let (q, s) = r::int8_per_group(&x, 128);
+        let groups = k / 128;
+        for e in 0..E {
+            for row in 0..n {
+                for j in 0..groups {
+                    let o = ((e * groups + j) * n + row) * 4;
+                    let got = f32::from_le_bytes(g.group_scales[o..o + 4].try_into().unwrap());
+                    assert_eq!(got, s[(e * n + row) * groups + j], "{e} {row} {j}");
+                }
+                for col in 0..k {
+                    let code = gr::i8_kernel_code(&g.codes, e * n + row, col, k);
+                    assert_eq!(code, q[(e * n + row) * k + col], "{e} {row} {col}");
+                }
+            }
+        }
+    }
+    // Groups of 32: the host layer runs them, the GPU layer refuses them by name.
+    let src = std_r
+        .source
+        .replace("group = 128", "group = 32")
+        .replace("/128]", "/32]");
+    let path = d.join("int8_g32.recipe");
+    std::fs::write(&path, &src).unwrap();
+    let packed = d.join("g32.safetensors");
+    pack(path.to_str().unwrap(), &ck, &packed);
+    let info = moeforge::verify_source(&src, path.to_str().unwrap(), Some(&bind)).unwrap();
+    let params = params_of(&packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let err = operands(&layer).unwrap_err().to_string();
+    assert!(
+        err.contains("group-wise int8 weights with groups of 32") && err.contains("at least 64"),
+        "{err}"
+    );
+}

@@ -1329,6 +1329,7 @@ fn group_wise_int8_promotes_each_group_and_assembles() {
             "at least 64",
         ),
         (WsConfig { bn: 128, ..ok }, "at most 64"),
+        (WsConfig { n: 4094, ..ok }, "a multiple of 4"),
         (
             WsConfig {
                 swap_ab: false,

@@ -1787,7 +1787,10 @@ fn largest_size(case: &Case, env: &[i128]) -> Result<Option<i128>, String> {
         let Some(last) = case.view_shapes(v).pop() else {
             continue;
         };
-        if last.iter().all(|x| !matches!(x.eval(env), Err(Bad::Inexact))) {
+        if last
+            .iter()
+            .all(|x| !matches!(x.eval(env), Err(Bad::Inexact)))
+        {
             all.push((&case.params[v.param], vec![last]));
         }
     }

@@ -117,7 +117,8 @@ pub struct GemmOperands<'a> {
     /// Weight scales: `[experts]` (tensorwise), `[experts, ceil(N/128), ceil(K/128)]` (block128).
     pub w_scale: Option<&'a CudaSlice<f32>>,
     /// 4-bit weights' group scales, `[experts, scale tiles, N, groups per k-tile]`
-    /// (`W4::group_scale_at`; E4M3 or E8M0 bytes, or bf16).
+    /// (`W4::group_scale_at`; E4M3 or E8M0 bytes, bf16, or bf16 with zero points); group-wise
+    /// int8's (`Scaling::PerRowGroup`), `[experts, ceil(K / group), N]` f32.
     pub group_scales: Option<&'a CudaSlice<u8>>,
     /// Rows of X.
     pub t: usize,

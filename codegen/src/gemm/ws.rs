@@ -532,8 +532,8 @@ impl WsConfig {
 
     /// Bytes of the scales of one stage, padded to whole KiB so that the next stage stays
     /// 1024-byte aligned: block-scaled, the weight-scale box at 0 and the activation scales of the
-    /// tile's token rows at [`BLOCK_SCALE_X_AT`]; 4-bit weights, the k-tile's group scales
-    /// ([`WsConfig::group_scale_bytes`]); 0 otherwise.
+    /// tile's token rows at [`BLOCK_SCALE_X_AT`]; 4-bit weights and group-wise int8, the k-tile's
+    /// group scales ([`WsConfig::group_scale_bytes`]); 0 otherwise.
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => {
@@ -544,8 +544,8 @@ impl WsConfig {
         }
     }
 
-    /// TMA bytes of a stage's scales: block-scaled, the two boxes; 4-bit weights, the group-scale
-    /// box; 0 otherwise.
+    /// TMA bytes of a stage's scales: block-scaled, the two boxes; 4-bit weights and group-wise
+    /// int8, the group-scale box; 0 otherwise.
     pub const fn scale_tx_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens() + BLOCK_SCALE_PAD),
@@ -797,7 +797,8 @@ impl WsConfig {
             (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
             (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
                 // Whole k-tiles a group, and a second accumulator (the group's partial sum): BN at
-                // most 64, as the tuner's decode tiles; the int8 form's other rules below.
+                // most 64, as the tuner's decode tiles; the group scales' TMA rows (4 N bytes) a
+                // multiple of 16 bytes; and the int8 form's rules (as for per-row scales).
                 if group < 64 || !group.is_power_of_two() {
                     return bad(format!(
                         "group-wise int8 with groups of {group} (a power of two, at least 64)"
@@ -807,6 +808,12 @@ impl WsConfig {
                     return bad(format!(
                         "group-wise int8 with BN = {} (at most 64: the group's partial sum is a second accumulator)",
                         self.bn
+                    ));
+                }
+                if !self.n.is_multiple_of(4) {
+                    return bad(format!(
+                        "group-wise int8 with N = {} (a multiple of 4: a row of f32 group scales is a TMA row of 16-byte multiples)",
+                        self.n
                     ));
                 }
                 if !self.swap_ab {

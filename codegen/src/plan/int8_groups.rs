@@ -28,6 +28,9 @@ impl Planner<'_> {
             src_row,
             ..
         } = ctx.clone();
+        if group <= 0 || cols % group != 0 {
+            return Err(Error::Internal("int8 groups do not divide the rows"));
+        }
         // A rank's cut of the columns must keep whole groups (each group's amax is its own).
         ctx.check_cut((1, group))?;
         self.quants.insert(
@@ -38,9 +41,6 @@ impl Planner<'_> {
                 fp8_scale: None,
             },
         );
-        if group <= 0 || cols % group != 0 {
-            return Err(Error::Internal("int8 groups do not divide the rows"));
-        }
         let ng = cols / group;
         let sb = scl.as_ref().map(|x| x.0);
         self.kernel(format!("{tag}_quant"), ne * rows * ng, |em, it0| {
