@@ -254,6 +254,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         // Group-wise int8 (groups of 128 and 64, each group's sum promoted by its row's scale):
         // one and two consumers, split-K (a range starting inside a group).
         ra(i8g128, OutTy::Bf16, 1, 8, 8),
+        // (and its prefill tile: two consumers, 128 tokens)
+        ra(i8g128, OutTy::F32, 2, 128, 4),
         ra(i8g128, OutTy::F32, 2, 16, 8),
         ra(
             (Operands::I8Bf16, Scaling::PerRowGroup { group: 64 }),
@@ -285,6 +287,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (ra(mxfp4, OutTy::Bf16, 2, 8, 8), 2),
         (ra(int4z, OutTy::Bf16, 2, 8, 8), 1),
         (ra(i8g128, OutTy::Bf16, 2, 8, 8), 1),
+        (ra(i8g128, OutTy::Bf16, 2, 128, 4), 1),
         (ra(i8, OutTy::Bf16, 1, 128, 4), 1),
         (ra(i8, OutTy::Bf16, 2, 256, 4), 1),
     ]

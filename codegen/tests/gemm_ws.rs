@@ -1273,6 +1273,7 @@ fn group_wise_int8_promotes_each_group_and_assembles() {
         (1, 64, 1, Epilogue::Store, 64),
         (2, 8, 3, Epilogue::Store, 256),
         (2, 8, 1, Epilogue::SiluMul, 128),
+        (2, 128, 1, Epilogue::SiluMul, 128),
     ] {
         let c = WsConfig {
             operands: Operands::I8Bf16,
@@ -1284,10 +1285,10 @@ fn group_wise_int8_promotes_each_group_and_assembles() {
             stages: 8,
             ..decode()
         };
-        let c = if bn == 64 {
-            WsConfig { stages: 6, ..c }
-        } else {
-            c
+        let c = match bn {
+            64 => WsConfig { stages: 6, ..c },
+            128 => WsConfig { stages: 4, ..c },
+            _ => c,
         };
         let tag = c.tag();
         assert!(
@@ -1329,6 +1330,15 @@ fn group_wise_int8_promotes_each_group_and_assembles() {
             "at least 64",
         ),
         (WsConfig { bn: 128, ..ok }, "at most 64"),
+        (
+            WsConfig {
+                bn: 256,
+                consumers: 2,
+                stages: 4,
+                ..ok
+            },
+            "at most 128",
+        ),
         (WsConfig { n: 4094, ..ok }, "a multiple of 4"),
         (
             WsConfig {

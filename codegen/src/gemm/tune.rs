@@ -75,7 +75,10 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         // DeepSeek-V3 1 token 71.0 us against 56.6 unsplit).
         .filter(|&&(_, _, _, _, split_k)| !int8 || split_k == 1)
         // Group-wise int8: a second accumulator (the group's partial sum) caps BN at 64.
-        .filter(|&&(_, bn, _, _, _)| !matches!(scaling, Scaling::PerRowGroup { .. }) || bn <= 64)
+        .filter(|&&(consumers, bn, _, _, _)| {
+            !matches!(scaling, Scaling::PerRowGroup { .. })
+                || bn <= if consumers >= 2 { 128 } else { 64 }
+        })
         .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
             operands,
             scaling,

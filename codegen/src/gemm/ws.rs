@@ -804,10 +804,13 @@ impl WsConfig {
                         "group-wise int8 with groups of {group} (a power of two, at least 64)"
                     ));
                 }
-                if self.bn > 64 {
+                // (As the block-scaled family: the total and the partial sum within the registers
+                // of a two-consumer CTA at BN 128, of a one-consumer one at 64.)
+                let most = if self.consumers >= 2 { 128 } else { 64 };
+                if self.bn > most {
                     return bad(format!(
-                        "group-wise int8 with BN = {} (at most 64: the group's partial sum is a second accumulator)",
-                        self.bn
+                        "group-wise int8 with BN = {} (at most {most} with {} consumer warpgroup(s): the group's partial sum is a second accumulator)",
+                        self.bn, self.consumers
                     ));
                 }
                 if !self.n.is_multiple_of(4) {
