@@ -1028,7 +1028,6 @@ fn the_gpu_layer_needs_a_hopper_binding_for_its_weights() {
 /// configuration.
 #[test]
 fn the_gpu_layer_names_int8_depths_its_gemm_does_not_take() {
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (h, i) = (256usize, 264usize);
@@ -1051,22 +1050,34 @@ fn the_gpu_layer_names_int8_depths_its_gemm_does_not_take() {
         .source
         .replace("H % 16 == 0, I % 16 == 0", "H % 8 == 0, I % 8 == 0");
     assert_ne!(src, std_r.source);
-    let path = d.join("int8_k8.recipe");
-    std::fs::write(&path, &src).unwrap();
-    let packed = d.join("p.safetensors");
-    pack(path.to_str().unwrap(), &ck, &packed);
     let bind = format!("E={E},H={h},I={i}");
-    let info = moeforge::verify_source(&src, path.to_str().unwrap(), Some(&bind)).unwrap();
+    let err = gpu_operands_of(d, "int8_k8.recipe", &src, &ck, &bind).unwrap_err();
+    assert!(
+        err.contains("`w2`: int8 weights with K = 264") && err.contains("takes K a multiple of 16"),
+        "{err}"
+    );
+}
+
+/// Checkpoint `ck` packed with the recipe `src` (written to `dir/<file>`) and bound at `bind`:
+/// the GPU layer's operands, or its refusal.
+fn gpu_operands_of(
+    dir: &Path,
+    file: &str,
+    src: &str,
+    ck: &Path,
+    bind: &str,
+) -> Result<moeforge::moe_gpu::LayerOperands, String> {
+    let path = dir.join(file);
+    std::fs::write(&path, src).unwrap();
+    let packed = dir.join(format!("{file}.safetensors"));
+    pack(path.to_str().unwrap(), ck, &packed);
+    let info = moeforge::verify_source(src, path.to_str().unwrap(), Some(bind)).unwrap();
     let params = params_of(&packed);
     let layer = moeforge::moe_host::Layer {
         info: &info,
         params: &params,
     };
-    let err = operands(&layer).unwrap_err().to_string();
-    assert!(
-        err.contains("`w2`: int8 weights with K = 264") && err.contains("takes K a multiple of 16"),
-        "{err}"
-    );
+    moeforge::moe_gpu::operands(&layer).map_err(|e| e.to_string())
 }
 
 /// Group-wise int8's GPU operand against the reference quantizer run here on the checkpoint's own
@@ -1075,22 +1086,13 @@ fn the_gpu_layer_names_int8_depths_its_gemm_does_not_take() {
 /// shorter than the GEMM's k-tile are refused by name.
 #[test]
 fn group_wise_int8_operands_equal_the_reference_quantizer() {
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
     let bind = format!("E={E},H={H},I={I}");
     let std_r = moeforge::kernels::find("int8_g128").unwrap();
-    let packed = d.join("g128.safetensors");
-    pack(std_r.path, &ck, &packed);
-    let info = moeforge::verify_source(std_r.source, std_r.path, Some(&bind)).unwrap();
-    let params = params_of(&packed);
-    let layer = moeforge::moe_host::Layer {
-        info: &info,
-        params: &params,
-    };
-    let ops = operands(&layer).unwrap();
+    let ops = gpu_operands_of(d, "int8_g128.recipe", std_r.source, &ck, &bind).unwrap();
     for (g, x, n, k) in [
         (
             &ops.w13,
@@ -1125,17 +1127,7 @@ fn group_wise_int8_operands_equal_the_reference_quantizer() {
         .source
         .replace("group = 128", "group = 32")
         .replace("/128]", "/32]");
-    let path = d.join("int8_g32.recipe");
-    std::fs::write(&path, &src).unwrap();
-    let packed = d.join("g32.safetensors");
-    pack(path.to_str().unwrap(), &ck, &packed);
-    let info = moeforge::verify_source(&src, path.to_str().unwrap(), Some(&bind)).unwrap();
-    let params = params_of(&packed);
-    let layer = moeforge::moe_host::Layer {
-        info: &info,
-        params: &params,
-    };
-    let err = operands(&layer).unwrap_err().to_string();
+    let err = gpu_operands_of(d, "int8_g32.recipe", &src, &ck, &bind).unwrap_err();
     assert!(
         err.contains("group-wise int8 weights with groups of 32") && err.contains("at least 64"),
         "{err}"
