@@ -251,13 +251,12 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             // (groups of a power of two, at least 64) with each group's sum promoted by its row's
             // scale, which the layer writes `[E, groups, N]` from the recipe's scale param.
             dsl::ir::DType::I8 => match info.quantization_of(gemm).map(|q| (q.scheme, q.scales)) {
-                Some((dsl::ir::QuantScheme::Int8Group { group }, Some(sc))) => u32::try_from(group)
-                    .ok()
-                    .filter(|g| *g >= 64 && g.is_power_of_two())
-                    .and_then(|group| {
+                Some((dsl::ir::QuantScheme::Int8Group { group }, Some(sc))) => {
+                    Scaling::per_row_group(group).and_then(|scaling| {
                         let p = module.tensor(sc.param)?.name.clone();
-                        Some((Operands::I8Bf16, Scaling::PerRowGroup { group }, Some(p)))
-                    }),
+                        Some((Operands::I8Bf16, scaling, Some(p)))
+                    })
+                }
                 _ => weight_scale(info, name, e, n, k)
                     .filter(|(_, s)| *s == Scaling::PerRow)
                     .map(|(p, s)| (Operands::I8Bf16, s, Some(p))),

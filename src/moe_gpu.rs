@@ -239,14 +239,11 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         // Group-wise int8 with bf16 activations: W8A16 with each group's partial sum promoted by
         // its row's scale (groups of a power of two, at least 64: whole k-tiles).
         (Some(QuantScheme::Int8Group { group }), Feed::Bf16) => {
-            let g = u32::try_from(group)
-                .ok()
-                .filter(|g| *g >= 64 && g.is_power_of_two());
-            match g {
-                Some(group)
+            match Scaling::per_row_group(group) {
+                Some(scaling)
                     if k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) =>
                 {
-                    (Operands::I8Bf16, Scaling::PerRowGroup { group })
+                    (Operands::I8Bf16, scaling)
                 }
                 _ => {
                     return Err(unsupported(

@@ -652,10 +652,23 @@ fn recipes_without_a_gemm_variant_fail_gemm_and_note_it_in_all() {
         .replace("/128]", "/32]");
     std::fs::write(&i8g, &src32).unwrap();
     let i8g = i8g.to_str().unwrap();
+    // And asymmetric INT4 in groups of 16 (zero points take groups of at least 32 on the GPU).
+    let z16 = dir.path().join("int4_zp_g16.recipe");
+    let src16 = moeforge::kernels::find("int4_g128_zp")
+        .unwrap()
+        .source
+        .replace("group = 128", "group = 16")
+        .replace("/128]", "/16]");
+    std::fs::write(&z16, &src16).unwrap();
+    let z16 = z16.to_str().unwrap();
     for (recipe, want) in [
         (
             g8.to_str().unwrap(),
             "no GEMM variant for u4 weights (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and INT4 with groups of a power of two",
+        ),
+        (
+            z16,
+            "no GEMM variant for u4 weights (W4A16 takes E2M1 codes with E4M3 scales per 16 or E8M0 per 32, and INT4 with groups of a power of two (at least 32 with zero points)",
         ),
         (
             i8g,

@@ -383,6 +383,16 @@ pub enum Scaling {
 }
 
 impl Scaling {
+    /// The group-wise int8 scaling of groups of `group` along K, where the GEMM serves it: a power
+    /// of two, at least 64 (whole k-tiles). The one rule the configuration check, the GEMM plan
+    /// and the layer follow.
+    pub fn per_row_group(group: i64) -> Option<Scaling> {
+        u32::try_from(group)
+            .ok()
+            .filter(|g| *g >= 64 && g.is_power_of_two())
+            .map(|group| Scaling::PerRowGroup { group })
+    }
+
     /// Whether the kernel reads activation scales (`x_scale`): the FP8 families.
     pub const fn takes_x_scale(self) -> bool {
         matches!(self, Scaling::Tensorwise { .. } | Scaling::Block128)
@@ -799,7 +809,7 @@ impl WsConfig {
                 // Whole k-tiles a group, and a second accumulator (the group's partial sum): BN at
                 // most 64, as the tuner's decode tiles; the group scales' TMA rows (4 N bytes) a
                 // multiple of 16 bytes; and the int8 form's rules (as for per-row scales).
-                if group < 64 || !group.is_power_of_two() {
+                if Scaling::per_row_group(group.into()).is_none() {
                     return bad(format!(
                         "group-wise int8 with groups of {group} (a power of two, at least 64)"
                     ));
@@ -2318,8 +2328,12 @@ fn promote_row_groups(
     (frag, part, acc): (&Frag, &[Reg], &[Reg]),
 ) -> Result<()> {
     let kpg = i64::from((group / 64).max(1));
-    let in_group = k.bin(BinOpcode::And, PtxTy::B32, kt, Operand::Int(kpg - 1));
-    let later_in_group = k.setp(CmpOp::Ne, in_group, Operand::Int(0));
+    // Whether k-tile `x` starts a group (`x % kpg`, as `cmp`: `Ne` for not).
+    let starts_group = |k: &mut K, x: Reg, cmp: CmpOp| {
+        let within = k.bin(BinOpcode::And, PtxTy::B32, x, Operand::Int(kpg - 1));
+        k.setp(cmp, within, Operand::Int(0))
+    };
+    let later_in_group = starts_group(k, kt, CmpOp::Ne);
     let not_first = k.setp(CmpOp::Ne, kt, Operand::Reg(f.ks));
     let accumulate = k.bin(
         BinOpcode::And,
@@ -2331,8 +2345,7 @@ fn promote_row_groups(
     k.b.emit(AsyncOp::WgmmaWaitGroup(0))?;
     // The group ends here: the next k-tile starts another, or the range ends.
     let next = k.bin(BinOpcode::Add, PtxTy::U32, kt, Operand::Int(1));
-    let next_in = k.bin(BinOpcode::And, PtxTy::B32, next, Operand::Int(kpg - 1));
-    let ends_group = k.setp(CmpOp::Eq, next_in, Operand::Int(0));
+    let ends_group = starts_group(k, next, CmpOp::Eq);
     let ends_range = k.setp(CmpOp::Eq, next, Operand::Reg(f.ke));
     let last = k.bin(
         BinOpcode::Or,

@@ -34,7 +34,6 @@ impl Planner<'_> {
             vals,
             scl,
             zer,
-            src_row,
             ..
         } = ctx.clone();
         // Two groups' zero points share a byte: an item takes both.
@@ -55,15 +54,7 @@ impl Planner<'_> {
         let ipr = ng / gpi;
         let sb = scl.as_ref().map(|x| x.0);
         self.kernel(format!("{tag}_quant"), ne * rows * ipr, |em, it0| {
-            let row = em.set(Ty::I64, e::div(it0.clone(), ipr));
-            let pair = em.set(Ty::I64, e::rem(it0, ipr));
-            let ex = em.set(Ty::I64, e::div(row.clone(), rows));
-            let r = em.set(Ty::I64, e::rem(row.clone(), rows));
-            let sr = src_row(em, r);
-            let base = em.set(
-                Ty::I64,
-                e::add(e::mul(ex, e::i(rows * cols)), e::mul(sr, e::i(cols))),
-            );
+            let (row, pair, base) = ctx.row_item(em, it0, ipr);
             let mut zs: Vec<Expr> = Vec::new();
             for k in 0..gpi {
                 let j = em.set(Ty::I64, e::add(e::mul(pair.clone(), e::i(gpi)), e::i(k)));

@@ -25,7 +25,6 @@ impl Planner<'_> {
             cols,
             vals,
             scl,
-            src_row,
             ..
         } = ctx.clone();
         if group <= 0 || cols % group != 0 {
@@ -44,18 +43,8 @@ impl Planner<'_> {
         let ng = cols / group;
         let sb = scl.as_ref().map(|x| x.0);
         self.kernel(format!("{tag}_quant"), ne * rows * ng, |em, it0| {
-            let row = em.set(Ty::I64, e::div(it0.clone(), ng));
-            let j = em.set(Ty::I64, e::rem(it0, ng));
-            let ex = em.set(Ty::I64, e::div(row.clone(), rows));
-            let r = em.set(Ty::I64, e::rem(row.clone(), rows));
-            let sr = src_row(em, r);
-            let b0 = em.set(
-                Ty::I64,
-                e::add(
-                    e::add(e::mul(ex, e::i(rows * cols)), e::mul(sr, e::i(cols))),
-                    e::mul(j.clone(), e::i(group)),
-                ),
-            );
+            let (row, j, base) = ctx.row_item(em, it0, ng);
+            let b0 = em.set(Ty::I64, e::add(base, e::mul(j.clone(), e::i(group))));
             // Pass 1: the group's amax.
             let hi = em.var(Ty::F32, e::f(0.0));
             em.for_(e::i(0), e::i(group), |b, c| {

@@ -184,6 +184,29 @@ pub(super) struct QuantCtx<'r> {
 }
 
 impl QuantCtx<'_> {
+    /// A work item `it0` of `per_row` items per row (`E * rows * per_row` in all): its row (over
+    /// every expert), its index within the row, and the input offset of its source row's first
+    /// element (through the row gather).
+    pub(super) fn row_item(
+        &self,
+        em: &mut Emit<'_>,
+        it0: Expr,
+        per_row: i64,
+    ) -> (Expr, Expr, Expr) {
+        use crate::kir::e;
+        let (rows, cols) = (self.rows, self.cols);
+        let row = em.set(Ty::I64, e::div(it0.clone(), per_row));
+        let within = em.set(Ty::I64, e::rem(it0, per_row));
+        let ex = em.set(Ty::I64, e::div(row.clone(), rows));
+        let r = em.set(Ty::I64, e::rem(row.clone(), rows));
+        let sr = (self.src_row)(em, r);
+        let base = em.set(
+            Ty::I64,
+            e::add(e::mul(ex, e::i(rows * cols)), e::mul(sr, e::i(cols))),
+        );
+        (row, within, base)
+    }
+
     /// Refuse a cut through this quantization's blocks of `block` (rows, columns) elements: every
     /// block must lie within one rank's run, or its scale would differ from the unsharded one.
     pub(super) fn check_cut(&self, block: (i64, i64)) -> Result<()> {
