@@ -136,6 +136,7 @@ impl WsRunner {
             x_scale: scaled.then_some(&o.x_scale),
             w_scale: scaled.then_some(&o.w_scale),
             group_scales: o.group_scales.as_ref(),
+            w_layout: None,
             t: o.t,
             experts: o.experts,
         };

@@ -95,6 +95,8 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
             _ => Vec::new(),
         },
         relayout: false,
+        access: None,
+        stored: Vec::new(),
     }
 }
 

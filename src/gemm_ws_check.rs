@@ -12,7 +12,10 @@ use std::fmt::Write as _;
 
 use crate::codegen::gemm::act_quant::scales_group_major;
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
-use crate::codegen::gemm::ws::{Epilogue, GroupScale, Operands, OutTy, Scaling, WsConfig, W4};
+use crate::codegen::gemm::wmap::{self, WLayout};
+use crate::codegen::gemm::ws::{
+    Epilogue, GroupScale, Operands, OutTy, Scaling, WRows, WsConfig, W4,
+};
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::{drv, Device};
 use crate::selftest_util::Rng;
@@ -152,6 +155,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         split_k: 1,
         n,
         k,
+        w_rows: WRows::PLAIN,
     };
     let tok = Scaling::Tensorwise { per_token: true };
     let ten = Scaling::Tensorwise { per_token: false };
@@ -296,9 +300,58 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         split_k,
         ..c
     });
+    // Weights read in place through a recipe's row modes (`codegen::gemm::wmap`), stored by the
+    // check in a permuted order of those modes ([`in_place_operand`]): `[gate; up]` rows read in
+    // the fused epilogue's paired order (8 rows, the halves, blocks of 8), up-before-gate rows
+    // interleaved by 64 read up-first (the expert folded into a rank-5 map), and rows interleaved
+    // by 8 read in the input's order.
+    let paired = WRows {
+        modes: 3,
+        inner: [8, 2, 0],
+        folded: false,
+        up_first: false,
+    };
+    let interleaved = WRows {
+        modes: 4,
+        inner: [8, 2, 8],
+        folded: true,
+        up_first: true,
+    };
+    let by8 = WRows {
+        modes: 3,
+        inner: [8, (n / 16).max(2), 0],
+        folded: false,
+        up_first: false,
+    };
+    let fused = |c: WsConfig, w_rows| WsConfig {
+        epilogue: Epilogue::SiluMul,
+        w_rows,
+        ..c
+    };
+    let in_place = [
+        fused(v(b, Scaling::None, OutTy::Bf16, 2, 128, 6, false), paired),
+        fused(v(b, Scaling::None, OutTy::F32, 1, 16, 8, true), paired),
+        fused(v(e, tok, OutTy::Bf16, 2, 128, 6, false), interleaved),
+        fused(v(e, tok, OutTy::F32, 1, 16, 8, true), interleaved),
+        WsConfig {
+            split_k: 2,
+            ..fused(v(b, Scaling::None, OutTy::Bf16, 1, 8, 8, true), interleaved)
+        },
+        WsConfig {
+            w_rows: by8,
+            ..v(b, Scaling::None, OutTy::F32, 1, 8, 8, true)
+        },
+        WsConfig {
+            w_rows: by8,
+            ..v(e, ten, OutTy::Bf16, 2, 128, 6, false)
+        },
+    ];
     plain
         .into_iter()
         .chain(silu)
+        .chain(in_place)
+        // In-place row modes where the shape has them (and a tile is a box of them).
+        .filter(|c| c.w_rows == WRows::PLAIN || c.w_rows.check(n, c.tile_weights()).is_ok())
         // 4-bit weights only where their TMA boxes fit the shape; the fused epilogue where gate
         // and up rows pair (N a multiple of 16).
         .filter(|c| match c.operands {
@@ -611,6 +664,87 @@ fn sample_rows(rng: &mut Rng, starts: &[usize], n: usize, k: usize) -> Vec<(usiz
     rows.into_iter().map(|r| (r, expert_of(r))).collect()
 }
 
+/// `w` (`[e, N, K]` in the GEMM's row order) stored as a recipe could store it for `cfg`'s row
+/// modes: the modes laid out compactly in one of the orders whose row offsets [`wmap::fit`] reads
+/// back as exactly `cfg.w_rows` (picked at random), after a random prefix of 16 to 128 bytes of
+/// NaN (0xff) that the map's base skips. Returns the buffer and its map.
+fn in_place_operand(
+    rng: &mut Rng,
+    cfg: &WsConfig,
+    w: &[u8],
+    e: usize,
+) -> Result<(Vec<u8>, WLayout)> {
+    let (n, rb) = (
+        cfg.n as usize,
+        cfg.k as usize * cfg.operands.bytes() as usize,
+    );
+    let ext: Vec<usize> = cfg
+        .w_rows
+        .extents(cfg.n)
+        .iter()
+        .map(|&x| x as usize)
+        .collect();
+    let m = ext.len();
+    let place = |stride: &[usize], q: usize| {
+        let (mut p, mut r) = (1, 0);
+        for i in 0..m {
+            r += ((q / p) % ext[i]) * stride[i];
+            p *= ext[i];
+        }
+        r
+    };
+    // Every order of the modes (innermost first) whose compact strides fit back to `w_rows`.
+    let mut orders: Vec<Vec<usize>> = vec![vec![]];
+    for _ in 0..m {
+        orders = orders
+            .into_iter()
+            .flat_map(|o| {
+                (0..m)
+                    .filter(|i| !o.contains(i))
+                    .map(|i| {
+                        let mut v = o.clone();
+                        v.push(i);
+                        v
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+    }
+    let mut fits = Vec::new();
+    for order in orders {
+        let mut stride = vec![0usize; m];
+        let mut acc = 1;
+        for &i in &order {
+            stride[i] = acc;
+            acc *= ext[i];
+        }
+        let off: Vec<i64> = (0..n).map(|q| (place(&stride, q) * rb) as i64).collect();
+        if let Ok(l) = wmap::fit(&off, (n * rb) as i64, e as u64, cfg.w_rows.up_first) {
+            if l.rows == cfg.w_rows {
+                fits.push((stride, l));
+            }
+        }
+    }
+    if fits.is_empty() {
+        return Err(Error::Usage(format!(
+            "GEMM check: no storage order of {}'s row modes {ext:?} fits them back",
+            cfg.tag()
+        )));
+    }
+    let (stride, mut layout) = fits.swap_remove(rng.below(fits.len()));
+    let base = 16 * (1 + rng.below(8));
+    layout.base = base as u64;
+    let mut bytes = vec![0xffu8; base + e * n * rb];
+    for x in 0..e {
+        for q in 0..n {
+            let from = (x * n + q) * rb;
+            let to = base + (x * n + place(&stride, q)) * rb;
+            bytes[to..to + rb].copy_from_slice(&w[from..from + rb]);
+        }
+    }
+    Ok((bytes, layout))
+}
+
 fn upload<T: cudarc::driver::DeviceRepr>(
     dev: &Device,
     v: &[T],
@@ -678,11 +812,17 @@ fn run_one(
     // Compiled as the layer's GEMMs are (the settings' compiler), with no cache.
     let gemm = GroupedGemm::load_cached(dev, cfg, &crate::runtime::Cache::new(None), compiler)?;
     let dx = upload(dev, op.x)?;
-    // Int8 codes go to the GPU in the kernel's order (the host reference reads them row-major).
-    let dw = if cfg.operands == Operands::I8Bf16 {
-        upload(dev, &reference::i8_kernel_order(op.w, e * n, k))?
+    // Int8 codes go to the GPU in the kernel's order (the host reference reads them row-major);
+    // weights read through row modes, stored in a permuted order of them.
+    let in_place = if cfg.w_rows == WRows::PLAIN {
+        None
     } else {
-        upload(dev, op.w)?
+        Some(in_place_operand(rng, cfg, op.w, e)?)
+    };
+    let dw = match (&in_place, cfg.operands) {
+        (Some((bytes, _)), _) => upload(dev, bytes)?,
+        (None, Operands::I8Bf16) => upload(dev, &reference::i8_kernel_order(op.w, e * n, k))?,
+        (None, _) => upload(dev, op.w)?,
     };
     let doff = upload(dev, &offsets)?;
     let xs_dev = if cfg.scaling == Scaling::Block128 {
@@ -715,6 +855,7 @@ fn run_one(
         x_scale: dxs.as_ref(),
         w_scale: dws.as_ref(),
         group_scales: dgs.as_ref(),
+        w_layout: in_place.as_ref().map(|(_, l)| l),
         t,
         experts: e,
     };
@@ -743,8 +884,13 @@ fn run_one(
             .chunks(n)
             .flat_map(|row| {
                 (0..cols).map(move |o| {
-                    let g = row[(o / 8) * 16 + o % 8];
-                    let u = row[(o / 8) * 16 + 8 + o % 8];
+                    let (first, second) =
+                        (row[(o / 8) * 16 + o % 8], row[(o / 8) * 16 + 8 + o % 8]);
+                    let (g, u) = if cfg.w_rows.up_first {
+                        (second, first)
+                    } else {
+                        (first, second)
+                    };
                     g / (1.0 + (-g).exp()) * u
                 })
             })
@@ -892,6 +1038,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             split_k: 1,
             n: n as u32,
             k: k as u32,
+            w_rows: WRows::PLAIN,
         };
         let wbytes = e * n * operands.w_row_bytes(k as u64) as usize;
         let dw = upload(dev, &vec![0x11u8; wbytes])?;
@@ -918,6 +1065,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
                 _ => None,
             },
             group_scales: dgs.as_ref(),
+            w_layout: None,
             t,
             experts: e,
         };

@@ -24,6 +24,7 @@ pub mod demo_moe;
 pub mod dequant;
 pub mod eplb_apply;
 pub mod eplb_nccl;
+pub mod gemm_access;
 pub mod gemm_check;
 pub mod gemm_variants;
 pub mod gemm_warmup;

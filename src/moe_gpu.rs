@@ -18,8 +18,9 @@
 //!
 //! For the standard `bf16`, `fp8_per_tensor` and `fp8_block128` recipes the stored order is the
 //! input's, so the operand is the param's bytes; [`GemmWeights::relayout`] says whether it was not.
-//! Reading the params in place through the layout algebra inside the kernel is issue \[8\] item 2,
-//! not built.
+//! bf16 and E4M3 weights are also read in place where the param's storage is a TMA map of rows
+//! ([`crate::gemm_access`], issue \[8\] item 2): [`GemmWeights::in_place`] gives the map, plain or
+//! in the fused epilogue's paired order, and [`GemmWeights::stored`] the bytes it reads.
 //!
 //! # What runs on the GPU
 //! bf16 weights with bf16 activations; E4M3 per-tensor weights with per-token dynamic or static
@@ -30,9 +31,11 @@
 
 use std::collections::HashMap;
 
+use crate::codegen::gemm::wmap::WLayout;
 use crate::codegen::gemm::ws::{Operands, Scaling};
 use crate::dsl::ir::{Fp8Granularity, QuantScheme};
 use crate::dsl::ModuleInfo;
+use crate::gemm_access::{Access, WeightAccess};
 use crate::moe_host::{dims, Feed, Layer, MoeError};
 
 type Result<T, E = MoeError> = std::result::Result<T, E>;
@@ -66,6 +69,11 @@ pub struct GemmWeights {
     /// Whether the codes differ from the stored param's bytes (a recipe that stores another row
     /// order or layout): the operand is then a re-laid-out copy.
     pub relayout: bool,
+    /// How the GEMM can read the param itself (bf16 and E4M3 weights; `None` for int8 and 4-bit
+    /// codes, which the kernels take in their own order): [`crate::gemm_access`].
+    pub access: Option<WeightAccess>,
+    /// The param's stored bytes where `access` reads any of them in place; else empty.
+    pub stored: Vec<u8>,
 }
 
 /// Everything the GPU layer needs of a recipe's params.
@@ -150,7 +158,20 @@ impl GemmWeights {
             scales,
             group_scales,
             relayout: true,
+            access: None,
+            stored: Vec::new(),
         })
+    }
+
+    /// The param's map where the GEMM reads it in place: rows in the input's order, or
+    /// (`paired`) in the fused epilogue's paired order; `None` where it takes a re-laid copy.
+    pub fn in_place(&self, paired: bool) -> Option<&WLayout> {
+        let a = self.access.as_ref()?;
+        let which = if paired { a.paired.as_ref()? } else { &a.plain };
+        match which {
+            Access::InPlace { layout, .. } if !self.stored.is_empty() => Some(layout),
+            _ => None,
+        }
     }
 }
 
@@ -275,6 +296,8 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
                 scales: w4.factors,
                 group_scales: w4.group_scales,
                 relayout,
+                access: None,
+                stored: Vec::new(),
             });
         }
         (
@@ -394,6 +417,18 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         _ => Vec::new(),
     };
     let relayout = stored_bytes(info, name, layer.params).is_none_or(|b| b != codes.as_slice());
+    // bf16 and E4M3 codes: the param itself, where its storage is a TMA map of rows.
+    let access = (!operands.register_a())
+        .then(|| crate::gemm_access::weight_access(info, name, layer.params, (slots, n, k), elem));
+    let reads_param = access.as_ref().is_some_and(|a| {
+        std::iter::once(&a.plain)
+            .chain(a.paired.as_ref())
+            .any(|x| matches!(x, Access::InPlace { .. }))
+    });
+    let stored = match stored_bytes(info, name, layer.params) {
+        Some(b) if reads_param => b.to_vec(),
+        _ => Vec::new(),
+    };
     Ok(GemmWeights {
         operands,
         scaling,
@@ -404,6 +439,8 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         scales,
         group_scales,
         relayout,
+        access,
+        stored,
     })
 }
 

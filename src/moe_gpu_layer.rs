@@ -35,7 +35,8 @@ use cudarc::driver::CudaSlice;
 
 use crate::codegen::gemm::act_quant::Mode;
 use crate::codegen::gemm::tune;
-use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
+use crate::codegen::gemm::wmap::WLayout;
+use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WRows, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
 use crate::codegen::moe::permute::{Gather, MAX_HIDDEN_E4M3, MAX_TOPK};
 use crate::codegen::reference as r;
@@ -66,19 +67,29 @@ struct DevWeights {
     n: u32,
     k: u32,
     w: CudaSlice<u8>,
+    /// Where `w`'s rows are when it is the recipe's param itself (read in place through its own
+    /// row modes); `None`: the compact operand.
+    layout: Option<WLayout>,
     scale: Option<CudaSlice<f32>>,
     /// 4-bit weights' group scales.
     group_scales: Option<CudaSlice<u8>>,
 }
 
 impl DevWeights {
+    /// Upload `g`: the param's own bytes where `in_place` gives their map (the GEMM then reads
+    /// them through it), else the operand's codes.
     fn upload(
         dev: &Device,
         g: &GemmWeights,
         (out, epilogue): (OutTy, Epilogue),
+        in_place: Option<&WLayout>,
     ) -> Result<DevWeights> {
         let dim = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
+        };
+        let bytes = match in_place {
+            Some(_) => &g.stored,
+            None => &g.codes,
         };
         Ok(DevWeights {
             operands: g.operands,
@@ -87,10 +98,8 @@ impl DevWeights {
             epilogue,
             n: dim(g.n, "N")?,
             k: dim(g.k, "K")?,
-            w: dev
-                .stream
-                .clone_htod(&g.codes)
-                .map_err(drv("cuMemcpyHtoD"))?,
+            w: dev.stream.clone_htod(bytes).map_err(drv("cuMemcpyHtoD"))?,
+            layout: in_place.cloned(),
             scale: if g.scales.is_empty() {
                 None
             } else {
@@ -112,8 +121,15 @@ impl DevWeights {
         })
     }
 
-    /// The candidates, with this GEMM's output and epilogue (those the epilogue can run).
+    /// The row modes its variants are compiled for.
+    fn w_rows(&self) -> WRows {
+        self.layout.as_ref().map_or(WRows::PLAIN, |l| l.rows)
+    }
+
+    /// The candidates, with this GEMM's output, epilogue and weight row modes (those the epilogue
+    /// and the row modes can run).
     fn candidates(&self) -> Vec<WsConfig> {
+        let w_rows = self.w_rows();
         layer_candidates(
             self.operands,
             self.scaling,
@@ -121,6 +137,20 @@ impl DevWeights {
             self.n,
             self.k,
         )
+        .into_iter()
+        .map(|c| WsConfig { w_rows, ..c })
+        .filter(|c| w_rows == WRows::PLAIN || w_rows.check(c.n, c.tile_weights()).is_ok())
+        .collect()
+    }
+
+    /// The tuning cache's form of a variant: its choice does not depend on the weight row modes
+    /// (they change only a tile's TMA coordinates, computed once a tile), so choices are stored
+    /// and looked up with [`WRows::PLAIN`].
+    fn plain(c: &WsConfig) -> WsConfig {
+        WsConfig {
+            w_rows: WRows::PLAIN,
+            ..*c
+        }
     }
 
     /// The tuning-cache key of this GEMM at `rows` rows over `slots` experts.
@@ -149,8 +179,12 @@ impl DevWeights {
     ) -> Result<WsConfig> {
         let all = self.candidates();
         if let Some(e) = tuned.get(&self.key(dev, rows, slots)) {
-            if all.contains(&e.choice) {
-                return Ok(e.choice);
+            let choice = WsConfig {
+                w_rows: self.w_rows(),
+                ..e.choice
+            };
+            if all.contains(&choice) {
+                return Ok(choice);
             }
         }
         tune::default_choice(&all, rows, slots.min(rows).max(1))
@@ -470,21 +504,34 @@ impl GpuLayer {
         };
         let feed2_bf16 = ops.feed2 == Feed::Bf16;
         let form = gemm_form(true, fuse, feed2_bf16, ops.w13.scaling, ops.w13.n);
-        let paired = match form {
-            (_, Epilogue::SiluMul) => ops.w13.paired(),
+        // Fused: the param read in place in the paired order where its rows allow, else a copy
+        // of its rows in that order.
+        let fused_w13 = match form {
+            (_, Epilogue::SiluMul) => match ops.w13.in_place(true) {
+                Some(l) => Some(DevWeights::upload(dev, &ops.w13, form, Some(l))?),
+                None => match ops.w13.paired() {
+                    Some(p) => Some(DevWeights::upload(dev, &p, form, None)?),
+                    None => None,
+                },
+            },
             _ => None,
         };
-        let (w13, act) = match &paired {
+        let (w13, act) = match fused_w13 {
             // Fused: `a` in bf16 for the second GEMM, or in f32 for the E4M3 quantization.
-            Some(p) => (
-                DevWeights::upload(dev, p, form)?,
+            Some(w) => (
+                w,
                 match form.0 {
                     OutTy::Bf16 => None,
                     _ => Some(MoeAct::load(dev, ActIn::F32, out2, i)?),
                 },
             ),
             None => (
-                DevWeights::upload(dev, &ops.w13, (OutTy::F32, Epilogue::Store))?,
+                DevWeights::upload(
+                    dev,
+                    &ops.w13,
+                    (OutTy::F32, Epilogue::Store),
+                    ops.w13.in_place(false),
+                )?,
                 Some(MoeAct::load(dev, ActIn::SiluMul, out2, i)?),
             ),
         };
@@ -501,7 +548,12 @@ impl GpuLayer {
             static2,
             combine: MoeCombine::load(dev, h)?,
             w13,
-            w2: DevWeights::upload(dev, &ops.w2, (OutTy::F32, Epilogue::Store))?,
+            w2: DevWeights::upload(
+                dev,
+                &ops.w2,
+                (OutTy::F32, Epilogue::Store),
+                ops.w2.in_place(false),
+            )?,
             log2phy: dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?,
             logcnt: dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?,
             experts: replicas.experts(),
@@ -892,6 +944,7 @@ impl GpuLayer {
                     x_scale: scaled13.then_some(&s.s13),
                     w_scale: self.w13.scale.as_ref(),
                     group_scales: self.w13.group_scales.as_ref(),
+                    w_layout: self.w13.layout.as_ref(),
                     t: n,
                     experts: r,
                 },
@@ -933,6 +986,7 @@ impl GpuLayer {
                     x_scale: scaled2.then_some(&s.s2),
                     w_scale: self.w2.scale.as_ref(),
                     group_scales: self.w2.group_scales.as_ref(),
+                    w_layout: self.w2.layout.as_ref(),
                     t: n,
                     experts: r,
                 },
@@ -989,9 +1043,12 @@ impl GpuLayer {
             };
             let x_scale = if which == 13 { &s.s13 } else { &s.s2 };
             let gemms = &self.gemms;
-            let (entry, source) = gemm_tune::tune(&self.tuned, &key, all, 3, |cfg| {
+            // (Timed in the layer's own row modes, stored in the plain form: `DevWeights::plain`.)
+            let w_rows = w.w_rows();
+            let plain: Vec<WsConfig> = all.iter().map(DevWeights::plain).collect();
+            let (entry, source) = gemm_tune::tune(&self.tuned, &key, &plain, 3, |cfg| {
                 let g = gemms
-                    .get(cfg)
+                    .get(&WsConfig { w_rows, ..*cfg })
                     .ok_or_else(|| Error::Usage("MoE layer: a candidate is not loaded".into()))?;
                 let op = GemmOperands {
                     x,
@@ -1000,6 +1057,7 @@ impl GpuLayer {
                     x_scale: (w.scaling.takes_x_scale()).then_some(x_scale),
                     w_scale: w.scale.as_ref(),
                     group_scales: w.group_scales.as_ref(),
+                    w_layout: w.layout.as_ref(),
                     t: n,
                     experts: r,
                 };
@@ -1019,13 +1077,14 @@ impl GpuLayer {
                     f64::from(a.elapsed_ms(&b).map_err(drv("cuEventElapsedTime"))?) * 1e3,
                 )
             })?;
+            let choice = WsConfig {
+                w_rows,
+                ..entry.choice
+            };
             if which == 13 {
-                self.current = Some(Current {
-                    c13: entry.choice,
-                    ..cur
-                });
+                self.current = Some(Current { c13: choice, ..cur });
             } else if let Some(c) = self.current.as_mut() {
-                c.c2 = entry.choice;
+                c.c2 = choice;
             }
             sources.push(source);
         }

@@ -1133,3 +1133,133 @@ fn group_wise_int8_operands_equal_the_reference_quantizer() {
         "{err}"
     );
 }
+
+/// bf16 weights stored `[up; gate]` interleaved by 64 (the row order `nvfp4_cutedsl` uses).
+const BF16_INTERLEAVED: &str =
+    "recipe bf16_il(E: experts, H, I) where H % 8 == 0, I % 64 == 0, H <= 16384, I <= 16384 {
+  input w13 : bf16[E, 2*I, H]
+  input w2  : bf16[E, H, I]
+  let rows = interleave(swap_halves(2*I), group = 64)
+  param w13_weight : bf16[E, 2*I, H] = w13[:, rows, :]
+  param w2_weight  : bf16[E, H, I]   = w2
+  activation bf16
+  kernel moe_gemm1(w13_weight) on sm_90a index i32
+  kernel moe_gemm2(w2_weight) on sm_90a index i32
+}
+";
+
+/// The byte offset of GEMM row `q` of expert `e` through an in-place map (the per-row form of
+/// the kernel's tile coordinates, `WRows::coords` with one-row tiles).
+fn in_place_row(l: &moeforge::codegen::gemm::wmap::WLayout, n: usize, q: usize, e: usize) -> usize {
+    let c = l.rows.coords(n as u32, 1, q as u32, e as u32).unwrap();
+    let off: u64 = c
+        .iter()
+        .zip(&l.strides)
+        .map(|(&x, &s)| u64::from(x) * s)
+        .sum();
+    (l.base + off) as usize
+}
+
+/// Issue [8] item 2: bf16 weights are read in place through the recipe's own rows. For the
+/// standard recipe the input-order map is the compact one and the fused epilogue's paired order
+/// is three row modes over the same bytes; for rows stored `[up; gate]` interleaved by 64 the
+/// paired order is four modes read up-first with the expert folded, while the input order (whose
+/// halves would need a negative stride) is re-laid, saying why. Every row the in-place maps
+/// address holds exactly the row of the re-laid operand it stands for.
+#[test]
+fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
+    use moeforge::codegen::gemm::wmap::{WLayout, WRows};
+    use moeforge::gemm_access::Access;
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let il = d.join("bf16_il.recipe");
+    std::fs::write(&il, BF16_INTERLEAVED).unwrap();
+    let bind = format!("E={E},H={H},I={I}");
+    let std_r = moeforge::kernels::find("bf16").unwrap();
+    for (path, src, interleaved) in [
+        (std_r.path.to_string(), std_r.source.to_string(), false),
+        (
+            il.to_str().unwrap().to_string(),
+            BF16_INTERLEAVED.to_string(),
+            true,
+        ),
+    ] {
+        let packed = d.join(format!("{interleaved}.safetensors"));
+        pack(&path, &ck, &packed);
+        let info = moeforge::verify_source(&src, &path, Some(&bind)).unwrap();
+        let params = params_of(&packed);
+        let layer = moeforge::moe_host::Layer {
+            info: &info,
+            params: &params,
+        };
+        let ops = operands(&layer).unwrap();
+        let (w13, w2) = (&ops.w13, &ops.w2);
+        assert_eq!(w13.stored, params["w13_weight"], "{path}");
+        let row = 2 * H;
+        // w2: the compact map over the param itself.
+        assert_eq!(
+            w2.in_place(false),
+            Some(&WLayout::compact(E as u64, H as u64, (2 * I) as u64))
+        );
+        let paired = w13.paired().unwrap();
+        let l = w13
+            .in_place(true)
+            .unwrap_or_else(|| panic!("{path}: {:?}", w13.access));
+        if interleaved {
+            assert_eq!(
+                l.rows,
+                WRows {
+                    modes: 4,
+                    inner: [8, 2, 8],
+                    folded: true,
+                    up_first: true
+                }
+            );
+            let a = w13.access.as_ref().unwrap();
+            match &a.plain {
+                Access::Relaid { why } => assert!(why.contains("stride"), "{why}"),
+                x => panic!("{x:?}"),
+            }
+            assert_eq!(w13.in_place(false), None);
+        } else {
+            assert_eq!(
+                l.rows,
+                WRows {
+                    modes: 3,
+                    inner: [8, 2, 0],
+                    folded: false,
+                    up_first: false
+                }
+            );
+            assert_eq!(
+                w13.in_place(false),
+                Some(&WLayout::compact(E as u64, (2 * I) as u64, row as u64))
+            );
+        }
+        // Every addressed row is the operand's row: the paired copy's (up-first: each 16 rows'
+        // halves swapped), and the input-order codes where that map exists.
+        let n = 2 * I;
+        for e in 0..E {
+            for q in 0..n {
+                let want_q = if l.rows.up_first {
+                    (q / 16) * 16 + (q % 16 + 8) % 16
+                } else {
+                    q
+                };
+                let got = &w13.stored[in_place_row(l, n, q, e)..][..row];
+                assert_eq!(
+                    got,
+                    &paired.codes[(e * n + want_q) * row..][..row],
+                    "{path} e {e} q {q}"
+                );
+                if let Some(p) = w13.in_place(false) {
+                    let got = &w13.stored[in_place_row(p, n, q, e)..][..row];
+                    assert_eq!(got, &w13.codes[(e * n + q) * row..][..row]);
+                }
+            }
+        }
+    }
+}

@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 
 use moeforge_codegen::gemm::tune;
 use moeforge_codegen::gemm::ws::{
-    self, grouped_ws_entry, grouped_ws_module, tile_of, Epilogue, Operands, OutTy, Scaling,
+    self, grouped_ws_entry, grouped_ws_module, tile_of, Epilogue, Operands, OutTy, Scaling, WRows,
     WsConfig, WsTile,
 };
 use moeforge_codegen::ptx::PTX_VERSION;
@@ -51,6 +51,7 @@ fn cfg(
         split_k: 1,
         n,
         k,
+        w_rows: WRows::PLAIN,
     }
 }
 
@@ -762,9 +763,16 @@ fn check_structure(c: &WsConfig, text: &str) {
         "{tag}"
     );
     assert_eq!(count(text, "cp.async.bulk.tensor.2d."), 1, "{tag}");
+    // The weights' load has its map's rank (3 for the compact operand, more for row modes).
+    let w_dim = c.w_rows.rank();
     assert_eq!(
         count(text, "cp.async.bulk.tensor.3d."),
-        1 + group_loads,
+        usize::from(w_dim == 3) + group_loads,
+        "{tag}"
+    );
+    assert_eq!(
+        count(text, &format!("cp.async.bulk.tensor.{w_dim}d.")),
+        if w_dim == 3 { 1 + group_loads } else { 1 },
         "{tag}"
     );
     assert_eq!(
@@ -1404,6 +1412,7 @@ fn int8_weights_feed_register_a_and_assemble() {
         split_k: 1,
         n: 4096,
         k: 7168,
+        w_rows: WRows::PLAIN,
     };
     assert!(ws::grouped_ws_module("x", &bad).is_err());
     let bad = WsConfig {
@@ -1717,4 +1726,119 @@ fn four_bit_group_scales_have_their_sizes() {
         }
         assert_eq!(seen.len() * sb, w.group_scale_bytes(e, n, k), "{w:?}");
     }
+}
+
+/// Weights read through a recipe's row modes (`wmap::WRows`): the weight load takes the map's rank
+/// (`[gate; up]` paired: three row modes and the expert; up-first interleaved by 64: four, the
+/// expert folded; both rank 5) with the
+/// tile's coordinates computed once a tile, the up-first epilogue swaps the pair's roles, the tag
+/// names the modes, and each assembles clean; forms the kernel cannot serve are refused by name.
+#[test]
+fn weights_read_through_row_modes_take_their_rank_and_assemble() {
+    let paired = WRows {
+        modes: 3,
+        inner: [8, 2, 0],
+        folded: false,
+        up_first: false,
+    };
+    let interleaved = WRows {
+        modes: 4,
+        inner: [8, 2, 8],
+        folded: true,
+        up_first: true,
+    };
+    let fused = |c: WsConfig, w_rows| WsConfig {
+        epilogue: Epilogue::SiluMul,
+        w_rows,
+        ..c
+    };
+    let e4m3 = |c: WsConfig| WsConfig {
+        operands: Operands::E4m3,
+        scaling: Scaling::Tensorwise { per_token: true },
+        ..c
+    };
+    let forms = [
+        (fused(base(), paired), "5d", "_w8x2"),
+        (fused(decode(), paired), "5d", "_w8x2"),
+        (fused(e4m3(base()), interleaved), "5d", "_w8x2x8fu"),
+        (fused(e4m3(decode()), interleaved), "5d", "_w8x2x8fu"),
+    ];
+    for (c, dim, suffix) in forms {
+        let tag = c.tag();
+        assert!(tag.ends_with(suffix), "{tag}");
+        let text = grouped_ws_module("k", &c).unwrap();
+        // X's 2-D load and the weights' map of the modes' rank.
+        assert_eq!(
+            count(
+                &text,
+                &format!("cp.async.bulk.tensor.{dim}.shared::cluster")
+            ),
+            1,
+            "{tag}"
+        );
+        assert_eq!(count(&text, "cp.async.bulk.tensor.3d"), 0, "{tag}");
+        assembles_clean(&text, &tag);
+        // The epilogue's pairs: the same multiplies, gate and up swapped where up comes first.
+        let plain = grouped_ws_module(
+            "k",
+            &WsConfig {
+                w_rows: WRows::PLAIN,
+                ..c
+            },
+        )
+        .unwrap();
+        for pat in [
+            "ex2.approx",
+            "wgmma.mma_async",
+            "st.global",
+            "mbarrier",
+            "bar.sync",
+        ] {
+            assert_eq!(count(&text, pat), count(&plain, pat), "{tag}: {pat}");
+        }
+        assert_ne!(text, plain, "{tag}");
+    }
+    // Refused: register-sourced A through row modes; up rows first without the fused epilogue;
+    // modes whose product does not divide N (4104 rows are no whole blocks of 16); a tile that
+    // is no box of the modes (128 rows over modes of 48); a rank-6 map.
+    let i8 = WsConfig {
+        operands: Operands::I8Bf16,
+        scaling: Scaling::PerRow,
+        w_rows: paired,
+        ..decode()
+    };
+    assert!(refused(&i8).contains("row modes"), "{}", refused(&i8));
+    let store_up = WsConfig {
+        w_rows: WRows {
+            up_first: true,
+            ..paired
+        },
+        ..base()
+    };
+    assert!(refused(&store_up).contains("up rows first"));
+    let odd = WsConfig {
+        n: 4104,
+        w_rows: paired,
+        ..base()
+    };
+    assert!(refused(&odd).contains("divide N"), "{}", refused(&odd));
+    let box_ = WsConfig {
+        w_rows: WRows {
+            modes: 2,
+            inner: [48, 0, 0],
+            folded: false,
+            up_first: false,
+        },
+        n: 4608,
+        ..base()
+    };
+    assert!(refused(&box_).contains("box"), "{}", refused(&box_));
+    let rank6 = WsConfig {
+        w_rows: WRows {
+            folded: false,
+            ..interleaved
+        },
+        ..fused(base(), interleaved)
+    };
+    assert!(refused(&rank6).contains("rank-6"), "{}", refused(&rank6));
 }

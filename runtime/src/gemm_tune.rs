@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use moeforge_codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
+use moeforge_codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WRows, WsConfig};
 use serde_json::{json, Value};
 
 use crate::{Device, Error, Result};
@@ -218,6 +218,7 @@ impl TuneEntry {
             split_k: u32_of(c, "split_k")?,
             n: u32_of(c, "n")?,
             k: u32_of(c, "k")?,
+            w_rows: WRows::PLAIN,
         };
         // The tag is what the variant is called everywhere: it must name the same variant.
         if v.get("tag")?.as_str()? != choice.tag() {

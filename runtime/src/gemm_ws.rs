@@ -10,7 +10,8 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfi
 use std::sync::Arc;
 
 use moeforge_codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
-use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WsConfig, BLOCK_SCALE_W_BOX};
+use moeforge_codegen::gemm::wmap::WLayout;
+use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WRows, WsConfig, BLOCK_SCALE_W_BOX};
 
 use crate::cache::{Cache, Hit};
 use crate::jit::Compiler;
@@ -120,6 +121,11 @@ pub struct GemmOperands<'a> {
     /// (`W4::group_scale_at`; E4M3 or E8M0 bytes, bf16, or bf16 with zero points); group-wise
     /// int8's (`Scaling::PerRowGroup`), `[experts, ceil(K / group), N]` f32.
     pub group_scales: Option<&'a CudaSlice<u8>>,
+    /// Where `w`'s rows are, for a variant compiled for the recipe's own row modes
+    /// (`WsConfig::w_rows` not `WRows::PLAIN`; bf16 and E4M3 weights read in place): the
+    /// dimensions after K, their byte strides and the kernel's `WRows` (which must be the
+    /// variant's). `None`: the compact `[experts, N, K]` above.
+    pub w_layout: Option<&'a WLayout>,
     /// Rows of X.
     pub t: usize,
     /// Experts.
@@ -263,7 +269,19 @@ impl GroupedGemm {
         if op.x.len() < t * k * eb {
             return Err(short("x", op.x.len(), t * k * eb));
         }
-        let w_len = e * n * cfg.w_row_bytes() as usize;
+        let compact = WLayout::compact(e as u64, n as u64, cfg.w_row_bytes());
+        let layout = match op.w_layout {
+            None if cfg.w_rows == WRows::PLAIN => &compact,
+            Some(l) if l.rows == cfg.w_rows && !cfg.operands.register_a() => l,
+            _ => {
+                return Err(Error::Placement(format!(
+                    "grouped GEMM {}: the weight layout given is not the one the variant is compiled for ({:?})",
+                    self.entry, cfg.w_rows
+                )))
+            }
+        };
+        // (An in-place layout's expert dimension is the slots it holds, folded or not.)
+        let w_len = usize::try_from(layout.span_bytes(cfg.w_row_bytes())).unwrap_or(usize::MAX);
         if op.w.len() < w_len {
             return Err(short("w", op.w.len(), w_len));
         }
@@ -361,7 +379,7 @@ impl GroupedGemm {
                 w_rows,
             )
             .map_err(map_err)?
-        } else {
+        } else if op.w_layout.is_none() {
             TensorMapParams::expert_k_major(
                 dtype,
                 Swizzle::B128,
@@ -370,6 +388,23 @@ impl GroupedGemm {
                 n as u64,
                 k as u64,
                 w_rows,
+            )
+            .map_err(map_err)?
+        } else {
+            let boxes = cfg.w_rows.boxes(cfg.n, w_rows).ok_or_else(|| {
+                Error::Placement(format!(
+                    "grouped GEMM {}: a tile of {w_rows} weight rows is no box of its row modes",
+                    self.entry
+                ))
+            })?;
+            TensorMapParams::strided_k_major(
+                dtype,
+                Swizzle::B128,
+                wp.saturating_add(layout.base),
+                k as u64,
+                &layout.extents,
+                &layout.strides,
+                &boxes,
             )
             .map_err(map_err)?
         };
@@ -530,6 +565,7 @@ mod tests {
             split_k: 1,
             n: 256,
             k: 512,
+            w_rows: WRows::PLAIN,
         };
         let (entry, ptx) = variant_ptx(&cfg).unwrap();
         assert_eq!(entry, format!("moeforge_gemm_{}", cfg.tag()));
@@ -571,6 +607,7 @@ mod tests {
             split_k: 1,
             n: 256,
             k: 512,
+            w_rows: WRows::PLAIN,
         };
         match Device::open(0) {
             Err(e) => assert!(matches!(e, Error::NoDriver(_)), "{e}"),

@@ -844,11 +844,19 @@ impl TensorMapParams {
                 return Err(DescError::TmaGlobalDim { dim, value });
             }
         }
-        let mut inner = self.global_dim[0] * eb;
         for (index, &value) in self.strides().iter().enumerate() {
             if !value.is_multiple_of(16) || value >= 1 << 40 {
                 return Err(DescError::TmaGlobalStride { index, value });
             }
+        }
+        // No two elements alias: taken in order of their strides (any order of dimensions: a
+        // recipe's row modes need not nest), each dimension's stride clears the span of those
+        // with smaller ones (the innermost's `dim[0] * elem_bytes` included).
+        let mut order: Vec<usize> = (0..self.strides().len()).collect();
+        order.sort_by_key(|&i| self.global_strides[i]);
+        let mut inner = self.global_dim[0] * eb;
+        for index in order {
+            let value = self.global_strides[index];
             if value < inner {
                 return Err(DescError::TmaStrideOverlap {
                     index,
@@ -923,6 +931,33 @@ impl TensorMapParams {
             &[k, rows, experts],
             box_rows,
         )?;
+        params.validate()?;
+        Ok(params)
+    }
+
+    /// A K-major weight map with the recipe's own row modes (`super::wmap::WLayout`): dimensions
+    /// `{k, extents..}` with byte strides `strides` (one per extent, in any order that does not
+    /// alias), box `{span / elem_bytes, boxes..}`, zero out-of-bounds fill. Validated.
+    pub fn strided_k_major(
+        dtype: WgmmaDtype,
+        swizzle: Swizzle,
+        global_address: u64,
+        k: u64,
+        extents: &[u64],
+        strides: &[u64],
+        boxes: &[u32],
+    ) -> Result<Self> {
+        if extents.len() != strides.len()
+            || extents.len() != boxes.len()
+            || extents.len() + 1 > TMA_MAX_RANK
+        {
+            return Err(DescError::TmaRank(extents.len() as u32 + 1));
+        }
+        let mut dims = vec![k];
+        dims.extend_from_slice(extents);
+        let mut params = Self::k_major_inner(dtype, swizzle, global_address, &dims, 8)?;
+        params.global_strides[..strides.len()].copy_from_slice(strides);
+        params.box_dim[1..1 + boxes.len()].copy_from_slice(boxes);
         params.validate()?;
         Ok(params)
     }
@@ -1100,6 +1135,52 @@ mod tests {
             (1, &[1000][..], &[132][..])
         );
         assert!(TensorMapParams::f32_vector(1 << 20, 1000, 6).is_err());
+        Ok(())
+    }
+
+    /// A weight map with the recipe's row modes: strides in any order that does not alias are
+    /// taken (`[gate; up]` rows in the paired order: 8 rows, the halves `I` rows apart, blocks
+    /// of 8), one whose rows would overlap is refused, and a box per dimension.
+    #[test]
+    fn strided_weight_maps() -> Result<()> {
+        let row = 7168 * 2;
+        let (i, e) = (2048u64, 32u64);
+        let m = TensorMapParams::strided_k_major(
+            WgmmaDtype::Bf16,
+            Swizzle::B128,
+            1 << 20,
+            7168,
+            &[8, 2, i / 8, e],
+            &[row, i * row, 8 * row, 2 * i * row],
+            &[8, 2, 4, 1],
+        )?;
+        assert_eq!((m.rank, m.box_dims()), (5, &[64, 8, 2, 4, 1][..]));
+        assert_eq!(m.strides(), &[row, i * row, 8 * row, 2 * i * row][..]);
+        // Blocks of 8 rows 4 rows apart overlap.
+        let bad = TensorMapParams::strided_k_major(
+            WgmmaDtype::Bf16,
+            Swizzle::B128,
+            1 << 20,
+            7168,
+            &[8, 2, i / 8, e],
+            &[row, i * row, 4 * row, 2 * i * row],
+            &[8, 2, 4, 1],
+        );
+        assert!(
+            matches!(bad, Err(DescError::TmaStrideOverlap { .. })),
+            "{bad:?}"
+        );
+        // Extents, strides and boxes must agree in number.
+        assert!(TensorMapParams::strided_k_major(
+            WgmmaDtype::Bf16,
+            Swizzle::B128,
+            1 << 20,
+            7168,
+            &[8, 2],
+            &[row],
+            &[8, 2],
+        )
+        .is_err());
         Ok(())
     }
 

@@ -12,4 +12,5 @@ pub mod kernel;
 pub mod reference;
 pub mod schedule;
 pub mod tune;
+pub mod wmap;
 pub mod ws;

@@ -6,7 +6,7 @@
 //! 8 to 64 tokens on the N side and a deep ring of stages, so that the weights stream with enough
 //! bytes in flight.
 
-use super::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
+use super::ws::{Epilogue, Operands, OutTy, Scaling, WRows, WsConfig};
 
 /// `(consumers, BN, stages, swap_ab, split_k)` of the prefill candidates, bf16 and tensorwise
 /// e4m3.
@@ -91,6 +91,7 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
             split_k,
             n,
             k,
+            w_rows: WRows::PLAIN,
         })
         .collect()
 }

@@ -78,6 +78,7 @@ use crate::ptx::{
 use crate::{Error, Result};
 
 use super::emit::{Emit as _, K};
+pub use super::wmap::WRows;
 
 /// The operand types of X and W.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -488,6 +489,10 @@ pub struct WsConfig {
     pub n: u32,
     /// K (compiled in).
     pub k: u32,
+    /// How a tile's weight rows are addressed in the weight's TMA map: [`WRows::PLAIN`] for the
+    /// compact `[E, N, K]` operand, else the row modes of the recipe's own storage
+    /// ([`super::wmap`]; bf16 and E4M3 weights).
+    pub w_rows: WRows,
 }
 
 impl WsConfig {
@@ -700,12 +705,13 @@ impl WsConfig {
             String::new()
         };
         format!(
-            "{}{scale}_{}{}x{}_s{}{split}{silu}_{out}",
+            "{}{scale}_{}{}x{}_s{}{split}{silu}_{out}{}",
             self.operands.name(),
             if self.swap_ab { "d" } else { "p" },
             self.consumers,
             self.bn,
-            self.stages
+            self.stages,
+            self.w_rows.tag()
         )
     }
 
@@ -796,6 +802,20 @@ impl WsConfig {
                 self.n,
                 self.tile_weights()
             ));
+        }
+        if self.w_rows != WRows::PLAIN {
+            if self.operands.register_a() {
+                return bad(format!(
+                    "{} weights read through the recipe's row modes (their codes are re-laid in the kernel's order)",
+                    self.operands.name()
+                ));
+            }
+            if self.w_rows.up_first && self.epilogue != Epilogue::SiluMul {
+                return bad("up rows first without the fused SiLU epilogue".into());
+            }
+            self.w_rows
+                .check(self.n, self.tile_weights())
+                .map_err(unsupported)?;
         }
         if self.n > (1 << 24) || self.k > (1 << 24) {
             return bad(format!(
@@ -1492,6 +1512,7 @@ fn producer(
     let tile_loop = k.b.label("p_tile");
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
+    let (w_dim, w_rows) = w_row_coords(k, cfg, f.w0, s.expert)?;
     let kt = k.reg32();
     k.mov(kt, Operand::Reg(f.ks));
     let kloop = k.b.label("p_k");
@@ -1540,10 +1561,12 @@ fn producer(
     k.b.emit_guarded(
         Guard::when(leader),
         AsyncOp::TmaLoad(TmaLoad {
-            dim: TmaDim::D3,
+            dim: w_dim,
             dst: w_dst,
             tmap: tmap_w,
-            coords: vec![w_k0, f.w0, s.expert],
+            coords: std::iter::once(w_k0)
+                .chain(w_rows.iter().copied())
+                .collect(),
             bar: fbar,
             cache_hint: None,
         }),
@@ -1587,6 +1610,73 @@ fn producer(
     k.bra(&kloop, Some((more, false)));
     next_tile(k, &s, grid, &tile_loop);
     Ok(())
+}
+
+/// The weight map's dimension and the TMA coordinates after K of the tile whose first weight row
+/// is `w0` in `expert` ([`WRows::coords`], the host twin): `{w0, expert}` for the compact operand;
+/// for the recipe's row modes, 0 inside the box, `(w0 / P_i) mod n_i` past it (the last mode
+/// unreduced, plus `expert * n_last` when the expert is folded into it), then the expert. Once a
+/// tile, before its k-loop.
+fn w_row_coords(k: &mut K, cfg: &WsConfig, w0: Reg, expert: Reg) -> Result<(TmaDim, Vec<Reg>)> {
+    let wr = cfg.w_rows;
+    let dim = match wr.rank() {
+        3 => TmaDim::D3,
+        4 => TmaDim::D4,
+        5 => TmaDim::D5,
+        r => return Err(unsupported(format!("a rank-{r} weight map"))),
+    };
+    if wr == WRows::PLAIN {
+        return Ok((dim, vec![w0, expert]));
+    }
+    let rows = cfg.tile_weights();
+    let Some((j, _)) = wr.split(cfg.n, rows) else {
+        return Err(unsupported(format!(
+            "a tile of {rows} weight rows is not a box of the row modes {:?}",
+            wr.extents(cfg.n)
+        )));
+    };
+    let ext = wr.extents(cfg.n);
+    let last = ext.len() - 1;
+    let mut coords = Vec::with_capacity(ext.len() + 1);
+    let mut p = 1u32;
+    for (i, &x) in ext.iter().enumerate() {
+        let c = if i < j {
+            k.imm(0)
+        } else {
+            let q = if p == 1 {
+                let r = k.reg32();
+                k.mov(r, Operand::Reg(w0));
+                r
+            } else if p.is_power_of_two() {
+                k.bin(BinOpcode::Shr, PtxTy::U32, w0, Operand::Int(log2(p)))
+            } else {
+                k.bin(BinOpcode::Div, PtxTy::U32, w0, Operand::Int(p.into()))
+            };
+            if i < last {
+                if x.is_power_of_two() {
+                    k.bin_to(
+                        q,
+                        BinOpcode::And,
+                        PtxTy::B32,
+                        q,
+                        Operand::Int((x - 1).into()),
+                    );
+                } else {
+                    k.bin_to(q, BinOpcode::Rem, PtxTy::U32, q, Operand::Int(x.into()));
+                }
+            } else if wr.folded {
+                let base = k.bin(BinOpcode::MulLo, PtxTy::U32, expert, Operand::Int(x.into()));
+                k.bin_to(q, BinOpcode::Add, PtxTy::U32, q, Operand::Reg(base));
+            }
+            q
+        };
+        coords.push(c);
+        p = p.saturating_mul(x);
+    }
+    if !wr.folded {
+        coords.push(expert);
+    }
+    Ok((dim, coords))
 }
 
 /// The producer's TMA loads of k-tile `kt`'s block scales into the stage at `a` (after A and B),
@@ -2688,10 +2778,18 @@ fn store_silu(
             }
         }
     }
+    // (With the recipe's up rows first, the slots of each pair swap roles.)
     let up_at = if cfg.swap_ab { 2 } else { 4 };
     let vals: Vec<Reg> = pairs
         .iter()
-        .map(|&(g, _, _)| k.silu_mul(scaled[g as usize], scaled[(g + up_at) as usize]))
+        .map(|&(g, _, _)| {
+            let (first, second) = (scaled[g as usize], scaled[(g + up_at) as usize]);
+            if cfg.w_rows.up_first {
+                k.silu_mul(second, first)
+            } else {
+                k.silu_mul(first, second)
+            }
+        })
         .collect();
     // Masks. Decode: the output row (gate row < N, so its up row too) and the token column;
     // prefill: the token row (per h) and the output column (per j / 2).

@@ -1,0 +1,226 @@
+//! How the GPU layer's grouped GEMMs read a recipe's weight param (issue \[8\] item 2): in place,
+//! through a TMA map of the param's own storage ([`codegen::gemm::wmap`](crate::codegen::gemm::wmap)),
+//! or from a copy re-laid on the host, with the reason.
+//!
+//! The row offsets come from the verified module alone: the param's storage map at the binding
+//! (`ModuleInfo::params[..].layout`, the map the pack kernels write through) and the row gather
+//! between the input and the param (`ModuleInfo::role`), inverted so that the GEMM's row `q` (the
+//! input's `[gate; up]` row, or the fused epilogue's paired order) names the param row holding
+//! it. Nothing here reads a recipe's name.
+
+use std::collections::HashMap;
+
+use crate::codegen::addr::StorageMap;
+use crate::codegen::gemm::wmap::{self, WLayout};
+use crate::codegen::gemm::ws::glu_row;
+use crate::dsl::ModuleInfo;
+
+/// Where a GEMM's weights come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Access {
+    /// The param's bytes, through `layout`.
+    InPlace {
+        /// The param.
+        param: String,
+        /// Its map.
+        layout: WLayout,
+    },
+    /// A copy re-laid on the host, and why the param's own storage is not read.
+    Relaid {
+        /// Why.
+        why: String,
+    },
+}
+
+impl Access {
+    /// One line for `check` and the layer's report.
+    pub fn describe(&self) -> String {
+        match self {
+            Access::InPlace { param, layout } => {
+                let inner = usize::from(layout.rows.modes.clamp(1, 4)) - 1;
+                let modes: Vec<String> = layout.rows.inner[..inner]
+                    .iter()
+                    .map(u32::to_string)
+                    .collect();
+                format!(
+                    "`{param}` in place, a rank-{} TMA map{}{}",
+                    layout.rows.rank(),
+                    if modes.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (row modes {} then the rest)", modes.join(" x "))
+                    },
+                    if layout.rows.up_first {
+                        ", up rows first"
+                    } else {
+                        ""
+                    }
+                )
+            }
+            Access::Relaid { why } => format!("a copy re-laid on the host: {why}"),
+        }
+    }
+}
+
+/// The two ways a first GEMM can read its weights, and the one way of a second.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightAccess {
+    /// Rows in the input's order (the plain GEMM).
+    pub plain: Access,
+    /// Rows in the fused SiLU epilogue's paired order (`None` where the rows cannot pair: an odd
+    /// half or N not a multiple of 16).
+    pub paired: Option<Access>,
+}
+
+/// The params holding input `name`'s values (or its copy): its id and row gather.
+fn values_of(
+    info: &ModuleInfo,
+    name: &str,
+) -> Option<(crate::dsl::ir::TensorId, Option<crate::dsl::ir::IndexVec>)> {
+    match info.quantization_of(name) {
+        Some(q) => {
+            let v = q.values?;
+            Some((v.param, v.rows))
+        }
+        None => {
+            let c = info.copy_of(name)?;
+            Some((c.param, c.rows))
+        }
+    }
+}
+
+/// How the grouped GEMMs can read the weight param of input `name` (`[slots, n, k]`, `elem`
+/// bytes an element; bf16 or E4M3 codes), which `params` must hold.
+pub fn weight_access(
+    info: &ModuleInfo,
+    name: &str,
+    params: &HashMap<String, Vec<u8>>,
+    (slots, n, k): (usize, usize, usize),
+    elem: usize,
+) -> WeightAccess {
+    let relaid = |why: String| WeightAccess {
+        plain: Access::Relaid { why: why.clone() },
+        paired: Some(Access::Relaid { why }),
+    };
+    let Some((id, rows)) = values_of(info, name) else {
+        return relaid(format!("no param holds `{name}`'s values"));
+    };
+    let Some(p) = info.params.iter().find(|p| p.id == id) else {
+        return relaid(format!("`{name}`'s param is not registered"));
+    };
+    let pname = info
+        .module()
+        .tensor(id)
+        .map(|t| t.name.clone())
+        .unwrap_or_default();
+    let (Some(b), Some(bytes)) = (info.binding(), params.get(&pname)) else {
+        return relaid(format!("`{pname}` is not bound"));
+    };
+    let Ok(map) = StorageMap::of(&p.layout, b) else {
+        return relaid(format!("`{pname}`'s layout does not evaluate"));
+    };
+    match rows_of(&map, rows.as_ref(), b.atoms(), (slots, n, k), elem) {
+        Err(why) => relaid(format!("`{pname}` {why}")),
+        Ok((row_bytes, expert)) => {
+            let fit = |order: &dyn Fn(usize) -> usize, up_first: bool| -> Access {
+                let base = row_bytes[order(0)];
+                let off: Vec<i64> = (0..n).map(|q| row_bytes[order(q)] - base).collect();
+                match wmap::fit(&off, expert, slots as u64, up_first) {
+                    Ok(mut layout) if base >= 0 && base % 16 == 0 => {
+                        layout.base = base as u64;
+                        let need = layout.span_bytes((k * elem) as u64);
+                        if need > bytes.len() as u64 {
+                            return Access::Relaid {
+                                why: format!(
+                                    "`{pname}` holds {} bytes, its map reaches {need}",
+                                    bytes.len()
+                                ),
+                            };
+                        }
+                        Access::InPlace {
+                            param: pname.clone(),
+                            layout,
+                        }
+                    }
+                    Ok(_) => Access::Relaid {
+                        why: format!(
+                            "`{pname}`'s first row starts at byte {base}, not on 16 bytes"
+                        ),
+                    },
+                    Err(why) => Access::Relaid {
+                        why: format!("`{pname}`: {why}"),
+                    },
+                }
+            };
+            let plain = fit(&|q| q, false);
+            let paired = (n.is_multiple_of(16)).then(|| {
+                let half = n / 2;
+                let gate_first = fit(&|q| glu_row(q, half), false);
+                match gate_first {
+                    Access::InPlace { .. } => gate_first,
+                    Access::Relaid { .. } => {
+                        // Up rows first: row q of each 16 swaps halves.
+                        let up = fit(&|q| (glu_row(q, half) + half) % n, true);
+                        match up {
+                            Access::InPlace { .. } => up,
+                            Access::Relaid { .. } => gate_first,
+                        }
+                    }
+                }
+            });
+            WeightAccess { plain, paired }
+        }
+    }
+}
+
+/// Per input row of expert 0, the byte offset of the param row holding it (K index 0), and the
+/// bytes between experts; or why the storage is not a K-major row map.
+fn rows_of(
+    map: &StorageMap,
+    rows: Option<&crate::dsl::ir::IndexVec>,
+    atoms: &[i128],
+    (slots, n, k): (usize, usize, usize),
+    elem: usize,
+) -> Result<(Vec<i64>, i64), String> {
+    if map.swizzle.is_some() {
+        return Err("is stored swizzled (TMA reads rows of plain storage)".into());
+    }
+    if map.shape() != [slots as i64, n as i64, k as i64] {
+        return Err(format!(
+            "has shape {:?}, not the GEMM's [{slots}, {n}, {k}]",
+            map.shape()
+        ));
+    }
+    let k_ok = map.modes[2]
+        .iter()
+        .enumerate()
+        .all(|(j, &(s, t))| if j == 0 { t == 1 } else { s == 1 });
+    if !k_ok {
+        return Err(format!(
+            "is not contiguous along K (its K modes {:?}; a TMA box row is 128 contiguous bytes)",
+            map.modes[2]
+        ));
+    }
+    // The param row holding each input row (the inverse of the gather).
+    let mut holder = vec![usize::MAX; n];
+    for r in 0..n {
+        let src = match rows {
+            Some(iv) => iv
+                .map(r as i128, atoms)
+                .and_then(|x| usize::try_from(x).ok()),
+            None => Some(r),
+        };
+        match src {
+            Some(s) if s < n && holder[s] == usize::MAX => holder[s] = r,
+            _ => return Err("holds its rows through a gather that is no permutation".into()),
+        }
+    }
+    let e = elem as i64;
+    let at = |ei: usize, r: usize| map.offset_of(&[ei as i64, r as i64, 0]) * e;
+    let row_bytes: Vec<i64> = holder.iter().map(|&r| at(0, r)).collect();
+    let stride = if slots > 1 { at(1, 0) - at(0, 0) } else { 0 };
+    if (1..slots).any(|ei| at(ei, 0) - at(0, 0) != ei as i64 * stride) {
+        return Err("does not place its experts at one stride".into());
+    }
+    Ok((row_bytes, stride))
+}
