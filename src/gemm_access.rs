@@ -8,8 +8,6 @@
 //! input's `[gate; up]` row, or the fused epilogue's paired order) names the param row holding
 //! it. Nothing here reads a recipe's name.
 
-use std::collections::HashMap;
-
 use crate::codegen::addr::StorageMap;
 use crate::codegen::gemm::wmap::{self, WLayout};
 use crate::codegen::gemm::ws::glu_row;
@@ -79,8 +77,9 @@ fn values_of(
 ) -> Option<(crate::dsl::ir::TensorId, Option<crate::dsl::ir::IndexVec>)> {
     match info.quantization_of(name) {
         Some(q) => {
+            // (The gather after the quantization, or the one before it: the dequantizer's rule.)
             let v = q.values?;
-            Some((v.param, v.rows))
+            Some((v.param, v.rows.or(q.rows_in)))
         }
         None => {
             let c = info.copy_of(name)?;
@@ -89,12 +88,50 @@ fn values_of(
     }
 }
 
+/// How the grouped GEMMs of the GPU layer read the weights of input `gemm` (`w13` or `w2`) at the
+/// module's binding, and the param holding them: bf16 and E4M3 codes through
+/// [`weight_access`]; int8 and 4-bit codes always from a copy in the kernel's order. `None`
+/// without a binding or a param holding the input's values.
+pub fn of_gemm(info: &ModuleInfo, gemm: &str) -> Option<(String, WeightAccess)> {
+    use crate::dsl::ir::DType;
+    let (id, _) = values_of(info, gemm)?;
+    let t = info.module().tensor(id)?;
+    let dims: Vec<usize> = t
+        .shape
+        .iter()
+        .map(|d| info.eval(d).and_then(|x| usize::try_from(x).ok()))
+        .collect::<Option<_>>()?;
+    let [slots, n, k] = dims[..] else {
+        return None;
+    };
+    let elem = match t.dtype {
+        DType::Bf16 => 2,
+        DType::E4m3 => 1,
+        d => {
+            let why = format!(
+                "{d} codes are read in the kernel's own order (dequantized into register fragments)"
+            );
+            return Some((
+                t.name.clone(),
+                WeightAccess {
+                    plain: Access::Relaid { why: why.clone() },
+                    paired: Some(Access::Relaid { why }),
+                },
+            ));
+        }
+    };
+    Some((
+        t.name.clone(),
+        weight_access(info, gemm, (slots, n, k), elem),
+    ))
+}
+
 /// How the grouped GEMMs can read the weight param of input `name` (`[slots, n, k]`, `elem`
-/// bytes an element; bf16 or E4M3 codes), which `params` must hold.
+/// bytes an element; bf16 or E4M3 codes) at the module's binding: from the verified module
+/// alone (the layer checks that the param's bytes reach as far as the map).
 pub fn weight_access(
     info: &ModuleInfo,
     name: &str,
-    params: &HashMap<String, Vec<u8>>,
     (slots, n, k): (usize, usize, usize),
     elem: usize,
 ) -> WeightAccess {
@@ -113,7 +150,7 @@ pub fn weight_access(
         .tensor(id)
         .map(|t| t.name.clone())
         .unwrap_or_default();
-    let (Some(b), Some(bytes)) = (info.binding(), params.get(&pname)) else {
+    let Some(b) = info.binding() else {
         return relaid(format!("`{pname}` is not bound"));
     };
     let Ok(map) = StorageMap::of(&p.layout, b) else {
@@ -128,15 +165,6 @@ pub fn weight_access(
                 match wmap::fit(&off, expert, slots as u64, up_first) {
                     Ok(mut layout) if base >= 0 && base % 16 == 0 => {
                         layout.base = base as u64;
-                        let need = layout.span_bytes((k * elem) as u64);
-                        if need > bytes.len() as u64 {
-                            return Access::Relaid {
-                                why: format!(
-                                    "`{pname}` holds {} bytes, its map reaches {need}",
-                                    bytes.len()
-                                ),
-                            };
-                        }
                         Access::InPlace {
                             param: pname.clone(),
                             layout,

@@ -70,6 +70,10 @@ pub struct Plan {
     /// One message per GEMM without a variant, e.g. "no GEMM variant for e4m3 weights yet
     /// (issue \[7\]): `w13_weight` is e4m3[E, 2*I, H]".
     pub missing: Vec<String>,
+    /// The slow access patterns (`crate::gemm_access`): `(gemm, rows, what)` for each bf16 or
+    /// E4M3 weight the GEMM cannot read in place (rows in the input's order), saying why it reads
+    /// a copy re-laid on the host (`check --bind` reports every GEMM's access).
+    pub access: Vec<(&'static str, &'static str, String)>,
 }
 
 impl Plan {
@@ -313,12 +317,13 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 .push(format!("no GEMM variant for `{gemm}`: {why}"));
             continue;
         }
-        if t.declared_layout.is_some() {
-            plan.missing.push(format!(
-                "no GEMM variant for a declared storage layout yet (issue [7]): {described} with a `layout`; the GEMMs read row-major [E, N, K]"
-            ));
-            continue;
-        }
+        // How the layer's GEMMs read the param: in place through its row modes, or a copy.
+        let access = crate::gemm_access::of_gemm(info, gemm).map(|(_, a)| a);
+        let rows_of = |a: Option<&crate::gemm_access::Access>| match a {
+            Some(crate::gemm_access::Access::InPlace { layout, .. }) => layout.rows,
+            _ => ws::WRows::PLAIN,
+        };
+        let plain_rows = rows_of(access.as_ref().map(|a| &a.plain));
         let (n, k) = match (u32::try_from(n), u32::try_from(k)) {
             (Ok(n), Ok(k)) => (n, k),
             _ => {
@@ -353,8 +358,26 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 continue;
             }
         };
+        // The slow pattern, said: bf16 or E4M3 weights whose storage the GEMM's TMA map cannot
+        // read in place get a copy re-laid on the host (the variants serve the copy).
+        if let Some(crate::gemm_access::Access::Relaid { why }) = access.as_ref().map(|a| &a.plain)
+        {
+            if !operands.register_a() {
+                plan.access
+                    .push((gemm, "plain", format!("a copy re-laid on the host: {why}")));
+            }
+        }
         for scaling in scalings {
-            for cfg in tune::candidates(operands, scaling, n, k) {
+            let plain = tune::candidates(operands, scaling, n, k)
+                .into_iter()
+                .map(|c| WsConfig {
+                    w_rows: plain_rows,
+                    ..c
+                })
+                .filter(|c| {
+                    plain_rows == ws::WRows::PLAIN || plain_rows.check(n, c.tile_weights()).is_ok()
+                });
+            for cfg in plain {
                 let entry = ws_entry(gemm, &cfg);
                 let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
                 plan.variants.push(Variant {

@@ -668,6 +668,10 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 for m in &plan.missing {
                     writeln!(err, "note: {m}").map_err(io)?;
                 }
+                // A slow access pattern: which GEMM reads a re-laid copy, and why.
+                for (g, _, what) in &plan.access {
+                    writeln!(err, "note: {g} reads {what}").map_err(io)?;
+                }
                 Some(plan)
             } else {
                 None

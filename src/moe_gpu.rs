@@ -168,8 +168,14 @@ impl GemmWeights {
     pub fn in_place(&self, paired: bool) -> Option<&WLayout> {
         let a = self.access.as_ref()?;
         let which = if paired { a.paired.as_ref()? } else { &a.plain };
+        let row = self.k as u64 * u64::from(self.operands.bytes());
         match which {
-            Access::InPlace { layout, .. } if !self.stored.is_empty() => Some(layout),
+            Access::InPlace { layout, .. }
+                if layout.span_bytes(row) <= self.stored.len() as u64
+                    && !self.stored.is_empty() =>
+            {
+                Some(layout)
+            }
             _ => None,
         }
     }
@@ -419,7 +425,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     let relayout = stored_bytes(info, name, layer.params).is_none_or(|b| b != codes.as_slice());
     // bf16 and E4M3 codes: the param itself, where its storage is a TMA map of rows.
     let access = (!operands.register_a())
-        .then(|| crate::gemm_access::weight_access(info, name, layer.params, (slots, n, k), elem));
+        .then(|| crate::gemm_access::weight_access(info, name, (slots, n, k), elem));
     let reads_param = access.as_ref().is_some_and(|a| {
         std::iter::once(&a.plain)
             .chain(a.paired.as_ref())

@@ -15,6 +15,11 @@
 //!   for FP8 per tensor its f32 `a` quantized by the activation kernel) gives the unfused output
 //!   (the bits are printed as the same or not; within 1e-3 passes).
 //!
+//! * layout independence: one checkpoint packed with `bf16` and `bf16_up_gate`, and with
+//!   `fp8_per_tensor`, `fp8_up_gate` and `fp8_colmajor` (the same quantization, other storage:
+//!   read in place through other row modes, or re-laid), gives the fused GPU layer the same output
+//!   bits ([`layout_independence`]).
+//!
 //! The GPU-vs-host differences of `act` and `output` are printed for every recipe. Routings: uniform
 //! and skewed (empty experts), T = 1, T not a multiple of any tile, top-k 1, 2 and 8, and a
 //! placement with replicas (`--placement`, the packed params placed as `eplb apply` does). With
@@ -507,6 +512,9 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             let _ = writeln!(out, "{label}:{line}: {}", if good { "ok" } else { "FAIL" });
         }
     }
+    let (l, lok) = layout_independence(&mut rng, d, settings, quick)?;
+    out.push_str(&l);
+    ok &= lok;
     let (g, gok) = crate::moe_graph_check::graph_check(&dev, &mut rng, &settings.runtime)?;
     out.push_str(&g);
     ok &= gok;
@@ -523,4 +531,79 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         }
     );
     Ok((out, Some(ok)))
+}
+
+/// Layout independence on the GPU (issue \[8\]): one checkpoint packed with a standard recipe and
+/// with recipes that quantize alike but store otherwise (`w13`'s rows `[up; gate]` interleaved by
+/// 64, read in place through their own row modes, up first; `fp8_colmajor`'s column-major weights,
+/// which no TMA map of rows serves, re-laid) runs the fused GPU layer to the same output bits: each
+/// layer reads its params through its own maps, and the kernels' accumulation order is the same.
+fn layout_independence(
+    rng: &mut Rng,
+    d: &Path,
+    settings: &crate::Settings,
+    quick: bool,
+) -> Result<(String, bool)> {
+    let mut out = String::new();
+    let mut ok = true;
+    let bind = format!("E={},H={},I={}", DIMS4.e, DIMS4.h, DIMS4.i);
+    let pairs: [(&str, &[&str]); 2] = [
+        ("bf16", &["bf16_up_gate"]),
+        ("fp8_per_tensor", &["fp8_up_gate", "fp8_colmajor"]),
+    ];
+    let cases: &[(usize, usize, Routing)] = if quick {
+        &[(1, 8, Routing::Uniform)]
+    } else {
+        &[(1, 8, Routing::Uniform), (300, 8, Routing::Skewed)]
+    };
+    for (pi, (base, others)) in pairs.iter().enumerate() {
+        let ck = d.join(format!("li_ckpt{pi}.safetensors"));
+        checkpoint(rng, &ck, false, DIMS4)?;
+        let mut packed = Vec::new();
+        for name in std::iter::once(base).chain(others.iter()) {
+            let r = crate::kernels::find(name)
+                .ok_or_else(|| Error::Usage(format!("no recipe `{name}`")))?;
+            let p = d.join(format!("li_{name}.safetensors"));
+            pack_on_host(r, &ck, &p, settings)?;
+            let info = crate::verify_source(r.source, r.path, Some(&bind))?;
+            let reads = crate::gemm_access::of_gemm(&info, "w13")
+                .and_then(|(_, a)| a.paired)
+                .map_or_else(|| "?".to_string(), |a| a.describe());
+            packed.push((*name, p, reads));
+        }
+        for (ci, &(t, k, routing)) in cases.iter().enumerate() {
+            let inp = d.join(format!("li_in{pi}_{ci}.safetensors"));
+            inputs(rng, &inp, t, k, routing, DIMS4)?;
+            let mut outs = Vec::new();
+            for (name, p, _) in &packed {
+                let output = d.join(format!("li_out_{name}_{ci}.safetensors"));
+                moe_run::run(&RunOptions {
+                    packed: p.clone(),
+                    inputs: inp.clone(),
+                    output: output.clone(),
+                    layer: None,
+                    device: Device::Gpu,
+                    placement: None,
+                    dump_intermediates: false,
+                    recipe: None,
+                    threads: 0,
+                    settings: settings.runtime.clone(),
+                })?;
+                outs.push(read(&output)?.remove("output").unwrap_or_default());
+            }
+            for (j, (name, _, reads)) in packed.iter().enumerate().skip(1) {
+                let (a, b) = (&outs[0], &outs[j]);
+                let same = !a.is_empty()
+                    && a.len() == b.len()
+                    && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                ok &= same;
+                let _ = writeln!(
+                    out,
+                    "moe layout independence {name:<13} vs {base:<15} T={t:<4} k={k} {routing:?} (fused w13 reads {reads}): {}",
+                    if same { "same bits: ok" } else { "FAIL (the outputs differ)" }
+                );
+            }
+        }
+    }
+    Ok((out, ok))
 }

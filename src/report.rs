@@ -502,7 +502,68 @@ fn activation_human(info: &ModuleInfo) -> String {
         ]);
     }
     out.push_str(&table(&rows));
+    out.push_str(&reads_human(info));
     out
+}
+
+/// How the GPU layer's GEMMs read each weight at the binding (`crate::gemm_access`): in place
+/// through which TMA map, or from a copy re-laid on the host and why; without a binding, a line
+/// saying so.
+fn reads_human(info: &ModuleInfo) -> String {
+    if info.binding().is_none() {
+        return "  (how the GEMMs read the weights is decided at a binding: --bind)\n".into();
+    }
+    let mut rows = vec![vec![
+        "gemm".into(),
+        "rows".into(),
+        "the GPU GEMM reads".into(),
+    ]];
+    for (g, _) in GEMM_WEIGHTS {
+        if let Some((_, a)) = crate::gemm_access::of_gemm(info, g) {
+            rows.push(vec![
+                g.to_string(),
+                "input order".into(),
+                a.plain.describe(),
+            ]);
+            if let (true, Some(p)) = (g == "w13", &a.paired) {
+                rows.push(vec![g.to_string(), "fused (paired)".into(), p.describe()]);
+            }
+        }
+    }
+    if rows.len() == 1 {
+        return String::new();
+    }
+    format!(
+        "\nweights read by the GEMMs (at the binding)\n{}",
+        table(&rows)
+    )
+}
+
+/// The `--json` report's `reads` of a GEMM: `{"plain": access, "fused": access}` (`null` without
+/// a binding or a param).
+fn reads_json(info: &ModuleInfo, gemm: &str) -> Value {
+    use crate::gemm_access::Access;
+    let one = |a: &Access| match a {
+        Access::InPlace { param, layout } => json!({
+            "in_place": true,
+            "param": param,
+            "rank": layout.rows.rank(),
+            "row_modes": layout.rows.inner[..usize::from(layout.rows.modes.clamp(1, 4)) - 1],
+            "expert_folded": layout.rows.folded,
+            "up_first": layout.rows.up_first,
+            "base": layout.base,
+            "extents": layout.extents,
+            "strides": layout.strides,
+        }),
+        Access::Relaid { why } => json!({"in_place": false, "why": why}),
+    };
+    match crate::gemm_access::of_gemm(info, gemm) {
+        Some((_, a)) => json!({
+            "plain": one(&a.plain),
+            "fused": if gemm == "w13" { a.paired.as_ref().map(one) } else { None },
+        }),
+        None => Value::Null,
+    }
 }
 
 /// The `--json` report's `activation` object.
@@ -535,6 +596,7 @@ fn activation_json(info: &ModuleInfo) -> Value {
                 "weight": w.name,
                 "weight_dtype": w.dtype.name(),
                 "scales": scales,
+                "reads": reads_json(info, g),
             })
         })
         .collect();

@@ -492,3 +492,51 @@ fn plot_draws_a_report_and_refuses_bad_ones() {
         "{err}"
     );
 }
+
+/// `check --bind` says how the GPU layer's GEMMs read each weight (issue [8] item 2): the standard
+/// bf16 recipe in place (the compact rank-3 map; the fused paired order through row modes 8 x 2),
+/// a column-major FP8 weight from a re-laid copy because K is not contiguous, 4-bit codes from a
+/// copy in the kernel's order; the human report says the same, and without a binding it says that
+/// a binding decides.
+#[test]
+fn check_says_how_the_gemms_read_each_weight() {
+    let reads = |recipe: &str| -> serde_json::Value {
+        let (code, out, err) = moeforge(&["check", recipe, "--bind", "E=8,H=2048,I=768", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["activation"]["gemms"].clone()
+    };
+    let bf16 = reads("bf16");
+    let w13 = &bf16[0]["reads"];
+    assert_eq!(w13["plain"]["in_place"], true);
+    assert_eq!(w13["plain"]["rank"], 3);
+    assert_eq!(
+        w13["plain"]["strides"],
+        serde_json::json!([4096, 4096 * 1536])
+    );
+    assert_eq!(w13["fused"]["rank"], 5);
+    assert_eq!(w13["fused"]["row_modes"], serde_json::json!([8, 2]));
+    assert_eq!(w13["fused"]["up_first"], false);
+    assert_eq!(bf16[1]["reads"]["fused"], serde_json::Value::Null);
+    let col = reads("fp8_colmajor");
+    let why = col[0]["reads"]["plain"]["why"].as_str().unwrap();
+    assert!(why.contains("not contiguous along K"), "{why}");
+    let fp4 = reads("nvfp4_cutedsl");
+    assert_eq!(fp4[0]["reads"]["plain"]["in_place"], false);
+    assert!(fp4[0]["reads"]["plain"]["why"]
+        .as_str()
+        .unwrap()
+        .contains("kernel's own order"));
+    let (code, human, _) = moeforge(&["check", "bf16", "--bind", "E=8,H=2048,I=768"]);
+    assert_eq!(code, 0);
+    assert!(
+        human.contains("weights read by the GEMMs (at the binding)"),
+        "{human}"
+    );
+    assert!(
+        human.contains("`w13_weight` in place, a rank-5 TMA map (row modes 8 x 2 then the rest)"),
+        "{human}"
+    );
+    let (_, unbound, _) = moeforge(&["check", "bf16"]);
+    assert!(unbound.contains("decided at a binding"), "{unbound}");
+}

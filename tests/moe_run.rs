@@ -218,6 +218,7 @@ fn act_of(recipe: &str, which: usize, params: &HashMap<String, Vec<u8>>) -> Act 
                 None => Act::PerToken,
             }
         }
+        "fp8_up_gate" => Act::PerToken,
         "fp8_block128" => Act::Group128,
         _ => Act::Bf16,
     }
@@ -788,9 +789,10 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     E * n * g.operands.w_row_bytes(k as u64) as usize,
                     "{name} {input}"
                 );
-                // nvfp4_cutedsl stores w13's rows [up; gate] interleaved by 64, and int8 and 4-bit
-                // codes go to the GEMM in its kernel order: those operands are re-laid-out copies;
-                // every other standard recipe's are the stored bytes.
+                // nvfp4_cutedsl (and the `*_up_gate` variants) store w13's rows [up; gate]
+                // interleaved by 64, and int8 and 4-bit codes go to the GEMM in its kernel order:
+                // those operands are re-laid-out copies; every other standard recipe's are the
+                // stored bytes.
                 assert_eq!(
                     g.relayout,
                     matches!(
@@ -801,7 +803,7 @@ fn gpu_operands_equal_the_dequantized_weights() {
                             | "int4_g128_zp"
                             | "int8_per_row"
                             | "int8_g128"
-                    ),
+                    ) || (input == "w13" && name.ends_with("_up_gate")),
                     "{name} {input}"
                 );
                 let want = dequantized(&info, input, &params);
@@ -1134,20 +1136,6 @@ fn group_wise_int8_operands_equal_the_reference_quantizer() {
     );
 }
 
-/// bf16 weights stored `[up; gate]` interleaved by 64 (the row order `nvfp4_cutedsl` uses).
-const BF16_INTERLEAVED: &str =
-    "recipe bf16_il(E: experts, H, I) where H % 8 == 0, I % 64 == 0, H <= 16384, I <= 16384 {
-  input w13 : bf16[E, 2*I, H]
-  input w2  : bf16[E, H, I]
-  let rows = interleave(swap_halves(2*I), group = 64)
-  param w13_weight : bf16[E, 2*I, H] = w13[:, rows, :]
-  param w2_weight  : bf16[E, H, I]   = w2
-  activation bf16
-  kernel moe_gemm1(w13_weight) on sm_90a index i32
-  kernel moe_gemm2(w2_weight) on sm_90a index i32
-}
-";
-
 /// The byte offset of GEMM row `q` of expert `e` through an in-place map (the per-row form of
 /// the kernel's tile coordinates, `WRows::coords` with one-row tiles).
 fn in_place_row(l: &moeforge::codegen::gemm::wmap::WLayout, n: usize, q: usize, e: usize) -> usize {
@@ -1160,14 +1148,15 @@ fn in_place_row(l: &moeforge::codegen::gemm::wmap::WLayout, n: usize, q: usize, 
     (l.base + off) as usize
 }
 
-/// Issue [8] item 2: bf16 weights are read in place through the recipe's own rows. For the
-/// standard recipe the input-order map is the compact one and the fused epilogue's paired order
-/// is three row modes over the same bytes; for rows stored `[up; gate]` interleaved by 64 the
-/// paired order is four modes read up-first with the expert folded, while the input order (whose
-/// halves would need a negative stride) is re-laid, saying why. Every row the in-place maps
-/// address holds exactly the row of the re-laid operand it stands for.
+/// Issue [8] item 2: bf16 and E4M3 weights are read in place through the recipe's own rows. For
+/// the standard recipes the input-order map is the compact one and the fused epilogue's paired
+/// order is three row modes over the same bytes; for rows stored `[up; gate]` interleaved by 64
+/// (the variants `bf16_up_gate`, a gather of the copy, and `fp8_up_gate`, a gather before the
+/// quantization) the paired order is four modes read up-first with the expert folded, while the
+/// input order (whose halves would need a negative stride) is re-laid, saying why. Every row the
+/// in-place maps address holds exactly the row of the re-laid operand it stands for.
 #[test]
-fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
+fn weights_are_read_in_place_through_the_recipes_rows() {
     use moeforge::codegen::gemm::wmap::{WLayout, WRows};
     use moeforge::gemm_access::Access;
     use moeforge::moe_gpu::operands;
@@ -1175,21 +1164,17 @@ fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
-    let il = d.join("bf16_il.recipe");
-    std::fs::write(&il, BF16_INTERLEAVED).unwrap();
     let bind = format!("E={E},H={H},I={I}");
-    let std_r = moeforge::kernels::find("bf16").unwrap();
-    for (path, src, interleaved) in [
-        (std_r.path.to_string(), std_r.source.to_string(), false),
-        (
-            il.to_str().unwrap().to_string(),
-            BF16_INTERLEAVED.to_string(),
-            true,
-        ),
+    for (name, elem, interleaved) in [
+        ("bf16", 2, false),
+        ("bf16_up_gate", 2, true),
+        ("fp8_per_tensor", 1, false),
+        ("fp8_up_gate", 1, true),
     ] {
-        let packed = d.join(format!("{interleaved}.safetensors"));
-        pack(&path, &ck, &packed);
-        let info = moeforge::verify_source(&src, &path, Some(&bind)).unwrap();
+        let r = moeforge::kernels::find(name).unwrap();
+        let packed = d.join(format!("{name}.safetensors"));
+        pack(r.path, &ck, &packed);
+        let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
         let params = params_of(&packed);
         let layer = moeforge::moe_host::Layer {
             info: &info,
@@ -1197,17 +1182,18 @@ fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
         };
         let ops = operands(&layer).unwrap();
         let (w13, w2) = (&ops.w13, &ops.w2);
-        assert_eq!(w13.stored, params["w13_weight"], "{path}");
-        let row = 2 * H;
+        assert_eq!(w13.stored, params["w13_weight"], "{name}");
+        let row = elem * H;
         // w2: the compact map over the param itself.
         assert_eq!(
             w2.in_place(false),
-            Some(&WLayout::compact(E as u64, H as u64, (2 * I) as u64))
+            Some(&WLayout::compact(E as u64, H as u64, (elem * I) as u64)),
+            "{name}"
         );
         let paired = w13.paired().unwrap();
         let l = w13
             .in_place(true)
-            .unwrap_or_else(|| panic!("{path}: {:?}", w13.access));
+            .unwrap_or_else(|| panic!("{name}: {:?}", w13.access));
         if interleaved {
             assert_eq!(
                 l.rows,
@@ -1216,12 +1202,12 @@ fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
                     inner: [8, 2, 8],
                     folded: true,
                     up_first: true
-                }
+                },
+                "{name}"
             );
-            let a = w13.access.as_ref().unwrap();
-            match &a.plain {
-                Access::Relaid { why } => assert!(why.contains("stride"), "{why}"),
-                x => panic!("{x:?}"),
+            match &w13.access.as_ref().unwrap().plain {
+                Access::Relaid { why } => assert!(why.contains("stride"), "{name}: {why}"),
+                x => panic!("{name}: {x:?}"),
             }
             assert_eq!(w13.in_place(false), None);
         } else {
@@ -1232,7 +1218,8 @@ fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
                     inner: [8, 2, 0],
                     folded: false,
                     up_first: false
-                }
+                },
+                "{name}"
             );
             assert_eq!(
                 w13.in_place(false),
@@ -1250,14 +1237,11 @@ fn bf16_weights_are_read_in_place_through_the_recipes_rows() {
                     q
                 };
                 let got = &w13.stored[in_place_row(l, n, q, e)..][..row];
-                assert_eq!(
-                    got,
-                    &paired.codes[(e * n + want_q) * row..][..row],
-                    "{path} e {e} q {q}"
-                );
+                let want = &paired.codes[(e * n + want_q) * row..][..row];
+                assert_eq!(got, want, "{name} e {e} q {q}");
                 if let Some(p) = w13.in_place(false) {
                     let got = &w13.stored[in_place_row(p, n, q, e)..][..row];
-                    assert_eq!(got, &w13.codes[(e * n + q) * row..][..row]);
+                    assert_eq!(got, &w13.codes[(e * n + q) * row..][..row], "{name}");
                 }
             }
         }

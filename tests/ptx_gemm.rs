@@ -945,3 +945,40 @@ fn every_binding_check_accepts_gets_both_hopper_gemms() {
     }
     assert!(accepted > 1000, "{accepted}");
 }
+
+/// A declared storage layout that no TMA map of rows serves (`fp8_colmajor`: K is not the
+/// contiguous dimension) is read from a copy re-laid on the host: `gemm` writes its variants, exit
+/// 0, and says on stderr which GEMM reads a copy and why (issue [8] item 2: the slow pattern,
+/// named); the standard recipes, read in place, say nothing.
+#[test]
+fn a_declared_layout_no_map_serves_is_re_laid_and_said() {
+    let bind = "E=8,H=2048,I=768";
+    let (code, gemm, err) = run(&[
+        "compile",
+        "fp8_colmajor",
+        "--bind",
+        bind,
+        "--kernels",
+        "gemm",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        gemm.contains("moeforge_gemm_e4m3t_"),
+        "tensorwise FP8 variants"
+    );
+    for g in ["w13", "w2"] {
+        assert!(
+            err.contains(&format!("note: {g} reads a copy re-laid on the host: `{g}_weight` is not contiguous along K")),
+            "{err}"
+        );
+    }
+    let (code, _, err) = run(&[
+        "compile",
+        "fp8_per_tensor",
+        "--bind",
+        bind,
+        "--kernels",
+        "gemm",
+    ]);
+    assert_eq!((code, err.as_str()), (Some(0), ""));
+}

@@ -83,7 +83,12 @@ macro_rules! variant {
 /// Recipes of quantization options the standard recipes do not take (asymmetric INT4 with zero
 /// points, group-wise INT8): what the layer's tests (and, where the GPU layer serves them,
 /// `selftest --gpu --moe`) run besides the standard ones.
-pub const VARIANTS: &[StandardRecipe] = &[variant!("int4_g128_zp"), variant!("int8_g128")];
+pub const VARIANTS: &[StandardRecipe] = &[
+    variant!("int4_g128_zp"),
+    variant!("int8_g128"),
+    variant!("bf16_up_gate"),
+    variant!("fp8_up_gate"),
+];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.
 pub fn find(name: &str) -> Option<&'static StandardRecipe> {
