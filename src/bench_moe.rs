@@ -71,7 +71,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         Scaling::None => Vec::new(),
         Scaling::Tensorwise { .. } => vec![1.0 / 256.0; experts],
         Scaling::Block128 => vec![1.0 / 256.0; experts * n.div_ceil(128) * k.div_ceil(128)],
-        Scaling::PerRow => vec![1.0 / 256.0; experts * n],
+        Scaling::PerRow | Scaling::Channelwise { .. } => vec![1.0 / 256.0; experts * n],
         Scaling::PerExpert => vec![1.0 / 256.0; experts],
         Scaling::PerRowGroup { .. } => Vec::new(),
     };

@@ -9,8 +9,10 @@
 //! it. Nothing here reads a recipe's name.
 
 use crate::codegen::addr::StorageMap;
+use crate::codegen::gemm::desc::strides_nest;
 use crate::codegen::gemm::wmap::{self, WLayout};
 use crate::codegen::gemm::ws::glu_row;
+use crate::codegen::gemm::ws::{WRows, WsConfig};
 use crate::dsl::ModuleInfo;
 
 /// Where a GEMM's weights come from.
@@ -58,6 +60,19 @@ impl Access {
             Access::Relaid { why } => format!("a copy re-laid on the host: {why}"),
         }
     }
+}
+
+/// `cands` compiled for weight row modes `rows`: those whose weight tile is a box of the modes
+/// (all of them for [`WRows::PLAIN`]); `None` where none is, and the GEMM must then read a
+/// re-laid copy through the plain map instead (a tile of 64, 128 or 256 rows that is no box of
+/// modes such as 24 x 4 x 2). The layer and `compile --kernels gemm` both decide with it.
+pub fn for_rows(cands: Vec<WsConfig>, rows: WRows) -> Option<Vec<WsConfig>> {
+    let v: Vec<WsConfig> = cands
+        .into_iter()
+        .map(|c| WsConfig { w_rows: rows, ..c })
+        .filter(|c| rows == WRows::PLAIN || rows.check(c.n, c.tile_weights()).is_ok())
+        .collect();
+    (!v.is_empty()).then_some(v)
 }
 
 /// The two ways a first GEMM can read its weights, and the one way of a second.
@@ -156,13 +171,26 @@ pub fn weight_access(
     let Ok(map) = StorageMap::of(&p.layout, b) else {
         return relaid(format!("`{pname}`'s layout does not evaluate"));
     };
-    match rows_of(&map, rows.as_ref(), b.atoms(), (slots, n, k), elem) {
+    let row = (k * elem) as i64;
+    match rows_of(&map, rows.as_ref(), b.atoms(), (slots, n, k), elem)
+        .and_then(|r| slot_contained(r, (slots, n, row)))
+    {
         Err(why) => relaid(format!("`{pname}` {why}")),
         Ok((row_bytes, expert)) => {
             let fit = |order: &dyn Fn(usize) -> usize, up_first: bool| -> Access {
                 let base = row_bytes[order(0)];
                 let off: Vec<i64> = (0..n).map(|q| row_bytes[order(q)] - base).collect();
                 match wmap::fit(&off, expert, slots as u64, up_first) {
+                    Ok(layout)
+                        if strides_nest(row as u64, &layout.extents, &layout.strides).is_err() =>
+                    {
+                        Access::Relaid {
+                            why: format!(
+                                "`{pname}`'s row modes {:?} (byte strides {:?}) overlap as a TMA map sees them (a stride below the span of the modes inside it)",
+                                layout.extents, layout.strides
+                            ),
+                        }
+                    }
                     Ok(mut layout) if base >= 0 && base % 16 == 0 => {
                         layout.base = base as u64;
                         Access::InPlace {
@@ -199,6 +227,31 @@ pub fn weight_access(
             WeightAccess { plain, paired }
         }
     }
+}
+
+/// `rows` (from [`rows_of`]) where every expert's rows stay inside its own slot of the storage
+/// (`n` rows of `row` bytes: slot `e` is bytes `[e n row, (e + 1) n row)`), else why not. EPLB
+/// moves a GEMM operand's slots as whole equal chunks (`runtime::slot_moves`), so a storage that
+/// interleaves experts (expert stride below a slot) or spreads one past its slot is read from a
+/// copy, which moves correctly.
+fn slot_contained(
+    (row_bytes, stride): (Vec<i64>, i64),
+    (slots, n, row): (usize, usize, i64),
+) -> Result<(Vec<i64>, i64), String> {
+    let slot = n as i64 * row;
+    if slots > 1 && stride != slot {
+        return Err(format!(
+            "places its experts {stride} bytes apart, not one slot of {slot} bytes (EPLB moves whole slots)"
+        ));
+    }
+    let lo = row_bytes.iter().copied().min().unwrap_or(0);
+    let hi = row_bytes.iter().copied().max().unwrap_or(0) + row;
+    if lo < 0 || hi > slot {
+        return Err(format!(
+            "spreads an expert's rows over bytes [{lo}, {hi}), past its slot of {slot} bytes (EPLB moves whole slots)"
+        ));
+    }
+    Ok((row_bytes, stride))
 }
 
 /// Per input row of expert 0, the byte offset of the param row holding it (K index 0), and the
@@ -251,4 +304,54 @@ fn rows_of(
         return Err("does not place its experts at one stride".into());
     }
     Ok((row_bytes, stride))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codegen::gemm::tune;
+    use crate::codegen::gemm::ws::{Operands, Scaling};
+
+    #[test]
+    fn only_experts_inside_their_slots_are_read_in_place() {
+        // 4 rows of 256 bytes, experts one slot (1024 bytes) apart: in place.
+        let rows: Vec<i64> = (0..4).map(|r| r * 256).collect();
+        assert!(slot_contained((rows.clone(), 1024), (3, 4, 256)).is_ok());
+        // Experts interleaved (256 bytes apart): EPLB's whole-slot moves would move other rows.
+        let e = slot_contained((rows.clone(), 256), (3, 4, 256)).unwrap_err();
+        assert!(e.contains("256 bytes apart") && e.contains("EPLB"), "{e}");
+        // A row past the slot (a base offset into the next one).
+        let shifted: Vec<i64> = rows.iter().map(|r| r + 16).collect();
+        let e = slot_contained((shifted, 1024), (3, 4, 256)).unwrap_err();
+        assert!(e.contains("[16, 1040)"), "{e}");
+        // One expert: its stride never steps.
+        assert!(slot_contained((rows, 0), (1, 4, 256)).is_ok());
+    }
+
+    #[test]
+    fn row_modes_no_tile_is_a_box_of_leave_the_plain_map() {
+        let cands = tune::candidates(Operands::Bf16, Scaling::None, 192, 256);
+        assert!(!cands.is_empty());
+        // 24 x 4 x 2: no tile of 64, 128 or 256 rows is a box.
+        let odd = WRows {
+            modes: 3,
+            inner: [24, 4, 0],
+            folded: false,
+            up_first: false,
+        };
+        assert_eq!(for_rows(cands.clone(), odd), None);
+        // 8 x 2 x 12: tiles of 16 rows and multiples are.
+        let by8 = WRows {
+            modes: 3,
+            inner: [8, 2, 0],
+            folded: false,
+            up_first: false,
+        };
+        let v = for_rows(cands.clone(), by8).expect("some tile is a box");
+        assert!(v.iter().all(|c| c.w_rows == by8));
+        assert_eq!(
+            for_rows(cands.clone(), WRows::PLAIN).map(|v| v.len()),
+            Some(cands.len())
+        );
+    }
 }

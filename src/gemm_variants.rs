@@ -193,12 +193,19 @@ fn declared_scalings(
             (Scaling::Tensorwise { .. }, ActScale::Static(_)) => {
                 Scaling::Tensorwise { per_token: false }
             }
+            (Scaling::Channelwise { .. }, ActScale::Dynamic(ActDynamic::PerToken)) => {
+                Scaling::Channelwise { per_token: true }
+            }
+            (Scaling::Channelwise { .. }, ActScale::Static(_)) => {
+                Scaling::Channelwise { per_token: false }
+            }
             (Scaling::Block128, ActScale::Dynamic(ActDynamic::PerTokenGroup { group: 128 })) => {
                 Scaling::Block128
             }
             (w, s) => {
                 let weights = match w {
                     Scaling::Block128 => "128x128 block weight scales",
+                    Scaling::Channelwise { .. } => "per-channel weight scales",
                     _ => "per-tensor weight scales",
                 };
                 let acts = match s {
@@ -248,9 +255,14 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
         };
         let family = match t.dtype {
             dsl::ir::DType::Bf16 => Some((Operands::Bf16, Scaling::None, None)),
-            dsl::ir::DType::E4m3 => weight_scale(info, name, e, n, k)
-                .filter(|(_, s)| *s != Scaling::PerRow)
-                .map(|(p, s)| (Operands::E4m3, s, Some(p))),
+            // FP8: per tensor, per 128x128 block, or per channel (an `[E, N]` scale).
+            dsl::ir::DType::E4m3 => weight_scale(info, name, e, n, k).map(|(p, s)| {
+                let s = match s {
+                    Scaling::PerRow => Scaling::Channelwise { per_token: true },
+                    s => s,
+                };
+                (Operands::E4m3, s, Some(p))
+            }),
             // W8A16: int8 codes with one f32 scale per row, bf16 activations; group-wise int8
             // (groups of a power of two, at least 64) with each group's sum promoted by its row's
             // scale, which the layer writes `[E, groups, N]` from the recipe's scale param.
@@ -368,15 +380,22 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             }
         }
         for scaling in scalings {
-            let plain = tune::candidates(operands, scaling, n, k)
-                .into_iter()
-                .map(|c| WsConfig {
-                    w_rows: plain_rows,
-                    ..c
-                })
-                .filter(|c| {
-                    plain_rows == ws::WRows::PLAIN || plain_rows.check(n, c.tile_weights()).is_ok()
-                });
+            let all = tune::candidates(operands, scaling, n, k);
+            // The row modes where some tile is a box of them, else the re-laid copy (said).
+            let plain = match crate::gemm_access::for_rows(all.clone(), plain_rows) {
+                Some(v) => v,
+                None => {
+                    plan.access.push((
+                        gemm,
+                        "plain",
+                        format!(
+                            "a copy re-laid on the host: no tile of the {scaling:?} candidates is a box of `{name}`'s row modes {:?}",
+                            plain_rows.extents(n)
+                        ),
+                    ));
+                    all
+                }
+            };
             for cfg in plain {
                 let entry = ws_entry(gemm, &cfg);
                 let ptx = ws::grouped_ws_entry(&entry, &cfg)?;

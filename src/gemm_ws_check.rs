@@ -159,6 +159,9 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
     };
     let tok = Scaling::Tensorwise { per_token: true };
     let ten = Scaling::Tensorwise { per_token: false };
+    // FP8 per channel: a weight scale per row with the token's (or one static) scale.
+    let ch = Scaling::Channelwise { per_token: true };
+    let chs = Scaling::Channelwise { per_token: false };
     // The register-A families and a variant of one (weights on A: always the swapped form).
     let i8 = (Operands::I8Bf16, Scaling::PerRow);
     let [nvfp4, mxfp4, int4] = W4_FORMATS.map(|o| (o, Scaling::PerExpert));
@@ -179,6 +182,15 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         v(e, tok, OutTy::Bf16, 1, 32, 8, true),
         v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false),
         v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true),
+        // FP8 per channel: the row scales on the B side (prefill) and the A side (decode).
+        v(e, ch, OutTy::Bf16, 2, 128, 6, false),
+        v(e, chs, OutTy::F32, 2, 256, 4, false),
+        v(e, ch, OutTy::F32, 1, 16, 8, true),
+        v(e, chs, OutTy::Bf16, 1, 8, 8, true),
+        WsConfig {
+            split_k: 2,
+            ..v(e, ch, OutTy::F32, 1, 32, 8, true)
+        },
         // Int8 weights as register-sourced A (W8A16, decode).
         ra(i8, OutTy::Bf16, 1, 16, 8),
         ra(i8, OutTy::F32, 1, 8, 8),
@@ -282,6 +294,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (v(e, tok, OutTy::F32, 2, 256, 4, false), 1),
         (v(e, tok, OutTy::F32, 1, 16, 8, true), 3),
         (v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true), 1),
+        (v(e, ch, OutTy::F32, 2, 256, 4, false), 1),
+        (v(e, ch, OutTy::F32, 1, 16, 8, true), 2),
         (ra(i8, OutTy::Bf16, 1, 16, 8), 1),
         (ra(nvfp4, OutTy::Bf16, 1, 8, 8), 1),
         (ra(int4, OutTy::F32, 1, 16, 8), 1),
@@ -333,6 +347,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         fused(v(b, Scaling::None, OutTy::F32, 1, 16, 8, true), paired),
         fused(v(e, tok, OutTy::Bf16, 2, 128, 6, false), interleaved),
         fused(v(e, tok, OutTy::F32, 1, 16, 8, true), interleaved),
+        fused(v(e, ch, OutTy::F32, 2, 128, 6, false), paired),
+        fused(v(e, ch, OutTy::F32, 1, 16, 8, true), interleaved),
         WsConfig {
             split_k: 2,
             ..fused(v(b, Scaling::None, OutTy::Bf16, 1, 8, 8, true), interleaved)
@@ -455,6 +471,9 @@ fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f
         Scaling::Tensorwise { per_token: false } => (v(1), v(e)),
         Scaling::Block128 => (v(t * kb), v(e * nb * kb)),
         Scaling::PerRow => (vec![], v(e * cfg.n as usize)),
+        Scaling::Channelwise { per_token } => {
+            (v(if per_token { t } else { 1 }), v(e * cfg.n as usize))
+        }
         Scaling::PerExpert => (vec![], v(e)),
         // (Group-wise int8: its scales are the operand's group scales.)
         Scaling::PerRowGroup { .. } => (vec![], vec![]),
@@ -518,6 +537,21 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                 &op.w[wr],
                                 &op.w_scale[e..e + 1],
                             )
+                        }
+                        // Per channel: the unit-scaled product times each row's scale.
+                        (Operands::E4m3, Scaling::Channelwise { per_token }) => {
+                            let s = if per_token {
+                                ActScale::PerToken(&op.x_scale[r..r + 1])
+                            } else {
+                                ActScale::PerTensor(op.x_scale[0])
+                            };
+                            reference::gemm_fp8(&g, &op.x[r * k..(r + 1) * k], s, &op.w[wr], &[1.0])
+                                .map(|v| {
+                                    v.iter()
+                                        .enumerate()
+                                        .map(|(j, &y)| y * f64::from(op.w_scale[e * n + j]))
+                                        .collect()
+                                })
                         }
                         (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
                             // Per group: the codes' dot with bf16 activations (f64) times the

@@ -110,39 +110,13 @@ impl GemmWeights {
     /// N not a multiple of 16, or 128x128 block scales (a 128-row block would mix gate and up
     /// rows of different blocks).
     pub fn paired(&self) -> Option<GemmWeights> {
-        let (slots, n) = (self.slots, self.n);
-        if !pairable(self.scaling, n) || slots * n == 0 {
-            return None;
-        }
-        let half = n / 2;
-        // Rows of `bytes` bytes each, `runs` runs of N rows: each run's rows re-ordered.
-        let permute = |v: &[u8], runs: usize| -> Option<Vec<u8>> {
-            let row = v.len().checked_div(runs * n)?;
-            if row * runs * n != v.len() {
-                return None;
-            }
-            let mut out = Vec::with_capacity(v.len());
-            for run in v.chunks_exact(n * row) {
-                for r in 0..n {
-                    let from = crate::codegen::gemm::ws::glu_row(r, half);
-                    out.extend_from_slice(&run[from * row..(from + 1) * row]);
-                }
-            }
-            Some(out)
-        };
-        let scales = match self.scaling {
-            Scaling::PerRow => {
-                let b: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-                permute(&b, slots)?
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect()
-            }
-            _ => self.scales.clone(),
-        };
+        let slots = self.slots;
+        let scales = self.paired_scales()?;
         let group_scales = match (self.operands, self.scaling) {
-            (Operands::W4Bf16(w), _) => permute(&self.group_scales, slots * w.scale_tiles(self.k))?,
-            (_, Scaling::PerRowGroup { group }) => permute(
+            (Operands::W4Bf16(w), _) => {
+                self.paired_rows(&self.group_scales, slots * w.scale_tiles(self.k))?
+            }
+            (_, Scaling::PerRowGroup { group }) => self.paired_rows(
                 &self.group_scales,
                 slots * self.k.div_ceil(group.max(1) as usize),
             )?,
@@ -152,15 +126,54 @@ impl GemmWeights {
             operands: self.operands,
             scaling: self.scaling,
             slots,
-            n,
+            n: self.n,
             k: self.k,
-            codes: permute(&self.codes, slots)?,
+            codes: self.paired_rows(&self.codes, slots)?,
             scales,
             group_scales,
             relayout: true,
             access: None,
             stored: Vec::new(),
         })
+    }
+
+    /// The weight scales of [`GemmWeights::paired`] alone: per-row (and per-channel) scales in
+    /// the paired row order, others as they are (what a GEMM reading the param in place in the
+    /// paired order takes). `None` where the rows do not pair.
+    pub fn paired_scales(&self) -> Option<Vec<f32>> {
+        Some(match self.scaling {
+            Scaling::PerRow | Scaling::Channelwise { .. } => {
+                let b: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                self.paired_rows(&b, self.slots)?
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            }
+            _ if pairable(self.scaling, self.n) => self.scales.clone(),
+            _ => return None,
+        })
+    }
+
+    /// `v` as `runs` runs of N equal rows, each run's rows in the paired order; `None` where the
+    /// rows do not pair or `v` is no such runs.
+    fn paired_rows(&self, v: &[u8], runs: usize) -> Option<Vec<u8>> {
+        let n = self.n;
+        if !pairable(self.scaling, n) || self.slots * n == 0 {
+            return None;
+        }
+        let half = n / 2;
+        let row = v.len().checked_div(runs * n)?;
+        if row * runs * n != v.len() {
+            return None;
+        }
+        let mut out = Vec::with_capacity(v.len());
+        for run in v.chunks_exact(n * row) {
+            for r in 0..n {
+                let from = crate::codegen::gemm::ws::glu_row(r, half);
+                out.extend_from_slice(&run[from * row..(from + 1) * row]);
+            }
+        }
+        Some(out)
     }
 
     /// The param's map where the GEMM reads it in place: rows in the input's order, or
@@ -241,6 +254,14 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             }),
             Feed::PerToken | Feed::Static { .. },
         ) => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        // Per channel: a scale per weight row, applied with the token's in the epilogue.
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Channel,
+                ..
+            }),
+            Feed::PerToken | Feed::Static { .. },
+        ) => (Operands::E4m3, Scaling::Channelwise { per_token: true }),
         (
             Some(QuantScheme::Fp8 {
                 granularity: Fp8Granularity::Block128,
@@ -362,12 +383,13 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             )
         })?,
         Scaling::PerExpert | Scaling::PerRowGroup { .. } => Vec::new(),
-        Scaling::PerRow => shared_scales(&l.scales, k, slots * n).map_err(|r| {
-            unsupported(
-                info,
-                format!("`{name}`: row {r}'s elements do not share one scale"),
-            )
-        })?,
+        Scaling::PerRow | Scaling::Channelwise { .. } => shared_scales(&l.scales, k, slots * n)
+            .map_err(|r| {
+                unsupported(
+                    info,
+                    format!("`{name}`: row {r}'s elements do not share one scale"),
+                )
+            })?,
         Scaling::Block128 => {
             let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
             let mut s = vec![0f32; slots * nb * kb];

@@ -77,13 +77,24 @@ struct DevWeights {
 
 impl DevWeights {
     /// Upload `g`: the param's own bytes where `in_place` gives their map (the GEMM then reads
-    /// them through it), else the operand's codes.
+    /// them through it), else the operand's codes; its weight scales in the GEMM's row order
+    /// (`paired`: the fused epilogue's, for the param read in place in that order).
     fn upload(
         dev: &Device,
         g: &GemmWeights,
         (out, epilogue): (OutTy, Epilogue),
         in_place: Option<&WLayout>,
+        paired: bool,
     ) -> Result<DevWeights> {
+        let paired_scales;
+        let scales = if paired {
+            paired_scales = g.paired_scales().ok_or_else(|| {
+                Error::Usage("the first GEMM's rows do not pair for the fused epilogue".into())
+            })?;
+            &paired_scales
+        } else {
+            &g.scales
+        };
         let dim = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
         };
@@ -100,14 +111,10 @@ impl DevWeights {
             k: dim(g.k, "K")?,
             w: dev.stream.clone_htod(bytes).map_err(drv("cuMemcpyHtoD"))?,
             layout: in_place.cloned(),
-            scale: if g.scales.is_empty() {
+            scale: if scales.is_empty() {
                 None
             } else {
-                Some(
-                    dev.stream
-                        .clone_htod(&g.scales)
-                        .map_err(drv("cuMemcpyHtoD"))?,
-                )
+                Some(dev.stream.clone_htod(scales).map_err(drv("cuMemcpyHtoD"))?)
             },
             group_scales: if g.group_scales.is_empty() {
                 None
@@ -129,18 +136,15 @@ impl DevWeights {
     /// The candidates, with this GEMM's output, epilogue and weight row modes (those the epilogue
     /// and the row modes can run).
     fn candidates(&self) -> Vec<WsConfig> {
-        let w_rows = self.w_rows();
-        layer_candidates(
+        let all = layer_candidates(
             self.operands,
             self.scaling,
             (self.out, self.epilogue),
             self.n,
             self.k,
-        )
-        .into_iter()
-        .map(|c| WsConfig { w_rows, ..c })
-        .filter(|c| w_rows == WRows::PLAIN || w_rows.check(c.n, c.tile_weights()).is_ok())
-        .collect()
+        );
+        // (Never empty for an in-place map: `in_place_for` read it only where some are.)
+        crate::gemm_access::for_rows(all, self.w_rows()).unwrap_or_default()
     }
 
     /// The tuning cache's form of a variant: its choice does not depend on the weight row modes
@@ -266,6 +270,15 @@ pub fn layer_candidates(
         .map(|c| WsConfig { out, epilogue, ..c })
         .filter(|c| c.epilogue == Epilogue::Store || c.tile_weights().is_multiple_of(16))
         .collect()
+}
+
+/// `g`'s in-place map (rows `paired` or not) where some candidate of `form` can read through it;
+/// `None`: the layer reads the re-laid copy (no tile of the candidates is a box of the row modes).
+fn in_place_for(g: &GemmWeights, paired: bool, form: (OutTy, Epilogue)) -> Option<&WLayout> {
+    let l = g.in_place(paired)?;
+    let (n, k) = (u32::try_from(g.n).ok()?, u32::try_from(g.k).ok()?);
+    let all = layer_candidates(g.operands, g.scaling, form, n, k);
+    crate::gemm_access::for_rows(all, l.rows).map(|_| l)
 }
 
 /// How the first GEMM's input is made: the gathered bf16 rows, or E4M3 codes and scales that the
@@ -504,13 +517,14 @@ impl GpuLayer {
         };
         let feed2_bf16 = ops.feed2 == Feed::Bf16;
         let form = gemm_form(true, fuse, feed2_bf16, ops.w13.scaling, ops.w13.n);
-        // Fused: the param read in place in the paired order where its rows allow, else a copy
-        // of its rows in that order.
+        // Fused: the param read in place in the paired order where its rows allow (its per-row
+        // scales, FP8 per channel's, then go up in that order), else a copy of its rows in that
+        // order.
         let fused_w13 = match form {
-            (_, Epilogue::SiluMul) => match ops.w13.in_place(true) {
-                Some(l) => Some(DevWeights::upload(dev, &ops.w13, form, Some(l))?),
+            (_, Epilogue::SiluMul) => match in_place_for(&ops.w13, true, form) {
+                Some(l) => Some(DevWeights::upload(dev, &ops.w13, form, Some(l), true)?),
                 None => match ops.w13.paired() {
-                    Some(p) => Some(DevWeights::upload(dev, &p, form, None)?),
+                    Some(p) => Some(DevWeights::upload(dev, &p, form, None, false)?),
                     None => None,
                 },
             },
@@ -530,7 +544,8 @@ impl GpuLayer {
                     dev,
                     &ops.w13,
                     (OutTy::F32, Epilogue::Store),
-                    ops.w13.in_place(false),
+                    in_place_for(&ops.w13, false, (OutTy::F32, Epilogue::Store)),
+                    false,
                 )?,
                 Some(MoeAct::load(dev, ActIn::SiluMul, out2, i)?),
             ),
@@ -552,7 +567,8 @@ impl GpuLayer {
                 dev,
                 &ops.w2,
                 (OutTy::F32, Epilogue::Store),
-                ops.w2.in_place(false),
+                in_place_for(&ops.w2, false, (OutTy::F32, Epilogue::Store)),
+                false,
             )?,
             log2phy: dev.stream.clone_htod(&l2p).map_err(drv("cuMemcpyHtoD"))?,
             logcnt: dev.stream.clone_htod(&cnt).map_err(drv("cuMemcpyHtoD"))?,

@@ -1247,3 +1247,57 @@ fn weights_are_read_in_place_through_the_recipes_rows() {
         }
     }
 }
+
+/// FP8 per channel on the GPU layer (issue [8]): `fp8_channel` and `fp8_channel_by8` (gate and up
+/// rows interleaved by 8, scales moving with them) give per-channel GEMM operands, read in place;
+/// the by-8 storage is the fused epilogue's paired order itself (the plain map), and the scales a
+/// GEMM reading in that order takes (`paired_scales`) are the by-8 recipe's stored scale param,
+/// byte for byte, and the `[gate; up]` recipe's scales paired.
+#[test]
+fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
+    use moeforge::codegen::gemm::wmap::WLayout;
+    use moeforge::codegen::gemm::ws::Scaling;
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let bind = format!("E={E},H={H},I={I}");
+    let mut paired = Vec::new();
+    for name in ["fp8_channel", "fp8_channel_by8"] {
+        let r = moeforge::kernels::find(name).unwrap();
+        let packed = d.join(format!("{name}.safetensors"));
+        pack(r.path, &ck, &packed);
+        let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
+        let params = params_of(&packed);
+        let layer = moeforge::moe_host::Layer {
+            info: &info,
+            params: &params,
+        };
+        let ops = operands(&layer).unwrap();
+        for g in [&ops.w13, &ops.w2] {
+            assert_eq!(
+                g.scaling,
+                Scaling::Channelwise { per_token: true },
+                "{name}"
+            );
+            assert_eq!(g.scales.len(), E * g.n, "{name}");
+        }
+        let ps = ops.w13.paired_scales().unwrap();
+        if name == "fp8_channel_by8" {
+            assert_eq!(
+                ops.w13.in_place(true),
+                Some(&WLayout::compact(E as u64, (2 * I) as u64, H as u64))
+            );
+            let stored: Vec<f32> = params["w13_weight_scale"]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(ps, stored);
+        } else {
+            assert!(ops.w13.in_place(true).is_some_and(|l| l.rows.modes == 3));
+        }
+        paired.push(ps);
+    }
+    assert_eq!(paired[0], paired[1]);
+}

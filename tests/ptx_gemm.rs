@@ -32,7 +32,7 @@ const MODELS: [(&str, &str); 2] = [
 
 /// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
 /// (tensorwise and 128x128 block scales) at the first.
-const GOLDENS: [(&str, &str, &str); 10] = [
+const GOLDENS: [(&str, &str, &str); 11] = [
     ("bf16", MODELS[0].0, MODELS[0].1),
     ("bf16", MODELS[1].0, MODELS[1].1),
     ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
@@ -47,6 +47,8 @@ const GOLDENS: [(&str, &str, &str); 10] = [
     ("int4_g128_zp", MODELS[0].0, MODELS[0].1),
     // Group-wise INT8 (the variant recipe): each group's partial sum promoted by its row's scale.
     ("int8_g128", MODELS[0].0, MODELS[0].1),
+    // FP8 per channel (the variant recipe): a weight scale per row with the token's.
+    ("fp8_channel", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -326,6 +328,7 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
                     Scaling::None => "bf16",
                     Scaling::Tensorwise { .. } => "tensorwise",
                     Scaling::Block128 => "block128",
+                    Scaling::Channelwise { .. } => "channelwise",
                     Scaling::PerRow => "per_row",
                     Scaling::PerExpert => "per_expert",
                     Scaling::PerRowGroup { .. } => "per_row_group",
@@ -336,7 +339,7 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
             }
         }
     }
-    for family in ["bf16", "tensorwise", "block128"] {
+    for family in ["bf16", "tensorwise", "block128", "channelwise"] {
         for swap_ab in [false, true] {
             assert!(covered.contains(&(family, swap_ab)), "{family} {swap_ab}");
         }

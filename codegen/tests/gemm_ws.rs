@@ -20,11 +20,13 @@ use moeforge_codegen::ptx::PTX_VERSION;
 use proptest::prelude::*;
 
 /// The kernel families: (operands, scaling) as the plan uses them.
-const FAMILIES: [(Operands, Scaling); 4] = [
+const FAMILIES: [(Operands, Scaling); 6] = [
     (Operands::Bf16, Scaling::None),
     (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
     (Operands::E4m3, Scaling::Tensorwise { per_token: false }),
     (Operands::E4m3, Scaling::Block128),
+    (Operands::E4m3, Scaling::Channelwise { per_token: true }),
+    (Operands::E4m3, Scaling::Channelwise { per_token: false }),
 ];
 
 #[allow(clippy::too_many_arguments)]
@@ -862,6 +864,12 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::Tensorwise { per_token: true } => 1 + token_classes,
         // One row scale per A-side half.
         Scaling::PerRow => 2,
+        // Per channel: a row scale per row class (the two A-side halves in decode, the BN / 4
+        // B-side columns in prefill) and the activation's, as tensorwise.
+        Scaling::Channelwise { per_token } => {
+            let rows = if c.swap_ab { 2 } else { c.bn as usize / 4 };
+            rows + if per_token { token_classes } else { 1 }
+        }
         // The expert's factor.
         Scaling::PerExpert => 1,
         // Group-wise int8: the group scales come from the stage.

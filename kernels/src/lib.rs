@@ -88,6 +88,8 @@ pub const VARIANTS: &[StandardRecipe] = &[
     variant!("int8_g128"),
     variant!("bf16_up_gate"),
     variant!("fp8_up_gate"),
+    variant!("fp8_channel"),
+    variant!("fp8_channel_by8"),
 ];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.

@@ -473,7 +473,8 @@ fn operands_from(s: &str) -> Option<Operands> {
     Operands::from_name(s)
 }
 
-/// `none`, `tensorwise_per_token`, `tensorwise`, `block128`, `per_row`, `per_expert` or
+/// `none`, `tensorwise_per_token`, `tensorwise`, `block128`, `channelwise_per_token`,
+/// `channelwise`, `per_row`, `per_expert` or
 /// `per_row_group_G` (groups of `G`).
 pub fn scaling_name(s: Scaling) -> String {
     match s {
@@ -481,6 +482,8 @@ pub fn scaling_name(s: Scaling) -> String {
         Scaling::Tensorwise { per_token: true } => "tensorwise_per_token".into(),
         Scaling::Tensorwise { per_token: false } => "tensorwise".into(),
         Scaling::Block128 => "block128".into(),
+        Scaling::Channelwise { per_token: true } => "channelwise_per_token".into(),
+        Scaling::Channelwise { per_token: false } => "channelwise".into(),
         Scaling::PerRow => "per_row".into(),
         Scaling::PerExpert => "per_expert".into(),
         Scaling::PerRowGroup { group } => format!("per_row_group_{group}"),
@@ -496,6 +499,8 @@ fn scaling_from(s: &str) -> Option<Scaling> {
         Scaling::Tensorwise { per_token: true },
         Scaling::Tensorwise { per_token: false },
         Scaling::Block128,
+        Scaling::Channelwise { per_token: true },
+        Scaling::Channelwise { per_token: false },
         Scaling::PerRow,
         Scaling::PerExpert,
     ]
@@ -606,6 +611,8 @@ mod tests {
         use moeforge_codegen::gemm::ws::{GroupScale, W4Codes, W4};
         for (operands, scaling) in [
             (Operands::I8Bf16, Scaling::PerRow),
+            (Operands::E4m3, Scaling::Channelwise { per_token: true }),
+            (Operands::E4m3, Scaling::Channelwise { per_token: false }),
             (Operands::I8Bf16, Scaling::PerRowGroup { group: 128 }),
             (
                 Operands::W4Bf16(W4 {

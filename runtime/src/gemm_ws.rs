@@ -272,11 +272,15 @@ impl GroupedGemm {
         let compact = WLayout::compact(e as u64, n as u64, cfg.w_row_bytes());
         let layout = match op.w_layout {
             None if cfg.w_rows == WRows::PLAIN => &compact,
-            Some(l) if l.rows == cfg.w_rows && !cfg.operands.register_a() => l,
+            Some(l)
+                if l.rows == cfg.w_rows && !cfg.operands.register_a() && l.serves(cfg.n, e as u64) =>
+            {
+                l
+            }
             _ => {
                 return Err(Error::Placement(format!(
-                    "grouped GEMM {}: the weight layout given is not the one the variant is compiled for ({:?})",
-                    self.entry, cfg.w_rows
+                    "grouped GEMM {}: the weight layout given is not the one the variant is compiled for ({:?}, {} rows over {e} experts)",
+                    self.entry, cfg.w_rows, cfg.n
                 )))
             }
         };
@@ -324,6 +328,7 @@ impl GroupedGemm {
             Scaling::None => (0, 0),
             Scaling::Tensorwise { per_token } => (if per_token { t } else { 1 }, e),
             Scaling::Block128 => (kb * t, e * nb * kb),
+            Scaling::Channelwise { per_token } => (if per_token { t } else { 1 }, e * n),
             Scaling::PerRow => (0, e * n),
             Scaling::PerExpert => (0, e),
             Scaling::PerRowGroup { .. } => (0, 0),

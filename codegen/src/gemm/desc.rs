@@ -788,6 +788,32 @@ pub struct TensorMapParams {
     pub oob_fill: OobFill,
 }
 
+/// The aliasing rule of a tensor map whose innermost dimension spans `inner` bytes and whose
+/// other dimensions have `extents` and byte `strides`: taken in order of their strides (any
+/// order of dimensions: a recipe's row modes need not nest), each dimension's stride clears the
+/// span of those with smaller ones. A dimension of extent 1 never steps and is left out (an
+/// expert dimension of one expert, a GEMM of one row). Errors name the first stride that does not
+/// clear (`TmaStrideOverlap`, its index into `strides`).
+pub fn strides_nest(inner: u64, extents: &[u64], strides: &[u64]) -> Result<()> {
+    let mut order: Vec<usize> = (0..strides.len().min(extents.len()))
+        .filter(|&i| extents[i] > 1)
+        .collect();
+    order.sort_by_key(|&i| strides[i]);
+    let mut span = inner;
+    for index in order {
+        let value = strides[index];
+        if value < span {
+            return Err(DescError::TmaStrideOverlap {
+                index,
+                value,
+                min: span,
+            });
+        }
+        span = value.saturating_mul(extents[index]);
+    }
+    Ok(())
+}
+
 impl TensorMapParams {
     /// `global_dim[..rank]`.
     pub fn dims(&self) -> &[u64] {
@@ -849,23 +875,7 @@ impl TensorMapParams {
                 return Err(DescError::TmaGlobalStride { index, value });
             }
         }
-        // No two elements alias: taken in order of their strides (any order of dimensions: a
-        // recipe's row modes need not nest), each dimension's stride clears the span of those
-        // with smaller ones (the innermost's `dim[0] * elem_bytes` included).
-        let mut order: Vec<usize> = (0..self.strides().len()).collect();
-        order.sort_by_key(|&i| self.global_strides[i]);
-        let mut inner = self.global_dim[0] * eb;
-        for index in order {
-            let value = self.global_strides[index];
-            if value < inner {
-                return Err(DescError::TmaStrideOverlap {
-                    index,
-                    value,
-                    min: inner,
-                });
-            }
-            inner = value.saturating_mul(self.global_dim[index + 1]);
-        }
+        strides_nest(self.global_dim[0] * eb, &self.dims()[1..], self.strides())?;
         for (dim, &value) in self.box_dims().iter().enumerate() {
             if value == 0 || value > 256 {
                 return Err(DescError::TmaBoxDim { dim, value });

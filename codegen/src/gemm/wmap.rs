@@ -207,6 +207,25 @@ impl WLayout {
         }
     }
 
+    /// Whether the map covers what a kernel compiled for its row modes reads at `n` rows over
+    /// `experts` experts: the row extents its modes compile to (`WRows::extents`), and at least
+    /// `experts` experts (in the expert dimension, or folded into the last mode).
+    pub fn serves(&self, n: u32, experts: u64) -> bool {
+        let want = self.rows.extents(n);
+        let m = want.len();
+        let rows_ok = |i: usize| self.extents.get(i) == Some(&u64::from(want[i]));
+        if self.extents.len() != m + usize::from(!self.rows.folded) || !(0..m - 1).all(rows_ok) {
+            return false;
+        }
+        let last = u64::from(want[m - 1]);
+        if self.rows.folded {
+            self.extents[m - 1] >= last.saturating_mul(experts)
+                && self.extents[m - 1].is_multiple_of(last)
+        } else {
+            self.extents[m - 1] == last && self.extents[m] >= experts
+        }
+    }
+
     /// The bytes a buffer must hold: the map's start, the last element's row offset from it and
     /// `row_bytes` (0 for an empty tensor).
     pub fn span_bytes(&self, row_bytes: u64) -> u64 {
@@ -244,6 +263,19 @@ pub enum Slow {
         /// Row modes found.
         modes: usize,
     },
+    /// Four row modes leave no room for the expert, and the experts do not continue the last
+    /// mode (its stride times its extent is not the expert stride), so it cannot fold into it.
+    NoFold {
+        /// The last mode's end in bytes (its stride times its extent).
+        end: i64,
+        /// The expert stride in bytes.
+        expert_stride: i64,
+    },
+    /// A row mode's extent past 32 bits.
+    Extent {
+        /// Its extent.
+        extent: usize,
+    },
 }
 
 impl fmt::Display for Slow {
@@ -262,6 +294,11 @@ impl fmt::Display for Slow {
                 f,
                 "{modes} row modes and the expert do not fit a rank-{MAX_RANK} tensor map"
             ),
+            Slow::NoFold { end, expert_stride } => write!(
+                f,
+                "{MAX_ROW_MODES} row modes leave no dimension for the expert, and it cannot fold into the last mode (which ends at byte {end}; the experts are {expert_stride} bytes apart)"
+            ),
+            Slow::Extent { extent } => write!(f, "a row mode of {extent} rows is past 32 bits"),
         }
     }
 }
@@ -332,11 +369,14 @@ pub fn fit(off: &[i64], expert_stride: i64, experts: u64, up_first: bool) -> Res
         });
     }
     if fold && experts > 1 && last_s * last_e as i64 != expert_stride {
-        return Err(Slow::Rank { modes: modes.len() });
+        return Err(Slow::NoFold {
+            end: last_s * last_e as i64,
+            expert_stride,
+        });
     }
     let mut inner = [0u32; 3];
     for (i, &(e, _)) in modes[..modes.len() - 1].iter().enumerate() {
-        inner[i] = u32::try_from(e).map_err(|_| Slow::NotAffine { row: 0 })?;
+        inner[i] = u32::try_from(e).map_err(|_| Slow::Extent { extent: e })?;
     }
     let rows = WRows {
         modes: modes.len() as u8,
@@ -353,7 +393,14 @@ pub fn fit(off: &[i64], expert_stride: i64, experts: u64, up_first: bool) -> Res
         }
     } else {
         extents.push(experts.max(1));
-        strides.push(stride(expert_stride));
+        // One expert never steps: its stride (0 in the storage) becomes the rows' span, which
+        // nests as the driver describes strides.
+        let span = modes.iter().map(|&(e, s)| e as i64 * s).max().unwrap_or(0);
+        strides.push(if experts > 1 {
+            stride(expert_stride)
+        } else {
+            stride(span.max(expert_stride))
+        });
     }
     Ok(WLayout {
         rows,
@@ -508,7 +555,47 @@ mod tests {
         assert_eq!(fit(&off, 4096, 2, false), Err(Slow::Rank { modes: 5 }));
         // Four modes whose last does not meet the next expert: the expert cannot fold.
         let off = offsets(&[(2, 64), (2, 256), (2, 128), (2, 1024)]);
-        assert_eq!(fit(&off, 4096, 2, false), Err(Slow::Rank { modes: 4 }));
+        assert_eq!(
+            fit(&off, 4096, 2, false),
+            Err(Slow::NoFold {
+                end: 2048,
+                expert_stride: 4096
+            })
+        );
+        assert!(Slow::NoFold {
+            end: 2048,
+            expert_stride: 4096
+        }
+        .to_string()
+        .contains("cannot fold"));
+    }
+
+    #[test]
+    fn a_map_serves_the_rows_and_experts_it_covers() {
+        let off = offsets(&[(8, 256), (2, 64 * 256), (4, 8 * 256)]);
+        let l = fit(&off, 64 * 256, 3, false).expect("fits");
+        assert!(l.serves(64, 3) && l.serves(64, 2));
+        assert!(!l.serves(64, 4), "more experts than the map holds");
+        assert!(!l.serves(128, 3), "other rows than the modes compile to");
+        assert!(WLayout::compact(4, 96, 256).serves(96, 4));
+        assert!(!WLayout::compact(4, 96, 256).serves(96, 5));
+    }
+
+    #[test]
+    fn one_expert_and_one_row_give_maps_the_tma_rule_accepts() {
+        use crate::gemm::desc::strides_nest;
+        // One expert: its stride (0 in the storage) never steps.
+        let off: Vec<i64> = (0..64).map(|q| q * 256).collect();
+        let l = fit(&off, 0, 1, false).expect("fits");
+        assert_eq!(l.extents.last(), Some(&1));
+        strides_nest(256, &l.extents, &l.strides).expect("nests");
+        // One row.
+        let l = fit(&[0], 512, 4, false).expect("fits");
+        strides_nest(512, &l.extents, &l.strides).expect("nests");
+        // Modes that alias as TMA sees them (rows 0, 2r, 3r, 5r: a stride of 3r inside the 4r
+        // span of the first mode) are named.
+        let l = fit(&[0, 512, 768, 1280], 2048, 2, false).expect("fits");
+        assert!(strides_nest(256, &l.extents, &l.strides).is_err());
     }
 
     #[test]

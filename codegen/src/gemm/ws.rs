@@ -367,6 +367,14 @@ pub enum Scaling {
     },
     /// Per 128-deep K slice with 1x128 activation groups and 128x128 weight blocks.
     Block128,
+    /// Once in the epilogue: per weight row (channel) `w_scale [E, N]` times the activation
+    /// scale, per token (`[T]`) or one (`[1]`): FP8 per-channel weights. The factor of a slot is
+    /// `x_scale * w_scale[row]`, multiplied as the per-tensor form multiplies its (so channels that
+    /// share one scale give the per-tensor kernel's bits).
+    Channelwise {
+        /// The activation scale is per token (else one value).
+        per_token: bool,
+    },
     /// Once in the epilogue, per weight row: `w_scale [E, N]` (weights-only recipes' per-row
     /// scales, e.g. `int8_per_row`); no activation scale.
     PerRow,
@@ -396,7 +404,10 @@ impl Scaling {
 
     /// Whether the kernel reads activation scales (`x_scale`): the FP8 families.
     pub const fn takes_x_scale(self) -> bool {
-        matches!(self, Scaling::Tensorwise { .. } | Scaling::Block128)
+        matches!(
+            self,
+            Scaling::Tensorwise { .. } | Scaling::Block128 | Scaling::Channelwise { .. }
+        )
     }
 }
 
@@ -686,6 +697,8 @@ impl WsConfig {
             Scaling::Tensorwise { per_token: true } => "t",
             Scaling::Tensorwise { per_token: false } => "s",
             Scaling::Block128 => "b",
+            Scaling::Channelwise { per_token: true } => "ct",
+            Scaling::Channelwise { per_token: false } => "cs",
             Scaling::PerRow => "r",
             Scaling::PerExpert => "x",
             Scaling::PerRowGroup { .. } => "g",
@@ -824,7 +837,8 @@ impl WsConfig {
             ));
         }
         match (self.operands, self.scaling) {
-            (Operands::Bf16, Scaling::None) | (Operands::E4m3, Scaling::Tensorwise { .. }) => {}
+            (Operands::Bf16, Scaling::None)
+            | (Operands::E4m3, Scaling::Tensorwise { .. } | Scaling::Channelwise { .. }) => {}
             (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
                 // Whole k-tiles a group, and a second accumulator (the group's partial sum): BN at
                 // most 64, as the tuner's decode tiles; the group scales' TMA rows (4 N bytes) a
@@ -2321,6 +2335,17 @@ fn token_class(cfg: &WsConfig, i: u32) -> usize {
     }
 }
 
+/// The weight row class of accumulator slot `i` (see [`token_class`]): its A-side half `h` in the
+/// swapped form (weights on A), its B-side column `2 j + c` otherwise.
+fn row_class(cfg: &WsConfig, i: u32) -> usize {
+    let (j, h, c) = (i / 4, (i / 2) % 2, i % 2);
+    if cfg.swap_ab {
+        h as usize
+    } else {
+        (2 * j + c) as usize
+    }
+}
+
 /// The block scales of one K slice, read from its stage.
 struct BlockScales {
     /// `s_x` per token class (see [`token_class`]).
@@ -2535,30 +2560,47 @@ fn epilogue(
     w_scale: Option<Reg>,
     acc: &[Reg],
 ) -> Result<()> {
-    // Tensorwise scales: one factor per token class.
+    // Tensorwise scales: one factor per token class (per channel: the activation's alone, the
+    // weight's per row below).
+    let tokens = |k: &mut K, xs: Reg, per_token: bool| -> Vec<Reg> {
+        let toks = if per_token {
+            frag_tokens(k, cfg, frag, f, s)
+        } else {
+            vec![k.imm(0)]
+        };
+        toks.iter().map(|&t| ld_f32(k, xs, t)).collect()
+    };
     let factors: Option<Vec<Reg>> = match (cfg.scaling, x_scale, w_scale) {
         (Scaling::PerExpert, _, Some(ws)) => Some(vec![ld_f32(k, ws, s.expert)]),
         (Scaling::Tensorwise { per_token }, Some(xs), Some(ws)) => {
             let sw = ld_f32(k, ws, s.expert);
-            let toks = if per_token {
-                frag_tokens(k, cfg, frag, f, s)
-            } else {
-                vec![k.imm(0)]
-            };
-            let sx: Vec<Reg> = toks.iter().map(|&t| ld_f32(k, xs, t)).collect();
+            let sx = tokens(k, xs, per_token);
             Some(sx.iter().map(|&x| fmul(k, x, sw)).collect())
         }
+        (Scaling::Channelwise { per_token }, Some(xs), Some(_)) => Some(tokens(k, xs, per_token)),
         _ => None,
     };
-    let per_token = matches!(cfg.scaling, Scaling::Tensorwise { per_token: true });
-    // Per weight row (decode: the A side): `w_scale[e, row]` for the fragment's two A-side halves,
-    // rows past N clamped to N - 1 (never stored).
-    let row_factors: Option<[Reg; 2]> = match (cfg.scaling, w_scale) {
-        (Scaling::PerRow, Some(ws)) if cfg.swap_ab => {
-            let mut fs = [frag.a_row; 2];
-            for (h, slot) in fs.iter_mut().enumerate() {
-                let r = k.bin(BinOpcode::Add, PtxTy::U32, frag.a_row, Operand::Reg(f.w0));
-                k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(8 * h as i64));
+    let per_token = matches!(
+        cfg.scaling,
+        Scaling::Tensorwise { per_token: true } | Scaling::Channelwise { per_token: true }
+    );
+    // Per weight row: `w_scale[e, row]` per row class (`row_class`: the fragment's two A-side
+    // halves in the swapped form, its B-side columns otherwise), rows past N clamped to N - 1
+    // (never stored).
+    let row_factors: Option<Vec<Reg>> = match (cfg.scaling, w_scale) {
+        (Scaling::PerRow | Scaling::Channelwise { .. }, Some(ws)) => {
+            let (base, offs): (Reg, Vec<u32>) = if cfg.swap_ab {
+                (frag.a_row, vec![0, 8])
+            } else {
+                (
+                    frag.b_col,
+                    (0..cfg.bn / 8).flat_map(|j| [8 * j, 8 * j + 1]).collect(),
+                )
+            };
+            let mut fs = Vec::with_capacity(offs.len());
+            for o in offs {
+                let r = k.bin(BinOpcode::Add, PtxTy::U32, base, Operand::Reg(f.w0));
+                k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(i64::from(o)));
                 k.bin_to(
                     r,
                     BinOpcode::Min,
@@ -2573,7 +2615,7 @@ fn epilogue(
                     Operand::Int(cfg.n.into()),
                 );
                 k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(r));
-                *slot = ld_f32(k, ws, i);
+                fs.push(ld_f32(k, ws, i));
             }
             Some(fs)
         }
@@ -2594,8 +2636,8 @@ fn epilogue(
 struct SlotScales {
     /// Per token class (or one for all).
     factors: Option<Vec<Reg>>,
-    /// Per A-side half (decode, per weight row).
-    row_factors: Option<[Reg; 2]>,
+    /// Per row class ([`row_class`]: per weight row).
+    row_factors: Option<Vec<Reg>>,
     per_token: bool,
 }
 
@@ -2605,20 +2647,21 @@ fn scale_slots(k: &mut K, cfg: &WsConfig, acc: &[Reg], sc: &SlotScales) -> Vec<R
     let mut scaled = Vec::with_capacity((cfg.bn / 2) as usize);
     for i in 0..cfg.bn / 2 {
         let v = acc[i as usize];
-        if let Some(fs) = &sc.row_factors {
-            scaled.push(fmul(k, v, fs[((i >> 1) & 1) as usize]));
-            continue;
-        }
-        scaled.push(match &sc.factors {
-            Some(fs) => {
-                let fc = if sc.per_token {
-                    fs[token_class(cfg, i)]
-                } else {
-                    fs[0]
-                };
-                fmul(k, v, fc)
+        let rf = sc.row_factors.as_ref().map(|fs| fs[row_class(cfg, i)]);
+        let tf = sc.factors.as_ref().map(|fs| {
+            if sc.per_token {
+                fs[token_class(cfg, i)]
+            } else {
+                fs[0]
             }
-            None => v,
+        });
+        scaled.push(match (tf, rf) {
+            (Some(t), Some(r)) => {
+                let f = fmul(k, t, r);
+                fmul(k, v, f)
+            }
+            (Some(f), None) | (None, Some(f)) => fmul(k, v, f),
+            (None, None) => v,
         });
     }
     scaled
