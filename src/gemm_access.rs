@@ -75,6 +75,37 @@ pub fn for_rows(cands: Vec<WsConfig>, rows: WRows) -> Option<Vec<WsConfig>> {
     (!v.is_empty()).then_some(v)
 }
 
+/// The row modes a GEMM reading `access` in place compiles for: its paired-order map (`paired`,
+/// the fused epilogue) or its input-order one; [`WRows::PLAIN`] where it reads a re-laid copy.
+pub fn rows_read(access: &WeightAccess, paired: bool) -> WRows {
+    let a = if paired {
+        access.paired.as_ref()
+    } else {
+        Some(&access.plain)
+    };
+    match a {
+        Some(Access::InPlace { layout, .. }) => layout.rows,
+        _ => WRows::PLAIN,
+    }
+}
+
+/// The variants a GPU layer loads for a GEMM whose candidates are `cands` (its form's:
+/// `moe_gpu_layer::layer_candidates`) and whose weights it reads through `access`
+/// (`paired` for the fused epilogue): compiled for the in-place row modes where some tile is a box
+/// of them, else the plain candidates (the layer then reads the re-laid copy). What the layer,
+/// `cache warmup` and `compile --kernels gemm` agree on.
+pub fn layer_variants(
+    cands: Vec<WsConfig>,
+    access: Option<&WeightAccess>,
+    paired: bool,
+) -> Vec<WsConfig> {
+    let rows = access.map_or(WRows::PLAIN, |a| rows_read(a, paired));
+    match for_rows(cands.clone(), rows) {
+        Some(v) => v,
+        None => cands,
+    }
+}
+
 /// The two ways a first GEMM can read its weights, and the one way of a second.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WeightAccess {

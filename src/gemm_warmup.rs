@@ -6,7 +6,9 @@
 //! `N = 2I, K = H`; w2: `N = H, K = I`) and each recipe, every candidate of
 //! `codegen::gemm::tune::candidates` is generated (the GEMM benchmark's bf16-out form), and every
 //! candidate in the form the MoE layer loads ([`crate::moe_gpu_layer::layer_candidates`]: f32 out,
-//! or the fused SiLU*up epilogue where the first GEMM's rows pair, bf16 or f32 out); on a Hopper
+//! or the fused SiLU*up epilogue where the first GEMM's rows pair, bf16 or f32 out; compiled for
+//! the row modes through which the layer reads the recipe's param in place,
+//! [`crate::gemm_access::layer_variants`]); on a Hopper
 //! GPU each is JIT-compiled through the kernel cache and loaded, and each token count is tuned for the
 //! benchmark's form (uniform routing as the GEMM benchmark routes, random operands) unless the
 //! tuning cache holds its bucket. The layer's forms are built, not tuned: `GpuLayer::tune` tunes
@@ -34,6 +36,19 @@ pub fn gemms(m: &crate::bench_gemm::Model) -> [(&'static str, usize, usize); 2] 
         ("w13", 2 * m.intermediate, m.hidden),
         ("w2", m.hidden, m.intermediate),
     ]
+}
+
+/// How the GPU layer reads `recipe`'s weights of `gemm` at model `m`'s binding (`None` where the
+/// recipe does not verify there: the plain variants are then warmed).
+fn access_at(
+    recipe: crate::bench_gemm::Recipe,
+    m: &crate::bench_gemm::Model,
+    gemm: &str,
+) -> Option<crate::gemm_access::WeightAccess> {
+    let r = crate::kernels::find(recipe.name())?;
+    let bind = format!("E={},H={},I={}", m.experts, m.hidden, m.intermediate);
+    let info = crate::verify_source(r.source, r.path, Some(&bind)).ok()?;
+    crate::gemm_access::of_gemm(&info, gemm).map(|(_, a)| a)
 }
 
 /// What a warm-up did.
@@ -106,7 +121,13 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
                     scaling,
                     2 * m.intermediate,
                 );
-                let layer = layer_candidates(operands, scaling, form, n32, k32);
+                // Compiled for the row modes through which the layer reads the standard recipe's
+                // param in place at this model's binding (`gemm_access`).
+                let layer = crate::gemm_access::layer_variants(
+                    layer_candidates(operands, scaling, form, n32, k32),
+                    access_at(recipe, m, gemm).as_ref(),
+                    form.1 == Epilogue::SiluMul,
+                );
                 let (mut built, mut hits) = (0, 0);
                 for cfg in all.iter().chain(&layer) {
                     let (entry, ptx) = variant_ptx(cfg)?;
@@ -203,5 +224,40 @@ mod tests {
         let q = crate::bench_gemm::MODELS[0];
         assert_eq!(q.name, "qwen3-30b-a3b");
         assert_eq!(gemms(&q), [("w13", 1536, 2048), ("w2", 2048, 768)]);
+    }
+
+    /// The layer's fused bf16 first GEMM reads the standard recipe's param in place in the paired
+    /// order (8 rows, the halves, then the rest): the warm-up builds those variants, not the
+    /// compact ones the layer never loads.
+    #[test]
+    fn the_layer_forms_are_warmed_with_the_in_place_row_modes() {
+        use crate::bench_gemm::{Recipe, MODELS};
+        use crate::codegen::gemm::ws::{Operands, Scaling, WRows};
+        let q = MODELS[0];
+        let a = access_at(Recipe::Bf16, &q, "w13").expect("bf16 verifies at Qwen3");
+        let form = gemm_form(true, true, true, Scaling::None, 2 * q.intermediate);
+        let v = crate::gemm_access::layer_variants(
+            layer_candidates(Operands::Bf16, Scaling::None, form, 1536, 2048),
+            Some(&a),
+            true,
+        );
+        assert!(!v.is_empty());
+        assert!(v
+            .iter()
+            .all(|c| c.w_rows.modes == 3 && c.w_rows.inner[..2] == [8, 2]));
+        // The second GEMM reads the compact map: the plain variants.
+        let a2 = access_at(Recipe::Bf16, &q, "w2").expect("w2");
+        let v2 = crate::gemm_access::layer_variants(
+            layer_candidates(
+                Operands::Bf16,
+                Scaling::None,
+                (OutTy::F32, Epilogue::Store),
+                2048,
+                768,
+            ),
+            Some(&a2),
+            false,
+        );
+        assert!(v2.iter().all(|c| c.w_rows == WRows::PLAIN));
     }
 }

@@ -232,7 +232,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     })?;
     let (slots, n, k) = l.shape;
     let scheme = l.scheme;
-    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor with per_token or static activation scales, 128x128 blocks with per_token_group = 128), int8 per-row weights and 4-bit weights (NVFP4, MXFP4, symmetric INT4) with bf16 activations";
+    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor or per channel with per_token or static activation scales, 128x128 blocks with per_token_group = 128), int8 per-row weights and 4-bit weights (NVFP4, MXFP4, symmetric INT4) with bf16 activations";
     let (operands, scaling) = match (scheme, feed) {
         (None, Feed::Bf16) if l.dtype == crate::dsl::ir::DType::Bf16 => {
             (Operands::Bf16, Scaling::None)

@@ -17,7 +17,8 @@
 //!
 //! * layout independence: one checkpoint packed with `bf16` and `bf16_up_gate`, and with
 //!   `fp8_per_tensor`, `fp8_up_gate` and `fp8_colmajor`, and with `fp8_channel` and
-//!   `fp8_channel_by8` (per-channel scales, gate and up interleaved by 8) (the same quantization,
+//!   `fp8_channel_by8` (per-channel scales, gate and up interleaved by 8), and with `nvfp4_cutedsl`
+//!   and `nvfp4_linear` (linear scales, no interleave) (the same quantization,
 //!   other storage: read in place through other row modes, or re-laid), gives the fused GPU layer
 //!   the same output bits ([`layout_independence`]);
 //! * a layer of one expert ([`one_expert`]).
@@ -644,12 +645,15 @@ fn layout_independence(
     let mut out = String::new();
     let mut ok = true;
     let bind = format!("E={},H={},I={}", DIMS4.e, DIMS4.h, DIMS4.i);
-    let pairs: [(&str, &[&str]); 3] = [
+    let pairs: [(&str, &[&str]); 4] = [
         ("bf16", &["bf16_up_gate"]),
         ("fp8_per_tensor", &["fp8_up_gate", "fp8_colmajor"]),
         // (Gate and up interleaved by 8, scales moving with their rows: the per-channel
         // pair.)
         ("fp8_channel", &["fp8_channel_by8"]),
+        // (Linear E4M3 scales and `[gate; up]` rows without the interleave: the 4-bit codes and
+        // scales go into the kernel's order from either storage.)
+        ("nvfp4_cutedsl", &["nvfp4_linear"]),
     ];
     let cases: &[(usize, usize, Routing)] = if quick {
         &[(1, 8, Routing::Uniform)]

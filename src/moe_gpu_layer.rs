@@ -143,7 +143,7 @@ impl DevWeights {
             self.n,
             self.k,
         );
-        // (Never empty for an in-place map: `in_place_for` read it only where some are.)
+        // (An in-place map always has some: `in_place_for` takes one only then.)
         crate::gemm_access::for_rows(all, self.w_rows()).unwrap_or_default()
     }
 

@@ -218,7 +218,7 @@ fn act_of(recipe: &str, which: usize, params: &HashMap<String, Vec<u8>>) -> Act 
                 None => Act::PerToken,
             }
         }
-        "fp8_up_gate" => Act::PerToken,
+        "fp8_up_gate" | "fp8_channel" | "fp8_channel_by8" => Act::PerToken,
         "fp8_block128" => Act::Group128,
         _ => Act::Bf16,
     }
@@ -736,6 +736,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
             (Operands::E4m3, Scaling::Tensorwise { .. }) => {
                 r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e] as f64
             }
+            (Operands::E4m3, Scaling::Channelwise { .. }) => {
+                r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e * n + row] as f64
+            }
             (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
                 // Group scales `[E, groups, N]` f32.
                 let code = gr::i8_kernel_code(&g.codes, e * n + row, col, k);
@@ -790,7 +793,8 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     "{name} {input}"
                 );
                 // nvfp4_cutedsl (and the `*_up_gate` variants) store w13's rows [up; gate]
-                // interleaved by 64, and int8 and 4-bit codes go to the GEMM in its kernel order:
+                // interleaved by 64 (`fp8_channel_by8` gate and up by 8), and int8 and 4-bit
+                // codes go to the GEMM in its kernel order:
                 // those operands are re-laid-out copies; every other standard recipe's are the
                 // stored bytes.
                 assert_eq!(
@@ -803,7 +807,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
                             | "int4_g128_zp"
                             | "int8_per_row"
                             | "int8_g128"
-                    ) || (input == "w13" && name.ends_with("_up_gate")),
+                            | "nvfp4_linear"
+                    ) || (input == "w13"
+                        && (name.ends_with("_up_gate") || name == "fp8_channel_by8")),
                     "{name} {input}"
                 );
                 let want = dequantized(&info, input, &params);
@@ -851,32 +857,6 @@ fn gpu_operands_equal_the_dequantized_weights() {
     }
 }
 
-/// NVFP4 stored another way: linear (unswizzled) E4M3 scales and `[gate; up]` rows without the
-/// interleave, quantized as `nvfp4_cutedsl` quantizes.
-const NVFP4_LINEAR: &str = "
-recipe nvfp4_linear(E: experts, H, I) where I % 64 == 0, H % 64 == 0, H <= 16384, I <= 16384 {
-  input w13 : bf16[E, 2*I, H]
-  input w2  : bf16[E, H, I]
-  input w13_input_scale : f32[E] optional
-  input w2_input_scale  : f32[E] optional
-  let q13 = quant nvfp4(w13, block = 16, amax = per_expert reduce moe_tp)
-  let q2  = quant nvfp4(w2,  block = 16, amax = per_expert reduce moe_tp)
-  param w13_weight         : e2m1[E, 2*I, H]  = q13.values
-  param w13_weight_scale   : e4m3[E, 2*I, H/16] = q13.scales
-  param w13_weight_scale_2 : f32[E] = q13.decode_scale
-  param w2_weight          : e2m1[E, H, I]    = q2.values
-  param w2_weight_scale    : e4m3[E, H, I/16] = q2.scales
-  param w2_weight_scale_2  : f32[E] = q2.decode_scale
-  let a13 = reduce_max(w13_input_scale, group = ep)
-  let a2  = reduce_max(w2_input_scale,  group = ep)
-  param g1_alphas : f32[E] = w13_weight_scale_2 * a13
-  param g2_alphas : f32[E] = w2_weight_scale_2 * a2
-  activation bf16
-  kernel moe_gemm1(w13_weight, w13_weight_scale, w13_weight_scale_2) on sm_90a index i32
-  kernel moe_gemm2(w2_weight, w2_weight_scale, w2_weight_scale_2) on sm_90a index i32
-}
-";
-
 /// Layout independence (issue [8]): the same checkpoint packed with `nvfp4_cutedsl` (`[up; gate]`
 /// interleaved by 64, scales swizzled into 128x4 tiles) and with a recipe that stores `[gate; up]`
 /// and linear scales gives the GPU GEMMs the same operands byte for byte (codes, group scales and
@@ -890,15 +870,14 @@ fn layouts_are_programs_the_gpu_operands_do_not_depend_on_the_storage() {
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
-    let lin = d.join("nvfp4_linear.recipe");
-    std::fs::write(&lin, NVFP4_LINEAR).unwrap();
+    let lin = moeforge::kernels::find("nvfp4_linear").unwrap();
     let bind = format!("E={E},H={H},I={I}");
     let std_r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
     let mut outs = Vec::new();
     let mut ops = Vec::new();
     for (path, src) in [
         (std_r.path.to_string(), std_r.source.to_string()),
-        (lin.to_str().unwrap().to_string(), NVFP4_LINEAR.to_string()),
+        (lin.path.to_string(), lin.source.to_string()),
     ] {
         let packed = d.join(format!("{}.safetensors", ops.len()));
         pack(&path, &ck, &packed);

@@ -90,6 +90,7 @@ pub const VARIANTS: &[StandardRecipe] = &[
     variant!("fp8_up_gate"),
     variant!("fp8_channel"),
     variant!("fp8_channel_by8"),
+    variant!("nvfp4_linear"),
 ];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.
