@@ -108,6 +108,12 @@ pub enum Recipe {
     Int4G128Zp,
     /// Weights-only group-wise INT8 (the variant `int8_g128`): int8 codes, an f32 scale per 128.
     Int8G128,
+    /// FP8 per channel (the variant `fp8_channel`): e4m3 weights with an f32 scale per row,
+    /// per-token e4m3 activations.
+    Fp8Channel,
+    /// Group-wise FP8 (the variant `fp8_g128`): e4m3 weights with an f32 scale per row and 128
+    /// along K, per-token e4m3 activations.
+    Fp8G128,
 }
 
 impl Recipe {
@@ -124,7 +130,12 @@ impl Recipe {
     ];
 
     /// Recipes of the variants (`kernels::VARIANTS`): selected by name only.
-    pub const VARIANTS: [Recipe; 2] = [Recipe::Int4G128Zp, Recipe::Int8G128];
+    pub const VARIANTS: [Recipe; 4] = [
+        Recipe::Int4G128Zp,
+        Recipe::Int8G128,
+        Recipe::Fp8Channel,
+        Recipe::Fp8G128,
+    ];
 
     /// The recipe's name (a standard recipe's, or a variant's).
     pub fn name(self) -> &'static str {
@@ -138,6 +149,8 @@ impl Recipe {
             Recipe::Int4G128 => "int4_g128",
             Recipe::Int4G128Zp => "int4_g128_zp",
             Recipe::Int8G128 => "int8_g128",
+            Recipe::Fp8Channel => "fp8_channel",
+            Recipe::Fp8G128 => "fp8_g128",
         }
     }
 
@@ -152,7 +165,10 @@ impl Recipe {
 
     /// Whether the weights and activations are fp8.
     pub fn is_fp8(self) -> bool {
-        matches!(self, Recipe::Fp8PerTensor | Recipe::Fp8Block128)
+        matches!(
+            self,
+            Recipe::Fp8PerTensor | Recipe::Fp8Block128 | Recipe::Fp8Channel | Recipe::Fp8G128
+        )
     }
 
     /// The GEMM family of the recipe's weights: operands and accumulator scaling.
@@ -168,6 +184,14 @@ impl Recipe {
             Recipe::Int4G128 => (Operands::W4Bf16(W4::INT4_G128), Scaling::PerExpert),
             Recipe::Int4G128Zp => (Operands::W4Bf16(W4::INT4_G128_ZP), Scaling::PerExpert),
             Recipe::Int8G128 => (Operands::I8Bf16, Scaling::PerRowGroup { group: 128 }),
+            Recipe::Fp8Channel => (Operands::E4m3, Scaling::Channelwise { per_token: true }),
+            Recipe::Fp8G128 => (
+                Operands::E4m3,
+                Scaling::Groupwise {
+                    group: 128,
+                    per_token: true,
+                },
+            ),
         }
     }
 
@@ -186,6 +210,8 @@ impl Recipe {
             // (The kernel's scale element carries the zero point: 4 bytes a group.)
             Recipe::Int4G128Zp => n * k / 2 + 4 * n * k.div_ceil(128),
             Recipe::Int8G128 => n * self.family().0.w_row_bytes(k) + 4 * n * k.div_ceil(128),
+            Recipe::Fp8Channel => n * k + 4 * n,
+            Recipe::Fp8G128 => n * k + 4 * n * k.div_ceil(128),
         }
     }
 

@@ -175,11 +175,11 @@ impl WsRunner {
         // Enough weight scales for every family (per expert, per block, per row).
         let ws = vec![1.0f32 / 256.0; (case.experts * (nb * kb).max(case.n)).max(1)];
         // 4-bit weights' group scales, enough for groups of 16 of bf16 (0x3c bytes: E4M3 1.5,
-        // E8M0 2^-67, bf16 2^-7 pairs); group-wise int8's f32 scales (0x3c3c3c3c, about 0.0115),
-        // enough for groups of 64.
+        // E8M0 2^-67, bf16 2^-7 pairs); group-wise int8's and FP8's f32 scales (0x3c3c3c3c, about
+        // 0.0115), enough for groups of 64.
         let group_bytes = match (operands, scaling) {
             (Operands::W4Bf16(_), _) => Some(case.experts * case.k.div_ceil(16) * case.n * 2),
-            (_, Scaling::PerRowGroup { .. }) => {
+            (_, Scaling::PerRowGroup { .. } | Scaling::Groupwise { .. }) => {
                 Some(case.experts * case.k.div_ceil(64) * case.n * 4)
             }
             _ => None,

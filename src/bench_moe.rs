@@ -73,7 +73,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         Scaling::Block128 => vec![1.0 / 256.0; experts * n.div_ceil(128) * k.div_ceil(128)],
         Scaling::PerRow | Scaling::Channelwise { .. } => vec![1.0 / 256.0; experts * n],
         Scaling::PerExpert => vec![1.0 / 256.0; experts],
-        Scaling::PerRowGroup { .. } => Vec::new(),
+        Scaling::PerRowGroup { .. } | Scaling::Groupwise { .. } => Vec::new(),
     };
     GemmWeights {
         operands,
@@ -89,9 +89,9 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
                 vec![0x3c; w.group_scale_bytes(experts, n, k)]
             }
             // Group-wise int8: f32 2^-8 per (slot, group, row).
-            (_, Scaling::PerRowGroup { group }) => (1.0f32 / 256.0)
+            (_, sc) if sc.row_group().is_some() => (1.0f32 / 256.0)
                 .to_le_bytes()
-                .repeat(experts * k.div_ceil(group as usize) * n),
+                .repeat(experts * k.div_ceil(sc.row_group().unwrap_or(1) as usize) * n),
             _ => Vec::new(),
         },
         relayout: false,
@@ -104,7 +104,7 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
 /// warm-up) run it: FP8 per token or per 1x128 group, else bf16.
 pub(crate) fn feed(recipe: Recipe) -> Feed {
     match recipe {
-        Recipe::Fp8PerTensor => Feed::PerToken,
+        Recipe::Fp8PerTensor | Recipe::Fp8Channel | Recipe::Fp8G128 => Feed::PerToken,
         Recipe::Fp8Block128 => Feed::PerTokenGroup128,
         // bf16 activations: bf16 weights, and the weights-only recipes.
         _ => Feed::Bf16,

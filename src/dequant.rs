@@ -247,6 +247,7 @@ pub fn logical_experts(
                         Fp8Granularity::Tensor => scale_at(&[ei])?,
                         Fp8Granularity::Channel => scale_at(&[ei, ri])?,
                         Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
+                        Fp8Granularity::Group { group } => scale_at(&[ei, ri, ci / group])?,
                     },
                     Some(QuantScheme::Int8Row) => scale_at(&[ei, ri])?,
                     Some(QuantScheme::Int8Group { group }) => scale_at(&[ei, ri, ci / group])?,
@@ -751,6 +752,7 @@ pub fn error_bf16(
                 Fp8Granularity::Tensor => (k, Granule::Tensor),
                 Fp8Granularity::Channel => (k, Granule::Row),
                 Fp8Granularity::Block128 => (128, Granule::Tile128),
+                Fp8Granularity::Group { group } => (usize::try_from(group).ok()?, Granule::Block),
             };
             (
                 Codes::Byte(&luts.e4m3),

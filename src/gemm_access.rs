@@ -11,7 +11,7 @@
 use crate::codegen::addr::StorageMap;
 use crate::codegen::gemm::desc::strides_nest;
 use crate::codegen::gemm::wmap::{self, WLayout};
-use crate::codegen::gemm::ws::glu_row;
+use crate::codegen::gemm::ws::paired_row;
 use crate::codegen::gemm::ws::{WRows, WsConfig};
 use crate::dsl::ModuleInfo;
 
@@ -242,12 +242,12 @@ pub fn weight_access(
             let plain = fit(&|q| q, false);
             let paired = (n.is_multiple_of(16)).then(|| {
                 let half = n / 2;
-                let gate_first = fit(&|q| glu_row(q, half), false);
+                let gate_first = fit(&|q| paired_row(q, half, false), false);
                 match gate_first {
                     Access::InPlace { .. } => gate_first,
                     Access::Relaid { .. } => {
                         // Up rows first: row q of each 16 swaps halves.
-                        let up = fit(&|q| (glu_row(q, half) + half) % n, true);
+                        let up = fit(&|q| paired_row(q, half, true), true);
                         match up {
                             Access::InPlace { .. } => up,
                             Access::Relaid { .. } => gate_first,

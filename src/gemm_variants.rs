@@ -199,6 +199,16 @@ fn declared_scalings(
             (Scaling::Channelwise { .. }, ActScale::Static(_)) => {
                 Scaling::Channelwise { per_token: false }
             }
+            (Scaling::Groupwise { group, .. }, ActScale::Dynamic(ActDynamic::PerToken)) => {
+                Scaling::Groupwise {
+                    group,
+                    per_token: true,
+                }
+            }
+            (Scaling::Groupwise { group, .. }, ActScale::Static(_)) => Scaling::Groupwise {
+                group,
+                per_token: false,
+            },
             (Scaling::Block128, ActScale::Dynamic(ActDynamic::PerTokenGroup { group: 128 })) => {
                 Scaling::Block128
             }
@@ -206,6 +216,7 @@ fn declared_scalings(
                 let weights = match w {
                     Scaling::Block128 => "128x128 block weight scales",
                     Scaling::Channelwise { .. } => "per-channel weight scales",
+                    Scaling::Groupwise { .. } => "group-wise weight scales",
                     _ => "per-tensor weight scales",
                 };
                 let acts = match s {
@@ -255,14 +266,39 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
         };
         let family = match t.dtype {
             dsl::ir::DType::Bf16 => Some((Operands::Bf16, Scaling::None, None)),
-            // FP8: per tensor, per 128x128 block, or per channel (an `[E, N]` scale).
-            dsl::ir::DType::E4m3 => weight_scale(info, name, e, n, k).map(|(p, s)| {
-                let s = match s {
-                    Scaling::PerRow => Scaling::Channelwise { per_token: true },
-                    s => s,
-                };
-                (Operands::E4m3, s, Some(p))
-            }),
+            // FP8: per tensor, per 128x128 block, per channel (an `[E, N]` scale), or per group
+            // along K (the quantization's scales, which the layer writes `[E, groups, N]`).
+            dsl::ir::DType::E4m3 => {
+                match info.quantization_of(gemm).map(|q| (q.scheme, q.scales)) {
+                    Some((
+                        dsl::ir::QuantScheme::Fp8 {
+                            granularity: dsl::ir::Fp8Granularity::Group { group },
+                            ..
+                        },
+                        Some(sc),
+                    )) => u32::try_from(group)
+                        .ok()
+                        .filter(|g| *g >= 128 && g.is_power_of_two())
+                        .and_then(|group| {
+                            let p = module.tensor(sc.param)?.name.clone();
+                            Some((
+                                Operands::E4m3,
+                                Scaling::Groupwise {
+                                    group,
+                                    per_token: true,
+                                },
+                                Some(p),
+                            ))
+                        }),
+                    _ => weight_scale(info, name, e, n, k).map(|(p, s)| {
+                        let s = match s {
+                            Scaling::PerRow => Scaling::Channelwise { per_token: true },
+                            s => s,
+                        };
+                        (Operands::E4m3, s, Some(p))
+                    }),
+                }
+            }
             // W8A16: int8 codes with one f32 scale per row, bf16 activations; group-wise int8
             // (groups of a power of two, at least 64) with each group's sum promoted by its row's
             // scale, which the layer writes `[E, groups, N]` from the recipe's scale param.

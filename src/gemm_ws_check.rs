@@ -162,6 +162,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
     // FP8 per channel: a weight scale per row with the token's (or one static) scale.
     let ch = Scaling::Channelwise { per_token: true };
     let chs = Scaling::Channelwise { per_token: false };
+    // Group-wise FP8: a weight scale per row and 128 (or 256) along K, the token's in the epilogue.
+    let gw = |group, per_token| Scaling::Groupwise { group, per_token };
     // The register-A families and a variant of one (weights on A: always the swapped form).
     let i8 = (Operands::I8Bf16, Scaling::PerRow);
     let [nvfp4, mxfp4, int4] = W4_FORMATS.map(|o| (o, Scaling::PerExpert));
@@ -190,6 +192,17 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         WsConfig {
             split_k: 2,
             ..v(e, ch, OutTy::F32, 1, 32, 8, true)
+        },
+        // Group-wise FP8 (weights on A): one consumer, two at 128 weight rows a token tile, static, groups of 256, split-K (a
+        // range starting inside a group).
+        v(e, gw(128, true), OutTy::F32, 1, 16, 8, true),
+        v(e, gw(128, true), OutTy::Bf16, 1, 64, 6, true),
+        v(e, gw(128, false), OutTy::F32, 1, 8, 8, true),
+        v(e, gw(256, true), OutTy::Bf16, 1, 32, 8, true),
+        v(e, gw(128, true), OutTy::Bf16, 2, 128, 4, true),
+        WsConfig {
+            split_k: 3,
+            ..v(e, gw(256, true), OutTy::F32, 1, 16, 8, true)
         },
         // Int8 weights as register-sourced A (W8A16, decode).
         ra(i8, OutTy::Bf16, 1, 16, 8),
@@ -296,6 +309,8 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true), 1),
         (v(e, ch, OutTy::F32, 2, 256, 4, false), 1),
         (v(e, ch, OutTy::F32, 1, 16, 8, true), 2),
+        (v(e, gw(128, true), OutTy::F32, 1, 16, 8, true), 1),
+        (v(e, gw(128, true), OutTy::F32, 2, 128, 4, true), 1),
         (ra(i8, OutTy::Bf16, 1, 16, 8), 1),
         (ra(nvfp4, OutTy::Bf16, 1, 8, 8), 1),
         (ra(int4, OutTy::F32, 1, 16, 8), 1),
@@ -349,6 +364,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         fused(v(e, tok, OutTy::F32, 1, 16, 8, true), interleaved),
         fused(v(e, ch, OutTy::F32, 2, 128, 6, false), paired),
         fused(v(e, ch, OutTy::F32, 1, 16, 8, true), interleaved),
+        fused(v(e, gw(128, true), OutTy::F32, 1, 16, 8, true), interleaved),
         WsConfig {
             split_k: 2,
             ..fused(v(b, Scaling::None, OutTy::Bf16, 1, 8, 8, true), interleaved)
@@ -477,6 +493,8 @@ fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f
         Scaling::PerExpert => (vec![], v(e)),
         // (Group-wise int8: its scales are the operand's group scales.)
         Scaling::PerRowGroup { .. } => (vec![], vec![]),
+        // Group-wise FP8: the activation's; the weights' are the operand's group scales.
+        Scaling::Groupwise { per_token, .. } => (v(if per_token { t } else { 1 }), vec![]),
     }
 }
 
@@ -628,6 +646,45 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                         })
                                         .sum();
                                     dot * f64::from(op.w_scale[e])
+                                })
+                                .collect())
+                        }
+                        (Operands::E4m3, Scaling::Groupwise { group, per_token }) => {
+                            // Per group: the E4M3 codes' dot (f64) times the row's scale of the
+                            // group (`[E, groups, N]` f32), then the activation's scale.
+                            let sx = f64::from(op.x_scale[if per_token { r } else { 0 }]);
+                            let xs: Vec<f64> = op.x[r * k..(r + 1) * k]
+                                .iter()
+                                .map(|&c| f64::from(crate::codegen::reference::e4m3_to_f32(c)))
+                                .collect();
+                            let g = group as usize;
+                            let groups = k.div_ceil(g);
+                            Ok((0..n)
+                                .map(|j| {
+                                    let row = &op.w[wr.start + j * k..wr.start + (j + 1) * k];
+                                    (0..groups)
+                                        .map(|q| {
+                                            let o = ((e * groups + q) * n + j) * 4;
+                                            let s = f32::from_le_bytes([
+                                                op.group_scales[o],
+                                                op.group_scales[o + 1],
+                                                op.group_scales[o + 2],
+                                                op.group_scales[o + 3],
+                                            ]);
+                                            let (lo, hi) = (q * g, ((q + 1) * g).min(k));
+                                            let dot: f64 = row[lo..hi]
+                                                .iter()
+                                                .zip(&xs[lo..hi])
+                                                .map(|(&c, &x)| {
+                                                    f64::from(
+                                                        crate::codegen::reference::e4m3_to_f32(c),
+                                                    ) * x
+                                                })
+                                                .sum();
+                                            dot * f64::from(s)
+                                        })
+                                        .sum::<f64>()
+                                        * sx
                                 })
                                 .collect())
                         }
@@ -807,12 +864,18 @@ fn run_one(
             w_scale,
             group_scales: Vec::new(),
         },
+        // (Group-wise FP8: random f32 scales `[E, groups, N]`.)
         Operands::E4m3 => Operand {
             x: &data.x8,
             w: &data.w8,
             x_scale,
             w_scale,
-            group_scales: Vec::new(),
+            group_scales: match cfg.scaling.row_group() {
+                Some(group) => (0..e * k.div_ceil(group as usize) * n)
+                    .flat_map(|_| scale(rng).to_le_bytes())
+                    .collect(),
+                None => Vec::new(),
+            },
         },
         // bf16 activations, the e4m3 codes' bytes as int8 codes (every byte is one); group-wise:
         // random f32 scales `[E, groups, N]`.

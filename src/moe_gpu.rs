@@ -110,41 +110,30 @@ impl GemmWeights {
     /// N not a multiple of 16, or 128x128 block scales (a 128-row block would mix gate and up
     /// rows of different blocks).
     pub fn paired(&self) -> Option<GemmWeights> {
-        let slots = self.slots;
-        let scales = self.paired_scales()?;
-        let group_scales = match (self.operands, self.scaling) {
-            (Operands::W4Bf16(w), _) => {
-                self.paired_rows(&self.group_scales, slots * w.scale_tiles(self.k))?
-            }
-            (_, Scaling::PerRowGroup { group }) => self.paired_rows(
-                &self.group_scales,
-                slots * self.k.div_ceil(group.max(1) as usize),
-            )?,
-            _ => self.group_scales.clone(),
-        };
         Some(GemmWeights {
             operands: self.operands,
             scaling: self.scaling,
-            slots,
+            slots: self.slots,
             n: self.n,
             k: self.k,
-            codes: self.paired_rows(&self.codes, slots)?,
-            scales,
-            group_scales,
+            codes: self.paired_rows(&self.codes, self.slots, false)?,
+            scales: self.paired_scales(false)?,
+            group_scales: self.paired_group_scales(false)?,
             relayout: true,
             access: None,
             stored: Vec::new(),
         })
     }
 
-    /// The weight scales of [`GemmWeights::paired`] alone: per-row (and per-channel) scales in
-    /// the paired row order, others as they are (what a GEMM reading the param in place in the
-    /// paired order takes). `None` where the rows do not pair.
-    pub fn paired_scales(&self) -> Option<Vec<f32>> {
+    /// The weight scales of a GEMM reading the rows in the fused epilogue's paired order
+    /// (`up_first`: [`crate::codegen::gemm::ws::paired_row`]'s), as [`GemmWeights::paired`] takes
+    /// them: per-row (and per-channel) scales in that order, others as they are. `None` where the
+    /// rows do not pair.
+    pub fn paired_scales(&self, up_first: bool) -> Option<Vec<f32>> {
         Some(match self.scaling {
             Scaling::PerRow | Scaling::Channelwise { .. } => {
                 let b: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-                self.paired_rows(&b, self.slots)?
+                self.paired_rows(&b, self.slots, up_first)?
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect()
@@ -154,9 +143,30 @@ impl GemmWeights {
         })
     }
 
-    /// `v` as `runs` runs of N equal rows, each run's rows in the paired order; `None` where the
-    /// rows do not pair or `v` is no such runs.
-    fn paired_rows(&self, v: &[u8], runs: usize) -> Option<Vec<u8>> {
+    /// The group scales in the same order (4-bit weights' `[slots, scale tiles, N, ..]` and the
+    /// per-row-group scalings' `[slots, groups, N]` rows move with their rows); `None` where the
+    /// rows do not pair.
+    pub fn paired_group_scales(&self, up_first: bool) -> Option<Vec<u8>> {
+        match (self.operands, self.scaling.row_group()) {
+            (Operands::W4Bf16(w), _) => self.paired_rows(
+                &self.group_scales,
+                self.slots * w.scale_tiles(self.k),
+                up_first,
+            ),
+            (_, Some(group)) => self.paired_rows(
+                &self.group_scales,
+                self.slots * self.k.div_ceil(group.max(1) as usize),
+                up_first,
+            ),
+            _ if pairable(self.scaling, self.n) => Some(self.group_scales.clone()),
+            _ => None,
+        }
+    }
+
+    /// `v` as `runs` runs of N equal rows, each run's rows in the paired order (`up_first`: see
+    /// [`crate::codegen::gemm::ws::paired_row`]); `None` where the rows do not pair or `v` is no
+    /// such runs.
+    fn paired_rows(&self, v: &[u8], runs: usize, up_first: bool) -> Option<Vec<u8>> {
         let n = self.n;
         if !pairable(self.scaling, n) || self.slots * n == 0 {
             return None;
@@ -169,7 +179,7 @@ impl GemmWeights {
         let mut out = Vec::with_capacity(v.len());
         for run in v.chunks_exact(n * row) {
             for r in 0..n {
-                let from = crate::codegen::gemm::ws::glu_row(r, half);
+                let from = crate::codegen::gemm::ws::paired_row(r, half, up_first);
                 out.extend_from_slice(&run[from * row..(from + 1) * row]);
             }
         }
@@ -182,10 +192,13 @@ impl GemmWeights {
         let a = self.access.as_ref()?;
         let which = if paired { a.paired.as_ref()? } else { &a.plain };
         let row = self.k as u64 * u64::from(self.operands.bytes());
+        // (EPLB moves the buffer as `slots` equal chunks: exactly the slots' rows, no padding.)
+        let whole = (self.slots * self.n) as u64 * row == self.stored.len() as u64;
         match which {
             Access::InPlace { layout, .. }
                 if layout.span_bytes(row) <= self.stored.len() as u64
-                    && !self.stored.is_empty() =>
+                    && !self.stored.is_empty()
+                    && whole =>
             {
                 Some(layout)
             }
@@ -232,7 +245,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
     })?;
     let (slots, n, k) = l.shape;
     let scheme = l.scheme;
-    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor or per channel with per_token or static activation scales, 128x128 blocks with per_token_group = 128), int8 per-row weights and 4-bit weights (NVFP4, MXFP4, symmetric INT4) with bf16 activations";
+    let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor, per channel or per group of at least 128 with per_token or static activation scales, 128x128 blocks with per_token_group = 128), int8 per-row weights and 4-bit weights (NVFP4, MXFP4, symmetric INT4) with bf16 activations";
     let (operands, scaling) = match (scheme, feed) {
         (None, Feed::Bf16) if l.dtype == crate::dsl::ir::DType::Bf16 => {
             (Operands::Bf16, Scaling::None)
@@ -254,6 +267,31 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             }),
             Feed::PerToken | Feed::Static { .. },
         ) => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        // Group-wise: a scale per weight row and group along K, each group's partial sum
+        // promoted by it, the token's scale in the epilogue (groups of whole 128-deep k-tiles).
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Group { group },
+                ..
+            }),
+            Feed::PerToken | Feed::Static { .. },
+        ) => match u32::try_from(group) {
+            Ok(g) if g >= 128 && g.is_power_of_two() => (
+                Operands::E4m3,
+                Scaling::Groupwise {
+                    group: g,
+                    per_token: true,
+                },
+            ),
+            _ => {
+                return Err(unsupported(
+                    info,
+                    format!(
+                        "`{name}`: group-wise FP8 weights with groups of {group}: the GPU GEMM takes groups of a power of two, at least 128 (whole E4M3 k-tiles)"
+                    ),
+                ))
+            }
+        },
         // Per channel: a scale per weight row, applied with the token's in the epilogue.
         (
             Some(QuantScheme::Fp8 {
@@ -382,7 +420,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
                 format!("`{name}`: slot {e}'s elements do not share one scale"),
             )
         })?,
-        Scaling::PerExpert | Scaling::PerRowGroup { .. } => Vec::new(),
+        Scaling::PerExpert | Scaling::PerRowGroup { .. } | Scaling::Groupwise { .. } => Vec::new(),
         Scaling::PerRow | Scaling::Channelwise { .. } => shared_scales(&l.scales, k, slots * n)
             .map_err(|r| {
                 unsupported(
@@ -415,10 +453,10 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
             s
         }
     };
-    // Group-wise int8: `[slots, groups, N]` f32 (little-endian bytes), every element of a group
-    // carrying its scale.
-    let group_scales = match scaling {
-        Scaling::PerRowGroup { group } => {
+    // Group-wise int8 and FP8: `[slots, groups, N]` f32 (little-endian bytes), every element of
+    // a group carrying its scale.
+    let group_scales = match scaling.row_group() {
+        Some(group) => {
             let g = group as usize;
             let groups = k.div_ceil(g);
             let mut b = vec![0u8; slots * groups * n * 4];

@@ -352,6 +352,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("fp8_block128", false),
         // FP8 per channel (a variant): a scale per weight row, per-token activations.
         ("fp8_channel", false),
+        // Group-wise FP8 (a variant): a scale per row and 128 along K.
+        ("fp8_g128", false),
         // Weights-only: int8 codes with per-row scales, bf16 activations (W8A16).
         ("int8_per_row", false),
         // Weights-only 4-bit codes with group scales, bf16 activations (W4A16).
@@ -391,7 +393,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         let ck = d.join(format!("ckpt{ri}.safetensors"));
         // The 4-bit recipes bind I as a multiple of 128 (their groups, nvfp4_cutedsl's interleave).
         let dims = match *recipe {
-            "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_g128" => DIMS4,
+            "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_g128" | "fp8_g128" => DIMS4,
             "int4_g128_zp" => DIMS4Z,
             _ => DIMS,
         };
@@ -650,7 +652,7 @@ fn layout_independence(
         ("fp8_per_tensor", &["fp8_up_gate", "fp8_colmajor"]),
         // (Gate and up interleaved by 8, scales moving with their rows: the per-channel
         // pair.)
-        ("fp8_channel", &["fp8_channel_by8"]),
+        ("fp8_channel", &["fp8_channel_by8", "fp8_channel_up_gate"]),
         // (Linear E4M3 scales and `[gate; up]` rows without the interleave: the 4-bit codes and
         // scales go into the kernel's order from either storage.)
         ("nvfp4_cutedsl", &["nvfp4_linear"]),

@@ -86,14 +86,18 @@ impl DevWeights {
         in_place: Option<&WLayout>,
         paired: bool,
     ) -> Result<DevWeights> {
-        let paired_scales;
-        let scales = if paired {
-            paired_scales = g.paired_scales().ok_or_else(|| {
-                Error::Usage("the first GEMM's rows do not pair for the fused epilogue".into())
-            })?;
-            &paired_scales
+        // Read in place in the paired order: the per-row scales and group scales in that order
+        // (up rows first where the map reads them so).
+        let unpaired =
+            || Error::Usage("the first GEMM's rows do not pair for the fused epilogue".into());
+        let up_first = in_place.is_some_and(|l| l.rows.up_first);
+        let (paired_scales, paired_groups);
+        let (scales, groups) = if paired {
+            paired_scales = g.paired_scales(up_first).ok_or_else(unpaired)?;
+            paired_groups = g.paired_group_scales(up_first).ok_or_else(unpaired)?;
+            (&paired_scales, &paired_groups)
         } else {
-            &g.scales
+            (&g.scales, &g.group_scales)
         };
         let dim = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| Error::Usage(format!("{what} = {x} past 32 bits")))
@@ -116,14 +120,10 @@ impl DevWeights {
             } else {
                 Some(dev.stream.clone_htod(scales).map_err(drv("cuMemcpyHtoD"))?)
             },
-            group_scales: if g.group_scales.is_empty() {
+            group_scales: if groups.is_empty() {
                 None
             } else {
-                Some(
-                    dev.stream
-                        .clone_htod(&g.group_scales)
-                        .map_err(drv("cuMemcpyHtoD"))?,
-                )
+                Some(dev.stream.clone_htod(groups).map_err(drv("cuMemcpyHtoD"))?)
             },
         })
     }

@@ -218,7 +218,9 @@ fn act_of(recipe: &str, which: usize, params: &HashMap<String, Vec<u8>>) -> Act 
                 None => Act::PerToken,
             }
         }
-        "fp8_up_gate" | "fp8_channel" | "fp8_channel_by8" => Act::PerToken,
+        "fp8_up_gate" | "fp8_channel" | "fp8_channel_by8" | "fp8_channel_up_gate" | "fp8_g128" => {
+            Act::PerToken
+        }
         "fp8_block128" => Act::Group128,
         _ => Act::Bf16,
     }
@@ -739,6 +741,13 @@ fn gpu_operands_equal_the_dequantized_weights() {
             (Operands::E4m3, Scaling::Channelwise { .. }) => {
                 r::e4m3_to_f32(g.codes[at]) as f64 * g.scales[e * n + row] as f64
             }
+            (Operands::E4m3, Scaling::Groupwise { group, .. }) => {
+                // Group scales `[E, groups, N]` f32.
+                let groups = k.div_ceil(group as usize);
+                let o = ((e * groups + col / group as usize) * n + row) * 4;
+                let s = f32::from_le_bytes(g.group_scales[o..o + 4].try_into().unwrap());
+                r::e4m3_to_f32(g.codes[at]) as f64 * f64::from(s)
+            }
             (Operands::I8Bf16, Scaling::PerRowGroup { group }) => {
                 // Group scales `[E, groups, N]` f32.
                 let code = gr::i8_kernel_code(&g.codes, e * n + row, col, k);
@@ -1243,7 +1252,7 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
     let bind = format!("E={E},H={H},I={I}");
     let mut paired = Vec::new();
-    for name in ["fp8_channel", "fp8_channel_by8"] {
+    for name in ["fp8_channel", "fp8_channel_by8", "fp8_channel_up_gate"] {
         let r = moeforge::kernels::find(name).unwrap();
         let packed = d.join(format!("{name}.safetensors"));
         pack(r.path, &ck, &packed);
@@ -1262,8 +1271,26 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
             );
             assert_eq!(g.scales.len(), E * g.n, "{name}");
         }
-        let ps = ops.w13.paired_scales().unwrap();
-        if name == "fp8_channel_by8" {
+        let ps = ops.w13.paired_scales(false).unwrap();
+        if name == "fp8_channel_up_gate" {
+            // Read in place up rows first: the scales the layer uploads for that map are, row by
+            // kernel row, the stored scale of the stored row the map addresses.
+            let l = ops.w13.in_place(true).unwrap();
+            assert!(l.rows.up_first);
+            let stored: Vec<f32> = params["w13_weight_scale"]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let up = ops.w13.paired_scales(true).unwrap();
+            let n = 2 * I;
+            for e in 0..E {
+                for q in 0..n {
+                    let at = in_place_row(l, n, q, e) / H;
+                    assert_eq!(up[e * n + q], stored[at], "e {e} q {q}");
+                }
+            }
+            assert_ne!(up, ps, "up first is another order");
+        } else if name == "fp8_channel_by8" {
             assert_eq!(
                 ops.w13.in_place(true),
                 Some(&WLayout::compact(E as u64, (2 * I) as u64, H as u64))

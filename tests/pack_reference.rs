@@ -215,12 +215,18 @@ fn expected(recipe: &str, c: &Case, with_scales: bool) -> Params {
                 }
             }
         }
-        "int8_g128" => {
+        "int8_g128" | "fp8_g128" => {
             for (name, x) in [("w13", &c.w13), ("w2", &c.w2)] {
                 let (q, s): (Vec<Vec<u8>>, Vec<Vec<f32>>) = c
                     .experts(x)
                     .into_iter()
-                    .map(|xe| r::int8_per_group(xe, 128))
+                    .map(|xe| {
+                        if recipe == "fp8_g128" {
+                            r::fp8_per_group(xe, 128)
+                        } else {
+                            r::int8_per_group(xe, 128)
+                        }
+                    })
                     .unzip();
                 out.insert(format!("{name}_weight"), cat(q));
                 out.insert(format!("{name}_weight_scale"), f32_bytes(&s.concat()));
@@ -352,6 +358,9 @@ fn every_recipe_matches_spec_on_random_inputs() {
         ("int4_g128_zp", (2, 256, 512)),
         ("int8_g128", (2, 256, 128)),
         ("int8_g128", (3, 128, 384)),
+        // Group-wise FP8 (the per-channel formula per 128 along a row).
+        ("fp8_g128", (2, 256, 128)),
+        ("fp8_g128", (3, 128, 384)),
     ];
     for &(recipe, (e, h, i)) in shapes {
         let c = Case::new(&mut rng, e, h, i);

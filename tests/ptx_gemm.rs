@@ -32,7 +32,7 @@ const MODELS: [(&str, &str); 2] = [
 
 /// The golden modules: (recipe, model label, binding). bf16 at both models, the two FP8 families
 /// (tensorwise and 128x128 block scales) at the first.
-const GOLDENS: [(&str, &str, &str); 11] = [
+const GOLDENS: [(&str, &str, &str); 12] = [
     ("bf16", MODELS[0].0, MODELS[0].1),
     ("bf16", MODELS[1].0, MODELS[1].1),
     ("fp8_per_tensor", MODELS[0].0, MODELS[0].1),
@@ -49,6 +49,8 @@ const GOLDENS: [(&str, &str, &str); 11] = [
     ("int8_g128", MODELS[0].0, MODELS[0].1),
     // FP8 per channel (the variant recipe): a weight scale per row with the token's.
     ("fp8_channel", MODELS[0].0, MODELS[0].1),
+    // Group-wise FP8 (the variant recipe): each group's partial sum promoted by its row's scale.
+    ("fp8_g128", MODELS[0].0, MODELS[0].1),
 ];
 
 mod common;
@@ -332,6 +334,7 @@ fn the_golden_modules_cover_every_family_in_both_forms() {
                     Scaling::PerRow => "per_row",
                     Scaling::PerExpert => "per_expert",
                     Scaling::PerRowGroup { .. } => "per_row_group",
+                    Scaling::Groupwise { .. } => "groupwise",
                 };
                 // Int8 and 4-bit weights: the decode form only.
                 assert!(!c.operands.register_a() || c.swap_ab);

@@ -140,6 +140,12 @@ pub fn fp8_per_channel(x: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
     (q, s)
 }
 
+/// Group-wise FP8: per `group` consecutive elements of a row, the per-channel formula
+/// ([`fp8_per_channel`] with rows of `group`); scales in row-major `[rows, K / group]` order.
+pub fn fp8_per_group(x: &[f32], group: usize) -> (Vec<u8>, Vec<f32>) {
+    fp8_per_channel(x, group)
+}
+
 /// FP8 128x128 blocks (DeepGEMM's `per_block_cast_to_fp8`): `sf = max(amax, 1e-4)/448`,
 /// `q = e4m3(x * (1/sf))`; scales `[ceil(m/128), ceil(n/128)]`.
 pub fn fp8_block128(x: &[f32], m: usize, n: usize) -> (Vec<u8>, Vec<f32>) {

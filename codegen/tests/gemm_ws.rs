@@ -874,6 +874,14 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::PerExpert => 1,
         // Group-wise int8: the group scales come from the stage.
         Scaling::PerRowGroup { .. } => 0,
+        // Group-wise FP8: those from the stage, the activation's as tensorwise.
+        Scaling::Groupwise { per_token, .. } => {
+            if per_token {
+                token_classes
+            } else {
+                1
+            }
+        }
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and

@@ -170,6 +170,12 @@ pub enum Fp8Granularity {
     Channel,
     /// One scale per 128x128 block (DeepGEMM's `per_block_cast_to_fp8`).
     Block128,
+    /// One scale per `group` consecutive elements of a row (along the last dimension): the
+    /// per-channel formula per group (README, "Group-wise FP8").
+    Group {
+        /// Elements per group (a power of two, at least 2).
+        group: i64,
+    },
 }
 
 /// A quantization scheme with its parameters.
@@ -182,7 +188,7 @@ pub enum QuantScheme {
         /// Group the amax is reduced over.
         group: Group,
     },
-    /// FP8 E4M3 with per-tensor, per-channel or 128x128 block scales (SPEC §5).
+    /// FP8 E4M3 with per-tensor, per-channel, 128x128 block or per-group scales (SPEC §5).
     Fp8 {
         /// Scale granularity.
         granularity: Fp8Granularity,

@@ -1051,7 +1051,7 @@ impl<'s> Lower<'s> {
         let x = self.value(&input.value)?;
         let allowed: &[&str] = match scheme.name.as_str() {
             "nvfp4" => &["block", "amax"],
-            "fp8" => &["granularity", "amax"],
+            "fp8" => &["granularity", "amax", "group"],
             "mxfp4" => &["block"],
             "int8" => &["granularity", "group"],
             "int4" => &["group", "zero_point", "scale"],
@@ -1216,7 +1216,7 @@ impl<'s> Lower<'s> {
                     Diagnostic::error("E0105", "`amax` has no effect for this `quant fp8`")
                         .with_label(
                             a.span,
-                            "channel and block128 scales take each row's or block's own amax",
+                            "channel, block128 and group scales take each row's, block's or group's own amax",
                         )
                         .with_note("help: remove `amax = ...`"),
                 );
@@ -1235,36 +1235,56 @@ impl<'s> Lower<'s> {
             "int4" => self.int4_scheme(&named)?,
             "nvfp4" => QuantScheme::Nvfp4 { amax, group },
             "mxfp4" => QuantScheme::Mxfp4,
-            "fp8" => {
-                let Some(a) = named.get("granularity") else {
+            "fp8" => match (named.get("granularity"), named.get("group")) {
+                (None, None) => {
                     self.err(
                         Diagnostic::error(
                             "E0105",
-                            "`quant fp8` needs `granularity = tensor | channel | block128`",
+                            "`quant fp8` needs `granularity = tensor | channel | block128` or `group = g`",
                         )
                         .with_label(scheme.span, "no granularity given"),
                     );
                     return None;
-                };
-                let g = match &a.value.kind {
-                    ExprKind::Name(n) if n == "tensor" => Fp8Granularity::Tensor,
-                    ExprKind::Name(n) if n == "channel" => Fp8Granularity::Channel,
-                    ExprKind::Name(n) if n == "block128" => Fp8Granularity::Block128,
-                    _ => {
-                        self.err(
-                            Diagnostic::error("E0104", "unknown fp8 granularity").with_label(
-                                a.value.span,
-                                "expected `tensor`, `channel` or `block128`",
-                            ),
-                        );
-                        return None;
-                    }
-                };
-                QuantScheme::Fp8 {
-                    granularity: g,
-                    group,
                 }
-            }
+                (Some(a), Some(g)) => {
+                    self.err(
+                        Diagnostic::error(
+                            "E0105",
+                            "`quant fp8` takes `granularity = ...` or `group = g`, not both",
+                        )
+                        .with_label(g.span, "a scale per group")
+                        .with_label(a.span, "another granularity"),
+                    );
+                    return None;
+                }
+                // Group-wise: a scale per `g` elements of a row.
+                (None, Some(g)) => QuantScheme::Fp8 {
+                    granularity: Fp8Granularity::Group {
+                        group: self.scale_group(g, "fp8")?,
+                    },
+                    group,
+                },
+                (Some(a), None) => {
+                    let g = match &a.value.kind {
+                        ExprKind::Name(n) if n == "tensor" => Fp8Granularity::Tensor,
+                        ExprKind::Name(n) if n == "channel" => Fp8Granularity::Channel,
+                        ExprKind::Name(n) if n == "block128" => Fp8Granularity::Block128,
+                        _ => {
+                            self.err(
+                                Diagnostic::error("E0104", "unknown fp8 granularity").with_label(
+                                    a.value.span,
+                                    "expected `tensor`, `channel` or `block128`",
+                                ),
+                            );
+                            return None;
+                        }
+                    };
+                    QuantScheme::Fp8 {
+                        granularity: g,
+                        group,
+                    }
+                }
+            },
             _ => {
                 if let Some(a) = named.get("granularity") {
                     if !matches!(&a.value.kind, ExprKind::Name(n) if n == "row") {
@@ -1297,6 +1317,10 @@ impl<'s> Lower<'s> {
         let (values, blk) = match q {
             QuantScheme::Nvfp4 { .. } => (DType::E2m1, Some(16)),
             QuantScheme::Mxfp4 => (DType::E2m1, Some(32)),
+            QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Group { group },
+                ..
+            } => (DType::E4m3, Some(group)),
             QuantScheme::Fp8 { .. } => (DType::E4m3, None),
             QuantScheme::Int8Row => (DType::I8, None),
             QuantScheme::Int8Group { group } => (DType::I8, Some(group)),
@@ -1451,6 +1475,7 @@ impl<'s> Lower<'s> {
                 match granularity {
                     Fp8Granularity::Tensor => per(AmaxGranularity::PerExpert),
                     Fp8Granularity::Channel => shape[..last].to_vec(),
+                    Fp8Granularity::Group { group } => with_last(shape[last].div_exact(group)?),
                     Fp8Granularity::Block128 => {
                         let mut s = shape[..last - 1].to_vec();
                         let m = self.cdiv(&shape[last - 1], 128, base.span)?;

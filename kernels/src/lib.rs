@@ -90,7 +90,9 @@ pub const VARIANTS: &[StandardRecipe] = &[
     variant!("fp8_up_gate"),
     variant!("fp8_channel"),
     variant!("fp8_channel_by8"),
+    variant!("fp8_channel_up_gate"),
     variant!("nvfp4_linear"),
+    variant!("fp8_g128"),
 ];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.

@@ -475,7 +475,7 @@ fn operands_from(s: &str) -> Option<Operands> {
 
 /// `none`, `tensorwise_per_token`, `tensorwise`, `block128`, `channelwise_per_token`,
 /// `channelwise`, `per_row`, `per_expert` or
-/// `per_row_group_G` (groups of `G`).
+/// `per_row_group_G` (groups of `G`), `groupwise_per_token_G` or `groupwise_G`.
 pub fn scaling_name(s: Scaling) -> String {
     match s {
         Scaling::None => "none".into(),
@@ -487,12 +487,32 @@ pub fn scaling_name(s: Scaling) -> String {
         Scaling::PerRow => "per_row".into(),
         Scaling::PerExpert => "per_expert".into(),
         Scaling::PerRowGroup { group } => format!("per_row_group_{group}"),
+        Scaling::Groupwise {
+            group,
+            per_token: true,
+        } => format!("groupwise_per_token_{group}"),
+        Scaling::Groupwise {
+            group,
+            per_token: false,
+        } => format!("groupwise_{group}"),
     }
 }
 
 fn scaling_from(s: &str) -> Option<Scaling> {
     if let Some(g) = s.strip_prefix("per_row_group_") {
         return g.parse().ok().map(|group| Scaling::PerRowGroup { group });
+    }
+    if let Some(g) = s.strip_prefix("groupwise_per_token_") {
+        return g.parse().ok().map(|group| Scaling::Groupwise {
+            group,
+            per_token: true,
+        });
+    }
+    if let Some(g) = s.strip_prefix("groupwise_") {
+        return g.parse().ok().map(|group| Scaling::Groupwise {
+            group,
+            per_token: false,
+        });
     }
     [
         Scaling::None,
@@ -614,6 +634,13 @@ mod tests {
             (Operands::E4m3, Scaling::Channelwise { per_token: true }),
             (Operands::E4m3, Scaling::Channelwise { per_token: false }),
             (Operands::I8Bf16, Scaling::PerRowGroup { group: 128 }),
+            (
+                Operands::E4m3,
+                Scaling::Groupwise {
+                    group: 128,
+                    per_token: true,
+                },
+            ),
             (
                 Operands::W4Bf16(W4 {
                     codes: W4Codes::E2m1,

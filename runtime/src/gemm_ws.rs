@@ -300,7 +300,8 @@ impl GroupedGemm {
                 }
                 Some((groups, w4.scale_tile_bytes(), gs.device_ptr(&dev.stream).0))
             }
-            (_, Scaling::PerRowGroup { group }, Some(gs)) => {
+            (_, sc, Some(gs)) if sc.row_group().is_some() => {
+                let group = sc.row_group().unwrap_or(1);
                 let groups = k.div_ceil(group.max(1) as usize);
                 let want = e * groups * n * 4;
                 if gs.len() < want {
@@ -308,7 +309,8 @@ impl GroupedGemm {
                 }
                 Some((groups, 4, gs.device_ptr(&dev.stream).0))
             }
-            (Operands::W4Bf16(_), _, None) | (_, Scaling::PerRowGroup { .. }, None) => {
+            (Operands::W4Bf16(_), _, None)
+            | (_, Scaling::PerRowGroup { .. } | Scaling::Groupwise { .. }, None) => {
                 return Err(Error::Placement(format!(
                     "grouped GEMM {}: `group_scales` is required",
                     self.entry
@@ -332,6 +334,7 @@ impl GroupedGemm {
             Scaling::PerRow => (0, e * n),
             Scaling::PerExpert => (0, e),
             Scaling::PerRowGroup { .. } => (0, 0),
+            Scaling::Groupwise { per_token, .. } => (if per_token { t } else { 1 }, 0),
         };
         let scale = |s: Option<&CudaSlice<f32>>, what: &str, want: usize| -> Result<u64> {
             match s {

@@ -63,7 +63,15 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         Operands::W4Bf16(_) => &DECODE_W4,
         _ => &[],
     };
-    let wide: &[(u32, u32, u32, bool, u32)] = if int8 { &WIDE_REGISTER_A } else { &[] };
+    // Group-wise FP8 (the swapped form only): its prefill tile, two consumers' 128 weight rows
+    // sharing a 128-token tile.
+    let wide: &[(u32, u32, u32, bool, u32)] = if int8 {
+        &WIDE_REGISTER_A
+    } else if scaling.row_group().is_some() {
+        &[(2, 128, 4, true, 1)]
+    } else {
+        &[]
+    };
     prefill
         .iter()
         .chain(DECODE.iter())
@@ -74,10 +82,13 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         // but d2x8 split in two was never the tuner's choice on the H200 (run 62: NVFP4 at
         // DeepSeek-V3 1 token 71.0 us against 56.6 unsplit).
         .filter(|&&(_, _, _, _, split_k)| !int8 || split_k == 1)
-        // Group-wise int8: a second accumulator (the group's partial sum) caps BN at 64.
-        .filter(|&&(consumers, bn, _, _, _)| {
-            !matches!(scaling, Scaling::PerRowGroup { .. })
-                || bn <= if consumers >= 2 { 128 } else { 64 }
+        // Group-wise int8 and FP8: a second accumulator (the group's partial sum) caps BN at 64
+        // (128 with two consumers); group-wise FP8 takes the swapped form only (its promotion
+        // reads each weight row's scale).
+        .filter(|&&(consumers, bn, _, swap_ab, _)| {
+            scaling.row_group().is_none()
+                || (bn <= if consumers >= 2 { 128 } else { 64 }
+                    && (swap_ab || operands.register_a()))
         })
         .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
             operands,

@@ -389,6 +389,15 @@ pub enum Scaling {
         /// Elements of K per scale: a power of two, at least 64 (whole k-tiles).
         group: u32,
     },
+    /// Group-wise FP8: per weight row and group of `group` along K, promoted as
+    /// [`Scaling::PerRowGroup`] promotes (the scales by TMA into the stage, `[E, groups, N]` f32),
+    /// and the activation's scale per token (`[T]`) or one (`[1]`) in the epilogue.
+    Groupwise {
+        /// Elements of K per scale: a power of two, at least the 128 of an E4M3 k-tile.
+        group: u32,
+        /// The activation scale is per token (else one value).
+        per_token: bool,
+    },
 }
 
 impl Scaling {
@@ -406,8 +415,20 @@ impl Scaling {
     pub const fn takes_x_scale(self) -> bool {
         matches!(
             self,
-            Scaling::Tensorwise { .. } | Scaling::Block128 | Scaling::Channelwise { .. }
+            Scaling::Tensorwise { .. }
+                | Scaling::Block128
+                | Scaling::Channelwise { .. }
+                | Scaling::Groupwise { .. }
         )
+    }
+
+    /// The group along K of a per-row-group scaling (group-wise int8's or FP8's), promoted per
+    /// group from the stage's scales.
+    pub const fn row_group(self) -> Option<u32> {
+        match self {
+            Scaling::PerRowGroup { group } | Scaling::Groupwise { group, .. } => Some(group),
+            _ => None,
+        }
     }
 }
 
@@ -470,6 +491,19 @@ pub const fn glu_row(r: usize, i: usize) -> usize {
         out
     } else {
         i + out
+    }
+}
+
+/// The `[gate; up]` row that the fused epilogue's weight row `r` reads (`N = 2i`): [`glu_row`],
+/// or with `up_first` (a storage whose paired order puts each 8 up rows before their gate rows,
+/// [`WRows::up_first`]) its partner in the other half. Every per-row operand of a paired GEMM
+/// (codes, per-row scales, group scales) follows this order.
+pub const fn paired_row(r: usize, i: usize, up_first: bool) -> usize {
+    let g = glu_row(r, i);
+    if up_first {
+        (g + i) % (2 * i)
+    } else {
+        g
     }
 }
 
@@ -536,7 +570,8 @@ impl WsConfig {
     pub const fn group_scale_bytes(&self) -> u32 {
         match (self.operands, self.scaling) {
             (Operands::W4Bf16(w), _) => self.tile_weights() * w.scale_tile_bytes(),
-            (Operands::I8Bf16, Scaling::PerRowGroup { .. }) => self.tile_weights() * 4,
+            (Operands::I8Bf16, Scaling::PerRowGroup { .. })
+            | (Operands::E4m3, Scaling::Groupwise { .. }) => self.tile_weights() * 4,
             _ => 0,
         }
     }
@@ -546,8 +581,7 @@ impl WsConfig {
     pub const fn scale_group(&self) -> Option<u32> {
         match (self.operands, self.scaling) {
             (Operands::W4Bf16(w), _) => Some(w.group),
-            (_, Scaling::PerRowGroup { group }) => Some(group),
-            _ => None,
+            (_, s) => s.row_group(),
         }
     }
 
@@ -702,9 +736,15 @@ impl WsConfig {
             Scaling::PerRow => "r",
             Scaling::PerExpert => "x",
             Scaling::PerRowGroup { .. } => "g",
+            Scaling::Groupwise {
+                per_token: true, ..
+            } => "gt",
+            Scaling::Groupwise {
+                per_token: false, ..
+            } => "gs",
         };
-        let scale = match self.scaling {
-            Scaling::PerRowGroup { group } => format!("{scale}{group}"),
+        let scale = match self.scaling.row_group() {
+            Some(group) => format!("{scale}{group}"),
             _ => scale.to_string(),
         };
         let out = self.out.name();
@@ -871,6 +911,35 @@ impl WsConfig {
                         "int8 weights with K = {} (a multiple of 16)",
                         self.k
                     ));
+                }
+            }
+            (Operands::E4m3, Scaling::Groupwise { group, .. }) => {
+                // As group-wise int8 (whole k-tiles of 128 a group, the partial sum a second
+                // accumulator, rows of f32 group scales by TMA), in the swapped form: the
+                // promotion reads each fragment row's scale from the stage, weights on A.
+                if group < self.operands.bk() || !group.is_power_of_two() {
+                    return bad(format!(
+                        "group-wise FP8 with groups of {group} (a power of two, at least {})",
+                        self.operands.bk()
+                    ));
+                }
+                let most = if self.consumers >= 2 { 128 } else { 64 };
+                if self.bn > most {
+                    return bad(format!(
+                        "group-wise FP8 with BN = {} (at most {most} with {} consumer warpgroup(s): the group's partial sum is a second accumulator)",
+                        self.bn, self.consumers
+                    ));
+                }
+                if !self.n.is_multiple_of(4) {
+                    return bad(format!(
+                        "group-wise FP8 with N = {} (a multiple of 4: a row of f32 group scales is a TMA row of 16-byte multiples)",
+                        self.n
+                    ));
+                }
+                if !self.swap_ab {
+                    return bad(
+                        "group-wise FP8 needs the swapped (weights-on-A) form (its promotion reads each weight row's scale)".into(),
+                    );
                 }
             }
             (Operands::I8Bf16, Scaling::PerRow) => {
@@ -1592,12 +1661,13 @@ fn producer(
         // The k-tile's scales of the tile's weight rows: `[E, scale tiles, N]` of
         // `scale_tile_bytes` each (group-wise int8: one f32), box {64 C rows, 1, 1} at {w0, scale
         // tile, expert}, after A and B.
-        let g0 = if group > 64 {
+        let bk = cfg.operands.bk();
+        let g0 = if group > bk {
             k.bin(
                 BinOpcode::Shr,
                 PtxTy::U32,
                 kt,
-                Operand::Int(log2(group / 64)),
+                Operand::Int(log2(group / bk)),
             )
         } else {
             kt
@@ -1876,10 +1946,7 @@ fn consumers(
     let n_mma = WgmmaN::new(cfg.bn)?;
     let acc = k.b.accumulator(n_mma);
     let block = cfg.scaling == Scaling::Block128;
-    let row_group = match cfg.scaling {
-        Scaling::PerRowGroup { group } => Some(group),
-        _ => None,
-    };
+    let row_group = cfg.scaling.row_group();
     // Block-scaled: the first slice accumulator (the second is made with the k loop); group-wise
     // int8: the group's partial sum.
     let part = if block || row_group.is_some() {
@@ -2442,7 +2509,8 @@ fn promote_row_groups(
     kt: Reg,
     (frag, part, acc): (&Frag, &[Reg], &[Reg]),
 ) -> Result<()> {
-    let kpg = i64::from((group / 64).max(1));
+    let bk = cfg.operands.bk();
+    let kpg = i64::from((group / bk).max(1));
     // Whether k-tile `x` starts a group (`x % kpg`, as `cmp`: `Ne` for not).
     let starts_group = |k: &mut K, x: Reg, cmp: CmpOp| {
         let within = k.bin(BinOpcode::And, PtxTy::B32, x, Operand::Int(kpg - 1));
@@ -2483,7 +2551,7 @@ fn promote_row_groups(
         d
     });
     // The range's first group (its group index is the range start's) assigns.
-    let shift = log2((group / 64).max(1));
+    let shift = log2((group / bk).max(1));
     let g = k.bin(BinOpcode::Shr, PtxTy::U32, kt, Operand::Int(shift));
     let g0 = k.bin(BinOpcode::Shr, PtxTy::U32, f.ks, Operand::Int(shift));
     let first = k.setp(CmpOp::Eq, g, Operand::Reg(g0));
@@ -2577,12 +2645,21 @@ fn epilogue(
             let sx = tokens(k, xs, per_token);
             Some(sx.iter().map(|&x| fmul(k, x, sw)).collect())
         }
-        (Scaling::Channelwise { per_token }, Some(xs), Some(_)) => Some(tokens(k, xs, per_token)),
+        (
+            Scaling::Channelwise { per_token } | Scaling::Groupwise { per_token, .. },
+            Some(xs),
+            _,
+        ) => Some(tokens(k, xs, per_token)),
         _ => None,
     };
     let per_token = matches!(
         cfg.scaling,
-        Scaling::Tensorwise { per_token: true } | Scaling::Channelwise { per_token: true }
+        Scaling::Tensorwise { per_token: true }
+            | Scaling::Channelwise { per_token: true }
+            | Scaling::Groupwise {
+                per_token: true,
+                ..
+            }
     );
     // Per weight row: `w_scale[e, row]` per row class (`row_class`: the fragment's two A-side
     // halves in the swapped form, its B-side columns otherwise), rows past N clamped to N - 1

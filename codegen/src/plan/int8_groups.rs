@@ -1,7 +1,9 @@
-//! Group-wise INT8: per group of `g` elements along a row, SPEC §8's symmetric formula (`scale =
-//! amax / 127`, 1 for an all-zero group; `q = clamp(rne(x / scale), -128, 127)`).
+//! Group-wise INT8 and FP8: per group of `g` elements along a row, the row formula per group:
+//! SPEC §8's symmetric int8 (`scale = amax / 127`, 1 for an all-zero group; `q = clamp(rne(x /
+//! scale), -128, 127)`), or the per-channel FP8 one (`scale = max(amax / 448, 1 / (448 * 512))`, 1
+//! for an all-zero group; `q = e4m3(rne(x / scale))`).
 
-use moeforge_dsl::ir::QuantScheme;
+use moeforge_dsl::ir::{Fp8Granularity, QuantScheme};
 
 use super::*;
 use crate::kir::{e, Stmt, Ty};
@@ -9,12 +11,19 @@ use crate::quant::{self, fabs, fdiv, fmax, is_zero};
 use crate::{Error, Result};
 
 impl Planner<'_> {
-    /// Group-wise INT8 (README, "Group-wise INT8"): one work item per row and group: the group's
-    /// amax, its f32 scale `amax / 127` (correctly rounded; 1 where the amax is 0), then each
-    /// element's code `clamp(rne(x / scale), -128, 127)` (a correctly rounded quotient) as a byte.
-    pub(super) fn quant_int8_groups(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
-        let QuantScheme::Int8Group { group } = ctx.scheme else {
-            return Err(Error::Internal("group-wise int8 scheme expected"));
+    /// Group-wise INT8 and FP8 (README, "Group-wise INT8", "Group-wise FP8"): one work item per
+    /// row and group: the group's amax, its f32 scale (int8: `amax / 127`; FP8: `max(amax / 448,
+    /// 1 / (448 * 512))`; correctly rounded; 1 where the amax is 0), then each element's code
+    /// (int8: `clamp(rne(x / scale), -128, 127)`; FP8: the E4M3 rounding of `x / scale`, a
+    /// correctly rounded quotient) as a byte.
+    pub(super) fn quant_groups(&mut self, ctx: &QuantCtx<'_>) -> Result<()> {
+        let (group, fp8) = match ctx.scheme {
+            QuantScheme::Int8Group { group } => (group, false),
+            QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Group { group },
+                ..
+            } => (group, true),
+            _ => return Err(Error::Internal("a group-wise scheme expected")),
         };
         let QuantCtx {
             q,
@@ -28,7 +37,7 @@ impl Planner<'_> {
             ..
         } = ctx.clone();
         if group <= 0 || cols % group != 0 {
-            return Err(Error::Internal("int8 groups do not divide the rows"));
+            return Err(Error::Internal("the groups do not divide the rows"));
         }
         // A rank's cut of the columns must keep whole groups (each group's amax is its own).
         ctx.check_cut((1, group))?;
@@ -51,10 +60,12 @@ impl Planner<'_> {
                 let x = b.set(Ty::F32, e::load(xb, e::add(b0.clone(), c)));
                 b.out.push(Stmt::Set(hi, fmax(e::v(hi), fabs(x))));
             });
-            let s = em.set(
-                Ty::F32,
-                e::sel(is_zero(e::v(hi)), e::f(1.0), fdiv(e::v(hi), e::f(127.0))),
-            );
+            let scale = if fp8 {
+                fmax(fdiv(e::v(hi), e::f(448.0)), e::f(1.0 / (448.0 * 512.0)))
+            } else {
+                fdiv(e::v(hi), e::f(127.0))
+            };
+            let s = em.set(Ty::F32, e::sel(is_zero(e::v(hi)), e::f(1.0), scale));
             if let Some(sb) = sb {
                 em.out.push(Stmt::Store {
                     buf: sb,
@@ -70,7 +81,12 @@ impl Planner<'_> {
                 );
                 em.for_(e::i(0), e::i(group), |b, c| {
                     let x = e::load(xb, e::add(b0.clone(), c.clone()));
-                    let code = quant::int8_rne(b, x, s.clone());
+                    let code = if fp8 {
+                        let q = fdiv(x, s.clone());
+                        quant::e4m3_rne(b, q)
+                    } else {
+                        quant::int8_rne(b, x, s.clone())
+                    };
                     b.out.push(Stmt::Store {
                         buf: vb,
                         index: e::add(out0.clone(), c),

@@ -152,7 +152,11 @@ impl Planner<'_> {
             } => self.quant_fp8_block(&ctx),
             QuantScheme::Mxfp4 => self.quant_mxfp4(&ctx),
             QuantScheme::Int4 { .. } => self.quant_int4(&ctx),
-            QuantScheme::Int8Group { .. } => self.quant_int8_groups(&ctx),
+            QuantScheme::Int8Group { .. }
+            | QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Group { .. },
+                ..
+            } => self.quant_groups(&ctx),
         }
     }
 }
