@@ -411,6 +411,24 @@ mod tests {
         assert_eq!(int8_per_row(&x, 12), int8_per_group(&x, 12));
     }
 
+    /// Group-wise FP8's worked example (README, "Group-wise FP8"), groups of 4: a group of amax
+    /// 448 (scale 1), an all-zero group (scale 1), and a tiny group whose scale is the floor
+    /// `1 / (448 * 512)`.
+    #[test]
+    fn fp8_group_worked_example() {
+        let x = [
+            448.0, -1.0, 0.5, 3.25, //
+            0.0, 0.0, 0.0, 0.0, //
+            1e-6, 0.0, 0.0, 0.0,
+        ];
+        let (q, s) = fp8_per_group(&x, 4);
+        assert_eq!(s[..2], [1.0, 1.0]);
+        assert_eq!(s[2].to_bits(), 0x3692_4925);
+        assert_eq!(q, vec![0x7E, 0xB8, 0x30, 0x45, 0, 0, 0, 0, 0x27, 0, 0, 0]);
+        // Per channel is the one-group case.
+        assert_eq!(fp8_per_channel(&x, 12), fp8_per_group(&x, 12));
+    }
+
     /// README "Group-wise INT4", worked example: two symmetric groups of 8 with bf16 scales (the
     /// first with an exact scale and ties, the second with a scale rounded to bf16), and one
     /// asymmetric group.
