@@ -421,14 +421,18 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             let plain = match crate::gemm_access::for_rows(all.clone(), plain_rows) {
                 Some(v) => v,
                 None => {
-                    plan.access.push((
+                    let note = (
                         gemm,
                         "plain",
                         format!(
-                            "a copy re-laid on the host: no tile of the {scaling:?} candidates is a box of `{name}`'s row modes {:?}",
+                            "a copy re-laid on the host: no tile of the candidates is a box of `{name}`'s row modes {:?}",
                             plain_rows.extents(n)
                         ),
-                    ));
+                    );
+                    // (Once a weight, not once per scaling.)
+                    if !plan.access.iter().any(|a| a.0 == note.0 && a.1 == note.1) {
+                        plan.access.push(note);
+                    }
                     all
                 }
             };

@@ -127,7 +127,8 @@ enum Command {
         /// Only the grouped-GEMM benchmark (with --gpu): the MoE w13 GEMM at the anchor shapes
         /// against torch (measured now by --anchor) and vLLM (recorded); --recipe is then a
         /// comma-separated list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4,
-        /// int8_per_row, int4_g128, or all (the first three) or weights_only (the last four).
+        /// int8_per_row, int4_g128, or all (the first three) or weights_only (the last four); the
+        /// variants int4_g128_zp, int8_g128, fp8_channel and fp8_g128 by name.
         #[arg(long, conflicts_with_all = ["layouts", "eplb"])]
         gemm: bool,
         /// Only the MoE layer benchmark (with --gpu): the whole forward (permute, both GEMMs,

@@ -12,6 +12,8 @@
 //! bytes), with its scales in the GEMM's layout:
 //! * no scheme (bf16 weights): no scale;
 //! * FP8 per tensor: `[slots]`, one per expert (every element of an expert must carry the same);
+//! * FP8 per channel: `[slots, N]`, one per row; group-wise FP8 (and int8): group scales
+//!   `[slots, groups, N]` f32 (every element of a group must carry the same);
 //! * FP8 128x128 block: `[slots, ceil(N/128), ceil(K/128)]`, the scale of each 128x128 block of
 //!   the input's coordinates (every element of a block must carry the same: a recipe whose rows
 //!   are gathered across blocks is refused by name).
@@ -23,8 +25,8 @@
 //! in the fused epilogue's paired order, and [`GemmWeights::stored`] the bytes it reads.
 //!
 //! # What runs on the GPU
-//! bf16 weights with bf16 activations; E4M3 per-tensor weights with per-token dynamic or static
-//! activation scales; E4M3 128x128-block weights with 1x128 per-token activation groups; the
+//! bf16 weights with bf16 activations; E4M3 per-tensor, per-channel and group-wise (groups of at
+//! least 128) weights with per-token dynamic or static activation scales; E4M3 128x128-block weights with 1x128 per-token activation groups; the
 //! weights-only recipes' int8 per-row and 4-bit (NVFP4, MXFP4, symmetric INT4) weights with bf16
 //! activations (the dequantizing GEMMs of issue \[8\]). Anything else is refused with
 //! [`MoeError::Unsupported`] naming it.

@@ -48,6 +48,12 @@
 //! # Scaling (FP8)
 //! * [`Scaling::Tensorwise`]: `acc * s_w[e] * s_x[t]` with `s_x` per token (`[T]`) or one value for
 //!   all tokens (`[1]`), applied once in the epilogue (SPEC §9 `fp8_per_tensor`).
+//! * [`Scaling::Channelwise`]: `acc * (s_x[t] * s_w[e, row])`, `s_w` `[E, N]` in the GEMM's row
+//!   order, once in the epilogue (a row scale per row class of the fragment: the two A-side
+//!   halves in decode, the `BN / 4` B-side columns in prefill).
+//! * [`Scaling::Groupwise`]: each group of `g` along K (whole k-tiles) accumulates on its own and
+//!   is promoted with its rows' scales `s_w[e, g, row]` from the stage (as
+//!   [`Scaling::PerRowGroup`]), weights on A only; `s_x[t]` in the epilogue.
 //! * [`Scaling::Block128`] (SPEC §9 `fp8_block128`): each 128-deep K slice (one e4m3 k-tile) is
 //!   accumulated on its own (`scale-d` 0 on its first MMA) and promoted into the f32 total with
 //!   `s_x[kb, t] * s_w[e, n / 128, kb]` (`fma`, slices in ascending order). `s_x` is group-major
@@ -368,9 +374,9 @@ pub enum Scaling {
     /// Per 128-deep K slice with 1x128 activation groups and 128x128 weight blocks.
     Block128,
     /// Once in the epilogue: per weight row (channel) `w_scale [E, N]` times the activation
-    /// scale, per token (`[T]`) or one (`[1]`): FP8 per-channel weights. The factor of a slot is
-    /// `x_scale * w_scale[row]`, multiplied as the per-tensor form multiplies its (so channels that
-    /// share one scale give the per-tensor kernel's bits).
+    /// scale, per token (`[T]`) or one (`[1]`): FP8 per-channel weights. A slot is scaled by the
+    /// factor `x_scale * w_scale[row]`, the product taken first as the per-tensor form takes
+    /// `x_scale * w_scale[e]`, so channels that share one scale give the per-tensor kernel's bits.
     Channelwise {
         /// The activation scale is per token (else one value).
         per_token: bool,
