@@ -200,6 +200,9 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         v(e, gw(128, false), OutTy::F32, 1, 8, 8, true),
         v(e, gw(256, true), OutTy::Bf16, 1, 32, 8, true),
         v(e, gw(128, true), OutTy::Bf16, 2, 128, 4, true),
+        // (and the prefill form: the row scales on the B side)
+        v(e, gw(128, true), OutTy::Bf16, 2, 128, 6, false),
+        v(e, gw(256, false), OutTy::F32, 2, 128, 6, false),
         WsConfig {
             split_k: 3,
             ..v(e, gw(256, true), OutTy::F32, 1, 16, 8, true)
@@ -311,6 +314,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (v(e, ch, OutTy::F32, 1, 16, 8, true), 2),
         (v(e, gw(128, true), OutTy::F32, 1, 16, 8, true), 1),
         (v(e, gw(128, true), OutTy::F32, 2, 128, 4, true), 1),
+        (v(e, gw(128, true), OutTy::F32, 2, 128, 6, false), 1),
         (ra(i8, OutTy::Bf16, 1, 16, 8), 1),
         (ra(nvfp4, OutTy::Bf16, 1, 8, 8), 1),
         (ra(int4, OutTy::F32, 1, 16, 8), 1),

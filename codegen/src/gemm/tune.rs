@@ -55,7 +55,8 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         // Int8 and 4-bit weights (register-sourced A): the swapped (weights-on-A) form only,
         // unsplit; their prefill tiles are among the wide ones below.
         (Operands::I8Bf16 | Operands::W4Bf16(_), _) => &[],
-        (_, Scaling::Block128) => &PREFILL_BLOCK,
+        // (Group-wise FP8's partial sum is a second accumulator, as the block-scaled slice's.)
+        (_, Scaling::Block128 | Scaling::Groupwise { .. }) => &PREFILL_BLOCK,
         _ => &PREFILL,
     };
     let int8 = operands.register_a();
@@ -63,8 +64,8 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         Operands::W4Bf16(_) => &DECODE_W4,
         _ => &[],
     };
-    // Group-wise FP8 (the swapped form only): its prefill tile, two consumers' 128 weight rows
-    // sharing a 128-token tile.
+    // Group-wise FP8: also the swapped prefill tile, two consumers' 128 weight rows sharing a
+    // 128-token tile (the tuner picks between it and the prefill form).
     let wide: &[(u32, u32, u32, bool, u32)] = if int8 {
         &WIDE_REGISTER_A
     } else if scaling.row_group().is_some() {
@@ -83,12 +84,9 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         // DeepSeek-V3 1 token 71.0 us against 56.6 unsplit).
         .filter(|&&(_, _, _, _, split_k)| !int8 || split_k == 1)
         // Group-wise int8 and FP8: a second accumulator (the group's partial sum) caps BN at 64
-        // (128 with two consumers); group-wise FP8 takes the swapped form only (its promotion
-        // reads each weight row's scale).
-        .filter(|&&(consumers, bn, _, swap_ab, _)| {
-            scaling.row_group().is_none()
-                || (bn <= if consumers >= 2 { 128 } else { 64 }
-                    && (swap_ab || operands.register_a()))
+        // (128 with two consumers).
+        .filter(|&&(consumers, bn, _, _, _)| {
+            scaling.row_group().is_none() || bn <= if consumers >= 2 { 128 } else { 64 }
         })
         .map(|&(consumers, bn, stages, swap_ab, split_k)| WsConfig {
             operands,

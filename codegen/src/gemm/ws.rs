@@ -921,8 +921,8 @@ impl WsConfig {
             }
             (Operands::E4m3, Scaling::Groupwise { group, .. }) => {
                 // As group-wise int8 (whole k-tiles of 128 a group, the partial sum a second
-                // accumulator, rows of f32 group scales by TMA), in the swapped form: the
-                // promotion reads each fragment row's scale from the stage, weights on A.
+                // accumulator, rows of f32 group scales by TMA); the promotion reads each
+                // fragment row's scale from the stage (the A side swapped, else the B side).
                 if group < self.operands.bk() || !group.is_power_of_two() {
                     return bad(format!(
                         "group-wise FP8 with groups of {group} (a power of two, at least {})",
@@ -941,11 +941,6 @@ impl WsConfig {
                         "group-wise FP8 with N = {} (a multiple of 4: a row of f32 group scales is a TMA row of 16-byte multiples)",
                         self.n
                     ));
-                }
-                if !self.swap_ab {
-                    return bad(
-                        "group-wise FP8 needs the swapped (weights-on-A) form (its promotion reads each weight row's scale)".into(),
-                    );
                 }
             }
             (Operands::I8Bf16, Scaling::PerRow) => {
@@ -2545,23 +2540,38 @@ fn promote_row_groups(
     let skip = k.b.label("c_group");
     k.bra(&skip, Some((last, true)));
     let (sa, _) = k.stage_addrs(ring.stage, cfg.stage_bytes(), ring.base, ring.full);
-    let row4 = k.bin(BinOpcode::Shl, PtxTy::B32, frag.a_row, Operand::Int(2));
+    // The scales of the fragment's weight rows, one per row class (`row_class`): the two A-side
+    // rows `a_row`, `a_row + 8` in the swapped form; the B-side rows `b_col + 8 j + c` otherwise.
+    let (base, offs): (Reg, Vec<i64>) = if cfg.swap_ab {
+        (frag.a_row, vec![0, 8])
+    } else {
+        (
+            frag.b_col,
+            (0..i64::from(cfg.bn / 8))
+                .flat_map(|j| [8 * j, 8 * j + 1])
+                .collect(),
+        )
+    };
+    let row4 = k.bin(BinOpcode::Shl, PtxTy::B32, base, Operand::Int(2));
     let at = k.bin(BinOpcode::Add, PtxTy::U32, sa, Operand::Reg(row4));
-    let sc = [0i64, 32].map(|off| {
-        let d = k.b.reg(RegClass::F32);
-        k.b.push(Inst::LdShared {
-            d,
-            addr: at,
-            off: i64::from(cfg.tx_bytes()) + off,
-        });
-        d
-    });
+    let sc: Vec<Reg> = offs
+        .iter()
+        .map(|&o| {
+            let d = k.b.reg(RegClass::F32);
+            k.b.push(Inst::LdShared {
+                d,
+                addr: at,
+                off: i64::from(cfg.tx_bytes()) + 4 * o,
+            });
+            d
+        })
+        .collect();
     // The range's first group (its group index is the range start's) assigns.
     let shift = log2((group / bk).max(1));
     let g = k.bin(BinOpcode::Shr, PtxTy::U32, kt, Operand::Int(shift));
     let g0 = k.bin(BinOpcode::Shr, PtxTy::U32, f.ks, Operand::Int(shift));
     let first = k.setp(CmpOp::Eq, g, Operand::Reg(g0));
-    accumulate_scaled(k, first, part, acc, |_, i| sc[(i >> 1) & 1]);
+    accumulate_scaled(k, first, part, acc, |_, i| sc[row_class(cfg, i as u32)]);
     k.b.push(Inst::Label(skip));
     Ok(())
 }
