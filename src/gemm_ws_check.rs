@@ -502,6 +502,37 @@ fn scales(rng: &mut Rng, cfg: &WsConfig, t: usize, e: usize) -> (Vec<f32>, Vec<f
     }
 }
 
+/// Row `j` of expert `e` (`n` rows of `k`) against activations `xs`, per group of `group` along K:
+/// each group's dot of `value(code)` and `xs` (f64) times the row's f32 scale of the group, from
+/// `op.group_scales` (`[E, groups, N]`), summed over the groups.
+fn group_dot(
+    op: &Operand<'_>,
+    (e, j, n, k): (usize, usize, usize, usize),
+    group: u32,
+    row: &[u8],
+    xs: &[f64],
+    value: impl Fn(u8) -> f64,
+) -> f64 {
+    let g = group.max(1) as usize;
+    let groups = k.div_ceil(g);
+    (0..groups)
+        .map(|q| {
+            let o = ((e * groups + q) * n + j) * 4;
+            let s = op
+                .group_scales
+                .get(o..o + 4)
+                .map_or(f32::NAN, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let (lo, hi) = (q * g, ((q + 1) * g).min(k));
+            let dot: f64 = row[lo..hi]
+                .iter()
+                .zip(&xs[lo..hi])
+                .map(|(&c, &x)| value(c) * x)
+                .sum();
+            dot * f64::from(s)
+        })
+        .sum()
+}
+
 /// Host operands of one variant.
 struct Operand<'a> {
     x: &'a [u8],
@@ -579,30 +610,12 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                             // Per group: the codes' dot with bf16 activations (f64) times the
                             // row's scale of the group (`[E, groups, N]` f32).
                             let xs = bf16_row(&op.x[2 * r * k..2 * (r + 1) * k]);
-                            let g = group as usize;
-                            let groups = k.div_ceil(g);
+                            let row = |j: usize| &op.w[wr.start + j * k..wr.start + (j + 1) * k];
                             Ok((0..n)
                                 .map(|j| {
-                                    let row = &op.w[wr.start + j * k..wr.start + (j + 1) * k];
-                                    (0..groups)
-                                        .map(|q| {
-                                            let o = ((e * groups + q) * n + j) * 4;
-                                            let s = f32::from_le_bytes([
-                                                op.group_scales[o],
-                                                op.group_scales[o + 1],
-                                                op.group_scales[o + 2],
-                                                op.group_scales[o + 3],
-                                            ]);
-                                            let lo = q * g;
-                                            let hi = (lo + g).min(k);
-                                            let dot: f64 = row[lo..hi]
-                                                .iter()
-                                                .zip(&xs[lo..hi])
-                                                .map(|(&c, &x)| f64::from(c as i8) * x)
-                                                .sum();
-                                            dot * f64::from(s)
-                                        })
-                                        .sum::<f64>()
+                                    group_dot(op, (e, j, n, k), group, row(j), &xs, |c| {
+                                        f64::from(c as i8)
+                                    })
                                 })
                                 .collect())
                         }
@@ -656,40 +669,13 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                         (Operands::E4m3, Scaling::Groupwise { group, per_token }) => {
                             // Per group: the E4M3 codes' dot (f64) times the row's scale of the
                             // group (`[E, groups, N]` f32), then the activation's scale.
+                            let e4m3 = |c: u8| f64::from(crate::codegen::reference::e4m3_to_f32(c));
                             let sx = f64::from(op.x_scale[if per_token { r } else { 0 }]);
-                            let xs: Vec<f64> = op.x[r * k..(r + 1) * k]
-                                .iter()
-                                .map(|&c| f64::from(crate::codegen::reference::e4m3_to_f32(c)))
-                                .collect();
-                            let g = group as usize;
-                            let groups = k.div_ceil(g);
+                            let xs: Vec<f64> =
+                                op.x[r * k..(r + 1) * k].iter().map(|&c| e4m3(c)).collect();
+                            let row = |j: usize| &op.w[wr.start + j * k..wr.start + (j + 1) * k];
                             Ok((0..n)
-                                .map(|j| {
-                                    let row = &op.w[wr.start + j * k..wr.start + (j + 1) * k];
-                                    (0..groups)
-                                        .map(|q| {
-                                            let o = ((e * groups + q) * n + j) * 4;
-                                            let s = f32::from_le_bytes([
-                                                op.group_scales[o],
-                                                op.group_scales[o + 1],
-                                                op.group_scales[o + 2],
-                                                op.group_scales[o + 3],
-                                            ]);
-                                            let (lo, hi) = (q * g, ((q + 1) * g).min(k));
-                                            let dot: f64 = row[lo..hi]
-                                                .iter()
-                                                .zip(&xs[lo..hi])
-                                                .map(|(&c, &x)| {
-                                                    f64::from(
-                                                        crate::codegen::reference::e4m3_to_f32(c),
-                                                    ) * x
-                                                })
-                                                .sum();
-                                            dot * f64::from(s)
-                                        })
-                                        .sum::<f64>()
-                                        * sx
-                                })
+                                .map(|j| group_dot(op, (e, j, n, k), group, row(j), &xs, e4m3) * sx)
                                 .collect())
                         }
                         (Operands::E4m3, _) => reference::gemm_fp8_block128(

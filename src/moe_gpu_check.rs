@@ -409,19 +409,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             inputs(&mut rng, &inp, t, k, routing, dims)?;
             let run_as = |device: Device, dump: bool| -> Result<BTreeMap<String, Vec<f32>>> {
                 let output = d.join(format!("out{ri}_{ci}_{device:?}_{dump}.safetensors"));
-                moe_run::run(&RunOptions {
-                    packed: packed.clone(),
-                    inputs: inp.clone(),
-                    output: output.clone(),
-                    layer: None,
-                    device,
-                    placement: placed.then(|| placement.clone()),
-                    dump_intermediates: dump,
-                    recipe: None,
-                    threads: 0,
-                    settings: settings.runtime.clone(),
-                })?;
-                read(&output)
+                let placement = placed.then(|| placement.clone());
+                run_layer(settings, (&packed, &inp, &output), device, dump, placement)
             };
             let run = |device: Device| run_as(device, true);
             let label = format!(
@@ -546,6 +535,30 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
     Ok((out, Some(ok)))
 }
 
+/// `moe run` of packed params on `inputs` into `output` on `device` (with the intermediates where
+/// `dump`, placed where `placement` is given), read back.
+fn run_layer(
+    settings: &crate::Settings,
+    (packed, inputs, output): (&Path, &Path, &Path),
+    device: Device,
+    dump: bool,
+    placement: Option<std::path::PathBuf>,
+) -> Result<BTreeMap<String, Vec<f32>>> {
+    moe_run::run(&RunOptions {
+        packed: packed.to_path_buf(),
+        inputs: inputs.to_path_buf(),
+        output: output.to_path_buf(),
+        layer: None,
+        device,
+        placement,
+        dump_intermediates: dump,
+        recipe: None,
+        threads: 0,
+        settings: settings.runtime.clone(),
+    })?;
+    read(output)
+}
+
 /// A layer of one expert (its weights' expert stride never steps: the in-place maps give that
 /// dimension the rows' span): the first GEMM's output against the host's, the output against the
 /// f64 second GEMM of the GPU's own `act`, and the fused layer against the unfused one, for a bf16
@@ -567,19 +580,7 @@ fn one_expert(rng: &mut Rng, d: &Path, settings: &crate::Settings) -> Result<(St
         inputs(rng, &inp, t, k, Routing::Uniform, dims)?;
         let run_as = |device: Device, dump: bool| -> Result<BTreeMap<String, Vec<f32>>> {
             let output = d.join(format!("one_out_{name}_{device:?}_{dump}.safetensors"));
-            moe_run::run(&RunOptions {
-                packed: packed.clone(),
-                inputs: inp.clone(),
-                output: output.clone(),
-                layer: None,
-                device,
-                placement: None,
-                dump_intermediates: dump,
-                recipe: None,
-                threads: 0,
-                settings: settings.runtime.clone(),
-            })?;
-            read(&output)
+            run_layer(settings, (&packed, &inp, &output), device, dump, None)
         };
         let mut line = String::new();
         let good = match (
@@ -683,19 +684,8 @@ fn layout_independence(
             let mut outs = Vec::new();
             for (name, p, _) in &packed {
                 let output = d.join(format!("li_out_{name}_{ci}.safetensors"));
-                moe_run::run(&RunOptions {
-                    packed: p.clone(),
-                    inputs: inp.clone(),
-                    output: output.clone(),
-                    layer: None,
-                    device: Device::Gpu,
-                    placement: None,
-                    dump_intermediates: false,
-                    recipe: None,
-                    threads: 0,
-                    settings: settings.runtime.clone(),
-                })?;
-                outs.push(read(&output)?.remove("output").unwrap_or_default());
+                let mut o = run_layer(settings, (p, &inp, &output), Device::Gpu, false, None)?;
+                outs.push(o.remove("output").unwrap_or_default());
             }
             for (j, (name, _, reads)) in packed.iter().enumerate().skip(1) {
                 let (a, b) = (&outs[0], &outs[j]);
