@@ -392,7 +392,7 @@ impl Selection {
                 for name in list.split(',').map(str::trim) {
                     let r = Recipe::from_name(name).ok_or_else(|| {
                         Error::Usage(format!(
-                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, int4_g128_zp, int8_g128, or all, or weights_only)"
+                            "unknown --recipe `{name}` for the grouped GEMM (expected a list of bf16, fp8_per_tensor, fp8_block128, nvfp4_cutedsl, mxfp4, int8_per_row, int4_g128, int4_g128_zp, int8_g128, fp8_channel, fp8_g128, or all, or weights_only)"
                         ))
                     })?;
                     if !v.contains(&r) {

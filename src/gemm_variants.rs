@@ -328,9 +328,17 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
         };
         let Some((operands, scaling, scale_param)) = family else {
             let why = match t.dtype {
-                dsl::ir::DType::E4m3 => {
-                    " without a registered f32 weight scale of shape [E] or [E, ceil(N/128), ceil(K/128)]"
-                }
+                dsl::ir::DType::E4m3 => match info.quantization_of(gemm).map(|q| q.scheme) {
+                    Some(dsl::ir::QuantScheme::Fp8 {
+                        granularity: dsl::ir::Fp8Granularity::Group { .. },
+                        ..
+                    }) => {
+                        " with group-wise scales in groups other than a power of two of at least 128 (whole E4M3 k-tiles)"
+                    }
+                    _ => {
+                        " without a registered f32 weight scale of shape [E], [E, N] or [E, ceil(N/128), ceil(K/128)]"
+                    }
+                },
                 dsl::ir::DType::I8 => match info.quantization_of(gemm).map(|q| q.scheme) {
                     Some(dsl::ir::QuantScheme::Int8Group { .. }) => {
                         " with group-wise scales in groups other than a power of two of at least 64"

@@ -157,10 +157,16 @@ pub fn selftest(quick: bool, settings: &Settings) -> Result<(String, Option<bool
     // (name, source, path, shape)
     type Case = (String, String, String, (usize, usize, usize));
     let mut cases: Vec<Case> = Vec::new();
+    // The standard recipes at every shape; the variants (group-wise INT8 and FP8, per-channel FP8,
+    // other row orders) at Qwen3-30B-A3B's sizes on 8 experts, which every variant's `where`
+    // admits.
     for r in STANDARD {
         for &sh in shapes {
             cases.push((r.name.into(), r.source.into(), r.path.into(), sh));
         }
+    }
+    for r in crate::kernels::VARIANTS {
+        cases.push((r.name.into(), r.source.into(), r.path.into(), SHAPES[3]));
     }
     // Declared layouts: the layout examples, and random legal layouts on every standard recipe
     // (relayout kernels through permuted, tiled and swizzled maps).

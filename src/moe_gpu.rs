@@ -107,8 +107,8 @@ pub fn pairable(scaling: Scaling, n: usize) -> bool {
 impl GemmWeights {
     /// The same weights with their rows in the fused SiLU epilogue's paired order
     /// ([`crate::codegen::gemm::ws::glu_row`]: per 16 rows, 8 gate rows then the 8 up rows of the
-    /// same outputs), for a first GEMM of `[gate; up]` rows: the codes, per-row scales and 4-bit
-    /// group scales move with their rows (per-expert scales stay). `None` where that cannot be:
+    /// same outputs), for a first GEMM of `[gate; up]` rows: the codes, per-row scales and group
+    /// scales (4-bit, group-wise int8 and FP8) move with their rows (per-expert scales stay). `None` where that cannot be:
     /// N not a multiple of 16, or 128x128 block scales (a 128-row block would mix gate and up
     /// rows of different blocks).
     pub fn paired(&self) -> Option<GemmWeights> {

@@ -648,7 +648,7 @@ fn layout_independence(
     let mut out = String::new();
     let mut ok = true;
     let bind = format!("E={},H={},I={}", DIMS4.e, DIMS4.h, DIMS4.i);
-    let pairs: [(&str, &[&str]); 4] = [
+    let pairs: [(&str, &[&str]); 5] = [
         ("bf16", &["bf16_up_gate"]),
         ("fp8_per_tensor", &["fp8_up_gate", "fp8_colmajor"]),
         // (Gate and up interleaved by 8, scales moving with their rows: the per-channel
@@ -657,6 +657,8 @@ fn layout_independence(
         // (Linear E4M3 scales and `[gate; up]` rows without the interleave: the 4-bit codes and
         // scales go into the kernel's order from either storage.)
         ("nvfp4_cutedsl", &["nvfp4_linear"]),
+        // (Group scales read in the in-place up-first order.)
+        ("fp8_g128", &["fp8_g128_up_gate"]),
     ];
     let cases: &[(usize, usize, Routing)] = if quick {
         &[(1, 8, Routing::Uniform)]

@@ -218,9 +218,12 @@ fn act_of(recipe: &str, which: usize, params: &HashMap<String, Vec<u8>>) -> Act 
                 None => Act::PerToken,
             }
         }
-        "fp8_up_gate" | "fp8_channel" | "fp8_channel_by8" | "fp8_channel_up_gate" | "fp8_g128" => {
-            Act::PerToken
-        }
+        "fp8_up_gate"
+        | "fp8_channel"
+        | "fp8_channel_by8"
+        | "fp8_channel_up_gate"
+        | "fp8_g128"
+        | "fp8_g128_up_gate" => Act::PerToken,
         "fp8_block128" => Act::Group128,
         _ => Act::Bf16,
     }
@@ -1306,4 +1309,47 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
         paired.push(ps);
     }
     assert_eq!(paired[0], paired[1]);
+}
+
+/// Group-wise FP8 stored `[up; gate]` by 64 (`fp8_g128_up_gate`): the fused first GEMM reads the
+/// param in place up rows first, and the group scales the layer uploads for that map
+/// (`paired_group_scales(true)`, `[slots, groups, N]` f32) are, per kernel row and group, the
+/// stored scale of the stored row the map addresses; the same recipe's gate-first order differs.
+#[test]
+fn group_scales_follow_the_in_place_row_order() {
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let bind = format!("E={E},H={H},I={I}");
+    let r = moeforge::kernels::find("fp8_g128_up_gate").unwrap();
+    let packed = d.join("g.safetensors");
+    pack(r.path, &ck, &packed);
+    let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
+    let params = params_of(&packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let ops = operands(&layer).unwrap();
+    let l = ops.w13.in_place(true).unwrap();
+    assert!(l.rows.up_first);
+    let stored: Vec<f32> = params["w13_weight_scale"]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let up = ops.w13.paired_group_scales(true).unwrap();
+    let (n, groups) = (2 * I, H / 128);
+    for e in 0..E {
+        for q in 0..n {
+            let at = in_place_row(l, n, q, e) / H;
+            for g in 0..groups {
+                let o = ((e * groups + g) * n + q) * 4;
+                let got = f32::from_le_bytes(up[o..o + 4].try_into().unwrap());
+                assert_eq!(got, stored[at * groups + g], "e {e} q {q} g {g}");
+            }
+        }
+    }
+    assert_ne!(up, ops.w13.paired_group_scales(false).unwrap());
 }

@@ -600,3 +600,61 @@ fn int4_variants_match_the_reference() {
         }
     }
 }
+
+/// Group-wise FP8's edge groups against the reference on the interpreter and the host, both forms:
+/// an all-zero group (scale 1), a tiny group (the floor scale `1 / (448 * 512)`), a group at the
+/// E4M3 maximum, and random ones.
+#[test]
+fn fp8_group_edges_match_the_reference() {
+    let seed = seed();
+    let mut rng = Rng::new(seed);
+    let (e, m, k, group) = (2usize, 8usize, 256usize, 128usize);
+    let src = format!(
+        "recipe ex(E: experts, M, K) where K % {group} == 0 {{\n  input w : bf16[E, M, K]\n  let q = quant fp8(w, group = {group})\n  param v : e4m3[E, M, K] = q.values\n  param s : f32[E, M, K/{group}] = q.scales\n}}\n"
+    );
+    let b = vec![
+        ("E".into(), e as i64),
+        ("M".into(), m as i64),
+        ("K".into(), k as i64),
+    ];
+    let info = moeforge::dsl::check(&src, Some(&b)).unwrap();
+    let mut x: Vec<f32> = (0..e * m * k).map(|_| rng.bf16()).collect();
+    x[..group].fill(0.0);
+    for v in &mut x[group..2 * group] {
+        *v *= 1e-9;
+    }
+    x[2 * group] = 448.0;
+    x[3 * group] = -448.0;
+    let x: Vec<f32> = x
+        .iter()
+        .map(|v| f32::from_bits(v.to_bits() & 0xFFFF_0000))
+        .collect();
+    let (want_q, want_s) = r::fp8_per_group(&x, group);
+    assert_eq!(want_s[0], 1.0);
+    assert_eq!(
+        want_s[1],
+        1.0 / (448.0 * 512.0),
+        "the floor scale is exercised"
+    );
+    for x4 in [false, true] {
+        let prog = codegen::plan::plan_with(&info, &|_: &str| true, &|_| false, x4).unwrap();
+        for backend in ["interp", "host"] {
+            let mut bufs = codegen::alloc_buffers(&prog, &mut |_| Some(bf16_bytes(&x))).unwrap();
+            if backend == "interp" {
+                codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap();
+            } else {
+                codegen::host::compile(&prog)
+                    .unwrap()
+                    .run(&mut bufs, &SingleProcess, 2)
+                    .unwrap();
+            }
+            let get = |n: &str| {
+                let i = prog.bufs.iter().position(|b| b.name() == n).unwrap();
+                bufs[i].clone()
+            };
+            let what = format!("{backend} x4={x4} (MOEFORGE_SEED={seed})");
+            assert_eq!(get("v"), want_q, "codes: {what}");
+            assert_eq!(get("s"), f32_bytes(&want_s), "scales: {what}");
+        }
+    }
+}

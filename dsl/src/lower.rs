@@ -1359,7 +1359,11 @@ impl<'s> Lower<'s> {
                     format!("`quant {scheme}` groups are a power of two, at least 2"),
                 )
                 .with_label(a.value.span, format!("found {g}"))
-                .with_note("GPTQ and AWQ checkpoints use 32, 64 or 128"),
+                .with_note(if scheme == "fp8" {
+                    "group-wise FP8 checkpoints use 128"
+                } else {
+                    "GPTQ and AWQ checkpoints use 32, 64 or 128"
+                }),
             );
             return None;
         }

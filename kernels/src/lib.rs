@@ -93,6 +93,7 @@ pub const VARIANTS: &[StandardRecipe] = &[
     variant!("fp8_channel_up_gate"),
     variant!("nvfp4_linear"),
     variant!("fp8_g128"),
+    variant!("fp8_g128_up_gate"),
 ];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.

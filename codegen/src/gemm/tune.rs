@@ -68,8 +68,8 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
         Operands::W4Bf16(_) => &DECODE_W4,
         _ => &[],
     };
-    // Group-wise FP8: also the swapped prefill tile, two consumers' 128 weight rows sharing a
-    // 128-token tile (the tuner picks between it and the prefill form).
+    // Group-wise FP8: its prefill tile, the swapped form's two consumers (128 weight rows)
+    // sharing a 128-token tile.
     let wide: &[(u32, u32, u32, bool, u32)] = if int8 {
         &WIDE_REGISTER_A
     } else if scaling.row_group().is_some() {

@@ -570,9 +570,9 @@ impl WsConfig {
         self.operands.w_row_bytes(self.k as u64)
     }
 
-    /// Bytes of a tile's group scales in a stage (0 for operands without them): the tile's `64 C`
-    /// weight rows, each its [`W4::scale_tile_bytes`] for 4-bit weights, or one f32 for group-wise
-    /// int8 ([`Scaling::PerRowGroup`]) (row-major, as the TMA box lands).
+    /// Bytes of a tile's group scales in a stage (0 for operands without them): the tile's weight
+    /// rows, each its [`W4::scale_tile_bytes`] for 4-bit weights, or one f32 for group-wise int8 and
+    /// FP8 ([`Scaling::PerRowGroup`], [`Scaling::Groupwise`]) (row-major, as the TMA box lands).
     pub const fn group_scale_bytes(&self) -> u32 {
         match (self.operands, self.scaling) {
             (Operands::W4Bf16(w), _) => self.tile_weights() * w.scale_tile_bytes(),
@@ -598,7 +598,7 @@ impl WsConfig {
 
     /// Bytes of the scales of one stage, padded to whole KiB so that the next stage stays
     /// 1024-byte aligned: block-scaled, the weight-scale box at 0 and the activation scales of the
-    /// tile's token rows at [`BLOCK_SCALE_X_AT`]; 4-bit weights and group-wise int8, the k-tile's
+    /// tile's token rows at [`BLOCK_SCALE_X_AT`]; 4-bit weights and group-wise int8 and FP8, the k-tile's
     /// group scales ([`WsConfig::group_scale_bytes`]); 0 otherwise.
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
@@ -611,7 +611,7 @@ impl WsConfig {
     }
 
     /// TMA bytes of a stage's scales: block-scaled, the two boxes; 4-bit weights and group-wise
-    /// int8, the group-scale box; 0 otherwise.
+    /// int8 and FP8, the group-scale box; 0 otherwise.
     pub const fn scale_tx_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens() + BLOCK_SCALE_PAD),
@@ -2495,12 +2495,13 @@ fn stage_scales(
     Ok(BlockScales { sx, sw })
 }
 
-/// Group-wise int8 ([`Scaling::PerRowGroup`]), k-tile `kt` of the range `[f.ks, f.ke)`: its MMAs
-/// into `part` (`scale-d` 0 on the first k-tile of its group or of the range), all waited for (A
-/// comes from registers); after the last k-tile of a group (or of the range) the two fragment rows'
-/// scales of the group are read from the stage's scale area (`[64 C rows]` f32, the row `a_row` and
-/// `a_row + 8`) and promoted: `acc = part * s + acc` (`=` on the range's first group). Warp-uniform
-/// branches only (`kt` is).
+/// Group-wise int8 and FP8 ([`Scaling::PerRowGroup`], [`Scaling::Groupwise`]), k-tile `kt` of the
+/// range `[f.ks, f.ke)`: its MMAs into `part` (`scale-d` 0 on the first k-tile of its group or of
+/// the range), all waited for (register-sourced A must be read before it is rewritten; one partial
+/// sum); after the last k-tile of a group (or of the range) the fragment's row scales of the group
+/// are read from the stage's scale area (the tile's weight rows, f32; one per [`row_class`]: rows
+/// `a_row`, `a_row + 8` swapped, `b_col + 8 j + c` otherwise) and promoted: `acc = part * s + acc`
+/// (`=` on the range's first group). Warp-uniform branches only (`kt` is).
 fn promote_row_groups(
     k: &mut K,
     cfg: &WsConfig,
