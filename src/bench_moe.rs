@@ -84,14 +84,14 @@ fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64)
         codes,
         scales,
         // 4-bit weights: group scales of 0x3c bytes (an E4M3 1.5, an E8M0 2^-67, bf16 2^-7).
-        group_scales: match (operands, scaling) {
+        group_scales: match (operands, scaling.row_group()) {
             (Operands::W4Bf16(w), _) => {
                 vec![0x3c; w.group_scale_bytes(experts, n, k)]
             }
             // Group-wise int8: f32 2^-8 per (slot, group, row).
-            (_, sc) if sc.row_group().is_some() => (1.0f32 / 256.0)
+            (_, Some(group)) => (1.0f32 / 256.0)
                 .to_le_bytes()
-                .repeat(experts * k.div_ceil(sc.row_group().unwrap_or(1) as usize) * n),
+                .repeat(experts * k.div_ceil(group as usize) * n),
             _ => Vec::new(),
         },
         relayout: false,

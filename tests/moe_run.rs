@@ -1127,6 +1127,27 @@ fn group_wise_int8_operands_equal_the_reference_quantizer() {
     );
 }
 
+/// Checkpoint `ck` packed into `d` with the standard or variant recipe `name`, bound at `bind`:
+/// the packed params and the GPU layer's operands of them.
+fn recipe_operands(
+    d: &Path,
+    name: &str,
+    ck: &Path,
+    bind: &str,
+) -> (HashMap<String, Vec<u8>>, moeforge::moe_gpu::LayerOperands) {
+    let r = moeforge::kernels::find(name).unwrap();
+    let packed = d.join(format!("{name}.safetensors"));
+    pack(r.path, ck, &packed);
+    let info = moeforge::verify_source(r.source, r.path, Some(bind)).unwrap();
+    let params = params_of(&packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let ops = moeforge::moe_gpu::operands(&layer).unwrap();
+    (params, ops)
+}
+
 /// The byte offset of GEMM row `q` of expert `e` through an in-place map (the per-row form of
 /// the kernel's tile coordinates, `WRows::coords` with one-row tiles).
 fn in_place_row(l: &moeforge::codegen::gemm::wmap::WLayout, n: usize, q: usize, e: usize) -> usize {
@@ -1150,7 +1171,6 @@ fn in_place_row(l: &moeforge::codegen::gemm::wmap::WLayout, n: usize, q: usize, 
 fn weights_are_read_in_place_through_the_recipes_rows() {
     use moeforge::codegen::gemm::wmap::{WLayout, WRows};
     use moeforge::gemm_access::Access;
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
@@ -1162,16 +1182,7 @@ fn weights_are_read_in_place_through_the_recipes_rows() {
         ("fp8_per_tensor", 1, false),
         ("fp8_up_gate", 1, true),
     ] {
-        let r = moeforge::kernels::find(name).unwrap();
-        let packed = d.join(format!("{name}.safetensors"));
-        pack(r.path, &ck, &packed);
-        let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
-        let params = params_of(&packed);
-        let layer = moeforge::moe_host::Layer {
-            info: &info,
-            params: &params,
-        };
-        let ops = operands(&layer).unwrap();
+        let (params, ops) = recipe_operands(d, name, &ck, &bind);
         let (w13, w2) = (&ops.w13, &ops.w2);
         assert_eq!(w13.stored, params["w13_weight"], "{name}");
         let row = elem * H;
@@ -1248,7 +1259,6 @@ fn weights_are_read_in_place_through_the_recipes_rows() {
 fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
     use moeforge::codegen::gemm::wmap::WLayout;
     use moeforge::codegen::gemm::ws::Scaling;
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
@@ -1256,16 +1266,7 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
     let bind = format!("E={E},H={H},I={I}");
     let mut paired = Vec::new();
     for name in ["fp8_channel", "fp8_channel_by8", "fp8_channel_up_gate"] {
-        let r = moeforge::kernels::find(name).unwrap();
-        let packed = d.join(format!("{name}.safetensors"));
-        pack(r.path, &ck, &packed);
-        let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
-        let params = params_of(&packed);
-        let layer = moeforge::moe_host::Layer {
-            info: &info,
-            params: &params,
-        };
-        let ops = operands(&layer).unwrap();
+        let (params, ops) = recipe_operands(d, name, &ck, &bind);
         for g in [&ops.w13, &ops.w2] {
             assert_eq!(
                 g.scaling,
@@ -1280,10 +1281,7 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
             // kernel row, the stored scale of the stored row the map addresses.
             let l = ops.w13.in_place(true).unwrap();
             assert!(l.rows.up_first);
-            let stored: Vec<f32> = params["w13_weight_scale"]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
+            let stored = f32s(&params["w13_weight_scale"]);
             let up = ops.w13.paired_scales(true).unwrap();
             let n = 2 * I;
             for e in 0..E {
@@ -1298,10 +1296,7 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
                 ops.w13.in_place(true),
                 Some(&WLayout::compact(E as u64, (2 * I) as u64, H as u64))
             );
-            let stored: Vec<f32> = params["w13_weight_scale"]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
+            let stored = f32s(&params["w13_weight_scale"]);
             assert_eq!(ps, stored);
         } else {
             assert!(ops.w13.in_place(true).is_some_and(|l| l.rows.modes == 3));
@@ -1317,28 +1312,15 @@ fn fp8_per_channel_weights_are_read_in_place_with_their_row_scales() {
 /// stored scale of the stored row the map addresses; the same recipe's gate-first order differs.
 #[test]
 fn group_scales_follow_the_in_place_row_order() {
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
     let bind = format!("E={E},H={H},I={I}");
-    let r = moeforge::kernels::find("fp8_g128_up_gate").unwrap();
-    let packed = d.join("g.safetensors");
-    pack(r.path, &ck, &packed);
-    let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
-    let params = params_of(&packed);
-    let layer = moeforge::moe_host::Layer {
-        info: &info,
-        params: &params,
-    };
-    let ops = operands(&layer).unwrap();
+    let (params, ops) = recipe_operands(d, "fp8_g128_up_gate", &ck, &bind);
     let l = ops.w13.in_place(true).unwrap();
     assert!(l.rows.up_first);
-    let stored: Vec<f32> = params["w13_weight_scale"]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    let stored = f32s(&params["w13_weight_scale"]);
     let up = ops.w13.paired_group_scales(true).unwrap();
     let (n, groups) = (2 * I, H / 128);
     for e in 0..E {
@@ -1352,4 +1334,42 @@ fn group_scales_follow_the_in_place_row_order() {
         }
     }
     assert_ne!(up, ops.w13.paired_group_scales(false).unwrap());
+}
+
+/// Group-wise FP8 in groups of 64: `check` accepts it, `pack` and the host layer run it, and the
+/// GPU layer and `compile --kernels gemm` refuse it by name (the GEMM takes whole 128-deep E4M3
+/// k-tiles a group), so the verifier and the code generator agree on what is served where.
+#[test]
+fn group_wise_fp8_below_a_k_tile_is_refused_by_name_on_the_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let bind = format!("E={E},H={H},I={I}");
+    let src = moeforge::kernels::find("fp8_g128")
+        .unwrap()
+        .source
+        .replace("group = 128", "group = 64")
+        .replace("/128]", "/64]");
+    let err = gpu_operands_of(d, "fp8_g64.recipe", &src, &ck, &bind).unwrap_err();
+    assert!(
+        err.contains("group-wise FP8 weights with groups of 64") && err.contains("at least 128"),
+        "{err}"
+    );
+    let info = moeforge::verify_source(&src, "fp8_g64.recipe", Some(&bind)).unwrap();
+    let plan = moeforge::gemm_variants::plan(&info).unwrap();
+    assert!(plan.variants.is_empty());
+    assert!(
+        plan.missing
+            .iter()
+            .all(|m| m.contains("groups other than a power of two of at least 128")),
+        "{:?}",
+        plan.missing
+    );
+    // The host layer runs it (packed by `gpu_operands_of` above).
+    let inp = d.join("in.safetensors");
+    write_inputs(&inp, &inputs());
+    let out = d.join("out.safetensors");
+    let (code, _, err) = moe(&d.join("fp8_g64.recipe.safetensors"), &inp, &out, &[]);
+    assert_eq!(code, 0, "{err}");
 }

@@ -68,10 +68,20 @@ fn pack(
         ("I".into(), bind.2),
     ];
     let info = moeforge::dsl::check(src, Some(&b)).unwrap();
+    run_backend(&info, &|n| inputs.get(n).cloned(), backend)
+}
+
+/// The pack program of `info` run on `backend` (`interp`, `host`, or either with `_x4`: the
+/// four-lane form), its inputs from `input`: param name -> bytes.
+fn run_backend(
+    info: &moeforge::dsl::ModuleInfo,
+    input: &dyn Fn(&str) -> Option<Vec<u8>>,
+    backend: &str,
+) -> Params {
     let x4 = backend.ends_with("_x4");
     let prog =
-        codegen::plan::plan_with(&info, &|n: &str| inputs.contains_key(n), &|_| false, x4).unwrap();
-    let mut bufs = codegen::alloc_buffers(&prog, &mut |n| inputs.get(n).cloned()).unwrap();
+        codegen::plan::plan_with(info, &|n: &str| input(n).is_some(), &|_| false, x4).unwrap();
+    let mut bufs = codegen::alloc_buffers(&prog, &mut |n| input(n)).unwrap();
     match backend.trim_end_matches("_x4") {
         "interp" => codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap(),
         "host" => {
@@ -636,25 +646,11 @@ fn fp8_group_edges_match_the_reference() {
         1.0 / (448.0 * 512.0),
         "the floor scale is exercised"
     );
-    for x4 in [false, true] {
-        let prog = codegen::plan::plan_with(&info, &|_: &str| true, &|_| false, x4).unwrap();
-        for backend in ["interp", "host"] {
-            let mut bufs = codegen::alloc_buffers(&prog, &mut |_| Some(bf16_bytes(&x))).unwrap();
-            if backend == "interp" {
-                codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap();
-            } else {
-                codegen::host::compile(&prog)
-                    .unwrap()
-                    .run(&mut bufs, &SingleProcess, 2)
-                    .unwrap();
-            }
-            let get = |n: &str| {
-                let i = prog.bufs.iter().position(|b| b.name() == n).unwrap();
-                bufs[i].clone()
-            };
-            let what = format!("{backend} x4={x4} (MOEFORGE_SEED={seed})");
-            assert_eq!(get("v"), want_q, "codes: {what}");
-            assert_eq!(get("s"), f32_bytes(&want_s), "scales: {what}");
-        }
+    let xb = bf16_bytes(&x);
+    for backend in ["interp", "host", "interp_x4", "host_x4"] {
+        let got = run_backend(&info, &|_| Some(xb.clone()), backend);
+        let what = format!("{backend} (MOEFORGE_SEED={seed})");
+        assert_eq!(got["v"], want_q, "codes: {what}");
+        assert_eq!(got["s"], f32_bytes(&want_s), "scales: {what}");
     }
 }

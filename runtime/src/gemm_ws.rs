@@ -290,8 +290,9 @@ impl GroupedGemm {
             return Err(short("w", op.w.len(), w_len));
         }
         // 4-bit weights' group scales: `[experts, scale tiles, N]` (`W4::group_scale_at`);
-        // group-wise int8's: `[experts, ceil(K / group), N]` f32. (groups, element bytes, address)
-        let group_scales = match (cfg.operands, cfg.scaling, op.group_scales) {
+        // group-wise int8's and FP8's: `[experts, ceil(K / group), N]` f32. (groups, element
+        // bytes, address)
+        let group_scales = match (cfg.operands, cfg.scaling.row_group(), op.group_scales) {
             (Operands::W4Bf16(w4), _, Some(gs)) => {
                 let groups = w4.scale_tiles(k);
                 let want = w4.group_scale_bytes(e, n, k);
@@ -300,8 +301,7 @@ impl GroupedGemm {
                 }
                 Some((groups, w4.scale_tile_bytes(), gs.device_ptr(&dev.stream).0))
             }
-            (_, sc, Some(gs)) if sc.row_group().is_some() => {
-                let group = sc.row_group().unwrap_or(1);
+            (_, Some(group), Some(gs)) => {
                 let groups = k.div_ceil(group.max(1) as usize);
                 let want = e * groups * n * 4;
                 if gs.len() < want {
@@ -309,8 +309,7 @@ impl GroupedGemm {
                 }
                 Some((groups, 4, gs.device_ptr(&dev.stream).0))
             }
-            (Operands::W4Bf16(_), _, None)
-            | (_, Scaling::PerRowGroup { .. } | Scaling::Groupwise { .. }, None) => {
+            (Operands::W4Bf16(_), _, None) | (_, Some(_), None) => {
                 return Err(Error::Placement(format!(
                     "grouped GEMM {}: `group_scales` is required",
                     self.entry
