@@ -28,8 +28,13 @@ fn shuffle(n: usize, seed: &mut u64) -> Vec<usize> {
     v
 }
 
-/// Run the benchmark: `reps` timed rearrangements per recipe.
-pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
+/// Run the benchmark: `reps` timed rearrangements per recipe. `progress` sees each finished line
+/// of the report as it comes (the report itself is returned whole).
+pub fn run(
+    reps: usize,
+    nccl_path: Option<&std::path::Path>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<String> {
     let mut out = String::new();
     let dev = match crate::gpu::open() {
         Ok(d) => d,
@@ -44,23 +49,54 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
         "EPLB rearrangement on {} (one GPU): DeepSeek-V3 EP8 layer, E={e} local slots, H={h}, I={i}; random placement -> random placement, every param of the move set; bandwidth = 2 x bytes of changed slots / time; ceiling {COPY_CEILING_TBPS} TB/s",
         dev.name
     );
-    let _ = writeln!(
-        out,
-        "{:<16} {:>8} {:>8} {:>9} | {:>9} {:>8} {:>7} | {:>9} {:>8} {:>7}",
-        "recipe",
-        "MB/slot",
-        "changed",
-        "moved GB",
-        "memcpy ms",
-        "TB/s",
-        "% ceil",
-        "kernel ms",
-        "TB/s",
-        "% ceil"
+    use crate::runtime::copy_batch::Flavour;
+    use crate::runtime::copy_kernel::{CopyKernel, Form, DEFAULT_FORM};
+    // memcpy, then the copy-list kernel in the default form and in the batched forms.
+    let forms: [(&str, Option<Form>); 4] = [
+        ("memcpy", None),
+        ("columns", Some(DEFAULT_FORM)),
+        (
+            "cp.async",
+            Some(Form::Batch {
+                flavour: Flavour::CpAsync,
+                resident: 2,
+            }),
+        ),
+        (
+            "bulk",
+            Some(Form::Batch {
+                flavour: Flavour::Bulk,
+                resident: 2,
+            }),
+        ),
+    ];
+    let mut head = format!(
+        "{:<16} {:>8} {:>8} {:>9}",
+        "recipe", "MB/slot", "changed", "moved GB"
     );
-    let kernel = std::sync::Arc::new(
-        crate::runtime::copy_kernel::CopyKernel::load(&dev).map_err(Error::from)?,
-    );
+    for (name, _) in &forms {
+        let _ = write!(
+            head,
+            " | {:>9} {:>8} {:>7}",
+            format!("{name} ms"),
+            "TB/s",
+            "% ceil"
+        );
+    }
+    // The copy-list kernel on its own first, against its host simulation (a short check of every
+    // form before the long runs).
+    let _ = writeln!(out, "copy-list kernel on its own:");
+    out.push_str(&crate::runtime::copy_kernel::gpu_check(&dev, progress).map_err(Error::from)?);
+    let _ = writeln!(out, "\n{head}");
+    let mut kernels = Vec::new();
+    for (_, f) in &forms {
+        kernels.push(match f {
+            Some(f) => Some(std::sync::Arc::new(
+                CopyKernel::load(&dev).map_err(Error::from)?.with_form(*f),
+            )),
+            None => None,
+        });
+    }
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     for r in STANDARD {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))
@@ -71,7 +107,7 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
         }
         let mut cols = Vec::new();
         let (mut per_slot, mut changed_avg, mut moved_avg) = (0usize, 0f64, 0f64);
-        for with_kernel in [false, true] {
+        for kernel in &kernels {
             let m = info.module();
             let mut params = Vec::new();
             for mv in &info.move_set {
@@ -87,8 +123,8 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
                             "cuMemAlloc",
                         ))?;
                 let mut st = DeviceStorage::owned(buf, dev.stream.clone());
-                if with_kernel {
-                    st = st.with_copy_kernel(kernel.clone());
+                if let Some(k) = kernel {
+                    st = st.with_copy_kernel(k.clone());
                 }
                 params.push((t.name.clone(), st));
             }
@@ -119,25 +155,22 @@ pub fn run(reps: usize, nccl_path: Option<&std::path::Path>) -> Result<String> {
                 100.0 * tbps / COPY_CEILING_TBPS
             ));
         }
-        let _ = writeln!(
-            out,
-            "{:<16} {:>8.2} {:>8.1} {:>9.3} | {} | {}",
+        let row = format!(
+            "{:<16} {:>8.2} {:>8.1} {:>9.3} | {}",
             r.name,
             per_slot as f64 / 1e6,
             changed_avg,
             moved_avg,
-            cols[0],
-            cols[1]
+            cols.join(" | ")
         );
+        progress(&row);
+        let _ = writeln!(out, "{row}");
     }
     let _ = writeln!(
         out,
         "(host wall time around each rearrangement including its synchronisation; torch's `param.copy_(param[perm])` is the anchor `eplb_rearrange_torch` in the same gpu-check call)"
     );
     async_overhead(&dev, &mut out, e, h, i, &mut seed)?;
-    // The copy-list kernel on its own, against its host simulation.
-    let _ = writeln!(out, "\ncopy-list kernel on its own:");
-    out.push_str(&crate::runtime::copy_kernel::gpu_check(&dev).map_err(Error::from)?);
     if crate::runtime::device::count().unwrap_or(0) >= 2 {
         let nccl = crate::runtime::nccl::Nccl::load(nccl_path).map_err(Error::from)?;
         crate::eplb_nccl::bandwidth(nccl, reps, &mut out)?;

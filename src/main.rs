@@ -882,7 +882,14 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                 write!(
                     out,
                     "{}",
-                    moeforge::bench_eplb::run(reps, settings.runtime.nccl_path.as_deref())?
+                    moeforge::bench_eplb::run(
+                        reps,
+                        settings.runtime.nccl_path.as_deref(),
+                        &mut |l: &str| {
+                            use std::io::Write as _;
+                            let _ = writeln!(std::io::stderr(), "[eplb] {l}");
+                        }
+                    )?
                 )
                 .map_err(io)?;
                 return Ok(());

@@ -239,8 +239,36 @@ pub fn ptx(target: &str) -> String {
             entry(&mut s, w, v);
         }
     }
+    crate::copy_batch::entries(&mut s);
     s
 }
+
+/// Which kernel runs a list: the column form (the sequential list, [`VARIANTS`]) or the batched
+/// form ([`crate::copy_batch`]: the list's parallel assignment, chunk by chunk, at `resident` CTAs
+/// an SM), falling back to the column form where the batched one has no entry for the width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// The column form in `VARIANTS[variant]`, spread as `shape` says (`None`: the default).
+    Columns {
+        /// Index into [`VARIANTS`].
+        variant: usize,
+        /// The spread over the GPU.
+        shape: Option<Shape>,
+    },
+    /// The batched form.
+    Batch {
+        /// How the chunks travel.
+        flavour: crate::copy_batch::Flavour,
+        /// CTAs an SM (their shared memory share sizes the chunks).
+        resident: u32,
+    },
+}
+
+/// The form [`CopyKernel::run_list`] launches unless [`CopyKernel::with_form`] says otherwise.
+pub const DEFAULT_FORM: Form = Form::Columns {
+    variant: 0,
+    shape: None,
+};
 
 fn entry(s: &mut String, w: u32, var: Variant) {
     let sfx = var.suffix;
@@ -301,11 +329,11 @@ fn entry(s: &mut String, w: u32, var: Variant) {
     // threads.
     k.push_str(
         "\tmov.u32 %r7, %tid.x;\n\tmov.u32 %r8, moeforge_copy_list_smem;\n\tmov.u32 %r10, %ntid.x;\n\
-         LIST:\n\tsetp.ge.u32 %p5, %r7, %r0;\n\t@%p5 bra.uni LISTED;\n\
+         LIST:\n\tsetp.ge.u32 %p5, %r7, %r0;\n\t@%p5 bra LISTED;\n\
          \tmul.wide.u32 %rd19, %r7, 8;\n\tadd.u64 %rd23, %rd2, %rd19;\n\
          \tld.global.nc.v2.u32 {%r3, %r4}, [%rd23];\n\
          \tmad.lo.u32 %r9, %r7, 8, %r8;\n\tst.shared.v2.u32 [%r9], {%r3, %r4};\n\
-         \tadd.u32 %r7, %r7, %r10;\n\tbra.uni LIST;\nLISTED:\n\tbar.sync 0;\n",
+         \tadd.u32 %r7, %r7, %r10;\n\tbra LIST;\nLISTED:\n\tbar.sync 0;\n",
     );
     // The scratch: after the list (rounded up to 16 bytes), `4 x threads` units, unit `j*T + tid`
     // the thread's own. %r12 = its unit 0, %r13 = the step between its units (T x width).
@@ -544,6 +572,8 @@ impl Shape {
 /// A copy list uploaded once, for running over every param of a layer.
 pub struct CopyList {
     codes: Option<CudaSlice<u32>>,
+    /// The list's parallel assignment ([`crate::copy_batch::parallel`]) and its length.
+    pairs: Option<(CudaSlice<u32>, usize)>,
     copies: usize,
     scratch: bool,
     slots: usize,
@@ -571,6 +601,10 @@ pub struct CopyKernel {
     _module: Arc<CudaModule>,
     /// Per [`VARIANTS`] form, its `w16`, `w4` and `w1` entries.
     fns: Vec<[CudaFunction; 3]>,
+    /// The batched entries: `cp.async` w16 and w4, bulk w16.
+    batch: [CudaFunction; 3],
+    /// What [`CopyKernel::run_list`] launches.
+    form: Form,
     sms: u32,
     /// The last list uploaded by [`CopyKernel::run`], reused while the same copies run over the
     /// next params of a layer (one upload per rearrangement, not one per param).
@@ -612,12 +646,33 @@ impl CopyKernel {
                 f(&format!("moeforge_copy_list_w1{sfx}"))?,
             ]);
         }
+        use crate::copy_batch::Flavour;
+        let name = |fl: Flavour, w: u64| fl.entry(w).unwrap_or_default();
+        let batch = [
+            f(&name(Flavour::CpAsync, 16))?,
+            f(&name(Flavour::CpAsync, 4))?,
+            f(&name(Flavour::Bulk, 16))?,
+        ];
         Ok(CopyKernel {
             fns,
+            batch,
+            form: DEFAULT_FORM,
             _module: module,
             sms: dev.sms,
             last: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Launch `form` instead of [`DEFAULT_FORM`] from [`CopyKernel::run_list`] (a benchmark's
+    /// comparison of the forms).
+    pub fn with_form(mut self, form: Form) -> CopyKernel {
+        self.form = form;
+        self
+    }
+
+    /// The form [`CopyKernel::run_list`] launches.
+    pub fn form(&self) -> Form {
+        self.form
     }
 
     /// The geometry a launch over `r` uses.
@@ -644,8 +699,21 @@ impl CopyKernel {
                     .map_err(drv("cuMemcpyHtoDAsync"))?,
             )
         };
+        let assignment = crate::copy_batch::parallel(copies)?;
+        let pair_codes = crate::copy_batch::check(&assignment, slots, transfers)?;
+        let pairs = if pair_codes.is_empty() {
+            None
+        } else {
+            Some((
+                stream
+                    .clone_htod(&pair_codes)
+                    .map_err(drv("cuMemcpyHtoDAsync"))?,
+                assignment.len(),
+            ))
+        };
         Ok(CopyList {
             codes: dev,
+            pairs,
             copies: copies.len(),
             scratch: copies.iter().any(|c| c.to == Loc::Scratch),
             slots,
@@ -666,7 +734,101 @@ impl CopyKernel {
         r: &Region,
     ) -> Result<()> {
         // SAFETY: the caller's promise, passed on.
-        unsafe { self.run_list_shaped(stream, list, r, None, 0) }
+        unsafe { self.run_form(stream, list, r, self.form) }
+    }
+
+    /// [`CopyKernel::run_list`] in `form`.
+    ///
+    /// # Safety
+    /// As [`CopyKernel::run_list`].
+    pub unsafe fn run_form(
+        &self,
+        stream: &Arc<CudaStream>,
+        list: &CopyList,
+        r: &Region,
+        form: Form,
+    ) -> Result<()> {
+        match form {
+            Form::Columns { variant, shape } => {
+                // SAFETY: the caller's promise, passed on.
+                unsafe { self.run_list_shaped(stream, list, r, shape, variant) }
+            }
+            Form::Batch { flavour, resident } => {
+                // SAFETY: the caller's promise, passed on.
+                if unsafe { self.run_batch(stream, list, r, flavour, resident) }? {
+                    Ok(())
+                } else {
+                    // SAFETY: the caller's promise, passed on.
+                    unsafe { self.run_list_shaped(stream, list, r, None, 0) }
+                }
+            }
+        }
+    }
+
+    /// Run the list's parallel assignment in the batched form; `Ok(false)` (nothing launched) where
+    /// that form has no geometry for the region ([`crate::copy_batch::BatchGeometry::new`]).
+    ///
+    /// # Safety
+    /// As [`CopyKernel::run_list`].
+    pub unsafe fn run_batch(
+        &self,
+        stream: &Arc<CudaStream>,
+        list: &CopyList,
+        r: &Region,
+        flavour: crate::copy_batch::Flavour,
+        resident: u32,
+    ) -> Result<bool> {
+        use crate::copy_batch::{BatchGeometry, Flavour};
+        if r.slots < list.slots || r.transfers < list.transfers {
+            return Err(Error::Placement(format!(
+                "a copy list for {} slots and {} transfer experts run over {} and {}",
+                list.slots, list.transfers, r.slots, r.transfers
+            )));
+        }
+        let Some((codes, n)) = &list.pairs else {
+            return Ok(true);
+        };
+        let Some(g) = BatchGeometry::new(
+            flavour,
+            r.base,
+            r.transfer,
+            r.bytes_per_expert,
+            *n,
+            self.sms,
+            resident,
+        ) else {
+            return Ok(false);
+        };
+        let f = match (flavour, g.width) {
+            (Flavour::CpAsync, 16) => &self.batch[0],
+            (Flavour::CpAsync, _) => &self.batch[1],
+            (Flavour::Bulk, _) => &self.batch[2],
+        };
+        let (list_ptr, _sync) = codes.device_ptr(stream);
+        let n = *n as u32;
+        let stride = r.bytes_per_expert as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (g.grid, 1, 1),
+            block_dim: (g.threads, 1, 1),
+            shared_mem_bytes: g.shared as u32,
+        };
+        let mut l = stream.launch_builder(f);
+        l.arg(&r.base)
+            .arg(&r.transfer)
+            .arg(&list_ptr)
+            .arg(&n)
+            .arg(&g.units)
+            .arg(&stride)
+            .arg(&g.chunk);
+        // SAFETY: the arguments match the entry's parameters (u64 base, u64 transfer, u64 list, u32
+        // n, u64 units, u64 stride, u64 chunk). The list holds `n` pairs checked by
+        // `copy_batch::check` against `list.slots <= r.slots` and `list.transfers <= r.transfers`,
+        // every unit lies inside one expert (`units * width == bytes_per_expert`) and every chunk
+        // row inside the dynamic shared memory (`g.shared` counts `n x chunk x width` after the
+        // list and the mbarrier), so every access lies inside the two regions the caller vouches
+        // for; the list buffer lives until the launch is done (freed in stream order).
+        unsafe { l.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+        Ok(true)
     }
 
     /// [`CopyKernel::run_list`] in the form `VARIANTS[variant]`, spread as `shape` says (`None`:
@@ -818,8 +980,7 @@ fn check_case(
     bpe: usize,
     offset: usize,
     rng: &mut XorShift,
-    shape: Option<Shape>,
-    variant: usize,
+    form: Form,
 ) -> Result<(Option<String>, Geometry, f64)> {
     let rm = plan.rank(0).cloned().unwrap_or_default();
     let local = plan.local_slots();
@@ -848,7 +1009,7 @@ fn check_case(
     let list = k.upload(s, &rm.copies, local, transfers)?;
     // SAFETY: `d_main` holds `offset + local * bpe` bytes and `d_tr` `transfers * bpe`, both live
     // until after the synchronisations below; nothing else uses them.
-    unsafe { k.run_list_shaped(s, &list, &r, shape, variant) }?;
+    unsafe { k.run_form(s, &list, &r, form) }?;
     let got = s.clone_dtoh(&d_main).map_err(drv("cuMemcpyDtoH"))?;
     // The host reference.
     let mut slots: Vec<Vec<u8>> = host[offset..].chunks(bpe).map(|c| c.to_vec()).collect();
@@ -871,7 +1032,7 @@ fn check_case(
     let t0 = s.record_event(timing).map_err(drv("cuEventRecord"))?;
     for _ in 0..reps {
         // SAFETY: as above.
-        unsafe { k.run_list_shaped(s, &list, &r, shape, variant) }?;
+        unsafe { k.run_form(s, &list, &r, form) }?;
     }
     let t1 = s.record_event(timing).map_err(drv("cuEventRecord"))?;
     s.synchronize().map_err(drv("cuStreamSynchronize"))?;
@@ -895,7 +1056,10 @@ fn check_case(
 /// of an 8-rank plan of 32 local slots (transfer-buffer sources). One line per size: `ok` or
 /// `MISMATCH`, the geometry, and the bandwidth of the larger plan (2 x bytes of slots written /
 /// time).
-pub fn gpu_check(dev: &Device) -> Result<String> {
+///
+/// `progress` sees each line as soon as it is done (a long check then shows how far it got).
+pub fn gpu_check(dev: &Device, progress: &mut dyn FnMut(&str)) -> Result<String> {
+    use crate::copy_batch::Flavour;
     let k = CopyKernel::load(dev)?;
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     let mut out = Vec::new();
@@ -916,16 +1080,31 @@ pub fn gpu_check(dev: &Device) -> Result<String> {
             let new = moves::SlotMap::new(rng.placement(e, r), e)?;
             let plan = moves::MovePlan::new(&old, &new, ranks)?;
             let rm = plan.rank(0).cloned().unwrap_or_default();
-            let (why, g, gbs) = check_case(dev, &k, &plan, bpe, offset, &mut rng, None, 0)?;
+            let (why, g, gbs) = check_case(dev, &k, &plan, bpe, offset, &mut rng, DEFAULT_FORM)?;
+            // The batched forms on the same plan (where they have no entry, the column form).
+            let mut batched = Vec::new();
+            for flavour in [Flavour::CpAsync, Flavour::Bulk] {
+                let form = Form::Batch {
+                    flavour,
+                    resident: 2,
+                };
+                let (w, _, b) = check_case(dev, &k, &plan, bpe, offset, &mut rng, form)?;
+                if let Some(w) = w {
+                    ok = false;
+                    notes.push(format!("MISMATCH ({ranks} ranks, {flavour:?}: {w})"));
+                }
+                batched.push(format!("{b:.0}"));
+            }
             if let Some(w) = why {
                 ok = false;
                 notes.push(format!("MISMATCH ({ranks} ranks: {w})"));
             } else {
                 notes.push(format!(
-                    "{ranks}r {} copies{} {:.0} GB/s",
+                    "{ranks}r {} copies{} {:.0} GB/s (batched cp.async/bulk {} GB/s)",
                     rm.copies.len(),
                     if rm.uses_scratch() { " +scratch" } else { "" },
-                    gbs
+                    gbs,
+                    batched.join("/")
                 ));
             }
             if notes.len() == 1 {
@@ -943,6 +1122,7 @@ pub fn gpu_check(dev: &Device) -> Result<String> {
             if ok { "ok" } else { "FAIL" },
             notes.join(", ")
         );
+        progress(&line);
         out.push(line);
     }
     // How the spread over the GPU moves the bandwidth: 16 MiB experts, a 32-slot one-rank plan
@@ -969,14 +1149,15 @@ pub fn gpu_check(dev: &Device) -> Result<String> {
             var.store,
         );
         // 0: the default geometry; else a persistent grid padded to that many CTAs per SM.
-        for resident in [0u32, 2, 8] {
+        for resident in [0u32, 4] {
             let shape = (resident > 0).then_some(Shape {
                 resident,
                 persistent: true,
             });
             let mut cell = Vec::new();
             for plan in &plans {
-                let (why, _, gbs) = check_case(dev, &k, plan, 16 << 20, 0, &mut rng, shape, vi)?;
+                let form = Form::Columns { variant: vi, shape };
+                let (why, _, gbs) = check_case(dev, &k, plan, 16 << 20, 0, &mut rng, form)?;
                 if let Some(w) = why {
                     all_ok = false;
                     cell.push(format!("MISMATCH ({w})"));
@@ -991,7 +1172,29 @@ pub fn gpu_check(dev: &Device) -> Result<String> {
             };
             let _ = write!(line, " {what} {}", cell.join("/"));
         }
-        out.push(format!("{line} GB/s (1-rank/8-rank plan)"));
+        let line = format!("{line} GB/s (1-rank/8-rank plan)");
+        progress(&line);
+        out.push(line);
+    }
+    for flavour in [Flavour::CpAsync, Flavour::Bulk] {
+        let mut line = format!("copy_kernel batched {flavour:?}, 16 MiB experts:");
+        for resident in [1u32, 2, 4] {
+            let mut cell = Vec::new();
+            for plan in &plans {
+                let form = Form::Batch { flavour, resident };
+                let (why, _, gbs) = check_case(dev, &k, plan, 16 << 20, 0, &mut rng, form)?;
+                if let Some(w) = why {
+                    all_ok = false;
+                    cell.push(format!("MISMATCH ({w})"));
+                } else {
+                    cell.push(format!("{gbs:.0}"));
+                }
+            }
+            let _ = write!(line, " {resident}/SM {}", cell.join("/"));
+        }
+        let line = format!("{line} GB/s (1-rank/8-rank plan)");
+        progress(&line);
+        out.push(line);
     }
     out.push(format!(
         "copy_kernel verdict: {}",

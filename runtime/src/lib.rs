@@ -12,6 +12,7 @@
 pub mod act_quant;
 pub mod cache;
 pub mod collective;
+pub mod copy_batch;
 pub mod copy_kernel;
 pub mod device;
 pub mod device_storage;
