@@ -17,6 +17,11 @@
 //! * e2m1 or u4 weights of a recognised 4-bit quantization (NVFP4, MXFP4, symmetric INT4 with
 //!   bf16-exact scales): the W4A16 candidates (`W4::fits`: K a multiple of 64).
 //!
+//! Those are the benchmark's bf16-out forms ([`Plan::variants`]); [`Plan::layer`] adds the MoE
+//! layer's own forms of the same GEMMs (f32 out, the fused SiLU*up epilogue where w13's rows pair,
+//! per-token activation scales, the in-place row modes), which `compile --kernels gemm` writes
+//! after them.
+//!
 //! The scale is the registered f32 param whose name starts with the weight's (`w13_weight_scale`,
 //! `w13_weight_scale_inv`) and whose bound shape is one of those; for 4-bit weights, the
 //! quantization's scales. A weight gets variants only where an `on sm_90a` kernel binding reads it
@@ -67,6 +72,11 @@ pub struct Plan {
     /// The variants, w13's then w2's; per GEMM the bf16 v0 stages in [`BF16_V0_STAGES`] order
     /// (bf16 weights), then the warp-specialized candidates.
     pub variants: Vec<Variant>,
+    /// The MoE layer's own forms of the same GEMMs, those not among `variants` (what `GpuLayer`
+    /// tunes among and loads, and `cache warmup` builds: f32 out, and the first GEMM fused with
+    /// SiLU*up where its rows pair, compiled for the row modes through which the layer reads the
+    /// param in place; `crate::gemm_access::layer_variants`), w13's then w2's.
+    pub layer: Vec<Variant>,
     /// One message per GEMM without a variant, e.g. "no GEMM variant for e4m3 weights yet
     /// (issue \[7\]): `w13_weight` is e4m3[E, 2*I, H]".
     pub missing: Vec<String>,
@@ -77,10 +87,34 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The variants as one PTX module: the header once, then every entry in order.
+    /// Every variant as one PTX module (what `compile --kernels gemm` writes): the header once,
+    /// then [`Plan::variants`]' entries in order ([`Plan::bench_module`]), then the layer's.
     pub fn module(&self) -> String {
+        let mut s = self.bench_module();
+        for v in &self.layer {
+            s.push('\n');
+            s.push_str(&v.ptx);
+        }
+        s
+    }
+
+    /// [`Plan::variants`] alone as one PTX module (the benchmark's bf16-out forms: the golden
+    /// files'), a prefix of [`Plan::module`].
+    pub fn bench_module(&self) -> String {
         let mut s = kernel::module_header();
         for (i, v) in self.variants.iter().enumerate() {
+            if i > 0 {
+                s.push('\n');
+            }
+            s.push_str(&v.ptx);
+        }
+        s
+    }
+
+    /// The layer's forms alone as one PTX module (the header, then [`Plan::layer`]'s entries).
+    pub fn layer_module(&self) -> String {
+        let mut s = kernel::module_header();
+        for (i, v) in self.layer.iter().enumerate() {
             if i > 0 {
                 s.push('\n');
             }
@@ -93,11 +127,25 @@ impl Plan {
     /// order, without a second header.
     pub fn entries(&self) -> String {
         let mut s = String::new();
-        for v in &self.variants {
+        for v in self.variants.iter().chain(&self.layer) {
             s.push('\n');
             s.push_str(&v.ptx);
         }
         s
+    }
+}
+
+/// The scaling the MoE layer's GEMMs take for a declared FP8 `s`: per-token activation scales
+/// always (a recipe's static scale is spread per row by the layer), the rest as declared.
+fn layer_scaling(s: Scaling) -> Scaling {
+    match s {
+        Scaling::Tensorwise { .. } => Scaling::Tensorwise { per_token: true },
+        Scaling::Channelwise { .. } => Scaling::Channelwise { per_token: true },
+        Scaling::Groupwise { group, .. } => Scaling::Groupwise {
+            group,
+            per_token: true,
+        },
+        s => s,
     }
 }
 
@@ -448,6 +496,50 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 let entry = ws_entry(gemm, &cfg);
                 let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
                 plan.variants.push(Variant {
+                    gemm,
+                    param: name.to_string(),
+                    family: "ws",
+                    entry,
+                    ptx,
+                    n,
+                    k,
+                    stages: cfg.stages,
+                    ws: Some(cfg),
+                    scale_param: scale_param.clone(),
+                });
+            }
+        }
+        // The layer's own forms (`GpuLayer`): the first GEMM fused with SiLU*up where its rows
+        // pair (bf16 out where the second GEMM takes bf16 activations, else f32), and f32 out
+        // plain (the unfused path, and the second GEMM).
+        let layer = layer_scaling(scaling);
+        let feed2_bf16 = info.activation_scales("w2").is_empty();
+        let w13 = gemm == "w13";
+        let mut forms = vec![crate::moe_gpu_layer::gemm_form(
+            w13, true, feed2_bf16, layer, n as usize,
+        )];
+        let unfused = (ws::OutTy::F32, ws::Epilogue::Store);
+        if !forms.contains(&unfused) {
+            forms.push(unfused);
+        }
+        for form in forms {
+            let cfgs = crate::gemm_access::layer_variants(
+                crate::moe_gpu_layer::layer_candidates(operands, layer, form, n, k),
+                access.as_ref(),
+                form.1 == ws::Epilogue::SiluMul,
+            );
+            for cfg in cfgs {
+                let entry = ws_entry(gemm, &cfg);
+                if plan
+                    .variants
+                    .iter()
+                    .chain(&plan.layer)
+                    .any(|v| v.entry == entry)
+                {
+                    continue;
+                }
+                let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
+                plan.layer.push(Variant {
                     gemm,
                     param: name.to_string(),
                     family: "ws",
