@@ -818,11 +818,18 @@ fn check_structure(c: &WsConfig, text: &str) {
             .count();
         assert_eq!(regs as u32, c.bn / 2, "{tag}: {l}");
     }
-    // The epilogue: conversions and stores. Prefill bf16 stores a column pair as one b32; the
-    // others store each slot (BN / 2 per thread).
+    // The epilogue: conversions and stores. Prefill stores a column pair as one b32 (bf16) or
+    // one v2.f32; decode stores each slot (BN / 2 per thread).
     let slots = (c.bn / 2) as usize;
+    let f32_pairs = if c.out == OutTy::F32 && !c.swap_ab {
+        slots / 2
+    } else {
+        0
+    };
+    assert_eq!(count(text, "st.global.v2.f32"), f32_pairs, "{tag}");
     let (f32s, b32s, u16s, cvts) = match (c.out, c.swap_ab) {
-        (OutTy::F32, _) => (slots, 0, 0, 0),
+        (OutTy::F32, false) => (0, 0, 0, 0),
+        (OutTy::F32, true) => (slots, 0, 0, 0),
         (OutTy::Bf16, false) => (0, slots / 2, 0, slots / 2),
         (OutTy::Bf16, true) => (0, 0, slots, slots),
     };
@@ -836,7 +843,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     assert_eq!(count(text, "st.global.u32"), resets, "{tag}");
     assert_eq!(
         count(text, "st.global"),
-        f32s + b32s + u16s + ws_stores + resets,
+        f32s + b32s + u16s + ws_stores + resets + f32_pairs,
         "{tag}"
     );
     assert_eq!(
@@ -864,10 +871,11 @@ fn check_structure(c: &WsConfig, text: &str) {
         Scaling::Tensorwise { per_token: true } => 1 + token_classes,
         // One row scale per A-side half.
         Scaling::PerRow => 2,
-        // Per channel: a row scale per row class (the two A-side halves in decode, the BN / 4
-        // B-side columns in prefill) and the activation's, as tensorwise.
+        // Per channel: a row scale per row class (the two A-side halves in decode; in prefill
+        // the BN / 4 B-side columns, a pair a v2 load, counted below) and the activation's, as
+        // tensorwise.
         Scaling::Channelwise { per_token } => {
-            let rows = if c.swap_ab { 2 } else { c.bn as usize / 4 };
+            let rows = if c.swap_ab { 2 } else { 0 };
             rows + if per_token { token_classes } else { 1 }
         }
         // The expert's factor.
@@ -884,6 +892,11 @@ fn check_structure(c: &WsConfig, text: &str) {
         }
     };
     assert_eq!(count(text, "ld.global.f32"), scales, "{tag}");
+    let pair_loads = match c.scaling {
+        Scaling::Channelwise { .. } if !c.swap_ab => c.bn as usize / 8,
+        _ => 0,
+    };
+    assert_eq!(count(text, "ld.global.v2.f32"), pair_loads, "{tag}");
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
     // every promotion reads one activation scale per token class and the weight scale from the
     // stage (one promotion site with two consumers, four with one: even, odd and the two tails).
@@ -1656,10 +1669,14 @@ fn the_fused_silu_epilogue_pairs_within_threads_and_assembles() {
         let stores = if !c.swap_ab && c.out == OutTy::Bf16 {
             assert_eq!(count(&text, "st.global.b32"), pairs / 2, "{what}");
             pairs / 2
+        } else if !c.swap_ab {
+            assert_eq!(count(&text, "st.global.v2.f32"), pairs / 2, "{what}");
+            pairs / 2
         } else {
             pairs
         };
         let st = count(&text, "st.global.f32")
+            + count(&text, "st.global.v2.f32")
             + count(&text, "st.global.u16")
             + count(&text, "st.global.b32");
         // (split-K's partial stores to the workspace are f32 too: v4 or scalar, counted apart)

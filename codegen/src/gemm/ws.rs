@@ -2692,24 +2692,58 @@ fn epilogue(
                 )
             };
             let mut fs = Vec::with_capacity(offs.len());
-            for o in offs {
-                let r = k.bin(BinOpcode::Add, PtxTy::U32, base, Operand::Reg(f.w0));
-                k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(i64::from(o)));
-                k.bin_to(
-                    r,
-                    BinOpcode::Min,
-                    PtxTy::U32,
-                    r,
-                    Operand::Int(i64::from(cfg.n) - 1),
-                );
-                let i = k.bin(
+            // Prefill: a column pair's two scales (8j, 8j + 1: adjacent, the first even, N even) in
+            // one v2 load, its start clamped to N - 2 (columns past N are never stored).
+            if !cfg.swap_ab && cfg.n.is_multiple_of(2) && cfg.n >= 2 {
+                let i0 = k.bin(
                     BinOpcode::MulLo,
                     PtxTy::U32,
                     s.expert,
                     Operand::Int(cfg.n.into()),
                 );
-                k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(r));
-                fs.push(ld_f32(k, ws, i));
+                for o in offs.iter().step_by(2) {
+                    let r = k.bin(BinOpcode::Add, PtxTy::U32, base, Operand::Reg(f.w0));
+                    k.bin_to(
+                        r,
+                        BinOpcode::Add,
+                        PtxTy::U32,
+                        r,
+                        Operand::Int(i64::from(*o)),
+                    );
+                    k.bin_to(
+                        r,
+                        BinOpcode::Min,
+                        PtxTy::U32,
+                        r,
+                        Operand::Int(i64::from(cfg.n) - 2),
+                    );
+                    k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Reg(i0));
+                    let addr = k.addr(ws, r, 4);
+                    let (lo, hi) = (k.b.reg(RegClass::F32), k.b.reg(RegClass::F32));
+                    k.b.push(Inst::LdV2F32 { lo, hi, addr });
+                    fs.push(lo);
+                    fs.push(hi);
+                }
+            } else {
+                for o in offs {
+                    let r = k.bin(BinOpcode::Add, PtxTy::U32, base, Operand::Reg(f.w0));
+                    k.bin_to(r, BinOpcode::Add, PtxTy::U32, r, Operand::Int(i64::from(o)));
+                    k.bin_to(
+                        r,
+                        BinOpcode::Min,
+                        PtxTy::U32,
+                        r,
+                        Operand::Int(i64::from(cfg.n) - 1),
+                    );
+                    let i = k.bin(
+                        BinOpcode::MulLo,
+                        PtxTy::U32,
+                        s.expert,
+                        Operand::Int(cfg.n.into()),
+                    );
+                    k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(r));
+                    fs.push(ld_f32(k, ws, i));
+                }
             }
             Some(fs)
         }
@@ -2809,8 +2843,9 @@ fn store(
     let b_side = if cfg.swap_ab { tok } else { wrow };
     let b_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
     for j in 0..cfg.bn / 8 {
-        // Prefill bf16 stores the column pair (c = 0, 1) as one b32.
-        let pair = !cfg.swap_ab && cfg.out == OutTy::Bf16;
+        // Prefill stores the column pair (c = 0, 1) as one b32 (bf16) or one v2.f32: adjacent
+        // and 4- or 8-byte aligned (N even, the pair's column even).
+        let pair = !cfg.swap_ab;
         let cs: &[u32] = if pair { &[0] } else { &[0, 1] };
         for &c in cs {
             let b_ok = if b_full {
@@ -2936,9 +2971,10 @@ fn store_silu(
         None
     };
     let prefill_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
-    let pair_store = !cfg.swap_ab && cfg.out == OutTy::Bf16;
+    let pair_store = !cfg.swap_ab;
     for (p, &(_, dt, dout)) in pairs.iter().enumerate() {
-        // Prefill bf16: the output pair (c = 0, 1) as one b32, at the even c.
+        // Prefill: the output pair (c = 0, 1) as one b32 (bf16) or v2.f32 (N / 2 even: tiles of
+        // 16 rows), at the even c.
         if pair_store && dout % 2 == 1 {
             continue;
         }
@@ -2969,10 +3005,21 @@ fn store_silu(
     Ok(())
 }
 
-/// One guarded store of the epilogue at `addr + off`: `lo` as f32, or in bf16 alone (`u16`) or with
-/// `hi` as the pair's upper half (`b32`, `cvt.rn.bf16x2` of `(hi, lo)`).
+/// One guarded store of the epilogue at `addr + off`: `lo` as f32 alone, or with `hi` 4 bytes
+/// further (`v2.f32`), or in bf16 alone (`u16`) or with `hi` as the pair's upper half (`b32`,
+/// `cvt.rn.bf16x2` of `(hi, lo)`).
 #[allow(clippy::too_many_arguments)]
 fn put(k: &mut K, out: OutTy, pred: Reg, addr: Reg, off: i64, lo: Reg, hi: Option<Reg>) {
+    if let (OutTy::F32, Some(hi)) = (out, hi) {
+        k.b.push(Inst::StGuardedV2F32 {
+            pred,
+            addr,
+            off,
+            lo,
+            hi,
+        });
+        return;
+    }
     let (v, ty) = match out {
         OutTy::F32 => (lo, PtxTy::F32),
         OutTy::Bf16 => {

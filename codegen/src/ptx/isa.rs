@@ -412,6 +412,29 @@ pub enum Inst {
         /// Value register.
         v: Reg,
     },
+    /// `@p st.global.v2.f32 [addr+off], {lo, hi}`: two adjacent f32 (8 aligned bytes) in one
+    /// masked store.
+    StGuardedV2F32 {
+        /// The predicate.
+        pred: Reg,
+        /// Address register (64-bit, `addr + off` a multiple of 8).
+        addr: Reg,
+        /// Byte offset.
+        off: i64,
+        /// The value at `addr + off`.
+        lo: Reg,
+        /// The value 4 bytes further.
+        hi: Reg,
+    },
+    /// `ld.global.v2.f32 {lo, hi}, [addr]`: two adjacent f32 (8 aligned bytes).
+    LdV2F32 {
+        /// The value at `addr`.
+        lo: Reg,
+        /// The value 4 bytes further.
+        hi: Reg,
+        /// Address register (64-bit, a multiple of 8).
+        addr: Reg,
+    },
     /// `@p st.global.ty [addr+off], v` (`@!p` when `negate`): a store masked by a predicate, at a
     /// constant byte offset from the address register.
     StGuarded {
@@ -773,6 +796,19 @@ impl fmt::Display for Inst {
             Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
             Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
             Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
+            Inst::StGuardedV2F32 {
+                pred,
+                addr,
+                off,
+                lo,
+                hi,
+            } => write!(
+                f,
+                "\t@{pred} st.global.v2.f32 \t[{addr}+{off}], {{{lo}, {hi}}};"
+            ),
+            Inst::LdV2F32 { lo, hi, addr } => {
+                write!(f, "\tld.global.v2.f32 \t{{{lo}, {hi}}}, [{addr}];")
+            }
             Inst::StGuarded {
                 pred,
                 negate,
@@ -1240,6 +1276,24 @@ mod tests {
                     addr: rd,
                 },
                 "\tld.global.s32 \t%r1, [%rd1];",
+            ),
+            (
+                Inst::LdV2F32 {
+                    lo: r,
+                    hi: r,
+                    addr: rd,
+                },
+                "\tld.global.v2.f32 \t{%r1, %r1}, [%rd1];",
+            ),
+            (
+                Inst::StGuardedV2F32 {
+                    pred: r,
+                    addr: rd,
+                    off: 8,
+                    lo: r,
+                    hi: r,
+                },
+                "\t@%r1 st.global.v2.f32 \t[%rd1+8], {%r1, %r1};",
             ),
             (Inst::BarSync, "\tbar.sync \t0;"),
         ];
