@@ -160,6 +160,29 @@ pub fn ws_entry(gemm: &str, cfg: &WsConfig) -> String {
     format!("moeforge_gemm_{}_{gemm}", cfg.tag())
 }
 
+/// The warp-specialized variant `cfg` of `gemm` over weight param `name` (scale `scale_param`).
+fn ws_variant(
+    gemm: &'static str,
+    name: &str,
+    cfg: WsConfig,
+    scale_param: Option<&str>,
+) -> Result<Variant> {
+    let entry = ws_entry(gemm, &cfg);
+    let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
+    Ok(Variant {
+        gemm,
+        param: name.to_string(),
+        family: "ws",
+        entry,
+        ptx,
+        n: cfg.n,
+        k: cfg.k,
+        stages: cfg.stages,
+        ws: Some(cfg),
+        scale_param: scale_param.map(str::to_string),
+    })
+}
+
 /// The registered f32 scale of weight `name` (`[E, N, K]`): its name and scaling, if any param
 /// named `name...` has the shape `[E]` (tensorwise), `[E, ceil(N/128), ceil(K/128)]` (block) or
 /// `[E, N]` (per row: int8 weights).
@@ -493,20 +516,8 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 }
             };
             for cfg in plain {
-                let entry = ws_entry(gemm, &cfg);
-                let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
-                plan.variants.push(Variant {
-                    gemm,
-                    param: name.to_string(),
-                    family: "ws",
-                    entry,
-                    ptx,
-                    n,
-                    k,
-                    stages: cfg.stages,
-                    ws: Some(cfg),
-                    scale_param: scale_param.clone(),
-                });
+                plan.variants
+                    .push(ws_variant(gemm, name, cfg, scale_param.as_deref())?);
             }
         }
         // The layer's own forms (`GpuLayer`): the first GEMM fused with SiLU*up where its rows
@@ -538,19 +549,8 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
                 {
                     continue;
                 }
-                let ptx = ws::grouped_ws_entry(&entry, &cfg)?;
-                plan.layer.push(Variant {
-                    gemm,
-                    param: name.to_string(),
-                    family: "ws",
-                    entry,
-                    ptx,
-                    n,
-                    k,
-                    stages: cfg.stages,
-                    ws: Some(cfg),
-                    scale_param: scale_param.clone(),
-                });
+                plan.layer
+                    .push(ws_variant(gemm, name, cfg, scale_param.as_deref())?);
             }
         }
     }

@@ -328,6 +328,17 @@ fn entry(s: &mut String, f: Flavour, w: u32) {
              \tshl.b64 %rd18, %rd15, {shift};\n\tadd.u64 %rd17, %rd17, %rd18;"
         );
     };
+    // The head of a phase's loop over the pairs: %r2 the pair, %r11 its codes, %r14 its staging
+    // row; %rd17 the address of its source (phase A, code at +0) or destination (B, at +4).
+    let pair_head = |k: &mut String, phase: &str, code_off: u32| {
+        let _ = writeln!(
+            k,
+            "\tmov.u32 %r2, 0;\n\tmov.u32 %r11, %r8;\n\tmov.u32 %r14, %r12;\n\
+             P{phase}:\n\tsetp.ge.u32 %p1, %r2, %r0;\n\t@%p1 bra.uni P{phase}D;\n\
+             \tld.shared.u32 %r3, [%r11+{code_off}];"
+        );
+        addr(k, 3);
+    };
     match f {
         Flavour::CpAsync => {
             let (cp, ty, regs) = if w == 16 {
@@ -343,13 +354,7 @@ fn entry(s: &mut String, f: Flavour, w: u32) {
             // Phase A: every source's chunk row to shared memory. %r2 pair, %r11 its code, %r14
             // its row.
             for (phase, code_off) in [("A", 0u32), ("B", 4u32)] {
-                let _ = writeln!(
-                    k,
-                    "\tmov.u32 %r2, 0;\n\tmov.u32 %r11, %r8;\n\tmov.u32 %r14, %r12;\n\
-                     P{phase}:\n\tsetp.ge.u32 %p1, %r2, %r0;\n\t@%p1 bra.uni P{phase}D;\n\
-                     \tld.shared.u32 %r3, [%r11+{code_off}];"
-                );
-                addr(&mut k, 3);
+                pair_head(&mut k, phase, code_off);
                 let _ = writeln!(
                     k,
                     "\tmov.u64 %rd19, %rd12;\n\
@@ -394,13 +399,7 @@ fn entry(s: &mut String, f: Flavour, w: u32) {
                  \tmbarrier.arrive.expect_tx.shared::cta.b64 %rd30, [%r20], %r23;"
             );
             for (phase, code_off) in [("A", 0u32), ("B", 4u32)] {
-                let _ = writeln!(
-                    k,
-                    "\tmov.u32 %r2, 0;\n\tmov.u32 %r11, %r8;\n\tmov.u32 %r14, %r12;\n\
-                     P{phase}:\n\tsetp.ge.u32 %p1, %r2, %r0;\n\t@%p1 bra.uni P{phase}D;\n\
-                     \tld.shared.u32 %r3, [%r11+{code_off}];"
-                );
-                addr(&mut k, 3);
+                pair_head(&mut k, phase, code_off);
                 if phase == "A" {
                     k.push_str(
                         "\tcp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r14], [%rd17], %r22, [%r20];\n",
@@ -488,12 +487,6 @@ mod tests {
     use crate::moves::{self, MovePlan, SlotMap};
     use proptest::prelude::*;
 
-    fn perm(keys: &[u32], v: Vec<usize>) -> Vec<usize> {
-        let mut idx: Vec<usize> = (0..v.len()).collect();
-        idx.sort_by_key(|&i| (keys[i], i));
-        idx.into_iter().map(|i| v[i]).collect()
-    }
-
     fn fill(seed: u64, b: &mut [u8]) {
         let mut s = seed | 1;
         for x in b.iter_mut() {
@@ -566,21 +559,12 @@ mod tests {
     }
 
     fn case() -> impl Strategy<Value = (usize, usize, Vec<usize>, Vec<usize>, usize, u32, u32)> {
-        (1usize..=4, 1usize..=12, 0usize..=3).prop_flat_map(|(ranks, per, extra)| {
-            let r = ranks * per;
-            let e = (r - extra.min(r - 1)).max(1);
-            let pl = move || {
-                (
-                    proptest::collection::vec(0..e, r - e),
-                    proptest::collection::vec(any::<u32>(), r),
-                )
-                    .prop_map(move |(x, k)| perm(&k, (0..e).chain(x).collect()))
-            };
+        crate::copy_kernel::tests::plans().prop_flat_map(|(ranks, e, a, b)| {
             (
                 Just(ranks),
                 Just(e),
-                pl(),
-                pl(),
+                Just(a),
+                Just(b),
                 prop_oneof![
                     (1usize..=40).prop_map(|x| 4 * x),
                     Just(16usize),

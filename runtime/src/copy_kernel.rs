@@ -1205,7 +1205,7 @@ pub fn gpu_check(dev: &Device, progress: &mut dyn FnMut(&str)) -> Result<String>
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::panic)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::moves::{MovePlan, SlotMap};
     use proptest::prelude::*;
@@ -1341,7 +1341,9 @@ mod tests {
         idx.into_iter().map(|i| v[i]).collect()
     }
 
-    fn case() -> impl Strategy<Value = (usize, usize, Vec<usize>, Vec<usize>, usize, u64, u64)> {
+    /// Random plans for the kernels' simulations: `(ranks, experts, old phy2log, new phy2log)`
+    /// over 1-4 ranks of 1-12 slots, every expert placed, up to 3 replicas.
+    pub(crate) fn plans() -> impl Strategy<Value = (usize, usize, Vec<usize>, Vec<usize>)> {
         (1usize..=4, 1usize..=12, 0usize..=3).prop_flat_map(|(ranks, per, extra)| {
             let r = ranks * per;
             let e = (r - extra.min(r - 1)).max(1);
@@ -1352,11 +1354,17 @@ mod tests {
                 )
                     .prop_map(move |(x, k)| perm(&k, (0..e).chain(x).collect()))
             };
+            (Just(ranks), Just(e), pl(), pl())
+        })
+    }
+
+    fn case() -> impl Strategy<Value = (usize, usize, Vec<usize>, Vec<usize>, usize, u64, u64)> {
+        plans().prop_flat_map(|(ranks, e, a, b)| {
             (
                 Just(ranks),
                 Just(e),
-                pl(),
-                pl(),
+                Just(a),
+                Just(b),
                 prop_oneof![
                     1usize..=40,
                     Just(4usize),
