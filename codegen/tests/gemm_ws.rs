@@ -827,9 +827,18 @@ fn check_structure(c: &WsConfig, text: &str) {
         0
     };
     assert_eq!(count(text, "st.global.v2.f32"), f32_pairs, "{tag}");
+    // Prefill bf16 with N a multiple of 4: four columns a v2.b32 store, a pair traded with the
+    // neighbour lane (one shfl.bfly a store).
+    let quads = c.out == OutTy::Bf16 && !c.swap_ab && c.n.is_multiple_of(4) && c.bn.is_multiple_of(16);
+    let v2_b32 = if quads { slots / 4 } else { 0 };
+    assert_eq!(count(text, "st.global.v2.b32"), v2_b32, "{tag}");
+    if quads {
+        assert!(count(text, "shfl.sync.bfly.b32") >= slots / 4, "{tag}");
+    }
     let (f32s, b32s, u16s, cvts) = match (c.out, c.swap_ab) {
         (OutTy::F32, false) => (0, 0, 0, 0),
         (OutTy::F32, true) => (slots, 0, 0, 0),
+        (OutTy::Bf16, false) if quads => (0, 0, 0, slots / 2),
         (OutTy::Bf16, false) => (0, slots / 2, 0, slots / 2),
         (OutTy::Bf16, true) => (0, 0, slots, slots),
     };
@@ -843,7 +852,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     assert_eq!(count(text, "st.global.u32"), resets, "{tag}");
     assert_eq!(
         count(text, "st.global"),
-        f32s + b32s + u16s + ws_stores + resets + f32_pairs,
+        f32s + b32s + u16s + ws_stores + resets + f32_pairs + v2_b32,
         "{tag}"
     );
     assert_eq!(
@@ -938,7 +947,8 @@ fn the_text_has_the_structure_of_its_configuration() {
     );
     assert_eq!(count(&t, "setmaxnreg.dec"), 1);
     assert_eq!(count(&t, "setmaxnreg.inc"), 1);
-    assert_eq!(count(&t, "st.global.b32"), 64);
+    // 128 slots a thread: 32 stores of four bf16 columns.
+    assert_eq!(count(&t, "st.global.v2.b32"), 32);
     check_structure(&p, &t);
     let d = WsConfig {
         operands: Operands::E4m3,

@@ -2842,6 +2842,14 @@ fn store(
     }
     let b_side = if cfg.swap_ab { tok } else { wrow };
     let b_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
+    if !cfg.swap_ab
+        && cfg.out == OutTy::Bf16
+        && cfg.n.is_multiple_of(4)
+        && cfg.bn.is_multiple_of(16)
+    {
+        store_bf16_quads(k, cfg, frag, addr, b_side, b_full, &a_ok, &scaled);
+        return Ok(());
+    }
     for j in 0..cfg.bn / 8 {
         // Prefill stores the column pair (c = 0, 1) as one b32 (bf16) or one v2.f32: adjacent
         // and 4- or 8-byte aligned (N even, the pair's column even).
@@ -2890,6 +2898,114 @@ fn store(
         }
     }
     Ok(())
+}
+
+/// Prefill bf16 out, N a multiple of 4: four adjacent columns a store (8 bytes). A thread holds
+/// columns `2q, 2q + 1` (`q = b_col / 2`) of each 8-column group `j`; the lanes `q` and `q ^ 1`
+/// trade one bf16 pair of groups `j` and `j + 1` (`shfl.bfly 1`), so the even lane stores
+/// columns `8j + 2q .. + 3` and the odd lane `8(j + 1) + 2(q - 1) .. + 3`: a warp's store covers
+/// 32 contiguous bytes of each of its 8 rows instead of 16. Every lane shuffles (the epilogue is
+/// warp-uniform); only the stores are masked, a quad's four columns in or out of N together.
+#[allow(clippy::too_many_arguments)]
+fn store_bf16_quads(
+    k: &mut K,
+    cfg: &WsConfig,
+    frag: &Frag,
+    addr: Reg,
+    b_side: Reg,
+    b_full: bool,
+    a_ok: &[Reg],
+    scaled: &[Reg],
+) {
+    let n = i64::from(cfg.n);
+    let q2 = k.bin(BinOpcode::And, PtxTy::B32, frag.b_col, Operand::Int(2));
+    let odd = k.setp(CmpOp::Ne, q2, Operand::Int(0));
+    // The odd lane's quad starts 6 columns (12 bytes) past its own column pair.
+    let shifted = k.bin(BinOpcode::Add, PtxTy::U64, addr, Operand::Int(12));
+    let base = k.b.reg(RegClass::B64);
+    k.b.push(Inst::Selp {
+        ty: PtxTy::U64,
+        d: base,
+        a: Operand::Reg(shifted),
+        b: Operand::Reg(addr),
+        p: odd,
+    });
+    let col0 = if b_full {
+        None
+    } else {
+        let c = k.b.reg(RegClass::B32);
+        k.b.push(Inst::Selp {
+            ty: PtxTy::U32,
+            d: c,
+            a: Operand::Int(6),
+            b: Operand::Int(0),
+            p: odd,
+        });
+        k.bin_to(c, BinOpcode::Add, PtxTy::U32, c, Operand::Reg(b_side));
+        Some(c)
+    };
+    let pack = |k: &mut K, lo: Reg, hi: Reg| -> Reg {
+        let w = k.reg32();
+        k.b.push(Inst::Bin {
+            op: BinOpcode::CvtRnBf16x2,
+            ty: PtxTy::F32,
+            d: w,
+            a: Operand::Reg(hi),
+            b: Operand::Reg(lo),
+        });
+        w
+    };
+    let sel = |k: &mut K, a: Reg, b: Reg| -> Reg {
+        let d = k.reg32();
+        k.b.push(Inst::Selp {
+            ty: PtxTy::B32,
+            d,
+            a: Operand::Reg(a),
+            b: Operand::Reg(b),
+            p: odd,
+        });
+        d
+    };
+    for j in (0..cfg.bn / 8).step_by(2) {
+        let col_ok = col0.map(|c| {
+            let col = k.bin(
+                BinOpcode::Add,
+                PtxTy::U32,
+                c,
+                Operand::Int(i64::from(8 * j)),
+            );
+            k.setp(CmpOp::Lt, col, Operand::Int(n))
+        });
+        for (h, &aok) in a_ok.iter().enumerate() {
+            // Slots 4j + 2h + c (group j) and 4(j + 1) + 2h + c (group j + 1).
+            let i0 = (4 * j + 2 * h as u32) as usize;
+            let i1 = i0 + 4;
+            let w0 = pack(k, scaled[i0], scaled[i0 + 1]);
+            let w1 = pack(k, scaled[i1], scaled[i1 + 1]);
+            // The even lane sends its group j + 1 pair, the odd lane its group j pair.
+            let x = sel(k, w0, w1);
+            let y = k.reg32();
+            k.b.push(Inst::ShflBfly {
+                d: y,
+                a: x,
+                mask: 1,
+            });
+            let lo = sel(k, y, w0);
+            let hi = sel(k, w1, y);
+            let pred = match col_ok {
+                None => aok,
+                Some(ok) => k.bin(BinOpcode::And, PtxTy::Pred, aok, Operand::Reg(ok)),
+            };
+            k.b.push(Inst::StGuardedV2 {
+                pred,
+                ty: PtxTy::B32,
+                addr: base,
+                off: 8 * h as i64 * 2 * n + 16 * i64::from(j),
+                lo,
+                hi,
+            });
+        }
+    }
 }
 
 /// [`Epilogue::SiluMul`]: `a [T, N / 2]` from the scaled slots' gate/up pairs (weight rows in
@@ -3011,8 +3127,9 @@ fn store_silu(
 #[allow(clippy::too_many_arguments)]
 fn put(k: &mut K, out: OutTy, pred: Reg, addr: Reg, off: i64, lo: Reg, hi: Option<Reg>) {
     if let (OutTy::F32, Some(hi)) = (out, hi) {
-        k.b.push(Inst::StGuardedV2F32 {
+        k.b.push(Inst::StGuardedV2 {
             pred,
+            ty: PtxTy::F32,
             addr,
             off,
             lo,

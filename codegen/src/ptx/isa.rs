@@ -412,11 +412,13 @@ pub enum Inst {
         /// Value register.
         v: Reg,
     },
-    /// `@p st.global.v2.f32 [addr+off], {lo, hi}`: two adjacent f32 (8 aligned bytes) in one
-    /// masked store.
-    StGuardedV2F32 {
+    /// `@p st.global.v2.ty [addr+off], {lo, hi}`: two adjacent 32-bit values (8 aligned bytes,
+    /// `ty` `.f32` or `.b32`) in one masked store.
+    StGuardedV2 {
         /// The predicate.
         pred: Reg,
+        /// Element type (32-bit).
+        ty: PtxTy,
         /// Address register (64-bit, `addr + off` a multiple of 8).
         addr: Reg,
         /// Byte offset.
@@ -796,15 +798,16 @@ impl fmt::Display for Inst {
             Inst::Selp { ty, d, a, b, p } => write!(f, "\tselp{ty} \t{d}, {a}, {b}, {p};"),
             Inst::Ld { ty, d, addr } => write!(f, "\tld.global{ty} \t{d}, [{addr}];"),
             Inst::St { ty, addr, v } => write!(f, "\tst.global{ty} \t[{addr}], {v};"),
-            Inst::StGuardedV2F32 {
+            Inst::StGuardedV2 {
                 pred,
+                ty,
                 addr,
                 off,
                 lo,
                 hi,
             } => write!(
                 f,
-                "\t@{pred} st.global.v2.f32 \t[{addr}+{off}], {{{lo}, {hi}}};"
+                "\t@{pred} st.global.v2{ty} \t[{addr}+{off}], {{{lo}, {hi}}};"
             ),
             Inst::LdV2F32 { lo, hi, addr } => {
                 write!(f, "\tld.global.v2.f32 \t{{{lo}, {hi}}}, [{addr}];")
@@ -1286,8 +1289,9 @@ mod tests {
                 "\tld.global.v2.f32 \t{%r1, %r1}, [%rd1];",
             ),
             (
-                Inst::StGuardedV2F32 {
+                Inst::StGuardedV2 {
                     pred: r,
+                    ty: PtxTy::F32,
                     addr: rd,
                     off: 8,
                     lo: r,
