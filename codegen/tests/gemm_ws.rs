@@ -829,7 +829,8 @@ fn check_structure(c: &WsConfig, text: &str) {
     assert_eq!(count(text, "st.global.v2.f32"), f32_pairs, "{tag}");
     // Prefill bf16 with N a multiple of 4: four columns a v2.b32 store, a pair traded with the
     // neighbour lane (one shfl.bfly a store).
-    let quads = c.out == OutTy::Bf16 && !c.swap_ab && c.n.is_multiple_of(4) && c.bn.is_multiple_of(16);
+    let quads =
+        c.out == OutTy::Bf16 && !c.swap_ab && c.n.is_multiple_of(4) && c.bn.is_multiple_of(16);
     let v2_b32 = if quads { slots / 4 } else { 0 };
     assert_eq!(count(text, "st.global.v2.b32"), v2_b32, "{tag}");
     if quads {
@@ -906,6 +907,13 @@ fn check_structure(c: &WsConfig, text: &str) {
         _ => 0,
     };
     assert_eq!(count(text, "ld.global.v2.f32"), pair_loads, "{tag}");
+    if pair_loads > 0 {
+        // A pair's start clamped to N - 2 (even, so the v2 load stays 8-byte aligned).
+        assert!(
+            text.contains(&format!(", {};", c.n - 2)) && text.contains("min.u32"),
+            "{tag}: no clamp to N - 2"
+        );
+    }
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
     // every promotion reads one activation scale per token class and the weight scale from the
     // stage (one promotion site with two consumers, four with one: even, odd and the two tails).

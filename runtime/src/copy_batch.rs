@@ -387,7 +387,8 @@ fn entry(s: &mut String, f: Flavour, w: u32) {
             // One thread does the rest; %r21 the mbarrier's parity.
             k.push_str(
                 "\tsetp.ne.u32 %p7, %r1, 0;\n\t@%p7 bra DONE;\n\
-                 \tmbarrier.init.shared::cta.b64 [%r20], 1;\n\tmov.u32 %r21, 0;\n\
+                 \tmbarrier.init.shared::cta.b64 [%r20], 1;\n\
+                 \tfence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;\n\tmov.u32 %r21, 0;\n\
                  CH:\n\tsetp.ge.u64 %p0, %rd15, %rd11;\n\t@%p0 bra.uni FIN;\n\
                  \tsub.u64 %rd16, %rd11, %rd15;\n\tmin.u64 %rd16, %rd16, %rd5;\n",
             );
@@ -642,5 +643,11 @@ mod tests {
         for l in ["\tbra LIST;", "\tbra JA;", "\tbra JB;"] {
             assert!(s.contains(l), "{l}");
         }
+        // The bulk flavour's mbarrier is initialised by a generic-proxy write: fenced before the
+        // async proxy (the bulk copies) completes transactions on it.
+        let init = s.find("mbarrier.init.shared::cta.b64").unwrap();
+        let fence = s.find("fence.proxy.async.shared::cta;").unwrap();
+        let first_copy = s.find("cp.async.bulk.shared::cluster").unwrap();
+        assert!(init < fence && fence < first_copy);
     }
 }
