@@ -51,6 +51,34 @@ fn access_at(
     crate::gemm_access::of_gemm(&info, gemm).map(|(_, a)| a)
 }
 
+/// The MoE layer's own form of `gemm` (w13 or w2, `N = n`, `K = k`) for `recipe` at model `m`
+/// and its variants (what `GpuLayer` loads): f32 out, or the first GEMM fused with SiLU*up where
+/// its rows pair (bf16 out where the recipe feeds the second GEMM bf16, else f32), compiled for
+/// the row modes through which the layer reads the recipe's param in place at the model's
+/// binding (`gemm_access`).
+pub fn layer_forms(
+    recipe: crate::bench_gemm::Recipe,
+    m: &crate::bench_gemm::Model,
+    gemm: &str,
+    n: u32,
+    k: u32,
+) -> ((OutTy, Epilogue), Vec<crate::codegen::gemm::ws::WsConfig>) {
+    let (operands, scaling) = recipe.family();
+    let form = gemm_form(
+        gemm == "w13",
+        true,
+        crate::bench_moe::feed(recipe) == Feed::Bf16,
+        scaling,
+        2 * m.intermediate,
+    );
+    let layer = crate::gemm_access::layer_variants(
+        layer_candidates(operands, scaling, form, n, k),
+        access_at(recipe, m, gemm).as_ref(),
+        form.1 == Epilogue::SiluMul,
+    );
+    (form, layer)
+}
+
 /// What a warm-up did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WarmupSummary {
@@ -111,23 +139,7 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
             for &recipe in &sel.recipes {
                 let (operands, scaling) = recipe.family();
                 let all = tune::candidates(operands, scaling, n32, k32);
-                // The MoE layer's own forms of this GEMM (what `GpuLayer` loads): f32 out, or the
-                // first GEMM fused with SiLU*up where its rows pair (bf16 out where the recipe
-                // feeds the second GEMM bf16, else f32).
-                let form = gemm_form(
-                    gemm == "w13",
-                    true,
-                    crate::bench_moe::feed(recipe) == Feed::Bf16,
-                    scaling,
-                    2 * m.intermediate,
-                );
-                // Compiled for the row modes through which the layer reads the standard recipe's
-                // param in place at this model's binding (`gemm_access`).
-                let layer = crate::gemm_access::layer_variants(
-                    layer_candidates(operands, scaling, form, n32, k32),
-                    access_at(recipe, m, gemm).as_ref(),
-                    form.1 == Epilogue::SiluMul,
-                );
+                let (form, layer) = layer_forms(recipe, m, gemm, n32, k32);
                 let (mut built, mut hits) = (0, 0);
                 for cfg in all.iter().chain(&layer) {
                     let (entry, ptx) = variant_ptx(cfg)?;
@@ -218,6 +230,50 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// `compile --kernels gemm`'s layer forms (`gemm_variants::Plan::layer`) hold every variant
+    /// the warm-up builds for the layer, for every recipe the benchmarks know at every model: the
+    /// two lists, derived apart, agree.
+    #[test]
+    fn the_compiled_layer_forms_hold_what_the_warm_up_builds() {
+        use crate::bench_gemm::{Recipe, MODELS};
+        let mut checked = Vec::new();
+        for m in MODELS {
+            let bind = format!("E={},H={},I={}", m.experts, m.hidden, m.intermediate);
+            for recipe in Recipe::ALL
+                .into_iter()
+                .chain(Recipe::WEIGHTS_ONLY)
+                .chain(Recipe::VARIANTS)
+            {
+                let r = crate::kernels::find(recipe.name()).unwrap();
+                let Ok(info) = crate::verify_source(r.source, r.path, Some(&bind)) else {
+                    continue;
+                };
+                let plan = crate::gemm_variants::plan(&info).unwrap();
+                if !plan.missing.is_empty() {
+                    continue;
+                }
+                for (gemm, n, k) in gemms(&m) {
+                    let (_, layer) = layer_forms(recipe, &m, gemm, n as u32, k as u32);
+                    assert!(!layer.is_empty(), "{} {} {gemm}", m.name, recipe.name());
+                    for cfg in layer {
+                        assert!(
+                            plan.layer
+                                .iter()
+                                .any(|v| v.gemm == gemm && v.ws == Some(cfg)),
+                            "{} {} {gemm}: {} not compiled",
+                            m.name,
+                            recipe.name(),
+                            cfg.tag()
+                        );
+                    }
+                }
+                checked.push((m.name, recipe.name()));
+            }
+        }
+        // (Every recipe at every model verifies and has both GEMMs.)
+        assert_eq!(checked.len(), 3 * 11, "{checked:?}");
+    }
 
     #[test]
     fn a_model_has_its_two_gemms() {
