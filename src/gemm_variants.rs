@@ -101,26 +101,12 @@ impl Plan {
     /// [`Plan::variants`] alone as one PTX module (the benchmark's bf16-out forms: the golden
     /// files'), a prefix of [`Plan::module`].
     pub fn bench_module(&self) -> String {
-        let mut s = kernel::module_header();
-        for (i, v) in self.variants.iter().enumerate() {
-            if i > 0 {
-                s.push('\n');
-            }
-            s.push_str(&v.ptx);
-        }
-        s
+        module_of(&self.variants)
     }
 
     /// The layer's forms alone as one PTX module (the header, then [`Plan::layer`]'s entries).
     pub fn layer_module(&self) -> String {
-        let mut s = kernel::module_header();
-        for (i, v) in self.layer.iter().enumerate() {
-            if i > 0 {
-                s.push('\n');
-            }
-            s.push_str(&v.ptx);
-        }
-        s
+        module_of(&self.layer)
     }
 
     /// The entries of the module, after a pack PTX module (`--kernels all`): every entry, in
@@ -133,6 +119,18 @@ impl Plan {
         }
         s
     }
+}
+
+/// The module header, then the entries of `vs` one line apart.
+fn module_of(vs: &[Variant]) -> String {
+    let mut s = kernel::module_header();
+    for (i, v) in vs.iter().enumerate() {
+        if i > 0 {
+            s.push('\n');
+        }
+        s.push_str(&v.ptx);
+    }
+    s
 }
 
 /// The scaling the MoE layer's GEMMs take for a declared FP8 `s`: per-token activation scales

@@ -54,6 +54,16 @@ fn f32_bytes(x: &[f32]) -> Vec<u8> {
 
 type Params = HashMap<String, Vec<u8>>;
 
+/// `src` checked at `E = e, M = m, K = k`.
+fn check_emk(src: &str, e: usize, m: usize, k: usize) -> moeforge::dsl::ModuleInfo {
+    let b = vec![
+        ("E".into(), e as i64),
+        ("M".into(), m as i64),
+        ("K".into(), k as i64),
+    ];
+    moeforge::dsl::check(src, Some(&b)).unwrap()
+}
+
 /// Pack with a backend; returns param name -> bytes.
 fn pack(
     recipe: &str,
@@ -556,12 +566,7 @@ fn int4_variants_match_the_reference() {
             scale.name(),
             scale.name()
         );
-        let b = vec![
-            ("E".into(), e as i64),
-            ("M".into(), m as i64),
-            ("K".into(), k as i64),
-        ];
-        let info = moeforge::dsl::check(&src, Some(&b)).unwrap();
+        let info = check_emk(&src, e, m, k);
         let mut x: Vec<f32> = (0..e * m * k).map(|_| rng.bf16()).collect();
         // An all-zero group, an all-positive and an all-negative one.
         x[..group].fill(0.0);
@@ -581,31 +586,14 @@ fn int4_variants_match_the_reference() {
             // f16 scales are held as f32 in the program (the pack writes them as f16).
             _ => f32_bytes(&want.scales),
         };
-        for x4 in [false, true] {
-            let prog = codegen::plan::plan_with(&info, &|_: &str| true, &|_| false, x4).unwrap();
-            for backend in ["interp", "host"] {
-                let mut bufs =
-                    codegen::alloc_buffers(&prog, &mut |_| Some(bf16_bytes(&x))).unwrap();
-                if backend == "interp" {
-                    codegen::interp::run(&prog, &mut bufs, &SingleProcess).unwrap();
-                } else {
-                    codegen::host::compile(&prog)
-                        .unwrap()
-                        .run(&mut bufs, &SingleProcess, 2)
-                        .unwrap();
-                }
-                let get = |n: &str| {
-                    let i = prog.bufs.iter().position(|b| b.name() == n).unwrap();
-                    bufs[i].clone()
-                };
-                let what = format!(
-                    "group {group} zp {zp} {scale} {backend} x4={x4} (MOEFORGE_SEED={seed})"
-                );
-                assert_eq!(get("v"), want.codes, "codes: {what}");
-                assert_eq!(get("s"), want_s, "scales: {what}");
-                if zp {
-                    assert_eq!(get("z"), want.packed_zeros(), "zeros: {what}");
-                }
+        let xb = bf16_bytes(&x);
+        for backend in ["interp", "host", "interp_x4", "host_x4"] {
+            let got = run_backend(&info, &|_| Some(xb.clone()), backend);
+            let what = format!("group {group} zp {zp} {scale} {backend} (MOEFORGE_SEED={seed})");
+            assert_eq!(got["v"], want.codes, "codes: {what}");
+            assert_eq!(got["s"], want_s, "scales: {what}");
+            if zp {
+                assert_eq!(got["z"], want.packed_zeros(), "zeros: {what}");
             }
         }
     }
@@ -622,12 +610,7 @@ fn fp8_group_edges_match_the_reference() {
     let src = format!(
         "recipe ex(E: experts, M, K) where K % {group} == 0 {{\n  input w : bf16[E, M, K]\n  let q = quant fp8(w, group = {group})\n  param v : e4m3[E, M, K] = q.values\n  param s : f32[E, M, K/{group}] = q.scales\n}}\n"
     );
-    let b = vec![
-        ("E".into(), e as i64),
-        ("M".into(), m as i64),
-        ("K".into(), k as i64),
-    ];
-    let info = moeforge::dsl::check(&src, Some(&b)).unwrap();
+    let info = check_emk(&src, e, m, k);
     let mut x: Vec<f32> = (0..e * m * k).map(|_| rng.bf16()).collect();
     x[..group].fill(0.0);
     for v in &mut x[group..2 * group] {

@@ -455,47 +455,40 @@ pub fn check(pairs: &[Copy], slots: usize, transfers: usize) -> Result<Vec<u32>>
     crate::copy_kernel::encode(pairs, slots, transfers)
 }
 
-/// Run a [`parallel`] assignment over plain slots: what [`simulate`] and the kernel must give.
-pub fn apply<T: Clone>(slots: &mut [T], received: &[T], pairs: &[Copy]) -> Result<()> {
-    let mut vals = Vec::with_capacity(pairs.len());
-    for c in pairs {
-        vals.push(
-            match c.from {
-                Loc::Slot(p) => slots.get(p).cloned(),
-                Loc::Transfer(k) => received.get(k).cloned(),
-                Loc::Scratch => None,
-            }
-            .ok_or_else(|| Error::Placement(format!("copy from {:?}: nothing there", c.from)))?,
-        );
-    }
-    for (c, v) in pairs.iter().zip(vals) {
-        let p = match c.to {
-            Loc::Slot(p) => p,
-            _ => return Err(Error::Placement("a batched store outside the slots".into())),
-        };
-        *slots
-            .get_mut(p)
-            .ok_or_else(|| Error::Placement(format!("copy to slot {p}: out of range")))? = v;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
     use super::*;
     use crate::copy_kernel::encode;
-    use crate::moves::{self, MovePlan, SlotMap};
+    use crate::copy_kernel::tests::rank_cases;
+    use crate::moves::{MovePlan, SlotMap};
     use proptest::prelude::*;
 
-    fn fill(seed: u64, b: &mut [u8]) {
-        let mut s = seed | 1;
-        for x in b.iter_mut() {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            *x = s as u8;
+    /// Run a [`parallel`] assignment over plain slots: what [`simulate`] and the kernel must give.
+    fn apply<T: Clone>(slots: &mut [T], received: &[T], pairs: &[Copy]) -> Result<()> {
+        let mut vals = Vec::with_capacity(pairs.len());
+        for c in pairs {
+            vals.push(
+                match c.from {
+                    Loc::Slot(p) => slots.get(p).cloned(),
+                    Loc::Transfer(k) => received.get(k).cloned(),
+                    Loc::Scratch => None,
+                }
+                .ok_or_else(|| {
+                    Error::Placement(format!("copy from {:?}: nothing there", c.from))
+                })?,
+            );
         }
+        for (c, v) in pairs.iter().zip(vals) {
+            let p = match c.to {
+                Loc::Slot(p) => p,
+                _ => return Err(Error::Placement("a batched store outside the slots".into())),
+            };
+            *slots
+                .get_mut(p)
+                .ok_or_else(|| Error::Placement(format!("copy to slot {p}: out of range")))? = v;
+        }
+        Ok(())
     }
 
     #[test]
@@ -586,24 +579,12 @@ mod tests {
         /// `apply_local` gives on every rank.
         #[test]
         fn batched_matches_apply_local((ranks, e, a, b, bpe, sms, resident) in case()) {
-            let old = SlotMap::new(a, e).unwrap();
-            let new = SlotMap::new(b, e).unwrap();
-            let plan = MovePlan::new(&old, &new, ranks).unwrap();
-            let local = plan.local_slots();
-            for k in 0..ranks {
-                let rm = plan.rank(k).cloned().unwrap_or_default();
-                let t = rm.transfer_experts();
-                let mut mem = vec![0u8; local * bpe];
-                fill(0x1234 ^ (k as u64) << 20 ^ bpe as u64, &mut mem);
-                let mut recv = vec![0u8; t * bpe];
-                fill(0x9876 ^ bpe as u64, &mut recv);
-                let mut want: Vec<Vec<u8>> = mem.chunks(bpe).map(|c| c.to_vec()).collect();
-                let received: Vec<Vec<u8>> = recv.chunks(bpe).map(|c| c.to_vec()).collect();
-                moves::apply_local(&mut want, &received, &rm.copies).unwrap();
-                let pairs = parallel(&rm.copies).unwrap();
-                let mut by_pairs: Vec<Vec<u8>> = mem.chunks(bpe).map(|c| c.to_vec()).collect();
-                apply(&mut by_pairs, &received, &pairs).unwrap();
-                prop_assert_eq!(&by_pairs, &want);
+            for c in rank_cases(ranks, e, a, b, bpe) {
+                let (k, local, t) = (c.k, c.local, c.rm.transfer_experts());
+                let pairs = parallel(&c.rm.copies).unwrap();
+                let mut by_pairs: Vec<Vec<u8>> = c.mem.chunks(bpe).map(|x| x.to_vec()).collect();
+                apply(&mut by_pairs, &c.received, &pairs).unwrap();
+                prop_assert_eq!(&by_pairs, &c.want);
                 if pairs.is_empty() {
                     continue;
                 }
@@ -614,9 +595,9 @@ mod tests {
                         prop_assert!(f == Flavour::Bulk && bpe % 16 != 0);
                         continue;
                     };
-                    let mut m = mem.clone();
-                    simulate(&g, &codes, &mut m, &recv, bpe).unwrap();
-                    prop_assert_eq!(&m, &want.concat(), "rank {} bpe {} {:?}", k, bpe, g);
+                    let mut m = c.mem.clone();
+                    simulate(&g, &codes, &mut m, &c.recv, bpe).unwrap();
+                    prop_assert_eq!(&m, &c.want.concat(), "rank {} bpe {} {:?}", k, bpe, g);
                 }
             }
         }

@@ -572,7 +572,10 @@ impl Shape {
 /// A copy list uploaded once, for running over every param of a layer.
 pub struct CopyList {
     codes: Option<CudaSlice<u32>>,
-    /// The list's parallel assignment ([`crate::copy_batch::parallel`]) and its length.
+    /// Whether the list was uploaded for the batched form (with its parallel assignment).
+    batched: bool,
+    /// The list's parallel assignment ([`crate::copy_batch::parallel`]) and its length, where it
+    /// was uploaded for the batched form and is not empty.
     pairs: Option<(CudaSlice<u32>, usize)>,
     copies: usize,
     scratch: bool,
@@ -670,11 +673,6 @@ impl CopyKernel {
         self
     }
 
-    /// The form [`CopyKernel::run_list`] launches.
-    pub fn form(&self) -> Form {
-        self.form
-    }
-
     /// The geometry a launch over `r` uses.
     pub fn geometry(&self, r: &Region) -> Geometry {
         Geometry::new(r.base, r.transfer, r.bytes_per_expert, self.sms)
@@ -689,6 +687,20 @@ impl CopyKernel {
         slots: usize,
         transfers: usize,
     ) -> Result<CopyList> {
+        let batched = matches!(self.form, Form::Batch { .. });
+        self.upload_for(stream, copies, slots, transfers, batched)
+    }
+
+    /// [`CopyKernel::upload`] for the batched form (`batched`: the parallel assignment resolved and
+    /// uploaded too) or the column form only, whatever this kernel's own form.
+    pub fn upload_for(
+        &self,
+        stream: &Arc<CudaStream>,
+        copies: &[Copy],
+        slots: usize,
+        transfers: usize,
+        batched: bool,
+    ) -> Result<CopyList> {
         let codes = encode(copies, slots, transfers)?;
         let dev = if codes.is_empty() {
             None
@@ -699,7 +711,11 @@ impl CopyKernel {
                     .map_err(drv("cuMemcpyHtoDAsync"))?,
             )
         };
-        let assignment = crate::copy_batch::parallel(copies)?;
+        let assignment = if batched {
+            crate::copy_batch::parallel(copies)?
+        } else {
+            Vec::new()
+        };
         let pair_codes = crate::copy_batch::check(&assignment, slots, transfers)?;
         let pairs = if pair_codes.is_empty() {
             None
@@ -713,6 +729,7 @@ impl CopyKernel {
         };
         Ok(CopyList {
             codes: dev,
+            batched,
             pairs,
             copies: copies.len(),
             scratch: copies.iter().any(|c| c.to == Loc::Scratch),
@@ -784,6 +801,11 @@ impl CopyKernel {
                 "a copy list for {} slots and {} transfer experts run over {} and {}",
                 list.slots, list.transfers, r.slots, r.transfers
             )));
+        }
+        if !list.batched {
+            return Err(Error::Placement(
+                "a copy list uploaded for the column form run in the batched form".into(),
+            ));
         }
         let Some((codes, n)) = &list.pairs else {
             return Ok(true);
@@ -1006,7 +1028,13 @@ fn check_case(
         bytes_per_expert: bpe,
     };
     let g = k.geometry(&r);
-    let list = k.upload(s, &rm.copies, local, transfers)?;
+    let list = k.upload_for(
+        s,
+        &rm.copies,
+        local,
+        transfers,
+        matches!(form, Form::Batch { .. }),
+    )?;
     // SAFETY: `d_main` holds `offset + local * bpe` bytes and `d_tr` `transfers * bpe`, both live
     // until after the synchronisations below; nothing else uses them.
     unsafe { k.run_form(s, &list, &r, form) }?;
@@ -1397,17 +1425,32 @@ pub(crate) mod tests {
         })
     }
 
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(300))]
-        /// Random plans (cycles, replicas, transfers) and sizes: the kernel's arithmetic gives what
-        /// `apply_local` gives, on every rank, for every width.
-        #[test]
-        fn simulation_matches_apply_local((ranks, e, a, b, bpe, base, sms) in case()) {
-            let old = SlotMap::new(a, e).unwrap();
-            let new = SlotMap::new(b, e).unwrap();
-            let plan = MovePlan::new(&old, &new, ranks).unwrap();
-            let local = plan.local_slots();
-            for k in 0..ranks {
+    /// One rank of a random plan with random bytes: its moves, slots, transfer-buffer bytes, and
+    /// what `apply_local` makes of them.
+    pub(crate) struct RankCase {
+        pub(crate) k: usize,
+        pub(crate) rm: moves::RankMoves,
+        pub(crate) local: usize,
+        pub(crate) mem: Vec<u8>,
+        pub(crate) recv: Vec<u8>,
+        pub(crate) received: Vec<Vec<u8>>,
+        pub(crate) want: Vec<Vec<u8>>,
+    }
+
+    /// Every rank of the plan from `a` to `b` (`e` experts, `ranks` ranks) at `bpe` bytes an expert.
+    pub(crate) fn rank_cases(
+        ranks: usize,
+        e: usize,
+        a: Vec<usize>,
+        b: Vec<usize>,
+        bpe: usize,
+    ) -> Vec<RankCase> {
+        let old = SlotMap::new(a, e).unwrap();
+        let new = SlotMap::new(b, e).unwrap();
+        let plan = MovePlan::new(&old, &new, ranks).unwrap();
+        let local = plan.local_slots();
+        (0..ranks)
+            .map(|k| {
                 let rm = plan.rank(k).cloned().unwrap_or_default();
                 let t = rm.transfer_experts();
                 let mut seed = XorShift(0x1234_5678 ^ ((k as u64) << 32 | bpe as u64));
@@ -1418,10 +1461,31 @@ pub(crate) mod tests {
                 let mut want: Vec<Vec<u8>> = mem.chunks(bpe).map(|c| c.to_vec()).collect();
                 let received: Vec<Vec<u8>> = recv.chunks(bpe).map(|c| c.to_vec()).collect();
                 moves::apply_local(&mut want, &received, &rm.copies).unwrap();
-                let codes = encode(&rm.copies, local, t).unwrap();
+                RankCase {
+                    k,
+                    rm,
+                    local,
+                    mem,
+                    recv,
+                    received,
+                    want,
+                }
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Random plans (cycles, replicas, transfers) and sizes: the kernel's arithmetic gives what
+        /// `apply_local` gives, on every rank, for every width.
+        #[test]
+        fn simulation_matches_apply_local((ranks, e, a, b, bpe, base, sms) in case()) {
+            for mut c in rank_cases(ranks, e, a, b, bpe) {
+                let t = c.rm.transfer_experts();
+                let codes = encode(&c.rm.copies, c.local, t).unwrap();
                 let g = Geometry::new(256 + base, 512, bpe, sms as u32);
-                simulate(&g, &codes, &mut mem, &recv, bpe).unwrap();
-                prop_assert_eq!(mem, want.concat(), "rank {} bpe {} geometry {:?}", k, bpe, g);
+                simulate(&g, &codes, &mut c.mem, &c.recv, bpe).unwrap();
+                prop_assert_eq!(c.mem, c.want.concat(), "rank {} bpe {} geometry {:?}", c.k, bpe, g);
             }
         }
     }

@@ -798,6 +798,26 @@ impl WsConfig {
         (s * kt / n, (s + 1) * kt / n)
     }
 
+    /// The group-wise families' tile rules (`what`: `int8` or `FP8`): the group's partial sum is a
+    /// second accumulator (BN at most 128 with two consumers, 64 with one), and a row of f32 group
+    /// scales is a TMA row (N a multiple of 4).
+    fn check_group_tile(&self, what: &str) -> Result<()> {
+        let most = if self.consumers >= 2 { 128 } else { 64 };
+        if self.bn > most {
+            return Err(unsupported(format!(
+                "group-wise {what} with BN = {} (at most {most} with {} consumer warpgroup(s): the group's partial sum is a second accumulator)",
+                self.bn, self.consumers
+            )));
+        }
+        if !self.n.is_multiple_of(4) {
+            return Err(unsupported(format!(
+                "group-wise {what} with N = {} (a multiple of 4: a row of f32 group scales is a TMA row of 16-byte multiples)",
+                self.n
+            )));
+        }
+        Ok(())
+    }
+
     fn check(&self) -> Result<()> {
         let bad = |what: String| Err(unsupported(what));
         if !(1..=2).contains(&self.consumers) {
@@ -896,19 +916,7 @@ impl WsConfig {
                 }
                 // (As the block-scaled family: the total and the partial sum within the registers
                 // of a two-consumer CTA at BN 128, of a one-consumer one at 64.)
-                let most = if self.consumers >= 2 { 128 } else { 64 };
-                if self.bn > most {
-                    return bad(format!(
-                        "group-wise int8 with BN = {} (at most {most} with {} consumer warpgroup(s): the group's partial sum is a second accumulator)",
-                        self.bn, self.consumers
-                    ));
-                }
-                if !self.n.is_multiple_of(4) {
-                    return bad(format!(
-                        "group-wise int8 with N = {} (a multiple of 4: a row of f32 group scales is a TMA row of 16-byte multiples)",
-                        self.n
-                    ));
-                }
+                self.check_group_tile("int8")?;
                 if !self.swap_ab {
                     return bad("int8 weights need the swapped (weights-on-A) form".into());
                 }
@@ -929,19 +937,7 @@ impl WsConfig {
                         self.operands.bk()
                     ));
                 }
-                let most = if self.consumers >= 2 { 128 } else { 64 };
-                if self.bn > most {
-                    return bad(format!(
-                        "group-wise FP8 with BN = {} (at most {most} with {} consumer warpgroup(s): the group's partial sum is a second accumulator)",
-                        self.bn, self.consumers
-                    ));
-                }
-                if !self.n.is_multiple_of(4) {
-                    return bad(format!(
-                        "group-wise FP8 with N = {} (a multiple of 4: a row of f32 group scales is a TMA row of 16-byte multiples)",
-                        self.n
-                    ));
-                }
+                self.check_group_tile("FP8")?;
             }
             (Operands::I8Bf16, Scaling::PerRow) => {
                 // The register-A form: weights on A (one or two consumers' 64 rows each), no
