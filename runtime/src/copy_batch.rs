@@ -286,14 +286,7 @@ fn entry(s: &mut String, f: Flavour, w: u32) {
          \tld.param.u64 %rd4, [p_stride];\n\tld.param.u64 %rd5, [p_chunk];\n",
     );
     // The list into shared memory (as the column form): %r8 its base, %r10 threads.
-    k.push_str(
-        "\tmov.u32 %r7, %tid.x;\n\tmov.u32 %r8, moeforge_copy_list_smem;\n\tmov.u32 %r10, %ntid.x;\n\
-         LIST:\n\tsetp.ge.u32 %p5, %r7, %r0;\n\t@%p5 bra LISTED;\n\
-         \tmul.wide.u32 %rd19, %r7, 8;\n\tadd.u64 %rd23, %rd2, %rd19;\n\
-         \tld.global.nc.v2.u32 {%r3, %r4}, [%rd23];\n\
-         \tmad.lo.u32 %r9, %r7, 8, %r8;\n\tst.shared.v2.u32 [%r9], {%r3, %r4};\n\
-         \tadd.u32 %r7, %r7, %r10;\n\tbra LIST;\nLISTED:\n\tbar.sync 0;\n",
-    );
+    k.push_str(crate::copy_kernel::LIST_TO_SHARED);
     // %r20 the mbarrier (after the list, rounded up to 16), %r12 the staging (16 bytes further),
     // %r16 the bytes of one source's chunk row (chunk x width).
     let _ = writeln!(

@@ -224,6 +224,18 @@ pub const VARIANTS: [Variant; 3] = [
     },
 ];
 
+/// PTX that copies the list (`%r0` pairs at the global address `%rd2`) into shared memory at
+/// `moeforge_copy_list_smem`, every thread a pair at a time, then `bar.sync`: `%r8` is left the
+/// list's shared address and `%r10` the CTA's threads (clobbers `%r3`, `%r4`, `%r7`, `%r9`,
+/// `%rd19`, `%rd23`, `%p5`). Shared by the column and batched entries.
+pub(crate) const LIST_TO_SHARED: &str =
+    "\tmov.u32 %r7, %tid.x;\n\tmov.u32 %r8, moeforge_copy_list_smem;\n\tmov.u32 %r10, %ntid.x;\n\
+         LIST:\n\tsetp.ge.u32 %p5, %r7, %r0;\n\t@%p5 bra LISTED;\n\
+         \tmul.wide.u32 %rd19, %r7, 8;\n\tadd.u64 %rd23, %rd2, %rd19;\n\
+         \tld.global.nc.v2.u32 {%r3, %r4}, [%rd23];\n\
+         \tmad.lo.u32 %r9, %r7, 8, %r8;\n\tst.shared.v2.u32 [%r9], {%r3, %r4};\n\
+         \tadd.u32 %r7, %r7, %r10;\n\tbra LIST;\nLISTED:\n\tbar.sync 0;\n";
+
 /// The PTX module (all three entry points of every [`VARIANTS`] form) for `target` (`sm_90a`,
 /// `sm_100a`; anything `ptxas` takes as `-arch`).
 pub fn ptx(target: &str) -> String {
@@ -327,14 +339,7 @@ fn entry(s: &mut String, w: u32, var: Variant) {
     // The list goes to shared memory once per CTA (every copy then reads its codes at shared-memory
     // latency instead of a dependent global load): %r7 index, %r8 list base in shared memory, %r10
     // threads.
-    k.push_str(
-        "\tmov.u32 %r7, %tid.x;\n\tmov.u32 %r8, moeforge_copy_list_smem;\n\tmov.u32 %r10, %ntid.x;\n\
-         LIST:\n\tsetp.ge.u32 %p5, %r7, %r0;\n\t@%p5 bra LISTED;\n\
-         \tmul.wide.u32 %rd19, %r7, 8;\n\tadd.u64 %rd23, %rd2, %rd19;\n\
-         \tld.global.nc.v2.u32 {%r3, %r4}, [%rd23];\n\
-         \tmad.lo.u32 %r9, %r7, 8, %r8;\n\tst.shared.v2.u32 [%r9], {%r3, %r4};\n\
-         \tadd.u32 %r7, %r7, %r10;\n\tbra LIST;\nLISTED:\n\tbar.sync 0;\n",
-    );
+    k.push_str(LIST_TO_SHARED);
     // The scratch: after the list (rounded up to 16 bytes), `4 x threads` units, unit `j*T + tid`
     // the thread's own. %r12 = its unit 0, %r13 = the step between its units (T x width).
     let _ = writeln!(
