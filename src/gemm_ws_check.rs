@@ -156,6 +156,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         n,
         k,
         w_rows: WRows::PLAIN,
+        two_slices: false,
     };
     let tok = Scaling::Tensorwise { per_token: true };
     let ten = Scaling::Tensorwise { per_token: false };
@@ -183,6 +184,15 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         v(e, ten, OutTy::F32, 2, 128, 6, false),
         v(e, tok, OutTy::Bf16, 1, 32, 8, true),
         v(e, Scaling::Block128, OutTy::Bf16, 2, 128, 6, false),
+        // (and its two-slice twin, each consumer promoting one slice while the next one's MMAs
+        // run)
+        WsConfig {
+            two_slices: true,
+            ..v(e, Scaling::Block128, OutTy::F32, 2, 128, 6, false)
+        },
+        // (and the 192-row tile spanning two scale blocks, bf16 and f32 out)
+        v(e, Scaling::Block128, OutTy::Bf16, 2, 192, 5, false),
+        v(e, Scaling::Block128, OutTy::F32, 2, 192, 5, false),
         v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true),
         // FP8 per channel: the row scales on the B side (prefill) and the A side (decode).
         v(e, ch, OutTy::Bf16, 2, 128, 6, false),
@@ -1126,6 +1136,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             n: n as u32,
             k: k as u32,
             w_rows: WRows::PLAIN,
+            two_slices: false,
         };
         let wbytes = e * n * operands.w_row_bytes(k as u64) as usize;
         let dw = upload(dev, &vec![0x11u8; wbytes])?;

@@ -54,6 +54,7 @@ fn cfg(
         n,
         k,
         w_rows: WRows::PLAIN,
+        two_slices: false,
     }
 }
 
@@ -479,8 +480,24 @@ fn the_configurations_ws_refuses() {
             },
             "e4m3 operands",
         ),
-        // Block-scaled prefill: BN at most 128 or a multiple of 128.
-        (WsConfig { bn: 192, ..block }, "BN = 192"),
+        // Block-scaled prefill: BN a divisor of 128, or 192 with two consumers and one slice.
+        (
+            WsConfig {
+                bn: 192,
+                two_slices: true,
+                ..block
+            },
+            "BN = 192",
+        ),
+        (
+            WsConfig {
+                bn: 192,
+                consumers: 1,
+                ..block
+            },
+            "BN = 192",
+        ),
+        (WsConfig { bn: 160, ..block }, "BN = 160"),
         (WsConfig { bn: 136, ..block }, "BN = 136"),
         (WsConfig { bn: 256, ..block }, "block-scaled BN = 256"),
         (
@@ -738,10 +755,11 @@ fn check_structure(c: &WsConfig, text: &str) {
         1,
         "{tag}"
     );
-    // Block-scaled: the k-tile's scales come by TMA on the same barrier (two 1-D boxes: 16 bytes
-    // of weight scales and the tile's token rows of activation scales), and no `cp.async`.
+    // Block-scaled: the k-tile's scales come by TMA on the same barrier (1-D boxes: 16 bytes of
+    // weight scales per block the tile spans and the tile's token rows of activation scales), and
+    // no `cp.async`.
     let block_tx = if c.scaling == Scaling::Block128 {
-        4 * (ws::BLOCK_SCALE_W_BOX + c.tile_tokens() + ws::BLOCK_SCALE_PAD)
+        4 * (ws::BLOCK_SCALE_W_BOX * c.w_scale_boxes() + c.tile_tokens() + ws::BLOCK_SCALE_PAD)
     } else {
         0
     };
@@ -757,7 +775,12 @@ fn check_structure(c: &WsConfig, text: &str) {
             && l.ends_with(&format!("], {};", c.tx_bytes() + block_tx + group_tx))),
         "{tag}"
     );
-    let scale_loads = if block_tx > 0 { 2 } else { 0 };
+    // Block-scaled: the activation scales' box and one weight-scale box per block the tile spans.
+    let scale_loads = if block_tx > 0 {
+        1 + c.w_scale_boxes() as usize
+    } else {
+        0
+    };
     let group_loads = usize::from(group_tx > 0);
     assert_eq!(
         count(text, "cp.async.bulk.tensor.1d."),
@@ -784,7 +807,7 @@ fn check_structure(c: &WsConfig, text: &str) {
     );
     assert_eq!(
         count(text, "prefetch.tensormap"),
-        2 + scale_loads + group_loads,
+        2 + if block_tx > 0 { 2 } else { 0 } + group_loads,
         "{tag}"
     );
     assert_eq!(
@@ -800,9 +823,14 @@ fn check_structure(c: &WsConfig, text: &str) {
         }
         Operands::E4m3 => format!("m64n{}k32.f32.e4m3.e4m3", c.bn),
     };
-    // Block-scaled with one consumer: two slice accumulators, so the k loop is unrolled by two.
+    // Block-scaled with one consumer or two slices: two slice accumulators, so the k loop is
+    // unrolled by two.
     let block = c.scaling == Scaling::Block128;
-    let unroll = if block && c.consumers == 1 { 2 } else { 1 };
+    let unroll = if block && (c.consumers == 1 || c.two_slices) {
+        2
+    } else {
+        1
+    };
     assert_eq!(
         count(text, &format!("wgmma.mma_async.sync.aligned.{shape} ")),
         4 * unroll,
@@ -916,10 +944,18 @@ fn check_structure(c: &WsConfig, text: &str) {
     }
     // Block-scaled: the producer loads each k-tile's scales into its stage by TMA (above), and
     // every promotion reads one activation scale per token class and the weight scale from the
-    // stage (one promotion site with two consumers, four with one: even, odd and the two tails).
+    // stage (one promotion site with two consumers of one slice, four with two slices: even, odd
+    // and the two tails), one weight scale per block the tile spans.
     let (shared, fmas) = if block {
-        let sites = if c.consumers == 1 { 4 } else { 1 };
-        (sites * (token_classes + 1), sites * slots)
+        let sites = if c.consumers == 1 || c.two_slices {
+            4
+        } else {
+            1
+        };
+        (
+            sites * (token_classes + c.w_scale_boxes() as usize),
+            sites * slots,
+        )
     } else {
         (0, 0)
     };
@@ -1460,6 +1496,7 @@ fn int8_weights_feed_register_a_and_assemble() {
         n: 4096,
         k: 7168,
         w_rows: WRows::PLAIN,
+        two_slices: false,
     };
     assert!(ws::grouped_ws_module("x", &bad).is_err());
     let bad = WsConfig {

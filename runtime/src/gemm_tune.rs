@@ -192,6 +192,7 @@ impl TuneEntry {
                 "stages": c.stages,
                 "swap_ab": c.swap_ab,
                 "split_k": c.split_k,
+                "two_slices": c.two_slices,
                 "n": c.n,
                 "k": c.k,
             },
@@ -219,6 +220,11 @@ impl TuneEntry {
             n: u32_of(c, "n")?,
             k: u32_of(c, "k")?,
             w_rows: WRows::PLAIN,
+            // Absent from entries written before the field existed (all one-slice forms).
+            two_slices: c
+                .get("two_slices")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
         };
         // The tag is what the variant is called everywhere: it must name the same variant.
         if v.get("tag")?.as_str()? != choice.tag() {

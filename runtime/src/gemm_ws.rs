@@ -573,6 +573,7 @@ mod tests {
             n: 256,
             k: 512,
             w_rows: WRows::PLAIN,
+            two_slices: false,
         };
         let (entry, ptx) = variant_ptx(&cfg).unwrap();
         assert_eq!(entry, format!("moeforge_gemm_{}", cfg.tag()));
@@ -615,6 +616,7 @@ mod tests {
             n: 256,
             k: 512,
             w_rows: WRows::PLAIN,
+            two_slices: false,
         };
         match Device::open(0) {
             Err(e) => assert!(matches!(e, Error::NoDriver(_)), "{e}"),

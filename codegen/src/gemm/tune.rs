@@ -11,8 +11,10 @@ use super::ws::{Epilogue, Operands, OutTy, Scaling, WRows, WsConfig};
 /// `(consumers, BN, stages, swap_ab, split_k)` of the prefill candidates, bf16 and tensorwise
 /// e4m3.
 const PREFILL: [(u32, u32, u32, bool, u32); 2] = [(2, 128, 6, false, 1), (2, 256, 4, false, 1)];
-/// The block-scaled prefill candidates (two accumulators per thread: BN at most 128).
-const PREFILL_BLOCK: [(u32, u32, u32, bool, u32); 1] = [(2, 128, 6, false, 1)];
+/// The block-scaled prefill candidates: two consumers of one slice accumulator each beside the
+/// total, 128 weight rows (one scale block), or 192 (96 + 96 registers, two blocks' scales).
+const PREFILL_BLOCK: [(u32, u32, u32, bool, u32); 2] =
+    [(2, 128, 6, false, 1), (2, 192, 5, false, 1)];
 /// The decode candidates (tokens per expert as the wgmma N), then split-K ones for layers whose
 /// tiles would not fill the SMs.
 const DECODE: [(u32, u32, u32, bool, u32); 7] = [
@@ -105,6 +107,17 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
             n,
             k,
             w_rows: WRows::PLAIN,
+            two_slices: false,
+        })
+        // Block-scaled prefill: the two-slice twin of each two-consumer tile after it (so that
+        // the untuned default stays the one-slice form, which the driver's JIT does not spill).
+        .flat_map(|c| {
+            let twin = (c.scaling == Scaling::Block128 && c.consumers == 2 && c.bn <= 128)
+                .then_some(WsConfig {
+                    two_slices: true,
+                    ..c
+                });
+            std::iter::once(c).chain(twin)
         })
         .collect()
 }

@@ -65,7 +65,12 @@
 //!   the earlier per-lane `cp.async` copies were reported as hazards). A TMA box must start on 16
 //!   bytes (on an H200 an unaligned first coordinate of a 1-D map is an illegal instruction), so
 //!   each box starts at its first element rounded down to a multiple of 4 and the consumers add the
-//!   remainder (`& 3`), which they compute from the same tile and k-tile.
+//!   remainder (`& 3`), which they compute from the same tile and k-tile. The total is cleared at
+//!   a tile's start, so every promotion is one `fma` a slot (the first one `p * s + 0`, the same
+//!   bits as a multiply). Prefill tiles hold 128 weight rows (one scale block), or 192: such a
+//!   tile starts on a multiple of 64 rows and spans two blocks, so the producer loads a second
+//!   weight-scale box (the next block's, `KT` elements on) and each 64-column chunk of the
+//!   fragment takes its block's scale (the middle chunk's by whether the tile starts on a block).
 //!
 //! # Parameters, in order
 //! `tmap_x`, `tmap_w` (`.param .align 64 .b8 [128]`), `y` (u64), `offsets` (u64: i32 `[E + 1]`),
@@ -544,6 +549,13 @@ pub struct WsConfig {
     /// compact `[E, N, K]` operand, else the row modes of the recipe's own storage
     /// ([`super::wmap`]; bf16 and E4M3 weights).
     pub w_rows: WRows,
+    /// Block-scaled tiles of two consumers: each consumer keeps two slice accumulators, so that
+    /// k-tile i's MMAs run while slice i - 1 is promoted, as one consumer always does (`false`:
+    /// one slice, promoted after its MMAs complete, which the other consumer's MMAs overlap).
+    /// Three accumulators a thread fit the 232 registers of `setmaxnreg` as ptxas allocates
+    /// them; the driver's JIT spills them, so this form is a tuning candidate, never the default.
+    /// `false` for every other family.
+    pub two_slices: bool,
 }
 
 impl WsConfig {
@@ -603,18 +615,39 @@ impl WsConfig {
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
             Scaling::Block128 => {
-                (BLOCK_SCALE_X_AT + 4 * (self.tile_tokens() + BLOCK_SCALE_PAD)).div_ceil(1024)
+                (self.block_x_at() + 4 * (self.tile_tokens() + BLOCK_SCALE_PAD)).div_ceil(1024)
                     * 1024
             }
             _ => self.group_scale_bytes().div_ceil(1024) * 1024,
         }
     }
 
-    /// TMA bytes of a stage's scales: block-scaled, the two boxes; 4-bit weights and group-wise
+    /// Block-scaled: the weight-scale boxes a stage holds, one per 128-row scale block a tile's
+    /// weight rows can touch (a 192-row prefill tile starts on 64 rows and spans two; every
+    /// other tile lies inside one).
+    pub const fn w_scale_boxes(&self) -> u32 {
+        if !self.swap_ab && self.bn > 128 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Byte offset of the activation scales in a stage's block-scale area: after the weight-scale
+    /// boxes, 128 bytes apart (TMA destinations); [`BLOCK_SCALE_X_AT`] with one box.
+    pub const fn block_x_at(&self) -> u32 {
+        BLOCK_SCALE_X_AT * self.w_scale_boxes()
+    }
+
+    /// TMA bytes of a stage's scales: block-scaled, the weight-scale boxes and the activation box; 4-bit weights and group-wise
     /// int8 and FP8, the group-scale box; 0 otherwise.
     pub const fn scale_tx_bytes(&self) -> u32 {
         match self.scaling {
-            Scaling::Block128 => 4 * (BLOCK_SCALE_W_BOX + self.tile_tokens() + BLOCK_SCALE_PAD),
+            Scaling::Block128 => {
+                4 * (BLOCK_SCALE_W_BOX * self.w_scale_boxes()
+                    + self.tile_tokens()
+                    + BLOCK_SCALE_PAD)
+            }
             _ => self.group_scale_bytes(),
         }
     }
@@ -763,8 +796,9 @@ impl WsConfig {
         } else {
             String::new()
         };
+        let slices = if self.two_slices { "_2s" } else { "" };
         format!(
-            "{}{scale}_{}{}x{}_s{}{split}{silu}_{out}{}",
+            "{}{scale}_{}{}x{}_s{}{split}{slices}{silu}_{out}{}",
             self.operands.name(),
             if self.swap_ab { "d" } else { "p" },
             self.consumers,
@@ -822,6 +856,12 @@ impl WsConfig {
         let bad = |what: String| Err(unsupported(what));
         if !(1..=2).contains(&self.consumers) {
             return bad(format!("{} consumer warpgroups (1 or 2)", self.consumers));
+        }
+        if self.two_slices && (self.scaling != Scaling::Block128 || self.consumers != 2) {
+            return bad(format!(
+                "two slice accumulators with {:?} and {} consumer warpgroup(s) (block-scaled, two consumers; one consumer always keeps two)",
+                self.scaling, self.consumers
+            ));
         }
         WgmmaN::new(self.bn)?;
         if self.reallocates_registers() && self.bn < 128 {
@@ -990,13 +1030,19 @@ impl WsConfig {
                 }
             }
             (Operands::E4m3, Scaling::Block128) => {
-                // Three accumulators per thread (the total and two slices in flight): BN at most
-                // 128 with two consumers, 64 with one (more spills). A prefill tile must not
-                // straddle two 128-column scale blocks.
+                // The total and one slice accumulator per thread (two slices with one consumer or
+                // `two_slices`): BN at most 128 with two consumers, 64 with one (more spills); or
+                // the two-consumer prefill tile of 192 weight rows with one slice (96 + 96
+                // registers), whose 64-row column chunks each lie inside one 128-row scale block.
+                // Any other prefill tile must not straddle two scale blocks.
                 let most = if self.consumers >= 2 { 128 } else { 64 };
-                if self.bn > most || (!self.swap_ab && !128u32.is_multiple_of(self.bn)) {
+                let wide = self.bn == 192 && self.consumers == 2 && !self.swap_ab;
+                if (self.bn > most && !wide)
+                    || (!self.swap_ab && !wide && !128u32.is_multiple_of(self.bn))
+                    || (wide && self.two_slices)
+                {
                     return bad(format!(
-                        "block-scaled BN = {} (a divisor of 128 for prefill; at most {most} with {} consumer warpgroup(s))",
+                        "block-scaled BN = {} (a divisor of 128 for prefill, or 192 with two consumers and one slice; at most {most} with {} consumer warpgroup(s))",
                         self.bn, self.consumers
                     ));
                 }
@@ -1763,9 +1809,11 @@ fn w_row_coords(k: &mut K, cfg: &WsConfig, w0: Reg, expert: Reg) -> Result<(TmaD
 /// The producer's TMA loads of k-tile `kt`'s block scales into the stage at `a` (after A and B),
 /// on the stage's full barrier: the weight scale `s_w[e, w0 / 128, kt]` (in one
 /// [`BLOCK_SCALE_W_BOX`] box from its index rounded down to 4; a decode tile's 64 weight rows sit
-/// inside one 128-row block) at the area's start, and the activation scales of the tile's token
-/// rows, `s_x[kt, tok0 ..]` (group-major `[KB, T]`, flat; the box from that index rounded down to 4,
-/// [`BLOCK_SCALE_PAD`] longer), at [`BLOCK_SCALE_X_AT`]. Token rows past the expert's end read the
+/// inside one 128-row block) at the area's start, and for a tile spanning two blocks
+/// ([`WsConfig::w_scale_boxes`]) `s_w[e, w0 / 128 + 1, kt]` in a second box 128 bytes on; then the
+/// activation scales of the tile's token rows, `s_x[kt, tok0 ..]` (group-major `[KB, T]`, flat;
+/// the box from that index rounded down to 4, [`BLOCK_SCALE_PAD`] longer), at
+/// [`WsConfig::block_x_at`]. Token rows past the expert's end read the
 /// next expert's scales and rows past the buffer read zeros (TMA's out-of-bounds fill): their
 /// results are never stored.
 #[allow(clippy::too_many_arguments)]
@@ -1789,26 +1837,42 @@ fn load_block_scales(
         Operand::Int(cfg.tx_bytes().into()),
     );
     let i = w_scale_index(k, cfg, s.expert, f.w0, kt);
-    // Boxes start on 16 bytes: the consumers add the remainder (`block_scale_skew`).
-    k.bin_to(i, BinOpcode::And, PtxTy::B32, i, Operand::Int(-4));
-    k.b.emit_guarded(
-        Guard::when(leader),
-        AsyncOp::TmaLoad(TmaLoad {
-            dim: TmaDim::D1,
-            dst: area,
-            tmap: ws,
-            coords: vec![i],
-            bar: fbar,
-            cache_hint: None,
-        }),
-    )?;
+    for b in 0..cfg.w_scale_boxes() {
+        // Box b holds the scale of the tile's b-th block, KT elements on; a second block past
+        // N reads the next expert's scale or TMA's zero fill, for columns that are never stored.
+        let ib = k.bin(
+            BinOpcode::Add,
+            PtxTy::U32,
+            i,
+            Operand::Int(i64::from(b * cfg.k_tiles())),
+        );
+        // Boxes start on 16 bytes: the consumers add the remainder (`stage_scales`).
+        k.bin_to(ib, BinOpcode::And, PtxTy::B32, ib, Operand::Int(-4));
+        let dst = k.bin(
+            BinOpcode::Add,
+            PtxTy::U32,
+            area,
+            Operand::Int(i64::from(b * BLOCK_SCALE_X_AT)),
+        );
+        k.b.emit_guarded(
+            Guard::when(leader),
+            AsyncOp::TmaLoad(TmaLoad {
+                dim: TmaDim::D1,
+                dst,
+                tmap: ws,
+                coords: vec![ib],
+                bar: fbar,
+                cache_hint: None,
+            }),
+        )?;
+    }
     let x = x_scale_index(k, kt, tokens, f.tok0);
     k.bin_to(x, BinOpcode::And, PtxTy::B32, x, Operand::Int(-4));
     let dst = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
         area,
-        Operand::Int(BLOCK_SCALE_X_AT.into()),
+        Operand::Int(cfg.block_x_at().into()),
     );
     k.b.emit_guarded(
         Guard::when(leader),
@@ -1957,6 +2021,9 @@ fn consumers(
     let tile_loop = k.b.label("c_tile");
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
+    if block || row_group.is_some() {
+        zero_total(k, &acc);
+    }
     let kt = k.reg32();
     k.mov(kt, Operand::Reg(f.ks));
     let ring = Ring {
@@ -1976,7 +2043,7 @@ fn consumers(
     k.b.push(Inst::Label(kloop.clone()));
     let k_end = Operand::Reg(f.ke);
     match (x_scale, w_scale) {
-        (Some(_), Some(_)) if block && cfg.consumers >= 2 => {
+        (Some(_), Some(_)) if block && cfg.consumers >= 2 && !cfg.two_slices => {
             // Two consumers: one slice accumulator (the total and the slice stay within the 168
             // registers that the driver's JIT gives a thread of a 384-thread CTA); the two
             // warpgroups' promotions and MMAs interleave on the tensor core.
@@ -1990,13 +2057,14 @@ fn consumers(
             };
             let sc = stage_scales(k, cfg, &frag, &ring, &skew, kt)?;
             release(k, &ring, None)?;
-            promote(k, cfg, kt, f.ks, &sc, &part, &acc);
+            promote(k, cfg, &sc, &part, &acc);
             let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
             k.bra(&kloop, Some((more, false)));
         }
         (Some(_), Some(_)) if block => {
-            // One consumer: two slice accumulators, so that the MMAs of k-tile i run while slice
-            // i - 1 is promoted with its scales, which the producer warp copied into its stage.
+            // One consumer, or two with `two_slices`: two slice accumulators, so that the MMAs
+            // of k-tile i run while slice i - 1 is promoted with its scales, which the producer
+            // copied into its stage.
             let part_b = k.b.accumulator(n_mma);
             let skew = Skew {
                 s: &s,
@@ -2007,7 +2075,7 @@ fn consumers(
                 let done = k.bin(BinOpcode::Sub, PtxTy::U32, kt, Operand::Int(1));
                 let sc = stage_scales(k, cfg, &frag, &ring, &skew, done)?;
                 release(k, &ring, None)?;
-                promote(k, cfg, done, f.ks, &sc, from, &acc);
+                promote(k, cfg, &sc, from, &acc);
                 Ok(())
             };
             // Even k-tile into `part`.
@@ -2414,8 +2482,8 @@ fn row_class(cfg: &WsConfig, i: u32) -> usize {
 struct BlockScales {
     /// `s_x` per token class (see [`token_class`]).
     sx: Vec<Reg>,
-    /// `s_w`.
-    sw: Reg,
+    /// `s_w` per 64-column chunk (see [`w_chunk`]): one entry unless the tile spans two blocks.
+    sw: Vec<Reg>,
 }
 
 /// What a consumer needs to find k-tile `kt`'s scales in the boxes the producer loaded: the tile
@@ -2445,11 +2513,28 @@ fn stage_scales(
         sa,
         Operand::Int(cfg.tx_bytes().into()),
     );
-    // The weight scale's skew: (((e * NB + w0 / 128) * KT + kt) & 3) elements.
+    // The weight scales' skews: (((e * NB + w0 / 128 + b) * KT + kt) & 3) elements in box b.
     let wi = w_scale_index(k, cfg, sk.s.expert, sk.f.w0, kt);
-    k.bin_to(wi, BinOpcode::And, PtxTy::B32, wi, Operand::Int(3));
-    k.bin_to(wi, BinOpcode::Shl, PtxTy::B32, wi, Operand::Int(2));
-    let w_at = k.bin(BinOpcode::Add, PtxTy::U32, area, Operand::Reg(wi));
+    let boxes: Vec<Reg> = (0..cfg.w_scale_boxes())
+        .map(|b| {
+            let ib = k.bin(
+                BinOpcode::Add,
+                PtxTy::U32,
+                wi,
+                Operand::Int(i64::from(b * cfg.k_tiles())),
+            );
+            k.bin_to(ib, BinOpcode::And, PtxTy::B32, ib, Operand::Int(3));
+            k.bin_to(ib, BinOpcode::Shl, PtxTy::B32, ib, Operand::Int(2));
+            k.bin_to(ib, BinOpcode::Add, PtxTy::U32, ib, Operand::Reg(area));
+            let d = k.b.reg(RegClass::F32);
+            k.b.push(Inst::LdShared {
+                d,
+                addr: ib,
+                off: i64::from(b * BLOCK_SCALE_X_AT),
+            });
+            d
+        })
+        .collect();
     // The activation scales' skew: ((kt * T + tok0) & 3) elements.
     let xi = x_scale_index(k, kt, sk.tokens, sk.f.tok0);
     k.bin_to(xi, BinOpcode::And, PtxTy::B32, xi, Operand::Int(3));
@@ -2469,7 +2554,7 @@ fn stage_scales(
         k.bin_to(a4, BinOpcode::Add, PtxTy::U32, a4, Operand::Reg(area));
         vec![(a4, 0), (a4, 32)]
     };
-    let at = i64::from(BLOCK_SCALE_X_AT);
+    let at = i64::from(cfg.block_x_at());
     let sx = offs
         .into_iter()
         .map(|(addr, off)| {
@@ -2482,13 +2567,35 @@ fn stage_scales(
             d
         })
         .collect();
-    let sw = k.b.reg(RegClass::F32);
-    k.b.push(Inst::LdShared {
-        d: sw,
-        addr: w_at,
-        off: 0,
-    });
+    // One scale per 64-column chunk of the tile ([`w_chunk`]): a 192-row tile's middle chunk
+    // lies in the first block where the tile starts on a block, else in the second.
+    let sw = match boxes[..] {
+        [b0, b1] => {
+            let off = k.bin(BinOpcode::And, PtxTy::B32, sk.f.w0, Operand::Int(127));
+            let on_block = k.setp(CmpOp::Eq, off, Operand::Int(0));
+            let mid = k.b.reg(RegClass::F32);
+            k.b.push(Inst::Selp {
+                ty: PtxTy::F32,
+                d: mid,
+                a: Operand::Reg(b0),
+                b: Operand::Reg(b1),
+                p: on_block,
+            });
+            vec![b0, mid, b1]
+        }
+        _ => boxes,
+    };
     Ok(BlockScales { sx, sw })
+}
+
+/// The 64-column chunk of accumulator slot `i` (`4j + 2h + c`, column `8j + c`) whose weight
+/// scale it takes: `j / 8` for a prefill tile spanning two scale blocks, else 0.
+fn w_chunk(cfg: &WsConfig, i: u32) -> usize {
+    if cfg.w_scale_boxes() == 2 {
+        (i / 32) as usize
+    } else {
+        0
+    }
 }
 
 /// Group-wise int8 and FP8 ([`Scaling::PerRowGroup`], [`Scaling::Groupwise`]), k-tile `kt` of the
@@ -2497,7 +2604,7 @@ fn stage_scales(
 /// sum); after the last k-tile of a group (or of the range) the fragment's row scales of the group
 /// are read from the stage's scale area (the tile's weight rows, f32; one per [`row_class`]: rows
 /// `a_row`, `a_row + 8` swapped, `b_col + 8 j + c` otherwise) and promoted: `acc = part * s + acc`
-/// (`=` on the range's first group). Warp-uniform branches only (`kt` is).
+/// (the total cleared at the tile's start). Warp-uniform branches only (`kt` is).
 fn promote_row_groups(
     k: &mut K,
     cfg: &WsConfig,
@@ -2563,67 +2670,52 @@ fn promote_row_groups(
             d
         })
         .collect();
-    // The range's first group (its group index is the range start's) assigns.
-    let shift = log2((group / bk).max(1));
-    let g = k.bin(BinOpcode::Shr, PtxTy::U32, kt, Operand::Int(shift));
-    let g0 = k.bin(BinOpcode::Shr, PtxTy::U32, f.ks, Operand::Int(shift));
-    let first = k.setp(CmpOp::Eq, g, Operand::Reg(g0));
-    accumulate_scaled(k, first, part, acc, |_, i| sc[row_class(cfg, i as u32)]);
+    accumulate_scaled(k, part, acc, |_, i| sc[row_class(cfg, i as u32)]);
     k.b.push(Inst::Label(skip));
     Ok(())
 }
 
-/// Block-scaled promotion of K slice `kt` (its scales in `sc`): `acc = part * s_x * s_w + acc`
-/// (`=` on the first slice of the range, `ks`).
-#[allow(clippy::too_many_arguments)]
-fn promote(
-    k: &mut K,
-    cfg: &WsConfig,
-    kt: Reg,
-    ks: Reg,
-    sc: &BlockScales,
-    part: &[Reg],
-    acc: &[Reg],
-) {
-    let first = k.setp(CmpOp::Eq, kt, Operand::Reg(ks));
+/// Block-scaled promotion of a K slice (its scales in `sc`): `acc = part * s_x * s_w + acc` (the
+/// total cleared at the tile's start).
+fn promote(k: &mut K, cfg: &WsConfig, sc: &BlockScales, part: &[Reg], acc: &[Reg]) {
     let mut factor = std::collections::HashMap::new();
-    accumulate_scaled(k, first, part, acc, |k, i| {
+    accumulate_scaled(k, part, acc, |k, i| {
         let tc = token_class(cfg, i as u32);
+        let wc = w_chunk(cfg, i as u32);
         *factor
-            .entry(tc)
-            .or_insert_with(|| fmul(k, sc.sx[tc], sc.sw))
+            .entry((tc, wc))
+            .or_insert_with(|| fmul(k, sc.sx[tc], sc.sw[wc]))
     });
 }
 
-/// `acc[i] = part[i] * factor(i) + (first ? 0 : acc[i])` for every slot: a promotion of a partial
-/// sum into the f32 total (`=` where `first`).
+/// `acc[i] = part[i] * factor(i) + acc[i]` for every slot: a promotion of a partial sum into the
+/// f32 total (which [`zero_total`] cleared at the tile's start, so the first promotion assigns, as
+/// `fma(p, f, +0)` is `p * f` rounded once).
 fn accumulate_scaled(
     k: &mut K,
-    first: Reg,
     part: &[Reg],
     acc: &[Reg],
     mut factor: impl FnMut(&mut K, usize) -> Reg,
 ) {
-    let zero = k.b.reg(RegClass::F32);
-    k.b.push(Inst::Un {
-        op: crate::ptx::UnOpcode::Mov(PtxTy::F32),
-        d: zero,
-        a: Operand::F32(0.0),
-    });
     for (i, (&p, &a)) in part.iter().zip(acc).enumerate() {
         let fac = factor(k, i);
-        k.b.push(Inst::Selp {
-            ty: PtxTy::F32,
-            d: a,
-            a: Operand::Reg(zero),
-            b: Operand::Reg(a),
-            p: first,
-        });
         k.b.push(Inst::Fma {
             d: a,
             a: p,
             b: fac,
             c: a,
+        });
+    }
+}
+
+/// `acc = +0` at a tile's start, before the promoted families' k loop (block-scaled and
+/// group-wise): their promotions then add to the total without a select on the first slice.
+fn zero_total(k: &mut K, acc: &[Reg]) {
+    for &a in acc {
+        k.b.push(Inst::Un {
+            op: crate::ptx::UnOpcode::Mov(PtxTy::F32),
+            d: a,
+            a: Operand::F32(0.0),
         });
     }
 }
