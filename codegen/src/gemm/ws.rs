@@ -1854,17 +1854,7 @@ fn load_block_scales(
             area,
             Operand::Int(i64::from(b * BLOCK_SCALE_X_AT)),
         );
-        k.b.emit_guarded(
-            Guard::when(leader),
-            AsyncOp::TmaLoad(TmaLoad {
-                dim: TmaDim::D1,
-                dst,
-                tmap: ws,
-                coords: vec![ib],
-                bar: fbar,
-                cache_hint: None,
-            }),
-        )?;
+        load_1d(k, leader, (dst, ws, ib), fbar)?;
     }
     let x = x_scale_index(k, kt, tokens, f.tok0);
     k.bin_to(x, BinOpcode::And, PtxTy::B32, x, Operand::Int(-4));
@@ -1874,14 +1864,20 @@ fn load_block_scales(
         area,
         Operand::Int(cfg.block_x_at().into()),
     );
+    load_1d(k, leader, (dst, xs, x), fbar)
+}
+
+/// The leader's 1-D TMA load of the box at element `coord` of the map `tmap` into `dst`, completing
+/// on the barrier `bar`.
+fn load_1d(k: &mut K, leader: Reg, (dst, tmap, coord): (Reg, Reg, Reg), bar: Reg) -> Result<()> {
     k.b.emit_guarded(
         Guard::when(leader),
         AsyncOp::TmaLoad(TmaLoad {
             dim: TmaDim::D1,
             dst,
-            tmap: xs,
-            coords: vec![x],
-            bar: fbar,
+            tmap,
+            coords: vec![coord],
+            bar,
             cache_hint: None,
         }),
     )
