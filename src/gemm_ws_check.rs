@@ -14,7 +14,7 @@ use crate::codegen::gemm::act_quant::scales_group_major;
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
 use crate::codegen::gemm::wmap::{self, WLayout};
 use crate::codegen::gemm::ws::{
-    Epilogue, GroupScale, Operands, OutTy, Scaling, WRows, WsConfig, W4,
+    paired_row, Epilogue, GroupScale, Operands, OutTy, Scaling, WRows, WsConfig, W4,
 };
 use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
 use crate::runtime::{drv, Device};
@@ -320,6 +320,17 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         (v(e, tok, OutTy::F32, 2, 256, 4, false), 1),
         (v(e, tok, OutTy::F32, 1, 16, 8, true), 3),
         (v(e, Scaling::Block128, OutTy::F32, 1, 16, 8, true), 1),
+        // (block scales: each half of the paired rows takes its `[gate; up]` row's block; the
+        // layer's prefill tile, its two-slice twin and a split decode tile)
+        (v(e, Scaling::Block128, OutTy::F32, 2, 128, 6, false), 1),
+        (
+            WsConfig {
+                two_slices: true,
+                ..v(e, Scaling::Block128, OutTy::F32, 2, 128, 6, false)
+            },
+            1,
+        ),
+        (v(e, Scaling::Block128, OutTy::Bf16, 1, 64, 6, true), 2),
         (v(e, ch, OutTy::F32, 2, 256, 4, false), 1),
         (v(e, ch, OutTy::F32, 1, 16, 8, true), 2),
         (v(e, gw(128, true), OutTy::F32, 1, 16, 8, true), 1),
@@ -379,6 +390,11 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         fused(v(e, ch, OutTy::F32, 2, 128, 6, false), paired),
         fused(v(e, ch, OutTy::F32, 1, 16, 8, true), interleaved),
         fused(v(e, gw(128, true), OutTy::F32, 1, 16, 8, true), interleaved),
+        fused(
+            v(e, Scaling::Block128, OutTy::F32, 2, 128, 6, false),
+            interleaved,
+        ),
+        fused(v(e, Scaling::Block128, OutTy::F32, 1, 32, 8, true), paired),
         WsConfig {
             split_k: 2,
             ..fused(v(b, Scaling::None, OutTy::Bf16, 1, 8, 8, true), interleaved)
@@ -405,6 +421,9 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             _ => true,
         })
         .filter(|c| c.epilogue == Epilogue::Store || n.is_multiple_of(16))
+        // Block scales with paired rows: N a multiple of 128 (a tile's gate and up rows each in
+        // one block).
+        .filter(|c| !c.paired_blocks() || n.is_multiple_of(128))
         .collect()
 }
 
@@ -688,12 +707,21 @@ fn reference_rows(cfg: &WsConfig, op: &Operand<'_>, rows: &[(usize, usize)]) -> 
                                 .map(|j| group_dot(op, (e, j, n, k), group, row(j), &xs, e4m3) * sx)
                                 .collect())
                         }
-                        (Operands::E4m3, _) => reference::gemm_fp8_block128(
+                        // (Paired rows, the fused epilogue: each row takes its `[gate; up]`
+                        // row's block.)
+                        (Operands::E4m3, _) => reference::gemm_fp8_block128_rows(
                             &g,
                             &op.x[r * k..(r + 1) * k],
                             &op.x_scale[r * kb..(r + 1) * kb],
                             &op.w[wr],
                             &op.w_scale[e * nb * kb..(e + 1) * nb * kb],
+                            |c| {
+                                if cfg.paired_blocks() {
+                                    paired_row(c, n / 2, cfg.w_rows.up_first)
+                                } else {
+                                    c
+                                }
+                            },
                         ),
                     };
                     match got {

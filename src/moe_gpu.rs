@@ -98,19 +98,26 @@ pub struct LayerOperands {
 }
 
 /// Whether a first GEMM of `n` rows (`[gate; up]`) with weight scaling `scaling` can take its rows
-/// in the fused SiLU epilogue's paired order ([`GemmWeights::paired`]): `n` a multiple of 16, and no
-/// 128x128 block scales.
+/// in the fused SiLU epilogue's paired order ([`GemmWeights::paired`]): `n` a multiple of 16; with
+/// 128x128 block scales a multiple of 128 (`I` of 64, so that a tile's gate rows and its up rows
+/// each lie in one block: the kernel reads each half's block scale by its `[gate; up]` row,
+/// `WsConfig::paired_blocks`, and the scales stay in their `[E, N / 128, K / 128]` order).
 pub fn pairable(scaling: Scaling, n: usize) -> bool {
-    n.is_multiple_of(16) && scaling != Scaling::Block128
+    let rows = if scaling == Scaling::Block128 {
+        128
+    } else {
+        16
+    };
+    n.is_multiple_of(rows)
 }
 
 impl GemmWeights {
     /// The same weights with their rows in the fused SiLU epilogue's paired order
     /// ([`crate::codegen::gemm::ws::glu_row`]: per 16 rows, 8 gate rows then the 8 up rows of the
     /// same outputs), for a first GEMM of `[gate; up]` rows: the codes, per-row scales and group
-    /// scales (4-bit, group-wise int8 and FP8) move with their rows (per-expert scales stay). `None` where that cannot be:
-    /// N not a multiple of 16, or 128x128 block scales (a 128-row block would mix gate and up
-    /// rows of different blocks).
+    /// scales (4-bit, group-wise int8 and FP8) move with their rows (per-expert scales and 128x128
+    /// block scales stay). `None` where that cannot be: N not a multiple of 16 (of 128 with block
+    /// scales, [`pairable`]).
     pub fn paired(&self) -> Option<GemmWeights> {
         Some(GemmWeights {
             operands: self.operands,

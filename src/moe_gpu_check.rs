@@ -10,7 +10,7 @@
 //!   quantized to E4M3, a GPU `a` a few ulp off the host's can round to the neighbouring code, so
 //!   the two paths' `act` legitimately differ by whole E4M3 steps in a few elements);
 //! * with bf16 activations (no such rounding), `output` and `act` also within 1e-2 of the host's;
-//! * for every recipe whose first GEMM pairs its rows (all but fp8_block128), the fused layer
+//! * for every recipe whose first GEMM pairs its rows (all but fp8_block128 at an I off 64), the fused layer
 //!   (`silu(gate) * up` in the first GEMM's epilogue, what runs without `--dump-intermediates`;
 //!   for FP8 per tensor its f32 `a` quantized by the activation kernel) gives the unfused output
 //!   (the bits are printed as the same or not; within 1e-3 passes).
@@ -350,6 +350,9 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("fp8_per_tensor", true),
         ("fp8_per_tensor", false),
         ("fp8_block128", false),
+        // (again at I = 384: 2I a multiple of 128, so its first GEMM fuses SiLU*up, each half of
+        // the paired rows taking its `[gate; up]` row's scale block)
+        ("fp8_block128", false),
         // FP8 per channel (a variant): a scale per weight row, per-token activations.
         ("fp8_channel", false),
         // Group-wise FP8 (a variant): a scale per row and 128 along K.
@@ -395,6 +398,8 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         let dims = match *recipe {
             "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_g128" | "fp8_g128" => DIMS4,
             "int4_g128_zp" => DIMS4Z,
+            // (its second entry)
+            "fp8_block128" if recipes[..ri].iter().any(|(r, _)| r == recipe) => DIMS4,
             _ => DIMS,
         };
         checkpoint(&mut rng, &ck, *scales, dims)?;
@@ -414,9 +419,14 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
             };
             let run = |device: Device| run_as(device, true);
             let label = format!(
-                "moe layer {recipe:<15}{} T={t:<4} k={k} {routing:?}{}",
+                "moe layer {recipe:<15}{} T={t:<4} k={k} {routing:?}{}{}",
                 if *scales { " static" } else { "       " },
-                if placed { " placed (12 slots)" } else { "" }
+                if placed { " placed (12 slots)" } else { "" },
+                if dims.i == I {
+                    String::new()
+                } else {
+                    format!(" (I = {})", dims.i)
+                }
             );
             let host = run(Device::Host)?;
             let gpu = match run(Device::Gpu) {
@@ -459,7 +469,7 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
                 }
             }
             // Without intermediates the GPU layer fuses `silu(gate) * up` into the first GEMM
-            // where its rows pair (all but fp8_block128; `a` in bf16, or in f32 that the
+            // where its rows pair (fp8_block128 only where 2I is a multiple of 128; `a` in bf16, or in f32 that the
             // activation kernel quantizes): the same output as the unfused path (the same f32
             // values through the same instructions; the bits match when both ran the same tile
             // variant, which the tuning cache may make differ).

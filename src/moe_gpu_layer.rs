@@ -257,7 +257,7 @@ pub fn gemm_form(
 /// The grouped-GEMM variants a layer's GEMM of family `(operands, scaling)` at `N = n`, `K = k`
 /// tunes among and loads, in the form `(out, epilogue)` ([`gemm_form`]): the tuning candidates
 /// (`codegen::gemm::tune::candidates`) with that output and epilogue; fused, those whose weight
-/// tile holds whole groups of 16 rows.
+/// tile holds whole groups of 16 rows (and, block-scaled, at most 128 rows: `WsConfig::supported`).
 pub fn layer_candidates(
     operands: Operands,
     scaling: Scaling,
@@ -269,6 +269,7 @@ pub fn layer_candidates(
         .into_iter()
         .map(|c| WsConfig { out, epilogue, ..c })
         .filter(|c| c.epilogue == Epilogue::Store || c.tile_weights().is_multiple_of(16))
+        .filter(|c| c.supported().is_ok())
         .collect()
 }
 
@@ -1315,7 +1316,24 @@ mod tests {
             (OutTy::F32, Epilogue::SiluMul)
         );
         assert_eq!(gemm_form(true, false, false, tok, 4096), plain);
-        assert_eq!(gemm_form(true, true, true, Scaling::Block128, 4096), plain);
+        // Block scales pair where N is a multiple of 128 (the tile's gate and up rows each in one
+        // block), fused tiles of at most 128 weight rows (the 192-row one is not a candidate).
+        assert_eq!(
+            gemm_form(true, true, false, Scaling::Block128, 4096),
+            (OutTy::F32, Epilogue::SiluMul)
+        );
+        assert_eq!(gemm_form(true, true, false, Scaling::Block128, 4160), plain);
+        let block = layer_candidates(
+            Operands::E4m3,
+            Scaling::Block128,
+            (OutTy::F32, Epilogue::SiluMul),
+            4096,
+            7168,
+        );
+        assert!(block.iter().any(|c| !c.swap_ab) && block.iter().any(|c| c.swap_ab));
+        assert!(block
+            .iter()
+            .all(|c| c.tile_weights() <= 128 && c.paired_blocks() && c.supported().is_ok()));
         assert_eq!(gemm_form(true, true, true, Scaling::None, 4104), plain);
         assert_eq!(gemm_form(false, true, true, Scaling::None, 4096), plain);
         let all = layer_candidates(Operands::Bf16, Scaling::None, fused, 4096, 7168);

@@ -131,9 +131,10 @@ pub(crate) fn graph_check(
         let c = third.tokens();
         layer.upload(dev, &c)?;
         let refused = layer.replay(&graph).is_err();
-        // The layer fuses SiLU*up into its first GEMM where its rows pair (all but the block-
-        // scaled FP8 recipe): the graph holds the fused kernel then.
-        let fused_ok = layer.fused() == (recipe != Recipe::Fp8Block128);
+        // The layer fuses SiLU*up into its first GEMM where its rows pair (`moe_gpu::pairable`:
+        // block-scaled FP8 where 2I is a multiple of 128): the graph holds the fused kernel then.
+        let fused_ok =
+            layer.fused() == crate::moe_gpu::pairable(recipe.family().1, 2 * MODEL.intermediate);
         let ok = replay == plain
             && replay2 == plain2
             && refused

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use moeforge::codegen::gemm::tune::candidates;
-use moeforge::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling};
+use moeforge::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use moeforge::runtime::gemm_tune::{TuneCache, TuneEntry, TuneKey};
 
 fn run(cache: &Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (i32, String, String) {
@@ -36,9 +36,21 @@ fn variants(n13: u32, k13: u32, recipes: &[(Operands, Scaling)]) -> usize {
         for &(o, s) in recipes {
             let all = candidates(o, s, n, k);
             total += all.len();
-            let fused = w13 && o == Operands::Bf16 && n % 16 == 0;
+            // Fused where the rows pair (block scales: N a multiple of 128, the tiles of at most
+            // 128 rows that the generator serves fused).
+            let fused = w13 && n % 16 == 0 && (s != Scaling::Block128 || n % 128 == 0);
             total += if fused {
-                all.iter().filter(|c| c.tile_weights() % 16 == 0).count()
+                all.iter()
+                    .filter(|c| c.tile_weights() % 16 == 0)
+                    .filter(|c| {
+                        WsConfig {
+                            epilogue: Epilogue::SiluMul,
+                            ..**c
+                        }
+                        .supported()
+                        .is_ok()
+                    })
+                    .count()
             } else {
                 all.len()
             };

@@ -1930,3 +1930,69 @@ fn weights_read_through_row_modes_take_their_rank_and_assemble() {
     };
     assert!(refused(&rank6).contains("rank-6"), "{}", refused(&rank6));
 }
+
+/// Block scales with the fused epilogue's paired rows: two weight-scale boxes a k-tile (the tile's
+/// gate rows' block and its up rows'), the up rows' box `I` rows on (`(w0 / 2 + I) / 128`, an add
+/// of `I` before the shift), assembled with no spill; tiles of more than 128 rows and N off 128
+/// refused.
+#[test]
+fn paired_block_scales_take_each_half_its_block() {
+    let block = WsConfig {
+        operands: Operands::E4m3,
+        scaling: Scaling::Block128,
+        out: OutTy::F32,
+        epilogue: Epilogue::SiluMul,
+        stages: 6,
+        ..base()
+    };
+    let i = block.n / 2;
+    for c in [
+        block,
+        WsConfig {
+            two_slices: true,
+            ..block
+        },
+        WsConfig {
+            bn: 16,
+            stages: 8,
+            consumers: 1,
+            swap_ab: true,
+            ..block
+        },
+    ] {
+        assert!(c.paired_blocks() && c.w_scale_boxes() == 2, "{}", c.tag());
+        let text = grouped_ws_entry("k", &c).unwrap();
+        // The activation scales' box and the two weight-scale boxes, the second 128 bytes on.
+        assert_eq!(count(&text, "cp.async.bulk.tensor.1d."), 3, "{}", c.tag());
+        assert_eq!(c.block_x_at(), 2 * ws::BLOCK_SCALE_X_AT);
+        assert!(
+            text.contains(&format!(", {i};")),
+            "{}: no add of I",
+            c.tag()
+        );
+        assembles_clean(
+            &grouped_ws_module("k", &c).unwrap(),
+            &format!("pb_{}", c.tag()),
+        );
+    }
+    // Unfused: one box (the tile inside one block), no add of I.
+    let plain = WsConfig {
+        epilogue: Epilogue::Store,
+        ..block
+    };
+    assert!(!plain.paired_blocks() && plain.w_scale_boxes() == 1);
+    for (c, why) in [
+        (
+            WsConfig {
+                bn: 192,
+                stages: 5,
+                ..block
+            },
+            "at most 128 rows a tile",
+        ),
+        (WsConfig { n: 4160, ..block }, "N a multiple of 128"),
+    ] {
+        let e = refused(&c);
+        assert!(e.contains(why), "{e}");
+    }
+}

@@ -572,11 +572,7 @@ mod tests {
     fn entry(k: &TuneKey) -> TuneEntry {
         let all = candidates(k.operands, k.scaling, k.n, k.k);
         // (The first decode candidate, d1x8: the tests below look for its BN.)
-        let choice = all
-            .iter()
-            .find(|c| c.swap_ab)
-            .copied()
-            .unwrap_or(all[0]);
+        let choice = all.iter().find(|c| c.swap_ab).copied().unwrap_or(all[0]);
         TuneEntry {
             choice,
             times_ns: all

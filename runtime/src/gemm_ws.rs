@@ -335,6 +335,14 @@ impl GroupedGemm {
             Scaling::PerRowGroup { .. } => (0, 0),
             Scaling::Groupwise { per_token, .. } => (if per_token { t } else { 1 }, 0),
         };
+        // The kernel's block-scale box coordinates are u32 sums that TMA reads as s32: refuse
+        // scale vectors they could not address (`(e * NB + blk) * KT + kt` plus a box).
+        if cfg.scaling == Scaling::Block128 && want_w.max(want_x) + nb * kb >= 1 << 31 {
+            return Err(Error::Placement(format!(
+                "grouped GEMM {}: {} weight and {} activation block scales (TMA coordinates reach 2^31)",
+                self.entry, want_w, want_x
+            )));
+        }
         let scale = |s: Option<&CudaSlice<f32>>, what: &str, want: usize| -> Result<u64> {
             match s {
                 None if want == 0 => Ok(0),

@@ -460,6 +460,20 @@ pub fn gemm_fp8_block128(
     wq: &[u8],
     w_scale: &[f32],
 ) -> Result<Vec<f64>> {
+    gemm_fp8_block128_rows(g, xq, x_scale, wq, w_scale, |c| c)
+}
+
+/// [`gemm_fp8_block128`] where weight row `c` of the GEMM takes the scale block of row
+/// `scale_row(c)` (`< N`): the fused SiLU epilogue's paired rows take their `[gate; up]` row's
+/// block (`ws::paired_row`), the scales staying in `[E, ceil(N/128), ceil(K/128)]` order.
+pub fn gemm_fp8_block128_rows(
+    g: &Grouped,
+    xq: &[u8],
+    x_scale: &[f32],
+    wq: &[u8],
+    w_scale: &[f32],
+    scale_row: impl Fn(usize) -> usize,
+) -> Result<Vec<f64>> {
     check_operands(g, xq.len(), wq.len(), 1)?;
     let (kb, nb) = (g.k_blocks(), g.n_blocks());
     check_len("x_scale", x_scale.len(), g.rows() * kb, 4)?;
@@ -474,7 +488,7 @@ pub fn gemm_fp8_block128(
                 &wq[(e * g.n + c) * k + ks.start..(e * g.n + c) * k + ks.end],
             );
             let sx = x_scale[t * kb + j] as f64;
-            let sw = w_scale[(e * nb + c / BLOCK) * kb + j] as f64;
+            let sw = w_scale[(e * nb + scale_row(c) / BLOCK) * kb + j] as f64;
             acc += slice * sx * sw;
         }
         acc

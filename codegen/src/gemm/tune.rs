@@ -2,7 +2,7 @@
 //! shape, and the default choice for a shape bucket before (or without) autotuning.
 //!
 //! Prefill candidates put tokens on the M side (two consumer warpgroups, 128 token rows) with a
-//! 128- or 256-wide weight tile; decode candidates swap A and B (64 weight rows on the M side) with
+//! 128- or 256-wide weight tile (block-scaled: 128 or 192); decode candidates swap A and B (64 weight rows on the M side) with
 //! 8 to 64 tokens on the N side and a deep ring of stages, so that the weights stream with enough
 //! bytes in flight.
 

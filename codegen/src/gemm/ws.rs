@@ -609,8 +609,8 @@ impl WsConfig {
     }
 
     /// Bytes of the scales of one stage, padded to whole KiB so that the next stage stays
-    /// 1024-byte aligned: block-scaled, the weight-scale box at 0 and the activation scales of the
-    /// tile's token rows at [`BLOCK_SCALE_X_AT`]; 4-bit weights and group-wise int8 and FP8, the k-tile's
+    /// 1024-byte aligned: block-scaled, the weight-scale boxes from 0 and the activation scales of the
+    /// tile's token rows at [`WsConfig::block_x_at`]; 4-bit weights and group-wise int8 and FP8, the k-tile's
     /// group scales ([`WsConfig::group_scale_bytes`]); 0 otherwise.
     pub const fn scale_stage_bytes(&self) -> u32 {
         match self.scaling {
@@ -623,14 +623,23 @@ impl WsConfig {
     }
 
     /// Block-scaled: the weight-scale boxes a stage holds, one per 128-row scale block a tile's
-    /// weight rows can touch (a 192-row prefill tile starts on 64 rows and spans two; every
-    /// other tile lies inside one).
+    /// weight rows can touch: two for a 192-row prefill tile (it starts on 64 rows and spans two
+    /// blocks) and for the fused epilogue's paired rows ([`WsConfig::paired_blocks`]: the tile's
+    /// gate rows lie in one block, its up rows in another); one otherwise.
     pub const fn w_scale_boxes(&self) -> u32 {
-        if !self.swap_ab && self.bn > 128 {
+        let block = matches!(self.scaling, Scaling::Block128);
+        if self.paired_blocks() || (block && !self.swap_ab && self.bn > 128) {
             2
         } else {
             1
         }
+    }
+
+    /// Block-scaled with the fused SiLU epilogue: the GEMM's weight rows are in the paired order
+    /// ([`paired_row`]), so a row's 128x128 scale block is that of its `[gate; up]` row, not of
+    /// its position in the tile.
+    pub const fn paired_blocks(&self) -> bool {
+        matches!(self.scaling, Scaling::Block128) && matches!(self.epilogue, Epilogue::SiluMul)
     }
 
     /// Byte offset of the activation scales in a stage's block-scale area: after the weight-scale
@@ -852,6 +861,12 @@ impl WsConfig {
         Ok(())
     }
 
+    /// Whether the generator serves this configuration (what [`grouped_ws_entry`] checks first):
+    /// `Err` names the first rule it breaks.
+    pub fn supported(&self) -> Result<()> {
+        self.check()
+    }
+
     fn check(&self) -> Result<()> {
         let bad = |what: String| Err(unsupported(what));
         if !(1..=2).contains(&self.consumers) {
@@ -1044,6 +1059,18 @@ impl WsConfig {
                     return bad(format!(
                         "block-scaled BN = {} (a divisor of 128 for prefill, or 192 with two consumers and one slice; at most {most} with {} consumer warpgroup(s))",
                         self.bn, self.consumers
+                    ));
+                }
+                // Paired rows (the fused epilogue): a tile's gate rows and its up rows each inside
+                // one 128-row block, which holds for tiles of at most 128 paired rows (64 gate
+                // rows from a multiple of 64) when I = N / 2 is a multiple of 64.
+                if self.paired_blocks()
+                    && (self.tile_weights() > 128 || !self.n.is_multiple_of(128))
+                {
+                    return bad(format!(
+                        "block-scaled weights in the fused SiLU epilogue with {} weight rows a tile and N = {} (at most 128 rows a tile, N a multiple of 128: a tile's gate rows and its up rows each in one 128-row scale block)",
+                        self.tile_weights(),
+                        self.n
                     ));
                 }
             }
@@ -1836,16 +1863,11 @@ fn load_block_scales(
         a,
         Operand::Int(cfg.tx_bytes().into()),
     );
-    let i = w_scale_index(k, cfg, s.expert, f.w0, kt);
     for b in 0..cfg.w_scale_boxes() {
-        // Box b holds the scale of the tile's b-th block, KT elements on; a second block past
-        // N reads the next expert's scale or TMA's zero fill, for columns that are never stored.
-        let ib = k.bin(
-            BinOpcode::Add,
-            PtxTy::U32,
-            i,
-            Operand::Int(i64::from(b * cfg.k_tiles())),
-        );
+        // Box b holds the scale of the tile's b-th block ([`w_scale_index`]); a 192-row tile's
+        // second block past N reads the next expert's scale or TMA's zero fill, for columns that
+        // are never stored.
+        let ib = w_scale_index(k, cfg, s.expert, f.w0, kt, b);
         // Boxes start on 16 bytes: the consumers add the remainder (`stage_scales`).
         k.bin_to(ib, BinOpcode::And, PtxTy::B32, ib, Operand::Int(-4));
         let dst = k.bin(
@@ -1883,10 +1905,13 @@ fn load_1d(k: &mut K, leader: Reg, (dst, tmap, coord): (Reg, Reg, Reg), bar: Reg
     )
 }
 
-/// The flat index of k-tile `kt`'s weight scale in `s_w [E, ceil(N/128), KT]`:
-/// `(expert * NB + w0 / 128) * KT + kt` (what the producer's box starts at, rounded down to 4, and
-/// the consumers' skew within it).
-fn w_scale_index(k: &mut K, cfg: &WsConfig, expert: Reg, w0: Reg, kt: Reg) -> Reg {
+/// The flat index of k-tile `kt`'s weight scale for box `b` of the tile starting at weight row
+/// `w0`, in `s_w [E, ceil(N/128), KT]`: `(expert * NB + blk) * KT + kt` (what the producer's box
+/// starts at, rounded down to 4, and the consumers' skew within it). `blk` is `w0 / 128 + b`; with
+/// paired rows ([`WsConfig::paired_blocks`]) the block of the tile's first (`b = 0`) or second
+/// half of each 16 rows: `(w0 / 2 + I) / 128` for the up rows, `(w0 / 2) / 128` for the gate rows
+/// (`I = N / 2`; [`paired_row`]: up rows first with `up_first`).
+fn w_scale_index(k: &mut K, cfg: &WsConfig, expert: Reg, w0: Reg, kt: Reg, b: u32) -> Reg {
     let nb = cfg.n.div_ceil(128);
     let i = k.bin(
         BinOpcode::MulLo,
@@ -1894,7 +1919,32 @@ fn w_scale_index(k: &mut K, cfg: &WsConfig, expert: Reg, w0: Reg, kt: Reg) -> Re
         expert,
         Operand::Int(i64::from(nb)),
     );
-    let blk = k.bin(BinOpcode::Shr, PtxTy::U32, w0, Operand::Int(7));
+    let blk = if cfg.paired_blocks() {
+        let row = k.bin(BinOpcode::Shr, PtxTy::U32, w0, Operand::Int(1));
+        if (b == 1) != cfg.w_rows.up_first {
+            k.bin_to(
+                row,
+                BinOpcode::Add,
+                PtxTy::U32,
+                row,
+                Operand::Int(i64::from(cfg.n / 2)),
+            );
+        }
+        k.bin_to(row, BinOpcode::Shr, PtxTy::U32, row, Operand::Int(7));
+        row
+    } else {
+        let blk = k.bin(BinOpcode::Shr, PtxTy::U32, w0, Operand::Int(7));
+        if b > 0 {
+            k.bin_to(
+                blk,
+                BinOpcode::Add,
+                PtxTy::U32,
+                blk,
+                Operand::Int(i64::from(b)),
+            );
+        }
+        blk
+    };
     k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(blk));
     k.bin_to(
         i,
@@ -2478,7 +2528,7 @@ fn row_class(cfg: &WsConfig, i: u32) -> usize {
 struct BlockScales {
     /// `s_x` per token class (see [`token_class`]).
     sx: Vec<Reg>,
-    /// `s_w` per 64-column chunk (see [`w_chunk`]): one entry unless the tile spans two blocks.
+    /// `s_w` per weight-row class (see [`w_chunk`]): one entry unless the tile spans two blocks.
     sw: Vec<Reg>,
 }
 
@@ -2491,7 +2541,8 @@ struct Skew<'a> {
 }
 
 /// `ld.shared` of the scales of k-tile `kt`, in stage `r.prev` (the producer's TMA boxes: the
-/// weight scales first, the tile's activation scales by local token row at [`BLOCK_SCALE_X_AT`]),
+/// weight-scale boxes first, the tile's activation scales by local token row at
+/// [`WsConfig::block_x_at`]),
 /// each box entered at its skew: the element index's remainder mod 4 that the producer rounded
 /// down (`load_block_scales`).
 fn stage_scales(
@@ -2509,16 +2560,10 @@ fn stage_scales(
         sa,
         Operand::Int(cfg.tx_bytes().into()),
     );
-    // The weight scales' skews: (((e * NB + w0 / 128 + b) * KT + kt) & 3) elements in box b.
-    let wi = w_scale_index(k, cfg, sk.s.expert, sk.f.w0, kt);
+    // The weight scales' skews: (index & 3) elements in box b ([`w_scale_index`]).
     let boxes: Vec<Reg> = (0..cfg.w_scale_boxes())
         .map(|b| {
-            let ib = k.bin(
-                BinOpcode::Add,
-                PtxTy::U32,
-                wi,
-                Operand::Int(i64::from(b * cfg.k_tiles())),
-            );
+            let ib = w_scale_index(k, cfg, sk.s.expert, sk.f.w0, kt, b);
             k.bin_to(ib, BinOpcode::And, PtxTy::B32, ib, Operand::Int(3));
             k.bin_to(ib, BinOpcode::Shl, PtxTy::B32, ib, Operand::Int(2));
             k.bin_to(ib, BinOpcode::Add, PtxTy::U32, ib, Operand::Reg(area));
@@ -2566,6 +2611,8 @@ fn stage_scales(
     // One scale per 64-column chunk of the tile ([`w_chunk`]): a 192-row tile's middle chunk
     // lies in the first block where the tile starts on a block, else in the second.
     let sw = match boxes[..] {
+        // Paired rows: box 0 holds the first half of each 16 rows' block, box 1 the second's.
+        _ if cfg.paired_blocks() => boxes,
         [b0, b1] => {
             let off = k.bin(BinOpcode::And, PtxTy::B32, sk.f.w0, Operand::Int(127));
             let on_block = k.setp(CmpOp::Eq, off, Operand::Int(0));
@@ -2584,11 +2631,19 @@ fn stage_scales(
     Ok(BlockScales { sx, sw })
 }
 
-/// The 64-column chunk of accumulator slot `i` (`4j + 2h + c`, column `8j + c`) whose weight
-/// scale it takes: `j / 8` for a prefill tile spanning two scale blocks, else 0.
+/// The weight scale ([`BlockScales::sw`]) of accumulator slot `i` (`4j + 2h + c`): with paired
+/// rows, the half of its 16-row group (the B-side column block `j % 2` in prefill, the A-side half
+/// `h` swapped); for a prefill tile spanning two scale blocks its 64-column chunk `j / 8`; else 0.
 fn w_chunk(cfg: &WsConfig, i: u32) -> usize {
-    if cfg.w_scale_boxes() == 2 {
-        (i / 32) as usize
+    let (j, h) = (i / 4, (i / 2) % 2);
+    if cfg.paired_blocks() {
+        if cfg.swap_ab {
+            h as usize
+        } else {
+            (j % 2) as usize
+        }
+    } else if cfg.w_scale_boxes() == 2 {
+        (j / 8) as usize
     } else {
         0
     }
