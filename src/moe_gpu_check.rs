@@ -61,6 +61,8 @@ pub(crate) struct Dims {
 const DIMS: Dims = Dims { e: E, h: H, i: I };
 /// The 4-bit recipes' layer (I a multiple of 128).
 const DIMS4: Dims = Dims { e: E, h: H, i: 384 };
+/// fp8_block128 fused with I = 192 (2I a multiple of 128, I not: a block holds gate and up rows).
+const DIMS192: Dims = Dims { e: E, h: H, i: 192 };
 /// The asymmetric INT4 recipe's layer (its zero points pack two groups of 128 a byte: I a
 /// multiple of 256).
 const DIMS4Z: Dims = Dims { e: E, h: H, i: 512 };
@@ -351,7 +353,9 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         ("fp8_per_tensor", false),
         ("fp8_block128", false),
         // (again at I = 384: 2I a multiple of 128, so its first GEMM fuses SiLU*up, each half of
-        // the paired rows taking its `[gate; up]` row's scale block)
+        // the paired rows taking its `[gate; up]` row's scale block; and at I = 192, where one
+        // 128-row block holds gate rows and up rows)
+        ("fp8_block128", false),
         ("fp8_block128", false),
         // FP8 per channel (a variant): a scale per weight row, per-token activations.
         ("fp8_channel", false),
@@ -398,8 +402,12 @@ pub fn selftest(quick: bool, settings: &crate::Settings) -> Result<(String, Opti
         let dims = match *recipe {
             "nvfp4_cutedsl" | "mxfp4" | "int4_g128" | "int8_g128" | "fp8_g128" => DIMS4,
             "int4_g128_zp" => DIMS4Z,
-            // (its second entry)
-            "fp8_block128" if recipes[..ri].iter().any(|(r, _)| r == recipe) => DIMS4,
+            // (its second and third entries)
+            "fp8_block128" => match recipes[..ri].iter().filter(|(r, _)| r == recipe).count() {
+                0 => DIMS,
+                1 => DIMS4,
+                _ => DIMS192,
+            },
             _ => DIMS,
         };
         checkpoint(&mut rng, &ck, *scales, dims)?;

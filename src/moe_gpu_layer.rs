@@ -14,8 +14,8 @@
 //!    `moe_kernels` for static scales), with the same bits;
 //! 3. `w13` grouped GEMM (`runtime::gemm_ws`), f32 out `[n, 2I]`;
 //! 4. `a = silu(gate) * up` in f32, fed to the second GEMM as the recipe declares (bf16, or E4M3
-//!    per token / per 1x128 group / static). Where the first GEMM's weights pair (every recipe
-//!    but `fp8_block128`), SiLU*up is in its epilogue by default
+//!    per token / per 1x128 group / static). Where the first GEMM's weights pair (every recipe;
+//!    `fp8_block128` where 2I is a multiple of 128), SiLU*up is in its epilogue by default
 //!    (`codegen::gemm::ws::Epilogue::SiluMul`, weight rows uploaded in its paired order), with
 //!    the same bits ([`GpuLayer::with_fusion`]): it writes `a` in bf16 where the second GEMM
 //!    takes bf16 (bf16 and the weights-only recipes: steps 3 and 4 are one kernel), else `a` in

@@ -29,7 +29,8 @@ fn run(cache: &Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (i32, S
 /// Every candidate of every recipe of a model's w13 and w2 (what the warm-up generates): the GEMM
 /// benchmark's bf16-out form, and the MoE layer's: w2 in f32, w13 fused with SiLU*up in bf16 where
 /// the recipe feeds the second GEMM bf16 (bf16 here; the FP8 recipes quantize) and its rows pair
-/// (no block scales, whole groups of 16 weight rows per tile), else in f32.
+/// (whole groups of 16 weight rows per tile; block scales with N a multiple of 128 and tiles of at
+/// most 128 rows), else in f32.
 fn variants(n13: u32, k13: u32, recipes: &[(Operands, Scaling)]) -> usize {
     let mut total = 0;
     for (w13, n, k) in [(true, n13, k13), (false, k13, n13 / 2)] {

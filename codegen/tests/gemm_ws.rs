@@ -1932,9 +1932,9 @@ fn weights_read_through_row_modes_take_their_rank_and_assemble() {
 }
 
 /// Block scales with the fused epilogue's paired rows: two weight-scale boxes a k-tile (the tile's
-/// gate rows' block and its up rows'), the up rows' box `I` rows on (`(w0 / 2 + I) / 128`, an add
-/// of `I` before the shift), assembled with no spill; tiles of more than 128 rows and N off 128
-/// refused.
+/// gate rows' block and its up rows'), the up rows' box `I` rows on (`(w0 / 2 + I) / 128`: an add
+/// of `I` that the same tile unpaired has not), assembled with no spill; tiles of more than 128
+/// rows and N off 128 refused.
 #[test]
 fn paired_block_scales_take_each_half_its_block() {
     let block = WsConfig {
@@ -1946,6 +1946,13 @@ fn paired_block_scales_take_each_half_its_block() {
         ..base()
     };
     let i = block.n / 2;
+    // Lines adding `I` to a register (the up rows' block; `setp` and other uses of the value left
+    // out).
+    let adds_i = |text: &str| {
+        text.lines()
+            .filter(|l| l.trim_start().starts_with("add.u32") && l.ends_with(&format!(", {i};")))
+            .count()
+    };
     for c in [
         block,
         WsConfig {
@@ -1965,22 +1972,31 @@ fn paired_block_scales_take_each_half_its_block() {
         // The activation scales' box and the two weight-scale boxes, the second 128 bytes on.
         assert_eq!(count(&text, "cp.async.bulk.tensor.1d."), 3, "{}", c.tag());
         assert_eq!(c.block_x_at(), 2 * ws::BLOCK_SCALE_X_AT);
-        assert!(
-            text.contains(&format!(", {i};")),
-            "{}: no add of I",
+        // The up rows' block: once in the producer, once a promotion site in the consumers.
+        let plain = WsConfig {
+            epilogue: Epilogue::Store,
+            ..c
+        };
+        assert!(!plain.paired_blocks() && plain.w_scale_boxes() == 1);
+        let plain_text = grouped_ws_entry("k", &plain).unwrap();
+        assert_eq!(
+            count(&plain_text, "cp.async.bulk.tensor.1d."),
+            2,
+            "{}",
             c.tag()
+        );
+        assert!(
+            adds_i(&text) >= 2 && adds_i(&plain_text) == 0,
+            "{}: {} adds of I paired, {} unpaired",
+            c.tag(),
+            adds_i(&text),
+            adds_i(&plain_text)
         );
         assembles_clean(
             &grouped_ws_module("k", &c).unwrap(),
             &format!("pb_{}", c.tag()),
         );
     }
-    // Unfused: one box (the tile inside one block), no add of I.
-    let plain = WsConfig {
-        epilogue: Epilogue::Store,
-        ..block
-    };
-    assert!(!plain.paired_blocks() && plain.w_scale_boxes() == 1);
     for (c, why) in [
         (
             WsConfig {

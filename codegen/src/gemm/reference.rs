@@ -478,6 +478,16 @@ pub fn gemm_fp8_block128_rows(
     let (kb, nb) = (g.k_blocks(), g.n_blocks());
     check_len("x_scale", x_scale.len(), g.rows() * kb, 4)?;
     check_len("w_scale", w_scale.len(), g.experts() * nb * kb, 4)?;
+    if let Some(c) = (0..g.n).find(|&c| scale_row(c) >= g.n) {
+        return Err(Error::Unsupported {
+            param: "w_scale".into(),
+            what: format!(
+                "GEMM row {c} taking the scale block of row {} of N = {}",
+                scale_row(c),
+                g.n
+            ),
+        });
+    }
     let k = g.k;
     Ok(g.map(|e, t, c| {
         let mut acc = 0.0f64;

@@ -1834,10 +1834,10 @@ fn w_row_coords(k: &mut K, cfg: &WsConfig, w0: Reg, expert: Reg) -> Result<(TmaD
 }
 
 /// The producer's TMA loads of k-tile `kt`'s block scales into the stage at `a` (after A and B),
-/// on the stage's full barrier: the weight scale `s_w[e, w0 / 128, kt]` (in one
-/// [`BLOCK_SCALE_W_BOX`] box from its index rounded down to 4; a decode tile's 64 weight rows sit
-/// inside one 128-row block) at the area's start, and for a tile spanning two blocks
-/// ([`WsConfig::w_scale_boxes`]) `s_w[e, w0 / 128 + 1, kt]` in a second box 128 bytes on; then the
+/// on the stage's full barrier: the weight scale `s_w[e, blk, kt]` of each block the tile's rows
+/// take (in one [`BLOCK_SCALE_W_BOX`] box each, from its index rounded down to 4, 128 bytes apart;
+/// [`WsConfig::w_scale_boxes`], [`w_scale_index`]: one box for a tile inside one block, two for a
+/// 192-row prefill tile and for paired rows, their gate rows' block and their up rows'); then the
 /// activation scales of the tile's token rows, `s_x[kt, tok0 ..]` (group-major `[KB, T]`, flat;
 /// the box from that index rounded down to 4, [`BLOCK_SCALE_PAD`] longer), at
 /// [`WsConfig::block_x_at`]. Token rows past the expert's end read the
@@ -2528,7 +2528,9 @@ fn row_class(cfg: &WsConfig, i: u32) -> usize {
 struct BlockScales {
     /// `s_x` per token class (see [`token_class`]).
     sx: Vec<Reg>,
-    /// `s_w` per weight-row class (see [`w_chunk`]): one entry unless the tile spans two blocks.
+    /// `s_w` per weight-row class (see [`w_chunk`]): one entry for a tile inside one block; the
+    /// first and second halves of each 16 rows' blocks for paired rows; the three 64-column
+    /// chunks' for a 192-row tile.
     sw: Vec<Reg>,
 }
 
