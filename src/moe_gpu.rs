@@ -103,12 +103,7 @@ pub struct LayerOperands {
 /// each lie in one block: the kernel reads each half's block scale by its `[gate; up]` row,
 /// `WsConfig::paired_blocks`, and the scales stay in their `[E, N / 128, K / 128]` order).
 pub fn pairable(scaling: Scaling, n: usize) -> bool {
-    let rows = if scaling == Scaling::Block128 {
-        128
-    } else {
-        16
-    };
-    n.is_multiple_of(rows)
+    u32::try_from(n).is_ok_and(|n| crate::codegen::gemm::ws::rows_pair(scaling, n))
 }
 
 impl GemmWeights {

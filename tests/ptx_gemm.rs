@@ -1059,3 +1059,18 @@ fn a_declared_layout_no_map_serves_is_re_laid_and_said() {
     ]);
     assert_eq!((code, err.as_str()), (Some(0), ""));
 }
+
+/// What `check` accepts, `compile --kernels gemm` serves: fp8_block128 with 2I off 128 (I = 208,
+/// the recipe's `I % 16` allows it) gets the layer's unfused first GEMM (a paired tile would mix
+/// gate and up rows of one scale block with another's), with 2I a multiple of 128 the fused one;
+/// nothing missing either way.
+#[test]
+fn fp8_block128_fuses_where_its_rows_pair_and_is_served_unfused_elsewhere() {
+    for (bind, fused) in [("E=8,H=256,I=208", false), ("E=8,H=256,I=192", true)] {
+        let plan = recipe_plan("fp8_block128", bind);
+        assert!(plan.missing.is_empty(), "{bind}: {:?}", plan.missing);
+        let silu = plan.layer.iter().any(|v| v.entry.contains("_silu_"));
+        assert_eq!(silu, fused, "{bind}");
+        assert!(plan.layer.iter().any(|v| v.gemm == "w13"), "{bind}");
+    }
+}

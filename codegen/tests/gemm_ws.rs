@@ -498,6 +498,17 @@ fn the_configurations_ws_refuses() {
             "BN = 192",
         ),
         (WsConfig { bn: 160, ..block }, "BN = 160"),
+        // Two slices: the block-scaled prefill form only (never generated swapped).
+        (
+            WsConfig {
+                bn: 64,
+                consumers: 2,
+                swap_ab: true,
+                two_slices: true,
+                ..block
+            },
+            "two slice accumulators",
+        ),
         (WsConfig { bn: 136, ..block }, "BN = 136"),
         (WsConfig { bn: 256, ..block }, "block-scaled BN = 256"),
         (

@@ -260,6 +260,18 @@ impl K {
         d
     }
 
+    /// `selp.ty d, a, b, p` into a new register of `ty`'s class: `p ? a : b`.
+    pub(crate) fn selp(&mut self, ty: PtxTy, a: Operand, b: Operand, p: Reg) -> Reg {
+        let class = match ty {
+            PtxTy::U64 | PtxTy::B64 | PtxTy::S64 => RegClass::B64,
+            PtxTy::F32 => RegClass::F32,
+            _ => RegClass::B32,
+        };
+        let d = self.b.reg(class);
+        self.b.push(Inst::Selp { ty, d, a, b, p });
+        d
+    }
+
     pub(crate) fn setp(&mut self, cmp: CmpOp, a: Reg, b: Operand) -> Reg {
         let p = self.b.reg(RegClass::Pred);
         self.b.push(Inst::Setp {

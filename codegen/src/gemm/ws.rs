@@ -493,6 +493,20 @@ impl Epilogue {
     }
 }
 
+/// Whether a first GEMM of `n` weight rows (`[gate; up]`) with weight scaling `scaling` can take
+/// them in the fused epilogue's paired order ([`paired_row`]): `n` a multiple of 16; with 128x128
+/// block scales a multiple of 128 (`I` of 64, so that a tile's gate rows and its up rows each lie
+/// inside one scale block, [`WsConfig::paired_blocks`]). The rule the layer fuses by and the
+/// generator checks.
+pub const fn rows_pair(scaling: Scaling, n: u32) -> bool {
+    let rows = if matches!(scaling, Scaling::Block128) {
+        128
+    } else {
+        16
+    };
+    n.is_multiple_of(rows)
+}
+
 /// The logical row of the fused epilogue's weight row `r` in `[gate; up]` order with `i` outputs
 /// (`N = 2i`): rows `16q .. 16q + 8` are gate rows `8q ..`, rows `16q + 8 .. 16q + 16` the up rows
 /// `i + 8q ..` ([`Epilogue::SiluMul`]).
@@ -864,18 +878,18 @@ impl WsConfig {
     /// Whether the generator serves this configuration (what [`grouped_ws_entry`] checks first):
     /// `Err` names the first rule it breaks.
     pub fn supported(&self) -> Result<()> {
-        self.check()
-    }
-
-    fn check(&self) -> Result<()> {
         let bad = |what: String| Err(unsupported(what));
         if !(1..=2).contains(&self.consumers) {
             return bad(format!("{} consumer warpgroups (1 or 2)", self.consumers));
         }
-        if self.two_slices && (self.scaling != Scaling::Block128 || self.consumers != 2) {
+        if self.two_slices
+            && (self.scaling != Scaling::Block128 || self.consumers != 2 || self.swap_ab)
+        {
             return bad(format!(
-                "two slice accumulators with {:?} and {} consumer warpgroup(s) (block-scaled, two consumers; one consumer always keeps two)",
-                self.scaling, self.consumers
+                "two slice accumulators with {:?}, {} consumer warpgroup(s){} (the block-scaled prefill form with two consumers; one consumer always keeps two)",
+                self.scaling,
+                self.consumers,
+                if self.swap_ab { ", swapped" } else { "" }
             ));
         }
         WgmmaN::new(self.bn)?;
@@ -1065,7 +1079,7 @@ impl WsConfig {
                 // one 128-row block, which holds for tiles of at most 128 paired rows (64 gate
                 // rows from a multiple of 64) when I = N / 2 is a multiple of 64.
                 if self.paired_blocks()
-                    && (self.tile_weights() > 128 || !self.n.is_multiple_of(128))
+                    && (self.tile_weights() > 128 || !rows_pair(self.scaling, self.n))
                 {
                     return bad(format!(
                         "block-scaled weights in the fused SiLU epilogue with {} weight rows a tile and N = {} (at most 128 rows a tile, N a multiple of 128: a tile's gate rows and its up rows each in one 128-row scale block)",
@@ -1518,7 +1532,7 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
             "entry name `{name}` (not a PTX identifier)"
         )));
     }
-    cfg.check()?;
+    cfg.supported()?;
     let stages = cfg.stages;
     let mut entry = Entry::new(name);
     entry.params = vec![
@@ -2618,14 +2632,7 @@ fn stage_scales(
         [b0, b1] => {
             let off = k.bin(BinOpcode::And, PtxTy::B32, sk.f.w0, Operand::Int(127));
             let on_block = k.setp(CmpOp::Eq, off, Operand::Int(0));
-            let mid = k.b.reg(RegClass::F32);
-            k.b.push(Inst::Selp {
-                ty: PtxTy::F32,
-                d: mid,
-                a: Operand::Reg(b0),
-                b: Operand::Reg(b1),
-                p: on_block,
-            });
+            let mid = k.selp(PtxTy::F32, Operand::Reg(b0), Operand::Reg(b1), on_block);
             vec![b0, mid, b1]
         }
         _ => boxes,
@@ -3063,25 +3070,11 @@ fn store_bf16_quads(
     let odd = k.setp(CmpOp::Ne, q2, Operand::Int(0));
     // The odd lane's quad starts 6 columns (12 bytes) past its own column pair.
     let shifted = k.bin(BinOpcode::Add, PtxTy::U64, addr, Operand::Int(12));
-    let base = k.b.reg(RegClass::B64);
-    k.b.push(Inst::Selp {
-        ty: PtxTy::U64,
-        d: base,
-        a: Operand::Reg(shifted),
-        b: Operand::Reg(addr),
-        p: odd,
-    });
+    let base = k.selp(PtxTy::U64, Operand::Reg(shifted), Operand::Reg(addr), odd);
     let col0 = if b_full {
         None
     } else {
-        let c = k.b.reg(RegClass::B32);
-        k.b.push(Inst::Selp {
-            ty: PtxTy::U32,
-            d: c,
-            a: Operand::Int(6),
-            b: Operand::Int(0),
-            p: odd,
-        });
+        let c = k.selp(PtxTy::U32, Operand::Int(6), Operand::Int(0), odd);
         k.bin_to(c, BinOpcode::Add, PtxTy::U32, c, Operand::Reg(b_side));
         Some(c)
     };
@@ -3096,17 +3089,7 @@ fn store_bf16_quads(
         });
         w
     };
-    let sel = |k: &mut K, a: Reg, b: Reg| -> Reg {
-        let d = k.reg32();
-        k.b.push(Inst::Selp {
-            ty: PtxTy::B32,
-            d,
-            a: Operand::Reg(a),
-            b: Operand::Reg(b),
-            p: odd,
-        });
-        d
-    };
+    let sel = |k: &mut K, a: Reg, b: Reg| k.selp(PtxTy::B32, Operand::Reg(a), Operand::Reg(b), odd);
     for j in (0..cfg.bn / 8).step_by(2) {
         let col_ok = col0.map(|c| {
             let col = k.bin(
