@@ -139,6 +139,7 @@ impl WsRunner {
             w_layout: None,
             t: o.t,
             experts: o.experts,
+            act_out: None,
         };
         // SAFETY: `offsets` holds the exclusive prefix sums of the case's row counts
         // (non-decreasing from 0, ending at `t`); the other sizes are checked by `run`.

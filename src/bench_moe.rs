@@ -55,6 +55,26 @@ pub struct Options {
     pub anchor: Option<PathBuf>,
     /// The runtime's settings (kernel cache, JIT).
     pub settings: crate::runtime::Settings,
+    /// Feed the FP8 recipes' GEMMs with static activation scales (a checkpoint's calibrated
+    /// `w13_input_scale` / `w2_input_scale`, [`STATIC_SCALE`] for every expert) instead of
+    /// per-token ones; the rows' recipe reads `<recipe>+static`. Recipes without such a scheme
+    /// (bf16, the weights-only ones, `fp8_block128`) run as they are.
+    pub static_scales: bool,
+}
+
+/// The static activation scale of `--static-scales` (a calibrated scale of the benchmark's
+/// activations' order; the time does not depend on it).
+pub const STATIC_SCALE: f32 = 1.0 / 64.0;
+
+/// `feed`, or static scales in its place where the recipe's dynamic scheme is per token.
+fn static_feed(feed: Feed, param: &str, experts: usize) -> Feed {
+    match feed {
+        Feed::PerToken => Feed::Static {
+            param: param.into(),
+            values: vec![STATIC_SCALE; experts],
+        },
+        f => f,
+    }
 }
 
 /// A weight operand of random bytes for `recipe`: `[experts, n, k]`.
@@ -145,6 +165,8 @@ fn routing(tokens: usize, experts: usize, top_k: usize, seed: u64) -> Result<(Ve
 struct Row {
     model: &'static str,
     recipe: Recipe,
+    /// Static activation scales ([`Options::static_scales`]).
+    static_scales: bool,
     tokens: usize,
     us: f64,
     /// The forward replayed from a CUDA graph (`None`: the capture failed).
@@ -168,6 +190,15 @@ impl Row {
             .iter()
             .find(|(name, _)| name.starts_with("w13"))
             .map(|&(_, us)| us)
+    }
+
+    /// The recipe's name, `+static` with static activation scales.
+    fn label(&self) -> String {
+        if self.static_scales {
+            format!("{}+static", self.recipe.name())
+        } else {
+            self.recipe.name().to_string()
+        }
     }
 
     /// vLLM's recorded w13 GEMM over our w13 step (above 1: ours is faster).
@@ -381,7 +412,19 @@ pub fn run(opts: &Options) -> Result<String> {
             }));
         }
         for &recipe in &opts.selection.recipes {
-            let ops = operands(model, recipe);
+            let mut ops = operands(model, recipe);
+            let static_scales = opts.static_scales && ops.feed13 == Feed::PerToken;
+            if static_scales {
+                ops.feed13 = static_feed(ops.feed13, "w13_input_scale", e);
+                ops.feed2 = static_feed(ops.feed2, "w2_input_scale", e);
+            }
+            let label = |r: Recipe| {
+                if static_scales {
+                    format!("{}+static", r.name())
+                } else {
+                    r.name().to_string()
+                }
+            };
             let mut layer = GpuLayer::new(&dev, &ops, &Replicas::identity(e), &opts.settings)?;
             drop(ops);
             for &tokens in &opts.selection.tokens {
@@ -413,7 +456,7 @@ pub fn run(opts: &Options) -> Result<String> {
                                 report,
                                 "{} {} {tokens} tokens: {note}",
                                 model.name,
-                                recipe.name()
+                                label(recipe)
                             );
                         }
                         let flops = 6.0 * (tokens * k) as f64 * h as f64 * i as f64;
@@ -423,6 +466,7 @@ pub fn run(opts: &Options) -> Result<String> {
                         rows.push(Row {
                             model: model.name,
                             recipe,
+                            static_scales,
                             tokens,
                             us,
                             graph_us,
@@ -441,7 +485,7 @@ pub fn run(opts: &Options) -> Result<String> {
                             report,
                             "{} {} {tokens} tokens: FAILED: {err}",
                             model.name,
-                            recipe.name()
+                            label(recipe)
                         );
                     }
                 }
@@ -482,7 +526,7 @@ pub fn run(opts: &Options) -> Result<String> {
             report,
             "| {} | {} | {} | {:.1} | {} | {:.1} | {:.2} | {:.0}% | {} | {} | {} | {} | {} | {} |",
             r.model,
-            r.recipe.name(),
+            r.label(),
             r.tokens,
             r.us,
             r.graph_us.map_or("-".into(), |g| format!("{g:.1}")),
@@ -503,7 +547,7 @@ pub fn run(opts: &Options) -> Result<String> {
             .iter()
             .map(|r| crate::plot::LayerPoint {
                 model: r.model.to_string(),
-                recipe: r.recipe.name().to_string(),
+                recipe: r.label(),
                 tokens: r.tokens,
                 us: r.us,
                 roofline_us: r.roofline * r.us,
@@ -520,7 +564,7 @@ pub fn run(opts: &Options) -> Result<String> {
             "device": describe(&dev),
             "torch": about,
             "rows": rows.iter().map(|r| json!({
-                "model": r.model, "recipe": r.recipe.name(), "tokens": r.tokens, "us": r.us,
+                "model": r.model, "recipe": r.label(), "tokens": r.tokens, "us": r.us,
                 "graph_us": r.graph_us,
                 "tflops": r.tflops, "weight_tbps": r.weight_tbps, "roofline": r.roofline,
                 "torch_us": r.torch_us, "variants": r.variants,
@@ -547,6 +591,7 @@ mod tests {
         Row {
             model: "deepseek-v3-ep8",
             recipe: Recipe::Bf16,
+            static_scales: false,
             tokens: 1,
             us: 200.0,
             graph_us: None,

@@ -519,14 +519,24 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             }
         }
         // The layer's own forms (`GpuLayer`): the first GEMM fused with SiLU*up where its rows
-        // pair (bf16 out where the second GEMM takes bf16 activations, else f32), and f32 out
-        // plain (the unfused path, and the second GEMM).
+        // pair (bf16 out where the second GEMM takes bf16 activations, else `a` quantized to
+        // E4M3 in the GEMM, for each scheme the recipe declares for the second GEMM: static,
+        // and its dynamic fallback), and f32 out plain (the unfused path, and the second GEMM).
         let layer = layer_scaling(scaling);
-        let feed2_bf16 = info.activation_scales("w2").is_empty();
+        let a2: Vec<Option<ws::AQuant>> = {
+            let declared = info.activation_scales("w2");
+            if declared.is_empty() {
+                vec![None]
+            } else {
+                declared.iter().filter_map(a2_of).map(Some).collect()
+            }
+        };
         let w13 = gemm == "w13";
-        let mut forms = vec![crate::moe_gpu_layer::gemm_form(
-            w13, true, feed2_bf16, layer, n as usize,
-        )];
+        let mut forms: Vec<_> = a2
+            .iter()
+            .map(|&q| crate::moe_gpu_layer::gemm_form(w13, true, q, layer, n as usize))
+            .collect();
+        forms.dedup();
         let unfused = (ws::OutTy::F32, ws::Epilogue::Store);
         if !forms.contains(&unfused) {
             forms.push(unfused);
@@ -535,7 +545,7 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             let cfgs = crate::gemm_access::layer_variants(
                 crate::moe_gpu_layer::layer_candidates(operands, layer, form, n, k),
                 access.as_ref(),
-                form.1 == ws::Epilogue::SiluMul,
+                form.1.silu(),
             );
             for cfg in cfgs {
                 let entry = ws_entry(gemm, &cfg);
@@ -553,4 +563,16 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
         }
     }
     Ok(plan)
+}
+
+/// The E4M3 quantization of the second GEMM's `a` for a declared activation scheme (`None`: one
+/// the GPU layer does not serve, a dynamic group other than 128).
+fn a2_of(s: &dsl::ir::ActScale) -> Option<ws::AQuant> {
+    use dsl::ir::{ActDynamic, ActScale};
+    match s {
+        ActScale::Static(_) => Some(ws::AQuant::Static),
+        ActScale::Dynamic(ActDynamic::PerToken) => Some(ws::AQuant::PerToken),
+        ActScale::Dynamic(ActDynamic::PerTokenGroup { group: 128 }) => Some(ws::AQuant::Group128),
+        ActScale::Dynamic(ActDynamic::PerTokenGroup { .. }) => None,
+    }
 }

@@ -23,7 +23,6 @@ use crate::bench_gemm_ws::WsRunner;
 use crate::codegen::gemm::tune;
 use crate::codegen::gemm::ws::{Epilogue, OutTy};
 use crate::moe_gpu_layer::{gemm_form, layer_candidates};
-use crate::moe_host::Feed;
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gemm_tune::TuneSource;
 use crate::runtime::gemm_ws::{variant_cubin, variant_ptx};
@@ -67,14 +66,14 @@ pub fn layer_forms(
     let form = gemm_form(
         gemm == "w13",
         true,
-        crate::bench_moe::feed(recipe) == Feed::Bf16,
+        crate::moe_gpu_layer::a2_quant(&crate::bench_moe::feed(recipe)),
         scaling,
         2 * m.intermediate,
     );
     let layer = crate::gemm_access::layer_variants(
         layer_candidates(operands, scaling, form, n, k),
         access_at(recipe, m, gemm).as_ref(),
-        form.1 == Epilogue::SiluMul,
+        form.1.silu(),
     );
     (form, layer)
 }
@@ -170,6 +169,7 @@ pub fn warmup(sel: &Selection, settings: &crate::runtime::Settings) -> Result<St
                     match form {
                         (OutTy::Bf16, Epilogue::SiluMul) => "fused SiLU*up, bf16 out",
                         (_, Epilogue::SiluMul) => "fused SiLU*up, f32 out",
+                        (_, Epilogue::SiluMulE4m3(_)) => "fused SiLU*up, E4M3 a out",
                         (_, Epilogue::Store) => "f32 out",
                     }
                 );
@@ -291,7 +291,7 @@ mod tests {
         use crate::codegen::gemm::ws::{Operands, Scaling, WRows};
         let q = MODELS[0];
         let a = access_at(Recipe::Bf16, &q, "w13").expect("bf16 verifies at Qwen3");
-        let form = gemm_form(true, true, true, Scaling::None, 2 * q.intermediate);
+        let form = gemm_form(true, true, None, Scaling::None, 2 * q.intermediate);
         let v = crate::gemm_access::layer_variants(
             layer_candidates(Operands::Bf16, Scaling::None, form, 1536, 2048),
             Some(&a),

@@ -14,9 +14,10 @@ use crate::codegen::gemm::act_quant::scales_group_major;
 use crate::codegen::gemm::reference::{self, ActScale, Grouped, SPEC_BOUND};
 use crate::codegen::gemm::wmap::{self, WLayout};
 use crate::codegen::gemm::ws::{
-    paired_row, Epilogue, GroupScale, Operands, OutTy, Scaling, WRows, WsConfig, W4,
+    paired_row, AQuant, Epilogue, GroupScale, Operands, OutTy, Scaling, WRows, WsConfig, W4,
 };
-use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
+use crate::codegen::moe::act::{ActIn, ActOut};
+use crate::runtime::gemm_ws::{ActOutBuffers, GemmOperands, GroupedGemm};
 use crate::runtime::{drv, Device};
 use crate::selftest_util::Rng;
 use crate::{Error, Result};
@@ -408,10 +409,63 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             ..v(e, ten, OutTy::Bf16, 2, 128, 6, false)
         },
     ];
+    // The fused epilogue with `a` quantized to E4M3 in the kernel (per token, static, per 1x128
+    // group), its codes and scales checked bit for bit against the activation kernel's.
+    let quant = |c: WsConfig, q: AQuant, w_rows| WsConfig {
+        epilogue: Epilogue::SiluMulE4m3(q),
+        w_rows,
+        ..c
+    };
+    let e4m3_out = [
+        quant(
+            v(e, tok, OutTy::F32, 2, 128, 6, false),
+            AQuant::PerToken,
+            WRows::PLAIN,
+        ),
+        quant(
+            v(e, tok, OutTy::F32, 1, 16, 8, true),
+            AQuant::PerToken,
+            interleaved,
+        ),
+        WsConfig {
+            split_k: 2,
+            ..quant(
+                v(e, tok, OutTy::F32, 1, 16, 8, true),
+                AQuant::PerToken,
+                WRows::PLAIN,
+            )
+        },
+        quant(
+            v(e, tok, OutTy::F32, 2, 256, 4, false),
+            AQuant::Static,
+            paired,
+        ),
+        quant(
+            v(e, tok, OutTy::F32, 1, 8, 8, true),
+            AQuant::Static,
+            WRows::PLAIN,
+        ),
+        quant(
+            v(e, ch, OutTy::F32, 1, 16, 8, true),
+            AQuant::PerToken,
+            WRows::PLAIN,
+        ),
+        quant(
+            v(e, Scaling::Block128, OutTy::F32, 2, 128, 6, false),
+            AQuant::Group128,
+            interleaved,
+        ),
+        quant(
+            v(e, Scaling::Block128, OutTy::F32, 1, 32, 8, true),
+            AQuant::Group128,
+            paired,
+        ),
+    ];
     plain
         .into_iter()
         .chain(silu)
         .chain(in_place)
+        .chain(e4m3_out)
         // In-place row modes where the shape has them (and a tile is a box of them).
         .filter(|c| c.w_rows == WRows::PLAIN || c.w_rows.check(n, c.tile_weights()).is_ok())
         // 4-bit weights only where their TMA boxes fit the shape; the fused epilogue where gate
@@ -420,7 +474,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             Operands::W4Bf16(w) => w.fits(u64::from(n), u64::from(k)),
             _ => true,
         })
-        .filter(|c| c.epilogue == Epilogue::Store || n.is_multiple_of(16))
+        .filter(|c| !c.epilogue.silu() || n.is_multiple_of(16))
         // Block scales with paired rows: N a multiple of 128 (a tile's gate and up rows each in
         // one block).
         .filter(|c| !c.paired_blocks() || n.is_multiple_of(128))
@@ -973,6 +1027,21 @@ fn run_one(
     let (ob, cols) = (cfg.out.bytes() as usize, cfg.out_cols() as usize);
     // NaN poison: 0xff bytes are NaN in f32 and bf16.
     let mut dy = upload(dev, &vec![0xffu8; t * cols * ob])?;
+    // The E4M3 output of `a`: codes poisoned with 0xff (an E4M3 NaN), scales with NaN, and a
+    // random static scale per expert.
+    let a_out = match cfg.epilogue.quant() {
+        Some(q) => {
+            let statics: Vec<f32> = (0..e).map(|_| scale(rng)).collect();
+            Some((
+                q,
+                upload(dev, &vec![0xffu8; t * cols])?,
+                upload(dev, &vec![f32::NAN; q.scales_len(t, cols)])?,
+                upload(dev, &statics)?,
+                statics,
+            ))
+        }
+        None => None,
+    };
     let ops = GemmOperands {
         x: &dx,
         w: &dw,
@@ -983,6 +1052,12 @@ fn run_one(
         w_layout: in_place.as_ref().map(|(_, l)| l),
         t,
         experts: e,
+        act_out: a_out.as_ref().map(|(_, c, s, st, _)| ActOutBuffers {
+            codes: c,
+            scales: s,
+            static_scales: Some(st),
+            a_f32: true,
+        }),
     };
     // SAFETY: `offsets` is the exclusive prefix sum of the row counts: non-decreasing from 0,
     // ending at t.
@@ -1005,7 +1080,7 @@ fn run_one(
     // The fused epilogue: silu(gate) * up of the rows' paired weight rows, in f64.
     let want = match cfg.epilogue {
         Epilogue::Store => want,
-        Epilogue::SiluMul => want
+        Epilogue::SiluMul | Epilogue::SiluMulE4m3(_) => want
             .chunks(n)
             .flat_map(|row| {
                 (0..cols).map(move |o| {
@@ -1033,11 +1108,26 @@ fn run_one(
     // The driver JIT's own report of registers and spills (a performance matter that the offline
     // ptxas check cannot see: the driver's JIT allocates per shape), printed, not judged.
     let (regs, spills) = gemm.jit_registers_and_spills();
-    let ok = nan == 0 && rel <= SPEC_BOUND;
+    // The E4M3 output: the activation kernel's quantization (host reference, bit for bit) of
+    // the kernel's own f32 `a`, over every row.
+    let (codes_ok, codes_note) = match &a_out {
+        None => (true, String::new()),
+        Some((q, dc, ds, _, statics)) => {
+            let codes = dev.stream.clone_dtoh(dc).map_err(drv("cuMemcpyDtoH"))?;
+            let scales = dev.stream.clone_dtoh(ds).map_err(drv("cuMemcpyDtoH"))?;
+            let (mis_codes, mis_scales) =
+                e4m3_mismatches(*q, &y, &starts, cols, statics, (&codes, &scales))?;
+            (
+                mis_codes == 0 && mis_scales == 0,
+                format!(", E4M3 a ({}): {mis_codes} codes and {mis_scales} scales differ from the activation kernel's", q.name()),
+            )
+        }
+    };
+    let ok = nan == 0 && rel <= SPEC_BOUND && codes_ok;
     Ok((
         ok,
         format!(
-            "gemm {:<22} E={e:<3} N={n:<5} K={k:<5} T={t:<5} grid {:>4} regs {} spill {}: rel_frobenius {rel:.2e} over {} rows, NaN {nan}: {}",
+            "gemm {:<22} E={e:<3} N={n:<5} K={k:<5} T={t:<5} grid {:>4} regs {} spill {}: rel_frobenius {rel:.2e} over {} rows, NaN {nan}{codes_note}: {}",
             cfg.tag(),
             gemm.grid(t, e),
             regs.map_or("?".into(), |r| r.to_string()),
@@ -1046,6 +1136,42 @@ fn run_one(
             if ok { "ok" } else { "FAIL" }
         ),
     ))
+}
+
+/// Codes and scales of the fused GEMM's E4M3 output that differ (by bits) from the activation
+/// kernel's host reference (`moe::act::reference`, `ActIn::F32`) of the kernel's own f32 `a`
+/// (`y`, `[t, cols]`): every row of every expert (`starts`, the row offsets), each with its
+/// expert's static scale for `AQuant::Static`.
+pub fn e4m3_mismatches(
+    q: AQuant,
+    y: &[f32],
+    starts: &[usize],
+    cols: usize,
+    statics: &[f32],
+    (codes, scales): (&[u8], &[f32]),
+) -> Result<(usize, usize)> {
+    let t = *starts.last().unwrap_or(&0);
+    let out = match q {
+        AQuant::PerToken => ActOut::PerToken,
+        AQuant::Group128 => ActOut::Group128,
+        AQuant::Static => ActOut::StaticRow,
+    };
+    let mut row_scale = vec![0f32; t];
+    for (ex, w) in starts.windows(2).enumerate() {
+        let scale = statics.get(ex).copied().unwrap_or(1.0);
+        row_scale[w[0]..w[1]].fill(scale);
+    }
+    let (want_q, want_s) =
+        crate::codegen::moe::act::reference(ActIn::F32, out, &y[..t * cols], cols, t, &row_scale)?;
+    let mis_codes = want_q.iter().zip(codes).filter(|(a, b)| a != b).count()
+        + want_q.len().saturating_sub(codes.len());
+    let mis_scales = want_s
+        .iter()
+        .zip(scales)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count()
+        + want_s.len().saturating_sub(scales.len());
+    Ok((mis_codes, mis_scales))
 }
 
 /// A line to stderr as it happens (a hung kernel then shows which variant it was).
@@ -1181,6 +1307,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             GroupedGemm::load_cached(dev, &cfg, &crate::runtime::Cache::new(None), compiler)?;
         let mut dy = upload(dev, &vec![0u8; t * n * 2])?;
         let ops = GemmOperands {
+            act_out: None,
             x: &dx,
             w: &dw,
             offsets: &doff,

@@ -154,6 +154,10 @@ enum Command {
         /// GEMM and MoE: do not measure torch.
         #[arg(long, conflicts_with = "anchor")]
         no_anchor: bool,
+        /// MoE: feed the FP8 recipes (per tensor, per channel, group-wise) static activation
+        /// scales, as a checkpoint with calibrated input scales does (rows read `<recipe>+static`).
+        #[arg(long, requires = "moe")]
+        static_scales: bool,
         /// MoE: also draw the report as SVG here (what `moeforge plot` draws from the JSON).
         #[arg(long, value_name = "OUT.svg")]
         plot: Option<std::path::PathBuf>,
@@ -820,6 +824,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
             json,
             anchor,
             no_anchor,
+            static_scales,
             plot,
         } => {
             // `bench --gpu --model M` alone is the MoE layer benchmark (issue [9]'s form).
@@ -868,6 +873,7 @@ fn run(cli: Cli, out: &mut dyn Write) -> moeforge::Result<()> {
                         Some(anchor.unwrap_or_else(|| moeforge::bench_moe::DEFAULT_ANCHOR.into()))
                     },
                     settings: settings.runtime.clone(),
+                    static_scales,
                 };
                 let report = moeforge::bench_moe::run(&opts)?;
                 write!(out, "{report}").map_err(io)?;

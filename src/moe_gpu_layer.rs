@@ -19,7 +19,10 @@
 //!    (`codegen::gemm::ws::Epilogue::SiluMul`, weight rows uploaded in its paired order), with
 //!    the same bits ([`GpuLayer::with_fusion`]): it writes `a` in bf16 where the second GEMM
 //!    takes bf16 (bf16 and the weights-only recipes: steps 3 and 4 are one kernel), else `a` in
-//!    f32 (half of `w13_out`'s bytes), which the activation kernel quantizes to E4M3;
+//!    f32 (half of `w13_out`'s bytes): with static activation scales the epilogue also stores its
+//!    E4M3 codes and the rows' scales (`Epilogue::SiluMulE4m3`, the activation kernel's
+//!    instructions: steps 3 and 4 are one kernel, and no kernel spreads static scales to rows);
+//!    with dynamic ones the activation kernel quantizes it (`ActIn::F32`);
 //! 5. `w2` grouped GEMM, f32 out `[n, H]`;
 //! 6. combine: each token's `k` rows weighted by `topk_weights`, summed in `j` order in f32
 //!    (`acc = acc + w * y`, two roundings, as the host), rounded to bf16 once.
@@ -36,7 +39,7 @@ use cudarc::driver::CudaSlice;
 use crate::codegen::gemm::act_quant::Mode;
 use crate::codegen::gemm::tune;
 use crate::codegen::gemm::wmap::WLayout;
-use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WRows, WsConfig};
+use crate::codegen::gemm::ws::{AQuant, Epilogue, Operands, OutTy, Scaling, WRows, WsConfig};
 use crate::codegen::moe::act::{ActIn, ActOut};
 use crate::codegen::moe::permute::{Gather, MAX_HIDDEN_E4M3, MAX_TOPK};
 use crate::codegen::reference as r;
@@ -46,7 +49,7 @@ use crate::runtime::act_quant::ActQuant;
 use crate::runtime::cache::Cache;
 use crate::runtime::eplb_state::{EplbLayerState, Policy};
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
-use crate::runtime::gemm_ws::{GemmOperands, GroupedGemm};
+use crate::runtime::gemm_ws::{ActOutBuffers, GemmOperands, GroupedGemm};
 use crate::runtime::jit::Compiler;
 use crate::runtime::moe_kernels::{MoeAct, MoeCombine};
 use crate::runtime::moves::{MovePlan, SlotMap};
@@ -236,21 +239,37 @@ pub fn check_batch(t: usize, k: usize) -> Result<()> {
 /// The output type and epilogue of one of the layer's GEMMs (`w13` or not): the first GEMM fused
 /// with SiLU*up where fusion is asked for and its `n13` weight rows of scaling `scaling` can be
 /// paired ([`crate::moe_gpu::pairable`]), writing `a` in bf16 where the second GEMM takes bf16
-/// (`feed2_bf16`), else in f32 for the activation kernel to quantize; else (and for `w2`) f32
-/// out, plain store. What [`GpuLayer::with_fusion`] decides, for warming a cache before any layer
-/// exists.
+/// (`a2` `None`); with static E4M3 scales also its codes and scales in the same kernel
+/// ([`Epilogue::SiluMulE4m3`], f32 `a` out); with dynamic ones `a` in f32, which the activation
+/// kernel quantizes (the in-kernel forms of per-token and per-group scales, which count each
+/// token tile's arrivals, were slower on the H200: `codegen::gemm::finish`); else (and for `w2`)
+/// f32 out, plain store. What [`GpuLayer::with_fusion`] decides, for warming a cache before any
+/// layer exists.
 pub fn gemm_form(
     w13: bool,
     fuse: bool,
-    feed2_bf16: bool,
+    a2: Option<AQuant>,
     scaling: Scaling,
     n13: usize,
 ) -> (OutTy, Epilogue) {
     if w13 && fuse && crate::moe_gpu::pairable(scaling, n13) {
-        let out = if feed2_bf16 { OutTy::Bf16 } else { OutTy::F32 };
-        (out, Epilogue::SiluMul)
+        match a2 {
+            None => (OutTy::Bf16, Epilogue::SiluMul),
+            Some(AQuant::Static) => (OutTy::F32, Epilogue::SiluMulE4m3(AQuant::Static)),
+            Some(_) => (OutTy::F32, Epilogue::SiluMul),
+        }
     } else {
         (OutTy::F32, Epilogue::Store)
+    }
+}
+
+/// How the second GEMM's input `a` is quantized for a feed `feed2`: `None` for bf16.
+pub fn a2_quant(feed2: &Feed) -> Option<AQuant> {
+    match feed2 {
+        Feed::Bf16 => None,
+        Feed::PerToken => Some(AQuant::PerToken),
+        Feed::PerTokenGroup128 => Some(AQuant::Group128),
+        Feed::Static { .. } => Some(AQuant::Static),
     }
 }
 
@@ -268,7 +287,7 @@ pub fn layer_candidates(
     tune::candidates(operands, scaling, n, k)
         .into_iter()
         .map(|c| WsConfig { out, epilogue, ..c })
-        .filter(|c| c.epilogue == Epilogue::Store || c.tile_weights().is_multiple_of(16))
+        .filter(|c| !c.epilogue.silu() || c.tile_weights().is_multiple_of(16))
         .filter(|c| c.supported().is_ok())
         .collect()
 }
@@ -464,12 +483,13 @@ impl GpuLayer {
     }
 
     /// [`GpuLayer::new`], choosing the path between the GEMMs. With `fuse`, where the first
-    /// GEMM's weights can be paired ([`GemmWeights::paired`]: no 128x128 block scales, `I` a
-    /// multiple of 8), its epilogue computes `a = silu(gate) * up` (its weight rows uploaded in
+    /// GEMM's weights can be paired ([`crate::moe_gpu::pairable`]), its epilogue computes `a = silu(gate) * up` (its weight rows uploaded in
     /// the paired order; the same bits as the unfused path, which computes the same f32 values
-    /// with the same instructions) and writes it in bf16 where the second GEMM takes bf16, else
-    /// in f32 for the activation kernel to quantize to E4M3 (`ActIn::F32`); else (and always
-    /// without `fuse`) it writes `w13_out` in f32 and the activation kernel makes `a`, the path
+    /// with the same instructions) and writes it in bf16 where the second GEMM takes bf16; for
+    /// an E4M3 second GEMM in f32, with static scales also the codes and scales in the same
+    /// kernel (`Epilogue::SiluMulE4m3`, the activation kernel's instructions), with dynamic ones
+    /// for the activation kernel to quantize (`ActIn::F32`); else (and always without `fuse`) it
+    /// writes `w13_out` in f32 and the activation kernel makes `a`, the path
     /// `--dump-intermediates` needs.
     pub fn with_fusion(
         dev: &Device,
@@ -516,13 +536,12 @@ impl GpuLayer {
             Feed::Static { values: v, .. } => Some(up(v)?),
             _ => None,
         };
-        let feed2_bf16 = ops.feed2 == Feed::Bf16;
-        let form = gemm_form(true, fuse, feed2_bf16, ops.w13.scaling, ops.w13.n);
+        let form = gemm_form(true, fuse, a2_quant(&ops.feed2), ops.w13.scaling, ops.w13.n);
         // Fused: the param read in place in the paired order where its rows allow (its per-row
         // scales, FP8 per channel's, then go up in that order), else a copy of its rows in that
         // order.
         let fused_w13 = match form {
-            (_, Epilogue::SiluMul) => match in_place_for(&ops.w13, true, form) {
+            (_, e) if e.silu() => match in_place_for(&ops.w13, true, form) {
                 Some(l) => Some(DevWeights::upload(dev, &ops.w13, form, Some(l), true)?),
                 None => match ops.w13.paired() {
                     Some(p) => Some(DevWeights::upload(dev, &p, form, None, false)?),
@@ -532,12 +551,15 @@ impl GpuLayer {
             _ => None,
         };
         let (w13, act) = match fused_w13 {
-            // Fused: `a` in bf16 for the second GEMM, or in f32 for the E4M3 quantization.
+            // Fused: `a` in bf16 for the second GEMM, or quantized to E4M3 with static scales by
+            // the GEMM itself (its f32 `a` in `h13`), else in f32 for the activation kernel.
             Some(w) => (
                 w,
-                match form.0 {
-                    OutTy::Bf16 => None,
-                    _ => Some(MoeAct::load(dev, ActIn::F32, out2, i)?),
+                match form {
+                    (OutTy::F32, Epilogue::SiluMul) => {
+                        Some(MoeAct::load(dev, ActIn::F32, out2, i)?)
+                    }
+                    _ => None,
                 },
             ),
             None => (
@@ -607,13 +629,19 @@ impl GpuLayer {
     /// Whether the first GEMM's epilogue computes `silu(gate) * up` (no `w13_out`; an
     /// activation kernel only where the second GEMM takes E4M3): see [`GpuLayer::with_fusion`].
     pub fn fused(&self) -> bool {
-        self.w13.epilogue == Epilogue::SiluMul
+        self.w13.epilogue.silu()
     }
 
     /// Whether the first GEMM writes `a` itself, in the second GEMM's bf16 (fused, no activation
     /// kernel); else it writes into `h13` (`w13_out`, or the fused f32 `a`).
     fn writes_a(&self) -> bool {
-        self.act.is_none()
+        self.act.is_none() && !self.quantizes_a()
+    }
+
+    /// Whether the first GEMM also quantizes `a` to the second GEMM's E4M3 codes and scales
+    /// (`Epilogue::SiluMulE4m3`: into `a` and `s2`, its f32 `a` in `h13`).
+    fn quantizes_a(&self) -> bool {
+        self.w13.epilogue.quant().is_some()
     }
 
     /// Whether the first GEMM's E4M3 rows are made by a kernel of their own (rows longer than the
@@ -883,7 +911,7 @@ impl GpuLayer {
             return Err(Error::Usage("MoE layer: enqueue before upload".into()));
         };
         let (n, r, writes_a, apart) = (t * k, self.slots, self.writes_a(), self.quantized_apart());
-        let silu_fused = self.fused();
+        let (silu_fused, quantizes_a) = (self.fused(), self.quantizes_a());
         let Some(s) = self.scratch.as_mut() else {
             return Err(Error::Usage("MoE layer: no scratch".into()));
         };
@@ -952,6 +980,21 @@ impl GpuLayer {
                 .gemms
                 .get(&c13)
                 .ok_or_else(|| Error::Usage("MoE layer: w13 variant not loaded".into()))?;
+            // Fused with a bf16 second GEMM: `a` itself; with static E4M3 scales: the codes and
+            // scales (no f32 `a`: `h13` is not written).
+            let (out13, act_out) = if quantizes_a {
+                let codes = ActOutBuffers {
+                    codes: &s.a,
+                    scales: &s.s2,
+                    static_scales: self.static2.as_ref(),
+                    a_f32: false,
+                };
+                (&mut s.h13, Some(codes))
+            } else if writes_a {
+                (&mut s.a, None)
+            } else {
+                (&mut s.h13, None)
+            };
             g13.run(
                 dev,
                 &GemmOperands {
@@ -964,16 +1007,16 @@ impl GpuLayer {
                     w_layout: self.w13.layout.as_ref(),
                     t: n,
                     experts: r,
+                    act_out,
                 },
-                // Fused with a bf16 second GEMM: `a` itself.
-                if writes_a { &mut s.a } else { &mut s.h13 },
+                out13,
             )?;
-            mark(if silu_fused {
-                "w13 GEMM + silu * up"
-            } else {
-                "w13 GEMM"
+            mark(match (silu_fused, quantizes_a) {
+                (true, true) => "w13 GEMM + silu * up + quantize a",
+                (true, false) => "w13 GEMM + silu * up",
+                _ => "w13 GEMM",
             })?;
-            if let Some(values) = &self.static2 {
+            if let (Some(values), false) = (&self.static2, quantizes_a) {
                 self.combine
                     .row_scales(dev, &s.row_of, &s.slot, values, &s.offsets, &mut s.s2, r, n)?;
             }
@@ -1006,6 +1049,7 @@ impl GpuLayer {
                     w_layout: self.w2.layout.as_ref(),
                     t: n,
                     experts: r,
+                    act_out: None,
                 },
                 &mut s.y,
             )?;
@@ -1027,11 +1071,12 @@ impl GpuLayer {
         let Some(cur) = self.current else {
             return Err(Error::Usage("MoE layer: tune before upload".into()));
         };
-        let (n, r, writes_a, apart) = (
+        let (n, r, writes_a, apart, quantizes_a) = (
             cur.t * cur.k,
             self.slots,
             self.writes_a(),
             self.quantized_apart(),
+            self.quantizes_a(),
         );
         let all13 = self.w13.candidates();
         let all2 = self.w2.candidates();
@@ -1042,6 +1087,7 @@ impl GpuLayer {
         let Some(s) = self.scratch.as_mut() else {
             return Err(Error::Usage("MoE layer: no scratch".into()));
         };
+        let static2 = self.static2.as_ref();
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut sources = Vec::new();
         for which in [13, 2] {
@@ -1050,13 +1096,23 @@ impl GpuLayer {
             } else {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
-            let (x, out): (&CudaSlice<u8>, &mut CudaSlice<u8>) = match which {
-                13 => (
-                    if apart { &s.q13 } else { &s.xs },
-                    // Fused with a bf16 second GEMM: the first GEMM writes `a`.
-                    if writes_a { &mut s.a } else { &mut s.h13 },
+            let x13 = if apart { &s.q13 } else { &s.xs };
+            let (x, out, act_out): (&CudaSlice<u8>, &mut CudaSlice<u8>, _) = match which {
+                // Fused with static E4M3 scales: the first GEMM writes the codes and scales (no
+                // f32 `a`).
+                13 if quantizes_a => (
+                    x13,
+                    &mut s.h13,
+                    Some(ActOutBuffers {
+                        codes: &s.a,
+                        scales: &s.s2,
+                        static_scales: static2,
+                        a_f32: false,
+                    }),
                 ),
-                _ => (&s.a, &mut s.y),
+                // Fused with a bf16 second GEMM: the first GEMM writes `a`.
+                13 => (x13, if writes_a { &mut s.a } else { &mut s.h13 }, None),
+                _ => (&s.a, &mut s.y, None),
             };
             let x_scale = if which == 13 { &s.s13 } else { &s.s2 };
             let gemms = &self.gemms;
@@ -1077,6 +1133,7 @@ impl GpuLayer {
                     w_layout: w.layout.as_ref(),
                     t: n,
                     experts: r,
+                    act_out,
                 };
                 let a = dev
                     .stream
@@ -1301,41 +1358,55 @@ mod tests {
     }
 
     /// The first GEMM fuses SiLU*up only where asked and its rows pair (its `a` in bf16 where the
-    /// second GEMM takes bf16, else in f32); the second never; the fused candidates keep whole groups of 16 weight rows per tile.
+    /// second GEMM takes bf16, else quantized to E4M3 in the GEMM as the second GEMM's feed says);
+    /// the second never; the fused candidates keep whole groups of 16 weight rows per tile.
     #[test]
     fn the_gemm_forms_follow_the_fusion_rule() {
         let fused = (OutTy::Bf16, Epilogue::SiluMul);
         let plain = (OutTy::F32, Epilogue::Store);
         let tok = Scaling::Tensorwise { per_token: true };
-        assert_eq!(gemm_form(true, true, true, Scaling::None, 4096), fused);
-        assert_eq!(gemm_form(true, true, true, Scaling::PerRow, 1536), fused);
-        assert_eq!(gemm_form(true, false, true, Scaling::None, 4096), plain);
-        // An E4M3 second GEMM: the fused `a` in f32, for the activation kernel to quantize.
-        assert_eq!(
-            gemm_form(true, true, false, tok, 4096),
-            (OutTy::F32, Epilogue::SiluMul)
-        );
-        assert_eq!(gemm_form(true, false, false, tok, 4096), plain);
+        let q = |a: AQuant| (OutTy::F32, Epilogue::SiluMulE4m3(a));
+        assert_eq!(gemm_form(true, true, None, Scaling::None, 4096), fused);
+        assert_eq!(gemm_form(true, true, None, Scaling::PerRow, 1536), fused);
+        assert_eq!(gemm_form(true, false, None, Scaling::None, 4096), plain);
+        // An E4M3 second GEMM: static scales quantized in the GEMM; dynamic ones by the
+        // activation kernel from the fused f32 `a`.
+        let f32_a = (OutTy::F32, Epilogue::SiluMul);
+        for (a, form) in [
+            (AQuant::PerToken, f32_a),
+            (AQuant::Group128, f32_a),
+            (AQuant::Static, q(AQuant::Static)),
+        ] {
+            assert_eq!(gemm_form(true, true, Some(a), tok, 4096), form);
+            assert_eq!(gemm_form(true, false, Some(a), tok, 4096), plain);
+        }
+        let feeds = [
+            (Feed::Bf16, None),
+            (Feed::PerToken, Some(AQuant::PerToken)),
+            (Feed::PerTokenGroup128, Some(AQuant::Group128)),
+            (
+                Feed::Static {
+                    param: "w2_input_scale".into(),
+                    values: vec![1.0; 4],
+                },
+                Some(AQuant::Static),
+            ),
+        ];
+        for (f, a) in feeds {
+            assert_eq!(a2_quant(&f), a, "{f:?}");
+        }
         // Block scales pair where N is a multiple of 128 (the tile's gate and up rows each in one
         // block), fused tiles of at most 128 weight rows (the 192-row one is not a candidate).
-        assert_eq!(
-            gemm_form(true, true, false, Scaling::Block128, 4096),
-            (OutTy::F32, Epilogue::SiluMul)
-        );
-        assert_eq!(gemm_form(true, true, false, Scaling::Block128, 4160), plain);
-        let block = layer_candidates(
-            Operands::E4m3,
-            Scaling::Block128,
-            (OutTy::F32, Epilogue::SiluMul),
-            4096,
-            7168,
-        );
+        let g128 = Some(AQuant::Group128);
+        assert_eq!(gemm_form(true, true, g128, Scaling::Block128, 4096), f32_a);
+        assert_eq!(gemm_form(true, true, g128, Scaling::Block128, 4160), plain);
+        let block = layer_candidates(Operands::E4m3, Scaling::Block128, f32_a, 4096, 7168);
         assert!(block.iter().any(|c| !c.swap_ab) && block.iter().any(|c| c.swap_ab));
         assert!(block
             .iter()
             .all(|c| c.tile_weights() <= 128 && c.paired_blocks() && c.supported().is_ok()));
-        assert_eq!(gemm_form(true, true, true, Scaling::None, 4104), plain);
-        assert_eq!(gemm_form(false, true, true, Scaling::None, 4096), plain);
+        assert_eq!(gemm_form(true, true, None, Scaling::None, 4104), plain);
+        assert_eq!(gemm_form(false, true, None, Scaling::None, 4096), plain);
         let all = layer_candidates(Operands::Bf16, Scaling::None, fused, 4096, 7168);
         assert!(!all.is_empty());
         assert!(all.iter().all(|c| c.epilogue == Epilogue::SiluMul

@@ -90,8 +90,9 @@ pub(crate) fn layer(
 }
 
 /// The recipe families the GPU layer's graph and EPLB checks run: bf16, FP8 per tensor (fused
-/// SiLU*up with f32 `a`, then the E4M3 quantization), FP8 128x128 blocks (unfused), and the W4A16
-/// (NVFP4) and W8A16 GEMMs.
+/// SiLU*up with f32 `a`, then the E4M3 quantization per token), FP8 128x128 blocks (fused where 2I
+/// is a multiple of 128, `a` per 1x128 group by the activation kernel), and the W4A16 (NVFP4) and
+/// W8A16 GEMMs.
 pub(crate) const RECIPES: [Recipe; 5] = [
     Recipe::Bf16,
     Recipe::Fp8PerTensor,

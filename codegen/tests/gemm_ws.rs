@@ -11,6 +11,7 @@
 
 use std::collections::BTreeSet;
 
+use moeforge_codegen::gemm::finish;
 use moeforge_codegen::gemm::tune;
 use moeforge_codegen::gemm::ws::{
     self, grouped_ws_entry, grouped_ws_module, tile_of, Epilogue, Operands, OutTy, Scaling, WRows,
@@ -1770,6 +1771,148 @@ fn the_fused_silu_epilogue_pairs_within_threads_and_assembles() {
         let why = refused(&bad);
         assert!(why.contains("fused SiLU"), "{why}");
     }
+}
+
+/// The fused SiLU epilogue with the E4M3 output (`Epilogue::SiluMulE4m3`): the f32 `a` stores of
+/// the plain fused form; per token and per group, one acquire-release count per tile on the
+/// token tile's counter (reset by the last arrival), and in the finishing CTA `ld.global.cg`
+/// loads of `a` (two passes per token: the amax, then the codes), `cvt.rn.satfinite.e4m3x2`
+/// codes and the scale rule of the activation kernel (`div.rn` per token, `rcp.rn` per group);
+/// static, the epilogue's own codes (`rcp.rn` once) and no count; ptxas assembles every form
+/// (decode, prefill, split-K, block-scaled pairs) with no spill and no serialization; a bf16
+/// output is refused.
+#[test]
+fn the_e4m3_output_of_the_fused_epilogue_counts_token_tiles_and_assembles() {
+    use ws::AQuant;
+    let e4m3 = |q: AQuant, c: WsConfig| WsConfig {
+        epilogue: Epilogue::SiluMulE4m3(q),
+        operands: Operands::E4m3,
+        scaling: Scaling::Tensorwise { per_token: true },
+        out: OutTy::F32,
+        ..c
+    };
+    let forms = [
+        ("decode token", e4m3(AQuant::PerToken, decode())),
+        (
+            "decode token split-K",
+            WsConfig {
+                split_k: 3,
+                ..e4m3(AQuant::PerToken, decode())
+            },
+        ),
+        ("decode static", e4m3(AQuant::Static, decode())),
+        (
+            "prefill token",
+            WsConfig {
+                bn: 256,
+                ..e4m3(AQuant::PerToken, base())
+            },
+        ),
+        ("prefill static", e4m3(AQuant::Static, base())),
+        (
+            "prefill group block",
+            WsConfig {
+                scaling: Scaling::Block128,
+                n: 4096,
+                ..e4m3(AQuant::Group128, base())
+            },
+        ),
+        (
+            "decode group block I 320",
+            WsConfig {
+                scaling: Scaling::Block128,
+                n: 640,
+                ..e4m3(AQuant::Group128, decode())
+            },
+        ),
+        (
+            "prefill token Mixtral",
+            WsConfig {
+                n: 28672,
+                k: 4096,
+                ..e4m3(AQuant::PerToken, base())
+            },
+        ),
+    ];
+    for (what, c) in forms {
+        let q = c.epilogue.quant().unwrap();
+        assert!(
+            c.tag().ends_with(&format!("_silu_{}_f32", q.tag())),
+            "{what}: {}",
+            c.tag()
+        );
+        let text = ws::grouped_ws_module("moeforge_gemm_silu_e4m3", &c).unwrap();
+        for p in ws::PARAMS.iter().chain(&finish::FINISH_PARAMS) {
+            assert!(text.contains(p), "{what}: {p}");
+        }
+        let chunks = (c.n / 2 / 8) as usize;
+        let iters = chunks.div_ceil(32);
+        let split = usize::from(c.split_k > 1);
+        if q.counted() {
+            // Counted: the finishing CTA's loads, codes and scales.
+            let passes = if q == AQuant::PerToken { 2 } else { 1 };
+            assert_eq!(
+                count(&text, "ld.global.cg.v4.f32"),
+                2 * passes * iters,
+                "{what}"
+            );
+            assert_eq!(
+                count(&text, "cvt.rn.satfinite.e4m3x2.f32"),
+                2 * iters,
+                "{what}"
+            );
+            assert_eq!(
+                count(&text, "atom.acq_rel.gpu.global.add.u32"),
+                1 + split,
+                "{what}"
+            );
+            let (div, rcp) = match q {
+                AQuant::PerToken => (1 + 8 * iters, 0),
+                _ => (iters, iters),
+            };
+            assert_eq!(count(&text, "div.rn.f32"), div, "{what}");
+            assert_eq!(count(&text, "rcp.rn.f32"), rcp, "{what}");
+        } else {
+            // Static: the epilogue's own codes (a byte per output in decode, a pair per u16 in
+            // prefill), one reciprocal, no count and no finishing loads.
+            let pairs = (c.bn / 4) as usize;
+            let (stores, ty) = if c.swap_ab {
+                (pairs, "st.global.u8")
+            } else {
+                (pairs / 2, "st.global.u16")
+            };
+            assert_eq!(count(&text, ty), stores, "{what}");
+            assert_eq!(
+                count(&text, "cvt.rn.satfinite.e4m3x2.f32"),
+                stores,
+                "{what}"
+            );
+            assert_eq!(count(&text, "ld.global.cg.v4.f32"), 0, "{what}");
+            assert_eq!(
+                count(&text, "atom.acq_rel.gpu.global.add.u32"),
+                split,
+                "{what}"
+            );
+            assert_eq!(count(&text, "rcp.rn.f32"), 1, "{what}");
+            assert!(!text.contains("token_tile_last"), "{what}");
+        }
+        // The plain fused form has none of it.
+        let plain = WsConfig {
+            epilogue: Epilogue::SiluMul,
+            ..c
+        };
+        let p = ws::grouped_ws_module("moeforge_gemm_silu", &plain).unwrap();
+        assert_eq!(count(&p, "ld.global.cg.v4.f32"), 0);
+        assert!(!p.contains("act_codes"));
+        assembles_clean(&text, &format!("silu_e4m3_{}", what.replace(' ', "_")));
+    }
+    let bf16 = WsConfig {
+        out: OutTy::Bf16,
+        ..e4m3(AQuant::PerToken, decode())
+    };
+    assert!(refused(&bf16).contains("E4M3 output"), "{}", refused(&bf16));
+    assert_eq!(AQuant::Group128.scales_len(10, 320), 30);
+    assert_eq!(AQuant::PerToken.scales_len(10, 320), 10);
 }
 
 /// The paired row order is a bijection onto `[gate; up]` that keeps each 16-row block's 8 gate

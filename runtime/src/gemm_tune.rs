@@ -535,9 +535,7 @@ fn scaling_from(s: &str) -> Option<Scaling> {
 }
 
 fn epilogue_from(s: &str) -> Option<Epilogue> {
-    [Epilogue::Store, Epilogue::SiluMul]
-        .into_iter()
-        .find(|e| e.name() == s)
+    Epilogue::ALL.into_iter().find(|e| e.name() == s)
 }
 
 fn out_from(s: &str) -> Option<OutTy> {
@@ -614,6 +612,9 @@ mod tests {
             |k: &mut TuneKey| k.scaling = Scaling::Tensorwise { per_token: true },
             |k: &mut TuneKey| k.out = OutTy::F32,
             |k: &mut TuneKey| k.epilogue = Epilogue::SiluMul,
+            |k: &mut TuneKey| {
+                k.epilogue = Epilogue::SiluMulE4m3(moeforge_codegen::gemm::ws::AQuant::PerToken)
+            },
             |k: &mut TuneKey| k.n += 1,
             |k: &mut TuneKey| k.k += 1,
             |k: &mut TuneKey| k.experts += 1,

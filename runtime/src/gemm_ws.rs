@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use moeforge_codegen::gemm::desc::{Swizzle, TensorMapParams, WgmmaDtype};
 use moeforge_codegen::gemm::wmap::WLayout;
-use moeforge_codegen::gemm::ws::{self, Operands, Scaling, WRows, WsConfig, BLOCK_SCALE_W_BOX};
+use moeforge_codegen::gemm::ws::{
+    self, AQuant, Operands, Scaling, WRows, WsConfig, BLOCK_SCALE_W_BOX,
+};
 
 use crate::cache::{Cache, Hit};
 use crate::jit::Compiler;
@@ -87,6 +89,9 @@ pub struct GroupedGemm {
     /// Split-K's f32 workspace and per-tile arrival counters (zeroed once; the last split of a
     /// tile resets its counter), grown to the largest launch seen.
     split: std::sync::Mutex<Option<SplitBuffers>>,
+    /// The E4M3 output's token-tile arrival counters (zeroed once; the finishing CTA resets
+    /// each), grown to the largest launch seen.
+    token_counters: std::sync::Mutex<Option<CudaSlice<u32>>>,
 }
 
 /// Split-K's device buffers.
@@ -130,6 +135,25 @@ pub struct GemmOperands<'a> {
     pub t: usize,
     /// Experts.
     pub experts: usize,
+    /// Where a variant with the E4M3 output of `a` (`Epilogue::SiluMulE4m3`) writes it; `None`
+    /// for every other variant.
+    pub act_out: Option<ActOutBuffers<'a>>,
+}
+
+/// The E4M3 output of the fused first GEMM ([`GemmOperands::act_out`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ActOutBuffers<'a> {
+    /// E4M3 codes `[t, N / 2]`.
+    pub codes: &'a CudaSlice<u8>,
+    /// Their f32 scales (`AQuant::scales_len` of `t` rows; group-major per 1x128 group, with
+    /// row stride `t`).
+    pub scales: &'a CudaSlice<f32>,
+    /// The static activation scale per expert (`[experts]`, positive and finite), for
+    /// `AQuant::Static` only.
+    pub static_scales: Option<&'a CudaSlice<f32>>,
+    /// With static scales: whether the f32 `a` is stored into `y` too (the other forms always
+    /// store it; without it `y` is not written).
+    pub a_f32: bool,
 }
 
 fn map_err(e: moeforge_codegen::gemm::desc::DescError) -> Error {
@@ -212,6 +236,7 @@ impl GroupedGemm {
             jit_log,
             cubin_hit,
             split: std::sync::Mutex::new(None),
+            token_counters: std::sync::Mutex::new(None),
         })
     }
 
@@ -488,7 +513,78 @@ impl GroupedGemm {
         } else {
             (0, 0)
         };
+        // The E4M3 output of `a`: codes, scales, the token tiles' counters and static scales.
+        let mut counters_guard = self
+            .token_counters
+            .lock()
+            .map_err(|_| Error::Placement("grouped GEMM: token-tile counters poisoned".into()))?;
+        let finish = match (cfg.epilogue.quant(), op.act_out.as_ref()) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(Error::Placement(format!(
+                    "grouped GEMM {}: `act_out` given to a variant without the E4M3 output",
+                    self.entry
+                )))
+            }
+            (Some(_), None) => {
+                return Err(Error::Placement(format!(
+                    "grouped GEMM {}: the E4M3 output of `a` needs `act_out`",
+                    self.entry
+                )))
+            }
+            (Some(q), Some(ao)) => {
+                if ao.codes.len() < t * cols {
+                    return Err(short("act_out.codes", ao.codes.len(), t * cols));
+                }
+                let want = q.scales_len(t, cols);
+                if ao.scales.len() < want {
+                    return Err(short("act_out.scales", ao.scales.len(), want));
+                }
+                let st = match (q, ao.static_scales) {
+                    (AQuant::Static, Some(v)) if v.len() >= e => v.device_ptr(&dev.stream).0,
+                    (AQuant::Static, Some(v)) => {
+                        return Err(short("act_out.static_scales", v.len(), e))
+                    }
+                    (AQuant::Static, None) => {
+                        return Err(Error::Placement(format!(
+                            "grouped GEMM {}: static activation scales are required",
+                            self.entry
+                        )))
+                    }
+                    _ => 0,
+                };
+                // (Static scales: the epilogue quantizes, nothing is counted.)
+                let tiles = if q.counted() {
+                    cfg.token_tiles_upper_bound(t as u64, e as u64) as usize
+                } else {
+                    0
+                };
+                if tiles > 0 && counters_guard.as_ref().is_none_or(|c| c.len() < tiles) {
+                    *counters_guard = None;
+                    *counters_guard = Some(
+                        dev.stream
+                            .alloc_zeros::<u32>(tiles)
+                            .map_err(drv("cuMemAlloc"))?,
+                    );
+                }
+                let cnt = match counters_guard.as_ref() {
+                    Some(c) if tiles > 0 => c.device_ptr(&dev.stream).0,
+                    _ => 0,
+                };
+                Some([
+                    ao.codes.device_ptr(&dev.stream).0,
+                    ao.scales.device_ptr(&dev.stream).0,
+                    cnt,
+                    st,
+                ])
+            }
+        };
         let (yp, _ys) = y.device_ptr(&dev.stream);
+        // Static E4M3 output without the f32 `a`: `y` is passed as 0 (the kernel stores codes).
+        let yp = match (cfg.epilogue.quant(), op.act_out.as_ref()) {
+            (Some(AQuant::Static), Some(ao)) if !ao.a_f32 => 0,
+            _ => yp,
+        };
         let (op_off, _os) = op.offsets.device_ptr(&dev.stream);
         let mut l = crate::launch::KernelLaunch::new(dev, &self.func);
         l.val(&tmap_x)
@@ -503,6 +599,11 @@ impl GroupedGemm {
             .val(&cntp)
             .val(&tmap_xs)
             .val(&tmap_ws);
+        if let Some(ptrs) = &finish {
+            for p in ptrs {
+                l.val(p);
+            }
+        }
         // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
         // value, the u64 addresses of `y`, `offsets` and the two scale buffers (0 where the variant
         // reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
@@ -515,7 +616,13 @@ impl GroupedGemm {
         // (out-of-bounds boxes are zero-filled). The kernel reads `offsets[0..=experts]` (checked), scales at rows
         // below `offsets[experts]` and experts below `experts` (sizes checked), and stores `y` rows
         // below `offsets[experts]`, columns below N, inside `y` by the caller's guarantee on the
-        // offsets' contents. The buffers' guards live until the launch has been queued.
+        // offsets' contents. With the E4M3 output of `a` (`finish`), four more u64: the codes
+        // ([t, N / 2] bytes) and scales (`scales_len`) checked above, the token-tile counters
+        // (sized for this launch's token-tile bound, zero between launches: the finishing CTA
+        // resets each, and launches of one `GroupedGemm` are ordered on its stream, guarded by
+        // the lock until queued) and the static scales ([experts], checked) or 0; the kernel
+        // writes codes and scales of rows below `offsets[experts]` only. The buffers' guards live
+        // until the launch has been queued.
         unsafe { l.launch(cfg_l) }?;
         Ok(())
     }

@@ -147,6 +147,26 @@ pub(crate) trait Emit {
         out
     }
 
+    /// `m = max(m, |v|)` over `vals` on the f32 magnitude bits (`bits & 0x7FFFFFFF`, `max.u32`,
+    /// which orders finite values as `|v|` does): the amax of every E4M3 quantizer.
+    fn amax_bits(&mut self, m: Reg, vals: &[Reg]) {
+        for &v in vals {
+            let b = self.un(UnOpcode::Mov(PtxTy::B32), RegClass::B32, Operand::Reg(v));
+            self.bin_to(b, BinOpcode::And, PtxTy::B32, b, Operand::Int(0x7FFF_FFFF));
+            self.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(b));
+        }
+    }
+
+    /// The two code words of `vals op s` (`op` is `div.rn` or `mul.rn`), as [`Emit::e4m3_pack`].
+    fn e4m3_codes(&mut self, vals: &[Reg; 8], op: BinOpcode, s: Reg) -> [Reg; 2] {
+        let ys = vals.map(|v| {
+            let d = self.builder().reg(RegClass::F32);
+            self.bin_to(d, op, PtxTy::F32, v, Operand::Reg(s));
+            d
+        });
+        self.e4m3_pack(&ys)
+    }
+
     /// `mul.rn.f32 d, a, b` into a fresh f32 register.
     fn fmul_rn(&mut self, a: Reg, b: Operand) -> Reg {
         let d = self.builder().reg(RegClass::F32);

@@ -8,6 +8,7 @@ pub mod act_quant;
 pub(crate) mod dequant;
 pub mod desc;
 pub(crate) mod emit;
+pub mod finish;
 pub mod kernel;
 pub mod reference;
 pub mod schedule;

@@ -36,7 +36,9 @@
 //!   times up`, instead: the weight rows are in the paired order of [`glu_row`] (8 gate rows, then the
 //!   8 up rows of the same outputs), so each thread's fragment holds both halves of its outputs
 //!   and no data crosses threads. `silu` is the activation kernel's sequence, so the fused and the
-//!   unfused paths give the same bits.
+//!   unfused paths give the same bits. With [`Epilogue::SiluMulE4m3`] the CTA that stores a token
+//!   tile's last weight tile then quantizes the tile's rows of `a` to E4M3 for an FP8 second GEMM
+//!   ([`super::finish`]), with the activation kernel's instructions.
 //!
 //! # Prefill and decode
 //! * Prefill (`swap_ab = false`): A = `X` (`64 C` token rows), B = `W[e]` (`BN` weight rows); the
@@ -79,7 +81,9 @@
 //! split-K), `tmap_xs`, `tmap_ws` (1-D f32 maps of `x_scale` and `w_scale` for the block-scaled
 //! variants; for 4-bit weights `tmap_ws` is the 3-D map of the group scales `[E, scale tiles, N]` (each
 //! element one row's scales of one k-tile, `W4::group_scale_at`); the
-//! others read neither and take any valid map there).
+//! others read neither and take any valid map there). With [`Epilogue::SiluMulE4m3`], four more
+//! after them ([`super::finish::FINISH_PARAMS`]): the E4M3 codes and scales of `a`, the token
+//! tiles' arrival counters and the static scales per expert.
 
 use crate::ptx::{
     AsyncOp, BinOpcode, Builder, CmpOp, DynamicShared, Entry, Guard, Inst, MaxNReg, Operand, Param,
@@ -89,6 +93,7 @@ use crate::ptx::{
 use crate::{Error, Result};
 
 use super::emit::{Emit as _, K};
+pub use super::finish::AQuant;
 pub use super::wmap::WRows;
 
 /// The operand types of X and W.
@@ -481,16 +486,45 @@ pub enum Epilogue {
     /// holds both halves of its outputs (decode: the A-side halves `h = 0, 1`; prefill: the B-side
     /// column blocks `j` even and odd). N a multiple of 16.
     SiluMul,
+    /// [`Epilogue::SiluMul`] in f32, then each token tile's rows quantized to E4M3 codes and
+    /// scales for an FP8 second GEMM, in the CTA that stores the token tile's last weight tile
+    /// ([`super::finish`]; the output type is f32).
+    SiluMulE4m3(AQuant),
 }
 
 impl Epilogue {
-    /// `store` or `silu_mul` (the tuning cache's name).
+    /// `store`, `silu_mul` or `silu_mul_e4m3_{token,g128,static}` (the tuning cache's name).
     pub const fn name(self) -> &'static str {
         match self {
             Epilogue::Store => "store",
             Epilogue::SiluMul => "silu_mul",
+            Epilogue::SiluMulE4m3(AQuant::PerToken) => "silu_mul_e4m3_token",
+            Epilogue::SiluMulE4m3(AQuant::Group128) => "silu_mul_e4m3_g128",
+            Epilogue::SiluMulE4m3(AQuant::Static) => "silu_mul_e4m3_static",
         }
     }
+
+    /// Whether it computes `silu(gate) * up` of paired weight rows (the fused first GEMM).
+    pub const fn silu(self) -> bool {
+        matches!(self, Epilogue::SiluMul | Epilogue::SiluMulE4m3(_))
+    }
+
+    /// The E4M3 quantization of `a` it finishes with, if any.
+    pub const fn quant(self) -> Option<AQuant> {
+        match self {
+            Epilogue::SiluMulE4m3(q) => Some(q),
+            _ => None,
+        }
+    }
+
+    /// Every epilogue (the tuning cache parses names against these).
+    pub const ALL: [Epilogue; 5] = [
+        Epilogue::Store,
+        Epilogue::SiluMul,
+        Epilogue::SiluMulE4m3(AQuant::PerToken),
+        Epilogue::SiluMulE4m3(AQuant::Group128),
+        Epilogue::SiluMulE4m3(AQuant::Static),
+    ];
 }
 
 /// Whether a first GEMM of `n` weight rows (`[gate; up]`) with weight scaling `scaling` can take
@@ -653,7 +687,7 @@ impl WsConfig {
     /// ([`paired_row`]), so a row's 128x128 scale block is that of its `[gate; up]` row, not of
     /// its position in the tile.
     pub const fn paired_blocks(&self) -> bool {
-        matches!(self.scaling, Scaling::Block128) && matches!(self.epilogue, Epilogue::SiluMul)
+        matches!(self.scaling, Scaling::Block128) && self.epilogue.silu()
     }
 
     /// Byte offset of the activation scales in a stage's block-scale area: after the weight-scale
@@ -723,9 +757,10 @@ impl WsConfig {
 
     /// Columns of the output: N, or N / 2 for the fused SiLU epilogue.
     pub const fn out_cols(&self) -> u32 {
-        match self.epilogue {
-            Epilogue::Store => self.n,
-            Epilogue::SiluMul => self.n / 2,
+        if self.epilogue.silu() {
+            self.n / 2
+        } else {
+            self.n
         }
     }
 
@@ -811,8 +846,9 @@ impl WsConfig {
         };
         let out = self.out.name();
         let silu = match self.epilogue {
-            Epilogue::Store => "",
-            Epilogue::SiluMul => "_silu",
+            Epilogue::Store => String::new(),
+            Epilogue::SiluMul => "_silu".into(),
+            Epilogue::SiluMulE4m3(q) => format!("_silu_{}", q.tag()),
         };
         let split = if self.split_k > 1 {
             format!("_k{}", self.split_k)
@@ -834,8 +870,13 @@ impl WsConfig {
     /// Upper bound on the tiles of `t` rows over `experts` experts (at most `min(E, T)` of them
     /// hold rows): `(ceil(T / tile_tokens) + min(E, T)) * weight_tiles`.
     pub fn tiles_upper_bound(&self, t: u64, experts: u64) -> u64 {
-        (t.div_ceil(u64::from(self.tile_tokens())) + experts.min(t))
-            * u64::from(self.weight_tiles())
+        self.token_tiles_upper_bound(t, experts) * u64::from(self.weight_tiles())
+    }
+
+    /// Upper bound on the token tiles of a launch of `t` rows over `experts` (the E4M3 output's
+    /// arrival counters, [`super::finish::FINISH_PARAMS`]).
+    pub fn token_tiles_upper_bound(&self, t: u64, experts: u64) -> u64 {
+        t.div_ceil(u64::from(self.tile_tokens())) + experts.min(t)
     }
 
     /// Upper bound on the work items (tiles times splits): what the persistent grid walks.
@@ -942,13 +983,19 @@ impl WsConfig {
                 self.n, self.k
             ));
         }
-        if self.epilogue == Epilogue::SiluMul
+        if self.epilogue.silu()
             && (!self.n.is_multiple_of(16) || !self.tile_weights().is_multiple_of(16))
         {
             return bad(format!(
                 "the fused SiLU epilogue with N = {} and {} weight rows per tile (multiples of 16: gate and up rows pair within 16)",
                 self.n,
                 self.tile_weights()
+            ));
+        }
+        if self.epilogue.quant().is_some() && self.out != OutTy::F32 {
+            return bad(format!(
+                "the E4M3 output of `a` with {} out (the epilogue stores `a` in f32 for the token tile's quantization)",
+                self.out.name()
             ));
         }
         if self.w_rows != WRows::PLAIN {
@@ -958,7 +1005,7 @@ impl WsConfig {
                     self.operands.name()
                 ));
             }
-            if self.w_rows.up_first && self.epilogue != Epilogue::SiluMul {
+            if self.w_rows.up_first && !self.epilogue.silu() {
                 return bad("up rows first without the fused SiLU epilogue".into());
             }
             self.w_rows
@@ -1274,6 +1321,9 @@ struct Found {
     /// The k-tile range `[ks, ke)` of its split.
     ks: Reg,
     ke: Reg,
+    /// The token tile's index in the launch (the token tiles of the experts before plus its
+    /// index in its expert): the counted E4M3 output's arrival counter (`None` without it).
+    token_key: Option<Reg>,
 }
 
 fn log2(v: u32) -> i64 {
@@ -1465,6 +1515,12 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
         let ke = k.imm(i64::from(cfg.k_tiles()));
         (zero, zero, ke, zero)
     };
+    let token_key = cfg.epilogue.quant().filter(|q| q.counted()).map(|_| {
+        // Each expert's items are its token tiles times `nt`.
+        let key = k.bin(BinOpcode::Div, PtxTy::U32, s.before, Operand::Int(nt));
+        k.bin_to(key, BinOpcode::Add, PtxTy::U32, key, Operand::Reg(mt));
+        key
+    });
     let tok0 = k.bin(BinOpcode::Shl, PtxTy::B32, mt, Operand::Int(log2(tm)));
     k.bin_to(tok0, BinOpcode::Add, PtxTy::U32, tok0, Operand::Reg(s.lo));
     let w0 = k.bin(
@@ -1480,6 +1536,7 @@ fn scan(k: &mut K, cfg: &WsConfig, s: &Scan, exit: &str) -> Found {
         tile_key,
         ks,
         ke,
+        token_key,
     }
 }
 
@@ -1549,6 +1606,14 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
         Param::tensor_map(PARAMS[10]),
         Param::tensor_map(PARAMS[11]),
     ];
+    if cfg.epilogue.quant().is_some() {
+        entry.params.extend([
+            Param::global_ptr(super::finish::FINISH_PARAMS[0], 8),
+            Param::global_ptr(super::finish::FINISH_PARAMS[1], 4),
+            Param::global_ptr(super::finish::FINISH_PARAMS[2], 4),
+            Param::global_ptr(super::finish::FINISH_PARAMS[3], 4),
+        ]);
+    }
     entry.maxntid = Some(cfg.threads());
     entry.dynamic_shared = Some(DynamicShared {
         name: "smem".into(),
@@ -1561,6 +1626,9 @@ pub fn grouped_ws_entry(name: &str, cfg: &WsConfig) -> Result<String> {
     kb.b.declare_shared(SharedDecl::array("empty_bar", SharedTy::B64, stages, 8)?)?;
     if cfg.split_k > 1 {
         kb.b.declare_shared(SharedDecl::scalar("split_last", SharedTy::B32, 4)?)?;
+    }
+    if cfg.epilogue.quant().is_some_and(AQuant::counted) {
+        kb.b.declare_shared(SharedDecl::scalar("token_tile_last", SharedTy::B32, 4)?)?;
     }
     let k = &mut kb;
 
@@ -2204,6 +2272,21 @@ fn consumers(
         split_reduce(k, cfg, tid, &f, &acc, always, &done)?;
     }
     epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
+    if let (Some(q), Some(key)) = (cfg.epilogue.quant(), f.token_key) {
+        let first = if cfg.producer_warp() { 0 } else { 128 };
+        let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first));
+        let flag = k.b.shared_addr("token_tile_last");
+        let tile = super::finish::Tile {
+            ctid,
+            tok0: f.tok0,
+            hi: s.hi,
+            expert: s.expert,
+            key,
+            tokens,
+            a: y,
+        };
+        super::finish::finish(k, cfg, q, &tile, flag, &done)?;
+    }
     k.b.push(Inst::Label(done));
     next_tile(k, &s, grid, &tile_loop);
     Ok(())
@@ -2904,7 +2987,7 @@ fn epilogue(
     };
     match cfg.epilogue {
         Epilogue::Store => store(k, cfg, frag, f, s, y, acc, &sc),
-        Epilogue::SiluMul => store_silu(k, cfg, frag, f, s, y, acc, &sc),
+        Epilogue::SiluMul | Epilogue::SiluMulE4m3(_) => store_silu(k, cfg, frag, f, s, y, acc, &sc),
     }
 }
 
@@ -3212,6 +3295,14 @@ fn store_silu(
     };
     let prefill_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
     let pair_store = !cfg.swap_ab;
+    // Static E4M3 output: each output's code too, and the rows' scales from output column 0.
+    let statics = match cfg.epilogue {
+        Epilogue::SiluMulE4m3(AQuant::Static) => {
+            Some(super::finish::static_codes(k, cfg, s.expert, (tok, out0)))
+        }
+        _ => None,
+    };
+    let mut row_masks: Vec<(i64, Reg)> = Vec::new();
     for (p, &(_, dt, dout)) in pairs.iter().enumerate() {
         // Prefill: the output pair (c = 0, 1) as one b32 (bf16) or v2.f32 (N / 2 even: tiles of
         // 16 rows), at the even c.
@@ -3232,15 +3323,22 @@ fn store_silu(
             }
         };
         let off = dt * ob * half + dout * ob;
-        put(
-            k,
-            cfg.out,
-            pred,
-            addr,
-            off,
-            vals[p],
-            pair_store.then(|| vals[p + 1]),
-        );
+        let hi = pair_store.then(|| vals[p + 1]);
+        // (Static E4M3 output: the f32 `a` only where `y` is given, not 0.)
+        let a_pred = match &statics {
+            Some(c) => k.bin(BinOpcode::And, PtxTy::Pred, pred, Operand::Reg(c.has_a)),
+            None => pred,
+        };
+        put(k, cfg.out, a_pred, addr, off, vals[p], hi);
+        if let Some(c) = &statics {
+            super::finish::store_static(k, cfg, c, pred, (dt, dout), vals[p], hi);
+            if !row_masks.iter().any(|r| r.0 == dt) {
+                row_masks.push((dt, tok_ok));
+            }
+        }
+    }
+    if let Some(c) = &statics {
+        super::finish::store_static_scales(k, c, &row_masks);
     }
     Ok(())
 }

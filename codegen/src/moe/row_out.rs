@@ -108,21 +108,6 @@ fn skip_to(g: &mut G, skip: &Option<(Reg, String)>) {
     }
 }
 
-/// `m = max(m, |v|)` over `vals`, on the f32 magnitude bits.
-fn amax_bits(g: &mut G, m: Reg, vals: &[Reg; 8]) {
-    for &v in vals {
-        let b = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::B32, Operand::Reg(v));
-        g.bin_to(b, BinOpcode::And, PtxTy::B32, b, Operand::Int(0x7FFF_FFFF));
-        g.bin_to(m, BinOpcode::Max, PtxTy::U32, m, Operand::Reg(b));
-    }
-}
-
-/// The two code words of `vals op s` (`op` is `div.rn` or `mul.rn`).
-fn codes(g: &mut G, vals: &[Reg; 8], op: BinOpcode, s: Reg) -> [Reg; 2] {
-    let ys = vals.map(|v| g.bin(op, PtxTy::F32, v, Operand::Reg(s)));
-    g.e4m3_pack(&ys)
-}
-
 /// Store `words` at `addr`, skipped where `valid` is false.
 fn store(g: &mut G, addr: Reg, words: Vec<Reg>, valid: Option<Reg>) {
     let skip = valid.map(|p| {
@@ -268,7 +253,7 @@ impl RowWriter {
                 let m = g.r32();
                 g.mov(m, Operand::Int(0));
                 for vals in data {
-                    amax_bits(g, m, vals);
+                    g.amax_bits(m, vals);
                 }
                 g.reduce_max_u32(m, &[16, 8, 4, 2, 1]);
                 if let Some((base, slot)) = self.smem {
@@ -300,7 +285,7 @@ impl RowWriter {
                 Quantized {
                     words: data
                         .iter()
-                        .map(|vals| codes(g, vals, BinOpcode::DivRn, s).to_vec())
+                        .map(|vals| g.e4m3_codes(vals, BinOpcode::DivRn, s).to_vec())
                         .collect(),
                     scales: vec![s],
                 }
@@ -313,13 +298,13 @@ impl RowWriter {
                 for vals in data {
                     let m = g.r32();
                     g.mov(m, Operand::Int(0));
-                    amax_bits(g, m, vals);
+                    g.amax_bits(m, vals);
                     g.reduce_max_u32(m, &[8, 4, 2, 1]);
                     // s = max(amax, 1e-4) / 448; inv = 1 / s (correctly rounded).
                     let amax = g.un(UnOpcode::Mov(PtxTy::B32), RegClass::F32, Operand::Reg(m));
                     let (s, inv) = g.e4m3_group_scale(amax);
                     out.words
-                        .push(codes(g, vals, BinOpcode::MulRn, inv).to_vec());
+                        .push(g.e4m3_codes(vals, BinOpcode::MulRn, inv).to_vec());
                     out.scales.push(s);
                 }
                 out
@@ -335,7 +320,7 @@ impl RowWriter {
                 Quantized {
                     words: data
                         .iter()
-                        .map(|vals| codes(g, vals, BinOpcode::MulRn, inv).to_vec())
+                        .map(|vals| g.e4m3_codes(vals, BinOpcode::MulRn, inv).to_vec())
                         .collect(),
                     scales: Vec::new(),
                 }

@@ -641,6 +641,16 @@ pub enum Inst {
         /// Byte offset.
         off: i64,
     },
+    /// `ld.global.cg.v4.f32 {d}, [addr+off]`: four adjacent f32 (16 aligned bytes) cached in L2
+    /// only (data other CTAs wrote during this kernel, never a stale L1 line).
+    LdGlobalCgV4F32 {
+        /// Destinations, in address order.
+        d: [Reg; 4],
+        /// Address.
+        addr: Reg,
+        /// Byte offset (`addr + off` a multiple of 16).
+        off: i64,
+    },
     /// `red.global.max.u32 [addr], v`.
     RedMaxU32 {
         /// Address.
@@ -924,6 +934,11 @@ impl fmt::Display for Inst {
             Inst::LdGlobalCgF32 { d, addr, off } => {
                 write!(f, "\tld.global.cg.f32 \t{d}, [{addr}+{off}];")
             }
+            Inst::LdGlobalCgV4F32 { d, addr, off } => write!(
+                f,
+                "\tld.global.cg.v4.f32 \t{{{}, {}, {}, {}}}, [{addr}+{off}];",
+                d[0], d[1], d[2], d[3]
+            ),
             Inst::LdV { nc, words, addr } => {
                 let w: Vec<String> = words.iter().map(|r| r.to_string()).collect();
                 let nc = if *nc { ".nc" } else { "" };
