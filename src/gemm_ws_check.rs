@@ -460,6 +460,18 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
             AQuant::Group128,
             paired,
         ),
+        // Groups of 128 outputs over per-token FP8: N / 2 need not be a multiple of 128 here,
+        // so the shapes off the tiles end on a partial group.
+        quant(
+            v(e, tok, OutTy::F32, 2, 128, 6, false),
+            AQuant::Group128,
+            WRows::PLAIN,
+        ),
+        quant(
+            v(e, tok, OutTy::F32, 1, 16, 8, true),
+            AQuant::Group128,
+            WRows::PLAIN,
+        ),
     ];
     plain
         .into_iter()
@@ -1029,7 +1041,7 @@ fn run_one(
     let mut dy = upload(dev, &vec![0xffu8; t * cols * ob])?;
     // The E4M3 output of `a`: codes poisoned with 0xff (an E4M3 NaN), scales with NaN, and a
     // random static scale per expert.
-    let a_out = match cfg.epilogue.quant() {
+    let mut a_out = match cfg.epilogue.quant() {
         Some(q) => {
             let statics: Vec<f32> = (0..e).map(|_| scale(rng)).collect();
             Some((
@@ -1042,23 +1054,30 @@ fn run_one(
         }
         None => None,
     };
-    let ops = GemmOperands {
-        x: &dx,
-        w: &dw,
-        offsets: &doff,
-        x_scale: dxs.as_ref(),
-        w_scale: dws.as_ref(),
-        group_scales: dgs.as_ref(),
-        w_layout: in_place.as_ref().map(|(_, l)| l),
-        t,
-        experts: e,
-        act_out: a_out.as_ref().map(|(_, c, s, st, _)| ActOutBuffers {
-            codes: c,
-            scales: s,
-            static_scales: Some(st),
-            a_f32: true,
-        }),
-    };
+    // The operands with an E4M3 output (a macro, not a closure: the two launches borrow the
+    // output buffers for different spans).
+    macro_rules! operands {
+        ($act_out:expr) => {
+            GemmOperands {
+                x: &dx,
+                w: &dw,
+                offsets: &doff,
+                x_scale: dxs.as_ref(),
+                w_scale: dws.as_ref(),
+                group_scales: dgs.as_ref(),
+                w_layout: in_place.as_ref().map(|(_, l)| l),
+                t,
+                experts: e,
+                act_out: $act_out,
+            }
+        };
+    }
+    let ops = operands!(a_out.as_ref().map(|(_, c, s, st, _)| ActOutBuffers {
+        codes: c,
+        scales: s,
+        static_scales: Some(st),
+        a_f32: true,
+    }));
     // SAFETY: `offsets` is the exclusive prefix sum of the row counts: non-decreasing from 0,
     // ending at t.
     unsafe { gemm.run(dev, &ops, &mut dy) }?;
@@ -1123,7 +1142,66 @@ fn run_one(
             )
         }
     };
-    let ok = nan == 0 && rel <= SPEC_BOUND && codes_ok;
+    // A second launch of a quantizing variant, its outputs poisoned again: the counted forms must
+    // give the same bits (the finishing CTAs reset their token tiles' counters for it), and the
+    // static form, asked for no f32 `a` (as the layer asks), the same codes and scales with `y`
+    // left unwritten.
+    let (again_ok, again_note) = match a_out.as_mut() {
+        None => (true, String::new()),
+        Some((q, dc, ds, dst, _)) => {
+            let first_codes = dev.stream.clone_dtoh(&*dc).map_err(drv("cuMemcpyDtoH"))?;
+            let first_scales = dev.stream.clone_dtoh(&*ds).map_err(drv("cuMemcpyDtoH"))?;
+            dev.stream
+                .memcpy_htod(&vec![0xffu8; first_codes.len()], dc)
+                .map_err(drv("cuMemcpyHtoD"))?;
+            dev.stream
+                .memcpy_htod(&vec![f32::NAN; first_scales.len()], ds)
+                .map_err(drv("cuMemcpyHtoD"))?;
+            let a_f32 = q.counted();
+            if !a_f32 {
+                dev.stream
+                    .memcpy_htod(&vec![0xffu8; t * cols * ob], &mut dy)
+                    .map_err(drv("cuMemcpyHtoD"))?;
+            }
+            let ops = operands!(Some(ActOutBuffers {
+                codes: &*dc,
+                scales: &*ds,
+                static_scales: Some(&*dst),
+                a_f32,
+            }));
+            // SAFETY: as for the first launch (the same offsets).
+            unsafe { gemm.run(dev, &ops, &mut dy) }?;
+            dev.sync()?;
+            let codes = dev.stream.clone_dtoh(&*dc).map_err(drv("cuMemcpyDtoH"))?;
+            let scales = dev.stream.clone_dtoh(&*ds).map_err(drv("cuMemcpyDtoH"))?;
+            let same = codes == first_codes
+                && scales
+                    .iter()
+                    .zip(&first_scales)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            let y_kept = a_f32
+                || dev
+                    .stream
+                    .clone_dtoh(&dy)
+                    .map_err(drv("cuMemcpyDtoH"))?
+                    .iter()
+                    .all(|&b| b == 0xff);
+            (
+                same && y_kept,
+                format!(
+                    "; launched again{}: {}",
+                    if a_f32 { "" } else { " without f32 a" },
+                    match (same, y_kept) {
+                        (true, true) => "the same bits",
+                        (false, _) => "codes or scales differ",
+                        (true, false) => "y was written",
+                    }
+                ),
+            )
+        }
+    };
+    let ok = nan == 0 && rel <= SPEC_BOUND && codes_ok && again_ok;
+    let codes_note = codes_note + &again_note;
     Ok((
         ok,
         format!(
@@ -1159,10 +1237,18 @@ pub fn e4m3_mismatches(
     let mut row_scale = vec![0f32; t];
     for (ex, w) in starts.windows(2).enumerate() {
         let scale = statics.get(ex).copied().unwrap_or(1.0);
-        row_scale[w[0]..w[1]].fill(scale);
+        row_scale
+            .get_mut(w[0]..w[1])
+            .ok_or_else(|| {
+                crate::Error::Usage(format!("row offsets {w:?} out of order or past {t}"))
+            })?
+            .fill(scale);
     }
+    let a = y.get(..t * cols).ok_or_else(|| {
+        crate::Error::Usage(format!("`a` holds {} values, needs {}", y.len(), t * cols))
+    })?;
     let (want_q, want_s) =
-        crate::codegen::moe::act::reference(ActIn::F32, out, &y[..t * cols], cols, t, &row_scale)?;
+        crate::codegen::moe::act::reference(ActIn::F32, out, a, cols, t, &row_scale)?;
     let mis_codes = want_q.iter().zip(codes).filter(|(a, b)| a != b).count()
         + want_q.len().saturating_sub(codes.len());
     let mis_scales = want_s

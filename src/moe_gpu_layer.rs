@@ -552,7 +552,8 @@ impl GpuLayer {
         };
         let (w13, act) = match fused_w13 {
             // Fused: `a` in bf16 for the second GEMM, or quantized to E4M3 with static scales by
-            // the GEMM itself (its f32 `a` in `h13`), else in f32 for the activation kernel.
+            // the GEMM itself (no f32 `a`: `h13` is not written), else in f32 for the activation
+            // kernel.
             Some(w) => (
                 w,
                 match form {
@@ -639,7 +640,7 @@ impl GpuLayer {
     }
 
     /// Whether the first GEMM also quantizes `a` to the second GEMM's E4M3 codes and scales
-    /// (`Epilogue::SiluMulE4m3`: into `a` and `s2`, its f32 `a` in `h13`).
+    /// (`Epilogue::SiluMulE4m3`, static scales: into `a` and `s2`; no f32 `a` is stored).
     fn quantizes_a(&self) -> bool {
         self.w13.epilogue.quant().is_some()
     }

@@ -605,8 +605,8 @@ impl GroupedGemm {
             }
         }
         // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
-        // value, the u64 addresses of `y`, `offsets` and the two scale buffers (0 where the variant
-        // reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
+        // value, the u64 addresses of `y` (0 for a static E4M3 output without f32 `a`: the kernel then
+        // stores no `a`), `offsets` and the two scale buffers (0 where the variant reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
         // split-K; with it sized for every tile of this launch's bound, the counters zero between
         // launches, and launches of one `GroupedGemm` ordered on its stream: the buffers are
         // guarded by the lock until queued), and two more 128-byte maps). The maps describe `x`

@@ -2,7 +2,8 @@
 
 use super::act_quant::{E4M3_MAX, GROUP_AMAX_FLOOR, PER_TOKEN_FLOOR};
 use crate::ptx::{
-    BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg, UnOpcode,
+    AsyncOp, BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg,
+    UnOpcode,
 };
 use crate::Result;
 
@@ -309,6 +310,57 @@ impl K {
             label: label.into(),
             pred,
         });
+    }
+
+    /// Count this CTA's arrival on a global u32 counter and tell every consumer thread whether it
+    /// was the last of `count`. Consumer thread 0 (`ctid == 0`) adds one with `atom.acq_rel.gpu` at
+    /// the address `counter` emits (on that thread's path only), resets the counter to zero when it
+    /// completed the count (for the next launch), and leaves the answer in the CTA's shared u32 at
+    /// `flag`; after the consumers' barrier `bar` every thread reads it. Returns the predicate "not
+    /// the last". The caller fences (`fence.acq_rel.gpu`) and synchronizes the consumers first, so
+    /// that the add releases every thread's stores, and fences again in the last CTA before reading
+    /// what the others stored (split-K's partial sums, the fused epilogue's `a`).
+    pub(crate) fn count_arrival(
+        &mut self,
+        ctid: Reg,
+        counter: impl FnOnce(&mut Self) -> Reg,
+        count: i64,
+        (flag, bar, stem): (Reg, AsyncOp, &str),
+    ) -> Result<Reg> {
+        let not_first = self.setp(CmpOp::Ne, ctid, Operand::Int(0));
+        let counted = self.b.label(stem);
+        self.bra(&counted, Some((not_first, false)));
+        let cnt = counter(self);
+        let old = self.reg32();
+        self.b.push(Inst::AtomAddAcqRelU32 {
+            d: old,
+            addr: cnt,
+            v: Operand::Int(1),
+        });
+        let last = self.setp(CmpOp::Eq, old, Operand::Int(count - 1));
+        let zero = self.imm(0);
+        self.b.push(Inst::StGuarded {
+            pred: last,
+            negate: false,
+            ty: PtxTy::U32,
+            addr: cnt,
+            off: 0,
+            v: zero,
+        });
+        let is_last = self.selp(PtxTy::U32, Operand::Int(1), Operand::Int(0), last);
+        self.b.push(Inst::StShared {
+            addr: flag,
+            v: is_last,
+        });
+        self.b.push(Inst::Label(counted));
+        self.b.emit(bar)?;
+        let got = self.reg32();
+        self.b.push(Inst::LdShared {
+            d: got,
+            addr: flag,
+            off: 0,
+        });
+        Ok(self.setp(CmpOp::Eq, got, Operand::Int(0)))
     }
 
     /// `base + stage * stage_bytes` and `bars + 8 * stage` for a stage in a register.

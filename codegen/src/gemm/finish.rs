@@ -107,8 +107,6 @@ pub(super) struct Tile {
     pub tok0: Reg,
     /// The expert's row end.
     pub hi: Reg,
-    /// The expert (index into the static scales).
-    pub expert: Reg,
     /// The token tile's counter index.
     pub key: Reg,
     /// `T`, the group-major scales' row stride.
@@ -137,46 +135,15 @@ pub(super) fn finish(
     // acquire see every tile's `a`.
     k.b.push(Inst::FenceAcqRelGpu);
     k.b.emit(consumers_bar.clone())?;
-    let counted = k.b.label("q_counted");
-    let not_first = k.setp(CmpOp::Ne, t.ctid, Operand::Int(0));
-    k.bra(&counted, Some((not_first, false)));
-    let counters = k.global_param(FINISH_PARAMS[2]);
-    let cnt = k.addr(counters, t.key, 4);
-    let old = k.reg32();
-    k.b.push(Inst::AtomAddAcqRelU32 {
-        d: old,
-        addr: cnt,
-        v: Operand::Int(1),
-    });
-    let last = k.setp(
-        CmpOp::Eq,
-        old,
-        Operand::Int(i64::from(cfg.weight_tiles()) - 1),
-    );
-    let zero = k.imm(0);
-    k.b.push(Inst::StGuarded {
-        pred: last,
-        negate: false,
-        ty: PtxTy::U32,
-        addr: cnt,
-        off: 0,
-        v: zero,
-    });
-    let is_last = k.selp(PtxTy::U32, Operand::Int(1), Operand::Int(0), last);
-    k.b.push(Inst::StSharedU32 {
-        addr: flag,
-        off: 0,
-        v: is_last,
-    });
-    k.b.push(Inst::Label(counted));
-    k.b.emit(consumers_bar)?;
-    let got = k.reg32();
-    k.b.push(Inst::LdSharedU32 {
-        d: got,
-        addr: flag,
-        off: 0,
-    });
-    let not_last = k.setp(CmpOp::Eq, got, Operand::Int(0));
+    let not_last = k.count_arrival(
+        t.ctid,
+        |k| {
+            let counters = k.global_param(FINISH_PARAMS[2]);
+            k.addr(counters, t.key, 4)
+        },
+        i64::from(cfg.weight_tiles()),
+        (flag, consumers_bar, "q_counted"),
+    )?;
     k.bra(skip, Some((not_last, false)));
     k.b.push(Inst::FenceAcqRelGpu);
     rows(k, cfg, q, t)
@@ -193,25 +160,12 @@ fn rows(k: &mut K, cfg: &WsConfig, q: AQuant, t: &Tile) -> Result<()> {
     let lane = k.bin(BinOpcode::And, PtxTy::B32, t.ctid, Operand::Int(31));
     let warp = k.bin(BinOpcode::Shr, PtxTy::U32, t.ctid, Operand::Int(5));
     let lane0 = k.setp(CmpOp::Eq, lane, Operand::Int(0));
-    let static_s = match q {
-        AQuant::Static => {
-            let st = k.global_param(FINISH_PARAMS[3]);
-            let a = k.addr(st, t.expert, 4);
-            let s = k.b.reg(RegClass::F32);
-            k.b.push(Inst::Ld {
-                ty: PtxTy::F32,
-                d: s,
-                addr: a,
-            });
-            let inv = k.un(
-                crate::ptx::UnOpcode::RcpRn(PtxTy::F32),
-                RegClass::F32,
-                Operand::Reg(s),
-            );
-            Some((s, inv))
-        }
-        _ => None,
-    };
+    if q == AQuant::Static {
+        // Static scales need no count: the epilogue stores their codes ([`static_codes`]).
+        return Err(crate::Error::Internal(
+            "a counted finisher for static scales",
+        ));
+    }
     let end = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
@@ -337,16 +291,7 @@ fn rows(k: &mut K, cfg: &WsConfig, q: AQuant, t: &Tile) -> Result<()> {
                 });
             }
         }
-        AQuant::Static => {
-            let (s, inv) = static_s.ok_or(crate::Error::Internal("static scale"))?;
-            for j in 0..iters {
-                let (c, ok) = chunk(k, j);
-                let v = load(k, c);
-                let w = k.e4m3_codes(&v, BinOpcode::MulRn, inv);
-                put(k, c, ok, w);
-            }
-            row_scale(k, s);
-        }
+        AQuant::Static => {}
     }
     k.bin_to(
         row,

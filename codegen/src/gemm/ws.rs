@@ -486,9 +486,10 @@ pub enum Epilogue {
     /// holds both halves of its outputs (decode: the A-side halves `h = 0, 1`; prefill: the B-side
     /// column blocks `j` even and odd). N a multiple of 16.
     SiluMul,
-    /// [`Epilogue::SiluMul`] in f32, then each token tile's rows quantized to E4M3 codes and
-    /// scales for an FP8 second GEMM, in the CTA that stores the token tile's last weight tile
-    /// ([`super::finish`]; the output type is f32).
+    /// [`Epilogue::SiluMul`] with `a` quantized to E4M3 codes and scales for an FP8 second GEMM
+    /// ([`super::finish`]; the output type is f32): static scales in the epilogue itself, each
+    /// output's code; per token or per 1x128 group by the CTA that completes a token tile's count
+    /// of weight tiles, over the tile's rows of the f32 `a`.
     SiluMulE4m3(AQuant),
 }
 
@@ -2280,7 +2281,6 @@ fn consumers(
             ctid,
             tok0: f.tok0,
             hi: s.hi,
-            expert: s.expert,
             key,
             tokens,
             a: y,
@@ -2341,47 +2341,12 @@ fn split_reduce(
     k.b.emit(consumers_bar.clone())?;
     // Thread 0 of the consumers counts the arrival and tells the others whether it was the last.
     let flag = k.b.shared_addr("split_last");
-    let not_first_thread = k.setp(CmpOp::Ne, ctid, Operand::Int(0));
-    let counted = k.b.label("c_counted");
-    k.bra(&counted, Some((not_first_thread, false)));
-    let cnt = k.addr(counters, f.tile_key, 4);
-    let old = k.reg32();
-    k.b.push(Inst::AtomAddAcqRelU32 {
-        d: old,
-        addr: cnt,
-        v: Operand::Int(1),
-    });
-    let last = k.setp(CmpOp::Eq, old, Operand::Int(sk - 1));
-    let zero = k.imm(0);
-    k.b.push(Inst::StGuarded {
-        pred: last,
-        negate: false,
-        ty: PtxTy::U32,
-        addr: cnt,
-        off: 0,
-        v: zero,
-    });
-    let is_last = k.reg32();
-    k.b.push(Inst::Selp {
-        ty: PtxTy::U32,
-        d: is_last,
-        a: Operand::Int(1),
-        b: Operand::Int(0),
-        p: last,
-    });
-    k.b.push(Inst::StShared {
-        addr: flag,
-        v: is_last,
-    });
-    k.b.push(Inst::Label(counted));
-    k.b.emit(consumers_bar)?;
-    let got = k.reg32();
-    k.b.push(Inst::LdShared {
-        d: got,
-        addr: flag,
-        off: 0,
-    });
-    let not_last = k.setp(CmpOp::Eq, got, Operand::Int(0));
+    let not_last = k.count_arrival(
+        ctid,
+        |k| k.addr(counters, f.tile_key, 4),
+        sk,
+        (flag, consumers_bar, "c_counted"),
+    )?;
     k.bra(skip, Some((not_last, false)));
     k.b.push(Inst::FenceAcqRelGpu);
     for sp in 0..sk {
