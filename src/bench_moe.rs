@@ -77,6 +77,15 @@ fn static_feed(feed: Feed, param: &str, experts: usize) -> Feed {
     }
 }
 
+/// A row's recipe name: `<recipe>+static` with static activation scales.
+fn label(recipe: Recipe, static_scales: bool) -> String {
+    if static_scales {
+        format!("{}+static", recipe.name())
+    } else {
+        recipe.name().to_string()
+    }
+}
+
 /// A weight operand of random bytes for `recipe`: `[experts, n, k]`.
 fn random_weights(recipe: Recipe, experts: usize, n: usize, k: usize, seed: u64) -> GemmWeights {
     let (operands, scaling) = recipe.family();
@@ -194,11 +203,7 @@ impl Row {
 
     /// The recipe's name, `+static` with static activation scales.
     fn label(&self) -> String {
-        if self.static_scales {
-            format!("{}+static", self.recipe.name())
-        } else {
-            self.recipe.name().to_string()
-        }
+        label(self.recipe, self.static_scales)
     }
 
     /// vLLM's recorded w13 GEMM over our w13 step (above 1: ours is faster).
@@ -418,13 +423,7 @@ pub fn run(opts: &Options) -> Result<String> {
                 ops.feed13 = static_feed(ops.feed13, "w13_input_scale", e);
                 ops.feed2 = static_feed(ops.feed2, "w2_input_scale", e);
             }
-            let label = |r: Recipe| {
-                if static_scales {
-                    format!("{}+static", r.name())
-                } else {
-                    r.name().to_string()
-                }
-            };
+            let label = |r: Recipe| label(r, static_scales);
             let mut layer = GpuLayer::new(&dev, &ops, &Replicas::identity(e), &opts.settings)?;
             drop(ops);
             for &tokens in &opts.selection.tokens {

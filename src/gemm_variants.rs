@@ -519,9 +519,10 @@ pub fn plan(info: &dsl::ModuleInfo) -> Result<Plan> {
             }
         }
         // The layer's own forms (`GpuLayer`): the first GEMM fused with SiLU*up where its rows
-        // pair (bf16 out where the second GEMM takes bf16 activations, else `a` quantized to
-        // E4M3 in the GEMM, for each scheme the recipe declares for the second GEMM: static,
-        // and its dynamic fallback), and f32 out plain (the unfused path, and the second GEMM).
+        // pair, in the form of each scheme the recipe declares for the second GEMM (bf16 out for
+        // bf16 activations; with E4M3 ones f32 out, and the codes quantized in the GEMM for a
+        // static scale: a static scale and its dynamic fallback are two forms), and f32 out
+        // plain (the unfused path, and the second GEMM).
         let layer = layer_scaling(scaling);
         let a2: Vec<Option<ws::AQuant>> = {
             let declared = info.activation_scales("w2");

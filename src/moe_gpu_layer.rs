@@ -273,6 +273,21 @@ pub fn a2_quant(feed2: &Feed) -> Option<AQuant> {
     }
 }
 
+/// What the fused first GEMM with static E4M3 scales writes: the second GEMM's codes `a` and
+/// row scales `s2`, from the slots' scales `static2`, and no f32 `a`.
+fn static_codes_out<'a>(
+    a: &'a CudaSlice<u8>,
+    s2: &'a CudaSlice<f32>,
+    static2: Option<&'a CudaSlice<f32>>,
+) -> ActOutBuffers<'a> {
+    ActOutBuffers {
+        codes: a,
+        scales: s2,
+        static_scales: static2,
+        a_f32: false,
+    }
+}
+
 /// The grouped-GEMM variants a layer's GEMM of family `(operands, scaling)` at `N = n`, `K = k`
 /// tunes among and loads, in the form `(out, epilogue)` ([`gemm_form`]): the tuning candidates
 /// (`codegen::gemm::tune::candidates`) with that output and epilogue; fused, those whose weight
@@ -526,12 +541,7 @@ impl GpuLayer {
             ),
             (Feed::Bf16, _) => (Feed13::Bf16, gather),
         };
-        let out2 = match &ops.feed2 {
-            Feed::Bf16 => ActOut::Bf16,
-            Feed::PerToken => ActOut::PerToken,
-            Feed::PerTokenGroup128 => ActOut::Group128,
-            Feed::Static { .. } => ActOut::StaticRow,
-        };
+        let out2 = a2_quant(&ops.feed2).map_or(ActOut::Bf16, AQuant::act_out);
         let static2 = match &ops.feed2 {
             Feed::Static { values: v, .. } => Some(up(v)?),
             _ => None,
@@ -984,13 +994,10 @@ impl GpuLayer {
             // Fused with a bf16 second GEMM: `a` itself; with static E4M3 scales: the codes and
             // scales (no f32 `a`: `h13` is not written).
             let (out13, act_out) = if quantizes_a {
-                let codes = ActOutBuffers {
-                    codes: &s.a,
-                    scales: &s.s2,
-                    static_scales: self.static2.as_ref(),
-                    a_f32: false,
-                };
-                (&mut s.h13, Some(codes))
+                (
+                    &mut s.h13,
+                    Some(static_codes_out(&s.a, &s.s2, self.static2.as_ref())),
+                )
             } else if writes_a {
                 (&mut s.a, None)
             } else {
@@ -1104,12 +1111,7 @@ impl GpuLayer {
                 13 if quantizes_a => (
                     x13,
                     &mut s.h13,
-                    Some(ActOutBuffers {
-                        codes: &s.a,
-                        scales: &s.s2,
-                        static_scales: static2,
-                        a_f32: false,
-                    }),
+                    Some(static_codes_out(&s.a, &s.s2, static2)),
                 ),
                 // Fused with a bf16 second GEMM: the first GEMM writes `a`.
                 13 => (x13, if writes_a { &mut s.a } else { &mut s.h13 }, None),

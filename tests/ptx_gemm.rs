@@ -1074,3 +1074,26 @@ fn fp8_block128_fuses_where_its_rows_pair_and_is_served_unfused_elsewhere() {
         assert!(plan.layer.iter().any(|v| v.gemm == "w13"), "{bind}");
     }
 }
+
+/// `fp8_per_tensor` declares static activation scales with a per-token fallback, and the layer
+/// picks the fused first GEMM's form by what the packed file holds: with the scales, the codes
+/// out of the epilogue (`_silu_qs_f32`); without them, f32 `a` for the activation kernel
+/// (`_silu_f32`). What `check` accepts, `compile --kernels gemm` serves in both forms, with the
+/// counted dynamic forms (which the layer does not use) in neither.
+#[test]
+fn fp8_per_tensor_serves_the_static_and_the_fallback_first_gemm() {
+    let plan = recipe_plan("fp8_per_tensor", "E=8,H=256,I=192");
+    assert!(plan.missing.is_empty(), "{:?}", plan.missing);
+    let w13 = |form: &str| {
+        plan.layer
+            .iter()
+            .any(|v| v.gemm == "w13" && v.entry.contains(form))
+    };
+    assert!(w13("_silu_qs_f32"), "static: the codes out of the epilogue");
+    assert!(w13("_silu_f32"), "per-token fallback: f32 `a`");
+    assert!(!w13("_silu_qt_f32") && !w13("_silu_qg_f32"));
+    assert!(plan
+        .layer
+        .iter()
+        .all(|v| v.gemm != "w2" || !v.entry.contains("_silu")));
+}

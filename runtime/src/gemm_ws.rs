@@ -571,19 +571,25 @@ impl GroupedGemm {
                     Some(c) if tiles > 0 => c.device_ptr(&dev.stream).0,
                     _ => 0,
                 };
-                Some([
-                    ao.codes.device_ptr(&dev.stream).0,
-                    ao.scales.device_ptr(&dev.stream).0,
-                    cnt,
-                    st,
-                ])
+                // Static E4M3 output without the f32 `a`: `y` is passed as 0 (the kernel stores
+                // codes only).
+                let no_a = q == AQuant::Static && !ao.a_f32;
+                Some((
+                    [
+                        ao.codes.device_ptr(&dev.stream).0,
+                        ao.scales.device_ptr(&dev.stream).0,
+                        cnt,
+                        st,
+                    ],
+                    no_a,
+                ))
             }
         };
         let (yp, _ys) = y.device_ptr(&dev.stream);
-        // Static E4M3 output without the f32 `a`: `y` is passed as 0 (the kernel stores codes).
-        let yp = match (cfg.epilogue.quant(), op.act_out.as_ref()) {
-            (Some(AQuant::Static), Some(ao)) if !ao.a_f32 => 0,
-            _ => yp,
+        let yp = if finish.is_some_and(|(_, no_a)| no_a) {
+            0
+        } else {
+            yp
         };
         let (op_off, _os) = op.offsets.device_ptr(&dev.stream);
         let mut l = crate::launch::KernelLaunch::new(dev, &self.func);
@@ -599,14 +605,15 @@ impl GroupedGemm {
             .val(&cntp)
             .val(&tmap_xs)
             .val(&tmap_ws);
-        if let Some(ptrs) = &finish {
+        if let Some((ptrs, _)) = &finish {
             for p in ptrs {
                 l.val(p);
             }
         }
         // SAFETY: the arguments match the entry's parameters in order (two 128-byte tensor maps by
-        // value, the u64 addresses of `y` (0 for a static E4M3 output without f32 `a`: the kernel then
-        // stores no `a`), `offsets` and the two scale buffers (0 where the variant reads none), the u32 expert and row counts, the split-K workspace and counters (0 without
+        // value, the u64 addresses of `y` (0 for a static E4M3 output without f32 `a`: the kernel
+        // then stores no `a`), `offsets` and the two scale buffers (0 where the variant reads
+        // none), the u32 expert and row counts, the split-K workspace and counters (0 without
         // split-K; with it sized for every tile of this launch's bound, the counters zero between
         // launches, and launches of one `GroupedGemm` ordered on its stream: the buffers are
         // guarded by the lock until queued), and two more 128-byte maps). The maps describe `x`

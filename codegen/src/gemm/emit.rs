@@ -2,8 +2,8 @@
 
 use super::act_quant::{E4M3_MAX, GROUP_AMAX_FLOOR, PER_TOKEN_FLOOR};
 use crate::ptx::{
-    AsyncOp, BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass, SpecialReg,
-    UnOpcode,
+    AsyncOp, BarrierId, BinOpcode, Builder, CmpOp, Entry, Inst, Operand, PtxTy, Reg, RegClass,
+    SpecialReg, UnOpcode,
 };
 use crate::Result;
 
@@ -312,21 +312,30 @@ impl K {
         });
     }
 
-    /// Count this CTA's arrival on a global u32 counter and tell every consumer thread whether it
-    /// was the last of `count`. Consumer thread 0 (`ctid == 0`) adds one with `atom.acq_rel.gpu` at
-    /// the address `counter` emits (on that thread's path only), resets the counter to zero when it
-    /// completed the count (for the next launch), and leaves the answer in the CTA's shared u32 at
-    /// `flag`; after the consumers' barrier `bar` every thread reads it. Returns the predicate "not
-    /// the last". The caller fences (`fence.acq_rel.gpu`) and synchronizes the consumers first, so
-    /// that the add releases every thread's stores, and fences again in the last CTA before reading
-    /// what the others stored (split-K's partial sums, the fused epilogue's `a`).
-    pub(crate) fn count_arrival(
+    /// After every consumer thread's global stores: count this CTA's arrival on a global u32
+    /// counter, and send every CTA but the one that completes `count` arrivals to `skip`. Every
+    /// thread fences (`fence.acq_rel.gpu`) and the `nthreads` consumer threads meet at named
+    /// barrier 1; consumer thread 0
+    /// (`ctid == 0`) adds one with `atom.acq_rel.gpu` at the address `counter` emits (on that
+    /// thread's path only), resets the counter to zero when it completed the count (for the next
+    /// launch), and leaves the answer in the CTA's shared u32 `flag` (a declared symbol); after
+    /// the barrier again every thread reads it. The last CTA fences once more before it reads what the
+    /// others stored (split-K's partial sums, the fused epilogue's `a`).
+    pub(crate) fn last_arrival(
         &mut self,
         ctid: Reg,
         counter: impl FnOnce(&mut Self) -> Reg,
         count: i64,
-        (flag, bar, stem): (Reg, AsyncOp, &str),
-    ) -> Result<Reg> {
+        (nthreads, flag, stem): (u32, &str, &str),
+        skip: &str,
+    ) -> Result<()> {
+        let bar = AsyncOp::Bar {
+            id: BarrierId::new(1)?,
+            count: Some(nthreads),
+        };
+        self.b.push(Inst::FenceAcqRelGpu);
+        self.b.emit(bar.clone())?;
+        let flag = self.b.shared_addr(flag);
         let not_first = self.setp(CmpOp::Ne, ctid, Operand::Int(0));
         let counted = self.b.label(stem);
         self.bra(&counted, Some((not_first, false)));
@@ -360,7 +369,17 @@ impl K {
             addr: flag,
             off: 0,
         });
-        Ok(self.setp(CmpOp::Eq, got, Operand::Int(0)))
+        let not_last = self.setp(CmpOp::Eq, got, Operand::Int(0));
+        self.bra(skip, Some((not_last, false)));
+        self.b.push(Inst::FenceAcqRelGpu);
+        Ok(())
+    }
+
+    /// The consumer thread's index `0 .. 128 C` from the CTA's `tid` (the consumers come first
+    /// behind a producer warp, else after the producer warpgroup).
+    pub(crate) fn consumer_tid(&mut self, producer_warp: bool, tid: Reg) -> Reg {
+        let first = if producer_warp { 0 } else { 128 };
+        self.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first))
     }
 
     /// `base + stage * stage_bytes` and `bars + 8 * stage` for a stage in a register.

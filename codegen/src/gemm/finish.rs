@@ -35,14 +35,17 @@
 //!
 //!   Measured on the H200 (run 87, the layer at DeepSeek-V3 EP8 and Qwen3), these forms are
 //!   slower than the f32 `a` plus the activation kernel they replace, so the MoE layer does not
-//!   use them: every tile pays a GPU-scope fence and a counted arrival (about 1 us a tile: +7 us
-//!   on DeepSeek-V3's w13 at 1 token, +14 us on Qwen3's at 16), and in prefill the token tiles'
-//!   quantization lands on the CTAs that arrive last, which then arrive last again (the w13 GEMM
-//!   2.5x slower at 2048 tokens). They stay as generator forms, checked on the GPU.
+//!   use them: the w13 GEMM with its quantization against the GEMM plus the activation kernel,
+//!   DeepSeek-V3 at 1 token 82.2 against 69.3 + 5.8 us, Qwen3 at 16 tokens 95.0 against 76.0 +
+//!   4.7, DeepSeek-V3 at 2048 tokens 2084.7 against 847.7 + 48.8. Our reading, not profiled:
+//!   every tile pays a GPU-scope fence and a counted arrival, and in prefill a token tile's rows
+//!   are quantized by the one CTA that arrives last, behind the tile's slowest. They stay as
+//!   generator forms, checked on the GPU.
 
 use super::emit::{Emit as _, K};
 use super::ws::WsConfig;
-use crate::ptx::{AsyncOp, BarrierId, BinOpcode, CmpOp, Inst, Operand, PtxTy, Reg, RegClass};
+use crate::moe::act::ActOut;
+use crate::ptx::{BinOpcode, CmpOp, Inst, Operand, PtxTy, Reg, RegClass};
 use crate::Result;
 
 /// How the fused first GEMM's `a` is quantized to E4M3 for the second GEMM (the recipe's
@@ -82,6 +85,16 @@ impl AQuant {
         }
     }
 
+    /// The activation kernel's output of the same quantization (`crate::moe::act`), whose bits
+    /// this one gives.
+    pub const fn act_out(self) -> ActOut {
+        match self {
+            AQuant::PerToken => ActOut::PerToken,
+            AQuant::Group128 => ActOut::Group128,
+            AQuant::Static => ActOut::StaticRow,
+        }
+    }
+
     /// f32 scales the second GEMM reads for `rows` token rows of `cols` columns: one a row, or
     /// `ceil(cols / 128)` a row (group-major).
     pub const fn scales_len(self, rows: usize, cols: usize) -> usize {
@@ -117,41 +130,32 @@ pub(super) struct Tile {
 
 /// Count this tile's arrival on its token tile and, in the CTA that completes the token tile,
 /// quantize its rows of `a` (see the module docs); every other CTA goes on at `skip`. Called by
-/// every consumer thread after the epilogue's stores. `flag` is a shared u32 of the CTA.
-pub(super) fn finish(
-    k: &mut K,
-    cfg: &WsConfig,
-    q: AQuant,
-    t: &Tile,
-    flag: Reg,
-    skip: &str,
-) -> Result<()> {
-    let nthreads = 128 * cfg.consumers;
-    let consumers_bar = AsyncOp::Bar {
-        id: BarrierId::new(1)?,
-        count: Some(nthreads),
-    };
+/// every consumer thread after the epilogue's stores, for the counted forms only (static scales
+/// are the epilogue's own: [`static_codes`]).
+pub(super) fn finish(k: &mut K, cfg: &WsConfig, q: AQuant, t: &Tile, skip: &str) -> Result<()> {
+    if !q.counted() {
+        return Err(crate::Error::Internal(
+            "a counted finisher for static scales",
+        ));
+    }
     // Every thread's stores of `a`, then the count (release); the last CTA's loads after its
     // acquire see every tile's `a`.
-    k.b.push(Inst::FenceAcqRelGpu);
-    k.b.emit(consumers_bar.clone())?;
-    let not_last = k.count_arrival(
+    k.last_arrival(
         t.ctid,
         |k| {
             let counters = k.global_param(FINISH_PARAMS[2]);
             k.addr(counters, t.key, 4)
         },
         i64::from(cfg.weight_tiles()),
-        (flag, consumers_bar, "q_counted"),
+        (128 * cfg.consumers, "token_tile_last", "q_counted"),
+        skip,
     )?;
-    k.bra(skip, Some((not_last, false)));
-    k.b.push(Inst::FenceAcqRelGpu);
-    rows(k, cfg, q, t)
+    rows(k, cfg, q == AQuant::PerToken, t)
 }
 
 /// Quantize rows `tok0 + w, tok0 + w + 4C, ..` below `min(tok0 + tile_tokens, hi)` of `a`, warp
-/// `w` a row.
-fn rows(k: &mut K, cfg: &WsConfig, q: AQuant, t: &Tile) -> Result<()> {
+/// `w` a row: one scale a row (`per_token`), else one a row and 128 columns.
+fn rows(k: &mut K, cfg: &WsConfig, per_token: bool, t: &Tile) -> Result<()> {
     let cols = i64::from(cfg.out_cols());
     let chunks = cols / 8;
     let iters = (chunks + 31) / 32;
@@ -160,12 +164,6 @@ fn rows(k: &mut K, cfg: &WsConfig, q: AQuant, t: &Tile) -> Result<()> {
     let lane = k.bin(BinOpcode::And, PtxTy::B32, t.ctid, Operand::Int(31));
     let warp = k.bin(BinOpcode::Shr, PtxTy::U32, t.ctid, Operand::Int(5));
     let lane0 = k.setp(CmpOp::Eq, lane, Operand::Int(0));
-    if q == AQuant::Static {
-        // Static scales need no count: the epilogue stores their codes ([`static_codes`]).
-        return Err(crate::Error::Internal(
-            "a counted finisher for static scales",
-        ));
-    }
     let end = k.bin(
         BinOpcode::Add,
         PtxTy::U32,
@@ -229,69 +227,65 @@ fn rows(k: &mut K, cfg: &WsConfig, q: AQuant, t: &Tile) -> Result<()> {
             v: s,
         });
     };
-    match q {
-        AQuant::PerToken => {
+    if per_token {
+        let m = k.imm(0);
+        for j in 0..iters {
+            let (c, _) = chunk(k, j);
+            let v = load(k, c);
+            k.amax_bits(m, &v);
+        }
+        k.reduce_max_u32(m, &[16, 8, 4, 2, 1]);
+        let amax = k.un(
+            crate::ptx::UnOpcode::Mov(PtxTy::B32),
+            RegClass::F32,
+            Operand::Reg(m),
+        );
+        let s = k.e4m3_token_scale(amax, m);
+        for j in 0..iters {
+            let (c, ok) = chunk(k, j);
+            let v = load(k, c);
+            let w = k.e4m3_codes(&v, BinOpcode::DivRn, s);
+            put(k, c, ok, w);
+        }
+        row_scale(k, s);
+    } else {
+        // Lane l's chunk c = l + 32 j lies in group c / 16 = 2 j + l / 16: a half warp a group.
+        let half_first = {
+            let h = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(15));
+            k.setp(CmpOp::Eq, h, Operand::Int(0))
+        };
+        for j in 0..iters {
+            let (c, ok) = chunk(k, j);
+            let v = load(k, c);
             let m = k.imm(0);
-            for j in 0..iters {
-                let (c, _) = chunk(k, j);
-                let v = load(k, c);
-                k.amax_bits(m, &v);
-            }
-            k.reduce_max_u32(m, &[16, 8, 4, 2, 1]);
+            k.amax_bits(m, &v);
+            k.reduce_max_u32(m, &[8, 4, 2, 1]);
             let amax = k.un(
                 crate::ptx::UnOpcode::Mov(PtxTy::B32),
                 RegClass::F32,
                 Operand::Reg(m),
             );
-            let s = k.e4m3_token_scale(amax, m);
-            for j in 0..iters {
-                let (c, ok) = chunk(k, j);
-                let v = load(k, c);
-                let w = k.e4m3_codes(&v, BinOpcode::DivRn, s);
-                put(k, c, ok, w);
-            }
-            row_scale(k, s);
-        }
-        AQuant::Group128 => {
-            // Lane l's chunk c = l + 32 j lies in group c / 16 = 2 j + l / 16: a half warp a group.
-            let half_first = {
-                let h = k.bin(BinOpcode::And, PtxTy::B32, lane, Operand::Int(15));
-                k.setp(CmpOp::Eq, h, Operand::Int(0))
+            let (s, inv) = k.e4m3_group_scale(amax);
+            let w = k.e4m3_codes(&v, BinOpcode::MulRn, inv);
+            put(k, c, ok, w);
+            // scales[(c / 16) T + row] from the half warp's first lane (its chunk in the row).
+            let pred = match ok {
+                None => half_first,
+                Some(ok) => k.bin(BinOpcode::And, PtxTy::Pred, half_first, Operand::Reg(ok)),
             };
-            for j in 0..iters {
-                let (c, ok) = chunk(k, j);
-                let v = load(k, c);
-                let m = k.imm(0);
-                k.amax_bits(m, &v);
-                k.reduce_max_u32(m, &[8, 4, 2, 1]);
-                let amax = k.un(
-                    crate::ptx::UnOpcode::Mov(PtxTy::B32),
-                    RegClass::F32,
-                    Operand::Reg(m),
-                );
-                let (s, inv) = k.e4m3_group_scale(amax);
-                let w = k.e4m3_codes(&v, BinOpcode::MulRn, inv);
-                put(k, c, ok, w);
-                // scales[(c / 16) T + row] from the half warp's first lane (its chunk in the row).
-                let pred = match ok {
-                    None => half_first,
-                    Some(ok) => k.bin(BinOpcode::And, PtxTy::Pred, half_first, Operand::Reg(ok)),
-                };
-                let g = k.bin(BinOpcode::Shr, PtxTy::U32, c, Operand::Int(4));
-                let i = k.bin(BinOpcode::MulLo, PtxTy::U32, g, Operand::Reg(t.tokens));
-                k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(row));
-                let a = k.addr(scales, i, 4);
-                k.b.push(Inst::StGuarded {
-                    pred,
-                    negate: false,
-                    ty: PtxTy::F32,
-                    addr: a,
-                    off: 0,
-                    v: s,
-                });
-            }
+            let g = k.bin(BinOpcode::Shr, PtxTy::U32, c, Operand::Int(4));
+            let i = k.bin(BinOpcode::MulLo, PtxTy::U32, g, Operand::Reg(t.tokens));
+            k.bin_to(i, BinOpcode::Add, PtxTy::U32, i, Operand::Reg(row));
+            let a = k.addr(scales, i, 4);
+            k.b.push(Inst::StGuarded {
+                pred,
+                negate: false,
+                ty: PtxTy::F32,
+                addr: a,
+                off: 0,
+                v: s,
+            });
         }
-        AQuant::Static => {}
     }
     k.bin_to(
         row,
@@ -348,6 +342,7 @@ pub(super) fn static_codes(
         Operand::Reg(s),
     );
     let first_col = k.setp(CmpOp::Eq, out0, Operand::Int(0));
+    // The raw parameter, not the consumers' `y` (its `cvta.to.global` of 0 need not be 0).
     let y = k.b.reg(RegClass::B64);
     k.b.push(Inst::LdParam {
         ty: PtxTy::U64,

@@ -36,9 +36,10 @@
 //!   times up`, instead: the weight rows are in the paired order of [`glu_row`] (8 gate rows, then the
 //!   8 up rows of the same outputs), so each thread's fragment holds both halves of its outputs
 //!   and no data crosses threads. `silu` is the activation kernel's sequence, so the fused and the
-//!   unfused paths give the same bits. With [`Epilogue::SiluMulE4m3`] the CTA that stores a token
-//!   tile's last weight tile then quantizes the tile's rows of `a` to E4M3 for an FP8 second GEMM
-//!   ([`super::finish`]), with the activation kernel's instructions.
+//!   unfused paths give the same bits. With [`Epilogue::SiluMulE4m3`] `a` is also quantized to
+//!   E4M3 for an FP8 second GEMM ([`super::finish`]), with the activation kernel's instructions:
+//!   static scales by the epilogue itself, dynamic ones by the CTA that completes a token tile's
+//!   count of weight tiles.
 //!
 //! # Prefill and decode
 //! * Prefill (`swap_ab = false`): A = `X` (`64 C` token rows), B = `W[e]` (`BN` weight rows); the
@@ -2274,9 +2275,7 @@ fn consumers(
     }
     epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
     if let (Some(q), Some(key)) = (cfg.epilogue.quant(), f.token_key) {
-        let first = if cfg.producer_warp() { 0 } else { 128 };
-        let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first));
-        let flag = k.b.shared_addr("token_tile_last");
+        let ctid = k.consumer_tid(cfg.producer_warp(), tid);
         let tile = super::finish::Tile {
             ctid,
             tok0: f.tok0,
@@ -2285,7 +2284,7 @@ fn consumers(
             tokens,
             a: y,
         };
-        super::finish::finish(k, cfg, q, &tile, flag, &done)?;
+        super::finish::finish(k, cfg, q, &tile, &done)?;
     }
     k.b.push(Inst::Label(done));
     next_tile(k, &s, grid, &tile_loop);
@@ -2311,9 +2310,7 @@ fn split_reduce(
     let sk = i64::from(cfg.split_k);
     let workspace = k.global_param(PARAMS[8]);
     let counters = k.global_param(PARAMS[9]);
-    // The consumers' first thread (0 with a producer warp after the consumers, else 128).
-    let first = if cfg.producer_warp() { 0 } else { 128 };
-    let ctid = k.bin(BinOpcode::Sub, PtxTy::U32, tid, Operand::Int(first));
+    let ctid = k.consumer_tid(cfg.producer_warp(), tid);
     // The slot of (tile, split): ((tile_key * S + split) * P + ctid) * 4.
     let slot_of = |k: &mut K, split: Operand| -> Reg {
         let i = k.bin(BinOpcode::MulLo, PtxTy::U32, f.tile_key, Operand::Int(sk));
@@ -2333,22 +2330,14 @@ fn split_reduce(
             v,
         });
     }
-    k.b.push(Inst::FenceAcqRelGpu);
-    let consumers_bar = AsyncOp::Bar {
-        id: crate::ptx::BarrierId::new(1)?,
-        count: Some(nthreads),
-    };
-    k.b.emit(consumers_bar.clone())?;
-    // Thread 0 of the consumers counts the arrival and tells the others whether it was the last.
-    let flag = k.b.shared_addr("split_last");
-    let not_last = k.count_arrival(
+    // Thread 0 of the consumers counts the arrival; all but the tile's last split go to `skip`.
+    k.last_arrival(
         ctid,
         |k| k.addr(counters, f.tile_key, 4),
         sk,
-        (flag, consumers_bar, "c_counted"),
+        (nthreads, "split_last", "c_counted"),
+        skip,
     )?;
-    k.bra(skip, Some((not_last, false)));
-    k.b.push(Inst::FenceAcqRelGpu);
     for sp in 0..sk {
         let slot = slot_of(k, Operand::Int(sp));
         for (i, &a) in acc.iter().enumerate() {
