@@ -314,21 +314,10 @@ pub(super) struct StaticCodes {
     pub(super) has_a: Reg,
 }
 
-/// [`StaticCodes`] of the thread whose first token is `tok` and first output `out0` (the f32 `a`
-/// is stored where the parameter `y` is not 0).
-pub(super) fn static_codes(
-    k: &mut K,
-    cfg: &WsConfig,
-    expert: Reg,
-    (tok, out0): (Reg, Reg),
-) -> StaticCodes {
-    let half = i64::from(cfg.out_cols());
-    let codes = k.global_param(FINISH_PARAMS[0]);
-    let scales = k.global_param(FINISH_PARAMS[1]);
+/// Load the expert's static activation scale `act_static[expert]` (one of the epilogue's scale
+/// loads, issued before the k loop: `ws::epilogue_loads`).
+pub(super) fn static_scale(k: &mut K, expert: Reg) -> Reg {
     let st = k.global_param(FINISH_PARAMS[3]);
-    let row = k.addr(codes, tok, half);
-    let at = k.addr(row, out0, 1);
-    let scale_at = k.addr(scales, tok, 4);
     let a = k.addr(st, expert, 4);
     let s = k.b.reg(RegClass::F32);
     k.b.push(Inst::Ld {
@@ -336,6 +325,23 @@ pub(super) fn static_codes(
         d: s,
         addr: a,
     });
+    s
+}
+
+/// [`StaticCodes`] of the thread whose first token is `tok` and first output `out0` (the f32 `a`
+/// is stored where the parameter `y` is not 0).
+pub(super) fn static_codes(
+    k: &mut K,
+    cfg: &WsConfig,
+    s: Reg,
+    (tok, out0): (Reg, Reg),
+) -> StaticCodes {
+    let half = i64::from(cfg.out_cols());
+    let codes = k.global_param(FINISH_PARAMS[0]);
+    let scales = k.global_param(FINISH_PARAMS[1]);
+    let row = k.addr(codes, tok, half);
+    let at = k.addr(row, out0, 1);
+    let scale_at = k.addr(scales, tok, 4);
     let inv = k.un(
         crate::ptx::UnOpcode::RcpRn(PtxTy::F32),
         RegClass::F32,

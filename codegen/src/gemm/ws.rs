@@ -2154,6 +2154,9 @@ fn consumers(
     if block || row_group.is_some() {
         zero_total(k, &acc);
     }
+    // The epilogue's scales, loaded before the k loop where they are few (`EARLY_LOADS`).
+    let early = (epilogue_load_count(cfg) <= EARLY_LOADS)
+        .then(|| epilogue_loads(k, cfg, &frag, &f, &s, x_scale, w_scale));
     let kt = k.reg32();
     k.mov(kt, Operand::Reg(f.ks));
     let ring = Ring {
@@ -2273,7 +2276,11 @@ fn consumers(
     if cfg.split_k > 1 {
         split_reduce(k, cfg, tid, &f, &acc, always, &done)?;
     }
-    epilogue(k, cfg, &frag, &f, &s, y, x_scale, w_scale, &acc)?;
+    let loads = match early {
+        Some(l) => l,
+        None => epilogue_loads(k, cfg, &frag, &f, &s, x_scale, w_scale),
+    };
+    epilogue(k, cfg, (&frag, &f, &s), y, loads, &acc)?;
     if let (Some(q), Some(key)) = (cfg.epilogue.quant(), f.token_key) {
         let ctid = k.consumer_tid(cfg.producer_warp(), tid);
         let tile = super::finish::Tile {
@@ -2819,17 +2826,63 @@ fn zero_total(k: &mut K, acc: &[Reg]) {
 
 /// Scale, convert and store the tile (masked at the expert's end and at N).
 #[allow(clippy::too_many_arguments)]
-fn epilogue(
+/// The epilogue's scale loads of a tile, as loaded (not yet multiplied): [`epilogue_loads`].
+struct EpiLoads {
+    /// The activation scales, one per token class (per token), or the one for all tokens.
+    x: Option<Vec<Reg>>,
+    /// The expert's weight scale (per tensor, per expert).
+    w: Option<Reg>,
+    /// The weight rows' scales, one per row class (per row, per channel).
+    rows: Option<Vec<Reg>>,
+    /// The expert's static activation scale of the E4M3 output ([`AQuant::Static`]).
+    act_static: Option<Reg>,
+}
+
+/// How many registers [`epilogue_loads`] loads for `cfg` (0: none).
+fn epilogue_load_count(cfg: &WsConfig) -> u32 {
+    let x = if per_token(cfg.scaling) {
+        if cfg.swap_ab {
+            cfg.bn / 4
+        } else {
+            2
+        }
+    } else {
+        1
+    };
+    let rows = if cfg.swap_ab { 2 } else { cfg.bn / 4 };
+    let scales = match cfg.scaling {
+        Scaling::PerExpert => 1,
+        Scaling::Tensorwise { .. } => x + 1,
+        Scaling::Channelwise { .. } => x + rows,
+        Scaling::Groupwise { .. } => x,
+        Scaling::PerRow => rows,
+        _ => 0,
+    };
+    let stat = u32::from(matches!(
+        cfg.epilogue,
+        Epilogue::SiluMulE4m3(AQuant::Static)
+    ));
+    scales + stat
+}
+
+/// At most this many scale registers are loaded at a tile's start, before its k loop, so that
+/// their latency hides behind the MMAs ([`consumers`]); more are loaded by the epilogue itself.
+/// Loaded after the k loop, a load waits behind the producer's TMA loads of the next tile: the
+/// static E4M3 output's one extra load, issued after SiLU, made DeepSeek-V3's w13 GEMM at 8192
+/// tokens 190 us slower (run 91, BENCHMARKS).
+const EARLY_LOADS: u32 = 8;
+
+/// The epilogue's scale loads of the tile `f` of the expert `s.expert`.
+#[allow(clippy::too_many_arguments)]
+fn epilogue_loads(
     k: &mut K,
     cfg: &WsConfig,
     frag: &Frag,
     f: &Found,
     s: &Scan,
-    y: Reg,
     x_scale: Option<Reg>,
     w_scale: Option<Reg>,
-    acc: &[Reg],
-) -> Result<()> {
+) -> EpiLoads {
     // Tensorwise scales: one factor per token class (per channel: the activation's alone, the
     // weight's per row below).
     let tokens = |k: &mut K, xs: Reg, per_token: bool| -> Vec<Reg> {
@@ -2840,29 +2893,19 @@ fn epilogue(
         };
         toks.iter().map(|&t| ld_f32(k, xs, t)).collect()
     };
-    let factors: Option<Vec<Reg>> = match (cfg.scaling, x_scale, w_scale) {
-        (Scaling::PerExpert, _, Some(ws)) => Some(vec![ld_f32(k, ws, s.expert)]),
+    let (x, w) = match (cfg.scaling, x_scale, w_scale) {
+        (Scaling::PerExpert, _, Some(ws)) => (None, Some(ld_f32(k, ws, s.expert))),
         (Scaling::Tensorwise { per_token }, Some(xs), Some(ws)) => {
             let sw = ld_f32(k, ws, s.expert);
-            let sx = tokens(k, xs, per_token);
-            Some(sx.iter().map(|&x| fmul(k, x, sw)).collect())
+            (Some(tokens(k, xs, per_token)), Some(sw))
         }
         (
             Scaling::Channelwise { per_token } | Scaling::Groupwise { per_token, .. },
             Some(xs),
             _,
-        ) => Some(tokens(k, xs, per_token)),
-        _ => None,
+        ) => (Some(tokens(k, xs, per_token)), None),
+        _ => (None, None),
     };
-    let per_token = matches!(
-        cfg.scaling,
-        Scaling::Tensorwise { per_token: true }
-            | Scaling::Channelwise { per_token: true }
-            | Scaling::Groupwise {
-                per_token: true,
-                ..
-            }
-    );
     // Per weight row: `w_scale[e, row]` per row class (`row_class`: the fragment's two A-side
     // halves in the swapped form, its B-side columns otherwise), rows past N clamped to N - 1
     // (never stored).
@@ -2934,10 +2977,53 @@ fn epilogue(
         }
         _ => None,
     };
+    let act_static = matches!(cfg.epilogue, Epilogue::SiluMulE4m3(AQuant::Static))
+        .then(|| super::finish::static_scale(k, s.expert));
+    EpiLoads {
+        x,
+        w,
+        rows: row_factors,
+        act_static,
+    }
+}
+
+/// Whether the activation scales are per token (one per token class of the fragment).
+fn per_token(scaling: Scaling) -> bool {
+    matches!(
+        scaling,
+        Scaling::Tensorwise { per_token: true }
+            | Scaling::Channelwise { per_token: true }
+            | Scaling::Groupwise {
+                per_token: true,
+                ..
+            }
+    )
+}
+
+/// Scale, convert and store the tile's accumulator with the scales of `loads`
+/// ([`epilogue_loads`]).
+fn epilogue(
+    k: &mut K,
+    cfg: &WsConfig,
+    (frag, f, s): (&Frag, &Found, &Scan),
+    y: Reg,
+    loads: EpiLoads,
+    acc: &[Reg],
+) -> Result<()> {
+    // Per tensor: the activation's factor per token class times the expert's (the same
+    // products, in the same order, as when the loads were the epilogue's own).
+    let factors = match (cfg.scaling, loads.x, loads.w) {
+        (Scaling::Tensorwise { .. }, Some(sx), Some(sw)) => {
+            Some(sx.iter().map(|&x| fmul(k, x, sw)).collect())
+        }
+        (Scaling::PerExpert, _, Some(sw)) => Some(vec![sw]),
+        (_, x, _) => x,
+    };
     let sc = SlotScales {
         factors,
-        row_factors,
-        per_token,
+        row_factors: loads.rows,
+        per_token: per_token(cfg.scaling),
+        act_static: loads.act_static,
     };
     match cfg.epilogue {
         Epilogue::Store => store(k, cfg, frag, f, s, y, acc, &sc),
@@ -2952,6 +3038,8 @@ struct SlotScales {
     /// Per row class ([`row_class`]: per weight row).
     row_factors: Option<Vec<Reg>>,
     per_token: bool,
+    /// The expert's static activation scale ([`AQuant::Static`]), as loaded.
+    act_static: Option<Reg>,
 }
 
 /// The accumulator slots, scaled. Slot i = 4j + 2h + c sits at A-side offset 8h and B-side offset
@@ -3252,7 +3340,10 @@ fn store_silu(
     // Static E4M3 output: each output's code too, and the rows' scales from output column 0.
     let statics = match cfg.epilogue {
         Epilogue::SiluMulE4m3(AQuant::Static) => {
-            Some(super::finish::static_codes(k, cfg, s.expert, (tok, out0)))
+            let st = sc
+                .act_static
+                .ok_or_else(|| unsupported("a static E4M3 output without its scale".into()))?;
+            Some(super::finish::static_codes(k, cfg, st, (tok, out0)))
         }
         _ => None,
     };
