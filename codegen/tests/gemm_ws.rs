@@ -2166,3 +2166,67 @@ fn paired_block_scales_take_each_half_its_block() {
         assert!(e.contains(why), "{e}");
     }
 }
+
+/// The scale loads of the consumers' epilogue (`ld.global.f32` / `.v2.f32`) before and after the
+/// first k loop (`$L_c_k`) of `text`.
+fn scale_loads_around_the_k_loop(text: &str) -> (usize, usize) {
+    let at = text.find("$L_c_k").expect("a consumer k loop");
+    let loads = |s: &str| count(s, "ld.global.f32") + count(s, "ld.global.v2.f32");
+    let tile = text.find("$L_c_tile").expect("a consumer tile loop");
+    (loads(&text[tile..at]), loads(&text[at..]))
+}
+
+#[test]
+fn the_epilogue_scales_are_loaded_before_the_k_loop_where_they_are_few() {
+    use ws::AQuant;
+    let e4m3 = |scaling: Scaling, c: WsConfig| WsConfig {
+        operands: Operands::E4m3,
+        scaling,
+        out: OutTy::F32,
+        ..c
+    };
+    let token = Scaling::Tensorwise { per_token: true };
+    let channel = Scaling::Channelwise { per_token: true };
+    // (form, config, loads expected before the k loop, after it)
+    let forms = [
+        // Prefill per token: two token rows and the expert's weight scale.
+        ("prefill per token", e4m3(token, base()), 3, 0),
+        (
+            "prefill static E4M3 output",
+            WsConfig {
+                epilogue: Epilogue::SiluMulE4m3(AQuant::Static),
+                bn: 256,
+                ..e4m3(token, base())
+            },
+            4,
+            0,
+        ),
+        // Decode: BN / 4 token classes and the weight scale, up to 64 tokens.
+        ("decode 16 per token", e4m3(token, decode()), 5, 0),
+        (
+            "decode 64 per token",
+            WsConfig {
+                bn: 64,
+                stages: 6,
+                ..e4m3(token, decode())
+            },
+            17,
+            0,
+        ),
+        // Decode per channel: BN / 4 token classes and the two weight rows' scales.
+        ("decode per channel", e4m3(channel, decode()), 6, 0),
+        // Prefill per channel: the BN / 4 row scales (pairs, v2) are too many to hold through
+        // the k loop; the epilogue loads them and the token rows' scales after it.
+        ("prefill per channel", e4m3(channel, base()), 0, 2 + 128 / 8),
+    ];
+    for (what, c, before, after) in forms {
+        let text = grouped_ws_module("k", &c).unwrap();
+        assert_eq!(
+            scale_loads_around_the_k_loop(&text),
+            (before, after),
+            "{what}: {}",
+            c.tag()
+        );
+        assembles_clean(&text, &c.tag());
+    }
+}
