@@ -135,9 +135,10 @@ fn values_of(
 }
 
 /// How the grouped GEMMs of the GPU layer read the weights of input `gemm` (`w13` or `w2`) at the
-/// module's binding, and the param holding them: bf16 and E4M3 codes through
-/// [`weight_access`]; int8 and 4-bit codes always from a copy in the kernel's order. `None`
-/// without a binding or a param holding the input's values.
+/// module's binding, and the param holding them, through [`weight_access`]: bf16 and E4M3 codes
+/// contiguous along K, int8 codes in the W8A16 GEMM's own order ([`KOrder`]); 4-bit codes always
+/// from a copy in the kernel's order. `None` without a binding or a param holding the input's
+/// values.
 pub fn of_gemm(info: &ModuleInfo, gemm: &str) -> Option<(String, WeightAccess)> {
     use crate::dsl::ir::DType;
     let (id, _) = values_of(info, gemm)?;
@@ -150,9 +151,10 @@ pub fn of_gemm(info: &ModuleInfo, gemm: &str) -> Option<(String, WeightAccess)> 
     let [slots, n, k] = dims[..] else {
         return None;
     };
-    let elem = match t.dtype {
-        DType::Bf16 => 2,
-        DType::E4m3 => 1,
+    let (elem, order) = match t.dtype {
+        DType::Bf16 => (2, KOrder::Contiguous),
+        DType::E4m3 => (1, KOrder::Contiguous),
+        DType::I8 => (1, KOrder::Int8Kernel),
         d => {
             let why = format!(
                 "{d} codes are read in the kernel's own order (dequantized into register fragments)"
@@ -168,18 +170,73 @@ pub fn of_gemm(info: &ModuleInfo, gemm: &str) -> Option<(String, WeightAccess)> 
     };
     Some((
         t.name.clone(),
-        weight_access(info, gemm, (slots, n, k), elem),
+        weight_access(info, gemm, (slots, n, k), (elem, order)),
     ))
 }
 
+/// How a weight param's rows hold K.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KOrder {
+    /// Contiguous (bf16 and E4M3 codes, TMA boxes of 128 bytes through a descriptor).
+    Contiguous,
+    /// The W8A16 GEMM's own order of int8 codes (`reference::i8_kernel_place`, rows of a multiple
+    /// of 64 bytes): its register-A kernels read a row's k-tile as 64 bytes and take no row modes,
+    /// so only storage that is exactly their compact operand (`[slots, N, K]` in the GEMM's row
+    /// order) is read in place.
+    Int8Kernel,
+}
+
+/// Whether `map` holds every row's K in `order` (an element offset along K per index, counted
+/// from K index 0; `Err` says how it does not).
+fn k_order_of(map: &StorageMap, k: usize, order: KOrder) -> Result<(), String> {
+    match order {
+        KOrder::Contiguous => {
+            let k_ok = map.modes[2]
+                .iter()
+                .enumerate()
+                .all(|(j, &(s, t))| if j == 0 { t == 1 } else { s == 1 });
+            if k_ok {
+                Ok(())
+            } else {
+                Err(format!(
+                    "is not contiguous along K (its K modes {:?}; a TMA box row is 128 contiguous bytes)",
+                    map.modes[2]
+                ))
+            }
+        }
+        KOrder::Int8Kernel => {
+            let align = crate::codegen::gemm::reference::I8_ROW_ALIGN;
+            if !k.is_multiple_of(align) {
+                return Err(format!(
+                    "holds rows of K = {k} codes, which the int8 GEMM pads to a multiple of {align} bytes"
+                ));
+            }
+            let at0 = map.offset_of(&[0, 0, 0]);
+            let first = (0..k).find(|&x| {
+                map.offset_of(&[0, 0, x as i64]) - at0
+                    != crate::codegen::gemm::reference::i8_kernel_place(x) as i64
+            });
+            match first {
+                None => Ok(()),
+                Some(x) => Err(format!(
+                    "is not in the int8 GEMM's order along K (K index {x} at element {} of its row, the kernel's order has it at {}; its K modes {:?})",
+                    map.offset_of(&[0, 0, x as i64]) - at0,
+                    crate::codegen::gemm::reference::i8_kernel_place(x),
+                    map.modes[2]
+                )),
+            }
+        }
+    }
+}
+
 /// How the grouped GEMMs can read the weight param of input `name` (`[slots, n, k]`, `elem`
-/// bytes an element; bf16 or E4M3 codes) at the module's binding: from the verified module
-/// alone (the layer checks that the param's bytes reach as far as the map).
+/// bytes an element, K held in `order`) at the module's binding: from the verified module alone
+/// (the layer checks that the param's bytes reach as far as the map).
 pub fn weight_access(
     info: &ModuleInfo,
     name: &str,
     (slots, n, k): (usize, usize, usize),
-    elem: usize,
+    (elem, k_order): (usize, KOrder),
 ) -> WeightAccess {
     let relaid = |why: String| WeightAccess {
         plain: Access::Relaid { why: why.clone() },
@@ -203,15 +260,40 @@ pub fn weight_access(
         return relaid(format!("`{pname}`'s layout does not evaluate"));
     };
     let row = (k * elem) as i64;
-    match rows_of(&map, rows.as_ref(), b.atoms(), (slots, n, k), elem)
-        .and_then(|r| slot_contained(r, (slots, n, row)))
+    match rows_of(
+        &map,
+        rows.as_ref(),
+        b.atoms(),
+        (slots, n, k),
+        (elem, k_order),
+    )
+    .and_then(|r| slot_contained(r, (slots, n, row)))
     {
         Err(why) => relaid(format!("`{pname}` {why}")),
         Ok((row_bytes, expert)) => {
             let fit = |order: &dyn Fn(usize) -> usize, up_first: bool| -> Access {
                 let base = row_bytes[order(0)];
                 let off: Vec<i64> = (0..n).map(|q| row_bytes[order(q)] - base).collect();
+                let compact = WLayout::compact(slots as u64, n as u64, row as u64);
                 match wmap::fit(&off, expert, slots as u64, up_first) {
+                    // Register-A int8: only the compact operand itself (no row modes).
+                    Ok(layout)
+                        if k_order == KOrder::Int8Kernel
+                            && (base != 0
+                                || layout.rows != WRows::PLAIN
+                                || (slots > 1 && expert != n as i64 * row)) =>
+                    {
+                        Access::Relaid {
+                            why: format!(
+                                "`{pname}` holds its rows in another order than the GEMM's (row modes {:?}, byte strides {:?}), and the register-A int8 GEMM reads no row modes",
+                                layout.extents, layout.strides
+                            ),
+                        }
+                    }
+                    Ok(_) if k_order == KOrder::Int8Kernel => Access::InPlace {
+                        param: pname.clone(),
+                        layout: compact.clone(),
+                    },
                     Ok(layout)
                         if strides_nest(row as u64, &layout.extents, &layout.strides).is_err() =>
                     {
@@ -292,7 +374,7 @@ fn rows_of(
     rows: Option<&crate::dsl::ir::IndexVec>,
     atoms: &[i128],
     (slots, n, k): (usize, usize, usize),
-    elem: usize,
+    (elem, order): (usize, KOrder),
 ) -> Result<(Vec<i64>, i64), String> {
     if map.swizzle.is_some() {
         return Err("is stored swizzled (TMA reads rows of plain storage)".into());
@@ -303,16 +385,7 @@ fn rows_of(
             map.shape()
         ));
     }
-    let k_ok = map.modes[2]
-        .iter()
-        .enumerate()
-        .all(|(j, &(s, t))| if j == 0 { t == 1 } else { s == 1 });
-    if !k_ok {
-        return Err(format!(
-            "is not contiguous along K (its K modes {:?}; a TMA box row is 128 contiguous bytes)",
-            map.modes[2]
-        ));
-    }
+    k_order_of(map, k, order)?;
     // The param row holding each input row (the inverse of the gather).
     let mut holder = vec![usize::MAX; n];
     for r in 0..n {
@@ -357,6 +430,37 @@ mod tests {
         assert!(e.contains("[16, 1040)"), "{e}");
         // One expert: its stride never steps.
         assert!(slot_contained((rows, 0), (1, 4, 256)).is_ok());
+    }
+
+    #[test]
+    fn int8_rows_in_the_kernels_order_are_recognised_index_by_index() {
+        let k = 192usize;
+        let map = |kmodes: Vec<(i64, i64)>| StorageMap {
+            modes: vec![vec![(2, 4 * k as i64)], vec![(4, k as i64)], kmodes],
+            offset: 0,
+            swizzle: None,
+        };
+        let kernel = vec![(2, 2), (4, 16), (2, 1), (4, 4), (3, 64)];
+        assert_eq!(k_order_of(&map(kernel), k, KOrder::Int8Kernel), Ok(()));
+        // Row-major K (the standard int8 recipe): K index 1 sits at element 1, not 2.
+        let e = k_order_of(&map(vec![(k as i64, 1)]), k, KOrder::Int8Kernel).unwrap_err();
+        assert!(
+            e.contains("K index 1 at element 1") && e.contains("at 2"),
+            "{e}"
+        );
+        // Two modes swapped (c and s): the first index that differs is named.
+        let swapped = vec![(2, 2), (4, 4), (2, 1), (4, 16), (3, 64)];
+        let e = k_order_of(&map(swapped), k, KOrder::Int8Kernel).unwrap_err();
+        assert!(e.contains("K index 2 "), "{e}");
+        // K not a multiple of 64: the kernel pads its rows, so no param is its operand.
+        let e = k_order_of(&map(vec![(100, 1)]), 100, KOrder::Int8Kernel).unwrap_err();
+        assert!(e.contains("K = 100") && e.contains("64"), "{e}");
+        // Contiguous K for bf16 and E4M3 codes, as before.
+        assert_eq!(
+            k_order_of(&map(vec![(k as i64, 1)]), k, KOrder::Contiguous),
+            Ok(())
+        );
+        assert!(k_order_of(&map(vec![(k as i64, 2)]), k, KOrder::Contiguous).is_err());
     }
 
     #[test]

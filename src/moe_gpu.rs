@@ -21,8 +21,10 @@
 //! For the standard `bf16`, `fp8_per_tensor` and `fp8_block128` recipes the stored order is the
 //! input's, so the operand is the param's bytes; [`GemmWeights::relayout`] says whether it was not.
 //! bf16 and E4M3 weights are also read in place where the param's storage is a TMA map of rows
-//! ([`crate::gemm_access`], issue \[8\] item 2): [`GemmWeights::in_place`] gives the map, plain or
-//! in the fused epilogue's paired order, and [`GemmWeights::stored`] the bytes it reads.
+//! ([`crate::gemm_access`], issue \[8\] item 2), and int8 codes where the param is stored exactly
+//! as the GEMM's compact operand (K in the kernel's order, rows in the GEMM's order):
+//! [`GemmWeights::in_place`] gives the map, plain or in the fused epilogue's paired order, and
+//! [`GemmWeights::stored`] the bytes it reads.
 //!
 //! # What runs on the GPU
 //! bf16 weights with bf16 activations; E4M3 per-tensor, per-channel and group-wise (groups of at
@@ -71,8 +73,9 @@ pub struct GemmWeights {
     /// Whether the codes differ from the stored param's bytes (a recipe that stores another row
     /// order or layout): the operand is then a re-laid-out copy.
     pub relayout: bool,
-    /// How the GEMM can read the param itself (bf16 and E4M3 weights; `None` for int8 and 4-bit
-    /// codes, which the kernels take in their own order): [`crate::gemm_access`].
+    /// How the GEMM can read the param itself (bf16 and E4M3 weights; int8 codes where the param
+    /// is stored in the kernel's order, [`crate::gemm_access::KOrder`]; `None` for 4-bit codes,
+    /// which the kernels take in their own order): [`crate::gemm_access`].
     pub access: Option<WeightAccess>,
     /// The param's stored bytes where `access` reads any of them in place; else empty.
     pub stored: Vec<u8>,
@@ -195,7 +198,7 @@ impl GemmWeights {
     pub fn in_place(&self, paired: bool) -> Option<&WLayout> {
         let a = self.access.as_ref()?;
         let which = if paired { a.paired.as_ref()? } else { &a.plain };
-        let row = self.k as u64 * u64::from(self.operands.bytes());
+        let row = self.operands.w_row_bytes(self.k as u64);
         // (EPLB moves the buffer as `slots` equal chunks: exactly the slots' rows, no padding.)
         let whole = (self.slots * self.n) as u64 * row == self.stored.len() as u64;
         match which {
@@ -487,9 +490,16 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         _ => Vec::new(),
     };
     let relayout = stored_bytes(info, name, layer.params).is_none_or(|b| b != codes.as_slice());
-    // bf16 and E4M3 codes: the param itself, where its storage is a TMA map of rows.
-    let access = (!operands.register_a())
-        .then(|| crate::gemm_access::weight_access(info, name, (slots, n, k), elem));
+    // bf16 and E4M3 codes: the param itself, where its storage is a TMA map of rows; int8 codes
+    // where it is the GEMM's compact operand in the kernel's order (4-bit codes: never).
+    let order = match operands {
+        Operands::I8Bf16 => Some(crate::gemm_access::KOrder::Int8Kernel),
+        Operands::W4Bf16(_) => None,
+        _ => Some(crate::gemm_access::KOrder::Contiguous),
+    };
+    let w_elem = operands.w_bits() as usize / 8;
+    let access =
+        order.map(|o| crate::gemm_access::weight_access(info, name, (slots, n, k), (w_elem, o)));
     let reads_param = access.as_ref().is_some_and(|a| {
         std::iter::once(&a.plain)
             .chain(a.paired.as_ref())

@@ -666,7 +666,7 @@ fn layout_independence(
     let mut out = String::new();
     let mut ok = true;
     let bind = format!("E={},H={},I={}", DIMS4.e, DIMS4.h, DIMS4.i);
-    let pairs: [(&str, &[&str]); 5] = [
+    let pairs: [(&str, &[&str]); 6] = [
         ("bf16", &["bf16_up_gate"]),
         ("fp8_per_tensor", &["fp8_up_gate", "fp8_colmajor"]),
         // (Gate and up interleaved by 8, scales moving with their rows: the per-channel
@@ -677,6 +677,9 @@ fn layout_independence(
         ("nvfp4_cutedsl", &["nvfp4_linear"]),
         // (Group scales read in the in-place up-first order.)
         ("fp8_g128", &["fp8_g128_up_gate"]),
+        // (Int8 codes stored in the GEMM's own order, w13 in the paired order: both GEMMs read
+        // the params' bytes in place, the standard recipe's a copy re-laid on the host.)
+        ("int8_per_row", &["int8_kernel_order"]),
     ];
     let cases: &[(usize, usize, Routing)] = if quick {
         &[(1, 8, Routing::Uniform)]

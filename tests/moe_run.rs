@@ -805,8 +805,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     "{name} {input}"
                 );
                 // nvfp4_cutedsl (and the `*_up_gate` variants) store w13's rows [up; gate]
-                // interleaved by 64 (`fp8_channel_by8` gate and up by 8), and int8 and 4-bit
-                // codes go to the GEMM in its kernel order:
+                // interleaved by 64 (`fp8_channel_by8` and `int8_kernel_order` gate and up by 8),
+                // and int8 and 4-bit codes go to the GEMM in its kernel order (which
+                // `int8_kernel_order` stores):
                 // those operands are re-laid-out copies; every other standard recipe's are the
                 // stored bytes.
                 assert_eq!(
@@ -821,7 +822,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
                             | "int8_g128"
                             | "nvfp4_linear"
                     ) || (input == "w13"
-                        && (name.ends_with("_up_gate") || name == "fp8_channel_by8")),
+                        && (name.ends_with("_up_gate")
+                            || name == "fp8_channel_by8"
+                            || name == "int8_kernel_order")),
                     "{name} {input}"
                 );
                 let want = dequantized(&info, input, &params);
@@ -928,6 +931,90 @@ fn layouts_are_programs_the_gpu_operands_do_not_depend_on_the_storage() {
         params_of(&d.join("1.safetensors"))["w13_weight_scale"]
     );
     assert_eq!(outs[0], outs[1]);
+}
+
+/// Int8 codes stored as the W8A16 GEMM reads them (issue [8] item 2, `int8_kernel_order`: K in the
+/// kernel's order, `w13` in the fused epilogue's paired row order): the GPU layer's fused first
+/// GEMM and its second GEMM read the params' own bytes (a compact map, no host relayout), and those
+/// bytes are, byte for byte, the operands the standard `int8_per_row` gets as copies re-laid on the
+/// host; the host layer gives the same output bits from either.
+#[test]
+fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
+    use moeforge::codegen::gemm::wmap::WLayout;
+    use moeforge::moe_gpu::operands;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ckpt.safetensors");
+    checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
+    let bind = format!("E={E},H={H},I={I}");
+    let inp = d.join("in.safetensors");
+    write_inputs(&inp, &inputs());
+    let mut ops = Vec::new();
+    let mut outs = Vec::new();
+    for name in ["int8_per_row", "int8_kernel_order"] {
+        let r = moeforge::kernels::find(name).unwrap();
+        let packed = d.join(format!("{name}.safetensors"));
+        pack(r.path, &ck, &packed);
+        let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
+        let params = params_of(&packed);
+        let layer = moeforge::moe_host::Layer {
+            info: &info,
+            params: &params,
+        };
+        ops.push(operands(&layer).unwrap());
+        let out = d.join(format!("{name}.out.safetensors"));
+        let (code, _, err) = moe(&packed, &inp, &out, &[]);
+        assert_eq!(code, 0, "{err}");
+        outs.push(read(&out).0.remove("output").unwrap().2);
+    }
+    let (std_ops, ko) = (&ops[0], &ops[1]);
+    // The same logical operands (codes in the kernel's order, per-row scales).
+    for (x, y, g) in [(&std_ops.w13, &ko.w13, "w13"), (&std_ops.w2, &ko.w2, "w2")] {
+        assert_eq!(x.codes, y.codes, "{g} codes");
+        assert_eq!(x.scales, y.scales, "{g} scales");
+    }
+    // The standard recipe's operands are copies; the kernel-order recipe's are its params.
+    assert_eq!(std_ops.w13.in_place(true), None);
+    assert_eq!(std_ops.w2.in_place(false), None);
+    let compact = |n: usize, k: usize| WLayout::compact(E as u64, n as u64, k as u64);
+    assert_eq!(ko.w13.in_place(true), Some(&compact(2 * I, H)));
+    assert_eq!(ko.w2.in_place(false), Some(&compact(H, I)));
+    // (Its input-order w13, gate and up rows apart, needs row modes the register-A GEMM lacks.)
+    assert_eq!(ko.w13.in_place(false), None);
+    let paired = std_ops.w13.paired().unwrap();
+    assert_eq!(
+        ko.w13.stored, paired.codes,
+        "w13: the param is the fused GEMM's operand"
+    );
+    assert_eq!(
+        ko.w2.stored, std_ops.w2.codes,
+        "w2: the param is the GEMM's operand"
+    );
+    // Per-row scales in the paired order, as the layer uploads them for the param read in place.
+    assert_eq!(ko.w13.paired_scales(false).unwrap(), paired.scales);
+    assert_eq!(outs[0], outs[1], "the host layer's output");
+    // `check` names what each GEMM reads.
+    let (code, stdout, err) = run(&["check", "int8_kernel_order", "--bind", &bind]);
+    assert_eq!(code, 0, "{err}");
+    let line = |what: &str| {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(what))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(
+        line("w13   fused (paired)").contains("`w13_weight` in place"),
+        "{stdout}"
+    );
+    assert!(
+        line("w2    input order").contains("`w2_weight` in place"),
+        "{stdout}"
+    );
+    assert!(
+        line("w13   input order").contains("reads no row modes"),
+        "{stdout}"
+    );
 }
 
 /// FP8 per-channel quantization stored `[gate; up]`, and the same stored with gate and up rows

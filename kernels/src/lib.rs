@@ -94,6 +94,7 @@ pub const VARIANTS: &[StandardRecipe] = &[
     variant!("nvfp4_linear"),
     variant!("fp8_g128"),
     variant!("fp8_g128_up_gate"),
+    variant!("int8_kernel_order"),
 ];
 
 /// A standard recipe, a layout example, a pre-quantized recipe or a variant by name.

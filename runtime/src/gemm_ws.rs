@@ -297,6 +297,9 @@ impl GroupedGemm {
         let compact = WLayout::compact(e as u64, n as u64, cfg.w_row_bytes());
         let layout = match op.w_layout {
             None if cfg.w_rows == WRows::PLAIN => &compact,
+            // The compact map itself: a param stored exactly as the operand (int8 codes in the
+            // kernel's order included), read in place.
+            Some(l) if *l == compact && cfg.w_rows == WRows::PLAIN => &compact,
             Some(l)
                 if l.rows == cfg.w_rows && !cfg.operands.register_a() && l.serves(cfg.n, e as u64) =>
             {
