@@ -876,6 +876,29 @@ fn gpu_operands_equal_the_dequantized_weights() {
     }
 }
 
+/// Pack checkpoint `ck` with the recipe at `path` (source `src`) into `packed`, and return its GPU
+/// layer operands at `E`, `H`, `I` and the host layer's `output` bytes for `inp`.
+fn operands_and_output(
+    (path, src): (&str, &str),
+    ck: &Path,
+    packed: &Path,
+    inp: &Path,
+) -> (moeforge::moe_gpu::LayerOperands, Vec<u8>) {
+    pack(path, ck, packed);
+    let bind = format!("E={E},H={H},I={I}");
+    let info = moeforge::verify_source(src, path, Some(&bind)).unwrap();
+    let params = params_of(packed);
+    let layer = moeforge::moe_host::Layer {
+        info: &info,
+        params: &params,
+    };
+    let ops = moeforge::moe_gpu::operands(&layer).unwrap();
+    let out = packed.with_extension("out.safetensors");
+    let (code, _, err) = moe(packed, inp, &out, &[]);
+    assert_eq!(code, 0, "{err}");
+    (ops, read(&out).0.remove("output").unwrap().2)
+}
+
 /// Layout independence (issue [8]): the same checkpoint packed with `nvfp4_cutedsl` (`[up; gate]`
 /// interleaved by 64, scales swizzled into 128x4 tiles) and with a recipe that stores `[gate; up]`
 /// and linear scales gives the GPU GEMMs the same operands byte for byte (codes, group scales and
@@ -884,35 +907,21 @@ fn gpu_operands_equal_the_dequantized_weights() {
 /// standard recipe's `w13` needs a re-laid-out copy.
 #[test]
 fn layouts_are_programs_the_gpu_operands_do_not_depend_on_the_storage() {
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
     checkpoint(&ck, &(0..E).collect::<Vec<_>>(), false);
     let lin = moeforge::kernels::find("nvfp4_linear").unwrap();
-    let bind = format!("E={E},H={H},I={I}");
     let std_r = moeforge::kernels::find("nvfp4_cutedsl").unwrap();
+    let inp = d.join("in.safetensors");
+    write_inputs(&inp, &inputs());
     let mut outs = Vec::new();
     let mut ops = Vec::new();
-    for (path, src) in [
-        (std_r.path.to_string(), std_r.source.to_string()),
-        (lin.path.to_string(), lin.source.to_string()),
-    ] {
+    for r in [std_r, lin] {
         let packed = d.join(format!("{}.safetensors", ops.len()));
-        pack(&path, &ck, &packed);
-        let info = moeforge::verify_source(&src, &path, Some(&bind)).unwrap();
-        let params = params_of(&packed);
-        let layer = moeforge::moe_host::Layer {
-            info: &info,
-            params: &params,
-        };
-        ops.push(operands(&layer).unwrap());
-        let inp = d.join("in.safetensors");
-        write_inputs(&inp, &inputs());
-        let out = d.join(format!("out{}.safetensors", outs.len()));
-        let (code, _, err) = moe(&packed, &inp, &out, &[]);
-        assert_eq!(code, 0, "{err}");
-        outs.push(read(&out).0.remove("output").unwrap().2);
+        let (o, out) = operands_and_output((r.path, r.source), &ck, &packed, &inp);
+        ops.push(o);
+        outs.push(out);
     }
     let (a, b) = (&ops[0], &ops[1]);
     for (x, y, name) in [(&a.w13, &b.w13, "w13"), (&a.w2, &b.w2, "w2")] {
@@ -941,7 +950,6 @@ fn layouts_are_programs_the_gpu_operands_do_not_depend_on_the_storage() {
 #[test]
 fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
     use moeforge::codegen::gemm::wmap::WLayout;
-    use moeforge::moe_gpu::operands;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ck = d.join("ckpt.safetensors");
@@ -954,18 +962,9 @@ fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
     for name in ["int8_per_row", "int8_kernel_order"] {
         let r = moeforge::kernels::find(name).unwrap();
         let packed = d.join(format!("{name}.safetensors"));
-        pack(r.path, &ck, &packed);
-        let info = moeforge::verify_source(r.source, r.path, Some(&bind)).unwrap();
-        let params = params_of(&packed);
-        let layer = moeforge::moe_host::Layer {
-            info: &info,
-            params: &params,
-        };
-        ops.push(operands(&layer).unwrap());
-        let out = d.join(format!("{name}.out.safetensors"));
-        let (code, _, err) = moe(&packed, &inp, &out, &[]);
-        assert_eq!(code, 0, "{err}");
-        outs.push(read(&out).0.remove("output").unwrap().2);
+        let (o, out) = operands_and_output((r.path, r.source), &ck, &packed, &inp);
+        ops.push(o);
+        outs.push(out);
     }
     let (std_ops, ko) = (&ops[0], &ops[1]);
     // The same logical operands (codes in the kernel's order, per-row scales).
