@@ -276,12 +276,14 @@ pub fn weight_access(
                 let off: Vec<i64> = (0..n).map(|q| row_bytes[order(q)] - base).collect();
                 let compact = WLayout::compact(slots as u64, n as u64, row as u64);
                 match wmap::fit(&off, expert, slots as u64, up_first) {
-                    // Register-A int8: only the compact operand itself (no row modes).
+                    // Register-A int8: only the compact operand itself (no row modes): row q
+                    // at q rows of K bytes (checked here, though the verifier's dense param
+                    // layouts imply it; experts one slot apart: `slot_contained`).
                     Ok(layout)
                         if k_order == KOrder::Int8Kernel
                             && (base != 0
                                 || layout.rows != WRows::PLAIN
-                                || (slots > 1 && expert != n as i64 * row)) =>
+                                || off.iter().enumerate().any(|(q, &o)| o != q as i64 * row)) =>
                     {
                         Access::Relaid {
                             why: format!(

@@ -71,7 +71,8 @@ struct DevWeights {
     k: u32,
     w: CudaSlice<u8>,
     /// Where `w`'s rows are when it is the recipe's param itself (read in place through its own
-    /// row modes); `None`: the compact operand.
+    /// row modes, or the compact map where the param is stored as the operand, int8 codes in the
+    /// kernel's order included); `None`: the compact operand copied from the codes.
     layout: Option<WLayout>,
     scale: Option<CudaSlice<f32>>,
     /// 4-bit weights' group scales.

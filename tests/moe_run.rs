@@ -1014,6 +1014,39 @@ fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
         line("w13   input order").contains("reads no row modes"),
         "{stdout}"
     );
+    // The same K order with w13's rows `[up; gate]` by 8 (the paired order up rows first, which
+    // the register-A GEMM cannot take): re-laid, with the reason; and row-major K: re-laid.
+    let src = moeforge::kernels::find("int8_kernel_order").unwrap().source;
+    for (what, from, to, why) in [
+        (
+            "up first",
+            "interleave(arange(2*I), group = 8)",
+            "interleave(swap_halves(2*I), group = 8)",
+            "`w13_weight`",
+        ),
+        (
+            "row-major K",
+            "@ (E, H, (2, 4, 2, 4, I/64)):(H*I, I, (2, 16, 1, 4, 64)) ",
+            "",
+            "not in the int8 GEMM's order along K (K index 1",
+        ),
+    ] {
+        assert!(src.contains(from), "{what}");
+        let path = d.join(format!("{}.recipe", what.replace(' ', "_")));
+        std::fs::write(&path, src.replace(from, to)).unwrap();
+        let (code, stdout, err) = run(&["check", path.to_str().unwrap(), "--bind", &bind]);
+        assert_eq!(code, 0, "{what}: {err}");
+        let gemm = if what == "up first" {
+            "w13   fused (paired)"
+        } else {
+            "w2    input order"
+        };
+        let l = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(gemm))
+            .unwrap_or_default();
+        assert!(l.contains("re-laid") && l.contains(why), "{what}: {l}");
+    }
 }
 
 /// FP8 per-channel quantization stored `[gate; up]`, and the same stored with gate and up rows

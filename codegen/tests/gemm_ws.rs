@@ -2167,6 +2167,63 @@ fn paired_block_scales_take_each_half_its_block() {
     }
 }
 
+/// Every tuning candidate of every scaled family, with every epilogue it takes: the epilogue's
+/// scale loads sit all before the k loop or all after it, those before take at most 20
+/// registers (a `v2` load two; `ws::EARLY_LOADS`), and they are late only past that.
+#[test]
+fn the_early_scale_loads_of_every_candidate_fit_their_budget() {
+    use moeforge_codegen::gemm::ws::{AQuant, W4};
+    let families = [
+        (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        (Operands::E4m3, Scaling::Tensorwise { per_token: false }),
+        (Operands::E4m3, Scaling::Channelwise { per_token: true }),
+        (Operands::E4m3, Scaling::Channelwise { per_token: false }),
+        (
+            Operands::E4m3,
+            Scaling::Groupwise {
+                group: 128,
+                per_token: true,
+            },
+        ),
+        (Operands::I8Bf16, Scaling::PerRow),
+        (Operands::W4Bf16(W4::NVFP4), Scaling::PerExpert),
+    ];
+    let registers = |t: &str| count(t, "ld.global.f32") + 2 * count(t, "ld.global.v2.f32");
+    let mut early = 0;
+    for (operands, scaling) in families {
+        for c in tune::candidates(operands, scaling, 1536, 2048) {
+            let mut forms = vec![
+                (OutTy::Bf16, Epilogue::Store),
+                (OutTy::F32, Epilogue::SiluMul),
+            ];
+            if operands == Operands::E4m3 {
+                forms.push((OutTy::F32, Epilogue::SiluMulE4m3(AQuant::Static)));
+            }
+            for (out, epilogue) in forms {
+                let c = WsConfig {
+                    out,
+                    epilogue,
+                    ..c.clone()
+                };
+                if c.supported().is_err() {
+                    continue;
+                }
+                let text = grouped_ws_module("k", &c).unwrap();
+                let at = text.find("$L_c_k").unwrap();
+                let tile = text.find("$L_c_tile").unwrap();
+                let (before, after) = (registers(&text[tile..at]), registers(&text[at..]));
+                assert!(before <= 20, "{}: {before} registers loaded early", c.tag());
+                assert!(before == 0 || after == 0, "{}: {before} / {after}", c.tag());
+                assert!(before + after > 0, "{}: no scale loads", c.tag());
+                // (Late only past the budget.)
+                assert!(before > 0 || after > 20, "{}: {after} late", c.tag());
+                early += usize::from(before > 0);
+            }
+        }
+    }
+    assert!(early > 0);
+}
+
 /// The scale loads of the consumers' epilogue (`ld.global.f32` / `.v2.f32`) before and after the
 /// first k loop (`$L_c_k`) of `text`.
 fn scale_loads_around_the_k_loop(text: &str) -> (usize, usize) {

@@ -129,7 +129,9 @@ pub struct GemmOperands<'a> {
     /// Where `w`'s rows are, for a variant compiled for the recipe's own row modes
     /// (`WsConfig::w_rows` not `WRows::PLAIN`; bf16 and E4M3 weights read in place): the
     /// dimensions after K, their byte strides and the kernel's `WRows` (which must be the
-    /// variant's). `None`: the compact `[experts, N, K]` above.
+    /// variant's). The compact map itself may be given too, for any operands (a param stored as
+    /// the operand, int8 codes in the kernel's order included). `None`: the compact
+    /// `[experts, N, K]` above.
     pub w_layout: Option<&'a WLayout>,
     /// Rows of X.
     pub t: usize,
@@ -295,23 +297,12 @@ impl GroupedGemm {
             return Err(short("x", op.x.len(), t * k * eb));
         }
         let compact = WLayout::compact(e as u64, n as u64, cfg.w_row_bytes());
-        let layout = match op.w_layout {
-            None if cfg.w_rows == WRows::PLAIN => &compact,
-            // The compact map itself: a param stored exactly as the operand (int8 codes in the
-            // kernel's order included), read in place.
-            Some(l) if *l == compact && cfg.w_rows == WRows::PLAIN => &compact,
-            Some(l)
-                if l.rows == cfg.w_rows && !cfg.operands.register_a() && l.serves(cfg.n, e as u64) =>
-            {
-                l
-            }
-            _ => {
-                return Err(Error::Placement(format!(
-                    "grouped GEMM {}: the weight layout given is not the one the variant is compiled for ({:?}, {} rows over {e} experts)",
-                    self.entry, cfg.w_rows, cfg.n
-                )))
-            }
-        };
+        let layout = weight_layout(cfg, op.w_layout, &compact, e as u64).ok_or_else(|| {
+            Error::Placement(format!(
+                "grouped GEMM {}: the weight layout given is not the one the variant is compiled for ({:?}, {} rows over {e} experts)",
+                self.entry, cfg.w_rows, cfg.n
+            ))
+        })?;
         // (An in-place layout's expert dimension is the slots it holds, folded or not.)
         let w_len = usize::try_from(layout.span_bytes(cfg.w_row_bytes())).unwrap_or(usize::MAX);
         if op.w.len() < w_len {
@@ -668,10 +659,106 @@ pub fn jit_registers_and_spills(log: &str) -> (Option<u32>, Option<u64>) {
     (regs, spills)
 }
 
+/// The weight map a launch of `cfg` reads through, given the caller's `given` (`None`: the
+/// compact `[experts, N, K]` operand, `compact`): the compact map itself for any operands (a param
+/// stored as the operand, int8 codes in the kernel's order included), or a map of the variant's
+/// row modes that serves its `n` rows over `experts` (bf16 and E4M3 only: the register-A kernels
+/// read no row modes). `None`: the map is not the one the variant is compiled for.
+pub fn weight_layout<'a>(
+    cfg: &WsConfig,
+    given: Option<&'a WLayout>,
+    compact: &'a WLayout,
+    experts: u64,
+) -> Option<&'a WLayout> {
+    match given {
+        None if cfg.w_rows == WRows::PLAIN => Some(compact),
+        Some(l) if l == compact && cfg.w_rows == WRows::PLAIN => Some(compact),
+        Some(l)
+            if l.rows == cfg.w_rows && !cfg.operands.register_a() && l.serves(cfg.n, experts) =>
+        {
+            Some(l)
+        }
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use moeforge_codegen::gemm::ws::{Epilogue, OutTy};
+
+    /// The map a launch reads its weights through: the compact map, given or not, for any
+    /// operands; row modes only for bf16 and E4M3, only the variant's own, only where they serve.
+    #[test]
+    fn a_launch_takes_the_compact_map_for_any_operands_and_row_modes_for_its_own() {
+        let cfg = |operands: Operands, w_rows: WRows| WsConfig {
+            operands,
+            scaling: Scaling::None,
+            out: OutTy::F32,
+            epilogue: Epilogue::Store,
+            consumers: 1,
+            bn: 16,
+            stages: 4,
+            swap_ab: true,
+            split_k: 1,
+            n: 256,
+            k: 512,
+            w_rows,
+            two_slices: false,
+        };
+        let int8 = cfg(Operands::I8Bf16, WRows::PLAIN);
+        let compact = WLayout::compact(4, 256, int8.w_row_bytes());
+        // Register-A int8: the compact map, given (the param read in place) or not.
+        assert_eq!(weight_layout(&int8, None, &compact, 4), Some(&compact));
+        let given = compact.clone();
+        assert_eq!(
+            weight_layout(&int8, Some(&given), &compact, 4),
+            Some(&compact)
+        );
+        // ... but no other map: another expert count, another base, row modes.
+        let other = WLayout::compact(5, 256, int8.w_row_bytes());
+        assert_eq!(weight_layout(&int8, Some(&other), &compact, 4), None);
+        let shifted = WLayout {
+            base: 16,
+            ..compact.clone()
+        };
+        assert_eq!(weight_layout(&int8, Some(&shifted), &compact, 4), None);
+        let by8 = WRows {
+            modes: 3,
+            inner: [8, 2, 0],
+            folded: false,
+            up_first: false,
+        };
+        let modes = WLayout {
+            rows: by8,
+            base: 0,
+            extents: vec![8, 2, 16, 4],
+            strides: vec![512, 8192, 1024, 131072],
+        };
+        assert_eq!(weight_layout(&int8, Some(&modes), &compact, 4), None);
+        assert_eq!(
+            weight_layout(&cfg(Operands::I8Bf16, by8), Some(&modes), &compact, 4),
+            None
+        );
+        // E4M3: the compact map as before, and a map of the variant's row modes that serves it.
+        let e4m3 = cfg(Operands::E4m3, by8);
+        let compact8 = WLayout::compact(4, 256, e4m3.w_row_bytes());
+        assert_eq!(
+            weight_layout(
+                &cfg(Operands::E4m3, WRows::PLAIN),
+                Some(&compact8),
+                &compact8,
+                4
+            ),
+            Some(&compact8)
+        );
+        assert!(modes.serves(256, 4));
+        assert_eq!(
+            weight_layout(&e4m3, Some(&modes), &compact8, 4),
+            Some(&modes)
+        );
+        assert_eq!(weight_layout(&e4m3, None, &compact8, 4), None);
+    }
 
     #[test]
     fn the_jit_log_gives_registers_and_spills() {

@@ -328,8 +328,9 @@ pub(super) fn static_scale(k: &mut K, expert: Reg) -> Reg {
     s
 }
 
-/// [`StaticCodes`] of the thread whose first token is `tok` and first output `out0` (the f32 `a`
-/// is stored where the parameter `y` is not 0).
+/// [`StaticCodes`] of the thread whose first token is `tok` and first output `out0`, with `s` the
+/// expert's static scale as [`static_scale`] loaded it (the f32 `a` is stored where the parameter
+/// `y` is not 0).
 pub(super) fn static_codes(
     k: &mut K,
     cfg: &WsConfig,

@@ -2824,8 +2824,6 @@ fn zero_total(k: &mut K, acc: &[Reg]) {
     }
 }
 
-/// Scale, convert and store the tile (masked at the expert's end and at N).
-#[allow(clippy::too_many_arguments)]
 /// The epilogue's scale loads of a tile, as loaded (not yet multiplied): [`epilogue_loads`].
 struct EpiLoads {
     /// The activation scales, one per token class (per token), or the one for all tokens.
@@ -2875,7 +2873,6 @@ fn epilogue_load_count(cfg: &WsConfig) -> u32 {
 const EARLY_LOADS: u32 = 20;
 
 /// The epilogue's scale loads of the tile `f` of the expert `s.expert`.
-#[allow(clippy::too_many_arguments)]
 fn epilogue_loads(
     k: &mut K,
     cfg: &WsConfig,
@@ -3002,8 +2999,8 @@ fn per_token(scaling: Scaling) -> bool {
     )
 }
 
-/// Scale, convert and store the tile's accumulator with the scales of `loads`
-/// ([`epilogue_loads`]).
+/// Scale, convert and store the tile's accumulator (masked at the expert's end and at N) with the
+/// scales of `loads` ([`epilogue_loads`]).
 fn epilogue(
     k: &mut K,
     cfg: &WsConfig,
