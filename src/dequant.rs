@@ -241,21 +241,12 @@ pub fn logical_experts(
                 codes[at] = elem_bits(vals, o, vsize)?;
                 scl[at] = match scheme {
                     None => 0,
-                    Some(QuantScheme::Nvfp4 { .. }) => scale_at(&[ei, ri, ci / 16])?,
-                    Some(QuantScheme::Mxfp4) => scale_at(&[ei, ri, ci / 32])?,
-                    Some(QuantScheme::Fp8 { granularity, .. }) => match granularity {
-                        Fp8Granularity::Tensor => scale_at(&[ei])?,
-                        Fp8Granularity::Channel => scale_at(&[ei, ri])?,
-                        Fp8Granularity::Block128 => scale_at(&[ei, ri / 128, ci / 128])?,
-                        Fp8Granularity::Group { group } => scale_at(&[ei, ri, ci / group])?,
-                    },
-                    Some(QuantScheme::Int8Row) => scale_at(&[ei, ri])?,
-                    Some(QuantScheme::Int8Group { group }) => scale_at(&[ei, ri, ci / group])?,
-                    Some(QuantScheme::Int4 { group, .. }) => {
-                        if let Some(z) = zer.get_mut(at) {
-                            *z = zero_at(&[ei, ri, ci / group])?;
+                    Some(sc) => {
+                        let coord = scale_coord(sc, (ei, ri, ci));
+                        if let (Some(z), QuantScheme::Int4 { .. }) = (zer.get_mut(at), sc) {
+                            *z = zero_at(&coord)?;
                         }
-                        scale_at(&[ei, ri, ci / group])?
+                        scale_at(&coord)?
                     }
                 };
             }
@@ -321,6 +312,54 @@ pub fn error(
 
 /// What dequantizing input `name` reads: the scheme (`None`: a plain copy), the params holding the
 /// codes, the scales and the decode scale, and the row gather between input and params.
+/// The coordinate, in the quantization's scales (and zero points), of the scale of element
+/// `(expert, row, column)` of its values param (`row` the param's row).
+fn scale_coord(scheme: QuantScheme, (e, r, c): (i64, i64, i64)) -> Vec<i64> {
+    match scheme {
+        QuantScheme::Nvfp4 { .. } => vec![e, r, c / 16],
+        QuantScheme::Mxfp4 => vec![e, r, c / 32],
+        QuantScheme::Fp8 { granularity, .. } => match granularity {
+            Fp8Granularity::Tensor => vec![e],
+            Fp8Granularity::Channel => vec![e, r],
+            Fp8Granularity::Block128 => vec![e, r / 128, c / 128],
+            Fp8Granularity::Group { group } => vec![e, r, c / group],
+        },
+        QuantScheme::Int8Row => vec![e, r],
+        QuantScheme::Int8Group { group } | QuantScheme::Int4 { group, .. } => {
+            vec![e, r, c / group]
+        }
+    }
+}
+
+/// The weight scales of input `name`'s quantization as its param stores them: [`scale_map`].
+pub struct ScaleMap {
+    /// The scale param.
+    pub param: String,
+    /// The quantization.
+    pub scheme: QuantScheme,
+    map: StorageMap,
+}
+
+impl ScaleMap {
+    /// The element offset, in the param's storage, of the scale of element `(expert, row,
+    /// column)` of the values param (`row` the param's row).
+    pub fn offset(&self, at: (i64, i64, i64)) -> i64 {
+        self.map.offset_of(&scale_coord(self.scheme, at))
+    }
+}
+
+/// Input `name`'s weight-scale param and its storage map at the module's binding (`None`
+/// without a quantization with scales, or without a binding).
+pub fn scale_map(info: &ModuleInfo, name: &str) -> Option<ScaleMap> {
+    let parts = Parts::of(info, name)?;
+    let (param, map) = param(info, parts.scales?)?;
+    Some(ScaleMap {
+        param,
+        scheme: parts.scheme?,
+        map,
+    })
+}
+
 struct Parts {
     scheme: Option<QuantScheme>,
     values: TensorId,

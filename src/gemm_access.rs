@@ -174,6 +174,129 @@ pub fn of_gemm(info: &ModuleInfo, gemm: &str) -> Option<(String, WeightAccess)> 
     ))
 }
 
+/// How a GPU GEMM gets its weight scales.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScaleRead {
+    /// The scale param's bytes as stored: they are the GEMM's scale vector element for element.
+    AsStored {
+        /// The param.
+        param: String,
+    },
+    /// A vector made on the host in the GEMM's order, and why the param's own bytes are not it.
+    Copied {
+        /// Why.
+        why: String,
+    },
+}
+
+impl ScaleRead {
+    /// One line for `check`.
+    pub fn describe(&self) -> String {
+        match self {
+            ScaleRead::AsStored { param } => format!("`{param}` as stored"),
+            ScaleRead::Copied { why } => format!("a vector made on the host: {why}"),
+        }
+    }
+}
+
+/// How the GPU GEMM of input `gemm` reads its weight scales at the module's binding, with its
+/// rows in the input's order or in the fused epilogue's paired order (`paired`, gate rows
+/// first): as the scale param stores them where every scale the GEMM reads sits at its own index
+/// of the GEMM's layout (per tensor `[slots]`, per channel and per row `[slots, N]` in the GEMM's
+/// row order, 128x128 blocks `[slots, N / 128, K / 128]`), checked scale by scale through the
+/// param's storage map and the row gather; else a vector made on the host, and why. `None`
+/// without a binding or weight scales.
+pub fn scales_read(info: &ModuleInfo, gemm: &str, paired: bool) -> Option<ScaleRead> {
+    use crate::dsl::ir::{Fp8Granularity as G, QuantScheme as Q};
+    let sm = crate::dequant::scale_map(info, gemm)?;
+    let (id, rows) = values_of(info, gemm)?;
+    let t = info.module().tensor(id)?;
+    let dims: Vec<usize> = t
+        .shape
+        .iter()
+        .map(|d| info.eval(d).and_then(|x| usize::try_from(x).ok()))
+        .collect::<Option<_>>()?;
+    let [slots, n, k] = dims[..] else {
+        return None;
+    };
+    let copied = |why: &str| Some(ScaleRead::Copied { why: why.into() });
+    // The param row holding GEMM row `q` (the inverse of the gather).
+    let atoms = info.binding()?.atoms().to_vec();
+    let mut holder = vec![usize::MAX; n];
+    for r in 0..n {
+        let src = match &rows {
+            Some(iv) => iv
+                .map(r as i128, &atoms)
+                .and_then(|x| usize::try_from(x).ok())?,
+            None => r,
+        };
+        *holder.get_mut(src)? = r;
+    }
+    let order = |q: usize| {
+        if paired {
+            paired_row(q, n / 2, false)
+        } else {
+            q
+        }
+    };
+    // (GEMM index, the element whose scale it is) of every scale the GEMM reads.
+    let slots_of: Vec<(usize, (usize, usize, usize))> = match sm.scheme {
+        Q::Fp8 {
+            granularity: G::Tensor,
+            ..
+        } => (0..slots).map(|e| (e, (e, 0, 0))).collect(),
+        Q::Fp8 {
+            granularity: G::Channel,
+            ..
+        }
+        | Q::Int8Row => {
+            if paired && !n.is_multiple_of(16) {
+                return None;
+            }
+            (0..slots)
+                .flat_map(|e| (0..n).map(move |q| (e * n + q, (e, q, 0))))
+                .map(|(at, (e, q, c))| (at, (e, holder[order(q)], c)))
+                .collect()
+        }
+        Q::Fp8 {
+            granularity: G::Block128,
+            ..
+        } => {
+            // (The paired order reads each half's block by its `[gate; up]` row: the same layout.)
+            let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
+            (0..slots * nb * kb)
+                .map(|at| {
+                    let (e, b, c) = (at / (nb * kb), at / kb % nb, at % kb);
+                    (at, (e, holder[128 * b], 128 * c))
+                })
+                .collect()
+        }
+        _ => {
+            return copied(
+                "group scales go to the GEMM in its own order (`[slots, groups, N]`, or the 4-bit kernels' tiles)",
+            )
+        }
+    };
+    let first = slots_of.iter().find_map(|&(at, (e, r, c))| {
+        let off = sm.offset((e as i64, r as i64, c as i64));
+        (off != at as i64).then_some((at, off))
+    });
+    Some(match first {
+        None => ScaleRead::AsStored { param: sm.param },
+        Some((at, off)) => ScaleRead::Copied {
+            why: format!(
+                "`{}` holds the GEMM's scale {at}{} at element {off}",
+                sm.param,
+                if paired {
+                    " (rows in the paired order)"
+                } else {
+                    ""
+                }
+            ),
+        },
+    })
+}
+
 /// How a weight param's rows hold K.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KOrder {

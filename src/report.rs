@@ -507,8 +507,8 @@ fn activation_human(info: &ModuleInfo) -> String {
 }
 
 /// How the GPU layer's GEMMs read each weight at the binding (`crate::gemm_access`): in place
-/// through which TMA map, or from a copy re-laid on the host and why; without a binding, a line
-/// saying so.
+/// through which TMA map, or from a copy re-laid on the host and why, and their weight scales as
+/// stored or as a vector made on the host and why; without a binding, a line saying so.
 fn reads_human(info: &ModuleInfo) -> String {
     if info.binding().is_none() {
         return "  (how the GEMMs read the weights is decided at a binding: --bind)\n".into();
@@ -517,16 +517,27 @@ fn reads_human(info: &ModuleInfo) -> String {
         "gemm".into(),
         "rows".into(),
         "the GPU GEMM reads".into(),
+        "its weight scales".into(),
     ]];
+    let scales = |g: &str, paired: bool| {
+        crate::gemm_access::scales_read(info, g, paired)
+            .map_or_else(|| "-".to_string(), |s| s.describe())
+    };
     for (g, _) in GEMM_WEIGHTS {
         if let Some((_, a)) = crate::gemm_access::of_gemm(info, g) {
             rows.push(vec![
                 g.to_string(),
                 "input order".into(),
                 a.plain.describe(),
+                scales(g, false),
             ]);
             if let (true, Some(p)) = (g == "w13", &a.paired) {
-                rows.push(vec![g.to_string(), "fused (paired)".into(), p.describe()]);
+                rows.push(vec![
+                    g.to_string(),
+                    "fused (paired)".into(),
+                    p.describe(),
+                    scales(g, true),
+                ]);
             }
         }
     }
@@ -539,8 +550,9 @@ fn reads_human(info: &ModuleInfo) -> String {
     )
 }
 
-/// The `--json` report's `reads` of a GEMM: `{"plain": access, "fused": access}` (`null` without
-/// a binding or a param).
+/// The `--json` report's `reads` of a GEMM: `{"plain": access, "fused": access, "scales": scales,
+/// "fused_scales": scales}` (`null` without a binding or a param; scales `null` without weight
+/// scales).
 fn reads_json(info: &ModuleInfo, gemm: &str) -> Value {
     use crate::gemm_access::Access;
     let one = |a: &Access| match a {
@@ -557,10 +569,18 @@ fn reads_json(info: &ModuleInfo, gemm: &str) -> Value {
         }),
         Access::Relaid { why } => json!({"in_place": false, "why": why}),
     };
+    use crate::gemm_access::ScaleRead;
+    let scales = |paired: bool| match crate::gemm_access::scales_read(info, gemm, paired) {
+        Some(ScaleRead::AsStored { param }) => json!({"as_stored": true, "param": param}),
+        Some(ScaleRead::Copied { why }) => json!({"as_stored": false, "why": why}),
+        None => Value::Null,
+    };
     match crate::gemm_access::of_gemm(info, gemm) {
         Some((_, a)) => json!({
             "plain": one(&a.plain),
             "fused": if gemm == "w13" { a.paired.as_ref().map(one) } else { None },
+            "scales": scales(false),
+            "fused_scales": if gemm == "w13" && a.paired.is_some() { scales(true) } else { Value::Null },
         }),
         None => Value::Null,
     }

@@ -777,6 +777,7 @@ fn gpu_operands_equal_the_dequantized_weights() {
             }
         }
     };
+    let mut as_stored = 0;
     for scales in [true, false] {
         let ck = d.join(format!("ckpt{scales}.safetensors"));
         checkpoint(&ck, &(0..E).collect::<Vec<_>>(), scales);
@@ -843,6 +844,29 @@ fn gpu_operands_equal_the_dequantized_weights() {
                     assert_eq!(have, want, "{name} {input}");
                 }
             }
+            // Where `check` says a GEMM's weight scales are the param as stored, the vector the
+            // layer uploads is that param's bytes, element for element.
+            let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            for (g, input, paired) in [
+                (&ops.w13, "w13", false),
+                (&ops.w13, "w13", true),
+                (&ops.w2, "w2", false),
+            ] {
+                use moeforge::gemm_access::{scales_read, ScaleRead};
+                if let Some(ScaleRead::AsStored { param }) = scales_read(&info, input, paired) {
+                    let vector = if paired {
+                        g.paired_scales(false).unwrap()
+                    } else {
+                        g.scales.clone()
+                    };
+                    assert_eq!(
+                        f32_bytes(&vector),
+                        params[&param],
+                        "{name} {input} {paired}"
+                    );
+                    as_stored += 1;
+                }
+            }
             // The fused SiLU epilogue's w13 (`paired`): kernel row r holds `[gate; up]` row
             // `glu_row(r, I)`, its per-row scales with it; 128x128 block scales stay as they are
             // (2I a multiple of 128 here: the kernel reads each half's block by its logical row).
@@ -874,6 +898,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
             assert_eq!(ops.feed2, want_feed(1), "{name}");
         }
     }
+    // (fp8_per_tensor's, fp8_block128's, int8_per_row's plain w13 and w2, int8_kernel_order's
+    // fused w13, fp8_channel_by8's: a count that cannot be zero.)
+    assert!(as_stored >= 20, "{as_stored}");
 }
 
 /// Pack checkpoint `ck` with the recipe at `path` (source `src`) into `packed`, and return its GPU

@@ -2203,7 +2203,7 @@ fn the_early_scale_loads_of_every_candidate_fit_their_budget() {
                 let c = WsConfig {
                     out,
                     epilogue,
-                    ..c.clone()
+                    ..c
                 };
                 if c.supported().is_err() {
                     continue;
