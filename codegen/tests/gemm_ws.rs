@@ -2200,11 +2200,7 @@ fn the_early_scale_loads_of_every_candidate_fit_their_budget() {
                 forms.push((OutTy::F32, Epilogue::SiluMulE4m3(AQuant::Static)));
             }
             for (out, epilogue) in forms {
-                let c = WsConfig {
-                    out,
-                    epilogue,
-                    ..c
-                };
+                let c = WsConfig { out, epilogue, ..c };
                 if c.supported().is_err() {
                     continue;
                 }
