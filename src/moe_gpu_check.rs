@@ -18,7 +18,9 @@
 //! * layout independence: one checkpoint packed with `bf16` and `bf16_up_gate`, and with
 //!   `fp8_per_tensor`, `fp8_up_gate` and `fp8_colmajor`, and with `fp8_channel` and
 //!   `fp8_channel_by8` (per-channel scales, gate and up interleaved by 8), and with `nvfp4_cutedsl`
-//!   and `nvfp4_linear` (linear scales, no interleave) (the same quantization,
+//!   and `nvfp4_linear` (linear scales, no interleave), and with `fp8_g128` and `fp8_g128_up_gate`,
+//!   and with `int8_per_row` and `int8_kernel_order` (codes in the kernel's order, read in place)
+//!   (the same quantization,
 //!   other storage: read in place through other row modes, or re-laid), gives the fused GPU layer
 //!   the same output bits ([`layout_independence`]);
 //! * a layer of one expert ([`one_expert`]).

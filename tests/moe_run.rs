@@ -1041,6 +1041,15 @@ fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
         line("w13   input order").contains("reads no row modes"),
         "{stdout}"
     );
+    // (Its scales too: as stored in the paired order, a vector made on the host in the input's.)
+    assert!(
+        line("w13   fused (paired)").contains("`w13_weight_scale` as stored"),
+        "{stdout}"
+    );
+    assert!(
+        line("w13   input order").contains("a vector made on the host"),
+        "{stdout}"
+    );
     // The same K order with w13's rows `[up; gate]` by 8 (the paired order up rows first, which
     // the register-A GEMM cannot take): re-laid, with the reason; and row-major K: re-laid.
     let src = moeforge::kernels::find("int8_kernel_order").unwrap().source;
