@@ -134,6 +134,19 @@ fn values_of(
     }
 }
 
+/// A weight param's `[slots, N, K]` at the module's binding.
+fn dims_of(info: &ModuleInfo, t: &crate::dsl::ir::Tensor) -> Option<(usize, usize, usize)> {
+    let dims: Vec<usize> = t
+        .shape
+        .iter()
+        .map(|d| info.eval(d).and_then(|x| usize::try_from(x).ok()))
+        .collect::<Option<_>>()?;
+    match dims[..] {
+        [slots, n, k] => Some((slots, n, k)),
+        _ => None,
+    }
+}
+
 /// How the grouped GEMMs of the GPU layer read the weights of input `gemm` (`w13` or `w2`) at the
 /// module's binding, and the param holding them, through [`weight_access`]: bf16 and E4M3 codes
 /// contiguous along K, int8 codes in the W8A16 GEMM's own order ([`KOrder`]); 4-bit codes always
@@ -143,14 +156,7 @@ pub fn of_gemm(info: &ModuleInfo, gemm: &str) -> Option<(String, WeightAccess)> 
     use crate::dsl::ir::DType;
     let (id, _) = values_of(info, gemm)?;
     let t = info.module().tensor(id)?;
-    let dims: Vec<usize> = t
-        .shape
-        .iter()
-        .map(|d| info.eval(d).and_then(|x| usize::try_from(x).ok()))
-        .collect::<Option<_>>()?;
-    let [slots, n, k] = dims[..] else {
-        return None;
-    };
+    let (slots, n, k) = dims_of(info, t)?;
     let (elem, order) = match t.dtype {
         DType::Bf16 => (2, KOrder::Contiguous),
         DType::E4m3 => (1, KOrder::Contiguous),
@@ -210,15 +216,7 @@ pub fn scales_read(info: &ModuleInfo, gemm: &str, paired: bool) -> Option<ScaleR
     use crate::dsl::ir::{Fp8Granularity as G, QuantScheme as Q};
     let sm = crate::dequant::scale_map(info, gemm)?;
     let (id, rows) = values_of(info, gemm)?;
-    let t = info.module().tensor(id)?;
-    let dims: Vec<usize> = t
-        .shape
-        .iter()
-        .map(|d| info.eval(d).and_then(|x| usize::try_from(x).ok()))
-        .collect::<Option<_>>()?;
-    let [slots, n, k] = dims[..] else {
-        return None;
-    };
+    let (slots, n, k) = dims_of(info, info.module().tensor(id)?)?;
     let copied = |why: &str| Some(ScaleRead::Copied { why: why.into() });
     // The param row holding GEMM row `q` (the inverse of the gather).
     let atoms = info.binding()?.atoms().to_vec();

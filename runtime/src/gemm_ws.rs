@@ -687,14 +687,12 @@ mod tests {
     use super::*;
     use moeforge_codegen::gemm::ws::{Epilogue, OutTy};
 
-    /// The map a launch reads its weights through: the compact map, given or not, for any
-    /// operands; row modes only for bf16 and E4M3, only the variant's own, only where they serve.
-    #[test]
-    fn a_launch_takes_the_compact_map_for_any_operands_and_row_modes_for_its_own() {
-        let cfg = |operands: Operands, w_rows: WRows| WsConfig {
-            operands,
+    /// A bf16 decode variant: one consumer, 16 tokens, 4 stages, N 256, K 512, bf16 out.
+    fn decode_16() -> WsConfig {
+        WsConfig {
+            operands: Operands::Bf16,
             scaling: Scaling::None,
-            out: OutTy::F32,
+            out: OutTy::Bf16,
             epilogue: Epilogue::Store,
             consumers: 1,
             bn: 16,
@@ -703,8 +701,20 @@ mod tests {
             split_k: 1,
             n: 256,
             k: 512,
-            w_rows,
+            w_rows: WRows::PLAIN,
             two_slices: false,
+        }
+    }
+
+    /// The map a launch reads its weights through: the compact map, given or not, for any
+    /// operands; row modes only for bf16 and E4M3, only the variant's own, only where they serve.
+    #[test]
+    fn a_launch_takes_the_compact_map_for_any_operands_and_row_modes_for_its_own() {
+        let cfg = |operands: Operands, w_rows: WRows| WsConfig {
+            operands,
+            out: OutTy::F32,
+            w_rows,
+            ..decode_16()
         };
         let int8 = cfg(Operands::I8Bf16, WRows::PLAIN);
         let compact = WLayout::compact(4, 256, int8.w_row_bytes());
@@ -772,21 +782,7 @@ mod tests {
     /// once, and the second request is a hit.
     #[test]
     fn variant_cubins_go_through_the_cache() {
-        let cfg = WsConfig {
-            operands: Operands::Bf16,
-            scaling: Scaling::None,
-            out: OutTy::Bf16,
-            epilogue: Epilogue::Store,
-            consumers: 1,
-            bn: 16,
-            stages: 4,
-            swap_ab: true,
-            split_k: 1,
-            n: 256,
-            k: 512,
-            w_rows: WRows::PLAIN,
-            two_slices: false,
-        };
+        let cfg = decode_16();
         let (entry, ptx) = variant_ptx(&cfg).unwrap();
         assert_eq!(entry, format!("moeforge_gemm_{}", cfg.tag()));
         assert_eq!(
