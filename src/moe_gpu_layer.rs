@@ -274,18 +274,34 @@ pub fn a2_quant(feed2: &Feed) -> Option<AQuant> {
     }
 }
 
-/// What the fused first GEMM with static E4M3 scales writes: the second GEMM's codes `a` and
-/// row scales `s2`, from the slots' scales `static2`, and no f32 `a`.
-fn static_codes_out<'a>(
-    a: &'a CudaSlice<u8>,
-    s2: &'a CudaSlice<f32>,
+/// Where the first GEMM writes: with static E4M3 scales (`quantizes_a`) the second GEMM's codes
+/// `a` and row scales `s2` from the slots' scales `static2` (its `y`, `h13`, is not written: no f32
+/// `a`); fused with a bf16 second GEMM (`writes_a`) `a` itself; else `h13` (`w13_out`, or the fused
+/// f32 `a`). The one choice of [`GpuLayer::enqueue`] and [`GpuLayer::tune`].
+fn w13_outputs<'a>(
+    (h13, a, s2): (
+        &'a mut CudaSlice<u8>,
+        &'a mut CudaSlice<u8>,
+        &'a CudaSlice<f32>,
+    ),
     static2: Option<&'a CudaSlice<f32>>,
-) -> ActOutBuffers<'a> {
-    ActOutBuffers {
-        codes: a,
-        scales: s2,
-        static_scales: static2,
-        a_f32: false,
+    (quantizes_a, writes_a): (bool, bool),
+) -> (&'a mut CudaSlice<u8>, Option<ActOutBuffers<'a>>) {
+    if quantizes_a {
+        let codes: &'a CudaSlice<u8> = a;
+        (
+            h13,
+            Some(ActOutBuffers {
+                codes,
+                scales: s2,
+                static_scales: static2,
+                a_f32: false,
+            }),
+        )
+    } else if writes_a {
+        (a, None)
+    } else {
+        (h13, None)
     }
 }
 
@@ -992,18 +1008,11 @@ impl GpuLayer {
                 .gemms
                 .get(&c13)
                 .ok_or_else(|| Error::Usage("MoE layer: w13 variant not loaded".into()))?;
-            // Fused with a bf16 second GEMM: `a` itself; with static E4M3 scales: the codes and
-            // scales (no f32 `a`: `h13` is not written).
-            let (out13, act_out) = if quantizes_a {
-                (
-                    &mut s.h13,
-                    Some(static_codes_out(&s.a, &s.s2, self.static2.as_ref())),
-                )
-            } else if writes_a {
-                (&mut s.a, None)
-            } else {
-                (&mut s.h13, None)
-            };
+            let (out13, act_out) = w13_outputs(
+                (&mut s.h13, &mut s.a, &s.s2),
+                self.static2.as_ref(),
+                (quantizes_a, writes_a),
+            );
             g13.run(
                 dev,
                 &GemmOperands {
@@ -1106,17 +1115,16 @@ impl GpuLayer {
                 (&self.w2, &all2, self.w2.key(dev, n, r))
             };
             let x13 = if apart { &s.q13 } else { &s.xs };
-            let (x, out, act_out): (&CudaSlice<u8>, &mut CudaSlice<u8>, _) = match which {
-                // Fused with static E4M3 scales: the first GEMM writes the codes and scales (no
-                // f32 `a`).
-                13 if quantizes_a => (
+            let (x, (out, act_out)): (&CudaSlice<u8>, _) = match which {
+                13 => (
                     x13,
-                    &mut s.h13,
-                    Some(static_codes_out(&s.a, &s.s2, static2)),
+                    w13_outputs(
+                        (&mut s.h13, &mut s.a, &s.s2),
+                        static2,
+                        (quantizes_a, writes_a),
+                    ),
                 ),
-                // Fused with a bf16 second GEMM: the first GEMM writes `a`.
-                13 => (x13, if writes_a { &mut s.a } else { &mut s.h13 }, None),
-                _ => (&s.a, &mut s.y, None),
+                _ => (&s.a, (&mut s.y, None)),
             };
             let x_scale = if which == 13 { &s.s13 } else { &s.s2 };
             let gemms = &self.gemms;

@@ -1097,3 +1097,25 @@ fn fp8_per_tensor_serves_the_static_and_the_fallback_first_gemm() {
         .iter()
         .all(|v| v.gemm != "w2" || !v.entry.contains("_silu")));
 }
+
+/// What `check` accepts, `compile --kernels gemm` serves: every variant recipe (other row orders,
+/// per-channel and group-wise FP8, int8 in the kernel's order, ...) verifies at Qwen3-30B-A3B's
+/// sizes and gets GEMM variants for both GEMMs, none missing (`tests/moe_run.rs` packs each).
+#[test]
+fn every_variant_recipe_check_accepts_gets_its_gemm_variants() {
+    let bind = "E=8,H=2048,I=768";
+    for r in moeforge::kernels::VARIANTS {
+        let plan = plan_of(r.source, r.path, bind);
+        assert!(plan.missing.is_empty(), "{}: {:?}", r.name, plan.missing);
+        for gemm in ["w13", "w2"] {
+            assert!(
+                plan.variants
+                    .iter()
+                    .chain(&plan.layer)
+                    .any(|v| v.gemm == gemm),
+                "{}: no {gemm} variant",
+                r.name
+            );
+        }
+    }
+}

@@ -507,11 +507,9 @@ impl GroupedGemm {
         } else {
             (0, 0)
         };
-        // The E4M3 output of `a`: codes, scales, the token tiles' counters and static scales.
-        let mut counters_guard = self
-            .token_counters
-            .lock()
-            .map_err(|_| Error::Placement("grouped GEMM: token-tile counters poisoned".into()))?;
+        // The E4M3 output of `a`: codes, scales, the token tiles' counters (locked for the counted
+        // forms only, until the launch is queued) and static scales.
+        let mut counters_guard = None;
         let finish = match (cfg.epilogue.quant(), op.act_out.as_ref()) {
             (None, None) => None,
             (None, Some(_)) => {
@@ -553,17 +551,22 @@ impl GroupedGemm {
                 } else {
                     0
                 };
-                if tiles > 0 && counters_guard.as_ref().is_none_or(|c| c.len() < tiles) {
-                    *counters_guard = None;
-                    *counters_guard = Some(
-                        dev.stream
-                            .alloc_zeros::<u32>(tiles)
-                            .map_err(drv("cuMemAlloc"))?,
-                    );
-                }
-                let cnt = match counters_guard.as_ref() {
-                    Some(c) if tiles > 0 => c.device_ptr(&dev.stream).0,
-                    _ => 0,
+                let cnt = if tiles > 0 {
+                    let guard =
+                        counters_guard.insert(self.token_counters.lock().map_err(|_| {
+                            Error::Placement("grouped GEMM: token-tile counters poisoned".into())
+                        })?);
+                    if guard.as_ref().is_none_or(|c| c.len() < tiles) {
+                        **guard = None;
+                        **guard = Some(
+                            dev.stream
+                                .alloc_zeros::<u32>(tiles)
+                                .map_err(drv("cuMemAlloc"))?,
+                        );
+                    }
+                    guard.as_ref().map_or(0, |c| c.device_ptr(&dev.stream).0)
+                } else {
+                    0
                 };
                 // Static E4M3 output without the f32 `a`: `y` is passed as 0 (the kernel stores
                 // codes only).

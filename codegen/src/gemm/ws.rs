@@ -3037,7 +3037,8 @@ struct SlotScales {
     /// Per row class ([`row_class`]: per weight row).
     row_factors: Option<Vec<Reg>>,
     per_token: bool,
-    /// The expert's static activation scale ([`AQuant::Static`]), as loaded.
+    /// The expert's static activation scale, as loaded: `Some` exactly for
+    /// [`AQuant::Static`]'s epilogue ([`epilogue_loads`]).
     act_static: Option<Reg>,
 }
 
@@ -3336,16 +3337,11 @@ fn store_silu(
     };
     let prefill_full = !cfg.swap_ab && cfg.n.is_multiple_of(cfg.bn);
     let pair_store = !cfg.swap_ab;
-    // Static E4M3 output: each output's code too, and the rows' scales from output column 0.
-    let statics = match cfg.epilogue {
-        Epilogue::SiluMulE4m3(AQuant::Static) => {
-            let st = sc
-                .act_static
-                .ok_or_else(|| unsupported("a static E4M3 output without its scale".into()))?;
-            Some(super::finish::static_codes(k, cfg, st, (tok, out0)))
-        }
-        _ => None,
-    };
+    // Static E4M3 output (its scale loaded by `epilogue_loads`): each output's code too, and the
+    // rows' scales from output column 0.
+    let statics = sc
+        .act_static
+        .map(|st| super::finish::static_codes(k, cfg, st, (tok, out0)));
     let mut row_masks: Vec<(i64, Reg)> = Vec::new();
     for (p, &(_, dt, dout)) in pairs.iter().enumerate() {
         // Prefill: the output pair (c = 0, 1) as one b32 (bf16) or v2.f32 (N / 2 even: tiles of
