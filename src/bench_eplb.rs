@@ -2,7 +2,8 @@
 //! experts, H=7168, I=2048) on one GPU, for every standard recipe: from a random placement to
 //! another, every param of the move set, through the same `ParamStore::rearrange` the executor
 //! uses. Counts two times the bytes of every slot whose expert changes (one read, one write),
-//! divided by the time, against the device copy ceiling.
+//! divided by the time, against the device copy ceiling measured in the same run (a linear
+//! device-to-device copy, [`linear_copy_tbps`]).
 
 use std::fmt::Write as _;
 
@@ -13,8 +14,41 @@ use crate::runtime::store::{DeviceStorage, ParamStore};
 use crate::{Error, Result};
 
 /// The copy ceiling of the H200 (bytes read + written per second), ../shared/ANCHORS.md, re-measured
-/// by the anchors in the same `scripts/gpu-check` call.
+/// by the anchors in the same `scripts/gpu-check` call. The report's percentages are of the
+/// ceiling measured on the card at hand ([`linear_copy_tbps`]); this figure is printed beside it.
 pub const COPY_CEILING_TBPS: f64 = 4.27;
+
+/// Bytes of the linear copy that measures the ceiling (1 GiB each way).
+const CEILING_BYTES: usize = 1 << 30;
+
+/// The device's linear copy rate (TB/s, bytes read + written): `cuMemcpyDtoD` of
+/// [`CEILING_BYTES`], the best of five, timed like the rearrangements (host wall time around the
+/// copy and its synchronisation).
+pub fn linear_copy_tbps(dev: &crate::runtime::Device) -> Result<f64> {
+    let d = crate::runtime::drv::<cudarc::driver::DriverError>;
+    let src = dev
+        .stream
+        .alloc_zeros::<u8>(CEILING_BYTES)
+        .map_err(d("cuMemAlloc"))?;
+    let mut dst = dev
+        .stream
+        .alloc_zeros::<u8>(CEILING_BYTES)
+        .map_err(d("cuMemAlloc"))?;
+    dev.stream
+        .memcpy_dtod(&src, &mut dst)
+        .map_err(d("cuMemcpyDtoD"))?;
+    dev.sync().map_err(Error::from)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t0 = std::time::Instant::now();
+        dev.stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(d("cuMemcpyDtoD"))?;
+        dev.sync().map_err(Error::from)?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * CEILING_BYTES as f64 / best / 1e12)
+}
 
 /// A shuffled permutation of `n` (xorshift, seeded).
 fn shuffle(n: usize, seed: &mut u64) -> Vec<usize> {
@@ -44,23 +78,27 @@ pub fn run(
         }
     };
     let (e, h, i) = (32usize, 7168, 2048);
+    let ceiling = linear_copy_tbps(&dev)?;
     let _ = writeln!(
         out,
-        "EPLB rearrangement on {} (one GPU): DeepSeek-V3 EP8 layer, E={e} local slots, H={h}, I={i}; random placement -> random placement, every param of the move set; bandwidth = 2 x bytes of changed slots / time; ceiling {COPY_CEILING_TBPS} TB/s",
+        "EPLB rearrangement on {} (one GPU): DeepSeek-V3 EP8 layer, E={e} local slots, H={h}, I={i}; random placement -> random placement, every param of the move set; bandwidth = 2 x bytes of changed slots / time; % ceil = of this card's linear device copy, measured here: {ceiling:.3} TB/s (cuMemcpyDtoD of 1 GiB, best of 5; the H200's anchor is {COPY_CEILING_TBPS} TB/s)",
         dev.name
     );
     use crate::runtime::copy_batch::Flavour;
     use crate::runtime::copy_kernel::{CopyKernel, Form, DEFAULT_FORM};
-    // memcpy, then the copy-list kernel in the default form and in the batched forms.
-    let forms: [(&str, Option<Form>); 4] = [
-        ("memcpy", None),
-        ("columns", Some(DEFAULT_FORM)),
+    // memcpy, then the copy-list kernel in the default form (small params on side streams, and
+    // every launch on the main stream) and in the batched forms.
+    let forms: [(&str, Option<Form>, bool); 5] = [
+        ("memcpy", None, true),
+        ("columns", Some(DEFAULT_FORM), true),
+        ("one stream", Some(DEFAULT_FORM), false),
         (
             "cp.async",
             Some(Form::Batch {
                 flavour: Flavour::CpAsync,
                 resident: 2,
             }),
+            true,
         ),
         (
             "bulk",
@@ -68,13 +106,14 @@ pub fn run(
                 flavour: Flavour::Bulk,
                 resident: 2,
             }),
+            true,
         ),
     ];
     let mut head = format!(
         "{:<16} {:>8} {:>8} {:>9}",
         "recipe", "MB/slot", "changed", "moved GB"
     );
-    for (name, _) in &forms {
+    for (name, _, _) in &forms {
         let _ = write!(
             head,
             " | {:>9} {:>8} {:>7}",
@@ -89,14 +128,17 @@ pub fn run(
     out.push_str(&crate::runtime::copy_kernel::gpu_check(&dev, progress).map_err(Error::from)?);
     let _ = writeln!(out, "\n{head}");
     let mut kernels = Vec::new();
-    for (_, f) in &forms {
+    for (_, f, side) in &forms {
         kernels.push(match f {
-            Some(f) => Some(std::sync::Arc::new(
-                CopyKernel::load(&dev).map_err(Error::from)?.with_form(*f),
+            Some(f) => Some((
+                std::sync::Arc::new(CopyKernel::load(&dev).map_err(Error::from)?.with_form(*f)),
+                *side,
             )),
             None => None,
         });
     }
+    // Per recipe, the host's share: the time until `rearrange` returns (everything queued).
+    let mut enqueued = String::new();
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     for r in STANDARD {
         let info = crate::check_source(r.source, r.path, Some(&format!("E={e},H={h},I={i}")))
@@ -106,6 +148,7 @@ pub fn run(
             maps.push(SlotMap::new(shuffle(e, &mut seed), e).map_err(Error::from)?);
         }
         let mut cols = Vec::new();
+        let mut queues = Vec::new();
         let (mut per_slot, mut changed_avg, mut moved_avg) = (0usize, 0f64, 0f64);
         for kernel in &kernels {
             let m = info.module();
@@ -123,8 +166,8 @@ pub fn run(
                             "cuMemAlloc",
                         ))?;
                 let mut st = DeviceStorage::owned(buf, dev.stream.clone());
-                if let Some(k) = kernel {
-                    st = st.with_copy_kernel(k.clone());
+                if let Some((k, side)) = kernel {
+                    st = st.with_copy_kernel(k.clone()).with_side_stream(*side);
                 }
                 params.push((t.name.clone(), st));
             }
@@ -134,11 +177,12 @@ pub fn run(
             let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(Error::from)?;
             store.rearrange(&plan, &SingleDevice).map_err(Error::from)?;
             dev.sync().map_err(Error::from)?;
-            let (mut secs, mut bytes, mut changed) = (0f64, 0f64, 0usize);
+            let (mut secs, mut bytes, mut changed, mut queue) = (0f64, 0f64, 0usize, 0f64);
             for k in 1..maps.len() - 1 {
                 let plan = MovePlan::new(&maps[k], &maps[k + 1], 1).map_err(Error::from)?;
                 let t0 = std::time::Instant::now();
                 store.rearrange(&plan, &SingleDevice).map_err(Error::from)?;
+                queue += t0.elapsed().as_secs_f64();
                 dev.sync().map_err(Error::from)?;
                 secs += t0.elapsed().as_secs_f64();
                 bytes += 2.0 * (plan.changed_slots() * per_slot) as f64;
@@ -148,11 +192,12 @@ pub fn run(
             changed_avg = changed as f64 / n;
             moved_avg = bytes / n / 1e9;
             let tbps = bytes / secs / 1e12;
+            queues.push(format!("{:.0}", queue / n * 1e6));
             cols.push(format!(
                 "{:>9.3} {:>8.3} {:>6.1}%",
                 secs / n * 1e3,
                 tbps,
-                100.0 * tbps / COPY_CEILING_TBPS
+                100.0 * tbps / ceiling
             ));
         }
         let row = format!(
@@ -165,10 +210,17 @@ pub fn run(
         );
         progress(&row);
         let _ = writeln!(out, "{row}");
+        let _ = writeln!(enqueued, "{:<16} {}", r.name, queues.join(" / "));
     }
     let _ = writeln!(
         out,
         "(host wall time around each rearrangement including its synchronisation; torch's `param.copy_(param[perm])` is the anchor `eplb_rearrange_torch` in the same gpu-check call)"
+    );
+    let names: Vec<&str> = forms.iter().map(|f| f.0).collect();
+    let _ = write!(
+        out,
+        "host time until `rearrange` returns (us; {}):\n{enqueued}",
+        names.join(" / ")
     );
     async_overhead(&dev, &mut out, e, h, i, &mut seed)?;
     if crate::runtime::device::count().unwrap_or(0) >= 2 {

@@ -29,6 +29,9 @@ pub struct DeviceStorage {
     /// 16 KiB columns to fill the GPU, so the launch is latency-bound), so that it overlaps the large
     /// params' launches on the main stream.
     aux: Option<Arc<CudaStream>>,
+    /// Whether small params run on their side streams (the default; `false` keeps every launch on
+    /// the main stream, [`DeviceStorage::with_side_stream`]).
+    side: bool,
     /// The event the main stream waits for at [`ExpertStorage::finish`].
     pending: Option<cudarc::driver::CudaEvent>,
     /// Recorded on the main stream after this param's exchange: its copies then run on the side
@@ -51,6 +54,7 @@ impl DeviceStorage {
             kernel: None,
             spare: std::sync::Mutex::new(None),
             aux: None,
+            side: true,
             pending: None,
             exchanged: std::sync::Mutex::new(None),
         }
@@ -74,6 +78,7 @@ impl DeviceStorage {
             kernel: None,
             spare: std::sync::Mutex::new(None),
             aux: None,
+            side: true,
             pending: None,
             exchanged: std::sync::Mutex::new(None),
         }
@@ -82,6 +87,13 @@ impl DeviceStorage {
     /// Run local copies with `kernel` (one launch per param) instead of one memcpy per copy.
     pub fn with_copy_kernel(mut self, kernel: Arc<CopyKernel>) -> DeviceStorage {
         self.kernel = Some(kernel);
+        self
+    }
+
+    /// Run a small param's copy list on the main stream too (`side == false`) instead of a side
+    /// stream of its own (the benchmark's comparison of the two).
+    pub fn with_side_stream(mut self, side: bool) -> DeviceStorage {
+        self.side = side;
         self
     }
 
@@ -283,7 +295,7 @@ impl ExpertStorage for DeviceStorage {
             transfers,
             bytes_per_expert: len,
         };
-        if len > SMALL_EXPERT_BYTES && exchanged.is_none() {
+        if (len > SMALL_EXPERT_BYTES || !self.side) && exchanged.is_none() {
             // SAFETY: `base..base + slots*len` is this param's live allocation and `transfer..
             // transfer + transfers*len` the staging buffer's (checked above), two distinct
             // allocations of this context; the launch is ordered on the stream after the exchange
