@@ -86,34 +86,28 @@ pub fn run(
     );
     use crate::runtime::copy_batch::Flavour;
     use crate::runtime::copy_kernel::{CopyKernel, Form, DEFAULT_FORM};
-    // memcpy, then the copy-list kernel in the default form (small params on side streams, and
-    // every launch on the main stream) and in the batched forms.
-    let forms: [(&str, Option<Form>, bool); 5] = [
-        ("memcpy", None, true),
-        ("columns", Some(DEFAULT_FORM), true),
-        ("one stream", Some(DEFAULT_FORM), false),
-        (
-            "cp.async",
-            Some(Form::Batch {
-                flavour: Flavour::CpAsync,
-                resident: 2,
-            }),
-            true,
-        ),
-        (
-            "bulk",
-            Some(Form::Batch {
-                flavour: Flavour::Bulk,
-                resident: 2,
-            }),
-            true,
-        ),
+    // memcpy, then the copy-list kernel in the default form (small params first, on side streams
+    // of their own; every launch on the main stream; large params first) and in the batched forms.
+    let batch = |flavour| {
+        Some(Form::Batch {
+            flavour,
+            resident: 2,
+        })
+    };
+    // (name, form, small params on side streams, large params first)
+    let forms: [(&str, Option<Form>, bool, bool); 6] = [
+        ("memcpy", None, true, false),
+        ("columns", Some(DEFAULT_FORM), true, false),
+        ("one stream", Some(DEFAULT_FORM), false, false),
+        ("large first", Some(DEFAULT_FORM), true, true),
+        ("cp.async", batch(Flavour::CpAsync), true, false),
+        ("bulk", batch(Flavour::Bulk), true, false),
     ];
     let mut head = format!(
         "{:<16} {:>8} {:>8} {:>9}",
         "recipe", "MB/slot", "changed", "moved GB"
     );
-    for (name, _, _) in &forms {
+    for (name, ..) in &forms {
         let _ = write!(
             head,
             " | {:>9} {:>8} {:>7}",
@@ -128,7 +122,7 @@ pub fn run(
     out.push_str(&crate::runtime::copy_kernel::gpu_check(&dev, progress).map_err(Error::from)?);
     let _ = writeln!(out, "\n{head}");
     let mut kernels = Vec::new();
-    for (_, f, side) in &forms {
+    for (_, f, side, _) in &forms {
         kernels.push(match f {
             Some(f) => Some((
                 std::sync::Arc::new(CopyKernel::load(&dev).map_err(Error::from)?.with_form(*f)),
@@ -150,7 +144,7 @@ pub fn run(
         let mut cols = Vec::new();
         let mut queues = Vec::new();
         let (mut per_slot, mut changed_avg, mut moved_avg) = (0usize, 0f64, 0f64);
-        for kernel in &kernels {
+        for (kernel, form) in kernels.iter().zip(&forms) {
             let m = info.module();
             let mut params = Vec::new();
             for mv in &info.move_set {
@@ -171,7 +165,9 @@ pub fn run(
                 }
                 params.push((t.name.clone(), st));
             }
-            let mut store = ParamStore::new(&info, params).map_err(Error::from)?;
+            let mut store = ParamStore::new(&info, params)
+                .map_err(Error::from)?
+                .with_large_first(form.3);
             per_slot = store.bytes_per_slot();
             // Warm-up: the first move (allocations, first-touch).
             let plan = MovePlan::new(&maps[0], &maps[1], 1).map_err(Error::from)?;

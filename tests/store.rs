@@ -70,12 +70,17 @@ fn random_placement(rng: &mut u64, e: usize, r: usize) -> Vec<usize> {
 fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
     // The contract, on one rank: pack a checkpoint placed as a random `old` (replicas included),
     // rearrange in place to a random `new`: every param equals packing the checkpoint placed as
-    // `new`, views alias the same storage, and the store reports the slots it wrote.
+    // `new`, views alias the same storage, and the store reports the slots it wrote. Both orders
+    // of queueing the params (smallest first, the default, and largest first).
     let seed = common::seed();
     let mut rng = seed | 1;
     let (e, r, h, i) = (4, 6, 128, 128);
     let inp = checkpoint(e, h, i, 11);
-    for rec in moeforge::kernels::STANDARD {
+    let orders = [false, true];
+    for (rec, large_first) in moeforge::kernels::STANDARD
+        .iter()
+        .flat_map(|r| orders.iter().map(move |&o| (r, o)))
+    {
         let old = random_placement(&mut rng, e, r);
         let new = random_placement(&mut rng, e, r);
         let info =
@@ -89,7 +94,8 @@ fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
             0,
             1,
         )
-        .unwrap();
+        .unwrap()
+        .with_large_first(large_first);
         let before: Vec<u64> = info
             .views
             .iter()
@@ -116,7 +122,7 @@ fn rearranging_in_place_equals_packing_the_permuted_checkpoint() {
         for (name, want) in pack(&info, &place(&inp, e, &new)) {
             assert!(
                 store.param(&name).unwrap() == &want,
-                "{}.{name} differs after rearrangement {old:?} -> {new:?} (seed {seed})",
+                "{}.{name} differs after rearrangement {old:?} -> {new:?} (seed {seed}, large first {large_first})",
                 rec.name
             );
         }
