@@ -35,6 +35,10 @@ pub struct DequantError {
     pub max_rel_to_amax: f32,
 }
 
+/// The longest dimension of a storage map that [`logical_experts`] tabulates (`StorageMap::tables`):
+/// experts, rows and columns of real layers are far below it.
+const TABLE_LEN: i64 = 1 << 22;
+
 fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -214,6 +218,11 @@ pub fn logical_experts(
         }
         None => None,
     };
+    // The maps' offsets tabulated per dimension (a lookup per dimension instead of a div/mod per
+    // sub-mode, for every element of the param).
+    let vmap = vmap.tables(TABLE_LEN);
+    let scales = scales.map(|(b, m, size)| (b, m.tables(TABLE_LEN), size));
+    let zeros = zeros.map(|(b, m, size)| (b, m.tables(TABLE_LEN), size));
     // A scale (or zero point) at its logical coordinate, read through its storage map.
     let scale_at = |coord: &[i64]| -> Option<u32> {
         let (b, map, size) = scales.as_ref()?;
@@ -234,21 +243,36 @@ pub fn logical_experts(
     for (e, eg) in range.enumerate() {
         for r in 0..mr {
             let sr = src_row(r).filter(|&x| x < mr)?;
+            let (ei, ri) = (eg as i64, r as i64);
+            // The row's share of the values' offsets; the scale (and zero point) read again only
+            // where the element's scale coordinate changes along the row.
+            let row = vmap.partial(&[ei, ri]);
+            let mut last: Option<([i64; 3], u32, u32)> = None;
             for c in 0..k {
-                let (ei, ri, ci) = (eg as i64, r as i64, c as i64);
-                let o = usize::try_from(vmap.offset_of(&[ei, ri, ci])).ok()?;
+                let ci = c as i64;
+                let o = usize::try_from(vmap.last(row, ci)).ok()?;
                 let at = (e * mr + sr) * k + c;
                 codes[at] = elem_bits(vals, o, vsize)?;
-                scl[at] = match scheme {
-                    None => 0,
-                    Some(sc) => {
-                        let coord = scale_coord(sc, (ei, ri, ci));
-                        if let (Some(z), QuantScheme::Int4 { .. }) = (zer.get_mut(at), sc) {
-                            *z = zero_at(&coord)?;
-                        }
-                        scale_at(&coord)?
+                let Some(sc) = scheme else {
+                    continue;
+                };
+                let coord = scale_coord(sc, (ei, ri, ci));
+                let (s, z) = match last {
+                    Some((key, s, z)) if key == coord.0 => (s, z),
+                    _ => {
+                        let z = match (zeros.is_some(), sc) {
+                            (true, QuantScheme::Int4 { .. }) => zero_at(&coord)?,
+                            _ => 0,
+                        };
+                        let s = scale_at(&coord)?;
+                        last = Some((coord.0, s, z));
+                        (s, z)
                     }
                 };
+                scl[at] = s;
+                if let Some(zz) = zer.get_mut(at) {
+                    *zz = z;
+                }
             }
         }
     }
@@ -314,20 +338,31 @@ pub fn error(
 /// codes, the scales and the decode scale, and the row gather between input and params.
 /// The coordinate, in the quantization's scales (and zero points), of the scale of element
 /// `(expert, row, column)` of its values param (`row` the param's row).
-fn scale_coord(scheme: QuantScheme, (e, r, c): (i64, i64, i64)) -> Vec<i64> {
+fn scale_coord(scheme: QuantScheme, (e, r, c): (i64, i64, i64)) -> ScaleCoord {
+    let three = |x| ScaleCoord([e, r, x], 3);
     match scheme {
-        QuantScheme::Nvfp4 { .. } => vec![e, r, c / 16],
-        QuantScheme::Mxfp4 => vec![e, r, c / 32],
+        QuantScheme::Nvfp4 { .. } => three(c / 16),
+        QuantScheme::Mxfp4 => three(c / 32),
         QuantScheme::Fp8 { granularity, .. } => match granularity {
-            Fp8Granularity::Tensor => vec![e],
-            Fp8Granularity::Channel => vec![e, r],
-            Fp8Granularity::Block128 => vec![e, r / 128, c / 128],
-            Fp8Granularity::Group { group } => vec![e, r, c / group],
+            Fp8Granularity::Tensor => ScaleCoord([e, 0, 0], 1),
+            Fp8Granularity::Channel => ScaleCoord([e, r, 0], 2),
+            Fp8Granularity::Block128 => ScaleCoord([e, r / 128, c / 128], 3),
+            Fp8Granularity::Group { group } => three(c / group),
         },
-        QuantScheme::Int8Row => vec![e, r],
-        QuantScheme::Int8Group { group } | QuantScheme::Int4 { group, .. } => {
-            vec![e, r, c / group]
-        }
+        QuantScheme::Int8Row => ScaleCoord([e, r, 0], 2),
+        QuantScheme::Int8Group { group } | QuantScheme::Int4 { group, .. } => three(c / group),
+    }
+}
+
+/// A scale coordinate of one to three dimensions ([`scale_coord`]), kept off the heap: it is
+/// computed for every element of a param.
+struct ScaleCoord([i64; 3], usize);
+
+impl std::ops::Deref for ScaleCoord {
+    type Target = [i64];
+
+    fn deref(&self) -> &[i64] {
+        &self.0[..self.1]
     }
 }
 

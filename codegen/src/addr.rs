@@ -27,6 +27,75 @@ pub struct StorageMap {
     pub swizzle: Option<Swizzle>,
 }
 
+/// One logical dimension's share of an offset: coordinate `c` split over the dimension's sub-modes
+/// (div/mod by their extents; the last sub-mode takes the rest unreduced) times their strides.
+fn dim_offset(subs: &[(i64, i64)], c: i64) -> i64 {
+    let mut total = 0;
+    let mut rest = c;
+    for (j, &(s, d)) in subs.iter().enumerate() {
+        let part = if j + 1 == subs.len() { rest } else { rest % s };
+        total += part * d;
+        rest /= s.max(1);
+    }
+    total
+}
+
+/// A [`StorageMap`] with each dimension's offsets tabulated over its extent
+/// ([`StorageMap::tables`]). The offset of a coordinate is the base offset plus one share per
+/// dimension, then the swizzle, so a lookup per dimension gives exactly
+/// [`StorageMap::offset_of`]'s value (coordinates outside the table are computed as it does).
+#[derive(Debug, Clone)]
+pub struct OffsetTables {
+    map: StorageMap,
+    per_dim: Vec<Vec<i64>>,
+}
+
+impl OffsetTables {
+    /// The share of the leading coordinates `lead` (all dimensions but the last) and the base
+    /// offset, before the swizzle: what [`OffsetTables::last`] completes.
+    pub fn partial(&self, lead: &[i64]) -> i64 {
+        let mut total = self.map.offset;
+        for (d, &c) in lead.iter().enumerate() {
+            total += self.share(d, c);
+        }
+        total
+    }
+
+    /// [`StorageMap::offset_of`] of the coordinate whose leading dimensions gave `partial`
+    /// ([`OffsetTables::partial`]) and whose last is `c`.
+    pub fn last(&self, partial: i64, c: i64) -> i64 {
+        let total = partial + self.share(self.map.modes.len().saturating_sub(1), c);
+        match self.map.swizzle {
+            None => total,
+            Some(sw) => sw.apply(total),
+        }
+    }
+
+    /// Dimension `d`'s share of the offset of coordinate `c` along it.
+    fn share(&self, d: usize, c: i64) -> i64 {
+        let table = self.per_dim.get(d).map(Vec::as_slice).unwrap_or_default();
+        match usize::try_from(c).ok().and_then(|i| table.get(i)) {
+            Some(&v) => v,
+            None => self.map.modes.get(d).map_or(0, |subs| dim_offset(subs, c)),
+        }
+    }
+
+    /// [`StorageMap::offset_of`] of `coord`.
+    pub fn offset_of(&self, coord: &[i64]) -> i64 {
+        let mut total = self.map.offset;
+        for ((&c, subs), table) in coord.iter().zip(&self.map.modes).zip(&self.per_dim) {
+            total += match usize::try_from(c).ok().and_then(|i| table.get(i)) {
+                Some(&v) => v,
+                None => dim_offset(subs, c),
+            };
+        }
+        match self.map.swizzle {
+            None => total,
+            Some(sw) => sw.apply(total),
+        }
+    }
+}
+
 impl StorageMap {
     /// Evaluate a verified symbolic layout at a binding.
     pub fn of(l: &SymLayout, b: &Binding) -> Result<StorageMap> {
@@ -119,16 +188,32 @@ impl StorageMap {
     pub fn offset_of(&self, coord: &[i64]) -> i64 {
         let mut total = self.offset;
         for (&c, subs) in coord.iter().zip(&self.modes) {
-            let mut rest = c;
-            for (j, &(s, d)) in subs.iter().enumerate() {
-                let part = if j + 1 == subs.len() { rest } else { rest % s };
-                total += part * d;
-                rest /= s.max(1);
-            }
+            total += dim_offset(subs, c);
         }
         match self.swizzle {
             None => total,
             Some(sw) => sw.apply(total),
+        }
+    }
+
+    /// The map's per-dimension offsets tabulated over its shape ([`OffsetTables`]): the same
+    /// offsets as [`StorageMap::offset_of`] by one lookup per dimension, for host loops over every
+    /// element of a param. A dimension longer than `max_len` is not tabulated (computed per call).
+    pub fn tables(&self, max_len: i64) -> OffsetTables {
+        let per_dim = self
+            .modes
+            .iter()
+            .map(|subs| {
+                let n: i64 = subs.iter().map(|x| x.0.max(0)).product();
+                if n > max_len {
+                    return Vec::new();
+                }
+                (0..n).map(|c| dim_offset(subs, c)).collect()
+            })
+            .collect();
+        OffsetTables {
+            map: self.clone(),
+            per_dim,
         }
     }
 
@@ -351,6 +436,44 @@ mod tests {
         assert_eq!(maps[0].run(16), 4);
         assert_eq!(maps[1].run(16), 1);
         assert_eq!(maps[2].run(16), 4);
+    }
+
+    proptest::proptest! {
+        /// The tabulated offsets are `offset_of`'s for every coordinate: inside the shape (looked
+        /// up), outside it (computed), with and without a swizzle and a base offset, and with a
+        /// dimension too long to tabulate.
+        #[test]
+        fn tabulated_offsets_equal_offset_of(
+            modes in proptest::collection::vec(
+                proptest::collection::vec((1i64..6, 0i64..50), 1..4),
+                1..4,
+            ),
+            offset in 0i64..100,
+            swizzled in proptest::bool::ANY,
+            max_len in 0i64..40,
+            extra in 0i64..7,
+        ) {
+            let m = StorageMap {
+                modes,
+                offset,
+                swizzle: swizzled.then(|| Swizzle::new(2, 2, 3)),
+            };
+            let t = m.tables(max_len);
+            let shape = m.shape();
+            let total: i64 = shape.iter().map(|s| s + extra).product();
+            for i in 0..total.min(4096) {
+                let mut c = vec![0; shape.len()];
+                let mut r = i;
+                for (k, &s) in shape.iter().enumerate().rev() {
+                    c[k] = r % (s + extra);
+                    r /= s + extra;
+                }
+                proptest::prop_assert_eq!(t.offset_of(&c), m.offset_of(&c), "coordinate {:?}", c);
+                if let Some((&l, lead)) = c.split_last() {
+                    proptest::prop_assert_eq!(t.last(t.partial(lead), l), m.offset_of(&c));
+                }
+            }
+        }
     }
 
     #[test]
