@@ -240,7 +240,8 @@ pub fn logical_experts(
     } else {
         Vec::new()
     };
-    for (e, eg) in range.enumerate() {
+    // One expert's rows: its chunks of `codes`, `scl` and `zer` (`zer` empty without zero points).
+    let expert = |eg: usize, codes: &mut [u32], scl: &mut [u32], zer: &mut [u32]| -> Option<()> {
         for r in 0..mr {
             let sr = src_row(r).filter(|&x| x < mr)?;
             let (ei, ri) = (eg as i64, r as i64);
@@ -251,8 +252,8 @@ pub fn logical_experts(
             for c in 0..k {
                 let ci = c as i64;
                 let o = usize::try_from(vmap.last(row, ci)).ok()?;
-                let at = (e * mr + sr) * k + c;
-                codes[at] = elem_bits(vals, o, vsize)?;
+                let at = sr * k + c;
+                *codes.get_mut(at)? = elem_bits(vals, o, vsize)?;
                 let Some(sc) = scheme else {
                     continue;
                 };
@@ -269,12 +270,55 @@ pub fn logical_experts(
                         (s, z)
                     }
                 };
-                scl[at] = s;
+                *scl.get_mut(at)? = s;
                 if let Some(zz) = zer.get_mut(at) {
                     *zz = z;
                 }
             }
         }
+        Some(())
+    };
+    // Experts in parallel (each writes its own chunks), on up to the host's threads.
+    let per = (mr * k).max(1);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(ne.max(1));
+    let experts_per = ne.div_ceil(threads).max(1);
+    if threads <= 1 {
+        let mut zs = zer.chunks_mut(per);
+        for (x, (cs, ss)) in codes.chunks_mut(per).zip(scl.chunks_mut(per)).enumerate() {
+            expert(range.start + x, cs, ss, zs.next().unwrap_or_default())?;
+        }
+    } else if !std::thread::scope(|sc| {
+        let mut zc = zer.chunks_mut(per * experts_per);
+        let jobs: Vec<_> = codes
+            .chunks_mut(per * experts_per)
+            .zip(scl.chunks_mut(per * experts_per))
+            .enumerate()
+            .map(|(j, (cs, ss))| {
+                let zs = zc.next().unwrap_or_default();
+                let first = range.start + j * experts_per;
+                let expert = &expert;
+                sc.spawn(move || {
+                    let mut zs = zs;
+                    for (x, (cs, ss)) in cs.chunks_mut(per).zip(ss.chunks_mut(per)).enumerate() {
+                        // The expert's zero points (none without them).
+                        let z: &mut [u32] = if zs.len() >= per {
+                            let (a, b) = std::mem::take(&mut zs).split_at_mut(per);
+                            zs = b;
+                            a
+                        } else {
+                            &mut []
+                        };
+                        expert(first + x, cs, ss, z)?;
+                    }
+                    Some(())
+                })
+            })
+            .collect();
+        jobs.into_iter().all(|h| h.join().ok().flatten().is_some())
+    }) {
+        return None;
     }
     Some(Logical {
         scheme,
