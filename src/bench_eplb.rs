@@ -22,7 +22,8 @@ pub const COPY_CEILING_TBPS: f64 = 4.27;
 const CEILING_BYTES: usize = 1 << 30;
 
 /// The device's linear copy rate (TB/s, bytes read + written): `cuMemcpyDtoD` of
-/// [`CEILING_BYTES`], the best of five, timed like the rearrangements (host wall time around the
+/// [`CEILING_BYTES`], the best of five (the rearrangements' figures are means), timed like the
+/// rearrangements (host wall time around the
 /// copy and its synchronisation).
 pub fn linear_copy_tbps(dev: &crate::runtime::Device) -> Result<f64> {
     let d = crate::runtime::drv::<cudarc::driver::DriverError>;
@@ -81,7 +82,7 @@ pub fn run(
     let ceiling = linear_copy_tbps(&dev)?;
     let _ = writeln!(
         out,
-        "EPLB rearrangement on {} (one GPU): DeepSeek-V3 EP8 layer, E={e} local slots, H={h}, I={i}; random placement -> random placement, every param of the move set; bandwidth = 2 x bytes of changed slots / time; % ceil = of this card's linear device copy, measured here: {ceiling:.3} TB/s (cuMemcpyDtoD of 1 GiB, best of 5; the H200's anchor is {COPY_CEILING_TBPS} TB/s)",
+        "EPLB rearrangement on {} (one GPU): DeepSeek-V3 EP8 layer, E={e} local slots, H={h}, I={i}; random placement -> random placement, every param of the move set; bandwidth = 2 x bytes of changed slots / time; % ceil = of this card's linear device copy, measured here: {ceiling:.3} TB/s (cuMemcpyDtoD of 1 GiB, best of 5, against the rearrangements' means; the H200's anchor is {COPY_CEILING_TBPS} TB/s)",
         dev.name
     );
     use crate::runtime::copy_batch::Flavour;
@@ -110,7 +111,7 @@ pub fn run(
     for (name, ..) in &forms {
         let _ = write!(
             head,
-            " | {:>9} {:>8} {:>7}",
+            " | {:>14} {:>8} {:>7}",
             format!("{name} ms"),
             "TB/s",
             "% ceil"
@@ -190,7 +191,7 @@ pub fn run(
             let tbps = bytes / secs / 1e12;
             queues.push(format!("{:.0}", queue / n * 1e6));
             cols.push(format!(
-                "{:>9.3} {:>8.3} {:>6.1}%",
+                "{:>14.3} {:>8.3} {:>6.1}%",
                 secs / n * 1e3,
                 tbps,
                 100.0 * tbps / ceiling

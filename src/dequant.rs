@@ -278,11 +278,14 @@ pub fn logical_experts(
         }
         Some(())
     };
-    // Experts in parallel (each writes its own chunks), on up to the host's threads.
+    // Every row's gather is checked up front (also where there are no columns to read).
+    if (0..mr).any(|r| src_row(r).is_none_or(|x| x >= mr)) {
+        return None;
+    }
+    // The experts split into contiguous blocks, one per host thread (up to one thread per core,
+    // none spawned for a single expert); each block writes its own chunks.
     let per = (mr * k).max(1);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(ne.max(1));
+    let threads = if ne <= 1 { 1 } else { workers(0).min(ne) };
     let experts_per = ne.div_ceil(threads).max(1);
     if threads <= 1 {
         let mut zs = zer.chunks_mut(per);
@@ -316,7 +319,13 @@ pub fn logical_experts(
                 })
             })
             .collect();
-        jobs.into_iter().all(|h| h.join().ok().flatten().is_some())
+        // Every thread joined (a panic in one is its `None`, never the scope's), then all must
+        // have read their experts.
+        let done: Vec<bool> = jobs
+            .into_iter()
+            .map(|h| h.join().ok().flatten().is_some())
+            .collect();
+        done.iter().all(|&d| d)
     }) {
         return None;
     }
@@ -515,7 +524,9 @@ fn per_range<T: Send>(
         let handles: Vec<_> = (0..t)
             .map(|j| s.spawn(move || f(j * n / t..(j + 1) * n / t)))
             .collect();
-        handles.into_iter().map(|h| h.join().ok()).collect()
+        // Every thread joined before the results are looked at (a panic in one is its `None`).
+        let joined: Vec<Option<T>> = handles.into_iter().map(|h| h.join().ok()).collect();
+        joined.into_iter().collect()
     })
 }
 

@@ -1003,7 +1003,7 @@ fn pack_bench(
     let (e, h, i) = (32, 7168, 2048);
     let layer = Layer::synthetic(e, h, i, 5);
     let inp = inputs(&layer);
-    let _ = writeln!(out, "\nOn-GPU pack, DeepSeek-V3 EP8 layer (E={e}, H={h}, I={i}; {:.2} GB of bf16), copy ceiling 4.27 TB/s:", layer.bytes() as f64 / 1e9);
+    let _ = writeln!(out, "\nOn-GPU pack, DeepSeek-V3 EP8 layer (E={e}, H={h}, I={i}; {:.2} GB of bf16), bound = traffic at the H200's copy ceiling of 4.27 TB/s (ANCHORS.md; not re-measured on this card):", layer.bytes() as f64 / 1e9);
     let _ = writeln!(
         out,
         "{:<16} {:>10} {:>12} {:>12} {:>10}",

@@ -51,11 +51,13 @@ pub struct OffsetTables {
 }
 
 impl OffsetTables {
-    /// The share of the leading coordinates `lead` (all dimensions but the last) and the base
-    /// offset, before the swizzle: what [`OffsetTables::last`] completes.
+    /// The share of the leading coordinates `lead` (all dimensions but the last; any coordinate
+    /// of the last dimension given is ignored) and the base offset, before the swizzle: what
+    /// [`OffsetTables::last`] completes.
     pub fn partial(&self, lead: &[i64]) -> i64 {
         let mut total = self.map.offset;
-        for (d, &c) in lead.iter().enumerate() {
+        let leading = self.map.modes.len().saturating_sub(1);
+        for (d, &c) in lead.iter().enumerate().take(leading) {
             total += self.share(d, c);
         }
         total
@@ -204,7 +206,10 @@ impl StorageMap {
             .modes
             .iter()
             .map(|subs| {
-                let n: i64 = subs.iter().map(|x| x.0.max(0)).product();
+                let n = subs
+                    .iter()
+                    .try_fold(1i64, |acc, x| acc.checked_mul(x.0.max(0)))
+                    .unwrap_or(i64::MAX);
                 if n > max_len {
                     return Vec::new();
                 }

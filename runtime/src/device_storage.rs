@@ -29,8 +29,9 @@ pub struct DeviceStorage {
     /// 16 KiB columns to fill the GPU, so the launch is latency-bound), so that it overlaps the large
     /// params' launches on the main stream.
     aux: Option<Arc<CudaStream>>,
-    /// Whether small params run on their side streams (the default; `false` keeps every launch on
-    /// the main stream, [`DeviceStorage::with_side_stream`]).
+    /// Whether small params run on their side streams (the default; `false` keeps the launches of
+    /// params that exchanged no experts on the main stream, [`DeviceStorage::with_side_stream`]:
+    /// one that received experts over a collective still forks after its exchange).
     side: bool,
     /// The event the main stream waits for at [`ExpertStorage::finish`].
     pending: Option<cudarc::driver::CudaEvent>,
@@ -91,7 +92,8 @@ impl DeviceStorage {
     }
 
     /// Run a small param's copy list on the main stream too (`side == false`) instead of a side
-    /// stream of its own (the benchmark's comparison of the two).
+    /// stream of its own (the benchmark's comparison of the two, on one GPU); a param that
+    /// exchanged experts still runs its copies on a side stream forked after the exchange.
     pub fn with_side_stream(mut self, side: bool) -> DeviceStorage {
         self.side = side;
         self
