@@ -241,8 +241,15 @@ pub fn selftest(quick: bool, settings: &Settings) -> Result<(String, Option<bool
             want.len(),
             bytes
         );
-        if e == 3 || e == 4 {
-            all &= rearrange_check(&dev, &info, &inp, e, &settings.host, &mut out)?;
+        if e == 3 {
+            all &= rearrange_check(&dev, &info, &inp, e, false, &settings.host, &mut out)?;
+        }
+        if e == 4 {
+            // The copy kernel's two queueings: small params first on side streams (the
+            // default), and every launch on the main stream with the large params first.
+            for other in [false, true] {
+                all &= rearrange_check(&dev, &info, &inp, e, other, &settings.host, &mut out)?;
+            }
         }
     }
     all &= tma_check(&dev, &mut out)?;
@@ -287,12 +294,16 @@ fn tma_check(dev: &Device, out: &mut String) -> Result<bool> {
 
 /// Rearranging experts in place on the device equals packing the checkpoint placed as the new
 /// placement: `e - 1` logical experts on `e` slots (one replica), from a seeded random placement to
-/// another, every param of the move set; views still alias the same storage.
+/// another, every param of the move set; views still alias the same storage. `other_order`: the
+/// copy kernel's launches all on the main stream, the large params queued first
+/// (`DeviceStorage::with_side_stream(false)`, `ParamStore::with_large_first`).
+#[allow(clippy::too_many_arguments)]
 fn rearrange_check(
     dev: &Device,
     info: &crate::dsl::ModuleInfo,
     inp: &HashMap<String, Vec<u8>>,
     e: usize,
+    other_order: bool,
     host: &crate::codegen::host::Options,
     out: &mut String,
 ) -> Result<bool> {
@@ -325,13 +336,16 @@ fn rearrange_check(
         let buf = dev.stream.clone_htod(&b).map_err(drv("cuMemcpyHtoD"))?;
         let mut st = crate::runtime::store::DeviceStorage::owned(buf, dev.stream.clone());
         if let Some(k) = &kernel {
-            st = st.with_copy_kernel(k.clone());
+            st = st
+                .with_copy_kernel(k.clone())
+                .with_side_stream(!other_order);
         }
         params.push((n.clone(), st));
     }
     let old_map = SlotMap::new(old.clone(), logical).map_err(Error::from)?;
     let mut store = crate::runtime::store::ParamStore::placed(info, params, old_map.clone(), 0, 1)
-        .map_err(Error::from)?;
+        .map_err(Error::from)?
+        .with_large_first(other_order);
     let views: Vec<String> = info
         .views
         .iter()
@@ -395,7 +409,9 @@ fn rearrange_check(
     }
     let perm = format!(
         "{old:?}->{new:?}->{third:?}->{fourth:?} ({}, then async twice)",
-        if kernel.is_some() {
+        if kernel.is_some() && other_order {
+            "copy kernel on the main stream, large params first"
+        } else if kernel.is_some() {
             "copy kernel"
         } else {
             "memcpy"
