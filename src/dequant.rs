@@ -143,6 +143,105 @@ pub fn logical(
     logical_experts(info, name, params, None)
 }
 
+/// The params of input `name` where they need no element-wise read-back: the values param stored
+/// compactly in the input's own order (a row-major `[E, M, K]` map, no row gather), a copy or an
+/// FP8 quantization with one scale per expert or per row, no decode scale or zero points.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Compact<'a> {
+    /// The scheme; `None` for a copy.
+    pub scheme: Option<QuantScheme>,
+    /// The values param's dtype.
+    pub dtype: DType,
+    /// The input's shape `(E, M, K)`.
+    pub shape: (usize, usize, usize),
+    /// The values param's bytes: element `(e, row, col)` at `((e * M + row) * K + col)` elements.
+    pub values: &'a [u8],
+    /// The scale bits per expert (FP8 per tensor) or per `(expert, row)` (per channel), as
+    /// [`Logical::scales`] holds them for each of their elements; empty for a copy.
+    pub scales: Vec<u32>,
+}
+
+/// [`Compact`] of input `name`, or `None` where its params need [`logical`]'s element-wise read
+/// (another layout, a row gather, another scheme, an empty extent, a param missing or short).
+/// Where it is `Some`, its values and scales are exactly what [`logical`] reads.
+pub fn compact<'a>(
+    info: &ModuleInfo,
+    name: &str,
+    params: &'a HashMap<String, Vec<u8>>,
+) -> Option<Compact<'a>> {
+    let m = info.module();
+    let input = m
+        .tensors
+        .iter()
+        .find(|t| t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. }))?;
+    let dims: Vec<usize> = input
+        .shape
+        .iter()
+        .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
+        .collect::<Option<_>>()?;
+    let [ne, mr, k] = dims[..] else {
+        return None;
+    };
+    if ne == 0 || mr == 0 || k == 0 {
+        return None;
+    }
+    let parts = Parts::of(info, name)?;
+    let per_row = match parts.scheme {
+        None => None,
+        Some(QuantScheme::Fp8 {
+            granularity: Fp8Granularity::Tensor,
+            ..
+        }) => Some(false),
+        Some(QuantScheme::Fp8 {
+            granularity: Fp8Granularity::Channel,
+            ..
+        }) => Some(true),
+        Some(_) => return None,
+    };
+    if parts.rows.is_some() || parts.decode.is_some() || parts.zeros.is_some() {
+        return None;
+    }
+    let (vname, vmap) = param(info, parts.values)?;
+    let vsize = elem_bytes(info, parts.values)?;
+    let values = params.get(&vname)?;
+    let want = [ne, mr, k].map(|x| x as i64);
+    if !vmap.is_row_major()
+        || vmap.shape() != want
+        || values.len() != ne.checked_mul(mr)?.checked_mul(k)?.checked_mul(vsize)?
+    {
+        return None;
+    }
+    let scales = match (per_row, parts.scales) {
+        (None, None) => Vec::new(),
+        (Some(per_row), Some(id)) => {
+            let (sname, smap) = param(info, id)?;
+            let b = params.get(&sname)?;
+            let size = elem_bytes(info, id)?;
+            let rows = if per_row { mr } else { 1 };
+            let mut v = Vec::with_capacity(ne * rows);
+            for e in 0..ne as i64 {
+                for r in 0..rows as i64 {
+                    let coord: &[i64] = if per_row { &[e, r] } else { &[e] };
+                    v.push(elem_bits(
+                        b,
+                        usize::try_from(smap.offset_of(coord)).ok()?,
+                        size,
+                    )?);
+                }
+            }
+            v
+        }
+        _ => return None,
+    };
+    Some(Compact {
+        scheme: parts.scheme,
+        dtype: m.tensor(parts.values)?.dtype,
+        shape: (ne, mr, k),
+        values,
+        scales,
+    })
+}
+
 /// [`logical`] for the experts `experts` only (all of them for `None`): the shape's first extent
 /// is then the range's length, and the decode scales are those of the range's experts (a single
 /// per-tensor value is kept as it is). What the host MoE forward reads, one expert at a time.

@@ -241,8 +241,15 @@ fn shared_scales(
         .collect()
 }
 
-/// The weight operand of input `name` (`w13` or `w2`), fed as `feed`.
-fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
+/// The weight operand of input `name` (`w13` or `w2`), fed as `feed`: from the stored bytes where
+/// they are the operand already ([`compact_weights`]), else (`read_back`, or any other form) from
+/// the element-wise read-back.
+fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Result<GemmWeights> {
+    if !read_back {
+        if let Some(w) = compact_weights(layer, name, feed)? {
+            return Ok(w);
+        }
+    }
     let info = layer.info;
     let l = crate::dequant::logical(info, name, layer.params).ok_or_else(|| {
         unsupported(
@@ -489,6 +496,71 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         }
         _ => Vec::new(),
     };
+    Ok(with_access(
+        layer,
+        name,
+        (operands, scaling),
+        (slots, n, k),
+        codes,
+        scales,
+        group_scales,
+    ))
+}
+
+/// The operand of input `name` straight from its stored bytes, where [`crate::dequant::compact`]
+/// finds them in the input's own order (a copy of bf16 weights fed bf16, FP8 per tensor or per
+/// channel fed per token or static): the same operand the read-back builds, without reading
+/// every element back (the start-up of a serving process). `None` for every other form.
+fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<GemmWeights>> {
+    let info = layer.info;
+    let Some(c) = crate::dequant::compact(info, name, layer.params) else {
+        return Ok(None);
+    };
+    let form = match (c.scheme, feed) {
+        (None, Feed::Bf16) if c.dtype == crate::dsl::ir::DType::Bf16 => {
+            (Operands::Bf16, Scaling::None)
+        }
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Tensor,
+                ..
+            }),
+            Feed::PerToken | Feed::Static { .. },
+        ) => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Channel,
+                ..
+            }),
+            Feed::PerToken | Feed::Static { .. },
+        ) => (Operands::E4m3, Scaling::Channelwise { per_token: true }),
+        _ => return Ok(None),
+    };
+    hopper_binding(info, name)?;
+    let scales = c.scales.iter().map(|&b| f32::from_bits(b)).collect();
+    Ok(Some(with_access(
+        layer,
+        name,
+        form,
+        c.shape,
+        c.values.to_vec(),
+        scales,
+        Vec::new(),
+    )))
+}
+
+/// A weight operand from its codes and scales: whether they are the stored bytes, and how the
+/// GEMM can read the param in place ([`crate::gemm_access`]).
+fn with_access(
+    layer: &Layer<'_>,
+    name: &str,
+    (operands, scaling): (Operands, Scaling),
+    (slots, n, k): (usize, usize, usize),
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+    group_scales: Vec<u8>,
+) -> GemmWeights {
+    let info = layer.info;
     let relayout = stored_bytes(info, name, layer.params).is_none_or(|b| b != codes.as_slice());
     // bf16 and E4M3 codes: the param itself, where its storage is a TMA map of rows; int8 codes
     // where it is the GEMM's compact operand in the kernel's order (4-bit codes: never).
@@ -509,7 +581,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         Some(b) if reads_param => b.to_vec(),
         _ => Vec::new(),
     };
-    Ok(GemmWeights {
+    GemmWeights {
         operands,
         scaling,
         slots,
@@ -521,7 +593,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<GemmWeights> {
         relayout,
         access,
         stored,
-    })
+    }
 }
 
 /// The params holding input `name`'s codes and scales (and NVFP4's decode scale) must be read by
@@ -566,6 +638,17 @@ fn stored_bytes<'a>(
 /// The GPU operands of a layer (see the module docs). Errors: a recipe or feed the GPU layer does
 /// not run (named), a static activation scale that is not positive and finite.
 pub fn operands(layer: &Layer<'_>) -> Result<LayerOperands> {
+    layer_operands(layer, false)
+}
+
+/// [`operands`] with every weight operand built from the element-wise read-back
+/// ([`crate::dequant::logical`]), never straight from the stored bytes: the reference the faster
+/// path is tested against.
+pub fn operands_read_back(layer: &Layer<'_>) -> Result<LayerOperands> {
+    layer_operands(layer, true)
+}
+
+fn layer_operands(layer: &Layer<'_>, read_back: bool) -> Result<LayerOperands> {
     let (slots, h, i) = dims(layer.info)?;
     let f13 = Feed::of(layer.info, "w13", layer.params)?;
     let f2 = Feed::of(layer.info, "w2", layer.params)?;
@@ -590,8 +673,8 @@ pub fn operands(layer: &Layer<'_>) -> Result<LayerOperands> {
             }
         }
     }
-    let w13 = weights(layer, "w13", &f13)?;
-    let w2 = weights(layer, "w2", &f2)?;
+    let w13 = weights(layer, "w13", &f13, read_back)?;
+    let w2 = weights(layer, "w2", &f2, read_back)?;
     let shapes = [(&w13, 2 * i, h), (&w2, h, i)];
     for (w, n, k) in shapes {
         if (w.slots, w.n, w.k) != (slots, n, k) {

@@ -778,6 +778,7 @@ fn gpu_operands_equal_the_dequantized_weights() {
         }
     };
     let mut as_stored = 0;
+    let mut compact = 0;
     for scales in [true, false] {
         let ck = d.join(format!("ckpt{scales}.safetensors"));
         checkpoint(&ck, &(0..E).collect::<Vec<_>>(), scales);
@@ -797,6 +798,15 @@ fn gpu_operands_equal_the_dequantized_weights() {
             };
             let ops = operands(&layer).unwrap();
             assert_eq!((ops.slots, ops.h, ops.i), (E, H, I), "{name}");
+            // Built straight from the stored bytes where they are the operand already, the same
+            // operands as the element-wise read-back's.
+            assert!(
+                ops == moeforge::moe_gpu::operands_read_back(&layer).unwrap(),
+                "{name}: the operands from the stored bytes differ from the read-back's"
+            );
+            for input in ["w13", "w2"] {
+                compact += usize::from(moeforge::dequant::compact(&info, input, &params).is_some());
+            }
             for (g, input, n, k) in [(&ops.w13, "w13", 2 * I, H), (&ops.w2, "w2", H, I)] {
                 assert_eq!((g.slots, g.n, g.k), (E, n, k), "{name} {input}");
                 // The codes fill whole rows of the operand (int8's padded to 64 bytes).
@@ -901,6 +911,9 @@ fn gpu_operands_equal_the_dequantized_weights() {
     // (fp8_per_tensor's, fp8_block128's, int8_per_row's plain w13 and w2, int8_kernel_order's
     // fused w13, fp8_channel_by8's: a count that cannot be zero.)
     assert!(as_stored >= 20, "{as_stored}");
+    // bf16's and fp8_per_tensor's w13 and w2 at least, with and without input scales, are built
+    // from the stored bytes (the path the equality above checks is not dead).
+    assert!(compact >= 8, "{compact}");
 }
 
 /// Pack checkpoint `ck` with the recipe at `path` (source `src`) into `packed`, and return its GPU
