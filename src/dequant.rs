@@ -144,8 +144,9 @@ pub fn logical(
 }
 
 /// The params of input `name` where they need no element-wise read-back: the values param stored
-/// compactly in the input's own order (a row-major `[E, M, K]` map, no row gather), a copy or an
-/// FP8 quantization with one scale per expert or per row, no decode scale or zero points.
+/// compactly in the input's own order (a row-major `[E, M, K]` map, no row gather), a copy, an FP8
+/// quantization with one scale per expert, per row or per 128x128 block, or int8 with one scale per
+/// row; no decode scale or zero points.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Compact<'a> {
     /// The scheme; `None` for a copy.
@@ -156,9 +157,21 @@ pub struct Compact<'a> {
     pub shape: (usize, usize, usize),
     /// The values param's bytes: element `(e, row, col)` at `((e * M + row) * K + col)` elements.
     pub values: &'a [u8],
-    /// The scale bits per expert (FP8 per tensor) or per `(expert, row)` (per channel), as
-    /// [`Logical::scales`] holds them for each of their elements; empty for a copy.
+    /// The scale bits per expert (FP8 per tensor), per `(expert, row)` (FP8 per channel, int8 per
+    /// row) or per `(expert, row block, column block)` (128x128 blocks), as [`Logical::scales`]
+    /// holds them for each of their elements; empty for a copy.
     pub scales: Vec<u32>,
+}
+
+/// The rows a scale coordinate's row index steps over: 128 for 128x128 blocks, else 1.
+fn row_step(sc: QuantScheme) -> i64 {
+    match sc {
+        QuantScheme::Fp8 {
+            granularity: Fp8Granularity::Block128,
+            ..
+        } => 128,
+        _ => 1,
+    }
 }
 
 /// [`Compact`] of input `name`, or `None` where its params need [`logical`]'s element-wise read
@@ -186,16 +199,29 @@ pub fn compact<'a>(
         return None;
     }
     let parts = Parts::of(info, name)?;
-    let per_row = match parts.scheme {
+    // The scale coordinates ([`scale_coord`]'s) per expert: `[e]`, `[e, r]` or `[e, r / 128, c / 128]`.
+    let blocks = (mr.div_ceil(128), k.div_ceil(128));
+    let per_expert: Option<Vec<[i64; 3]>> = match parts.scheme {
         None => None,
         Some(QuantScheme::Fp8 {
             granularity: Fp8Granularity::Tensor,
             ..
-        }) => Some(false),
+        }) => Some(vec![[0, 0, 0]]),
+        Some(
+            QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Channel,
+                ..
+            }
+            | QuantScheme::Int8Row,
+        ) => Some((0..mr as i64).map(|r| [0, r, 0]).collect()),
         Some(QuantScheme::Fp8 {
-            granularity: Fp8Granularity::Channel,
+            granularity: Fp8Granularity::Block128,
             ..
-        }) => Some(true),
+        }) => Some(
+            (0..blocks.0 as i64)
+                .flat_map(|rb| (0..blocks.1 as i64).map(move |cb| [0, rb, cb]))
+                .collect(),
+        ),
         Some(_) => return None,
     };
     if parts.rows.is_some() || parts.decode.is_some() || parts.zeros.is_some() {
@@ -211,22 +237,20 @@ pub fn compact<'a>(
     {
         return None;
     }
-    let scales = match (per_row, parts.scales) {
-        (None, None) => Vec::new(),
-        (Some(per_row), Some(id)) => {
+    let scales = match (per_expert, parts.scheme, parts.scales) {
+        (None, _, None) => Vec::new(),
+        (Some(coords), Some(sc), Some(id)) => {
             let (sname, smap) = param(info, id)?;
             let b = params.get(&sname)?;
             let size = elem_bytes(info, id)?;
-            let rows = if per_row { mr } else { 1 };
-            let mut v = Vec::with_capacity(ne * rows);
+            let mut v = Vec::with_capacity(ne * coords.len());
             for e in 0..ne as i64 {
-                for r in 0..rows as i64 {
-                    let coord: &[i64] = if per_row { &[e, r] } else { &[e] };
-                    v.push(elem_bits(
-                        b,
-                        usize::try_from(smap.offset_of(coord)).ok()?,
-                        size,
-                    )?);
+                for &[_, r, c] in &coords {
+                    // The scale of the block's (row's, expert's) first element, which the
+                    // read-back reads for every one of its elements.
+                    let at = scale_coord(sc, (e, r * row_step(sc), c * 128));
+                    let o = usize::try_from(smap.offset_of(&at)).ok()?;
+                    v.push(elem_bits(b, o, size)?);
                 }
             }
             v

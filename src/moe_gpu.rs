@@ -508,9 +508,10 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
 }
 
 /// The operand of input `name` straight from its stored bytes, where [`crate::dequant::compact`]
-/// finds them in the input's own order (a copy of bf16 weights fed bf16, FP8 per tensor or per
-/// channel fed per token or static): the same operand the read-back builds, without reading
-/// every element back (the start-up of a serving process). `None` for every other form.
+/// finds them in the input's own order (a copy of bf16 weights fed bf16; FP8 per tensor or per
+/// channel fed per token or static, 128x128 blocks fed per 1x128 group; int8 per row fed bf16):
+/// the same operand the read-back builds, without reading every element back (the start-up of a
+/// serving process). `None` for every other form.
 fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<GemmWeights>> {
     let info = layer.info;
     let Some(c) = crate::dequant::compact(info, name, layer.params) else {
@@ -534,16 +535,37 @@ fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<
             }),
             Feed::PerToken | Feed::Static { .. },
         ) => (Operands::E4m3, Scaling::Channelwise { per_token: true }),
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Block128,
+                ..
+            }),
+            Feed::PerTokenGroup128,
+        ) => (Operands::E4m3, Scaling::Block128),
+        // (K not a multiple of the W8A16 alignment: the read-back path refuses it by name.)
+        (Some(QuantScheme::Int8Row), Feed::Bf16)
+            if c.shape.2 % crate::codegen::gemm::ws::I8_K_ALIGN as usize == 0 =>
+        {
+            (Operands::I8Bf16, Scaling::PerRow)
+        }
         _ => return Ok(None),
     };
     hopper_binding(info, name)?;
     let scales = c.scales.iter().map(|&b| f32::from_bits(b)).collect();
+    let (slots, n, k) = c.shape;
+    let codes = match form.0 {
+        // Int8 codes in the W8A16 kernel's order (rows padded to 64 bytes), as the read-back's.
+        Operands::I8Bf16 => {
+            crate::codegen::gemm::reference::i8_kernel_order(c.values, slots * n, k)
+        }
+        _ => c.values.to_vec(),
+    };
     Ok(Some(with_access(
         layer,
         name,
         form,
         c.shape,
-        c.values.to_vec(),
+        codes,
         scales,
         Vec::new(),
     )))

@@ -911,9 +911,10 @@ fn gpu_operands_equal_the_dequantized_weights() {
     // (fp8_per_tensor's, fp8_block128's, int8_per_row's plain w13 and w2, int8_kernel_order's
     // fused w13, fp8_channel_by8's: a count that cannot be zero.)
     assert!(as_stored >= 20, "{as_stored}");
-    // bf16's and fp8_per_tensor's w13 and w2 at least, with and without input scales, are built
-    // from the stored bytes (the path the equality above checks is not dead).
-    assert!(compact >= 8, "{compact}");
+    // bf16's, fp8_per_tensor's, fp8_block128's and int8_per_row's w13 and w2 at least, with and
+    // without input scales, are built from the stored bytes (the path the equality above checks
+    // is not dead).
+    assert!(compact >= 16, "{compact}");
 }
 
 /// Pack checkpoint `ck` with the recipe at `path` (source `src`) into `packed`, and return its GPU
@@ -1544,4 +1545,81 @@ fn group_wise_fp8_below_a_k_tile_is_refused_by_name_on_the_gpu() {
     let out = d.join("out.safetensors");
     let (code, _, err) = moe(&d.join("fp8_g64.recipe.safetensors"), &inp, &out, &[]);
     assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn operands_from_the_stored_bytes_equal_the_read_back_where_every_block_differs() {
+    // A checkpoint whose magnitude changes with the row block, the column block and the row, so
+    // that every 128x128 block, every row and every expert has a scale of its own: the operands
+    // the GPU layer builds straight from the stored bytes (`dequant::compact`) must equal the
+    // element-wise read-back's, and a block, row or expert taken for another would show.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mag = |e: usize, row: usize, col: usize| {
+        (1.0 + 0.5 * e as f32)
+            * (1.0 + (row / 128) as f32)
+            * (1.0 + 0.25 * (col / 128) as f32)
+            * (1.0 + (row % 7) as f32 / 8.0)
+    };
+    let tensor = |rows: usize, cols: usize, seed: usize| -> Vec<f32> {
+        (0..E * rows * cols)
+            .map(|at| {
+                let (e, row, col) = (at / (rows * cols), at / cols % rows, at % cols);
+                trunc(value(at * 7 + seed) * 0.01 * mag(e, row, col))
+            })
+            .collect()
+    };
+    let p = format!("model.layers.{LAYER}.mlp.experts");
+    let mut t = BTreeMap::new();
+    t.insert(
+        format!("{p}.w13_weight"),
+        (Dtype::BF16, vec![E, 2 * I, H], bf16(&tensor(2 * I, H, 1))),
+    );
+    t.insert(
+        format!("{p}.w2_weight"),
+        (Dtype::BF16, vec![E, H, I], bf16(&tensor(H, I, 2))),
+    );
+    let ck = d.join("ckpt.safetensors");
+    write_tensors(&ck, &t, None);
+    let mut compact = 0;
+    for name in [
+        "bf16",
+        "fp8_per_tensor",
+        "fp8_block128",
+        "int8_per_row",
+        "fp8_channel",
+    ] {
+        let recipe = moeforge::kernels::find(name).unwrap();
+        let packed = d.join(format!("{name}.safetensors"));
+        pack(recipe.path, &ck, &packed);
+        let bind = format!("E={E},H={H},I={I}");
+        let info = moeforge::verify_source(recipe.source, recipe.path, Some(&bind)).unwrap();
+        let params = params_of(&packed);
+        let layer = moeforge::moe_host::Layer {
+            info: &info,
+            params: &params,
+        };
+        let ops = moeforge::moe_gpu::operands(&layer).unwrap();
+        assert!(
+            ops == moeforge::moe_gpu::operands_read_back(&layer).unwrap(),
+            "{name}: the operands from the stored bytes differ from the read-back's"
+        );
+        for (input, g) in [("w13", &ops.w13), ("w2", &ops.w2)] {
+            compact += usize::from(moeforge::dequant::compact(&info, input, &params).is_some());
+            // The scales differ where the checkpoint's magnitudes do (bf16 has none).
+            let mut distinct = g.scales.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert!(
+                name == "bf16" || distinct.len() >= E.min(g.scales.len()),
+                "{name} {input}: {} distinct scales of {}",
+                distinct.len(),
+                g.scales.len()
+            );
+        }
+    }
+    assert_eq!(
+        compact, 10,
+        "every one of these operands is built from the stored bytes"
+    );
 }
