@@ -163,6 +163,20 @@ pub struct Compact<'a> {
     pub scales: Vec<u32>,
 }
 
+/// Input `name`'s `[E, M, K]` at the binding (`None`: no such input, or another rank).
+fn input_dims(info: &ModuleInfo, name: &str) -> Option<[usize; 3]> {
+    let input =
+        info.module().tensors.iter().find(|t| {
+            t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. })
+        })?;
+    let dims: Vec<usize> = input
+        .shape
+        .iter()
+        .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
+        .collect::<Option<_>>()?;
+    dims.try_into().ok()
+}
+
 /// The rows a scale coordinate's row index steps over: 128 for 128x128 blocks, else 1.
 fn row_step(sc: QuantScheme) -> i64 {
     match sc {
@@ -183,18 +197,7 @@ pub fn compact<'a>(
     params: &'a HashMap<String, Vec<u8>>,
 ) -> Option<Compact<'a>> {
     let m = info.module();
-    let input = m
-        .tensors
-        .iter()
-        .find(|t| t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. }))?;
-    let dims: Vec<usize> = input
-        .shape
-        .iter()
-        .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
-        .collect::<Option<_>>()?;
-    let [ne, mr, k] = dims[..] else {
-        return None;
-    };
+    let [ne, mr, k] = input_dims(info, name)?;
     if ne == 0 || mr == 0 || k == 0 {
         return None;
     }
@@ -275,19 +278,7 @@ pub fn logical_experts(
     params: &HashMap<String, Vec<u8>>,
     experts: Option<Range<usize>>,
 ) -> Option<Logical> {
-    let m = info.module();
-    let input = m
-        .tensors
-        .iter()
-        .find(|t| t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. }))?;
-    let dims: Vec<usize> = input
-        .shape
-        .iter()
-        .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
-        .collect::<Option<_>>()?;
-    let [ne_all, mr, k] = dims[..] else {
-        return None;
-    };
+    let [ne_all, mr, k] = input_dims(info, name)?;
     let range = experts.unwrap_or(0..ne_all);
     if range.start > range.end || range.end > ne_all {
         return None;

@@ -260,10 +260,10 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
     let (slots, n, k) = l.shape;
     let scheme = l.scheme;
     let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor, per channel or per group of at least 128 with per_token or static activation scales, 128x128 blocks with per_token_group = 128), int8 per-row weights and 4-bit weights (NVFP4, MXFP4, symmetric INT4) with bf16 activations";
+    let simple = simple_form(scheme, feed, l.dtype, k);
     let (operands, scaling) = match (scheme, feed) {
-        (None, Feed::Bf16) if l.dtype == crate::dsl::ir::DType::Bf16 => {
-            (Operands::Bf16, Scaling::None)
-        }
+        // The forms that need no more than one scale per expert, row or block.
+        _ if simple.is_some() => simple.unwrap_or((Operands::Bf16, Scaling::None)),
         (None, _) => {
             return Err(unsupported(
                 info,
@@ -274,13 +274,6 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
                 ),
             ))
         }
-        (
-            Some(QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Tensor,
-                ..
-            }),
-            Feed::PerToken | Feed::Static { .. },
-        ) => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
         // Group-wise: a scale per weight row and group along K, each group's partial sum
         // promoted by it, the token's scale in the epilogue (groups of whole 128-deep k-tiles).
         (
@@ -306,35 +299,16 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
                 ))
             }
         },
-        // Per channel: a scale per weight row, applied with the token's in the epilogue.
-        (
-            Some(QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Channel,
-                ..
-            }),
-            Feed::PerToken | Feed::Static { .. },
-        ) => (Operands::E4m3, Scaling::Channelwise { per_token: true }),
-        (
-            Some(QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Block128,
-                ..
-            }),
-            Feed::PerTokenGroup128,
-        ) => (Operands::E4m3, Scaling::Block128),
-        // Int8 codes with a per-row scale, bf16 activations: W8A16, the weights dequantized into
-        // the GEMM's register-sourced A operand.
+        // Int8 per row with K off the W8A16 alignment ([`simple_form`] takes the others): refused
+        // here by name, not later by every GEMM configuration.
         (Some(QuantScheme::Int8Row), Feed::Bf16) => {
-            // (Refused here by name, not later by every GEMM configuration.)
-            if !k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) {
-                return Err(unsupported(
-                    info,
-                    format!(
-                        "`{name}`: int8 weights with K = {k}: the W8A16 GEMM takes K a multiple of {}",
-                        crate::codegen::gemm::ws::I8_K_ALIGN
-                    ),
-                ));
-            }
-            (Operands::I8Bf16, Scaling::PerRow)
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}`: int8 weights with K = {k}: the W8A16 GEMM takes K a multiple of {}",
+                    crate::codegen::gemm::ws::I8_K_ALIGN
+                ),
+            ));
         }
         // Group-wise int8 with bf16 activations: W8A16 with each group's partial sum promoted by
         // its row's scale (groups of a power of two, at least 64: whole k-tiles).
@@ -507,6 +481,45 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
     ))
 }
 
+/// The GEMM form of the weights that need no more than their stored bytes and one scale per
+/// expert, row or 128x128 block (what [`compact_weights`] builds): bf16 copies fed bf16; FP8 per
+/// tensor (the token's scale in the epilogue) or per channel (a scale per weight row, applied with
+/// the token's) fed per token or static; FP8 128x128 blocks fed per 1x128 group; int8 codes with a
+/// per-row scale fed bf16 (W8A16: the weights dequantized into the GEMM's register-sourced A
+/// operand), K a multiple of the W8A16 alignment. `None` for every other form.
+fn simple_form(
+    scheme: Option<QuantScheme>,
+    feed: &Feed,
+    dtype: crate::dsl::ir::DType,
+    k: usize,
+) -> Option<(Operands, Scaling)> {
+    let fp8 = |g: &Fp8Granularity| match scheme {
+        Some(QuantScheme::Fp8 { granularity, .. }) => granularity == *g,
+        _ => false,
+    };
+    let static_or_token = matches!(feed, Feed::PerToken | Feed::Static { .. });
+    Some(match (scheme, feed) {
+        (None, Feed::Bf16) if dtype == crate::dsl::ir::DType::Bf16 => {
+            (Operands::Bf16, Scaling::None)
+        }
+        _ if fp8(&Fp8Granularity::Tensor) && static_or_token => {
+            (Operands::E4m3, Scaling::Tensorwise { per_token: true })
+        }
+        _ if fp8(&Fp8Granularity::Channel) && static_or_token => {
+            (Operands::E4m3, Scaling::Channelwise { per_token: true })
+        }
+        (_, Feed::PerTokenGroup128) if fp8(&Fp8Granularity::Block128) => {
+            (Operands::E4m3, Scaling::Block128)
+        }
+        (Some(QuantScheme::Int8Row), Feed::Bf16)
+            if k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) =>
+        {
+            (Operands::I8Bf16, Scaling::PerRow)
+        }
+        _ => return None,
+    })
+}
+
 /// The operand of input `name` straight from its stored bytes, where [`crate::dequant::compact`]
 /// finds them in the input's own order (a copy of bf16 weights fed bf16; FP8 per tensor or per
 /// channel fed per token or static, 128x128 blocks fed per 1x128 group; int8 per row fed bf16):
@@ -517,38 +530,8 @@ fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<
     let Some(c) = crate::dequant::compact(info, name, layer.params) else {
         return Ok(None);
     };
-    let form = match (c.scheme, feed) {
-        (None, Feed::Bf16) if c.dtype == crate::dsl::ir::DType::Bf16 => {
-            (Operands::Bf16, Scaling::None)
-        }
-        (
-            Some(QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Tensor,
-                ..
-            }),
-            Feed::PerToken | Feed::Static { .. },
-        ) => (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
-        (
-            Some(QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Channel,
-                ..
-            }),
-            Feed::PerToken | Feed::Static { .. },
-        ) => (Operands::E4m3, Scaling::Channelwise { per_token: true }),
-        (
-            Some(QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Block128,
-                ..
-            }),
-            Feed::PerTokenGroup128,
-        ) => (Operands::E4m3, Scaling::Block128),
-        // (K not a multiple of the W8A16 alignment: the read-back path refuses it by name.)
-        (Some(QuantScheme::Int8Row), Feed::Bf16)
-            if c.shape.2 % crate::codegen::gemm::ws::I8_K_ALIGN as usize == 0 =>
-        {
-            (Operands::I8Bf16, Scaling::PerRow)
-        }
-        _ => return Ok(None),
+    let Some(form) = simple_form(c.scheme, feed, c.dtype, c.shape.2) else {
+        return Ok(None);
     };
     hopper_binding(info, name)?;
     let scales = c.scales.iter().map(|&b| f32::from_bits(b)).collect();

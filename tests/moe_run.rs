@@ -724,6 +724,20 @@ fn bad_inputs_fail_by_name_with_no_output_file() {
 /// equals the weights read back in f64 (INT4: within bf16's rounding of `(q - 8) * s`, asymmetric
 /// INT4 of `(q - z) * s`), the stored bytes are used as
 /// they are where the recipe stores the input's order, and the feeds follow the declaration.
+/// `recipe` packed from checkpoint `ck` into `stem`.safetensors, verified at the tests' binding:
+/// the module and the packed params.
+fn packed_layer(
+    recipe: &moeforge::kernels::StandardRecipe,
+    ck: &Path,
+    stem: &Path,
+) -> (moeforge::dsl::ModuleInfo, HashMap<String, Vec<u8>>) {
+    let packed = stem.with_extension("safetensors");
+    pack(recipe.path, ck, &packed);
+    let bind = format!("E={E},H={H},I={I}");
+    let info = moeforge::verify_source(recipe.source, recipe.path, Some(&bind)).unwrap();
+    (info, params_of(&packed))
+}
+
 #[test]
 fn gpu_operands_equal_the_dequantized_weights() {
     use moeforge::codegen::gemm::ws::{Operands, Scaling};
@@ -787,11 +801,7 @@ fn gpu_operands_equal_the_dequantized_weights() {
             .chain(moeforge::kernels::VARIANTS)
         {
             let name = recipe.name;
-            let packed = d.join(format!("{name}{scales}.safetensors"));
-            pack(recipe.path, &ck, &packed);
-            let bind = format!("E={E},H={H},I={I}");
-            let info = moeforge::verify_source(recipe.source, recipe.path, Some(&bind)).unwrap();
-            let params = params_of(&packed);
+            let (info, params) = packed_layer(recipe, &ck, &d.join(format!("{name}{scales}")));
             let layer = moeforge::moe_host::Layer {
                 info: &info,
                 params: &params,
@@ -1590,11 +1600,7 @@ fn operands_from_the_stored_bytes_equal_the_read_back_where_every_block_differs(
         "fp8_channel",
     ] {
         let recipe = moeforge::kernels::find(name).unwrap();
-        let packed = d.join(format!("{name}.safetensors"));
-        pack(recipe.path, &ck, &packed);
-        let bind = format!("E={E},H={H},I={I}");
-        let info = moeforge::verify_source(recipe.source, recipe.path, Some(&bind)).unwrap();
-        let params = params_of(&packed);
+        let (info, params) = packed_layer(recipe, &ck, &d.join(name));
         let layer = moeforge::moe_host::Layer {
             info: &info,
             params: &params,
