@@ -145,8 +145,8 @@ pub fn logical(
 
 /// The params of input `name` where they need no element-wise read-back: the values param stored
 /// compactly in the input's own order (a row-major `[E, M, K]` map, no row gather), a copy, an FP8
-/// quantization with one scale per expert, per row or per 128x128 block, or int8 with one scale per
-/// row; no decode scale or zero points.
+/// quantization with one scale per expert, per row, per 128x128 block or per row and group along K,
+/// or int8 with one scale per row or per row and group; no decode scale or zero points.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Compact<'a> {
     /// The scheme; `None` for a copy.
@@ -158,8 +158,9 @@ pub struct Compact<'a> {
     /// The values param's bytes: element `(e, row, col)` at `((e * M + row) * K + col)` elements.
     pub values: &'a [u8],
     /// The scale bits per expert (FP8 per tensor), per `(expert, row)` (FP8 per channel, int8 per
-    /// row) or per `(expert, row block, column block)` (128x128 blocks), as [`Logical::scales`]
-    /// holds them for each of their elements; empty for a copy.
+    /// row), per `(expert, row block, column block)` (128x128 blocks) or per `(expert, row,
+    /// group)` (groups along K), as [`Logical::scales`] holds them for each of their elements;
+    /// empty for a copy.
     pub scales: Vec<u32>,
 }
 
@@ -184,6 +185,23 @@ fn row_step(sc: QuantScheme) -> i64 {
             granularity: Fp8Granularity::Block128,
             ..
         } => 128,
+        _ => 1,
+    }
+}
+
+/// The columns a scale coordinate's column index steps over: 128 for 128x128 blocks, the group
+/// for groups along K, else 1.
+fn col_step(sc: QuantScheme) -> i64 {
+    match sc {
+        QuantScheme::Fp8 {
+            granularity: Fp8Granularity::Block128,
+            ..
+        } => 128,
+        QuantScheme::Fp8 {
+            granularity: Fp8Granularity::Group { group },
+            ..
+        }
+        | QuantScheme::Int8Group { group } => group,
         _ => 1,
     }
 }
@@ -225,6 +243,21 @@ pub fn compact<'a>(
                 .flat_map(|rb| (0..blocks.1 as i64).map(move |cb| [0, rb, cb]))
                 .collect(),
         ),
+        // Groups along K: `[e, r, c / group]`, row by row.
+        Some(
+            QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Group { group },
+                ..
+            }
+            | QuantScheme::Int8Group { group },
+        ) if group > 0 => {
+            let groups = (k as i64 + group - 1) / group;
+            Some(
+                (0..mr as i64)
+                    .flat_map(|r| (0..groups).map(move |q| [0, r, q]))
+                    .collect(),
+            )
+        }
         Some(_) => return None,
     };
     if parts.rows.is_some() || parts.decode.is_some() || parts.zeros.is_some() {
@@ -251,7 +284,7 @@ pub fn compact<'a>(
                 for &[_, r, c] in &coords {
                     // The scale of the block's (row's, expert's) first element, which the
                     // read-back reads for every one of its elements.
-                    let at = scale_coord(sc, (e, r * row_step(sc), c * 128));
+                    let at = scale_coord(sc, (e, r * row_step(sc), c * col_step(sc)));
                     let o = usize::try_from(smap.offset_of(&at)).ok()?;
                     v.push(elem_bits(b, o, size)?);
                 }

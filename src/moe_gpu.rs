@@ -484,9 +484,11 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
 /// The GEMM form of the weights that need no more than their stored bytes and one scale per
 /// expert, row or 128x128 block (what [`compact_weights`] builds): bf16 copies fed bf16; FP8 per
 /// tensor (the token's scale in the epilogue) or per channel (a scale per weight row, applied with
-/// the token's) fed per token or static; FP8 128x128 blocks fed per 1x128 group; int8 codes with a
-/// per-row scale fed bf16 (W8A16: the weights dequantized into the GEMM's register-sourced A
-/// operand), K a multiple of the W8A16 alignment. `None` for every other form.
+/// the token's) fed per token or static; FP8 128x128 blocks fed per 1x128 group; FP8 groups along
+/// K (a power of two, at least 128) fed per token or static; int8 codes with a per-row scale, or
+/// per row and group (a power of two, at least 64), fed bf16 (W8A16: the weights dequantized into
+/// the GEMM's register-sourced A operand), K a multiple of the W8A16 alignment. `None` for every
+/// other form (the read-back path refuses those it does not run by name).
 fn simple_form(
     scheme: Option<QuantScheme>,
     feed: &Feed,
@@ -498,6 +500,7 @@ fn simple_form(
         _ => false,
     };
     let static_or_token = matches!(feed, Feed::PerToken | Feed::Static { .. });
+    let i8_aligned = k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize);
     Some(match (scheme, feed) {
         (None, Feed::Bf16) if dtype == crate::dsl::ir::DType::Bf16 => {
             (Operands::Bf16, Scaling::None)
@@ -511,10 +514,30 @@ fn simple_form(
         (_, Feed::PerTokenGroup128) if fp8(&Fp8Granularity::Block128) => {
             (Operands::E4m3, Scaling::Block128)
         }
-        (Some(QuantScheme::Int8Row), Feed::Bf16)
-            if k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) =>
-        {
+        (Some(QuantScheme::Int8Row), Feed::Bf16) if i8_aligned => {
             (Operands::I8Bf16, Scaling::PerRow)
+        }
+        // Group-wise FP8 (groups of a power of two, at least 128) and int8 (at least 64).
+        (
+            Some(QuantScheme::Fp8 {
+                granularity: Fp8Granularity::Group { group },
+                ..
+            }),
+            _,
+        ) if static_or_token => {
+            let g = u32::try_from(group)
+                .ok()
+                .filter(|g| *g >= 128 && g.is_power_of_two())?;
+            (
+                Operands::E4m3,
+                Scaling::Groupwise {
+                    group: g,
+                    per_token: true,
+                },
+            )
+        }
+        (Some(QuantScheme::Int8Group { group }), Feed::Bf16) if i8_aligned => {
+            (Operands::I8Bf16, Scaling::per_row_group(group)?)
         }
         _ => return None,
     })
@@ -534,8 +557,28 @@ fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<
         return Ok(None);
     };
     hopper_binding(info, name)?;
-    let scales = c.scales.iter().map(|&b| f32::from_bits(b)).collect();
     let (slots, n, k) = c.shape;
+    // Group-wise: `[slots, groups, N]` f32 bytes from the `[slots, N, groups]` scales; else one
+    // f32 per expert, row or block.
+    let (scales, group_scales) = match form.1.row_group() {
+        Some(group) => {
+            let groups = k.div_ceil(group.max(1) as usize);
+            let mut b = Vec::with_capacity(slots * groups * n * 4);
+            for e in 0..slots {
+                for q in 0..groups {
+                    for r in 0..n {
+                        let bits = c.scales.get((e * n + r) * groups + q).copied();
+                        b.extend_from_slice(&bits.unwrap_or(0).to_le_bytes());
+                    }
+                }
+            }
+            (Vec::new(), b)
+        }
+        None => (
+            c.scales.iter().map(|&b| f32::from_bits(b)).collect(),
+            Vec::new(),
+        ),
+    };
     let codes = match form.0 {
         // Int8 codes in the W8A16 kernel's order (rows padded to 64 bytes), as the read-back's.
         Operands::I8Bf16 => {
@@ -550,7 +593,7 @@ fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<
         c.shape,
         codes,
         scales,
-        Vec::new(),
+        group_scales,
     )))
 }
 
