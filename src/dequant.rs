@@ -178,34 +178,6 @@ fn input_dims(info: &ModuleInfo, name: &str) -> Option<[usize; 3]> {
     dims.try_into().ok()
 }
 
-/// The rows a scale coordinate's row index steps over: 128 for 128x128 blocks, else 1.
-fn row_step(sc: QuantScheme) -> i64 {
-    match sc {
-        QuantScheme::Fp8 {
-            granularity: Fp8Granularity::Block128,
-            ..
-        } => 128,
-        _ => 1,
-    }
-}
-
-/// The columns a scale coordinate's column index steps over: 128 for 128x128 blocks, the group
-/// for groups along K, else 1.
-fn col_step(sc: QuantScheme) -> i64 {
-    match sc {
-        QuantScheme::Fp8 {
-            granularity: Fp8Granularity::Block128,
-            ..
-        } => 128,
-        QuantScheme::Fp8 {
-            granularity: Fp8Granularity::Group { group },
-            ..
-        }
-        | QuantScheme::Int8Group { group } => group,
-        _ => 1,
-    }
-}
-
 /// [`Compact`] of input `name`, or `None` where its params need [`logical`]'s element-wise read
 /// (another layout, a row gather, another scheme, an empty extent, a param missing or short).
 /// Where it is `Some`, its values and scales are exactly what [`logical`] reads.
@@ -220,43 +192,39 @@ pub fn compact<'a>(
         return None;
     }
     let parts = Parts::of(info, name)?;
-    // The scale coordinates ([`scale_coord`]'s) per expert: `[e]`, `[e, r]` or `[e, r / 128, c / 128]`.
-    let blocks = (mr.div_ceil(128), k.div_ceil(128));
-    let per_expert: Option<Vec<[i64; 3]>> = match parts.scheme {
+    // Per expert, the `(row, column)` of the first element each scale covers: one per expert,
+    // row, 128x128 block or row and group along K.
+    let firsts = |rows: usize, cols: usize, (dr, dc): (usize, usize)| -> Vec<(i64, i64)> {
+        (0..rows)
+            .flat_map(|r| (0..cols).map(move |c| ((r * dr) as i64, (c * dc) as i64)))
+            .collect()
+    };
+    let per_expert = match parts.scheme {
         None => None,
         Some(QuantScheme::Fp8 {
             granularity: Fp8Granularity::Tensor,
             ..
-        }) => Some(vec![[0, 0, 0]]),
+        }) => Some(firsts(1, 1, (0, 0))),
         Some(
             QuantScheme::Fp8 {
                 granularity: Fp8Granularity::Channel,
                 ..
             }
             | QuantScheme::Int8Row,
-        ) => Some((0..mr as i64).map(|r| [0, r, 0]).collect()),
+        ) => Some(firsts(mr, 1, (1, 0))),
         Some(QuantScheme::Fp8 {
             granularity: Fp8Granularity::Block128,
             ..
-        }) => Some(
-            (0..blocks.0 as i64)
-                .flat_map(|rb| (0..blocks.1 as i64).map(move |cb| [0, rb, cb]))
-                .collect(),
-        ),
-        // Groups along K: `[e, r, c / group]`, row by row.
+        }) => Some(firsts(mr.div_ceil(128), k.div_ceil(128), (128, 128))),
         Some(
             QuantScheme::Fp8 {
                 granularity: Fp8Granularity::Group { group },
                 ..
             }
             | QuantScheme::Int8Group { group },
-        ) if group > 0 => {
-            let groups = (k as i64 + group - 1) / group;
-            Some(
-                (0..mr as i64)
-                    .flat_map(|r| (0..groups).map(move |q| [0, r, q]))
-                    .collect(),
-            )
+        ) => {
+            let g = usize::try_from(group).ok().filter(|&g| g > 0)?;
+            Some(firsts(mr, k.div_ceil(g), (1, g)))
         }
         Some(_) => return None,
     };
@@ -273,25 +241,22 @@ pub fn compact<'a>(
     {
         return None;
     }
-    let scales = match (per_expert, parts.scheme, parts.scales) {
-        (None, _, None) => Vec::new(),
-        (Some(coords), Some(sc), Some(id)) => {
-            let (sname, smap) = param(info, id)?;
-            let b = params.get(&sname)?;
-            let size = elem_bytes(info, id)?;
-            let mut v = Vec::with_capacity(ne * coords.len());
+    let scales = match per_expert {
+        None if parts.scales.is_none() => Vec::new(),
+        Some(firsts) => {
+            let sm = scale_map(info, name)?;
+            let b = params.get(&sm.param)?;
+            let size = elem_bytes(info, parts.scales?)?;
+            let mut v = Vec::with_capacity(ne * firsts.len());
             for e in 0..ne as i64 {
-                for &[_, r, c] in &coords {
-                    // The scale of the block's (row's, expert's) first element, which the
-                    // read-back reads for every one of its elements.
-                    let at = scale_coord(sc, (e, r * row_step(sc), c * col_step(sc)));
-                    let o = usize::try_from(smap.offset_of(&at)).ok()?;
+                for &(r, c) in &firsts {
+                    let o = usize::try_from(sm.offset((e, r, c))).ok()?;
                     v.push(elem_bits(b, o, size)?);
                 }
             }
             v
         }
-        _ => return None,
+        None => return None,
     };
     Some(Compact {
         scheme: parts.scheme,
@@ -387,10 +352,13 @@ pub fn logical_experts(
     } else {
         Vec::new()
     };
+    // The input row each param row holds, checked once (also where there are no columns to read).
+    let srcs: Vec<usize> = (0..mr)
+        .map(|r| src_row(r).filter(|&x| x < mr))
+        .collect::<Option<_>>()?;
     // One expert's rows: its chunks of `codes`, `scl` and `zer` (`zer` empty without zero points).
     let expert = |eg: usize, codes: &mut [u32], scl: &mut [u32], zer: &mut [u32]| -> Option<()> {
-        for r in 0..mr {
-            let sr = src_row(r).filter(|&x| x < mr)?;
+        for (r, &sr) in srcs.iter().enumerate() {
             let (ei, ri) = (eg as i64, r as i64);
             // The row's share of the values' offsets; the scale (and zero point) read again only
             // where the element's scale coordinate changes along the row.
@@ -425,56 +393,45 @@ pub fn logical_experts(
         }
         Some(())
     };
-    // Every row's gather is checked up front (also where there are no columns to read).
-    if (0..mr).any(|r| src_row(r).is_none_or(|x| x >= mr)) {
-        return None;
-    }
-    // The experts split into contiguous blocks, one per host thread (up to one thread per core,
-    // none spawned for a single expert); each block writes its own chunks.
+    // A block of consecutive experts from `first`: each expert's chunks in turn.
     let per = (mr * k).max(1);
-    let threads = if ne <= 1 { 1 } else { workers(0).min(ne) };
-    let experts_per = ne.div_ceil(threads).max(1);
-    if threads <= 1 {
-        let mut zs = zer.chunks_mut(per);
-        for (x, (cs, ss)) in codes.chunks_mut(per).zip(scl.chunks_mut(per)).enumerate() {
-            expert(range.start + x, cs, ss, zs.next().unwrap_or_default())?;
+    let block = |first: usize, cs: &mut [u32], ss: &mut [u32], zs: &mut [u32]| -> Option<()> {
+        let mut zs = zs.chunks_mut(per);
+        for (x, (c, s)) in cs.chunks_mut(per).zip(ss.chunks_mut(per)).enumerate() {
+            expert(first + x, c, s, zs.next().unwrap_or_default())?;
         }
-    } else if !std::thread::scope(|sc| {
-        let mut zc = zer.chunks_mut(per * experts_per);
-        let jobs: Vec<_> = codes
-            .chunks_mut(per * experts_per)
-            .zip(scl.chunks_mut(per * experts_per))
-            .enumerate()
-            .map(|(j, (cs, ss))| {
-                let zs = zc.next().unwrap_or_default();
-                let first = range.start + j * experts_per;
-                let expert = &expert;
-                sc.spawn(move || {
-                    let mut zs = zs;
-                    for (x, (cs, ss)) in cs.chunks_mut(per).zip(ss.chunks_mut(per)).enumerate() {
-                        // The expert's zero points (none without them).
-                        let z: &mut [u32] = if zs.len() >= per {
-                            let (a, b) = std::mem::take(&mut zs).split_at_mut(per);
-                            zs = b;
-                            a
-                        } else {
-                            &mut []
-                        };
-                        expert(first + x, cs, ss, z)?;
-                    }
-                    Some(())
+        Some(())
+    };
+    // The experts split into contiguous blocks, one per host thread (up to one thread per core,
+    // none spawned for a single expert).
+    let threads = if ne <= 1 { 1 } else { workers(0).min(ne) };
+    if threads <= 1 {
+        block(range.start, &mut codes, &mut scl, &mut zer)?;
+    } else {
+        let span = per * ne.div_ceil(threads);
+        let ok = std::thread::scope(|sc| {
+            let mut zc = zer.chunks_mut(span);
+            let jobs: Vec<_> = codes
+                .chunks_mut(span)
+                .zip(scl.chunks_mut(span))
+                .enumerate()
+                .map(|(j, (cs, ss))| {
+                    let zs = zc.next().unwrap_or_default();
+                    let block = &block;
+                    sc.spawn(move || block(range.start + j * (span / per), cs, ss, zs))
                 })
-            })
-            .collect();
-        // Every thread joined (a panic in one is its `None`, never the scope's), then all must
-        // have read their experts.
-        let done: Vec<bool> = jobs
-            .into_iter()
-            .map(|h| h.join().ok().flatten().is_some())
-            .collect();
-        done.iter().all(|&d| d)
-    }) {
-        return None;
+                .collect();
+            // Every thread joined (a panic in one is its `None`, never the scope's), then all
+            // must have read their experts.
+            let done: Vec<bool> = jobs
+                .into_iter()
+                .map(|h| h.join().ok().flatten().is_some())
+                .collect();
+            done.iter().all(|&d| d)
+        });
+        if !ok {
+            return None;
+        }
     }
     Some(Logical {
         scheme,
@@ -534,8 +491,6 @@ pub fn error(
     })
 }
 
-/// What dequantizing input `name` reads: the scheme (`None`: a plain copy), the params holding the
-/// codes, the scales and the decode scale, and the row gather between input and params.
 /// The coordinate, in the quantization's scales (and zero points), of the scale of element
 /// `(expert, row, column)` of its values param (`row` the param's row).
 fn scale_coord(scheme: QuantScheme, (e, r, c): (i64, i64, i64)) -> ScaleCoord {
@@ -595,6 +550,8 @@ pub fn scale_map(info: &ModuleInfo, name: &str) -> Option<ScaleMap> {
     })
 }
 
+/// What dequantizing input `name` reads: the scheme (`None`: a plain copy), the params holding the
+/// codes, the scales and the decode scale, and the row gather between input and params.
 struct Parts {
     scheme: Option<QuantScheme>,
     values: TensorId,

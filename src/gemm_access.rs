@@ -206,13 +206,14 @@ impl ScaleRead {
 }
 
 /// How the GPU GEMM of input `gemm` reads its weight scales at the module's binding, with its
-/// rows in the input's order or in the fused epilogue's paired order (`paired`, gate rows
-/// first): as the scale param stores them where every scale the GEMM reads sits at its own index
+/// rows in the input's order or in the fused epilogue's paired order (`paired`: gate rows first,
+/// or up rows first where the GEMM reads the weights in place that way, as the layer does): as the scale param stores them where every scale the GEMM reads sits at its own index
 /// of the GEMM's layout (per tensor `[slots]`, per channel and per row `[slots, N]` in the GEMM's
 /// row order, 128x128 blocks `[slots, N / 128, K / 128]`), checked scale by scale through the
 /// param's storage map and the row gather; else a vector made on the host, and why. `None`
 /// without a binding or weight scales.
 pub fn scales_read(info: &ModuleInfo, gemm: &str, paired: bool) -> Option<ScaleRead> {
+    use crate::codegen::gemm::ws::Scaling;
     use crate::dsl::ir::{Fp8Granularity as G, QuantScheme as Q};
     let sm = crate::dequant::scale_map(info, gemm)?;
     let (id, rows) = values_of(info, gemm)?;
@@ -220,23 +221,25 @@ pub fn scales_read(info: &ModuleInfo, gemm: &str, paired: bool) -> Option<ScaleR
     let copied = |why: &str| Some(ScaleRead::Copied { why: why.into() });
     // The param row holding GEMM row `q` (the inverse of the gather).
     let atoms = info.binding()?.atoms().to_vec();
-    let mut holder = vec![usize::MAX; n];
-    for r in 0..n {
-        let src = match &rows {
-            Some(iv) => iv
-                .map(r as i128, &atoms)
-                .and_then(|x| usize::try_from(x).ok())?,
-            None => r,
-        };
-        *holder.get_mut(src)? = r;
-    }
+    let holder = match holders(rows.as_ref(), &atoms, n) {
+        Ok(h) => h,
+        Err(why) => return copied(&why),
+    };
+    // The paired order as the layer takes it: up rows first where the GEMM reads the param in
+    // place that way (`moe_gpu_layer` uploads the scales in the same order).
+    let up_first = paired
+        && of_gemm(info, gemm).is_some_and(|(_, a)| {
+            matches!(a.paired, Some(Access::InPlace { ref layout, .. }) if layout.rows.up_first)
+        });
     let order = |q: usize| {
         if paired {
-            paired_row(q, n / 2, false)
+            paired_row(q, n / 2, up_first)
         } else {
             q
         }
     };
+    // Whether the rows pair for the fused epilogue under `scaling` (the layer's own rule).
+    let pairs = |scaling| crate::moe_gpu::pairable(scaling, n);
     // (GEMM index, the element whose scale it is) of every scale the GEMM reads.
     let slots_of: Vec<(usize, (usize, usize, usize))> = match sm.scheme {
         Q::Fp8 {
@@ -248,7 +251,7 @@ pub fn scales_read(info: &ModuleInfo, gemm: &str, paired: bool) -> Option<ScaleR
             ..
         }
         | Q::Int8Row => {
-            if paired && !n.is_multiple_of(16) {
+            if paired && !pairs(Scaling::PerRow) {
                 return None;
             }
             (0..slots)
@@ -260,6 +263,9 @@ pub fn scales_read(info: &ModuleInfo, gemm: &str, paired: bool) -> Option<ScaleR
             granularity: G::Block128,
             ..
         } => {
+            if paired && !pairs(Scaling::Block128) {
+                return None;
+            }
             // (The paired order reads each half's block by its `[gate; up]` row: the same layout.)
             let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
             (0..slots * nb * kb)
@@ -395,7 +401,6 @@ pub fn weight_access(
             let fit = |order: &dyn Fn(usize) -> usize, up_first: bool| -> Access {
                 let base = row_bytes[order(0)];
                 let off: Vec<i64> = (0..n).map(|q| row_bytes[order(q)] - base).collect();
-                let compact = WLayout::compact(slots as u64, n as u64, row as u64);
                 match wmap::fit(&off, expert, slots as u64, up_first) {
                     // Register-A int8: only the compact operand itself (no row modes): row q
                     // at q rows of K bytes (checked here, though the verifier's dense param
@@ -415,7 +420,7 @@ pub fn weight_access(
                     }
                     Ok(_) if k_order == KOrder::Int8Kernel => Access::InPlace {
                         param: pname.clone(),
-                        layout: compact.clone(),
+                        layout: WLayout::compact(slots as u64, n as u64, row as u64),
                     },
                     Ok(layout)
                         if strides_nest(row as u64, &layout.extents, &layout.strides).is_err() =>
@@ -492,6 +497,29 @@ fn slot_contained(
 
 /// Per input row of expert 0, the byte offset of the param row holding it (K index 0), and the
 /// bytes between experts; or why the storage is not a K-major row map.
+/// The param row holding each of the `n` input rows (the inverse of the gather `rows`; every row
+/// its own where there is none); an error where the gather is no permutation.
+fn holders(
+    rows: Option<&crate::dsl::ir::IndexVec>,
+    atoms: &[i128],
+    n: usize,
+) -> Result<Vec<usize>, String> {
+    let mut holder = vec![usize::MAX; n];
+    for r in 0..n {
+        let src = match rows {
+            Some(iv) => iv
+                .map(r as i128, atoms)
+                .and_then(|x| usize::try_from(x).ok()),
+            None => Some(r),
+        };
+        match src {
+            Some(s) if s < n && holder[s] == usize::MAX => holder[s] = r,
+            _ => return Err("holds its rows through a gather that is no permutation".into()),
+        }
+    }
+    Ok(holder)
+}
+
 fn rows_of(
     map: &StorageMap,
     rows: Option<&crate::dsl::ir::IndexVec>,
@@ -509,20 +537,7 @@ fn rows_of(
         ));
     }
     k_order_of(map, k, order)?;
-    // The param row holding each input row (the inverse of the gather).
-    let mut holder = vec![usize::MAX; n];
-    for r in 0..n {
-        let src = match rows {
-            Some(iv) => iv
-                .map(r as i128, atoms)
-                .and_then(|x| usize::try_from(x).ok()),
-            None => Some(r),
-        };
-        match src {
-            Some(s) if s < n && holder[s] == usize::MAX => holder[s] = r,
-            _ => return Err("holds its rows through a gather that is no permutation".into()),
-        }
-    }
+    let holder = holders(rows, atoms, n)?;
     let e = elem as i64;
     let at = |ei: usize, r: usize| map.offset_of(&[ei as i64, r as i64, 0]) * e;
     let row_bytes: Vec<i64> = holder.iter().map(|&r| at(0, r)).collect();

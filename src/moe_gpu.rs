@@ -260,11 +260,12 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
     let (slots, n, k) = l.shape;
     let scheme = l.scheme;
     let gpu_feeds = "the GPU layer runs bf16 weights with bf16 activations, FP8 weights (per tensor, per channel or per group of at least 128 with per_token or static activation scales, 128x128 blocks with per_token_group = 128), int8 per-row weights and 4-bit weights (NVFP4, MXFP4, symmetric INT4) with bf16 activations";
+    // The forms that need no more than one scale per expert, row, block or group first; the
+    // others below (4-bit) or refused by name.
     let simple = simple_form(scheme, feed, l.dtype, k);
-    let (operands, scaling) = match (scheme, feed) {
-        // The forms that need no more than one scale per expert, row or block.
-        _ if simple.is_some() => simple.unwrap_or((Operands::Bf16, Scaling::None)),
-        (None, _) => {
+    let (operands, scaling) = match (simple, scheme, feed) {
+        (Some(form), ..) => form,
+        (None, None, _) => {
             return Err(unsupported(
                 info,
                 format!(
@@ -274,34 +275,25 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
                 ),
             ))
         }
-        // Group-wise: a scale per weight row and group along K, each group's partial sum
-        // promoted by it, the token's scale in the epilogue (groups of whole 128-deep k-tiles).
+        // Group-wise FP8 with groups the GEMM does not take ([`simple_form`] takes the others).
         (
+            None,
             Some(QuantScheme::Fp8 {
                 granularity: Fp8Granularity::Group { group },
                 ..
             }),
             Feed::PerToken | Feed::Static { .. },
-        ) => match u32::try_from(group) {
-            Ok(g) if g >= 128 && g.is_power_of_two() => (
-                Operands::E4m3,
-                Scaling::Groupwise {
-                    group: g,
-                    per_token: true,
-                },
-            ),
-            _ => {
-                return Err(unsupported(
-                    info,
-                    format!(
-                        "`{name}`: group-wise FP8 weights with groups of {group}: the GPU GEMM takes groups of a power of two, at least 128 (whole E4M3 k-tiles)"
-                    ),
-                ))
-            }
-        },
+        ) => {
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}`: group-wise FP8 weights with groups of {group}: the GPU GEMM takes groups of a power of two, at least 128 (whole E4M3 k-tiles)"
+                ),
+            ))
+        }
         // Int8 per row with K off the W8A16 alignment ([`simple_form`] takes the others): refused
         // here by name, not later by every GEMM configuration.
-        (Some(QuantScheme::Int8Row), Feed::Bf16) => {
+        (None, Some(QuantScheme::Int8Row), Feed::Bf16) => {
             return Err(unsupported(
                 info,
                 format!(
@@ -310,28 +302,20 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
                 ),
             ));
         }
-        // Group-wise int8 with bf16 activations: W8A16 with each group's partial sum promoted by
-        // its row's scale (groups of a power of two, at least 64: whole k-tiles).
-        (Some(QuantScheme::Int8Group { group }), Feed::Bf16) => {
-            match Scaling::per_row_group(group) {
-                Some(scaling)
-                    if k.is_multiple_of(crate::codegen::gemm::ws::I8_K_ALIGN as usize) =>
-                {
-                    (Operands::I8Bf16, scaling)
-                }
-                _ => {
-                    return Err(unsupported(
-                        info,
-                        format!(
-                            "`{name}`: group-wise int8 weights with groups of {group} and K = {k}: the GPU GEMM takes groups of a power of two, at least 64, and K a multiple of {}",
-                            crate::codegen::gemm::ws::I8_K_ALIGN
-                        ),
-                    ))
-                }
-            }
+        // Group-wise int8 with groups or K the W8A16 GEMM does not take ([`simple_form`] takes
+        // the others).
+        (None, Some(QuantScheme::Int8Group { group }), Feed::Bf16) => {
+            return Err(unsupported(
+                info,
+                format!(
+                    "`{name}`: group-wise int8 weights with groups of {group} and K = {k}: the GPU GEMM takes groups of a power of two, at least 64, and K a multiple of {}",
+                    crate::codegen::gemm::ws::I8_K_ALIGN
+                ),
+            ))
         }
         // 4-bit codes with group scales, bf16 activations: W4A16 (`moe_gpu_w4`).
         (
+            None,
             Some(QuantScheme::Nvfp4 { .. } | QuantScheme::Mxfp4 | QuantScheme::Int4 { .. }),
             Feed::Bf16,
         ) => {
@@ -354,6 +338,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
             });
         }
         (
+            None,
             Some(
                 QuantScheme::Nvfp4 { .. }
                 | QuantScheme::Mxfp4
@@ -372,7 +357,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
                 ),
             ))
         }
-        (s, f) => {
+        (None, s, f) => {
             return Err(unsupported(
                 info,
                 format!(
@@ -482,7 +467,7 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
 }
 
 /// The GEMM form of the weights that need no more than their stored bytes and one scale per
-/// expert, row or 128x128 block (what [`compact_weights`] builds): bf16 copies fed bf16; FP8 per
+/// expert, row, 128x128 block or group along K (what [`compact_weights`] builds): bf16 copies fed bf16; FP8 per
 /// tensor (the token's scale in the epilogue) or per channel (a scale per weight row, applied with
 /// the token's) fed per token or static; FP8 128x128 blocks fed per 1x128 group; FP8 groups along
 /// K (a power of two, at least 128) fed per token or static; int8 codes with a per-row scale, or
@@ -544,10 +529,9 @@ fn simple_form(
 }
 
 /// The operand of input `name` straight from its stored bytes, where [`crate::dequant::compact`]
-/// finds them in the input's own order (a copy of bf16 weights fed bf16; FP8 per tensor or per
-/// channel fed per token or static, 128x128 blocks fed per 1x128 group; int8 per row fed bf16):
-/// the same operand the read-back builds, without reading every element back (the start-up of a
-/// serving process). `None` for every other form.
+/// finds them in the input's own order and the form is one of [`simple_form`]'s: the same operand
+/// the read-back builds, without reading every element back (the start-up of a serving process).
+/// `None` for every other form.
 fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<GemmWeights>> {
     let info = layer.info;
     let Some(c) = crate::dequant::compact(info, name, layer.params) else {

@@ -874,8 +874,10 @@ fn gpu_operands_equal_the_dequantized_weights() {
             ] {
                 use moeforge::gemm_access::{scales_read, ScaleRead};
                 if let Some(ScaleRead::AsStored { param }) = scales_read(&info, input, paired) {
+                    // (Up rows first where the layer reads the weights in place that way.)
+                    let up_first = g.in_place(true).is_some_and(|l| l.rows.up_first);
                     let vector = if paired {
-                        g.paired_scales(false).unwrap()
+                        g.paired_scales(up_first).unwrap()
                     } else {
                         g.scales.clone()
                     };
@@ -1074,15 +1076,16 @@ fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
         line("w13   input order").contains("a vector made on the host"),
         "{stdout}"
     );
-    // The same K order with w13's rows `[up; gate]` by 8 (the paired order up rows first, which
-    // the register-A GEMM cannot take): re-laid, with the reason; and row-major K: re-laid.
+    // The same K order with w13's rows `[up; gate]` by 8 (the paired order up rows first, a
+    // negative row stride for the register-A GEMM's map): re-laid, with the reason; and row-major
+    // K: re-laid.
     let src = moeforge::kernels::find("int8_kernel_order").unwrap().source;
     for (what, from, to, why) in [
         (
             "up first",
             "interleave(arange(2*I), group = 8)",
             "interleave(swap_halves(2*I), group = 8)",
-            "`w13_weight`",
+            "`w13_weight`: a row stride of -",
         ),
         (
             "row-major K",

@@ -2865,12 +2865,12 @@ fn epilogue_load_count(cfg: &WsConfig) -> u32 {
 
 /// At most this many scale registers are loaded at a tile's start, before its k loop, so that
 /// their latency hides behind the MMAs ([`consumers`]); more are loaded by the epilogue itself.
-/// Loaded after the k loop, a load waits behind the producer's TMA loads of the next tile (our
-/// reading of why the static E4M3 output, whose scale load came after SiLU, made DeepSeek-V3's
-/// w13 GEMM at 8192 tokens 190 us slower in run 91; BENCHMARKS). 20 takes every per-tensor and
+/// Loaded after the k loop, a load can wait behind the producer's TMA loads of the next tile
+/// (read as the static E4M3 output's cost in run 91; run 92 on an H100 measured no speed change
+/// from loading early, so that reading was wrong; BENCHMARKS). 20 takes every per-tensor and
 /// per-token form up to 64 decode tokens (16 + 1 + 1); per channel's prefill row scales (`BN / 4`)
 /// stay in the epilogue.
-const EARLY_LOADS: u32 = 20;
+pub const EARLY_LOADS: u32 = 20;
 
 /// The epilogue's scale loads of the tile `f` of the expert `s.expert`.
 fn epilogue_loads(
