@@ -1055,27 +1055,16 @@ fn int8_codes_stored_in_the_kernels_order_are_read_in_place() {
             .unwrap_or_default()
             .to_string()
     };
-    assert!(
-        line("w13   fused (paired)").contains("`w13_weight` in place"),
-        "{stdout}"
-    );
-    assert!(
-        line("w2    input order").contains("`w2_weight` in place"),
-        "{stdout}"
-    );
-    assert!(
-        line("w13   input order").contains("reads no row modes"),
-        "{stdout}"
-    );
     // (Its scales too: as stored in the paired order, a vector made on the host in the input's.)
-    assert!(
-        line("w13   fused (paired)").contains("`w13_weight_scale` as stored"),
-        "{stdout}"
-    );
-    assert!(
-        line("w13   input order").contains("a vector made on the host"),
-        "{stdout}"
-    );
+    for (gemm, want) in [
+        ("w13   fused (paired)", "`w13_weight` in place"),
+        ("w2    input order", "`w2_weight` in place"),
+        ("w13   input order", "reads no row modes"),
+        ("w13   fused (paired)", "`w13_weight_scale` as stored"),
+        ("w13   input order", "a vector made on the host"),
+    ] {
+        assert!(line(gemm).contains(want), "{gemm}: {want}\n{stdout}");
+    }
     // The same K order with w13's rows `[up; gate]` by 8 (the paired order up rows first, a
     // negative row stride for the register-A GEMM's map): re-laid, with the reason; and row-major
     // K: re-laid.
