@@ -144,9 +144,11 @@ pub fn logical(
 }
 
 /// The params of input `name` where they need no element-wise read-back: the values param stored
-/// compactly in the input's own order (a row-major `[E, M, K]` map, no row gather), a copy, an FP8
-/// quantization with one scale per expert, per row, per 128x128 block or per row and group along K,
-/// or int8 with one scale per row or per row and group; no decode scale or zero points.
+/// compactly (a row-major `[E, M, K]` map, rows in the input's order or gathered from it) and a
+/// copy, or a quantization with one scale per expert (FP8 per tensor), per row (FP8 per channel,
+/// int8 per row), per 128x128 block (FP8, rows not gathered) or per row and group along K (FP8 and
+/// int8 groups, NVFP4's 16, MXFP4's 32, INT4's groups with their zero points), with NVFP4's decode
+/// scale.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Compact<'a> {
     /// The scheme; `None` for a copy.
@@ -155,13 +157,20 @@ pub struct Compact<'a> {
     pub dtype: DType,
     /// The input's shape `(E, M, K)`.
     pub shape: (usize, usize, usize),
-    /// The values param's bytes: element `(e, row, col)` at `((e * M + row) * K + col)` elements.
-    pub values: &'a [u8],
+    /// The values in the input's order: element `(e, row, col)` at `((e * M + row) * K + col)`
+    /// elements (4-bit codes two per byte, the even element in the low nibble). The param's own
+    /// bytes where its rows are in the input's order; a copy with the rows put back where they
+    /// are gathered.
+    pub values: std::borrow::Cow<'a, [u8]>,
     /// The scale bits per expert (FP8 per tensor), per `(expert, row)` (FP8 per channel, int8 per
     /// row), per `(expert, row block, column block)` (128x128 blocks) or per `(expert, row,
-    /// group)` (groups along K), as [`Logical::scales`] holds them for each of their elements;
-    /// empty for a copy.
+    /// group)` (groups along K), rows in the input's order, as [`Logical::scales`] holds them for
+    /// each of their elements; empty for a copy.
     pub scales: Vec<u32>,
+    /// Per `(expert, row, group)` the u4 zero point (asymmetric INT4); empty where there is none.
+    pub zeros: Vec<u32>,
+    /// The decode scale bits, as [`Logical::decode`] holds them; empty where there is none.
+    pub decode: Vec<u32>,
 }
 
 /// Input `name`'s `[E, M, K]` at the binding (`None`: no such input, or another rank).
@@ -178,9 +187,49 @@ fn input_dims(info: &ModuleInfo, name: &str) -> Option<[usize; 3]> {
     dims.try_into().ok()
 }
 
+/// The elements along K that one scale covers, for the schemes with a scale per row and group.
+fn group_len(scheme: QuantScheme) -> Option<usize> {
+    let g = match scheme {
+        QuantScheme::Nvfp4 { .. } => 16,
+        QuantScheme::Mxfp4 => 32,
+        QuantScheme::Fp8 {
+            granularity: Fp8Granularity::Group { group },
+            ..
+        }
+        | QuantScheme::Int8Group { group }
+        | QuantScheme::Int4 { group, .. } => group,
+        _ => return None,
+    };
+    usize::try_from(g).ok().filter(|&g| g > 0)
+}
+
+/// The input row each of the param's `rows` rows holds (the row gather), checked to be a
+/// permutation; the identity without a gather.
+fn gathered_rows(info: &ModuleInfo, rows: Option<&IndexVec>, count: usize) -> Option<Vec<usize>> {
+    let Some(iv) = rows else {
+        return Some((0..count).collect());
+    };
+    let atoms = info.binding()?.atoms().to_vec();
+    let src: Vec<usize> = (0..count)
+        .map(|r| {
+            iv.map(r as i128, &atoms)
+                .and_then(|x| usize::try_from(x).ok())
+                .filter(|&x| x < count)
+        })
+        .collect::<Option<_>>()?;
+    let mut seen = vec![false; count];
+    for &s in &src {
+        if std::mem::replace(&mut seen[s], true) {
+            return None;
+        }
+    }
+    Some(src)
+}
+
 /// [`Compact`] of input `name`, or `None` where its params need [`logical`]'s element-wise read
-/// (another layout, a row gather, another scheme, an empty extent, a param missing or short).
-/// Where it is `Some`, its values and scales are exactly what [`logical`] reads.
+/// (another layout, a row gather that is no permutation or that meets 128x128 blocks, another
+/// scheme, an empty extent, a param missing or short). Where it is `Some`, its values, scales,
+/// zero points and decode scales are exactly what [`logical`] reads.
 pub fn compact<'a>(
     info: &ModuleInfo,
     name: &str,
@@ -192,8 +241,8 @@ pub fn compact<'a>(
         return None;
     }
     let parts = Parts::of(info, name)?;
-    // Per expert, the `(row, column)` of the first element each scale covers: one per expert,
-    // row, 128x128 block or row and group along K.
+    // Per expert, the `(row, column)` of the first element each scale covers (rows the param's):
+    // one per expert, row, 128x128 block or row and group along K.
     let firsts = |rows: usize, cols: usize, (dr, dc): (usize, usize)| -> Vec<(i64, i64)> {
         (0..rows)
             .flat_map(|r| (0..cols).map(move |c| ((r * dr) as i64, (c * dc) as i64)))
@@ -215,55 +264,104 @@ pub fn compact<'a>(
         Some(QuantScheme::Fp8 {
             granularity: Fp8Granularity::Block128,
             ..
-        }) => Some(firsts(mr.div_ceil(128), k.div_ceil(128), (128, 128))),
-        Some(
-            QuantScheme::Fp8 {
-                granularity: Fp8Granularity::Group { group },
-                ..
-            }
-            | QuantScheme::Int8Group { group },
-        ) => {
-            let g = usize::try_from(group).ok().filter(|&g| g > 0)?;
+        }) if parts.rows.is_none() => Some(firsts(mr.div_ceil(128), k.div_ceil(128), (128, 128))),
+        Some(s) => {
+            let g = group_len(s)?;
             Some(firsts(mr, k.div_ceil(g), (1, g)))
         }
-        Some(_) => return None,
     };
-    if parts.rows.is_some() || parts.decode.is_some() || parts.zeros.is_some() {
-        return None;
-    }
+    let src = gathered_rows(info, parts.rows.as_ref(), mr)?;
     let (vname, vmap) = param(info, parts.values)?;
     let vsize = elem_bytes(info, parts.values)?;
-    let values = params.get(&vname)?;
+    let stored = params.get(&vname)?;
     let want = [ne, mr, k].map(|x| x as i64);
+    // Bytes per row (4-bit codes: whole bytes only).
+    let row_bytes = match vsize {
+        0 if k.is_multiple_of(2) => k / 2,
+        0 => return None,
+        s => k.checked_mul(s)?,
+    };
     if !vmap.is_row_major()
         || vmap.shape() != want
-        || values.len() != ne.checked_mul(mr)?.checked_mul(k)?.checked_mul(vsize)?
+        || stored.len() != ne.checked_mul(mr)?.checked_mul(row_bytes)?
     {
         return None;
     }
-    let scales = match per_expert {
-        None if parts.scales.is_none() => Vec::new(),
-        Some(firsts) => {
-            let sm = scale_map(info, name)?;
-            let b = params.get(&sm.param)?;
-            let size = elem_bytes(info, parts.scales?)?;
-            let mut v = Vec::with_capacity(ne * firsts.len());
-            for e in 0..ne as i64 {
-                for &(r, c) in &firsts {
-                    let o = usize::try_from(sm.offset((e, r, c))).ok()?;
-                    v.push(elem_bits(b, o, size)?);
-                }
+    let values = if parts.rows.is_none() {
+        std::borrow::Cow::Borrowed(stored.as_slice())
+    } else {
+        // Param row p of each expert holds input row src[p].
+        let mut v = vec![0u8; stored.len()];
+        for e in 0..ne {
+            for (p, &s) in src.iter().enumerate() {
+                let from = (e * mr + p) * row_bytes;
+                let to = (e * mr + s) * row_bytes;
+                v[to..to + row_bytes].copy_from_slice(&stored[from..from + row_bytes]);
             }
-            v
         }
-        None => return None,
+        std::borrow::Cow::Owned(v)
+    };
+    // The bits at each first element, per expert, in the input's row order: the scales through
+    // `scale_map`, the zero points through their param's map at the same coordinates.
+    let read = |b: &[u8],
+                size: usize,
+                offset: &dyn Fn((i64, i64, i64)) -> i64,
+                firsts: &[(i64, i64)]|
+     -> Option<Vec<u32>> {
+        let mut v = vec![0u32; ne * firsts.len()];
+        // The firsts are row-major over (row, column) slots: with a gather, the row slot of
+        // param row p moves to input row src[p] (per-row and per-group scales only).
+        let per_row = if firsts.len().is_multiple_of(mr) && parts.rows.is_some() {
+            firsts.len() / mr
+        } else {
+            0
+        };
+        for e in 0..ne {
+            for (i, &(r, c)) in firsts.iter().enumerate() {
+                let o = usize::try_from(offset((e as i64, r, c))).ok()?;
+                let slot = match per_row {
+                    0 => i,
+                    w => src[i / w] * w + i % w,
+                };
+                v[e * firsts.len() + slot] = elem_bits(b, o, size)?;
+            }
+        }
+        Some(v)
+    };
+    let scheme = parts.scheme;
+    let (scales, zeros) = match (per_expert, scheme) {
+        (None, _) if parts.scales.is_none() && parts.zeros.is_none() => (Vec::new(), Vec::new()),
+        (Some(firsts), Some(sc)) => {
+            let sm = scale_map(info, name)?;
+            let size = elem_bytes(info, parts.scales?)?;
+            let scales = read(params.get(&sm.param)?, size, &|at| sm.offset(at), &firsts)?;
+            let zeros = match parts.zeros {
+                Some(id) => {
+                    let (zname, zmap) = param(info, id)?;
+                    let at = |x| zmap.offset_of(&scale_coord(sc, x));
+                    read(params.get(&zname)?, elem_bytes(info, id)?, &at, &firsts)?
+                }
+                None => Vec::new(),
+            };
+            (scales, zeros)
+        }
+        _ => return None,
+    };
+    let decode = match parts.decode {
+        Some(id) => f32s(params.get(&param(info, id)?.0)?)
+            .into_iter()
+            .map(f32::to_bits)
+            .collect(),
+        None => Vec::new(),
     };
     Some(Compact {
-        scheme: parts.scheme,
+        scheme,
         dtype: m.tensor(parts.values)?.dtype,
         shape: (ne, mr, k),
         values,
         scales,
+        zeros,
+        decode,
     })
 }
 

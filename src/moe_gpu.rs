@@ -319,23 +319,8 @@ fn weights(layer: &Layer<'_>, name: &str, feed: &Feed, read_back: bool) -> Resul
             Some(QuantScheme::Nvfp4 { .. } | QuantScheme::Mxfp4 | QuantScheme::Int4 { .. }),
             Feed::Bf16,
         ) => {
-            let w4 = crate::moe_gpu_w4::operand(&l)
-                .map_err(|why| unsupported(info, format!("`{name}`: {why}")))?;
-            hopper_binding(info, name)?;
-            let relayout = stored_bytes(info, name, layer.params) != Some(w4.codes.as_slice());
-            return Ok(GemmWeights {
-                operands: w4.operands,
-                scaling: Scaling::PerExpert,
-                slots,
-                n,
-                k,
-                codes: w4.codes,
-                scales: w4.factors,
-                group_scales: w4.group_scales,
-                relayout,
-                access: None,
-                stored: Vec::new(),
-            });
+            let w4 = crate::moe_gpu_w4::operand(&l);
+            return w4_weights(layer, name, l.shape, w4);
         }
         (
             None,
@@ -529,16 +514,24 @@ fn simple_form(
 }
 
 /// The operand of input `name` straight from its stored bytes, where [`crate::dequant::compact`]
-/// finds them in the input's own order and the form is one of [`simple_form`]'s: the same operand
-/// the read-back builds, without reading every element back (the start-up of a serving process).
-/// `None` for every other form.
+/// finds them (row-major, rows in the input's order or gathered from it) and the form is one of
+/// [`simple_form`]'s or 4-bit codes fed bf16 ([`crate::moe_gpu_w4::from_compact`]): the same
+/// operand the read-back builds, without reading every element back (the start-up of a serving
+/// process). `None` for every other form.
 fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<GemmWeights>> {
     let info = layer.info;
     let Some(c) = crate::dequant::compact(info, name, layer.params) else {
         return Ok(None);
     };
     let Some(form) = simple_form(c.scheme, feed, c.dtype, c.shape.2) else {
-        return Ok(None);
+        // 4-bit codes with group scales, bf16 activations: W4A16 (`moe_gpu_w4`).
+        return match (c.scheme, feed) {
+            (
+                Some(QuantScheme::Nvfp4 { .. } | QuantScheme::Mxfp4 | QuantScheme::Int4 { .. }),
+                Feed::Bf16,
+            ) => w4_weights(layer, name, c.shape, crate::moe_gpu_w4::from_compact(&c)).map(Some),
+            _ => Ok(None),
+        };
     };
     hopper_binding(info, name)?;
     let (slots, n, k) = c.shape;
@@ -566,9 +559,9 @@ fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<
     let codes = match form.0 {
         // Int8 codes in the W8A16 kernel's order (rows padded to 64 bytes), as the read-back's.
         Operands::I8Bf16 => {
-            crate::codegen::gemm::reference::i8_kernel_order(c.values, slots * n, k)
+            crate::codegen::gemm::reference::i8_kernel_order(&c.values, slots * n, k)
         }
-        _ => c.values.to_vec(),
+        _ => c.values.into_owned(),
     };
     Ok(Some(with_access(
         layer,
@@ -579,6 +572,33 @@ fn compact_weights(layer: &Layer<'_>, name: &str, feed: &Feed) -> Result<Option<
         scales,
         group_scales,
     )))
+}
+
+/// The W4A16 operand of input `name` (`[slots, N, K]`) as [`crate::moe_gpu_w4`] built it (or why
+/// the GEMM cannot take those weights), after the check that a Hopper binding reads its params.
+fn w4_weights(
+    layer: &Layer<'_>,
+    name: &str,
+    (slots, n, k): (usize, usize, usize),
+    w4: std::result::Result<crate::moe_gpu_w4::W4Operand, String>,
+) -> Result<GemmWeights> {
+    let info = layer.info;
+    let w4 = w4.map_err(|why| unsupported(info, format!("`{name}`: {why}")))?;
+    hopper_binding(info, name)?;
+    let relayout = stored_bytes(info, name, layer.params) != Some(w4.codes.as_slice());
+    Ok(GemmWeights {
+        operands: w4.operands,
+        scaling: Scaling::PerExpert,
+        slots,
+        n,
+        k,
+        codes: w4.codes,
+        scales: w4.factors,
+        group_scales: w4.group_scales,
+        relayout,
+        access: None,
+        stored: Vec::new(),
+    })
 }
 
 /// A weight operand from its codes and scales: whether they are the stored bytes, and how the

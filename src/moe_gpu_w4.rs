@@ -85,21 +85,44 @@ fn int4_scale_bf16(dtype: DType, bits: u32) -> Option<u16> {
     (crate::codegen::gemm::reference::bf16_to_f32(b).to_bits() == v.to_bits()).then_some(b)
 }
 
-/// The operand of the weights `l` (`[slots, N, K]` in the input's coordinates). Errors name what
-/// the GEMM cannot take: a scheme without a 4-bit form, a group whose elements do not share one
-/// scale, an INT4 scale that bf16 does not hold, an MXFP4 expert whose scales span more than the
-/// kernel's exponent range.
-pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
-    let scheme = l.scheme.ok_or("the weights are not quantized")?;
+/// A 4-bit operand's parts in the input's coordinates, one scale per group: what both
+/// [`operand`] (from the element-wise read-back) and [`from_compact`] (from the stored bytes)
+/// build the kernel's operand from.
+struct Groups<'a> {
+    scheme: QuantScheme,
+    /// `(slots, N, K)`.
+    shape: (usize, usize, usize),
+    /// `[slots, N, K]` codes, two per byte, the even element in the low nibble.
+    codes: &'a [u8],
+    /// Per `(slot, row, group)`: the scale's bits.
+    scales: &'a [u32],
+    /// Per `(slot, row, group)`: the u4 zero point (asymmetric INT4); empty otherwise.
+    zeros: &'a [u32],
+    /// Per slot (or one for all): the decode scale's bits (NVFP4).
+    decode: &'a [u32],
+}
+
+/// The GEMM's format of `scheme` at `(slots, N, K)`, where its kernels take that shape.
+fn fitting(scheme: QuantScheme, (slots, n, k): (usize, usize, usize)) -> Result<W4, String> {
     let w = format(scheme)?;
-    let (slots, n, k) = l.shape;
-    let g = w.group as usize;
     if !w.fits(n as u64, k as u64) {
         return Err(format!(
             "[{slots}, {n}, {k}] 4-bit weights: the GEMM needs K a multiple of 64 and N of {}",
             16 / w.scale.bytes()
         ));
     }
+    Ok(w)
+}
+
+/// The operand of the weights `l` (`[slots, N, K]` in the input's coordinates). Errors name what
+/// the GEMM cannot take: a scheme without a 4-bit form, a group whose elements do not share one
+/// scale (or zero point), an INT4 scale that bf16 does not hold, an MXFP4 expert whose scales
+/// span more than the kernel's exponent range.
+pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
+    let scheme = l.scheme.ok_or("the weights are not quantized")?;
+    let w = fitting(scheme, l.shape)?;
+    let (slots, n, k) = l.shape;
+    let g = w.group as usize;
     let groups = k.div_ceil(g);
     let elems = slots * n * k;
     if l.codes.len() != elems || l.scales.len() != elems {
@@ -109,35 +132,117 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
             l.scales.len()
         ));
     }
-    let mut row_major = vec![0u8; elems / 2];
+    let mut codes = vec![0u8; elems / 2];
     for (i, &c) in l.codes.iter().enumerate() {
-        row_major[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
+        codes[i / 2] |= ((c & 0xF) as u8) << (4 * (i % 2));
     }
-    let codes = crate::codegen::gemm::reference::w4_kernel_order(w.codes, &row_major, slots * n, k);
-    let sb = w.scale.bytes() as usize;
-    let mut group_scales = vec![0u8; w.group_scale_bytes(slots, n, k)];
-    let mut factors = vec![1f32; slots];
-    for (e, factor) in factors.iter_mut().enumerate() {
-        // The scale bits of each (row, group), checked shared by the group's elements.
-        let mut bits = vec![0u32; n * groups];
+    // Each (slot, row, group)'s scale (and zero point), checked shared by the group's elements.
+    let zero_points = w.scale == GroupScale::Bf16Zero;
+    let mut scales = vec![0u32; slots * n * groups];
+    let mut zeros = vec![0u32; if zero_points { scales.len() } else { 0 }];
+    for e in 0..slots {
         for j in 0..n {
             for q in 0..groups {
                 let at = (e * n + j) * k + q * g;
-                let all = &l.scales[at..at + g.min(k - q * g)];
+                let len = g.min(k - q * g);
+                let all = &l.scales[at..at + len];
                 if all.iter().any(|&b| b != all[0]) {
                     return Err(format!(
                         "slot {e}, row {j}: the elements of scale group {q} do not share one scale"
                     ));
                 }
-                bits[j * groups + q] = all[0];
+                let i = (e * n + j) * groups + q;
+                scales[i] = all[0];
+                if zero_points {
+                    let zs = l.zeros.get(at..at + len).ok_or_else(|| {
+                        format!("slot {e}, row {j}: no zero points for scale group {q}")
+                    })?;
+                    if zs.iter().any(|&z| z != zs[0]) {
+                        return Err(format!(
+                            "slot {e}, row {j}: the elements of scale group {q} do not share one u4 zero point"
+                        ));
+                    }
+                    zeros[i] = zs[0];
+                }
             }
         }
+    }
+    build(
+        w,
+        &Groups {
+            scheme,
+            shape: l.shape,
+            codes: &codes,
+            scales: &scales,
+            zeros: &zeros,
+            decode: &l.decode,
+        },
+    )
+}
+
+/// The operand straight from the stored bytes ([`crate::dequant::compact`]): the same operand
+/// [`operand`] builds from the read-back of those params, with the same errors.
+pub(crate) fn from_compact(c: &crate::dequant::Compact<'_>) -> Result<W4Operand, String> {
+    let scheme = c.scheme.ok_or("the weights are not quantized")?;
+    let w = fitting(scheme, c.shape)?;
+    let (slots, n, k) = c.shape;
+    let per_group = slots * n * k.div_ceil(w.group as usize);
+    if c.scales.len() != per_group || c.values.len() != slots * n * k / 2 {
+        return Err(format!(
+            "[{slots}, {n}, {k}] weights stored as {} code bytes and {} scales",
+            c.values.len(),
+            c.scales.len()
+        ));
+    }
+    if w.scale == GroupScale::Bf16Zero && c.zeros.len() != per_group {
+        return Err(format!(
+            "[{slots}, {n}, {k}] weights stored with {} zero points for {per_group} scale groups",
+            c.zeros.len()
+        ));
+    }
+    build(
+        w,
+        &Groups {
+            scheme,
+            shape: c.shape,
+            codes: &c.values,
+            scales: &c.scales,
+            zeros: &c.zeros,
+            decode: &c.decode,
+        },
+    )
+}
+
+/// The kernel's operand of format `w` from one scale (and zero point) per group.
+fn build(w: W4, p: &Groups<'_>) -> Result<W4Operand, String> {
+    let (slots, n, k) = p.shape;
+    let g = w.group as usize;
+    let groups = k.div_ceil(g);
+    let codes = crate::codegen::gemm::reference::w4_kernel_order(w.codes, p.codes, slots * n, k);
+    let sb = w.scale.bytes() as usize;
+    let mut group_scales = vec![0u8; w.group_scale_bytes(slots, n, k)];
+    let mut factors = vec![1f32; slots];
+    // Whether group q of row j of slot e holds a code other than +-0.
+    let nonzero = |e: usize, j: usize, q: usize| {
+        let at = (e * n + j) * k + q * g;
+        (at..at + g.min(k - q * g)).any(|i| {
+            p.codes
+                .get(i / 2)
+                .is_some_and(|b| (b >> (4 * (i % 2))) & 7 != 0)
+        })
+    };
+    for (e, factor) in factors.iter_mut().enumerate() {
+        let mut bits = p
+            .scales
+            .get(e * n * groups..(e + 1) * n * groups)
+            .ok_or_else(|| format!("slot {e}: no scales"))?
+            .to_vec();
         match w.scale {
             GroupScale::E4m3 => {
                 let dec = f32::from_bits(
-                    *l.decode
+                    *p.decode
                         .get(e)
-                        .or(l.decode.first())
+                        .or(p.decode.first())
                         .ok_or("no decode scale")?,
                 );
                 *factor = dec * 256.0;
@@ -150,21 +255,15 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
             GroupScale::E8m0 => {
                 // Lower every byte of the expert by c (its largest past 128) and fold 2^c into the
                 // factor; a group with a nonzero code must stay at a byte >= 0.
-                let nonzero = |j: usize, q: usize| {
-                    let at = (e * n + j) * k + q * g;
-                    l.codes[at..at + g.min(k - q * g)]
-                        .iter()
-                        .any(|&c| c & 7 != 0)
-                };
                 let top = (0..n * groups)
-                    .filter(|&i| nonzero(i / groups, i % groups))
+                    .filter(|&i| nonzero(e, i / groups, i % groups))
                     .map(|i| bits[i])
                     .max()
                     .unwrap_or(0);
                 let c = top.saturating_sub(128);
                 for (i, b) in bits.iter_mut().enumerate() {
                     if *b < c {
-                        if nonzero(i / groups, i % groups) {
+                        if nonzero(e, i / groups, i % groups) {
                             return Err(format!(
                                 "slot {e}: its E8M0 scales span 2^{} to 2^{}, more than the GEMM's 2^128 within one expert",
                                 i64::from(*b) - 127,
@@ -180,7 +279,7 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
                 *factor = 2f32.powi(c as i32);
             }
             GroupScale::Bf16 | GroupScale::Bf16Zero => {
-                let QuantScheme::Int4 { scale, .. } = scheme else {
+                let QuantScheme::Int4 { scale, .. } = p.scheme else {
                     return Err("bf16 group scales come from INT4 only".into());
                 };
                 for (i, b) in bits.iter_mut().enumerate() {
@@ -190,24 +289,16 @@ pub(crate) fn operand(l: &Logical) -> Result<W4Operand, String> {
                         )
                     })?);
                     if w.scale == GroupScale::Bf16Zero {
-                        // The group's zero point (shared by its elements, as its scale is).
                         let (j, q) = (i / groups, i % groups);
-                        let at = (e * n + j) * k + q * g;
-                        let zs = l.zeros.get(at..at + g.min(k - q * g)).ok_or_else(|| {
+                        let z = *p.zeros.get(e * n * groups + i).ok_or_else(|| {
                             format!("slot {e}, row {j}: no zero points for scale group {q}")
                         })?;
-                        if zs.iter().any(|&z| z != zs[0]) {
+                        if z > 15 {
                             return Err(format!(
-                                "slot {e}, row {j}: the elements of scale group {q} do not share one u4 zero point"
+                                "slot {e}, row {j}: zero point {z} of scale group {q} is not a u4"
                             ));
                         }
-                        if zs[0] > 15 {
-                            return Err(format!(
-                                "slot {e}, row {j}: zero point {} of scale group {q} is not a u4",
-                                zs[0]
-                            ));
-                        }
-                        *b |= u32::from(GroupScale::zero_point_bits(zs[0] as u8)) << 16;
+                        *b |= u32::from(GroupScale::zero_point_bits(z as u8)) << 16;
                     }
                 }
             }

@@ -350,6 +350,8 @@ pub fn i8_kernel_code(buf: &[u8], r: usize, x: usize, k: usize) -> u8 {
 
 /// `rows` rows of `k` 4-bit codes stored row-major (element `2j` in the low nibble of byte `j`)
 /// rewritten in the kernel's order for `codes` ([`w4_kernel_bits`]); `k` a multiple of 64.
+/// Whole 64-deep k-tiles go through [`w4_tile_table`] (a byte's two codes at once); the rest, and
+/// rows `row_major` holds only part of, element by element (bytes it lacks are zero codes).
 pub fn w4_kernel_order(
     codes: super::ws::W4Codes,
     row_major: &[u8],
@@ -358,21 +360,65 @@ pub fn w4_kernel_order(
 ) -> Vec<u8> {
     let rb = k / 2;
     let places: Vec<[(usize, u32); 4]> = (0..k).map(|x| w4_kernel_bits(codes, x)).collect();
+    let table = w4_tile_table(codes);
     let mut out = vec![0u8; rows * rb];
-    for r in 0..rows {
-        for (x, bits) in places.iter().enumerate() {
+    for (r, row) in out.chunks_exact_mut(rb.max(1)).enumerate().take(rows) {
+        let src = row_major.get(r * rb..(r + 1) * rb);
+        let start = match (src, &table) {
+            (Some(src), Some(t)) => {
+                for (o, s) in row.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
+                    let mut acc = [0u64; 4];
+                    for (i, &v) in s.iter().enumerate() {
+                        let c = &t[i * 256 + v as usize];
+                        for (a, b) in acc.iter_mut().zip(c) {
+                            *a |= b;
+                        }
+                    }
+                    for (d, a) in o.chunks_exact_mut(8).zip(acc) {
+                        d.copy_from_slice(&a.to_le_bytes());
+                    }
+                }
+                64 * (k / 64)
+            }
+            _ => 0,
+        };
+        for (x, bits) in places.iter().enumerate().skip(start) {
             let Some(&b) = row_major.get(r * rb + x / 2) else {
                 continue;
             };
             let code = (b >> (4 * (x % 2))) & 0xF;
             for (j, &(at, bit)) in bits.iter().enumerate() {
-                if let Some(o) = out.get_mut(r * rb + at) {
+                if let Some(o) = row.get_mut(at) {
                     *o |= ((code >> j) & 1) << bit;
                 }
             }
         }
     }
     out
+}
+
+/// For each of the 32 bytes of a 64-deep k-tile of row-major codes (two codes each) and each of
+/// its 256 values, that byte's bits placed as [`w4_kernel_bits`] places them in the tile's 32
+/// kernel-order bytes, as four little-endian words (index `byte * 256 + value`). `None` if a
+/// tile's bits left its 32 bytes (they do not: the kernel's order permutes within a k-tile).
+pub fn w4_tile_table(codes: super::ws::W4Codes) -> Option<Vec<[u64; 4]>> {
+    let mut t = vec![[0u64; 4]; 32 * 256];
+    for i in 0..32 {
+        for v in 0..256usize {
+            let w = &mut t[i * 256 + v];
+            for half in 0..2 {
+                let code = (v >> (4 * half)) & 0xF;
+                for (j, &(at, bit)) in w4_kernel_bits(codes, 2 * i + half).iter().enumerate() {
+                    if at >= 32 {
+                        return None;
+                    }
+                    let b = (((code >> j) & 1) as u64) << (8 * (at % 8) + bit as usize);
+                    w[at / 8] |= b;
+                }
+            }
+        }
+    }
+    Some(t)
 }
 
 /// The code of element `x` of row `r` of a kernel-order operand of rows of `k` codes of kind
@@ -612,6 +658,20 @@ mod tests {
                     let want = (codes[r * k / 2 + x / 2] >> (4 * (x % 2))) & 0xF;
                     assert_eq!(w4_kernel_code(kind, &ko, r, x, k), want, "{kind:?} {r} {x}");
                 }
+            }
+            // A last row held only in part goes element by element: its missing codes are zero.
+            let short = &codes[..rows * k / 2 - 5];
+            let ks = w4_kernel_order(kind, short, rows, k);
+            for x in 0..k {
+                let r = rows - 1;
+                let want = short
+                    .get(r * k / 2 + x / 2)
+                    .map_or(0, |b| (b >> (4 * (x % 2))) & 0xF);
+                assert_eq!(
+                    w4_kernel_code(kind, &ks, r, x, k),
+                    want,
+                    "{kind:?} short {x}"
+                );
             }
             // Thread c's bytes 8c..8c+8 of a tile: K = 16s + 8h + 2c (+1) for every s, h.
             for x in 0..64 {
