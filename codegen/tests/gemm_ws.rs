@@ -2286,3 +2286,99 @@ fn the_epilogue_scales_are_loaded_before_the_k_loop_where_they_are_few() {
         assembles_clean(&text, &c.tag());
     }
 }
+
+/// A consumer whose token rows all lie past its expert's end skips its MMAs and its epilogue
+/// (`ws::skips_idle_rows`): in the prefill forms with two consumers and one accumulator the tile
+/// starts with a branch on `tok0 + 64 c >= hi` to a loop that waits for each stage and frees it
+/// (one `mbarrier` wait and one arrival a k-tile, no MMA, no store), then jumps past the epilogue
+/// to the tile's end (a counted E4M3 output's arrival still follows); every other form has none.
+#[test]
+fn a_consumer_past_its_experts_end_frees_the_stages_without_mmas() {
+    use ws::AQuant;
+    let e4m3 = |scaling: Scaling, c: WsConfig| WsConfig {
+        operands: Operands::E4m3,
+        scaling,
+        out: OutTy::F32,
+        ..c
+    };
+    let token = Scaling::Tensorwise { per_token: true };
+    let channel = Scaling::Channelwise { per_token: true };
+    let skipping = [
+        ("bf16", base()),
+        ("bf16 256", WsConfig { bn: 256, ..base() }),
+        ("per token", e4m3(token, base())),
+        ("per channel", e4m3(channel, base())),
+        (
+            "static E4M3 output",
+            WsConfig {
+                epilogue: Epilogue::SiluMulE4m3(AQuant::Static),
+                bn: 256,
+                ..e4m3(token, base())
+            },
+        ),
+        (
+            "counted E4M3 output",
+            WsConfig {
+                epilogue: Epilogue::SiluMulE4m3(AQuant::PerToken),
+                ..e4m3(token, base())
+            },
+        ),
+    ];
+    for (what, c) in skipping {
+        assert!(ws::skips_idle_rows(&c), "{what}");
+        let text = grouped_ws_module("k", &c).unwrap();
+        let at = |label: &str| {
+            text.find(&format!("\n{label}"))
+                .unwrap_or_else(|| panic!("{what}: no {label}"))
+        };
+        let (tile, idle, busy, kloop, past) = (
+            at("$L_c_tile"),
+            at("$L_c_idle"),
+            at("$L_c_busy"),
+            at("$L_c_k"),
+            at("$L_c_past_epilogue"),
+        );
+        assert!(
+            tile < idle && idle < busy && busy < kloop && kloop < past,
+            "{what}"
+        );
+        let body = &text[idle..busy];
+        assert_eq!(count(body, "wgmma"), 0, "{what}");
+        assert_eq!(count(body, "st.global"), 0, "{what}");
+        assert_eq!(count(body, "mbarrier.try_wait"), 1, "{what}");
+        assert_eq!(count(body, "mbarrier.arrive"), 1, "{what}");
+        assert!(body.contains("bra.uni \t$L_c_past_epilogue"), "{what}");
+        // The epilogue's stores lie between the k loop and the label the idle loop jumps to.
+        assert!(count(&text[kloop..past], "st.global") > 0, "{what}");
+        // A counted output's arrival (its fence) comes after the label, on both paths.
+        if c.epilogue.quant().is_some_and(AQuant::counted) {
+            assert!(count(&text[past..], "fence.acq_rel.gpu") > 0, "{what}");
+        }
+        assembles_clean(&text, &format!("idle_{}", c.tag()));
+    }
+    let not = [
+        ("decode", decode()),
+        (
+            "one consumer",
+            WsConfig {
+                consumers: 1,
+                ..base()
+            },
+        ),
+        ("block-scaled", e4m3(Scaling::Block128, base())),
+        (
+            "split-K",
+            WsConfig {
+                split_k: 2,
+                ..base()
+            },
+        ),
+    ];
+    for (what, c) in not {
+        assert!(!ws::skips_idle_rows(&c), "{what}");
+        if c.supported().is_ok() {
+            let text = grouped_ws_module("k", &c).unwrap();
+            assert!(!text.contains("$L_c_idle"), "{what}");
+        }
+    }
+}

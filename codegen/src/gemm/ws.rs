@@ -2151,12 +2151,6 @@ fn consumers(
     let tile_loop = k.b.label("c_tile");
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
-    if block || row_group.is_some() {
-        zero_total(k, &acc);
-    }
-    // The epilogue's scales, loaded before the k loop where they are few (`EARLY_LOADS`).
-    let early = (epilogue_load_count(cfg) <= EARLY_LOADS)
-        .then(|| epilogue_loads(k, cfg, &frag, &f, &s, x_scale, w_scale));
     let kt = k.reg32();
     k.mov(kt, Operand::Reg(f.ks));
     let ring = Ring {
@@ -2172,9 +2166,37 @@ fn consumers(
         lane0,
         rega,
     };
+    let k_end = Operand::Reg(f.ke);
+    let past_epilogue = k.b.label("c_past_epilogue");
+    if skips_idle_rows(cfg) {
+        // A consumer whose 64 token rows all lie past the expert's end (the last token tile of an
+        // expert that fills at most its first half) issues no MMAs and stores nothing: it waits
+        // for each stage and frees it at once (so the ring's counts stay as they are), then
+        // skips the epilogue (every row is past the end; a counted E4M3 output's arrival still
+        // takes both consumers). The other consumer's MMAs have the tensor cores alone.
+        let first = k.bin(BinOpcode::Add, PtxTy::U32, f.tok0, Operand::Reg(c64));
+        let idle = k.setp(CmpOp::Ge, first, Operand::Reg(s.hi));
+        let busy = k.b.label("c_busy");
+        k.bra(&busy, Some((idle, true)));
+        let idle_loop = k.b.label("c_idle");
+        k.b.push(Inst::Label(idle_loop.clone()));
+        let (_, fbar) = k.stage_addrs(stage, cfg.stage_bytes(), base, full);
+        k.b.mbarrier_wait(fbar, Operand::Reg(phase))?;
+        k.mov(prev, Operand::Reg(stage));
+        release(k, &ring, None)?;
+        let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end.clone());
+        k.bra(&idle_loop, Some((more, false)));
+        k.bra(&past_epilogue, None);
+        k.b.push(Inst::Label(busy));
+    }
+    if block || row_group.is_some() {
+        zero_total(k, &acc);
+    }
+    // The epilogue's scales, loaded before the k loop where they are few (`EARLY_LOADS`).
+    let early = (epilogue_load_count(cfg) <= EARLY_LOADS)
+        .then(|| epilogue_loads(k, cfg, &frag, &f, &s, x_scale, w_scale));
     let kloop = k.b.label("c_k");
     k.b.push(Inst::Label(kloop.clone()));
-    let k_end = Operand::Reg(f.ke);
     match (x_scale, w_scale) {
         (Some(_), Some(_)) if block && cfg.consumers >= 2 && !cfg.two_slices => {
             // Two consumers: one slice accumulator (the total and the slice stay within the 168
@@ -2281,6 +2303,7 @@ fn consumers(
         None => epilogue_loads(k, cfg, &frag, &f, &s, x_scale, w_scale),
     };
     epilogue(k, cfg, (&frag, &f, &s), y, loads, &acc)?;
+    k.b.push(Inst::Label(past_epilogue));
     if let (Some(q), Some(key)) = (cfg.epilogue.quant(), f.token_key) {
         let ctid = k.consumer_tid(cfg.producer_warp(), tid);
         let tile = super::finish::Tile {
@@ -2814,6 +2837,15 @@ fn accumulate_scaled(
 
 /// `acc = +0` at a tile's start, before the promoted families' k loop (block-scaled and
 /// group-wise): their promotions then add to the total without a select on the first slice.
+/// Whether a consumer whose token rows all lie past its expert's end skips its MMAs
+/// ([`consumers`]): prefill tiles (tokens on the M side) shared by two or more consumers, with
+/// shared-memory operands, one k split, and the plain k loop (one accumulator: no 128-deep slices
+/// or groups promoted along K).
+pub fn skips_idle_rows(cfg: &WsConfig) -> bool {
+    let plain = cfg.scaling != Scaling::Block128 && cfg.scaling.row_group().is_none();
+    plain && cfg.consumers >= 2 && !cfg.swap_ab && cfg.split_k == 1 && !cfg.operands.register_a()
+}
+
 fn zero_total(k: &mut K, acc: &[Reg]) {
     for &a in acc {
         k.b.push(Inst::Un {
