@@ -2323,6 +2323,22 @@ fn a_consumer_past_its_experts_end_frees_the_stages_without_mmas() {
                 ..e4m3(token, base())
             },
         ),
+        ("block-scaled", e4m3(Scaling::Block128, base())),
+        (
+            "block-scaled, 192 rows",
+            WsConfig {
+                bn: 192,
+                stages: 5,
+                ..e4m3(Scaling::Block128, base())
+            },
+        ),
+        (
+            "block-scaled, two slices",
+            WsConfig {
+                two_slices: true,
+                ..e4m3(Scaling::Block128, base())
+            },
+        ),
     ];
     for (what, c) in skipping {
         assert!(ws::skips_idle_rows(&c), "{what}");
@@ -2365,7 +2381,6 @@ fn a_consumer_past_its_experts_end_frees_the_stages_without_mmas() {
                 ..base()
             },
         ),
-        ("block-scaled", e4m3(Scaling::Block128, base())),
         (
             "split-K",
             WsConfig {

@@ -2835,17 +2835,20 @@ fn accumulate_scaled(
     }
 }
 
-/// `acc = +0` at a tile's start, before the promoted families' k loop (block-scaled and
-/// group-wise): their promotions then add to the total without a select on the first slice.
 /// Whether a consumer whose token rows all lie past its expert's end skips its MMAs
 /// ([`consumers`]): prefill tiles (tokens on the M side) shared by two or more consumers, with
-/// shared-memory operands, one k split, and the plain k loop (one accumulator: no 128-deep slices
-/// or groups promoted along K).
+/// shared-memory operands and one k split (the plain k loop and the 128x128 block-scaled ones;
+/// group-wise scales have the weights on A).
 pub fn skips_idle_rows(cfg: &WsConfig) -> bool {
-    let plain = cfg.scaling != Scaling::Block128 && cfg.scaling.row_group().is_none();
-    plain && cfg.consumers >= 2 && !cfg.swap_ab && cfg.split_k == 1 && !cfg.operands.register_a()
+    cfg.scaling.row_group().is_none()
+        && cfg.consumers >= 2
+        && !cfg.swap_ab
+        && cfg.split_k == 1
+        && !cfg.operands.register_a()
 }
 
+/// `acc = +0` at a tile's start, before the promoted families' k loop (block-scaled and
+/// group-wise): their promotions then add to the total without a select on the first slice.
 fn zero_total(k: &mut K, acc: &[Reg]) {
     for &a in acc {
         k.b.push(Inst::Un {
