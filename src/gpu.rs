@@ -295,8 +295,8 @@ fn tma_check(dev: &Device, out: &mut String) -> Result<bool> {
 /// Rearranging experts in place on the device equals packing the checkpoint placed as the new
 /// placement: `e - 1` logical experts on `e` slots (one replica), from a seeded random placement to
 /// another, every param of the move set; views still alias the same storage. `other_order`: the
-/// copy kernel's launches all on the main stream, the large params queued first
-/// (`DeviceStorage::with_side_stream(false)`, `ParamStore::with_large_first`).
+/// copy kernel's launches all on the main stream, the small params queued first
+/// (`DeviceStorage::with_side_stream(false)`, `ParamStore::with_large_first(false)`).
 #[allow(clippy::too_many_arguments)]
 fn rearrange_check(
     dev: &Device,
@@ -345,7 +345,7 @@ fn rearrange_check(
     let old_map = SlotMap::new(old.clone(), logical).map_err(Error::from)?;
     let mut store = crate::runtime::store::ParamStore::placed(info, params, old_map.clone(), 0, 1)
         .map_err(Error::from)?
-        .with_large_first(other_order);
+        .with_large_first(!other_order);
     let views: Vec<String> = info
         .views
         .iter()
@@ -410,7 +410,7 @@ fn rearrange_check(
     let perm = format!(
         "{old:?}->{new:?}->{third:?}->{fourth:?} ({}, then async twice)",
         if kernel.is_some() && other_order {
-            "copy kernel on the main stream, large params first"
+            "copy kernel on the main stream, small params first"
         } else if kernel.is_some() {
             "copy kernel"
         } else {

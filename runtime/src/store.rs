@@ -248,9 +248,10 @@ pub struct ParamStore<S: ExpertStorage> {
     ranks: usize,
     usable: bool,
     fault_after: Option<usize>,
-    /// The order the params' local copies are queued in: smallest first (the default, so that a
-    /// storage running small params on side streams overlaps them with the large ones) or largest
-    /// first ([`ParamStore::with_large_first`]).
+    /// The order the params' local copies are queued in: largest first (the default: the large
+    /// params' launches start before the host queues the small ones; run 96 on an H100, the
+    /// in-place rearrangement of a DeepSeek-V3 layer 0-4 points of the copy ceiling faster, most for
+    /// the recipes with the most small params) or smallest first ([`ParamStore::with_large_first`]).
     large_first: bool,
     /// Staging kept between rearrangements, per param: `(experts it holds, buffer)`; it grows to
     /// the largest move seen and is reused, so the steady state allocates nothing.
@@ -372,14 +373,14 @@ impl<S: ExpertStorage> ParamStore<S> {
             ranks,
             usable: true,
             fault_after: None,
-            large_first: false,
+            large_first: true,
             staging: Vec::new(),
         })
     }
 
-    /// Queue the params' local copies largest first (`true`) instead of smallest first: the large
-    /// params' launches then start before the host has queued the small ones (the benchmark's
-    /// comparison of the two orders).
+    /// Queue the params' local copies largest first (`true`, the default: the large params'
+    /// launches then start before the host has queued the small ones) or smallest first (`false`,
+    /// the benchmark's comparison of the two orders).
     pub fn with_large_first(mut self, large_first: bool) -> Self {
         self.large_first = large_first;
         self
@@ -553,8 +554,8 @@ impl<S: ExpertStorage> ParamStore<S> {
                 tick()?;
                 e.storage.exchange(st, transport, &sends, &recvs, b)?;
             }
-            // Small params first (unless `large_first`), so that a storage that runs them aside
-            // overlaps them with the large ones.
+            // Large params first (unless `large_first` is off): their launches go out before the
+            // host queues the small ones (which a storage may run aside).
             let mut order: Vec<usize> = (0..self.entries.len()).collect();
             order.sort_by_key(|&k| self.entries[k].bytes_per_expert);
             if self.large_first {

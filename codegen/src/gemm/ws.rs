@@ -2175,7 +2175,13 @@ fn consumers(
         // skips the epilogue (every row is past the end; a counted E4M3 output's arrival still
         // takes both consumers). The other consumer's MMAs have the tensor cores alone.
         let first = k.bin(BinOpcode::Add, PtxTy::U32, f.tok0, Operand::Reg(c64));
-        let idle = k.setp(CmpOp::Ge, first, Operand::Reg(s.hi));
+        let past = k.setp(CmpOp::Ge, first, Operand::Reg(s.hi));
+        // (The same for the whole warpgroup; through a vote, so that ptxas sees it warp-uniform
+        // and keeps the k loop's stage, phase and descriptors on the uniform datapath: a plain
+        // branch on it moved them to vector registers, and the GEMM was 17-40% slower on the
+        // H100, run 95.)
+        let idle = k.b.reg(RegClass::Pred);
+        k.b.push(Inst::VoteAny { d: idle, p: past });
         let busy = k.b.label("c_busy");
         k.bra(&busy, Some((idle, true)));
         let idle_loop = k.b.label("c_idle");

@@ -759,6 +759,15 @@ pub enum Inst {
         /// The predicate.
         p: Reg,
     },
+    /// `vote.sync.any.pred d, p, -1`: whether any lane's predicate is set (the whole warp,
+    /// converged). The result is warp-uniform by construction, which ptxas sees (a branch on it
+    /// keeps the code after it on the uniform datapath).
+    VoteAny {
+        /// Destination predicate.
+        d: Reg,
+        /// The predicate.
+        p: Reg,
+    },
     /// `st.shared.u32 [addr+off], v`.
     StSharedU32 {
         /// Shared-memory address (32-bit).
@@ -914,6 +923,7 @@ impl fmt::Display for Inst {
             }
             Inst::GridDepWait => f.write_str("\tgriddepcontrol.wait;"),
             Inst::Ballot { d, p } => write!(f, "\tvote.sync.ballot.b32 \t{d}, {p}, -1;"),
+            Inst::VoteAny { d, p } => write!(f, "\tvote.sync.any.pred \t{d}, {p}, -1;"),
             Inst::StSharedU32 { addr, off, v } => {
                 write!(f, "\tst.shared.u32 \t[{addr}+{off}], {v};")
             }
@@ -1244,6 +1254,10 @@ mod tests {
             (
                 Inst::Ballot { d: r, p },
                 "\tvote.sync.ballot.b32 \t%r1, %p1, -1;",
+            ),
+            (
+                Inst::VoteAny { d: p, p },
+                "\tvote.sync.any.pred \t%p1, %p1, -1;",
             ),
             (
                 Inst::Un {
