@@ -2196,7 +2196,7 @@ fn consumers(
         k.b.mbarrier_wait(fbar, Operand::Reg(phase))?;
         k.mov(prev, Operand::Reg(stage));
         release(k, &ring, None)?;
-        let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end.clone());
+        let more = k.next_ktile(stage, phase, cfg.stages, kt, k_end);
         k.bra(&idle_loop, Some((more, false)));
         k.bra(&past_epilogue, None);
         k.b.push(Inst::Label(busy));
