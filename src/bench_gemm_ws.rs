@@ -14,7 +14,6 @@ use cudarc::driver::CudaSlice;
 use crate::bench_gemm::{
     fill_device, random_bf16, random_e4m3, GemmCase, GemmRunner, Prepared, Recipe,
 };
-use crate::codegen::gemm::tune;
 use crate::codegen::gemm::ws::{Epilogue, Operands, OutTy, Scaling, WsConfig};
 use crate::runtime::cache::{Cache, Hit};
 use crate::runtime::gemm_tune::{self, TuneCache, TuneKey, TuneSource};
@@ -269,7 +268,7 @@ impl WsRunner {
             }
         };
         let (operands, scaling) = case.recipe.family();
-        let all = tune::candidates(operands, scaling, n, k);
+        let all = crate::moe_gpu_layer::tune_candidates(operands, scaling, n, k);
         let out = all.first().map_or(OutTy::Bf16, |c| c.out);
         let key = TuneKey::for_device(
             dev,
@@ -335,7 +334,7 @@ impl GemmRunner for WsRunner {
             TuneSource::Cached => "cached tuning".to_string(),
             TuneSource::Tuned => format!(
                 "tuned now over {}",
-                tune::candidates(operands, scaling, n, k).len()
+                crate::moe_gpu_layer::tune_candidates(operands, scaling, n, k).len()
             ),
         };
         Ok(Prepared::Ready(format!("ws {} ({how})", cfg.tag())))

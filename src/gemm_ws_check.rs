@@ -158,6 +158,7 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         k,
         w_rows: WRows::PLAIN,
         two_slices: false,
+        skip_idle: false,
     };
     let tok = Scaling::Tensorwise { per_token: true };
     let ten = Scaling::Tensorwise { per_token: false };
@@ -450,11 +451,15 @@ pub(crate) fn variants(n: u32, k: u32) -> Vec<WsConfig> {
         split_k,
         ..v(e, sc, OutTy::F32, c, bn, st, swap)
     });
-    plain
+    // Each prefill form that can skip an idle consumer's MMAs, also with the skip.
+    let all: Vec<WsConfig> = plain
         .into_iter()
         .chain(silu)
         .chain(in_place)
         .chain(e4m3_out)
+        .collect();
+    crate::codegen::gemm::tune::with_idle_twins(all)
+        .into_iter()
         // In-place row modes where the shape has them (and a tile is a box of them).
         .filter(|c| c.w_rows == WRows::PLAIN || c.w_rows.check(n, c.tile_weights()).is_ok())
         // 4-bit weights only where their TMA boxes fit the shape; the fused epilogue where gate
@@ -1344,6 +1349,7 @@ fn decode_timing(dev: &Device, compiler: &crate::runtime::jit::Compiler) -> Resu
             k: k as u32,
             w_rows: WRows::PLAIN,
             two_slices: false,
+            skip_idle: false,
         };
         let wbytes = e * n * operands.w_row_bytes(k as u64) as usize;
         let dw = upload(dev, &vec![0x11u8; wbytes])?;

@@ -305,6 +305,18 @@ fn w13_outputs<'a>(
     }
 }
 
+/// The tuning candidates of family `(operands, scaling)` at `N = n`, `K = k`
+/// (`codegen::gemm::tune::candidates`), with the idle-skipping twins where
+/// [`crate::settings::idle_skip_enabled`].
+pub fn tune_candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<WsConfig> {
+    let all = tune::candidates(operands, scaling, n, k);
+    if crate::settings::idle_skip_enabled() {
+        tune::with_idle_twins(all)
+    } else {
+        all
+    }
+}
+
 /// The grouped-GEMM variants a layer's GEMM of family `(operands, scaling)` at `N = n`, `K = k`
 /// tunes among and loads, in the form `(out, epilogue)` ([`gemm_form`]): the tuning candidates
 /// (`codegen::gemm::tune::candidates`) with that output and epilogue; fused, those whose weight
@@ -316,7 +328,7 @@ pub fn layer_candidates(
     n: u32,
     k: u32,
 ) -> Vec<WsConfig> {
-    tune::candidates(operands, scaling, n, k)
+    tune_candidates(operands, scaling, n, k)
         .into_iter()
         .map(|c| WsConfig { out, epilogue, ..c })
         .filter(|c| !c.epilogue.silu() || c.tile_weights().is_multiple_of(16))

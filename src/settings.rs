@@ -14,6 +14,7 @@
 //! | `MOEFORGE_CACHE_DIR` | kernel cache folder; else `$XDG_CACHE_HOME/moeforge`, else `$HOME/.cache/moeforge` |
 //! | `MOEFORGE_NCCL_SO_PATH` | the NCCL library to try first, before `libnccl.so.2` and `libnccl.so` |
 //! | `MOEFORGE_PDL` | `0`: launch the MoE layer's kernels without programmatic dependent launch (on by default on Hopper; read by [`pdl_enabled`] when a command opens its GPU) |
+//! | `MOEFORGE_IDLE_SKIP` | `1`: the GEMM tuning (the benchmarks' and the layer's) also times each two-consumer prefill form's twin that skips an idle consumer's MMAs (`codegen::gemm::tune::with_idle_twins`; read by [`idle_skip_enabled`]; off by default until measured faster) |
 //! | `CUDA_CACHE_DISABLE` | read by the CUDA driver itself; reported by `bench --gpu` |
 
 use std::ffi::OsString;
@@ -40,6 +41,12 @@ pub struct Settings {
 /// launch (`runtime::launch`): unless `MOEFORGE_PDL` is `0`.
 pub fn pdl_enabled() -> bool {
     pdl_from(std::env::var_os("MOEFORGE_PDL"))
+}
+
+/// Whether the GEMM tuning also times the forms that skip an idle consumer's MMAs: when
+/// `MOEFORGE_IDLE_SKIP` is `1`.
+pub fn idle_skip_enabled() -> bool {
+    std::env::var_os("MOEFORGE_IDLE_SKIP").is_some_and(|v| v == "1")
 }
 
 fn pdl_from(v: Option<OsString>) -> bool {

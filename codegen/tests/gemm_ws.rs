@@ -56,6 +56,7 @@ fn cfg(
         k,
         w_rows: WRows::PLAIN,
         two_slices: false,
+        skip_idle: false,
     }
 }
 
@@ -1509,6 +1510,7 @@ fn int8_weights_feed_register_a_and_assemble() {
         k: 7168,
         w_rows: WRows::PLAIN,
         two_slices: false,
+        skip_idle: false,
     };
     assert!(ws::grouped_ws_module("x", &bad).is_err());
     let bad = WsConfig {
@@ -2340,7 +2342,20 @@ fn a_consumer_past_its_experts_end_frees_the_stages_without_mmas() {
             },
         ),
     ];
-    for (what, c) in skipping {
+    for (what, plain) in skipping {
+        // Off unless asked for; asked for, the tag says so.
+        assert!(!ws::skips_idle_rows(&plain), "{what}");
+        assert!(!grouped_ws_module("k", &plain)
+            .unwrap()
+            .contains("$L_c_idle"));
+        let c = WsConfig {
+            skip_idle: true,
+            ..plain
+        };
+        assert!(
+            c.tag().contains("_i_") && !plain.tag().contains("_i_"),
+            "{what}"
+        );
         assert!(ws::skips_idle_rows(&c), "{what}");
         let text = grouped_ws_module("k", &c).unwrap();
         let at = |label: &str| {
@@ -2390,10 +2405,50 @@ fn a_consumer_past_its_experts_end_frees_the_stages_without_mmas() {
         ),
     ];
     for (what, c) in not {
+        let c = WsConfig {
+            skip_idle: true,
+            ..c
+        };
         assert!(!ws::skips_idle_rows(&c), "{what}");
-        if c.supported().is_ok() {
-            let text = grouped_ws_module("k", &c).unwrap();
-            assert!(!text.contains("$L_c_idle"), "{what}");
+        // Asked for where it cannot apply: refused by name, not generated.
+        let err = c.supported().unwrap_err().to_string();
+        assert!(err.contains("skipping idle consumers"), "{what}: {err}");
+    }
+    // The tuning candidates hold none; the twins follow each form that takes them.
+    for (operands, scaling) in [
+        (Operands::Bf16, Scaling::None),
+        (Operands::E4m3, Scaling::Tensorwise { per_token: true }),
+        (Operands::E4m3, Scaling::Block128),
+        (
+            Operands::E4m3,
+            Scaling::Groupwise {
+                group: 128,
+                per_token: true,
+            },
+        ),
+    ] {
+        let all = tune::candidates(operands, scaling, 1536, 2048);
+        assert!(all.iter().all(|c| !c.skip_idle));
+        let twins = tune::with_idle_twins(all.clone());
+        let asked: Vec<_> = twins.iter().filter(|c| c.skip_idle).collect();
+        assert_eq!(twins.len(), all.len() + asked.len());
+        for t in &asked {
+            assert!(
+                ws::skips_idle_rows(t) && t.supported().is_ok(),
+                "{}",
+                t.tag()
+            );
+            let plain = WsConfig {
+                skip_idle: false,
+                ..**t
+            };
+            assert!(all.contains(&plain), "{}", t.tag());
         }
+        // Prefill forms with two consumers take it (group-wise FP8 has none: weights on A).
+        let prefill2 = all
+            .iter()
+            .filter(|c| !c.swap_ab && c.consumers == 2 && c.split_k == 1)
+            .count();
+        assert_eq!(asked.len(), prefill2, "{operands:?} {scaling:?}");
     }
 }

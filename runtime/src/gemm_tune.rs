@@ -193,6 +193,7 @@ impl TuneEntry {
                 "swap_ab": c.swap_ab,
                 "split_k": c.split_k,
                 "two_slices": c.two_slices,
+                "skip_idle": c.skip_idle,
                 "n": c.n,
                 "k": c.k,
             },
@@ -225,6 +226,8 @@ impl TuneEntry {
                 .get("two_slices")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
+            // Absent from entries written before the field existed (no form skipped).
+            skip_idle: c.get("skip_idle").and_then(Value::as_bool).unwrap_or(false),
         };
         // The tag is what the variant is called everywhere: it must name the same variant.
         if v.get("tag")?.as_str()? != choice.tag() {

@@ -706,6 +706,7 @@ mod tests {
             k: 512,
             w_rows: WRows::PLAIN,
             two_slices: false,
+            skip_idle: false,
         }
     }
 
@@ -828,6 +829,7 @@ mod tests {
             k: 512,
             w_rows: WRows::PLAIN,
             two_slices: false,
+            skip_idle: false,
         };
         match Device::open(0) {
             Err(e) => assert!(matches!(e, Error::NoDriver(_)), "{e}"),

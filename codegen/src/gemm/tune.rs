@@ -108,6 +108,7 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
             k,
             w_rows: WRows::PLAIN,
             two_slices: false,
+            skip_idle: false,
         })
         // Block-scaled prefill: the two-slice twin of each two-consumer tile after it (so that
         // the untuned default stays the one-slice form, which the driver's JIT does not spill).
@@ -117,6 +118,23 @@ pub fn candidates(operands: Operands, scaling: Scaling, n: u32, k: u32) -> Vec<W
                     two_slices: true,
                     ..c
                 });
+            std::iter::once(c).chain(twin)
+        })
+        .collect()
+}
+
+/// `all` with, after each configuration that can take it, its twin that skips the MMAs of a
+/// consumer whose token rows all lie past its expert's end ([`WsConfig::skip_idle`]): the tuner
+/// then times both. Not in [`candidates`] until measured faster (`MOEFORGE_IDLE_SKIP=1` asks for
+/// it in the benchmarks and the layer's tuning).
+pub fn with_idle_twins(all: Vec<WsConfig>) -> Vec<WsConfig> {
+    all.into_iter()
+        .flat_map(|c| {
+            let twin = WsConfig {
+                skip_idle: true,
+                ..c
+            };
+            let twin = (!c.skip_idle && twin.supported().is_ok()).then_some(twin);
             std::iter::once(c).chain(twin)
         })
         .collect()

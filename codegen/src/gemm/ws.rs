@@ -30,7 +30,8 @@
 //!   at a time over 32 experts (one coalesced load, a warp scan of their tile counts and a ballot),
 //!   resuming where its previous tile's scan stopped (tile ids only grow). Producer and consumers
 //!   scan alike (the producer keeps one warp for it); [`TileScan`] is the same scan on the host.
-//!   In the prefill forms that [`skips_idle_rows`], a consumer whose 64 token rows all lie past the
+//!   With [`WsConfig::skip_idle`] (prefill forms, see [`skips_idle_rows`]; not yet a default
+//!   candidate), a consumer whose 64 token rows all lie past the
 //!   expert's end (the last token tile of an expert that fills at most its first half: about half
 //!   the experts' last tiles at 512 rows an expert) issues no MMAs and no stores: it waits for
 //!   each stage and frees it, so the other consumer's MMAs have the tensor cores alone. The
@@ -612,6 +613,12 @@ pub struct WsConfig {
     /// them; the driver's JIT spills them, so this form is a tuning candidate, never the default.
     /// `false` for every other family.
     pub two_slices: bool,
+    /// A consumer whose token rows all lie past its expert's end skips its MMAs and epilogue
+    /// ([`skips_idle_rows`]); the prefill forms with two consumers, shared-memory operands, one k
+    /// split and no group-wise scales only. Not measured faster yet (the first form of it was
+    /// 17-40% slower on the H100, run 95; the vote that should mend that is not measured), so
+    /// no candidate list holds it unless asked (`tune::with_idle_twins`).
+    pub skip_idle: bool,
 }
 
 impl WsConfig {
@@ -864,8 +871,9 @@ impl WsConfig {
             String::new()
         };
         let slices = if self.two_slices { "_2s" } else { "" };
+        let idle = if self.skip_idle { "_i" } else { "" };
         format!(
-            "{}{scale}_{}{}x{}_s{}{split}{slices}{silu}_{out}{}",
+            "{}{scale}_{}{}x{}_s{}{split}{slices}{idle}{silu}_{out}{}",
             self.operands.name(),
             if self.swap_ab { "d" } else { "p" },
             self.consumers,
@@ -939,6 +947,12 @@ impl WsConfig {
                 self.scaling,
                 self.consumers,
                 if self.swap_ab { ", swapped" } else { "" }
+            ));
+        }
+        if self.skip_idle && !idle_rows_apply(self) {
+            return bad(format!(
+                "skipping idle consumers in {} (the prefill forms with two consumers, shared-memory operands, one k split and no group-wise scales)",
+                self.tag()
             ));
         }
         WgmmaN::new(self.bn)?;
@@ -2158,7 +2172,6 @@ fn consumers(
     k.b.push(Inst::Label(tile_loop.clone()));
     let f = scan(k, cfg, &s, exit);
     let kt = k.reg32();
-    k.mov(kt, Operand::Reg(f.ks));
     let ring = Ring {
         stage,
         phase,
@@ -2190,6 +2203,7 @@ fn consumers(
         k.b.push(Inst::VoteAny { d: idle, p: past });
         let busy = k.b.label("c_busy");
         k.bra(&busy, Some((idle, true)));
+        k.mov(kt, Operand::Reg(f.ks));
         let idle_loop = k.b.label("c_idle");
         k.b.push(Inst::Label(idle_loop.clone()));
         let (_, fbar) = k.stage_addrs(stage, cfg.stage_bytes(), base, full);
@@ -2207,6 +2221,7 @@ fn consumers(
     // The epilogue's scales, loaded before the k loop where they are few (`EARLY_LOADS`).
     let early = (epilogue_load_count(cfg) <= EARLY_LOADS)
         .then(|| epilogue_loads(k, cfg, &frag, &f, &s, x_scale, w_scale));
+    k.mov(kt, Operand::Reg(f.ks));
     let kloop = k.b.label("c_k");
     k.b.push(Inst::Label(kloop.clone()));
     match (x_scale, w_scale) {
@@ -2847,11 +2862,17 @@ fn accumulate_scaled(
     }
 }
 
-/// Whether a consumer whose token rows all lie past its expert's end skips its MMAs
-/// (the consumers' tile loop): prefill tiles (tokens on the M side) shared by two or more consumers, with
-/// shared-memory operands and one k split (the plain k loop and the 128x128 block-scaled ones;
-/// group-wise scales have the weights on A).
+/// Whether a consumer whose token rows all lie past its expert's end skips its MMAs (the
+/// consumers' tile loop): where [`WsConfig::skip_idle`] asks for it, in prefill tiles (tokens on
+/// the M side) shared by two or more consumers, with shared-memory operands and one k split (the
+/// plain k loop and the 128x128 block-scaled ones; group-wise scales have the weights on A).
 pub fn skips_idle_rows(cfg: &WsConfig) -> bool {
+    cfg.skip_idle && idle_rows_apply(cfg)
+}
+
+/// Whether a consumer's token rows can all lie past its expert's end while the other's do not
+/// (what [`WsConfig::skip_idle`] needs).
+fn idle_rows_apply(cfg: &WsConfig) -> bool {
     cfg.scaling.row_group().is_none()
         && cfg.consumers >= 2
         && !cfg.swap_ab
