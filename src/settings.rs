@@ -46,7 +46,11 @@ pub fn pdl_enabled() -> bool {
 /// Whether the GEMM tuning also times the forms that skip an idle consumer's MMAs: when
 /// `MOEFORGE_IDLE_SKIP` is `1`.
 pub fn idle_skip_enabled() -> bool {
-    std::env::var_os("MOEFORGE_IDLE_SKIP").is_some_and(|v| v == "1")
+    idle_skip_from(std::env::var_os("MOEFORGE_IDLE_SKIP"))
+}
+
+fn idle_skip_from(v: Option<OsString>) -> bool {
+    v.is_some_and(|v| v == "1")
 }
 
 fn pdl_from(v: Option<OsString>) -> bool {
@@ -132,6 +136,14 @@ mod tests {
         assert!(pdl_from(None));
         assert!(pdl_from(Some("1".into())));
         assert!(!pdl_from(Some("0".into())));
+    }
+
+    #[test]
+    fn the_idle_consumer_forms_are_tuned_only_when_asked_for() {
+        assert!(!idle_skip_from(None));
+        assert!(idle_skip_from(Some("1".into())));
+        assert!(!idle_skip_from(Some("0".into())));
+        assert!(!idle_skip_from(Some("yes".into())));
     }
 
     #[test]

@@ -2234,15 +2234,20 @@ fn scale_loads_around_the_k_loop(text: &str, v2: usize) -> (usize, usize) {
     (loads(&text[tile..at]), loads(&text[at..]))
 }
 
-#[test]
-fn the_epilogue_scales_are_loaded_before_the_k_loop_where_they_are_few() {
-    use ws::AQuant;
-    let e4m3 = |scaling: Scaling, c: WsConfig| WsConfig {
+/// `c` with E4M3 operands scaled as `scaling`, f32 out.
+fn e4m3_f32(scaling: Scaling, c: WsConfig) -> WsConfig {
+    WsConfig {
         operands: Operands::E4m3,
         scaling,
         out: OutTy::F32,
         ..c
-    };
+    }
+}
+
+#[test]
+fn the_epilogue_scales_are_loaded_before_the_k_loop_where_they_are_few() {
+    use ws::AQuant;
+    let e4m3 = e4m3_f32;
     let token = Scaling::Tensorwise { per_token: true };
     let channel = Scaling::Channelwise { per_token: true };
     // (form, config, loads expected before the k loop, after it)
@@ -2297,12 +2302,7 @@ fn the_epilogue_scales_are_loaded_before_the_k_loop_where_they_are_few() {
 #[test]
 fn a_consumer_past_its_experts_end_frees_the_stages_without_mmas() {
     use ws::AQuant;
-    let e4m3 = |scaling: Scaling, c: WsConfig| WsConfig {
-        operands: Operands::E4m3,
-        scaling,
-        out: OutTy::F32,
-        ..c
-    };
+    let e4m3 = e4m3_f32;
     let token = Scaling::Tensorwise { per_token: true };
     let channel = Scaling::Channelwise { per_token: true };
     let skipping = [
