@@ -306,7 +306,8 @@ impl ExpertStorage for DeviceStorage {
         }
         // A small param, or one that exchanged experts: fork a side stream after this param's
         // exchange (else after everything queued so far), run there, and let `finish` join it, so
-        // it overlaps the large params' launches and the later params' exchanges.
+        // it overlaps the later params' exchanges and launches (with the store's default order,
+        // large params first, the large launches are queued before it and run ahead of it).
         let aux = self.aux()?;
         let fork = match exchanged {
             Some(ev) => ev,
