@@ -175,16 +175,7 @@ pub struct Compact<'a> {
 
 /// Input `name`'s `[E, M, K]` at the binding (`None`: no such input, or another rank).
 fn input_dims(info: &ModuleInfo, name: &str) -> Option<[usize; 3]> {
-    let input =
-        info.module().tensors.iter().find(|t| {
-            t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. })
-        })?;
-    let dims: Vec<usize> = input
-        .shape
-        .iter()
-        .map(|p| info.eval(p).and_then(|x| usize::try_from(x).ok()))
-        .collect::<Option<_>>()?;
-    dims.try_into().ok()
+    crate::moe_host::input_shape(info, name).map(|(e, m, k)| [e, m, k])
 }
 
 /// The elements along K that one scale covers, for the schemes with a scale per row and group.

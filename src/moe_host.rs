@@ -361,7 +361,7 @@ pub struct Forward {
 }
 
 /// The shape `[E, M, K]` of the recipe's input `name` at the binding.
-fn input_shape(info: &ModuleInfo, name: &str) -> Option<(usize, usize, usize)> {
+pub(crate) fn input_shape(info: &ModuleInfo, name: &str) -> Option<(usize, usize, usize)> {
     let t =
         info.module().tensors.iter().find(|t| {
             t.name == name && matches!(t.kind, crate::dsl::ir::TensorKind::Input { .. })
